@@ -1,0 +1,22 @@
+"""Checkpoint inventory: safetensors headers and index -> `Inventory`; byte-range reads into caller memory.
+
+Entry points: `open_inventory(folder)`, `read_header(path)`, `Inventory.from_shapes(...)`,
+`CheckpointReader(inventory)`. Error codes E301-E342 are listed in docs/checkpoints.md.
+"""
+
+from remapdsl.checkpoint.header import FileInfo, Header, TensorInfo, read_header, tensor_nbytes
+from remapdsl.checkpoint.inventory import Inventory, open_inventory
+from remapdsl.checkpoint.reader import CheckpointReader, as_byte_view, read_tensor_bytes
+
+__all__ = [
+    "CheckpointReader",
+    "FileInfo",
+    "Header",
+    "Inventory",
+    "TensorInfo",
+    "as_byte_view",
+    "open_inventory",
+    "read_header",
+    "read_tensor_bytes",
+    "tensor_nbytes",
+]

@@ -1,0 +1,341 @@
+"""One safetensors file's header: the file's first bytes -> a validated `Header` (key -> dtype, shape, bytes).
+
+The format: an 8-byte little-endian header length n, n bytes of UTF-8 JSON, then the data section.
+The JSON maps each tensor key to `{"dtype", "shape", "data_offsets": [begin, end]}` (offsets relative to
+the data section) plus an optional `"__metadata__"` of string to string. Only the header is read, never
+tensor data. Every rule the safetensors library enforces is checked here too (tensors tile the data
+section with no hole and no overlap; sizes match dtype and shape), plus a few it lets pass (unknown
+fields, duplicate JSON keys), and every violation names the file and the key.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import stat
+import struct
+from collections.abc import Iterator
+
+from pydantic import BaseModel, ConfigDict, field_validator, model_validator
+
+from remapdsl.dtypes import BY_NAME, BY_SAFETENSORS, DType
+from remapdsl.errors import CheckpointError, Diagnostic, did_you_mean
+
+MAX_HEADER_NBYTES = 100_000_000  # the safetensors library's own cap
+PREFIX_NBYTES = 8
+METADATA_KEY = "__metadata__"
+_FIELDS = ("data_offsets", "dtype", "shape")
+
+
+class FrozenDict(dict):
+    """A dict that refuses mutation: pydantic, pickle and JSON see a plain dict, callers cannot edit it."""
+
+    __slots__ = ()
+
+    def _refuse(self, *args, **kwargs):
+        raise TypeError("checkpoint data is frozen")
+
+    __setitem__ = __delitem__ = clear = pop = popitem = setdefault = update = __ior__ = _refuse
+
+    def __reduce__(self):
+        return (FrozenDict, (dict(self),))
+
+    def __hash__(self) -> int:  # type: ignore[override]
+        return hash(tuple(self.items()))
+
+    def __copy__(self) -> FrozenDict:
+        return self
+
+    def __deepcopy__(self, memo) -> FrozenDict:
+        return self
+
+
+def tensor_nbytes(dtype: DType, shape: tuple[int, ...]) -> int | None:
+    """Bytes a tensor of this header dtype and shape occupies, or None when not a whole number of bytes."""
+    nbits = math.prod(shape) * dtype.bits
+    return nbits // 8 if nbits % 8 == 0 else None
+
+
+class TensorInfo(BaseModel):
+    """Where one checkpoint tensor lives: its file, header dtype and shape, and its absolute byte range.
+
+    `dtype` is a `remapdsl.dtypes` name (`bfloat16`, `float8_e4m3fn`), never a safetensors code.
+    `shape` is the header shape, in elements as the header counts them (4-bit values for F4).
+    `byte_offset` counts from the start of the file, not of the data section.
+    """
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    ckpt_key: str
+    file: str
+    dtype: str
+    shape: tuple[int, ...]
+    byte_offset: int
+    nbytes: int
+
+    def model_post_init(self, context: object) -> None:
+        # Not a model_validator: pydantic re-runs those for every instance placed in an Inventory.
+        info = BY_NAME.get(self.dtype)
+        if info is None:
+            raise ValueError(f"tensor `{self.ckpt_key}`: unknown dtype name `{self.dtype}`")
+        if (self.shape and min(self.shape) < 0) or self.byte_offset < 0:
+            raise ValueError(f"tensor `{self.ckpt_key}`: negative shape or offset")
+        if tensor_nbytes(info, self.shape) != self.nbytes:
+            raise ValueError(
+                f"tensor `{self.ckpt_key}`: {self.nbytes} bytes do not hold {self.dtype} {list(self.shape)}"
+            )
+
+    @property
+    def dtype_info(self) -> DType:
+        """The dtype's table row (safetensors code, bits, kind)."""
+        return BY_NAME[self.dtype]
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+    @property
+    def byte_end(self) -> int:
+        """One past the tensor's last byte, from the start of the file."""
+        return self.byte_offset + self.nbytes
+
+
+class FileInfo(BaseModel):
+    """One safetensors file of a checkpoint: its size, where its data section starts, its metadata."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    file: str  # name relative to the checkpoint folder, `/`-separated
+    nbytes: int  # size of the whole file
+    data_offset: int  # first byte of the data section: 8 + header length
+    metadata: dict[str, str] = {}
+
+    @field_validator("metadata", mode="after")
+    @classmethod
+    def _freeze(cls, value: dict[str, str]) -> dict[str, str]:
+        return FrozenDict(value)
+
+    @model_validator(mode="after")
+    def _check(self) -> FileInfo:
+        if not PREFIX_NBYTES <= self.data_offset <= self.nbytes:
+            raise ValueError(f"{self.file}: data section starts at {self.data_offset} in a {self.nbytes}-byte file")
+        return self
+
+
+class Header(BaseModel):
+    """A parsed, validated safetensors header: the file's facts and its tensors, sorted by key."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    info: FileInfo
+    tensors: dict[str, TensorInfo]
+
+    @field_validator("tensors", mode="after")
+    @classmethod
+    def _freeze(cls, value: dict[str, TensorInfo]) -> dict[str, TensorInfo]:
+        return FrozenDict(value)
+
+
+class _DuplicateKey(Exception):
+    def __init__(self, name: str):
+        self.name = name
+
+
+class DuplicateJsonKey(ValueError):
+    """A JSON object names one key twice; `json` would silently keep the last one."""
+
+
+def _pairs_without_duplicates(pairs: list[tuple[str, object]]) -> dict[str, object]:
+    out: dict[str, object] = {}
+    for name, value in pairs:
+        if name in out:
+            raise _DuplicateKey(name)
+        out[name] = value
+    return out
+
+
+def _reject_constant(name: str) -> object:
+    raise ValueError(f"`{name}` is not JSON")
+
+
+def load_json_object(text: bytes, what: str) -> dict:
+    """Strict JSON: UTF-8, no NaN/Infinity, no duplicate keys, an object. Raises ValueError with a reason."""
+    try:
+        decoded = text.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise ValueError(f"{what} is not UTF-8 ({exc.reason} at byte {exc.start})") from None
+    try:
+        value = json.loads(decoded, object_pairs_hook=_pairs_without_duplicates, parse_constant=_reject_constant)
+    except _DuplicateKey as exc:
+        raise DuplicateJsonKey(f"{what} names `{exc.name}` twice") from None
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"{what} is not valid JSON ({exc.msg} at line {exc.lineno} column {exc.colno})") from None
+    except (ValueError, RecursionError) as exc:
+        raise ValueError(f"{what} is not valid JSON ({exc})") from None
+    if not isinstance(value, dict):
+        raise ValueError(f"{what} is a JSON {type(value).__name__}, expected an object")
+    return value
+
+
+def pread_exact(fd: int, nbytes: int, offset: int) -> bytes:
+    """Exactly nbytes from offset, or fewer when the file ends first."""
+    chunks = []
+    while nbytes > 0:
+        chunk = os.pread(fd, nbytes, offset)
+        if not chunk:
+            break
+        chunks.append(chunk)
+        nbytes -= len(chunk)
+        offset += len(chunk)
+    return b"".join(chunks)
+
+
+def read_header(path: str | os.PathLike[str], *, file: str | None = None) -> Header:
+    """Read and validate the header of one safetensors file; no tensor data is read.
+
+    Args:
+        path: the file (a symlink is followed; its target must be a regular file).
+        file: the name recorded in each TensorInfo, relative to the checkpoint folder; default the
+            file's base name.
+
+    Raises:
+        CheckpointError: every problem found in the header at once (codes E301-E314).
+    """
+    path = os.fspath(path)
+    name = file if file is not None else os.path.basename(path)
+
+    def fail(code: str, message: str, hint: str | None = None) -> CheckpointError:
+        return CheckpointError(Diagnostic(code=code, message=f"{name}: {message}", path=path, hint=hint))
+
+    try:
+        fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0))
+    except OSError as exc:
+        raise fail("E301", f"cannot open the file ({exc.strerror})") from None
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise fail("E301", "is not a regular file", "a symlink must point at a regular file")
+        size = st.st_size
+        prefix = pread_exact(fd, PREFIX_NBYTES, 0)
+        if len(prefix) < PREFIX_NBYTES:
+            raise fail("E302", f"file has {size} bytes, too short for the 8-byte header length")
+        (header_nbytes,) = struct.unpack("<Q", prefix)
+        if header_nbytes > MAX_HEADER_NBYTES:
+            raise fail("E303", f"header length {header_nbytes} exceeds the {MAX_HEADER_NBYTES}-byte cap")
+        if header_nbytes > size - PREFIX_NBYTES:
+            raise fail("E303", f"header length {header_nbytes} is larger than the rest of the {size}-byte file")
+        raw = pread_exact(fd, header_nbytes, PREFIX_NBYTES)
+    finally:
+        os.close(fd)
+    try:
+        obj = load_json_object(raw, "the header")
+    except DuplicateJsonKey as exc:
+        raise fail("E314", str(exc)) from None
+    except ValueError as exc:
+        raise fail("E304", str(exc)) from None
+    info = FileInfo.model_construct(file=name, nbytes=size, data_offset=PREFIX_NBYTES + header_nbytes)
+    return parse_header_object(obj, info=info, path=path)
+
+
+def parse_header_object(obj: dict, *, info: FileInfo, path: str | None = None) -> Header:
+    """Validate a decoded header JSON object against the file it came from (size, data offset)."""
+    diags: list[Diagnostic] = []
+    data_nbytes = info.nbytes - info.data_offset
+
+    def report(code: str, message: str, hint: str | None = None) -> None:
+        diags.append(Diagnostic(code=code, message=f"{info.file}: {message}", path=path, hint=hint))
+
+    metadata = obj.get(METADATA_KEY, {})
+    if not isinstance(metadata, dict) or not all(isinstance(v, str) for v in metadata.values()):
+        report("E313", f"`{METADATA_KEY}` must map strings to strings, found {json.dumps(metadata)[:200]}")
+        metadata = {}
+    ranges: list[tuple[int, int, str]] = []
+    tensors: dict[str, TensorInfo] = {}
+    for ckpt_key in sorted(k for k in obj if k != METADATA_KEY):
+        found = _check_entry(ckpt_key, obj[ckpt_key], data_nbytes, report)
+        if found is not None:
+            dtype, shape, begin, end = found
+            ranges.append((begin, end, ckpt_key))
+            tensors[ckpt_key] = TensorInfo(
+                ckpt_key=ckpt_key, file=info.file, dtype=dtype.name, shape=shape,
+                byte_offset=info.data_offset + begin, nbytes=end - begin,
+            )
+    all_valid = len(tensors) == len(obj) - (METADATA_KEY in obj)
+    for code, message in _coverage_problems(ranges, data_nbytes, check_holes=all_valid):
+        report(code, message, "safetensors requires the tensors to tile the data section exactly")
+    if diags:
+        raise CheckpointError(diags)
+    file_info = FileInfo(file=info.file, nbytes=info.nbytes, data_offset=info.data_offset, metadata=metadata)
+    return Header(info=file_info, tensors=tensors)
+
+
+def _is_count(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+
+def _check_entry(ckpt_key: str, entry: object, data_nbytes: int, report) -> tuple | None:
+    """(dtype, shape, begin, end) of one header entry, or None after reporting what is wrong."""
+    where = f"tensor `{ckpt_key}`"
+    if not isinstance(entry, dict):
+        report("E305", f"{where}: entry is a JSON {type(entry).__name__}, expected an object")
+        return None
+    if tuple(sorted(entry)) != _FIELDS:
+        missing = [f for f in _FIELDS if f not in entry]
+        extra = sorted(f for f in entry if f not in _FIELDS)
+        what = "; ".join(p for p in (f"missing {missing}" if missing else "", f"unknown {extra}" if extra else "") if p)
+        report("E305", f"{where}: entry must have exactly dtype, shape, data_offsets ({what})")
+        return None
+    code, shape, offsets = entry["dtype"], entry["shape"], entry["data_offsets"]
+    ok = True
+    dtype = BY_SAFETENSORS.get(code) if isinstance(code, str) else None
+    if dtype is None:
+        if isinstance(code, str) and code in BY_NAME:
+            hint = f"`{code}` is the torch name; its safetensors code is `{BY_NAME[code].safetensors}`"
+        else:
+            hint = did_you_mean(str(code), BY_SAFETENSORS) or f"known: {', '.join(BY_SAFETENSORS)}"
+        report("E306", f"{where}: dtype {json.dumps(code)} is not a safetensors dtype", hint)
+        ok = False
+    if not isinstance(shape, list) or not all(_is_count(d) for d in shape):
+        report("E307", f"{where}: shape {json.dumps(shape)} must be a list of non-negative integers")
+        ok = False
+    if not (isinstance(offsets, list) and len(offsets) == 2 and all(_is_count(o) for o in offsets)
+            and offsets[0] <= offsets[1]):
+        report("E308", f"{where}: data_offsets {json.dumps(offsets)} must be [begin, end] with 0 <= begin <= end")
+        ok = False
+    if not ok:
+        return None
+    begin, end = offsets
+    shape = tuple(shape)
+    expected = tensor_nbytes(dtype, shape)
+    if expected is None:
+        report("E309", f"{where}: {code} {list(shape)} is {math.prod(shape) * dtype.bits} bits, "
+               "not a whole number of bytes")
+        return None
+    if end - begin != expected:
+        report("E309", f"{where}: {code} {list(shape)} needs {expected} bytes, data_offsets [{begin}, {end}] "
+               f"hold {end - begin}")
+        return None
+    if end > data_nbytes:
+        report("E310", f"{where}: data_offsets [{begin}, {end}] run past the {data_nbytes}-byte data section",
+               "the file may be truncated")
+        return None
+    return dtype, shape, begin, end
+
+
+def _coverage_problems(
+    ranges: list[tuple[int, int, str]], data_nbytes: int, *, check_holes: bool
+) -> Iterator[tuple[str, str]]:
+    """Overlaps (always) and holes or trailing bytes (when every entry was valid) in the data section."""
+    cursor, last = 0, None
+    for begin, end, ckpt_key in sorted(ranges):
+        if begin < cursor:
+            yield "E311", f"tensor `{ckpt_key}` [{begin}, {end}) overlaps tensor `{last}` (ends at {cursor})"
+        elif begin > cursor and check_holes:
+            after = f"after tensor `{last}`" if last is not None else "at the start of the data section"
+            yield "E312", f"{begin - cursor} unused bytes {after}, before tensor `{ckpt_key}` at {begin}"
+        if end >= cursor:
+            cursor, last = end, ckpt_key
+    if check_holes and cursor < data_nbytes:
+        after = f"after tensor `{last}`" if last is not None else "in a file with no tensors"
+        yield "E312", f"{data_nbytes - cursor} trailing bytes {after} that no tensor covers"

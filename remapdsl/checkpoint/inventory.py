@@ -1,0 +1,287 @@
+"""A checkpoint folder's headers (and index) -> `Inventory`: each checkpoint key's file, dtype, shape, bytes.
+
+Three layouts are read: a single `model.safetensors`; `model.safetensors.index.json` plus the shards it
+names; a folder of `*.safetensors` without an index. Where an index exists it is authoritative: the
+`.safetensors` files it does not name are ignored and listed in `Inventory.ignored_files`, and every key
+must sit in exactly the file the index assigns it to. Without an index, a key in two files is an error.
+Only headers are read. All problems of all files are collected and raised once.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterable, Mapping, Sequence
+
+from pydantic import BaseModel, ConfigDict, field_validator, model_validator
+
+from remapdsl.checkpoint.header import (
+    MAX_HEADER_NBYTES,
+    PREFIX_NBYTES,
+    FileInfo,
+    FrozenDict,
+    Header,
+    TensorInfo,
+    load_json_object,
+    read_header,
+    tensor_nbytes,
+)
+from remapdsl.dtypes import BY_NAME, BY_SAFETENSORS
+from remapdsl.errors import CheckpointError, Diagnostic, did_you_mean
+
+SUFFIX = ".safetensors"
+INDEX_SUFFIX = ".safetensors.index.json"
+DEFAULT_INDEX = "model.safetensors.index.json"
+
+
+class Inventory(BaseModel):
+    """Every tensor of one checkpoint, from headers alone; the input of the compiler and the planner.
+
+    `tensors` is sorted by checkpoint key; `files` by name. Names in `files`, `ignored_files` and
+    `TensorInfo.file` are relative to `root`, `/`-separated. Dtypes are `remapdsl.dtypes` names.
+    """
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    root: str  # absolute path of the checkpoint folder
+    tensors: dict[str, TensorInfo]
+    files: dict[str, FileInfo]  # the files read, with each one's `__metadata__`
+    ignored_files: tuple[str, ...] = ()  # `.safetensors` files in root that the index does not name
+    index_file: str | None = None  # the index used, relative to root
+
+    @field_validator("tensors", "files", mode="after")
+    @classmethod
+    def _freeze(cls, value: dict) -> dict:
+        return FrozenDict(value)
+
+    @model_validator(mode="after")
+    def _check(self) -> Inventory:
+        for name, info in self.files.items():
+            if info.file != name:
+                raise ValueError(f"file entry `{name}` describes `{info.file}`")
+        for ckpt_key, t in self.tensors.items():
+            info = self.files.get(t.file)
+            if t.ckpt_key != ckpt_key or info is None:
+                raise ValueError(f"tensor entry `{ckpt_key}` ({t.ckpt_key} in {t.file}) does not fit the files")
+            if t.byte_offset < info.data_offset or t.byte_end > info.nbytes:
+                raise ValueError(f"tensor `{ckpt_key}` lies outside the data section of {t.file}")
+        return self
+
+    @property
+    def metadata(self) -> dict[str, dict[str, str]]:
+        """Each file's `__metadata__`, by file name."""
+        return {name: info.metadata for name, info in self.files.items()}
+
+    def path(self, file: str) -> str:
+        """The absolute path of one of the inventory's files."""
+        return os.path.join(self.root, *file.split("/"))
+
+    @classmethod
+    def from_shapes(
+        cls,
+        entries: Mapping[str, tuple[str, Sequence[int]]],
+        *,
+        root: str = "/synthetic",
+        file: str = "model.safetensors",
+    ) -> Inventory:
+        """A synthetic inventory: one file holding `entries` (ckpt_key -> (dtype, shape)), no file on disk.
+
+        Tensors are laid out in key order, back to back, as a writer would; for compiler benchmarks and
+        tests. A dtype may be a `remapdsl.dtypes` name or a safetensors code; it is stored as the name.
+
+        Raises:
+            CheckpointError: unknown dtypes and bad shapes (E306, E307, E309), all at once.
+        """
+        diags: list[Diagnostic] = []
+        tensors: dict[str, TensorInfo] = {}
+        offset = PREFIX_NBYTES
+        for ckpt_key in sorted(entries):
+            dtype_name, shape = entries[ckpt_key]
+            dtype = BY_NAME.get(dtype_name) or BY_SAFETENSORS.get(dtype_name)
+            if dtype is None:
+                hint = did_you_mean(str(dtype_name), [*BY_NAME, *BY_SAFETENSORS])
+                diags.append(_diag("E306", f"tensor `{ckpt_key}`: unknown dtype `{dtype_name}`", root, hint))
+                continue
+            if not all(isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in shape):
+                diags.append(_diag("E307", f"tensor `{ckpt_key}`: shape {list(shape)} is not non-negative ints", root))
+                continue
+            shape = tuple(int(d) for d in shape)
+            nbytes = tensor_nbytes(dtype, shape)
+            if nbytes is None:
+                diags.append(_diag("E309", f"tensor `{ckpt_key}`: {dtype.name} {list(shape)} is not whole bytes", root))
+                continue
+            tensors[ckpt_key] = TensorInfo(
+                ckpt_key=ckpt_key, file=file, dtype=dtype.name, shape=shape, byte_offset=offset, nbytes=nbytes
+            )
+            offset += nbytes
+        if diags:
+            raise CheckpointError(diags)
+        info = FileInfo(file=file, nbytes=offset, data_offset=PREFIX_NBYTES)
+        return cls(root=root, tensors=tensors, files={file: info})
+
+
+def _diag(code: str, message: str, path: str | None, hint: str | None = None) -> Diagnostic:
+    return Diagnostic(code=code, message=message, path=path, hint=hint)
+
+
+def open_inventory(path: str | os.PathLike[str]) -> Inventory:
+    """Read the headers of a checkpoint into an Inventory; no tensor data is read.
+
+    Args:
+        path: a checkpoint folder; or an index file (`*.safetensors.index.json`), to pick one of
+            several; or a single `.safetensors` file (then nothing else in its folder is looked at).
+
+    Raises:
+        CheckpointError: every problem of the folder, index and headers at once (codes E301-E327).
+    """
+    path = os.path.abspath(os.fspath(path))
+    if os.path.isdir(path):
+        root, index_file = path, _find_index(path)
+    elif path.endswith(INDEX_SUFFIX) and os.path.isfile(path):
+        root, index_file = os.path.dirname(path), os.path.basename(path)
+    elif path.endswith(SUFFIX) and os.path.isfile(path):
+        root = os.path.dirname(path)
+        return _assemble(root, [os.path.basename(path)], None, None, ())
+    elif not os.path.exists(path):
+        raise CheckpointError(_diag("E301", "no such file or folder", path))
+    else:
+        raise CheckpointError(_diag(
+            "E320", "not a checkpoint: expected a folder, an index file or a .safetensors file", path
+        ))
+    present = _safetensors_in(root)
+    if index_file is None:
+        if not present:
+            raise CheckpointError(_diag(
+                "E320", f"no `{DEFAULT_INDEX}` and no `*{SUFFIX}` file in the folder", root,
+                "point at the folder that holds the model's safetensors files",
+            ))
+        return _assemble(root, present, None, None, ())
+    weight_map = _read_index(root, index_file)
+    named_set = set(weight_map.values())
+    named = sorted(named_set)
+    ignored = tuple(name for name in present if name not in named_set)
+    return _assemble(root, named, index_file, weight_map, ignored)
+
+
+def _safetensors_in(root: str) -> list[str]:
+    """Names of the `*.safetensors` entries directly in root (symlinks included, checked when read)."""
+    with os.scandir(root) as entries:
+        return sorted(e.name for e in entries if e.name.endswith(SUFFIX))
+
+
+def _find_index(root: str) -> str | None:
+    with os.scandir(root) as entries:
+        found = sorted(e.name for e in entries if e.name.endswith(INDEX_SUFFIX))
+    if DEFAULT_INDEX in found:
+        return DEFAULT_INDEX
+    if len(found) > 1:
+        raise CheckpointError(_diag(
+            "E327", f"{len(found)} index files and none is `{DEFAULT_INDEX}`: {', '.join(found)}", root,
+            "open the index file you mean instead of the folder",
+        ))
+    return found[0] if found else None
+
+
+def _read_index(root: str, index_file: str) -> dict[str, str]:
+    """The index's weight_map (ckpt_key -> file), with every file name checked to stay inside root."""
+    path = os.path.join(root, index_file)
+    try:
+        with open(path, "rb") as f:
+            raw = f.read(MAX_HEADER_NBYTES + 1)
+    except OSError as exc:
+        raise CheckpointError(_diag("E301", f"{index_file}: cannot read the index ({exc.strerror})", path)) from None
+    if len(raw) > MAX_HEADER_NBYTES:
+        raise CheckpointError(_diag("E321", f"{index_file}: index is larger than {MAX_HEADER_NBYTES} bytes", path))
+    try:
+        index = load_json_object(raw, "the index")
+    except ValueError as exc:
+        raise CheckpointError(_diag("E321", f"{index_file}: {exc}", path)) from None
+    weight_map = index.get("weight_map")
+    if not isinstance(weight_map, dict) or not weight_map:
+        raise CheckpointError(_diag(
+            "E321", f"{index_file}: expected a non-empty object `weight_map` of tensor key to file name", path
+        ))
+    diags = []
+    for ckpt_key, name in weight_map.items():
+        if not isinstance(name, str):
+            diags.append(_diag("E321", f"{index_file}: tensor `{ckpt_key}` maps to {name!r}, not a file name", path))
+    diags.extend(
+        _diag("E322", f"{index_file}: file name `{name}` (for tensor `{ckpt_key}`) {why}", path,
+              "index file names must be relative names inside the checkpoint folder")
+        for name, ckpt_key in _first_key_per_file(weight_map)
+        if isinstance(name, str) and (why := _unsafe_name(name))
+    )
+    if diags:
+        raise CheckpointError(diags)
+    return weight_map
+
+
+def _first_key_per_file(weight_map: Mapping[str, object]) -> Iterable[tuple[object, str]]:
+    seen: dict[object, str] = {}
+    for ckpt_key, name in weight_map.items():
+        seen.setdefault(name, ckpt_key)
+    return seen.items()
+
+
+def _unsafe_name(name: str) -> str | None:
+    """Why a file name from an index could escape the folder or mean something else elsewhere, or None."""
+    if not name:
+        return "is empty"
+    if "\\" in name or "\0" in name or ":" in name.split("/")[0]:
+        return "contains a backslash, NUL or drive letter"
+    if name.startswith("/"):
+        return "is an absolute path"
+    if any(part in ("", ".", "..") for part in name.split("/")):
+        return "has an empty, `.` or `..` component"
+    if not name.endswith(SUFFIX):
+        return f"does not end in `{SUFFIX}`"
+    return None
+
+
+def _assemble(
+    root: str,
+    files: list[str],
+    index_file: str | None,
+    weight_map: dict[str, str] | None,
+    ignored: tuple[str, ...],
+) -> Inventory:
+    """Read every file's header and cross-check keys between files and against the index."""
+    diags: list[Diagnostic] = []
+    headers: dict[str, Header] = {}
+    for name in files:
+        path = os.path.join(root, *name.split("/"))
+        try:
+            headers[name] = read_header(path, file=name)
+        except CheckpointError as exc:
+            diags.extend(exc.diagnostics)
+    where: dict[str, list[str]] = {}
+    for name, header in headers.items():
+        for ckpt_key in header.tensors:
+            where.setdefault(ckpt_key, []).append(name)
+    for ckpt_key, names in where.items():
+        if len(names) > 1:
+            hint = "add a model.safetensors.index.json or remove the stray file" if weight_map is None else None
+            diags.append(_diag("E324", f"tensor `{ckpt_key}` is in {len(names)} files: {', '.join(names)}",
+                               os.path.join(root, names[1]), hint))
+        elif weight_map is not None and weight_map.get(ckpt_key) != names[0]:
+            assigned = weight_map.get(ckpt_key)
+            said = f"assigns it to {assigned}" if assigned is not None else "does not list it"
+            diags.append(_diag("E326", f"tensor `{ckpt_key}` is in {names[0]}, but {index_file} {said}",
+                               os.path.join(root, names[0])))
+    if weight_map is not None:
+        for ckpt_key, name in weight_map.items():
+            if name in headers and ckpt_key not in headers[name].tensors:
+                found = f" (it is in {', '.join(where[ckpt_key])})" if ckpt_key in where else ""
+                diags.append(_diag(
+                    "E325", f"{index_file} assigns tensor `{ckpt_key}` to {name}, which does not hold it{found}",
+                    os.path.join(root, index_file), did_you_mean(ckpt_key, headers[name].tensors),
+                ))
+    if diags:
+        raise CheckpointError(diags)
+    tensors = {k: t for header in headers.values() for k, t in header.tensors.items()}
+    return Inventory(
+        root=root,
+        tensors={k: tensors[k] for k in sorted(tensors)},
+        files={name: headers[name].info for name in sorted(headers)},
+        ignored_files=ignored,
+        index_file=index_file,
+    )

@@ -1,0 +1,157 @@
+"""Positioned byte-range reads from an inventory's files into caller-owned memory: (file, range) -> buffer.
+
+No pickle, no mmap, no whole-file reads: `os.preadv` fills the caller's buffer (a bytearray, a numpy
+array, a contiguous CPU torch tensor) in place. Every range is checked against the inventory first, so a
+read never leaves the data section of a file, and a file whose size changed since its header was read is
+refused. A `CheckpointReader` may be shared by threads: `os.preadv` does not move a file position.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import threading
+from types import TracebackType
+
+from remapdsl.checkpoint.inventory import Inventory
+from remapdsl.errors import CheckpointError, Diagnostic, did_you_mean
+
+
+def as_byte_view(buffer: object) -> memoryview:
+    """A writable, flat byte view of buffer's memory (a contiguous CPU torch tensor or a buffer object)."""
+    if hasattr(buffer, "data_ptr") and hasattr(buffer, "is_contiguous"):  # a torch tensor, without importing torch
+        if buffer.device.type != "cpu" or not buffer.is_contiguous():
+            raise ValueError(f"need a contiguous CPU tensor, got {buffer.device.type} tensor, stride {buffer.stride()}")
+        nbytes = buffer.numel() * buffer.element_size()
+        if nbytes == 0:
+            return memoryview(bytearray())
+        return memoryview((ctypes.c_ubyte * nbytes).from_address(buffer.data_ptr())).cast("B")
+    view = memoryview(buffer)  # type: ignore[arg-type]
+    if view.readonly:
+        raise ValueError("the destination buffer is read-only")
+    if not view.c_contiguous:
+        raise ValueError("the destination buffer is not contiguous")
+    return view.cast("B")
+
+
+class CheckpointReader:
+    """Reads byte ranges of one inventory's files; opens each file once, on first use.
+
+    Use as a context manager (or call `close()`). Ranges are absolute file offsets, as in TensorInfo.
+    """
+
+    def __init__(self, inventory: Inventory):
+        self.inventory = inventory
+        self._fds: dict[str, int] = {}
+        self._lock = threading.Lock()
+
+    def __enter__(self) -> CheckpointReader:
+        return self
+
+    def __exit__(self, kind: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None) -> None:
+        self.close()
+
+    def close(self) -> None:
+        with self._lock:
+            fds, self._fds = self._fds, {}
+        for fd in fds.values():
+            os.close(fd)
+
+    def read_into(self, file: str, byte_offset: int, buffer: object) -> int:
+        """Fill buffer with the bytes of `file` at [byte_offset, byte_offset + len(buffer)); returns the count.
+
+        The range must lie in the file's data section (it may span several adjacent tensors).
+        """
+        view = as_byte_view(buffer)
+        info = self.inventory.files.get(file)
+        path = self.inventory.path(file)
+        if info is None:
+            hint = did_you_mean(file, self.inventory.files)
+            raise CheckpointError(Diagnostic(code="E341", message=f"{file} is not a file of this checkpoint",
+                                             path=path, hint=hint))
+        end = byte_offset + view.nbytes
+        if byte_offset < info.data_offset or end > info.nbytes:
+            raise CheckpointError(Diagnostic(
+                code="E340",
+                message=f"{file}: read of bytes [{byte_offset}, {end}) leaves the data section "
+                f"[{info.data_offset}, {info.nbytes})",
+                path=path,
+            ))
+        if view.nbytes:
+            self._pread_into(file, view, byte_offset)
+        return view.nbytes
+
+    def read_tensor_into(self, ckpt_key: str, buffer: object, *, start: int = 0) -> int:
+        """Fill buffer with len(buffer) bytes of tensor `ckpt_key`, from `start` bytes into the tensor."""
+        tensor = self.inventory.tensors.get(ckpt_key)
+        if tensor is None:
+            raise CheckpointError(Diagnostic(
+                code="E341", message=f"tensor `{ckpt_key}` is not in the checkpoint", path=self.inventory.root,
+                hint=did_you_mean(ckpt_key, self.inventory.tensors),
+            ))
+        view = as_byte_view(buffer)
+        if start < 0 or start + view.nbytes > tensor.nbytes:
+            raise CheckpointError(Diagnostic(
+                code="E340",
+                message=f"{tensor.file}: read of bytes [{start}, {start + view.nbytes}) of tensor `{ckpt_key}` "
+                f"leaves the tensor's {tensor.nbytes} bytes",
+                path=self.inventory.path(tensor.file),
+            ))
+        return self.read_into(tensor.file, tensor.byte_offset + start, view)
+
+    def read_tensor(self, ckpt_key: str) -> bytearray:
+        """A tensor's whole bytes, in a new bytearray (for small tensors and tests)."""
+        tensor = self.inventory.tensors.get(ckpt_key)
+        out = bytearray(tensor.nbytes if tensor is not None else 0)
+        self.read_tensor_into(ckpt_key, out)
+        return out
+
+    def _fd(self, file: str) -> int:
+        """The open descriptor of file, opened now if needed, after checking its size is still the same."""
+        with self._lock:
+            fd = self._fds.get(file)
+            if fd is not None:
+                return fd
+            path = self.inventory.path(file)
+            try:
+                fd = os.open(path, os.O_RDONLY)
+            except OSError as exc:
+                raise CheckpointError(Diagnostic(code="E301", message=f"{file}: cannot open the file ({exc.strerror})",
+                                                 path=path)) from None
+            size, expected = os.fstat(fd).st_size, self.inventory.files[file].nbytes
+            if size != expected:
+                os.close(fd)
+                raise CheckpointError(Diagnostic(
+                    code="E342", message=f"{file}: file has {size} bytes, its header said {expected}", path=path,
+                    hint="the file changed after the checkpoint was opened; open it again",
+                ))
+            self._fds[file] = fd
+            return fd
+
+    def _pread_into(self, file: str, view: memoryview, byte_offset: int) -> None:
+        fd = self._fd(file)
+        done = 0
+        while done < view.nbytes:
+            got = _preadv(fd, view[done:], byte_offset + done)
+            if got == 0:
+                raise CheckpointError(Diagnostic(
+                    code="E342",
+                    message=f"{file}: file ended at byte {byte_offset + done}, wanted up to {byte_offset + view.nbytes}",
+                    path=self.inventory.path(file), hint="the file was truncated after the checkpoint was opened",
+                ))
+            done += got
+
+
+def _preadv(fd: int, view: memoryview, offset: int) -> int:
+    """One positioned read into view; os.pread plus a copy where the platform lacks preadv."""
+    if hasattr(os, "preadv"):
+        return os.preadv(fd, [view], offset)
+    chunk = os.pread(fd, view.nbytes, offset)
+    view[: len(chunk)] = chunk
+    return len(chunk)
+
+
+def read_tensor_bytes(inventory: Inventory, ckpt_key: str) -> bytearray:
+    """One tensor's bytes; opens and closes the file (use a CheckpointReader for many reads)."""
+    with CheckpointReader(inventory) as reader:
+        return reader.read_tensor(ckpt_key)

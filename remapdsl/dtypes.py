@@ -1,0 +1,53 @@
+"""The element types remapdsl knows: rule-file names, safetensors codes, bit widths.
+
+One table serves the language (`cast(bfloat16)`), the safetensors header parser and the executors,
+so a dtype has one name everywhere. Rule files use torch's names; checkpoints use safetensors codes.
+
+The table holds every dtype of the safetensors format (the 22 codes of safetensors 0.8's `Dtype`).
+Sub-byte codes count elements, not bytes: an `F4` header shape is the number of 4-bit values, so a
+tensor's size is prod(shape) * bits / 8 bytes and must be a whole number of bytes (safetensors
+rejects `F4 [3]`). torch's `float4_e2m1fn_x2` packs two values per element, so its torch shape has the
+last dim halved against the header shape. `F6_E2M3` / `F6_E3M2` have no torch dtype; their names are
+the OCP / ml_dtypes ones.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+
+class DType(NamedTuple):
+    name: str  # the name in rule files and in torch (`torch.<name>`)
+    safetensors: str  # the code in a safetensors header
+    bits: int  # bits per element as the header counts them (4 for F4, 6 for F6)
+    kind: str  # "float", "int", "uint", "bool"
+
+
+DTYPES: tuple[DType, ...] = (
+    DType("float64", "F64", 64, "float"),
+    DType("float32", "F32", 32, "float"),
+    DType("float16", "F16", 16, "float"),
+    DType("bfloat16", "BF16", 16, "float"),
+    DType("float8_e4m3fn", "F8_E4M3", 8, "float"),
+    DType("float8_e5m2", "F8_E5M2", 8, "float"),
+    DType("float8_e8m0fnu", "F8_E8M0", 8, "float"),
+    DType("float8_e4m3fnuz", "F8_E4M3FNUZ", 8, "float"),
+    DType("float8_e5m2fnuz", "F8_E5M2FNUZ", 8, "float"),
+    DType("float6_e2m3fn", "F6_E2M3", 6, "float"),
+    DType("float6_e3m2fn", "F6_E3M2", 6, "float"),
+    DType("float4_e2m1fn_x2", "F4", 4, "float"),
+    DType("int64", "I64", 64, "int"),
+    DType("int32", "I32", 32, "int"),
+    DType("int16", "I16", 16, "int"),
+    DType("int8", "I8", 8, "int"),
+    DType("uint64", "U64", 64, "uint"),
+    DType("uint32", "U32", 32, "uint"),
+    DType("uint16", "U16", 16, "uint"),
+    DType("uint8", "U8", 8, "uint"),
+    DType("bool", "BOOL", 8, "bool"),
+    DType("complex64", "C64", 64, "float"),
+)
+
+BY_NAME: dict[str, DType] = {d.name: d for d in DTYPES}
+BY_SAFETENSORS: dict[str, DType] = {d.safetensors: d for d in DTYPES}
+DTYPE_NAMES: tuple[str, ...] = tuple(BY_NAME)

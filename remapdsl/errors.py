@@ -1,0 +1,145 @@
+"""Source spans, diagnostics and the RemapError family: every user error, rendered for a person.
+
+A diagnostic names a file, a line and a column, shows the source line with carets under the
+offending span, says what was expected, and adds a hint when one can be computed. Errors are
+collected per pass and raised once, so a user fixes a file in one round instead of twenty.
+"""
+
+from __future__ import annotations
+
+import difflib
+import unicodedata
+from collections.abc import Iterable, Sequence
+
+from pydantic import BaseModel, ConfigDict
+
+MAX_SHOWN = 20
+
+
+class Span(BaseModel):
+    """A region of a source file: 1-based line and column, end exclusive, columns in characters."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    path: str
+    line: int
+    column: int
+    end_line: int
+    end_column: int
+
+    def __str__(self) -> str:
+        return f"{self.path}:{self.line}:{self.column}"
+
+
+class Diagnostic(BaseModel):
+    """One error: a stable code (documented in docs/errors.md), a message, where, and a hint."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    code: str
+    message: str
+    span: Span | None = None
+    line_text: str | None = None
+    hint: str | None = None
+    path: str | None = None  # for errors about a file or key that have no line (a checkpoint)
+
+    def render(self) -> str:
+        where = str(self.span) if self.span else (self.path or "remapdsl")
+        out = [f"{where}: error[{self.code}]: {self.message}"]
+        if self.span is not None and self.line_text is not None:
+            out.extend(_excerpt(self.span, self.line_text))
+        if self.hint:
+            out.append(f"  hint: {self.hint}")
+        return "\n".join(out)
+
+
+class RemapError(Exception):
+    """Base of every user-facing error: one or more diagnostics, rendered by str()."""
+
+    def __init__(self, diagnostics: Diagnostic | Sequence[Diagnostic]):
+        if isinstance(diagnostics, Diagnostic):
+            diagnostics = (diagnostics,)
+        self.diagnostics: tuple[Diagnostic, ...] = tuple(diagnostics)
+        if not self.diagnostics:
+            raise ValueError("RemapError needs at least one diagnostic")
+        super().__init__(self.render())
+
+    @property
+    def diagnostic(self) -> Diagnostic:
+        """The first diagnostic, for callers and tests that expect exactly one."""
+        return self.diagnostics[0]
+
+    def render(self) -> str:
+        shown = [d.render() for d in self.diagnostics[:MAX_SHOWN]]
+        rest = len(self.diagnostics) - MAX_SHOWN
+        if rest > 0:
+            shown.append(f"... and {rest} more error{'s' if rest > 1 else ''}")
+        return "\n\n".join(shown)
+
+
+class RuleSyntaxError(RemapError):
+    """The text of a rule file is not in the language (codes E0xx)."""
+
+
+class RuleCheckError(RemapError):
+    """The rule file parses but says something inconsistent, found without a checkpoint (E1xx)."""
+
+
+class BindError(RemapError):
+    """Rules do not fit the checkpoint or the config (E2xx)."""
+
+
+class CheckpointError(RemapError):
+    """A checkpoint folder, index or safetensors header is malformed (E3xx)."""
+
+
+def raise_all(diagnostics: Iterable[Diagnostic], kind: type[RemapError] = RemapError) -> None:
+    """Raise one error carrying every diagnostic, if there are any."""
+    found = tuple(diagnostics)
+    if found:
+        raise kind(found)
+
+
+def suggest(word: str, choices: Iterable[str]) -> str | None:
+    """The closest of choices to a misspelled word, or None when nothing is close."""
+    match = difflib.get_close_matches(word, list(choices), n=1, cutoff=0.6)
+    return match[0] if match else None
+
+
+def did_you_mean(word: str, choices: Iterable[str]) -> str | None:
+    """A 'did you mean' hint, or None."""
+    best = suggest(word, choices)
+    return f"did you mean `{best}`?" if best else None
+
+
+def _width(text: str) -> int:
+    """Display width of text in a terminal: tabs expand to 4, wide characters take two cells."""
+    width = 0
+    for ch in text:
+        if ch == "\t":
+            width += 4 - width % 4
+        elif unicodedata.combining(ch):
+            continue
+        elif unicodedata.east_asian_width(ch) in ("W", "F"):
+            width += 2
+        else:
+            width += 1
+    return width
+
+
+def _excerpt(span: Span, line_text: str) -> list[str]:
+    """The numbered source line and a caret run under the span (to the line's end if it spans lines)."""
+    text = line_text.rstrip("\r\n")
+    number = str(span.line)
+    pad = " " * len(number)
+    start = max(span.column - 1, 0)
+    if span.end_line == span.line:
+        stop = max(span.end_column - 1, start + 1)
+    else:
+        stop = max(len(text), start + 1)
+    lead = _width(text[:start])
+    carets = max(_width(text[start:stop]), 1)
+    return [
+        f"  {number} | {text.expandtabs(4)}",
+        f"  {pad} | {' ' * lead}{'^' * carets}",
+    ]

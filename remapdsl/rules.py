@@ -1,0 +1,125 @@
+"""A rule file and its includes -> one checked RuleSet: the flat program the compiler reads.
+
+Includes resolve relative to the including file and may not leave the root folder (by default the
+top-level file's folder), so a hostile file cannot pull arbitrary files into error messages. Each
+file is included once; a cycle or a second include of the same file is an error.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from . import ir
+from .errors import Diagnostic, RuleCheckError, Span
+from .parse import parse_file, parse_text
+from .static import check_program
+
+
+class RuleSet(BaseModel):
+    """A checked rule program: every file read (top-level first) and the flattened statements."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    files: tuple[ir.RuleFile, ...]
+    statements: tuple[ir.AnyStatement, ...] = Field(repr=False)
+
+    @property
+    def path(self) -> str:
+        return self.files[0].path
+
+    def line_text(self, span: Span | None) -> str | None:
+        """The source line a span points at, for diagnostics raised by later stages."""
+        if span is None:
+            return None
+        for file in self.files:
+            if file.path == span.path:
+                return file.line_text(span.line)
+        return None
+
+
+def load_rules(path: str | os.PathLike, root: str | os.PathLike | None = None) -> RuleSet:
+    """Read, parse and statically check a rule file and everything it includes."""
+    top = parse_file(path)
+    return _resolve(top, Path(root) if root is not None else Path(path).resolve().parent)
+
+
+def rules_from_text(text: str, path: str = "<text>", root: str | os.PathLike | None = None) -> RuleSet:
+    """Parse and check rules given as text; includes resolve against `root` (default: cwd)."""
+    return _resolve(parse_text(text, path), Path(root) if root is not None else Path.cwd())
+
+
+def _resolve(top: ir.RuleFile, root: Path) -> RuleSet:
+    loader = _Includes(root.resolve())
+    statements = tuple(loader.flatten(top, _location(top.path), ()))
+    files = (top, *loader.files)
+    lookup = {f.path: f for f in files}
+
+    def line_text(span: Span) -> str | None:
+        file = lookup.get(span.path)
+        return file.line_text(span.line) if file else None
+
+    if loader.diagnostics:
+        raise RuleCheckError(loader.diagnostics)
+    check_program(statements, line_text)
+    return RuleSet(files=files, statements=statements)
+
+
+def _location(path: str) -> Path | None:
+    return Path(path).resolve() if not path.startswith("<") else None
+
+
+class _Includes:
+    """Follows include statements depth-first, in file order."""
+
+    def __init__(self, root: Path):
+        self.root = root
+        self.files: list[ir.RuleFile] = []
+        self.seen: dict[Path, Span | None] = {}
+        self.diagnostics: list[Diagnostic] = []
+
+    def error(self, code: str, message: str, statement: ir.Statement, file: ir.RuleFile,
+              hint: str | None = None) -> None:
+        span = statement.span
+        self.diagnostics.append(Diagnostic(code=code, message=message, span=span, hint=hint,
+                                           line_text=file.line_text(span.line) if span else None))
+
+    def flatten(self, file: ir.RuleFile, location: Path | None, chain: tuple[Path, ...]):
+        if location is not None:
+            self.seen.setdefault(location, None)
+        base = location.parent if location is not None else self.root
+        for statement in file.statements:
+            if isinstance(statement, ir.Version) and chain:
+                continue  # an included file's version was checked against the top's below
+            if not isinstance(statement, ir.Include):
+                yield statement
+                continue
+            target = (base / statement.path).resolve()
+            if not target.is_relative_to(self.root):
+                self.error("E142", f"`{statement.path}` is outside the rules folder {self.root}",
+                           statement, file, "pass a wider root to load_rules() to allow it")
+                continue
+            if target in chain or target == location:
+                names = " -> ".join(p.name for p in (*chain, location, target) if p is not None)
+                self.error("E140", f"include cycle: {names}", statement, file)
+                continue
+            if target in self.seen:
+                first = self.seen[target]
+                self.error("E143", f"`{statement.path}` is included twice"
+                           + (f"; first at {first}" if first else " (it is the top-level file)"),
+                           statement, file, "each file is included once; remove one of the includes")
+                continue
+            if not target.is_file():
+                self.error("E141", f"included file `{statement.path}` not found (looked at {target})",
+                           statement, file)
+                continue
+            self.seen[target] = statement.span
+            included = parse_file(target)
+            self.files.append(included)
+            top_version = self.files and file.version
+            if included.version is not None and top_version is not None and included.version != top_version:
+                self.error("E144", f"`{statement.path}` is written for version {included.version}, "
+                           f"this file for version {top_version}", statement, file)
+            yield from self.flatten(included, target, (*chain, location) if location else chain)

@@ -1,0 +1,408 @@
+"""Static checks of a whole rule program, before any checkpoint is seen (codes E1xx).
+
+Names resolve (lets, captures, macros, dtypes); every capture used in a target is bound in the
+sources; every capture only in the sources is consumed by an op; the list axis of alternatives is
+combined or paired; op arguments have the right types and signs. All problems are reported at once.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+
+from . import ir
+from .dtypes import DTYPE_NAMES
+from .errors import Diagnostic, RuleCheckError, Span, did_you_mean
+
+SCALE_DTYPES = ("float32", "e8m0")
+_COMBINE = (ir.Concat, ir.Interleave, ir.Stack)  # list axis -> one tensor (without a capture)
+_POSITIVE = {"groups", "n", "times", "to", "heads"}
+
+
+@dataclass
+class _Scope:
+    """What names mean at one point of the program."""
+
+    lets: dict[str, tuple[str, Span | None]] = field(default_factory=dict)  # name -> (type, span)
+    macros: dict[str, ir.Macro] = field(default_factory=dict)
+
+
+def check_program(statements: tuple[ir.Statement, ...], line_text) -> None:
+    """Raise RuleCheckError with every static problem of the flattened program, if any.
+
+    `line_text(span)` returns the source line of a span, for rendering.
+    """
+    checker = _Checker(line_text)
+    for statement in statements:
+        checker.statement(statement)
+    if checker.diagnostics:
+        raise RuleCheckError(checker.diagnostics)
+
+
+class _Checker:
+    def __init__(self, line_text):
+        self.line_text = line_text
+        self.scope = _Scope()
+        self.diagnostics: list[Diagnostic] = []
+        self.otherwise: Span | None = None
+
+    def error(self, code: str, message: str, span: Span | None, hint: str | None = None) -> None:
+        self.diagnostics.append(Diagnostic(code=code, message=message, span=span, hint=hint,
+                                           line_text=self.line_text(span) if span else None))
+
+    # -- statements --
+
+    def statement(self, s: ir.Statement) -> None:
+        if isinstance(s, ir.Let):
+            self.let(s)
+        elif isinstance(s, ir.Macro):
+            self.macro(s)
+        elif isinstance(s, ir.Rule):
+            self.rule(s)
+        elif isinstance(s, ir.Dequantize):
+            self.dequantize(s)
+        elif isinstance(s, (ir.Drop, ir.Keep)):
+            captures = self.captures(s.patterns)
+            if s.guard is not None:
+                self.expr(s.guard, captures)
+
+    def let(self, s: ir.Let) -> None:
+        kind = self.expr(s.value, {}, allow_dtype=True)
+        if s.name in self.scope.lets:
+            _, first = self.scope.lets[s.name]
+            self.error("E131", f"`{s.name}` is already defined" + (f" at {first}" if first else ""),
+                       s.span, "give it another name, or remove one of the two")
+            return
+        self.scope.lets[s.name] = (kind, s.span)
+
+    def macro(self, s: ir.Macro) -> None:
+        if s.name in self.scope.macros:
+            self.error("E133", f"macro `{s.name}` is already defined at {self.scope.macros[s.name].span}",
+                       s.span)
+            return
+        params = {p: "int" for p in s.params}
+        for op in s.ops:
+            self.op(op, params, {})
+        self.scope.macros[s.name] = s
+
+    def rule(self, s: ir.Rule) -> None:
+        if s.otherwise:
+            if self.otherwise is not None:
+                self.error("E107", f"only one `otherwise` rule is allowed; the first is at {self.otherwise}",
+                           s.span)
+            self.otherwise = self.otherwise or s.span
+            if len(s.sources) != 1 or len(s.targets) != 1:
+                self.error("E108", "an `otherwise` rule has one source pattern and one target", s.span)
+        captures = self.captures(s.sources)
+        ops = list(self.expand(s.ops, {}))
+        consumed: dict[str, Span | None] = {}
+        unstacked: dict[str, Span | None] = {}
+        for op in ops:
+            if isinstance(op, (ir.Stack, ir.Concat)) and op.capture is not None:
+                self.consumed_capture(op, captures, consumed)
+            elif isinstance(op, ir.Unstack):
+                if op.capture in captures:
+                    self.error("E105", f"`unstack({op.capture}, ...)` binds `{op.capture}` for the "
+                               "targets, but the sources already bind it", op.span)
+                unstacked[op.capture] = op.span
+        targets = self.targets(s.targets, captures, unstacked)
+        if s.guard is not None:
+            self.expr(s.guard, captures)
+        for name in unstacked:
+            if name not in targets:
+                self.error("E105", f"`unstack({name}, ...)` makes one target per `{name}`, so the "
+                           f"targets must use `{{{name}}}`", unstacked[name])
+        for name, (kind, span) in captures.items():
+            if name in targets:
+                if name in consumed:
+                    self.error("E104", f"capture `{name}` is consumed by an op, so it cannot also "
+                               "name the target", consumed[name])
+            elif name not in consumed:
+                self.error("E102", f"capture `{name}` appears only in the sources: every `{name}` "
+                           "would write the same target",
+                           span, f"consume it with `stack({name}, dim=0)` or `concat({name}, dim=0)`, "
+                           f"or use `{{{name}}}` in the targets")
+        self.list_axis(s, ops)
+
+    def dequantize(self, s: ir.Dequantize) -> None:
+        captures = self.captures(s.sources)
+        targets = self.targets((s.target,), captures, {})
+        if s.guard is not None:
+            self.expr(s.guard, captures)
+        for name, (_, span) in captures.items():
+            if name not in targets:
+                self.error("E102", f"capture `{name}` appears only in the sources of a `dequantize`; "
+                           "each logical tensor comes from one set of physical tensors", span,
+                           f"use `{{{name}}}` in the logical key")
+        if _list_length(s.target) != 1 or any(_list_length(p) != 1 for p in s.sources):
+            self.error("E111", "a `dequantize` statement takes no `{a,b}` alternatives", s.span)
+        self.op(s.format, {}, {})
+
+    # -- captures and targets --
+
+    def captures(self, patterns: tuple[ir.Pattern, ...]) -> dict[str, tuple[str, Span | None]]:
+        found: dict[str, tuple[str, Span | None]] = {}
+        for pattern in patterns:
+            in_pattern: set[str] = set()
+            for part in pattern.parts:
+                if isinstance(part, ir.Capture):
+                    if part.name in in_pattern:
+                        self.error("E109", f"capture `{part.name}` appears twice in one pattern",
+                                   part.span, "use two names, or compare them in a `when` guard")
+                    in_pattern.add(part.name)
+                    if part.name in self.scope.lets:
+                        self.error("E132", f"capture `{part.name}` has the name of a `let`",
+                                   part.span, "rename one of them")
+                    found.setdefault(part.name, (part.type, part.span))
+        return found
+
+    def consumed_capture(self, op, captures, consumed) -> None:
+        name = op.capture
+        if name not in captures:
+            self.error("E103", f"`{op.op_name()}({name}, ...)` names a capture that the sources do "
+                       "not bind", op.span, did_you_mean(name, captures) or
+                       (f"captures of this rule: {', '.join(captures)}" if captures else None))
+        elif captures[name][0] != "int":
+            self.error("E103", f"`{op.op_name()}` orders by an integer capture; `{name}` is a "
+                       f"{captures[name][0]} capture", op.span)
+        elif name in consumed:
+            self.error("E103", f"capture `{name}` is consumed twice", op.span)
+        consumed[name] = op.span
+
+    def targets(self, patterns, captures, unstacked) -> set[str]:
+        """Check target substitutions; return the capture names the targets use."""
+        used: set[str] = set()
+        bound = dict(captures)
+        bound.update({name: ("int", span) for name, span in unstacked.items()})
+        for pattern in patterns:
+            for part in pattern.parts:
+                if not isinstance(part, ir.Subst):
+                    continue
+                arithmetic = not isinstance(part.expr, ir.Name)
+                for name in _names(part.expr):
+                    if name.id in bound:
+                        used.add(name.id)
+                        if arithmetic and bound[name.id][0] != "int":
+                            self.error("E106", f"arithmetic needs an integer capture; `{name.id}` is "
+                                       f"a {bound[name.id][0]} capture", name.span)
+                    elif name.id in self.scope.lets and arithmetic:
+                        continue
+                    else:
+                        self.error("E101", f"capture `{name.id}` is used in a target but the sources "
+                                   "never bind it", name.span,
+                                   did_you_mean(name.id, bound) or
+                                   (f"the sources bind: {', '.join(bound)}" if bound else
+                                    "bind it in a source pattern, such as `layers.{L}.weight`"))
+        return used
+
+    def list_axis(self, s: ir.Rule, ops: list[ir.Op]) -> None:
+        """The sources' list axis must end up as long as the targets' one."""
+        length = sum(_list_length(p) for p in s.sources)
+        wanted = sum(_list_length(p) for p in s.targets)
+        for op in ops:
+            if isinstance(op, _COMBINE) and (not isinstance(op, (ir.Stack, ir.Concat)) or op.capture is None):
+                if length < 2:
+                    self.error("E110", f"`{op.op_name()}` combines several sources, but there is "
+                               "only one here", op.span, "list sources with `,` or `{a,b}`")
+                length = 1
+            elif isinstance(op, (ir.Split, ir.Chunk, ir.Deinterleave)):
+                if length != 1:
+                    self.error("E110", f"`{op.op_name()}` cuts one source, but there are {length}",
+                               op.span)
+                if isinstance(op, ir.Split) and isinstance(op.sizes, ir.List):
+                    length = len(op.sizes.items)
+                elif isinstance(op, ir.Chunk) and isinstance(op.n, ir.Int):
+                    length = op.n.value
+                else:
+                    length = wanted
+        if length != wanted:
+            if wanted == 1:
+                hint = "combine them with `concat(dim=...)`, `interleave(dim=..., groups=...)` or `stack(dim=...)`"
+            elif length == 1:
+                hint = "cut it with `split`, `chunk` or `deinterleave`"
+            else:
+                hint = "alternatives on both sides pair up by position, so their counts must match"
+            self.error("E111", f"the rule has {length} source tensor{'s' if length != 1 else ''} "
+                       f"per binding but {wanted} target{'s' if wanted != 1 else ''}", s.span, hint)
+
+    # -- ops and expressions --
+
+    def expand(self, ops, params) -> Iterator[ir.Op]:
+        """Ops with macro calls replaced by their bodies (macros may only use earlier macros)."""
+        for op in ops:
+            if not isinstance(op, ir.MacroCall):
+                self.op(op, params, {})
+                yield op
+                continue
+            macro = self.scope.macros.get(op.name)
+            if macro is None:
+                choices = list(ir.OPS_BY_NAME) + list(self.scope.macros)
+                self.error("E134", f"unknown op `{op.name}`", op.span,
+                           did_you_mean(op.name, choices) or f"ops: {', '.join(sorted(ir.OPS_BY_NAME))}")
+                continue
+            self.macro_args(op, macro, params)
+            yield from macro.ops
+
+    def macro_args(self, call: ir.MacroCall, macro: ir.Macro, params) -> None:
+        given: set[str] = set()
+        for position, arg in enumerate(call.args):
+            name = arg.name or (macro.params[position] if position < len(macro.params) else None)
+            if name is None:
+                self.error("E135", f"macro `{macro.name}` takes {len(macro.params)} argument(s)",
+                           arg.span, f"it is `{macro.name}({', '.join(macro.params)})`")
+                continue
+            if name not in macro.params:
+                self.error("E135", f"macro `{macro.name}` has no parameter `{name}`", arg.span,
+                           did_you_mean(name, macro.params))
+                continue
+            if name in given:
+                self.error("E135", f"argument `{name}` is given twice", arg.span)
+            given.add(name)
+            self.typed(arg.value, "int", params, arg.name or name, {})
+        for missing in [p for p in macro.params if p not in given]:
+            self.error("E135", f"macro `{macro.name}` needs argument `{missing}`", call.span)
+
+    def op(self, op: ir.Op, params, captures) -> None:
+        if isinstance(op, ir.MacroCall):
+            list(self.expand((op,), params))
+            return
+        for param in op.params:
+            value = getattr(op, param.name)
+            if value is None or param.kind == "capture":
+                continue
+            self.typed(value, param.kind, params, param.name, captures)
+        self.op_values(op)
+
+    def typed(self, value: ir.Node, kind: str, params, name: str, captures) -> None:
+        """Check one argument against the kind its parameter declares."""
+        if kind in ("dtype", "scale_dtype"):
+            choices = DTYPE_NAMES if kind == "dtype" else SCALE_DTYPES
+            if isinstance(value, ir.Name) and value.id in self.scope.lets and kind == "dtype":
+                if self.scope.lets[value.id][0] in ("dtype", "unknown"):
+                    return
+            if not isinstance(value, ir.Name) or value.id not in choices:
+                text = value.id if isinstance(value, ir.Name) else "this value"
+                self.error("E121", f"`{name}` takes a dtype name; `{text}` is not one", value.span,
+                           (did_you_mean(text, choices) if isinstance(value, ir.Name) else None)
+                           or f"dtypes: {', '.join(choices)}")
+            return
+        found = self.expr(value, captures, extra=params)
+        ok = {
+            "int": ("int", "unknown"),
+            "number": ("int", "float", "unknown"),
+            "ints": ("list", "unknown"),
+        }[kind]
+        if found not in ok:
+            wanted = {"int": "an integer", "number": "a number", "ints": "a list of integers"}[kind]
+            self.error("E120", f"`{name}` takes {wanted}, not {_A[found]}", value.span)
+        elif kind == "ints" and isinstance(value, ir.List):
+            for item in value.items:
+                if self.expr(item, captures, extra=params) not in ("int", "unknown"):
+                    self.error("E120", f"`{name}` takes a list of integers", item.span)
+
+    def op_values(self, op: ir.Op) -> None:
+        """Literal sizes that can never be right (counts below 1, a reshape with two -1)."""
+        for param in op.params:
+            value = getattr(op, param.name)
+            if param.name in _POSITIVE and isinstance(value, ir.Int) and value.value < 1:
+                self.error("E122", f"`{param.name}` must be at least 1, not {value.value}", value.span)
+        if isinstance(op, ir.Split) and isinstance(op.sizes, ir.List):
+            for item in op.sizes.items:
+                if isinstance(item, ir.Int) and item.value < 1:
+                    self.error("E122", f"split sizes must be at least 1, not {item.value}", item.span)
+        if isinstance(op, ir.Reshape) and isinstance(op.shape, ir.List):
+            ints = [i for i in op.shape.items if isinstance(i, ir.Int)]
+            if sum(1 for i in ints if i.value == -1) > 1:
+                self.error("E123", "a reshape may infer one size (`-1`), not several", op.shape.span)
+            for item in ints:
+                if item.value < -1 or item.value == 0:
+                    self.error("E122", f"reshape sizes must be at least 1 (or one -1), not {item.value}",
+                               item.span)
+        if isinstance(op, ir.Permute) and isinstance(op.dims, ir.List):
+            ints = [i.value for i in op.dims.items if isinstance(i, ir.Int)]
+            if len(ints) == len(op.dims.items) and sorted(d % len(ints) for d in ints) != list(range(len(ints))):
+                self.error("E124", f"`permute` needs each dim once; {ints} is not a permutation",
+                           op.dims.span)
+        if isinstance(op, ir.Fp8Block) and isinstance(op.block, ir.List):
+            if len(op.block.items) != 2:
+                self.error("E125", "`block` is [rows, cols]", op.block.span)
+            for item in op.block.items:
+                if isinstance(item, ir.Int) and item.value < 1:
+                    self.error("E122", f"block sizes must be at least 1, not {item.value}", item.span)
+
+    def expr(self, expr: ir.Node, captures, allow_dtype: bool = False, extra=None) -> str:
+        """Resolve the names of an expression and infer its type (or 'unknown' for config reads)."""
+        extra = extra or {}
+        if isinstance(expr, ir.Int):
+            return "int"
+        if isinstance(expr, ir.Float):
+            return "float"
+        if isinstance(expr, ir.Bool):
+            return "bool"
+        if isinstance(expr, ir.Config):
+            return "unknown"
+        if isinstance(expr, ir.Name):
+            if expr.id in extra:
+                return extra[expr.id]
+            if expr.id in captures:
+                return "int" if captures[expr.id][0] == "int" else "unknown"
+            if expr.id in self.scope.lets:
+                return self.scope.lets[expr.id][0]
+            if allow_dtype and expr.id in DTYPE_NAMES:
+                return "dtype"
+            choices = list(self.scope.lets) + list(captures) + list(extra)
+            hint = did_you_mean(expr.id, choices + (list(DTYPE_NAMES) if allow_dtype else []))
+            self.error("E130", f"unknown name `{expr.id}`", expr.span,
+                       hint or "names are `let`s defined above, this rule's captures, or `config.KEY`")
+            return "unknown"
+        if isinstance(expr, ir.List):
+            for item in expr.items:
+                self.expr(item, captures, allow_dtype, extra)
+            return "list"
+        if isinstance(expr, ir.Neg):
+            return self.expr(expr.operand, captures, False, extra)
+        if isinstance(expr, (ir.Not, ir.Compare, ir.BoolOp)):
+            for child in _children(expr):
+                self.expr(child, captures, False, extra)
+            return "bool"
+        if isinstance(expr, ir.BinOp):
+            left = self.expr(expr.left, captures, False, extra)
+            right = self.expr(expr.right, captures, False, extra)
+            if "float" in (left, right):
+                return "float" if expr.op != "//" else "int"
+            return "unknown" if "unknown" in (left, right) else "int"
+        if isinstance(expr, ir.Coalesce):
+            left = self.expr(expr.left, captures, allow_dtype, extra)
+            right = self.expr(expr.right, captures, allow_dtype, extra)
+            return right if left == "unknown" else left
+        raise TypeError(f"not an expression: {expr!r}")
+
+
+_A = {"int": "an integer", "float": "a number with a fraction", "bool": "a boolean",
+      "list": "a list", "dtype": "a dtype", "unknown": "an unknown value"}
+
+
+def _children(expr: ir.Node) -> tuple[ir.Node, ...]:
+    if isinstance(expr, (ir.Neg, ir.Not)):
+        return (expr.operand,)
+    if isinstance(expr, (ir.BinOp, ir.Compare, ir.BoolOp, ir.Coalesce)):
+        return (expr.left, expr.right)
+    if isinstance(expr, ir.List):
+        return expr.items
+    return ()
+
+
+def _names(expr: ir.Node) -> Iterator[ir.Name]:
+    if isinstance(expr, ir.Name):
+        yield expr
+    for child in _children(expr):
+        yield from _names(child)
+
+
+def _list_length(pattern: ir.Pattern) -> int:
+    """How many keys one binding of a pattern names: the product of its alternatives."""
+    length = 1
+    for part in pattern.parts:
+        if isinstance(part, ir.Alternatives):
+            length *= len(part.options)
+    return length
