@@ -15,7 +15,7 @@ from typing import Any, NamedTuple
 from lark import Lark, Token, Transformer, UnexpectedInput, v_args
 
 from . import ir
-from .errors import Diagnostic, RuleSyntaxError, Span, did_you_mean
+from .errors import Diagnostic, RemapError, RuleSyntaxError, Span, did_you_mean
 from .syntax import syntax_diagnostic
 from .trivia import attach_trivia
 
@@ -61,8 +61,8 @@ def parse_file(path: str | Path) -> ir.RuleFile:
     try:
         data = Path(path).read_bytes()
     except OSError as exc:
-        raise RuleSyntaxError(Diagnostic(code="E009", message=f"cannot read rule file: {exc.strerror}",
-                                         path=str(path))) from None
+        raise RemapError(Diagnostic(code="E009", message=f"cannot read rule file: {exc.strerror}",
+                                    path=str(path))) from None
     try:
         text = data.decode("utf-8")
     except UnicodeDecodeError as exc:

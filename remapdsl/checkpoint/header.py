@@ -17,7 +17,7 @@ import stat
 import struct
 from collections.abc import Iterator
 
-from pydantic import BaseModel, ConfigDict, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from remapdsl.dtypes import BY_NAME, BY_SAFETENSORS, DType
 from remapdsl.errors import CheckpointError, Diagnostic, did_you_mean
@@ -109,7 +109,7 @@ class FileInfo(BaseModel):
     file: str  # name relative to the checkpoint folder, `/`-separated
     nbytes: int  # size of the whole file
     data_offset: int  # first byte of the data section: 8 + header length
-    metadata: dict[str, str] = {}
+    metadata: dict[str, str] = Field(default_factory=FrozenDict)
 
     @field_validator("metadata", mode="after")
     @classmethod
@@ -258,8 +258,12 @@ def parse_header_object(obj: dict, *, info: FileInfo, path: str | None = None) -
             dtype, shape, begin, end = found
             ranges.append((begin, end, ckpt_key))
             tensors[ckpt_key] = TensorInfo(
-                ckpt_key=ckpt_key, file=info.file, dtype=dtype.name, shape=shape,
-                byte_offset=info.data_offset + begin, nbytes=end - begin,
+                ckpt_key=ckpt_key,
+                file=info.file,
+                dtype=dtype.name,
+                shape=shape,
+                byte_offset=info.data_offset + begin,
+                nbytes=end - begin,
             )
     all_valid = len(tensors) == len(obj) - (METADATA_KEY in obj)
     for code, message in _coverage_problems(ranges, data_nbytes, check_holes=all_valid):
@@ -299,8 +303,12 @@ def _check_entry(ckpt_key: str, entry: object, data_nbytes: int, report) -> tupl
     if not isinstance(shape, list) or not all(_is_count(d) for d in shape):
         report("E307", f"{where}: shape {json.dumps(shape)} must be a list of non-negative integers")
         ok = False
-    if not (isinstance(offsets, list) and len(offsets) == 2 and all(_is_count(o) for o in offsets)
-            and offsets[0] <= offsets[1]):
+    if not (
+        isinstance(offsets, list)
+        and len(offsets) == 2
+        and all(_is_count(o) for o in offsets)
+        and offsets[0] <= offsets[1]
+    ):
         report("E308", f"{where}: data_offsets {json.dumps(offsets)} must be [begin, end] with 0 <= begin <= end")
         ok = False
     if not ok:
@@ -309,16 +317,23 @@ def _check_entry(ckpt_key: str, entry: object, data_nbytes: int, report) -> tupl
     shape = tuple(shape)
     expected = tensor_nbytes(dtype, shape)
     if expected is None:
-        report("E309", f"{where}: {code} {list(shape)} is {math.prod(shape) * dtype.bits} bits, "
-               "not a whole number of bytes")
+        report(
+            "E309",
+            f"{where}: {code} {list(shape)} is {math.prod(shape) * dtype.bits} bits, not a whole number of bytes",
+        )
         return None
     if end - begin != expected:
-        report("E309", f"{where}: {code} {list(shape)} needs {expected} bytes, data_offsets [{begin}, {end}] "
-               f"hold {end - begin}")
+        report(
+            "E309",
+            f"{where}: {code} {list(shape)} needs {expected} bytes, data_offsets [{begin}, {end}] hold {end - begin}",
+        )
         return None
     if end > data_nbytes:
-        report("E310", f"{where}: data_offsets [{begin}, {end}] run past the {data_nbytes}-byte data section",
-               "the file may be truncated")
+        report(
+            "E310",
+            f"{where}: data_offsets [{begin}, {end}] run past the {data_nbytes}-byte data section",
+            "the file may be truncated",
+        )
         return None
     return dtype, shape, begin, end
 
@@ -338,4 +353,4 @@ def _coverage_problems(
             cursor, last = end, ckpt_key
     if check_holes and cursor < data_nbytes:
         after = f"after tensor `{last}`" if last is not None else "in a file with no tensors"
-        yield "E312", f"{data_nbytes - cursor} trailing bytes {after} that no tensor covers"
+        yield "E312", f"{data_nbytes - cursor} trailing bytes {after}: no tensor covers them"

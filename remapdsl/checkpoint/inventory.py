@@ -26,7 +26,7 @@ from remapdsl.checkpoint.header import (
     tensor_nbytes,
 )
 from remapdsl.dtypes import BY_NAME, BY_SAFETENSORS
-from remapdsl.errors import CheckpointError, Diagnostic, did_you_mean
+from remapdsl.errors import MAX_SHOWN, CheckpointError, Diagnostic, did_you_mean
 
 SUFFIX = ".safetensors"
 INDEX_SUFFIX = ".safetensors.index.json"
@@ -51,7 +51,7 @@ class Inventory(BaseModel):
     @field_validator("tensors", "files", mode="after")
     @classmethod
     def _freeze(cls, value: dict) -> dict:
-        return FrozenDict(value)
+        return FrozenDict(sorted(value.items()))
 
     @model_validator(mode="after")
     def _check(self) -> Inventory:
@@ -144,16 +144,20 @@ def open_inventory(path: str | os.PathLike[str]) -> Inventory:
     elif not os.path.exists(path):
         raise CheckpointError(_diag("E301", "no such file or folder", path))
     else:
-        raise CheckpointError(_diag(
-            "E320", "not a checkpoint: expected a folder, an index file or a .safetensors file", path
-        ))
+        raise CheckpointError(
+            _diag("E320", "not a checkpoint: expected a folder, an index file or a .safetensors file", path)
+        )
     present = _safetensors_in(root)
     if index_file is None:
         if not present:
-            raise CheckpointError(_diag(
-                "E320", f"no `{DEFAULT_INDEX}` and no `*{SUFFIX}` file in the folder", root,
-                "point at the folder that holds the model's safetensors files",
-            ))
+            raise CheckpointError(
+                _diag(
+                    "E320",
+                    f"no `{DEFAULT_INDEX}` and no `*{SUFFIX}` file in the folder",
+                    root,
+                    "point at the folder that holds the model's safetensors files",
+                )
+            )
         return _assemble(root, present, None, None, ())
     weight_map = _read_index(root, index_file)
     named_set = set(weight_map.values())
@@ -174,10 +178,14 @@ def _find_index(root: str) -> str | None:
     if DEFAULT_INDEX in found:
         return DEFAULT_INDEX
     if len(found) > 1:
-        raise CheckpointError(_diag(
-            "E327", f"{len(found)} index files and none is `{DEFAULT_INDEX}`: {', '.join(found)}", root,
-            "open the index file you mean instead of the folder",
-        ))
+        raise CheckpointError(
+            _diag(
+                "E327",
+                f"{len(found)} index files and none is `{DEFAULT_INDEX}`: {', '.join(found)}",
+                root,
+                "open the index file you mean instead of the folder",
+            )
+        )
     return found[0] if found else None
 
 
@@ -197,16 +205,20 @@ def _read_index(root: str, index_file: str) -> dict[str, str]:
         raise CheckpointError(_diag("E321", f"{index_file}: {exc}", path)) from None
     weight_map = index.get("weight_map")
     if not isinstance(weight_map, dict) or not weight_map:
-        raise CheckpointError(_diag(
-            "E321", f"{index_file}: expected a non-empty object `weight_map` of tensor key to file name", path
-        ))
+        raise CheckpointError(
+            _diag("E321", f"{index_file}: expected a non-empty object `weight_map` of tensor key to file name", path)
+        )
     diags = []
     for ckpt_key, name in weight_map.items():
         if not isinstance(name, str):
             diags.append(_diag("E321", f"{index_file}: tensor `{ckpt_key}` maps to {name!r}, not a file name", path))
     diags.extend(
-        _diag("E322", f"{index_file}: file name `{name}` (for tensor `{ckpt_key}`) {why}", path,
-              "index file names must be relative names inside the checkpoint folder")
+        _diag(
+            "E322",
+            f"{index_file}: file name `{name}` (for tensor `{ckpt_key}`) {why}",
+            path,
+            "index file names must be relative names inside the checkpoint folder",
+        )
         for name, ckpt_key in _first_key_per_file(weight_map)
         if isinstance(name, str) and (why := _unsafe_name(name))
     )
@@ -247,8 +259,18 @@ def _assemble(
     """Read every file's header and cross-check keys between files and against the index."""
     diags: list[Diagnostic] = []
     headers: dict[str, Header] = {}
+    users = dict(_first_key_per_file(weight_map)) if weight_map is not None else {}
     for name in files:
         path = os.path.join(root, *name.split("/"))
+        if name in users and not os.path.lexists(path):
+            diags.append(
+                _diag(
+                    "E301",
+                    f"{index_file} names {name} (for tensor `{users[name]}` and maybe more), which does not exist",
+                    path,
+                )
+            )
+            continue
         try:
             headers[name] = read_header(path, file=name)
         except CheckpointError as exc:
@@ -260,28 +282,45 @@ def _assemble(
     for ckpt_key, names in where.items():
         if len(names) > 1:
             hint = "add a model.safetensors.index.json or remove the stray file" if weight_map is None else None
-            diags.append(_diag("E324", f"tensor `{ckpt_key}` is in {len(names)} files: {', '.join(names)}",
-                               os.path.join(root, names[1]), hint))
+            diags.append(
+                _diag(
+                    "E324",
+                    f"tensor `{ckpt_key}` is in {len(names)} files: {', '.join(names)}",
+                    os.path.join(root, names[1]),
+                    hint,
+                )
+            )
         elif weight_map is not None and weight_map.get(ckpt_key) != names[0]:
             assigned = weight_map.get(ckpt_key)
             said = f"assigns it to {assigned}" if assigned is not None else "does not list it"
-            diags.append(_diag("E326", f"tensor `{ckpt_key}` is in {names[0]}, but {index_file} {said}",
-                               os.path.join(root, names[0])))
+            diags.append(
+                _diag(
+                    "E326",
+                    f"tensor `{ckpt_key}` is in {names[0]}, but {index_file} {said}",
+                    os.path.join(root, names[0]),
+                )
+            )
     if weight_map is not None:
         for ckpt_key, name in weight_map.items():
-            if name in headers and ckpt_key not in headers[name].tensors:
-                found = f" (it is in {', '.join(where[ckpt_key])})" if ckpt_key in where else ""
-                diags.append(_diag(
-                    "E325", f"{index_file} assigns tensor `{ckpt_key}` to {name}, which does not hold it{found}",
-                    os.path.join(root, index_file), did_you_mean(ckpt_key, headers[name].tensors),
-                ))
+            # A key found in another file was reported above (E324 or E326); here only keys found nowhere.
+            if name in headers and ckpt_key not in where:
+                # Hints cost a fuzzy search over the file's keys: only for the errors that will be shown.
+                hint = did_you_mean(ckpt_key, headers[name].tensors) if len(diags) < MAX_SHOWN else None
+                diags.append(
+                    _diag(
+                        "E325",
+                        f"{index_file} assigns tensor `{ckpt_key}` to {name}, which does not hold it",
+                        os.path.join(root, index_file),
+                        hint,
+                    )
+                )
     if diags:
         raise CheckpointError(diags)
     tensors = {k: t for header in headers.values() for k, t in header.tensors.items()}
     return Inventory(
         root=root,
-        tensors={k: tensors[k] for k in sorted(tensors)},
-        files={name: headers[name].info for name in sorted(headers)},
+        tensors=tensors,
+        files={name: header.info for name, header in headers.items()},
         ignored_files=ignored,
         index_file=index_file,
     )

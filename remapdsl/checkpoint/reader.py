@@ -67,16 +67,19 @@ class CheckpointReader:
         path = self.inventory.path(file)
         if info is None:
             hint = did_you_mean(file, self.inventory.files)
-            raise CheckpointError(Diagnostic(code="E341", message=f"{file} is not a file of this checkpoint",
-                                             path=path, hint=hint))
+            raise CheckpointError(
+                Diagnostic(code="E341", message=f"{file} is not a file of this checkpoint", path=path, hint=hint)
+            )
         end = byte_offset + view.nbytes
         if byte_offset < info.data_offset or end > info.nbytes:
-            raise CheckpointError(Diagnostic(
-                code="E340",
-                message=f"{file}: read of bytes [{byte_offset}, {end}) leaves the data section "
-                f"[{info.data_offset}, {info.nbytes})",
-                path=path,
-            ))
+            raise CheckpointError(
+                Diagnostic(
+                    code="E340",
+                    message=f"{file}: read of bytes [{byte_offset}, {end}) leaves the data section "
+                    f"[{info.data_offset}, {info.nbytes})",
+                    path=path,
+                )
+            )
         if view.nbytes:
             self._pread_into(file, view, byte_offset)
         return view.nbytes
@@ -85,18 +88,24 @@ class CheckpointReader:
         """Fill buffer with len(buffer) bytes of tensor `ckpt_key`, from `start` bytes into the tensor."""
         tensor = self.inventory.tensors.get(ckpt_key)
         if tensor is None:
-            raise CheckpointError(Diagnostic(
-                code="E341", message=f"tensor `{ckpt_key}` is not in the checkpoint", path=self.inventory.root,
-                hint=did_you_mean(ckpt_key, self.inventory.tensors),
-            ))
+            raise CheckpointError(
+                Diagnostic(
+                    code="E341",
+                    message=f"tensor `{ckpt_key}` is not in the checkpoint",
+                    path=self.inventory.root,
+                    hint=did_you_mean(ckpt_key, self.inventory.tensors),
+                )
+            )
         view = as_byte_view(buffer)
         if start < 0 or start + view.nbytes > tensor.nbytes:
-            raise CheckpointError(Diagnostic(
-                code="E340",
-                message=f"{tensor.file}: read of bytes [{start}, {start + view.nbytes}) of tensor `{ckpt_key}` "
-                f"leaves the tensor's {tensor.nbytes} bytes",
-                path=self.inventory.path(tensor.file),
-            ))
+            raise CheckpointError(
+                Diagnostic(
+                    code="E340",
+                    message=f"{tensor.file}: read of bytes [{start}, {start + view.nbytes}) of tensor `{ckpt_key}` "
+                    f"leaves the tensor's {tensor.nbytes} bytes",
+                    path=self.inventory.path(tensor.file),
+                )
+            )
         return self.read_into(tensor.file, tensor.byte_offset + start, view)
 
     def read_tensor(self, ckpt_key: str) -> bytearray:
@@ -116,15 +125,20 @@ class CheckpointReader:
             try:
                 fd = os.open(path, os.O_RDONLY)
             except OSError as exc:
-                raise CheckpointError(Diagnostic(code="E301", message=f"{file}: cannot open the file ({exc.strerror})",
-                                                 path=path)) from None
+                raise CheckpointError(
+                    Diagnostic(code="E301", message=f"{file}: cannot open the file ({exc.strerror})", path=path)
+                ) from None
             size, expected = os.fstat(fd).st_size, self.inventory.files[file].nbytes
             if size != expected:
                 os.close(fd)
-                raise CheckpointError(Diagnostic(
-                    code="E342", message=f"{file}: file has {size} bytes, its header said {expected}", path=path,
-                    hint="the file changed after the checkpoint was opened; open it again",
-                ))
+                raise CheckpointError(
+                    Diagnostic(
+                        code="E342",
+                        message=f"{file}: file has {size} bytes, its header said {expected}",
+                        path=path,
+                        hint="the file changed after the checkpoint was opened; open it again",
+                    )
+                )
             self._fds[file] = fd
             return fd
 
@@ -134,11 +148,15 @@ class CheckpointReader:
         while done < view.nbytes:
             got = _preadv(fd, view[done:], byte_offset + done)
             if got == 0:
-                raise CheckpointError(Diagnostic(
-                    code="E342",
-                    message=f"{file}: file ended at byte {byte_offset + done}, wanted up to {byte_offset + view.nbytes}",
-                    path=self.inventory.path(file), hint="the file was truncated after the checkpoint was opened",
-                ))
+                raise CheckpointError(
+                    Diagnostic(
+                        code="E342",
+                        message=f"{file}: file ended at byte {byte_offset + done}, "
+                        f"wanted bytes up to {byte_offset + view.nbytes}",
+                        path=self.inventory.path(file),
+                        hint="the file was truncated after the checkpoint was opened",
+                    )
+                )
             done += got
 
 

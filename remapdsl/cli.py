@@ -1,0 +1,125 @@
+"""The `remapdsl` command: subcommands are views of the pipeline, over the public API only.
+
+A user error (RemapError) is printed as located diagnostics on stderr with exit status 2; any
+other exception is a bug in remapdsl and is shown with its traceback and a request to report it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import difflib
+import sys
+import traceback
+from collections.abc import Sequence
+from pathlib import Path
+
+import remapdsl
+
+EXIT_OK, EXIT_DIFFERS, EXIT_USER_ERROR, EXIT_BUG = 0, 1, 2, 3
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run the command line; returns the exit status (callable in-process for tests)."""
+    parser = _parser()
+    args = parser.parse_args(argv)
+    if not getattr(args, "run", None):
+        parser.print_help()
+        return EXIT_USER_ERROR
+    try:
+        return args.run(args)
+    except remapdsl.RemapError as exc:
+        print(exc.render(), file=sys.stderr)
+        return EXIT_USER_ERROR
+    except KeyboardInterrupt:
+        return 130
+    except Exception:  # noqa: BLE001 - anything else is our bug, not the user's
+        traceback.print_exc()
+        print(f"\nremapdsl {remapdsl.__version__}: this is a bug in remapdsl, not in your files; "
+              "please report it with the traceback above.", file=sys.stderr)
+        return EXIT_BUG
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="remapdsl",
+        description="Declarative, exact checkpoint remapping: check, format and inspect .remap rule files.",
+    )
+    parser.add_argument("--version", action="version", version=f"remapdsl {remapdsl.__version__}")
+    commands = parser.add_subparsers(title="commands", metavar="COMMAND")
+
+    check = commands.add_parser("check", help="parse and statically check rule files",
+                                description="Parse rule files, follow their includes and run every "
+                                "check that needs no checkpoint. Exit 0 when clean, 2 on errors.")
+    check.add_argument("files", nargs="+", metavar="FILE", help=".remap files")
+    check.add_argument("--root", help="folder that includes may not leave (default: each file's folder)")
+    check.set_defaults(run=_check)
+
+    fmt = commands.add_parser("fmt", help="rewrite rule files in canonical form",
+                              description="Rewrite rule files in canonical form, keeping comments. "
+                              "With --check, change nothing and exit 1 if a file is not formatted.")
+    fmt.add_argument("files", nargs="+", metavar="FILE", help=".remap files")
+    fmt.add_argument("--check", action="store_true", help="report files that are not formatted")
+    fmt.add_argument("--diff", action="store_true", help="print what would change, as a diff")
+    fmt.set_defaults(run=_fmt)
+
+    show = commands.add_parser("ir", help="print the parsed IR of a rule file",
+                               description="Print the typed IR of a rule file, for editors and tools.")
+    show.add_argument("file", metavar="FILE", help="a .remap file")
+    show.add_argument("--json", action="store_true", help="print the IR as JSON (with source spans)")
+    show.add_argument("--resolved", action="store_true",
+                      help="print the checked program with includes expanded")
+    show.set_defaults(run=_ir)
+    return parser
+
+
+def _check(args: argparse.Namespace) -> int:
+    errors: list[remapdsl.RemapError] = []
+    for name in args.files:
+        try:
+            rules = remapdsl.load_rules(name, root=args.root)
+        except remapdsl.RemapError as exc:
+            errors.append(exc)
+            continue
+        included = len(rules.files) - 1
+        more = f", {included} included file{'s' if included != 1 else ''}" if included else ""
+        print(f"ok: {name} ({len(rules.statements)} statements{more})")
+    for exc in errors:
+        print(exc.render(), file=sys.stderr)
+    return EXIT_USER_ERROR if errors else EXIT_OK
+
+
+def _fmt(args: argparse.Namespace) -> int:
+    differs = False
+    for name in args.files:
+        rules = remapdsl.parse_file(name)
+        canonical = remapdsl.format_rules(rules)
+        if canonical == rules.source:
+            continue
+        differs = True
+        if args.diff:
+            sys.stdout.writelines(difflib.unified_diff(
+                rules.source.splitlines(keepends=True), canonical.splitlines(keepends=True),
+                fromfile=name, tofile=f"{name} (formatted)"))
+        if args.check:
+            print(f"would reformat {name}", file=sys.stderr)
+        elif not args.diff:
+            Path(name).write_text(canonical, encoding="utf-8")
+            print(f"reformatted {name}", file=sys.stderr)
+    return EXIT_DIFFERS if differs and (args.check or args.diff) else EXIT_OK
+
+
+def _ir(args: argparse.Namespace) -> int:
+    if args.resolved:
+        rules = remapdsl.load_rules(args.file)
+        statements = rules.statements
+        payload = rules.model_dump_json(indent=2) if args.json else None
+    else:
+        parsed = remapdsl.parse_file(args.file)
+        statements = parsed.statements
+        payload = parsed.model_dump_json(indent=2) if args.json else None
+    if payload is not None:
+        print(payload)
+    else:
+        for statement in statements:
+            print(repr(statement))
+    return EXIT_OK
