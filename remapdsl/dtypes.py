@@ -20,7 +20,8 @@ class DType(NamedTuple):
     name: str  # the name in rule files and in torch (`torch.<name>`)
     safetensors: str  # the code in a safetensors header
     bits: int  # bits per element as the header counts them (4 for F4, 6 for F6)
-    kind: str  # "float", "int", "uint", "bool"
+    kind: str  # "float", "int", "uint", "bool", "complex"
+    in_torch: bool = True  # whether torch has it, so a rule may cast to it
 
 
 DTYPES: tuple[DType, ...] = (
@@ -33,8 +34,8 @@ DTYPES: tuple[DType, ...] = (
     DType("float8_e8m0fnu", "F8_E8M0", 8, "float"),
     DType("float8_e4m3fnuz", "F8_E4M3FNUZ", 8, "float"),
     DType("float8_e5m2fnuz", "F8_E5M2FNUZ", 8, "float"),
-    DType("float6_e2m3fn", "F6_E2M3", 6, "float"),
-    DType("float6_e3m2fn", "F6_E3M2", 6, "float"),
+    DType("float6_e2m3fn", "F6_E2M3", 6, "float", in_torch=False),
+    DType("float6_e3m2fn", "F6_E3M2", 6, "float", in_torch=False),
     DType("float4_e2m1fn_x2", "F4", 4, "float"),
     DType("int64", "I64", 64, "int"),
     DType("int32", "I32", 32, "int"),
@@ -45,9 +46,10 @@ DTYPES: tuple[DType, ...] = (
     DType("uint16", "U16", 16, "uint"),
     DType("uint8", "U8", 8, "uint"),
     DType("bool", "BOOL", 8, "bool"),
-    DType("complex64", "C64", 64, "float"),
+    DType("complex64", "C64", 64, "complex"),
 )
 
 BY_NAME: dict[str, DType] = {d.name: d for d in DTYPES}
 BY_SAFETENSORS: dict[str, DType] = {d.safetensors: d for d in DTYPES}
 DTYPE_NAMES: tuple[str, ...] = tuple(BY_NAME)
+RULE_DTYPE_NAMES: tuple[str, ...] = tuple(d.name for d in DTYPES if d.in_torch)  # `cast(...)`, `to=`

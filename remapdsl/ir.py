@@ -272,7 +272,7 @@ def pattern_problems(parts: tuple[Node, ...]) -> list[tuple[int, str]]:
     for i, part in enumerate(parts):
         if isinstance(part, Text):
             piece = part.text
-        elif isinstance(part, DoubleStar) or (isinstance(part, Capture) and part.type == "path"):
+        elif isinstance(part, DoubleStar):
             piece = "#"
         else:
             piece = "x"
@@ -285,7 +285,7 @@ def pattern_problems(parts: tuple[Node, ...]) -> list[tuple[int, str]]:
             problems.append((owner, "empty segment: a key has no `..` and no dot at either end"))
         elif "#" in segment and segment != "#":
             problems.append((index_of_char[position + segment.index("#")],
-                             "`**` and `{name:path}` stand for whole segments: put dots around them"))
+                             "`**` stands for whole segments: put dots around it"))
         position += len(segment) + 1
     return problems
 

@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any, NamedTuple
 
 from lark import Lark, Token, Transformer, UnexpectedInput, v_args
+from lark.exceptions import VisitError
 
 from . import ir
 from .errors import Diagnostic, RemapError, RuleSyntaxError, Span, did_you_mean
@@ -49,7 +50,12 @@ def parse_text(text: str, path: str = "<text>") -> ir.RuleFile:
     except UnexpectedInput as exc:
         raise RuleSyntaxError(syntax_diagnostic(exc, text, path, lark_parser())) from None
     builder = _Builder(path, text)
-    statements = builder.transform(tree)
+    try:
+        statements = builder.transform(tree)
+    except VisitError as exc:
+        if not builder.diagnostics:  # a node the builder did not expect to fail: our bug
+            raise exc.orig_exc from exc
+        statements = ()  # a follow-on failure of an error already reported
     if builder.diagnostics:
         raise RuleSyntaxError(builder.diagnostics)
     statements, trailing = attach_trivia(statements, text)
@@ -143,10 +149,12 @@ class _Builder(Transformer):
         self.diagnostics.append(Diagnostic(code=code, message=message, span=span,
                                            line_text=self.lines[span.line - 1], hint=hint))
 
-    def _identifier(self, token: Token, what: str) -> str:
+    def _identifier(self, token: Token, what: str) -> str | None:
+        """The token as a name, or None (reported) when it cannot be one."""
         problem = ir.identifier_problem(str(token))
         if problem:
             self._error("E017", f"`{token}` is not a valid {what}: {problem}", self._span(token))
+            return None
         return str(token)
 
     # -- file and statements --
@@ -172,8 +180,10 @@ class _Builder(Transformer):
             return None
         return ir.Version(number=int(number), span=span)
 
-    def let(self, meta: Any, _keyword: Token, name: Token, value: ir.Node) -> ir.Let:
-        return ir.Let(name=self._identifier(name, "let name"), value=value, span=self._span(meta))
+    def let(self, meta: Any, _keyword: Token, name: Token, value: ir.Node) -> ir.Let | None:
+        if self._identifier(name, "let name") is None:
+            return None
+        return ir.Let(name=str(name), value=value, span=self._span(meta))
 
     def rule(self, meta: Any, optional: Token | None, otherwise: Token | None, sources: list,
              targets: list, guard: _Guard | None, *ops: ir.Op) -> ir.Rule | None:
@@ -272,7 +282,9 @@ class _Builder(Transformer):
         cls = ir.OPS_BY_NAME.get(str(name))
         span = self._span(meta)
         if cls is None:
-            return ir.MacroCall(name=self._identifier(name, "op name"),
+            if self._identifier(name, "op name") is None:
+                return ir.MacroCall(name="invalid_op", span=span)
+            return ir.MacroCall(name=str(name),
                                 args=tuple(ir.Arg(name=str(a.name) if a.name else None,
                                                   value=a.value, span=a.span) for a in given),
                                 span=span)
@@ -413,7 +425,7 @@ class _Builder(Transformer):
                            item.span, f"write `{{{name}}}` here")
                 return None
             capture = self._identifier(name, "capture name")
-            if capture in types:
+            if capture is not None and capture in types:
                 return ir.Capture(name=capture, type=types[capture], span=item.span)
             return None  # unknown type, already reported
         expr = item.value

@@ -11,7 +11,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 from . import ir
-from .dtypes import DTYPE_NAMES
+from .dtypes import RULE_DTYPE_NAMES as DTYPE_NAMES
 from .errors import Diagnostic, RuleCheckError, Span, did_you_mean
 
 SCALE_DTYPES = ("float32", "e8m0")

@@ -152,12 +152,18 @@ def test_f4_header_counts_four_bit_elements(tmp_path):
 
 def test_sub_byte_sizes():
     f4, f6 = BY_SAFETENSORS["F4"], BY_SAFETENSORS["F6_E2M3"]
-    assert tensor_nbytes(f4, (3, 2)) == 3 and tensor_nbytes(f4, (3,)) is None and tensor_nbytes(f4, ()) is None
+    assert (
+        tensor_nbytes(f4, (3, 2)) == 3 and tensor_nbytes(f4, (3,)) is None and tensor_nbytes(f4, ()) is None
+    )
     assert tensor_nbytes(f6, (4,)) == 3 and tensor_nbytes(f6, (2,)) is None and tensor_nbytes(f4, (0,)) == 0
 
 
 def test_hand_written_sub_byte_and_unknown_to_torch_dtypes_agree_with_library(tmp_path):
-    header = {"a": entry("F6_E2M3", [4], 0, 3), "b": entry("F4", [2, 3], 3, 6), "c": entry("F6_E3M2", [0], 6, 6)}
+    header = {
+        "a": entry("F6_E2M3", [4], 0, 3),
+        "b": entry("F4", [2, 3], 3, 6),
+        "c": entry("F6_E3M2", [0], 6, 6),
+    }
     path = write_raw(tmp_path / "x.safetensors", header, bytes(6))
     assert_matches_library(path)
     assert read_header(path).tensors["a"].dtype == "float6_e2m3fn"
@@ -184,11 +190,11 @@ def test_header_data_is_frozen_and_round_trips(tmp_path):
 
 
 def test_tensor_info_checks_its_own_invariants():
-    TensorInfo(ckpt_key="a", file="f", dtype="bfloat16", shape=(2,), byte_offset=8, nbytes=4)
+    good = {"ckpt_key": "a", "file": "f", "dtype": "bfloat16", "shape": (2,), "byte_offset": 8, "nbytes": 4}
+    TensorInfo(**good)
     for bad in ({"nbytes": 3}, {"dtype": "BF16"}, {"shape": (-2,), "nbytes": -4}, {"extra": 1}):
-        fields = dict(ckpt_key="a", file="f", dtype="bfloat16", shape=(2,), byte_offset=8, nbytes=4) | bad
         with pytest.raises(ValueError):
-            TensorInfo(**fields)
+            TensorInfo(**(good | bad))
 
 
 # --- malformed files: one per rule; each error names the file and the key --------------------------------
@@ -215,7 +221,13 @@ MALFORMED = [
     ("zero-size-inside", "E311", {"a": entry("U8", [4], 0, 4), "z": entry("U8", [0], 2, 2)}, b"\0" * 4, "z"),
     ("hole", "E312", {"a": entry("U8", [2], 0, 2), "b": entry("U8", [2], 3, 5)}, b"\0" * 5, "b"),
     ("trailing-bytes", "E312", {"a": entry("U8", [2], 0, 2)}, b"\0" * 3, "a"),
-    ("metadata-int", "E313", {"__metadata__": {"format": 1}, "a": entry("U8", [1], 0, 1)}, b"\0", "__metadata__"),
+    (
+        "metadata-int",
+        "E313",
+        {"__metadata__": {"format": 1}, "a": entry("U8", [1], 0, 1)},
+        b"\0",
+        "__metadata__",
+    ),
 ]
 
 

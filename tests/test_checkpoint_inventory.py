@@ -40,7 +40,10 @@ def shard_tensors() -> list[dict[str, torch.Tensor]]:
 
 
 def write_sharded(
-    folder, *, index: bool = True, names=("model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors")
+    folder,
+    *,
+    index: bool = True,
+    names=("model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors"),
 ) -> dict[str, str]:
     """Two shards (and an index): returns the weight_map."""
     folder.mkdir(parents=True, exist_ok=True)
@@ -48,7 +51,7 @@ def write_sharded(
     for name, tensors in zip(names, shard_tensors(), strict=True):
         (folder / name).parent.mkdir(parents=True, exist_ok=True)
         save_file(tensors, str(folder / name), metadata={"format": "pt", "shard": name})
-        weight_map |= {k: name for k in tensors}
+        weight_map |= dict.fromkeys(tensors, name)
     if index:
         write_index(folder, weight_map)
     return weight_map
@@ -88,7 +91,9 @@ def test_single_file(tmp_path):
     save_file(tensors, str(tmp_path / "model.safetensors"), metadata={"format": "pt"})
     inv = open_inventory(tmp_path)
     assert inv.root == str(tmp_path) and inv.index_file is None and inv.ignored_files == ()
-    assert list(inv.files) == ["model.safetensors"] and inv.metadata == {"model.safetensors": {"format": "pt"}}
+    assert list(inv.files) == ["model.safetensors"] and inv.metadata == {
+        "model.safetensors": {"format": "pt"}
+    }
     assert inv.tensors["model.layers.0.mlp.gate_proj.weight"].dtype == "float8_e4m3fn"
     assert inv.tensors["model.layers.0.mlp.gate_proj.weight_scale_inv"].shape == ()
     assert_matches_library(inv)
@@ -313,7 +318,9 @@ def test_inventory_checks_its_own_invariants():
 
 
 def test_from_shapes_builds_a_large_synthetic_inventory():
-    entries = {f"model.layers.{i // 1000}.mlp.experts.{i % 1000}.w": ("bfloat16", (16, 8)) for i in range(91_000)}
+    entries = {
+        f"model.layers.{i // 1000}.mlp.experts.{i % 1000}.w": ("bfloat16", (16, 8)) for i in range(91_000)
+    }
     entries["scale"] = ("F32", ())
     entries["packed"] = ("F4", (4, 6))
     inv = Inventory.from_shapes(entries)
@@ -331,6 +338,8 @@ def test_from_shapes_builds_a_large_synthetic_inventory():
 
 def test_from_shapes_reports_every_bad_entry():
     with pytest.raises(CheckpointError) as err:
-        Inventory.from_shapes({"a": ("bfloat17", (1,)), "b": ("F32", (-1,)), "c": ("F4", (3,)), "d": ("U8", (2,))})
+        Inventory.from_shapes(
+            {"a": ("bfloat17", (1,)), "b": ("F32", (-1,)), "c": ("F4", (3,)), "d": ("U8", (2,))}
+        )
     assert codes(err) == ["E306", "E307", "E309"]
     assert err.value.diagnostics[0].hint == "did you mean `bfloat16`?"

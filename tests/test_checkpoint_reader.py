@@ -1,4 +1,4 @@
-"""CheckpointReader: positioned reads give exactly a tensor's bytes, into torch, numpy and bytearray memory."""
+"""CheckpointReader: positioned reads give exactly a tensor's bytes, into torch, numpy, bytearray memory."""
 
 from __future__ import annotations
 
@@ -83,7 +83,9 @@ def test_one_read_may_span_adjacent_tensors(ckpt):
     with CheckpointReader(inv) as reader:
         reader.read_into(name, info.data_offset, buf)
     assert bytes(buf) == blob[info.data_offset :]
-    first, second = sorted((t for t in inv.tensors.values() if t.file == name), key=lambda t: t.byte_offset)[:2]
+    first, second = sorted((t for t in inv.tensors.values() if t.file == name), key=lambda t: t.byte_offset)[
+        :2
+    ]
     assert first.byte_end == second.byte_offset
     assert (
         bytes(buf[first.byte_offset - info.data_offset : second.byte_end - info.data_offset])
@@ -98,7 +100,11 @@ def test_reads_outside_the_tensor_are_refused(ckpt, start, nbytes):
     with CheckpointReader(inv) as reader, pytest.raises(CheckpointError) as err:
         reader.read_tensor_into("a.weight", bytearray(nbytes), start=start)
     diag = err.value.diagnostic
-    assert diag.code == "E340" and "`a.weight`" in diag.message and "model-00001-of-00002.safetensors" in diag.message
+    assert (
+        diag.code == "E340"
+        and "`a.weight`" in diag.message
+        and "model-00001-of-00002.safetensors" in diag.message
+    )
 
 
 def test_reads_outside_the_data_section_are_refused(ckpt):
@@ -106,7 +112,12 @@ def test_reads_outside_the_data_section_are_refused(ckpt):
     name = "model-00002-of-00002.safetensors"
     info = inv.files[name]
     with CheckpointReader(inv) as reader:
-        for offset, nbytes in [(0, 8), (info.data_offset - 1, 2), (info.nbytes - 1, 2), (info.nbytes + 10, 0)]:
+        for offset, nbytes in [
+            (0, 8),
+            (info.data_offset - 1, 2),
+            (info.nbytes - 1, 2),
+            (info.nbytes + 10, 0),
+        ]:
             with pytest.raises(CheckpointError) as err:
                 reader.read_into(name, offset, bytearray(nbytes))
             assert err.value.diagnostic.code == "E340" and name in err.value.diagnostic.message

@@ -119,7 +119,9 @@ class FileInfo(BaseModel):
     @model_validator(mode="after")
     def _check(self) -> FileInfo:
         if not PREFIX_NBYTES <= self.data_offset <= self.nbytes:
-            raise ValueError(f"{self.file}: data section starts at {self.data_offset} in a {self.nbytes}-byte file")
+            raise ValueError(
+                f"{self.file}: data section starts at {self.data_offset} in a {self.nbytes}-byte file"
+            )
         return self
 
 
@@ -147,11 +149,13 @@ class DuplicateJsonKey(ValueError):
 
 
 def _pairs_without_duplicates(pairs: list[tuple[str, object]]) -> dict[str, object]:
-    out: dict[str, object] = {}
-    for name, value in pairs:
-        if name in out:
-            raise _DuplicateKey(name)
-        out[name] = value
+    out = dict(pairs)
+    if len(out) != len(pairs):
+        seen: set[str] = set()
+        for name, _ in pairs:
+            if name in seen:
+                raise _DuplicateKey(name)
+            seen.add(name)
     return out
 
 
@@ -166,11 +170,15 @@ def load_json_object(text: bytes, what: str) -> dict:
     except UnicodeDecodeError as exc:
         raise ValueError(f"{what} is not UTF-8 ({exc.reason} at byte {exc.start})") from None
     try:
-        value = json.loads(decoded, object_pairs_hook=_pairs_without_duplicates, parse_constant=_reject_constant)
+        value = json.loads(
+            decoded, object_pairs_hook=_pairs_without_duplicates, parse_constant=_reject_constant
+        )
     except _DuplicateKey as exc:
         raise DuplicateJsonKey(f"{what} names `{exc.name}` twice") from None
     except json.JSONDecodeError as exc:
-        raise ValueError(f"{what} is not valid JSON ({exc.msg} at line {exc.lineno} column {exc.colno})") from None
+        raise ValueError(
+            f"{what} is not valid JSON ({exc.msg} at line {exc.lineno} column {exc.colno})"
+        ) from None
     except (ValueError, RecursionError) as exc:
         raise ValueError(f"{what} is not valid JSON ({exc})") from None
     if not isinstance(value, dict):
@@ -224,7 +232,9 @@ def read_header(path: str | os.PathLike[str], *, file: str | None = None) -> Hea
         if header_nbytes > MAX_HEADER_NBYTES:
             raise fail("E303", f"header length {header_nbytes} exceeds the {MAX_HEADER_NBYTES}-byte cap")
         if header_nbytes > size - PREFIX_NBYTES:
-            raise fail("E303", f"header length {header_nbytes} is larger than the rest of the {size}-byte file")
+            raise fail(
+                "E303", f"header length {header_nbytes} is larger than the rest of the {size}-byte file"
+            )
         raw = pread_exact(fd, header_nbytes, PREFIX_NBYTES)
     finally:
         os.close(fd)
@@ -257,7 +267,8 @@ def parse_header_object(obj: dict, *, info: FileInfo, path: str | None = None) -
         if found is not None:
             dtype, shape, begin, end = found
             ranges.append((begin, end, ckpt_key))
-            tensors[ckpt_key] = TensorInfo(
+            # Fields are checked above; model_construct skips pydantic's second look, not model_post_init.
+            tensors[ckpt_key] = TensorInfo.model_construct(
                 ckpt_key=ckpt_key,
                 file=info.file,
                 dtype=dtype.name,
@@ -275,7 +286,7 @@ def parse_header_object(obj: dict, *, info: FileInfo, path: str | None = None) -
 
 
 def _is_count(value: object) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+    return type(value) is int and value >= 0  # not `isinstance`: JSON `true` is a bool, and bool is an int
 
 
 def _check_entry(ckpt_key: str, entry: object, data_nbytes: int, report) -> tuple | None:
@@ -287,7 +298,9 @@ def _check_entry(ckpt_key: str, entry: object, data_nbytes: int, report) -> tupl
     if tuple(sorted(entry)) != _FIELDS:
         missing = [f for f in _FIELDS if f not in entry]
         extra = sorted(f for f in entry if f not in _FIELDS)
-        what = "; ".join(p for p in (f"missing {missing}" if missing else "", f"unknown {extra}" if extra else "") if p)
+        what = "; ".join(
+            p for p in (f"missing {missing}" if missing else "", f"unknown {extra}" if extra else "") if p
+        )
         report("E305", f"{where}: entry must have exactly dtype, shape, data_offsets ({what})")
         return None
     code, shape, offsets = entry["dtype"], entry["shape"], entry["data_offsets"]
@@ -300,7 +313,7 @@ def _check_entry(ckpt_key: str, entry: object, data_nbytes: int, report) -> tupl
             hint = did_you_mean(str(code), BY_SAFETENSORS) or f"known: {', '.join(BY_SAFETENSORS)}"
         report("E306", f"{where}: dtype {json.dumps(code)} is not a safetensors dtype", hint)
         ok = False
-    if not isinstance(shape, list) or not all(_is_count(d) for d in shape):
+    if type(shape) is not list or not all(type(d) is int and d >= 0 for d in shape):
         report("E307", f"{where}: shape {json.dumps(shape)} must be a list of non-negative integers")
         ok = False
     if not (
@@ -309,7 +322,9 @@ def _check_entry(ckpt_key: str, entry: object, data_nbytes: int, report) -> tupl
         and all(_is_count(o) for o in offsets)
         and offsets[0] <= offsets[1]
     ):
-        report("E308", f"{where}: data_offsets {json.dumps(offsets)} must be [begin, end] with 0 <= begin <= end")
+        report(
+            "E308", f"{where}: data_offsets {json.dumps(offsets)} must be [begin, end] with 0 <= begin <= end"
+        )
         ok = False
     if not ok:
         return None
@@ -319,13 +334,15 @@ def _check_entry(ckpt_key: str, entry: object, data_nbytes: int, report) -> tupl
     if expected is None:
         report(
             "E309",
-            f"{where}: {code} {list(shape)} is {math.prod(shape) * dtype.bits} bits, not a whole number of bytes",
+            f"{where}: {code} {list(shape)} is {math.prod(shape) * dtype.bits} bits, "
+            "not a whole number of bytes",
         )
         return None
     if end - begin != expected:
         report(
             "E309",
-            f"{where}: {code} {list(shape)} needs {expected} bytes, data_offsets [{begin}, {end}] hold {end - begin}",
+            f"{where}: {code} {list(shape)} needs {expected} bytes, "
+            f"data_offsets [{begin}, {end}] hold {end - begin}",
         )
         return None
     if end > data_nbytes:

@@ -61,7 +61,9 @@ class Inventory(BaseModel):
         for ckpt_key, t in self.tensors.items():
             info = self.files.get(t.file)
             if t.ckpt_key != ckpt_key or info is None:
-                raise ValueError(f"tensor entry `{ckpt_key}` ({t.ckpt_key} in {t.file}) does not fit the files")
+                raise ValueError(
+                    f"tensor entry `{ckpt_key}` ({t.ckpt_key} in {t.file}) does not fit the files"
+                )
             if t.byte_offset < info.data_offset or t.byte_end > info.nbytes:
                 raise ValueError(f"tensor `{ckpt_key}` lies outside the data section of {t.file}")
         return self
@@ -102,12 +104,16 @@ class Inventory(BaseModel):
                 diags.append(_diag("E306", f"tensor `{ckpt_key}`: unknown dtype `{dtype_name}`", root, hint))
                 continue
             if not all(isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in shape):
-                diags.append(_diag("E307", f"tensor `{ckpt_key}`: shape {list(shape)} is not non-negative ints", root))
+                diags.append(
+                    _diag("E307", f"tensor `{ckpt_key}`: shape {list(shape)} is not non-negative ints", root)
+                )
                 continue
             shape = tuple(int(d) for d in shape)
             nbytes = tensor_nbytes(dtype, shape)
             if nbytes is None:
-                diags.append(_diag("E309", f"tensor `{ckpt_key}`: {dtype.name} {list(shape)} is not whole bytes", root))
+                diags.append(
+                    _diag("E309", f"tensor `{ckpt_key}`: {dtype.name} {list(shape)} is not whole bytes", root)
+                )
                 continue
             tensors[ckpt_key] = TensorInfo(
                 ckpt_key=ckpt_key, file=file, dtype=dtype.name, shape=shape, byte_offset=offset, nbytes=nbytes
@@ -196,9 +202,13 @@ def _read_index(root: str, index_file: str) -> dict[str, str]:
         with open(path, "rb") as f:
             raw = f.read(MAX_HEADER_NBYTES + 1)
     except OSError as exc:
-        raise CheckpointError(_diag("E301", f"{index_file}: cannot read the index ({exc.strerror})", path)) from None
+        raise CheckpointError(
+            _diag("E301", f"{index_file}: cannot read the index ({exc.strerror})", path)
+        ) from None
     if len(raw) > MAX_HEADER_NBYTES:
-        raise CheckpointError(_diag("E321", f"{index_file}: index is larger than {MAX_HEADER_NBYTES} bytes", path))
+        raise CheckpointError(
+            _diag("E321", f"{index_file}: index is larger than {MAX_HEADER_NBYTES} bytes", path)
+        )
     try:
         index = load_json_object(raw, "the index")
     except ValueError as exc:
@@ -206,12 +216,18 @@ def _read_index(root: str, index_file: str) -> dict[str, str]:
     weight_map = index.get("weight_map")
     if not isinstance(weight_map, dict) or not weight_map:
         raise CheckpointError(
-            _diag("E321", f"{index_file}: expected a non-empty object `weight_map` of tensor key to file name", path)
+            _diag(
+                "E321",
+                f"{index_file}: expected a non-empty object `weight_map` of tensor key to file name",
+                path,
+            )
         )
     diags = []
     for ckpt_key, name in weight_map.items():
         if not isinstance(name, str):
-            diags.append(_diag("E321", f"{index_file}: tensor `{ckpt_key}` maps to {name!r}, not a file name", path))
+            diags.append(
+                _diag("E321", f"{index_file}: tensor `{ckpt_key}` maps to {name!r}, not a file name", path)
+            )
     diags.extend(
         _diag(
             "E322",
@@ -266,7 +282,8 @@ def _assemble(
             diags.append(
                 _diag(
                     "E301",
-                    f"{index_file} names {name} (for tensor `{users[name]}` and maybe more), which does not exist",
+                    f"{index_file} names {name} (for tensor `{users[name]}` and maybe more), "
+                    "which does not exist",
                     path,
                 )
             )
@@ -281,7 +298,9 @@ def _assemble(
             where.setdefault(ckpt_key, []).append(name)
     for ckpt_key, names in where.items():
         if len(names) > 1:
-            hint = "add a model.safetensors.index.json or remove the stray file" if weight_map is None else None
+            hint = (
+                "add a model.safetensors.index.json or remove the stray file" if weight_map is None else None
+            )
             diags.append(
                 _diag(
                     "E324",

@@ -19,9 +19,13 @@ from remapdsl.errors import CheckpointError, Diagnostic, did_you_mean
 
 def as_byte_view(buffer: object) -> memoryview:
     """A writable, flat byte view of buffer's memory (a contiguous CPU torch tensor or a buffer object)."""
-    if hasattr(buffer, "data_ptr") and hasattr(buffer, "is_contiguous"):  # a torch tensor, without importing torch
+    if hasattr(buffer, "data_ptr") and hasattr(
+        buffer, "is_contiguous"
+    ):  # a torch tensor, without importing torch
         if buffer.device.type != "cpu" or not buffer.is_contiguous():
-            raise ValueError(f"need a contiguous CPU tensor, got {buffer.device.type} tensor, stride {buffer.stride()}")
+            raise ValueError(
+                f"need a contiguous CPU tensor, got {buffer.device.type} tensor, stride {buffer.stride()}"
+            )
         nbytes = buffer.numel() * buffer.element_size()
         if nbytes == 0:
             return memoryview(bytearray())
@@ -48,7 +52,9 @@ class CheckpointReader:
     def __enter__(self) -> CheckpointReader:
         return self
 
-    def __exit__(self, kind: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None) -> None:
+    def __exit__(
+        self, kind: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
         self.close()
 
     def close(self) -> None:
@@ -58,7 +64,7 @@ class CheckpointReader:
             os.close(fd)
 
     def read_into(self, file: str, byte_offset: int, buffer: object) -> int:
-        """Fill buffer with the bytes of `file` at [byte_offset, byte_offset + len(buffer)); returns the count.
+        """Fill buffer with the bytes of `file` from byte_offset on; returns how many (the buffer's size).
 
         The range must lie in the file's data section (it may span several adjacent tensors).
         """
@@ -68,7 +74,9 @@ class CheckpointReader:
         if info is None:
             hint = did_you_mean(file, self.inventory.files)
             raise CheckpointError(
-                Diagnostic(code="E341", message=f"{file} is not a file of this checkpoint", path=path, hint=hint)
+                Diagnostic(
+                    code="E341", message=f"{file} is not a file of this checkpoint", path=path, hint=hint
+                )
             )
         end = byte_offset + view.nbytes
         if byte_offset < info.data_offset or end > info.nbytes:
@@ -101,8 +109,8 @@ class CheckpointReader:
             raise CheckpointError(
                 Diagnostic(
                     code="E340",
-                    message=f"{tensor.file}: read of bytes [{start}, {start + view.nbytes}) of tensor `{ckpt_key}` "
-                    f"leaves the tensor's {tensor.nbytes} bytes",
+                    message=f"{tensor.file}: read of bytes [{start}, {start + view.nbytes}) "
+                    f"of tensor `{ckpt_key}` leaves the tensor's {tensor.nbytes} bytes",
                     path=self.inventory.path(tensor.file),
                 )
             )
@@ -126,7 +134,9 @@ class CheckpointReader:
                 fd = os.open(path, os.O_RDONLY)
             except OSError as exc:
                 raise CheckpointError(
-                    Diagnostic(code="E301", message=f"{file}: cannot open the file ({exc.strerror})", path=path)
+                    Diagnostic(
+                        code="E301", message=f"{file}: cannot open the file ({exc.strerror})", path=path
+                    )
                 ) from None
             size, expected = os.fstat(fd).st_size, self.inventory.files[file].nbytes
             if size != expected:

@@ -1,0 +1,352 @@
+"""Hypothesis strategies for arbitrary well-formed IR (remapdsl.ir).
+
+Generated IR satisfies the IR validators and the parser's syntax-level rules, so that
+`parse_text(format_rules(ir)) == ir` must hold for it. It need not pass the static checks: names
+may be unbound, op arguments may have the wrong type, captures may be unconsumed.
+
+A few constructs the IR accepts but the formatter cannot write back are left out on purpose; each
+is listed in AVOIDED below and pinned by a strict-xfail test in tests/test_roundtrip.py, so that
+when the source is fixed the test turns red and the avoidance can be dropped here.
+
+Trivia (comments, blank lines) is generated in canonical form: the form the parser produces, so
+that trivia also survives format -> parse unchanged.
+"""
+
+from __future__ import annotations
+
+import re
+
+from hypothesis import strategies as st
+
+from remapdsl import ir
+
+STATEMENT_KEYWORDS = ("remap", "let", "drop", "keep", "dequantize", "include", "macro",
+                      "optional", "otherwise")
+
+# Known gaps between the IR and the concrete syntax (see tests/test_roundtrip.py, xfail tests).
+AVOIDED = {
+    # `a.when -> x`, `{L}when -> x`: a key segment spelled `when` lexes as the guard keyword
+    # wherever a pattern may end.
+    "when_segment": "when",
+    # `{true,x}`, `{config,x}`, `{not,x}`, `{1.5,x}`, `{1e5,x}`: the first alternative lexes as
+    # an expression (keyword or float literal) because `{` may open a target expression.
+    "first_option_keywords": frozenset({"true", "false", "not", "config"}),
+    # `drop -> x`, `optional otherwise -> x`: a rule whose only source pattern is exactly a
+    # statement keyword lexes as that keyword.
+}
+_FLOAT_START = re.compile(r"[0-9]+\.[0-9]+|[0-9]+[eE][+-]?[0-9]+")
+_WORD_RUN = re.compile(r"[A-Za-z0-9_]+")
+
+# ---- names ---------------------------------------------------------------------------------
+
+_INTERESTING_NAMES = (
+    "L", "E", "P", "H", "NH", "KV", "D", "x", "_", "_1", "a_b", "bfloat16", "float32", "e8m0",
+    # statement keywords and op names are ordinary names outside their own position
+    *STATEMENT_KEYWORDS, "cast", "concat", "stack", "fp8_block", "invalid_op",
+    # prefixes of keywords are not keywords
+    "whenever", "notx", "configs", "android", "order", "true_", "False", "TRUE", "inf", "nan", "e5",
+)
+
+identifiers = st.one_of(
+    st.sampled_from(_INTERESTING_NAMES),
+    st.from_regex(r"[A-Za-z_][A-Za-z0-9_]{0,7}", fullmatch=True),
+).filter(lambda name: ir.identifier_problem(name) is None)
+
+macro_names = identifiers.filter(lambda name: name not in ir.OPS_BY_NAME)
+
+# One segment of key text: letters, digits, `_`.
+_INTERESTING_WORDS = (
+    "model", "layers", "weight", "bias", "self_attn", "q_proj", "experts", "0", "1", "10", "007",
+    "1e5", "2E3", "inf", "nan", *STATEMENT_KEYWORDS, "and", "or", "not", "true", "false", "config",
+    "whenx", "xwhen", "_",
+)
+key_words = st.one_of(
+    st.sampled_from(_INTERESTING_WORDS),
+    st.from_regex(r"[A-Za-z0-9_]{1,6}", fullmatch=True),
+).filter(lambda word: word != AVOIDED["when_segment"])
+
+config_segments = st.one_of(
+    st.sampled_from(("hidden_size", "num_attention_heads", "when", "true", "config", "not", "1",
+                     "1e5", "0", "drop", "remap")),
+    st.from_regex(r"[A-Za-z0-9_]{1,6}", fullmatch=True),
+)
+
+# ---- expressions ---------------------------------------------------------------------------
+
+ints = st.builds(ir.Int, value=st.one_of(st.integers(-10, 100),
+                                         st.integers(-(2**70), 2**70)))
+floats = st.builds(ir.Float, value=st.floats(allow_nan=False, allow_infinity=False))
+bools = st.builds(ir.Bool, value=st.booleans())
+names = st.builds(ir.Name, id=identifiers)
+configs = st.builds(ir.Config, path=st.lists(config_segments, min_size=1, max_size=3).map(tuple))
+
+expr_leaves = st.one_of(ints, floats, bools, names, configs)
+
+
+def _extend(children: st.SearchStrategy) -> st.SearchStrategy:
+    non_literal = children.filter(lambda e: not isinstance(e, (ir.Int, ir.Float)))
+    return st.one_of(
+        st.builds(ir.List, items=st.lists(children, max_size=4).map(tuple)),
+        st.builds(ir.Neg, operand=non_literal),
+        st.builds(ir.Not, operand=children),
+        st.builds(ir.BinOp, op=st.sampled_from(["+", "-", "*", "//", "%"]), left=children,
+                  right=children),
+        st.builds(ir.Compare, op=st.sampled_from(["==", "!=", "<", "<=", ">", ">="]),
+                  left=children, right=children),
+        st.builds(ir.BoolOp, op=st.sampled_from(["and", "or"]), left=children, right=children),
+        st.builds(ir.Coalesce, left=children, right=children),
+    )
+
+
+exprs = st.recursive(expr_leaves, _extend, max_leaves=10)
+small_exprs = st.recursive(expr_leaves, _extend, max_leaves=4)
+
+# ---- trivia --------------------------------------------------------------------------------
+
+_comment_chars = st.characters(blacklist_categories=("Cs",), blacklist_characters="\n\r")
+comments = st.text(_comment_chars, max_size=20).map(lambda body: ("#" + body).rstrip())
+_leading_lines = st.lists(st.one_of(comments, st.just("")), max_size=4)
+
+
+def _collapse(lines: list[str], at_start: bool = False, at_end: bool = False) -> tuple[str, ...]:
+    """Blank-line runs as the parser leaves them: one at most, none at the file's start or end."""
+    out: list[str] = []
+    for line in lines:
+        if line == "" and ((not out and at_start) or (out and out[-1] == "")):
+            continue
+        out.append(line)
+    if at_end:
+        while out and out[-1] == "":
+            out.pop()
+    return tuple(out)
+
+
+statement_trivia = st.builds(
+    lambda leading, trailing: ir.Trivia(leading=_collapse(leading), trailing=trailing),
+    _leading_lines, st.none() | comments,
+)
+op_trivia = st.one_of(
+    st.just(ir.NO_TRIVIA),
+    st.builds(lambda leading, trailing: ir.Trivia(leading=tuple(leading), trailing=trailing),
+              st.lists(comments, max_size=2), st.none() | comments),
+)
+
+# ---- key patterns --------------------------------------------------------------------------
+
+
+def _first_option_ok(option: str) -> bool:
+    first_word = _WORD_RUN.match(option)
+    if first_word and first_word.group() in AVOIDED["first_option_keywords"]:
+        return False
+    return not _FLOAT_START.match(option)
+
+
+_options = st.lists(key_words, min_size=1, max_size=2).map(".".join)
+alternatives = st.lists(_options, min_size=2, max_size=4, unique=True).filter(
+    lambda opts: _first_option_ok(opts[0])
+).map(lambda opts: ir.Alternatives(options=tuple(opts)))
+
+
+def _merge_texts(parts: list[ir.Node]) -> tuple[ir.Node, ...]:
+    out: list[ir.Node] = []
+    for part in parts:
+        if out and isinstance(part, ir.Text) and isinstance(out[-1], ir.Text):
+            out[-1] = ir.Text(text=out[-1].text + part.text)
+        else:
+            out.append(part)
+    return tuple(out)
+
+
+def _lexes_cleanly(parts: tuple[ir.Node, ...]) -> bool:
+    return not any(isinstance(p, ir.Text) and AVOIDED["when_segment"] in _WORD_RUN.findall(p.text)
+                   for p in parts)
+
+
+@st.composite
+def _inline_segment(draw, holes: st.SearchStrategy) -> list[ir.Node]:
+    """One segment: literal words and holes, alternating (no two words or holes side by side)."""
+    length = draw(st.integers(1, 4))
+    word_first = draw(st.booleans())
+    pieces: list[ir.Node] = []
+    for i in range(length):
+        if (i % 2 == 0) == word_first:
+            pieces.append(ir.Text(text=draw(key_words)))
+        else:
+            pieces.append(draw(holes))
+    return pieces
+
+
+@st.composite
+def source_patterns(draw, captures: dict[str, str]) -> ir.Pattern:
+    """A matching-side pattern; captures come from `captures` (name -> type) of the statement."""
+    matchers = [st.just(ir.Star())]
+    if captures:
+        matchers.append(st.sampled_from(sorted(captures)).map(
+            lambda name: ir.Capture(name=name, type=captures[name])))
+    holes = st.one_of(alternatives, *matchers)
+    whole = [st.just([ir.DoubleStar()])]
+    path_names = sorted(name for name, kind in captures.items() if kind == "path")
+    if path_names:
+        whole.append(st.sampled_from(path_names).map(lambda n: [ir.Capture(name=n, type="path")]))
+    segment = st.one_of(_inline_segment(holes), *whole)
+    segments = draw(st.lists(segment, min_size=1, max_size=4))
+    parts: list[ir.Node] = []
+    for i, pieces in enumerate(segments):
+        if i:
+            parts.append(ir.Text(text="."))
+        parts.extend(pieces)
+    merged = _merge_texts(parts)
+    if ir.pattern_problems(merged) or not _lexes_cleanly(merged):
+        # e.g. `*.` next to `*` cannot happen, but keep the generator honest against the validator
+        draw(st.nothing())
+    return ir.Pattern(parts=merged)
+
+
+@st.composite
+def target_patterns(draw) -> ir.Pattern:
+    """A producing-side pattern: literal text, substitutions `{expr}` and alternatives."""
+    holes = st.one_of(alternatives, st.builds(ir.Subst, expr=small_exprs),
+                      names.map(lambda n: ir.Subst(expr=n)))
+    segments = draw(st.lists(_inline_segment(holes), min_size=1, max_size=4))
+    parts: list[ir.Node] = []
+    for i, pieces in enumerate(segments):
+        if i:
+            parts.append(ir.Text(text="."))
+        parts.extend(pieces)
+    merged = _merge_texts(parts)
+    if ir.pattern_problems(merged) or not _lexes_cleanly(merged):
+        draw(st.nothing())
+    return ir.Pattern(parts=merged)
+
+
+capture_types = st.dictionaries(
+    st.one_of(st.sampled_from(("L", "E", "P", "m", "x")), identifiers),
+    st.sampled_from(ir.CAPTURE_TYPES), max_size=3,
+)
+
+# ---- ops -----------------------------------------------------------------------------------
+
+
+@st.composite
+def builtin_ops(draw, cls: type[ir.Op], trivia: st.SearchStrategy = st.just(ir.NO_TRIVIA)) -> ir.Op:
+    """An op of class `cls`, every declared parameter filled with a value of the right shape."""
+    fields = {}
+    for param in cls.params:
+        value = identifiers if param.kind == "capture" else small_exprs
+        if not param.required:
+            value = st.none() | value
+        fields[param.name] = draw(value)
+    return cls(**{k: v for k, v in fields.items() if v is not None}, trivia=draw(trivia))
+
+
+@st.composite
+def macro_calls(draw, trivia: st.SearchStrategy = st.just(ir.NO_TRIVIA)) -> ir.MacroCall:
+    args = draw(st.lists(st.builds(ir.Arg, name=st.none() | identifiers, value=small_exprs),
+                         max_size=3))
+    return ir.MacroCall(name=draw(macro_names), args=tuple(args), trivia=draw(trivia))
+
+
+def ops(roles: tuple[str, ...] = ("layout", "value"), macro: bool = True,
+        trivia: st.SearchStrategy = st.just(ir.NO_TRIVIA)) -> st.SearchStrategy:
+    choices = [builtin_ops(cls, trivia) for cls in ir.BUILTIN_OPS if cls.role in roles]
+    if macro:
+        choices.append(macro_calls(trivia))
+    return st.one_of(choices)
+
+
+pipe_ops = ops(("layout", "value"), trivia=op_trivia)  # what a mapping rule may hold
+format_ops = ops(("format",), macro=False, trivia=op_trivia)  # what a dequantize names
+any_ops = ops(("layout", "value", "format"), trivia=op_trivia)  # a macro body takes anything
+
+# ---- statements ----------------------------------------------------------------------------
+
+guards = st.none() | small_exprs
+
+
+def keyword_collision(statement: ir.Statement) -> bool:
+    """A rule whose only source pattern is exactly a statement keyword, which lexes as it."""
+    if not isinstance(statement, ir.Rule) or len(statement.sources) != 1:
+        return False
+    parts = statement.sources[0].parts
+    if len(parts) != 1 or not isinstance(parts[0], ir.Text):
+        return False
+    word = parts[0].text
+    if statement.otherwise:
+        return False
+    if statement.optional:
+        return word in ("otherwise", "dequantize")
+    return word in STATEMENT_KEYWORDS
+
+
+versions = st.builds(ir.Version, number=st.sampled_from(ir.LANGUAGE_VERSIONS), trivia=statement_trivia)
+lets = st.builds(ir.Let, name=identifiers, value=exprs, trivia=statement_trivia)
+
+
+@st.composite
+def rules(draw) -> ir.Rule:
+    captures = draw(capture_types)
+    rule = ir.Rule(
+        sources=tuple(draw(st.lists(source_patterns(captures), min_size=1, max_size=3))),
+        targets=tuple(draw(st.lists(target_patterns(), min_size=1, max_size=3))),
+        guard=draw(guards),
+        ops=tuple(draw(st.lists(pipe_ops, max_size=4))),
+        optional=draw(st.booleans()),
+        otherwise=draw(st.booleans()),
+        trivia=draw(statement_trivia),
+    )
+    if keyword_collision(rule):
+        draw(st.nothing())
+    return rule
+
+
+@st.composite
+def drops_and_keeps(draw) -> ir.Drop | ir.Keep:
+    captures = draw(capture_types)
+    cls = draw(st.sampled_from([ir.Drop, ir.Keep]))
+    return cls(patterns=tuple(draw(st.lists(source_patterns(captures), min_size=1, max_size=3))),
+               guard=draw(guards), trivia=draw(statement_trivia))
+
+
+@st.composite
+def dequantizes(draw) -> ir.Dequantize:
+    captures = draw(capture_types)
+    return ir.Dequantize(
+        sources=tuple(draw(st.lists(source_patterns(captures), min_size=1, max_size=3))),
+        target=draw(target_patterns()),
+        guard=draw(guards),
+        format=draw(format_ops),
+        optional=draw(st.booleans()),
+        trivia=draw(statement_trivia),
+    )
+
+
+include_paths = st.text(
+    st.characters(blacklist_categories=("Cs",), blacklist_characters='"\n\r'), min_size=1, max_size=20,
+).filter(lambda path: path.strip() != "")
+includes = st.builds(ir.Include, path=include_paths, trivia=statement_trivia)
+
+
+@st.composite
+def macros(draw) -> ir.Macro:
+    first = draw(ops(("layout", "value", "format")))  # on the head line: it has no comments
+    rest = draw(st.lists(any_ops, max_size=3))
+    return ir.Macro(name=draw(macro_names),
+                    params=tuple(draw(st.lists(identifiers, max_size=3, unique=True))),
+                    ops=(first, *rest), trivia=draw(statement_trivia))
+
+
+statements = st.one_of(lets, rules(), drops_and_keeps(), dequantizes(), includes, macros())
+
+
+@st.composite
+def rule_files(draw, path: str = "<generated>") -> ir.RuleFile:
+    body = draw(st.lists(statements, max_size=8))
+    if draw(st.booleans()):
+        body.insert(0, draw(versions))
+    if body:  # no blank line before the first statement
+        first = body[0]
+        leading = _collapse(list(first.trivia.leading), at_start=True)
+        body[0] = first.model_copy(update={"trivia": first.trivia.model_copy(
+            update={"leading": leading})})
+    trailing = _collapse(draw(_leading_lines), at_start=not body, at_end=True)
+    return ir.RuleFile(path=path, statements=tuple(body), trailing=trailing)

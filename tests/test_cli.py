@@ -1,0 +1,105 @@
+"""The command line, in-process through cli.main and once as real processes."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from remapdsl.cli import main
+
+GOOD = "remap 1\nmodel.norm.weight -> norm.weight\n"
+
+
+@pytest.fixture
+def good(tmp_path):
+    path = tmp_path / "good.remap"
+    path.write_text(GOOD)
+    return path
+
+
+def test_check_clean_file(good, capsys):
+    assert main(["check", str(good)]) == 0
+    assert capsys.readouterr().out == f"ok: {good} (2 statements)\n"
+
+
+def test_check_reports_located_errors_without_traceback(tmp_path, capsys):
+    bad = tmp_path / "bad.remap"
+    bad.write_text("remap 1\nmodel.layers.{L}.w -> x.w\n")
+    assert main(["check", str(bad)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"{bad}:2:14: error[E102]:")
+    assert "Traceback" not in err
+
+
+def test_check_several_files_reports_every_bad_one(good, tmp_path, capsys):
+    bad = tmp_path / "bad.remap"
+    bad.write_text("a -> b |\n")
+    assert main(["check", str(good), str(bad), str(tmp_path / "missing.remap")]) == 2
+    captured = capsys.readouterr()
+    assert "ok: " in captured.out
+    assert "error[E005]" in captured.err and "error[E009]" in captured.err
+
+
+def test_fmt_check_and_rewrite(tmp_path, capsys):
+    path = tmp_path / "messy.remap"
+    path.write_text("remap 1\n\n\n   a.{L}   ->  b.{L}|cast( bfloat16 )  # keep me\n")
+    assert main(["fmt", "--check", str(path)]) == 1
+    assert "would reformat" in capsys.readouterr().err
+    assert main(["fmt", str(path)]) == 0
+    assert path.read_text() == "remap 1\n\na.{L} -> b.{L} | cast(bfloat16)  # keep me\n"
+    assert main(["fmt", "--check", str(path)]) == 0
+
+
+def test_fmt_diff_changes_nothing(tmp_path, capsys):
+    path = tmp_path / "messy.remap"
+    path.write_text("a->b\n")
+    assert main(["fmt", "--diff", str(path)]) == 1
+    assert "+a -> b" in capsys.readouterr().out
+    assert path.read_text() == "a->b\n"
+
+
+def test_ir_json(good, capsys):
+    assert main(["ir", str(good), "--json"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    rule = data["statements"][1]
+    assert rule["kind"] == "rule"
+    assert rule["span"] == {"path": str(good), "line": 2, "column": 1, "end_line": 2, "end_column": 33}
+
+
+def test_ir_resolved_json(good, capsys):
+    assert main(["ir", str(good), "--json", "--resolved"]) == 0
+    assert len(json.loads(capsys.readouterr().out)["statements"]) == 2
+
+
+def test_help_for_every_command(capsys):
+    for command in ([], ["check"], ["fmt"], ["ir"]):
+        with pytest.raises(SystemExit) as info:
+            main([*command, "--help"])
+        assert info.value.code == 0
+        assert "usage: remapdsl" in capsys.readouterr().out
+
+
+def test_bug_is_reported_as_a_bug(good, capsys, monkeypatch):
+    import remapdsl
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("boom")
+
+    monkeypatch.setattr(remapdsl, "load_rules", broken)
+    assert main(["check", str(good)]) == 3
+    err = capsys.readouterr().err
+    assert "Traceback" in err and "please report" in err
+
+
+@pytest.mark.parametrize("launcher", [[sys.executable, "-m", "remapdsl"],
+                                      [str(Path(sys.executable).parent / "remapdsl")]])
+def test_real_processes(launcher, good, tmp_path):
+    bad = tmp_path / "bad.remap"
+    bad.write_text("a -> b | concatt(dim=0)\n")
+    ok = subprocess.run([*launcher, "check", str(good)], capture_output=True, text=True)
+    assert ok.returncode == 0, ok.stderr
+    failed = subprocess.run([*launcher, "check", str(bad)], capture_output=True, text=True)
+    assert failed.returncode == 2
+    assert "did you mean `concat`?" in failed.stderr and "Traceback" not in failed.stderr

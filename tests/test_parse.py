@@ -1,0 +1,195 @@
+"""Parsing: the IR a rule file becomes, with spans, capture types, op arguments and trivia."""
+
+import pytest
+
+from remapdsl import ir
+from remapdsl.errors import RemapError
+from remapdsl.parse import parse_text
+
+
+def one(text: str) -> ir.Statement:
+    (statement,) = parse_text(text, "t.remap").statements
+    return statement
+
+
+def test_rule_with_captures_alternatives_and_ops():
+    rule = one(
+        "model.layers.{L}.mlp.experts.{E}.{gate,up}_proj.weight -> layers.{L}.moe.w13\n"
+        "    | stack(E, dim=0)\n"
+        "    | concat(dim=1)\n"
+    )
+    assert isinstance(rule, ir.Rule)
+    (source,) = rule.sources
+    assert source.parts == (
+        ir.Text(text="model.layers."),
+        ir.Capture(name="L"),
+        ir.Text(text=".mlp.experts."),
+        ir.Capture(name="E"),
+        ir.Text(text="."),
+        ir.Alternatives(options=("gate", "up")),
+        ir.Text(text="_proj.weight"),
+    )
+    assert rule.targets[0].parts[1] == ir.Subst(expr=ir.Name(id="L"))
+    assert rule.ops == (
+        ir.Stack(capture="E", dim=ir.Int(value=0)),
+        ir.Concat(dim=ir.Int(value=1)),
+    )
+
+
+def test_spans_point_at_the_source_text():
+    rule = one("a.{L}.b -> c.{L}\n    | transpose(0, 1)\n")
+    assert (rule.span.line, rule.span.column) == (1, 1)
+    capture = rule.sources[0].parts[1]
+    assert (capture.span.line, capture.span.column, capture.span.end_column) == (1, 3, 6)
+    op = rule.ops[0]
+    assert (op.span.line, op.span.column, op.span.end_column) == (2, 7, 22)
+
+
+def test_capture_type_declared_once_applies_to_every_use():
+    deq = one("dequantize {P:path}.weight, {P}.weight_scale_inv -> {P}.weight"
+              " | fp8_block(block=[128, 128], to=bfloat16)\n")
+    assert isinstance(deq, ir.Dequantize)
+    assert [p.parts[0] for p in deq.sources] == [ir.Capture(name="P", type="path")] * 2
+    assert isinstance(deq.format, ir.Fp8Block)
+    assert deq.format.block == ir.List(items=(ir.Int(value=128), ir.Int(value=128)))
+
+
+def test_path_capture_may_end_inside_a_segment():
+    deq = one("dequantize {P:path}_blocks, {P}_scales -> {P} | mxfp4(to=bfloat16)\n")
+    assert deq.sources[0].parts == (ir.Capture(name="P", type="path"), ir.Text(text="_blocks"))
+
+
+def test_expression_precedence():
+    let = one("let D = config.head_dim ?? H // NH + 1\n")
+    assert let.value == ir.Coalesce(
+        left=ir.Config(path=("head_dim",)),
+        right=ir.BinOp(op="+", left=ir.BinOp(op="//", left=ir.Name(id="H"), right=ir.Name(id="NH")),
+                       right=ir.Int(value=1)),
+    )
+    guard = one("a -> b when not config.tie ?? false and L >= 2\n").guard
+    assert guard == ir.BoolOp(
+        op="and",
+        left=ir.Not(operand=ir.Coalesce(left=ir.Config(path=("tie",)), right=ir.Bool(value=False))),
+        right=ir.Compare(op=">=", left=ir.Name(id="L"), right=ir.Int(value=2)),
+    )
+
+
+def test_negative_literals_fold_and_negated_names_do_not():
+    reshape = one("a -> b | reshape([-1, -H, 2])\n").ops[0]
+    assert reshape.shape.items == (ir.Int(value=-1), ir.Neg(operand=ir.Name(id="H")), ir.Int(value=2))
+
+
+def test_optional_otherwise_drop_keep_include_macro_version():
+    statements = parse_text(
+        'remap 1\noptional otherwise {P:path} -> {P}\ndrop a.*, b.**.c when 1 < 2\nkeep x.y\n'
+        'include "common.remap"\nmacro m(n) = reshape([n, -1]) | transpose(0, 1)\n',
+        "t.remap",
+    ).statements
+    kinds = [type(s).__name__ for s in statements]
+    assert kinds == ["Version", "Rule", "Drop", "Keep", "Include", "Macro"]
+    assert statements[1].optional and statements[1].otherwise
+    assert statements[2].patterns[0].parts == (ir.Text(text="a."), ir.Star())
+    assert statements[5].params == ("n",) and len(statements[5].ops) == 2
+
+
+def test_keywords_followed_by_a_dot_are_key_text():
+    rule = one("drop.weight -> keep.weight\n")
+    assert isinstance(rule, ir.Rule)
+    assert rule.sources[0].parts == (ir.Text(text="drop.weight"),)
+
+
+def test_unknown_op_becomes_a_macro_call_for_the_static_checks():
+    op = one("a -> b | my_macro(3, n=4)\n").ops[0]
+    assert op == ir.MacroCall(name="my_macro", args=(ir.Arg(value=ir.Int(value=3)),
+                                                     ir.Arg(name="n", value=ir.Int(value=4))))
+
+
+def test_comments_and_blank_lines_become_trivia():
+    rules = parse_text(
+        "# header\n\n\n# about a\na -> b  # inline\n    # about the op\n    | cast(bfloat16)  # op note\n"
+        "\n# the end\n",
+        "t.remap",
+    )
+    (rule,) = rules.statements
+    assert rule.trivia.leading == ("# header", "", "# about a")
+    assert rule.trivia.trailing == "# inline"
+    assert rule.ops[0].trivia.leading == ("# about the op",)
+    assert rule.ops[0].trivia.trailing == "# op note"
+    assert rules.trailing == ("", "# the end")
+
+
+def test_crlf_and_bom_are_accepted():
+    rules = parse_text("\ufeffremap 1\r\na -> b\r\n", "t.remap")
+    assert len(rules.statements) == 2
+
+
+def test_empty_and_comment_only_files():
+    assert parse_text("", "t.remap").statements == ()
+    only = parse_text("# nothing here\n# at all\n", "t.remap")
+    assert only.statements == () and only.trailing == ("# nothing here", "# at all")
+
+
+def test_ir_equality_ignores_spans_and_trivia():
+    a = parse_text("a -> b  # one\n", "x.remap")
+    b = parse_text("\n\n   a   ->   b\n", "y.remap")
+    assert a.statements == b.statements
+    assert hash(a.statements[0]) == hash(b.statements[0])
+
+
+def test_ir_round_trips_through_json():
+    rules = parse_text("a.{L} -> b.{L - 1} | cast(bfloat16)\nlet X = [1, 2.5, true]\n", "t.remap")
+    again = ir.RuleFile.model_validate_json(rules.model_dump_json())
+    assert again == rules
+
+
+@pytest.mark.parametrize("text, code", [
+    ("a.b c.d\n", "E002"),
+    ("a.{L.b -> c\n", "E003"),
+    ("| cast(x)\n", "E004"),
+    ("a -> b |\n", "E005"),
+    ("a b -> c\n", "E010"),
+    ("a.{L + 1} -> c\n", "E011"),
+    ("a.{L:pth} -> c.{L}\n", "E012"),
+    ("a.{L} -> c.{L:int}\n", "E013"),
+    ("a.{q,q} -> c\n", "E014"),
+    ("a -> c.*\n", "E015"),
+    ("a..b -> c\n", "E016"),
+    ("a.x**.b -> c\n", "E016"),
+    ("a.{A}{B} -> c.{A}.{B}\n", "E016"),
+    ("let 1x = 2\n", "E017"),
+    ("a.{P:path}, b.{P:seg} -> c.{P}\n", "E018"),
+    ("a -> b | transpose(0)\n", "E020"),
+    ("a -> b | transpose(0, 1, 2)\n", "E020"),
+    ("a -> b | cast(dtyp=bfloat16)\n", "E021"),
+    ("a -> b | transpose(0, a=1)\n", "E022"),
+    ("a -> b | transpose(a=0, 1)\n", "E023"),
+    ("a -> b | stack(1, dim=0)\n", "E024"),
+    ("remap one\n", "E030"),
+    ("remap 2\n", "E031"),
+    ("a -> b\nremap 1\n", "E032"),
+    ("macro concat(n) = transpose(0, 1)\n", "E033"),
+    ("dequantize a -> b\n", "E034"),
+    ("dequantize a -> b | concat(dim=0)\n", "E035"),
+    ("a -> b | fp8_tensor(to=bfloat16)\n", "E037"),
+    ("let X = 12abc\n", "E038"),
+])
+def test_syntax_errors_have_codes_and_locations(text, code):
+    with pytest.raises(RemapError) as info:
+        parse_text(text, "t.remap")
+    diagnostic = info.value.diagnostic
+    assert diagnostic.code == code
+    assert diagnostic.span is not None and diagnostic.span.path == "t.remap"
+    assert diagnostic.line_text is not None
+    assert str(info.value).startswith(f"t.remap:{diagnostic.span.line}:{diagnostic.span.column}: error[{code}]")
+
+
+def test_misspelled_op_argument_gets_a_suggestion():
+    with pytest.raises(RemapError) as info:
+        parse_text("a.{q,k} -> b | interleave(dim=0, grups=2)\n", "t.remap")
+    assert info.value.diagnostic.hint == "did you mean `groups`?"
+
+
+def test_all_errors_of_a_pass_are_reported_together():
+    with pytest.raises(RemapError) as info:
+        parse_text("a -> b | transpose(0)\nc -> d | cast(dim=1)\n", "t.remap")
+    assert [d.code for d in info.value.diagnostics] == ["E020", "E021", "E020"]
