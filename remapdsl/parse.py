@@ -9,6 +9,7 @@ Checks that need the whole program (names, captures, includes) live in remapdsl/
 from __future__ import annotations
 
 import functools
+import re
 from pathlib import Path
 from typing import Any, NamedTuple
 
@@ -16,10 +17,11 @@ from lark import Lark, Token, Transformer, UnexpectedInput, v_args
 from lark.exceptions import VisitError
 
 from . import ir
-from .errors import Diagnostic, RemapError, RuleSyntaxError, Span, did_you_mean
+from .errors import Diagnostic, RemapError, RuleSyntaxError, Span, did_you_mean, suggest
 from .syntax import syntax_diagnostic
 from .trivia import attach_trivia
 
+_DECIMAL = re.compile(r"[0-9]+\.[0-9]+")
 _FORMAT_NAMES = sorted(cls.op_name() for cls in ir.BUILTIN_OPS if cls.role == "format")
 _GRAMMAR_LOCATIONS = (
     Path(__file__).parent / "grammars" / "remap.lark",  # installed wheel
@@ -379,7 +381,7 @@ class _Builder(Transformer):
         spans: list[Span] = []
         text, text_span = "", None
         for item in items:
-            if isinstance(item, Token) and item.type in ("WORD", "DOT"):
+            if isinstance(item, Token) and item.type == "WORD":
                 if not text:
                     text_span = self._span(item)
                 text += str(item)
@@ -454,17 +456,11 @@ class _Builder(Transformer):
     def brace_typed(self, meta: Any, name: Token, kind: Token) -> tuple[str, Any]:
         return ("typed", (name, kind))
 
-    def brace_alternatives(self, meta: Any, *options: str) -> tuple[str, Any]:
-        return ("alternatives", tuple(options))
-
-    def alternative(self, meta: Any, *tokens: Token) -> str:
-        for a, b in zip(tokens, tokens[1:]):
-            if a.end_pos != b.start_pos:
-                self._error("E010", "white space inside an alternative", self._span(meta))
-        text = "".join(tokens)
-        if not ir.OPTION_TEXT.fullmatch(text):
-            self._error("E016", f"alternative `{text}` has an empty segment", self._span(meta))
-        return text
+    def brace_alternatives(self, meta: Any, *options: Token) -> tuple[str, Any]:
+        for option in options:
+            if not ir.OPTION_TEXT.fullmatch(option):
+                self._error("E016", f"alternative `{option}` has an empty segment", self._span(option))
+        return ("alternatives", tuple(str(o) for o in options))
 
     def patterns(self, meta: Any, *raws: _RawPattern) -> list[_RawPattern]:
         return list(raws)
@@ -472,15 +468,31 @@ class _Builder(Transformer):
     # -- expressions --
 
     def word(self, meta: Any, token: Token) -> ir.Node:
+        """A WORD in an expression: an integer, a number, a name, or a `config.a.b` read."""
         span = self._span(meta)
-        if token.isdigit():
-            return ir.Int(value=int(token), span=span)
-        problem = ir.identifier_problem(str(token))
-        if problem:
-            self._error("E038", f"`{token}` is neither a number nor a name", span, problem)
-            self.bad_words.add((span.line, span.column))
-            return ir.Int(value=0, span=span)
-        return ir.Name(id=str(token), span=span)
+        text = str(token)
+        if text.isdigit():
+            return ir.Int(value=int(text), span=span)
+        if _DECIMAL.fullmatch(text):
+            return ir.Float(value=float(text), span=span)
+        if text.startswith("config."):
+            path = tuple(text[len("config."):].split("."))
+            if all(path):
+                return ir.Config(path=path, span=span)
+        elif not ir.identifier_problem(text):
+            return ir.Name(id=text, span=span)
+        head = text.split(".")[0]
+        if text == "config":
+            message, hint = "`config` needs a key", "read a value as `config.hidden_size`"
+        elif "." in text and head != "config":
+            message = f"`{text}` is not a name: names have no dots"
+            hint = (f"did you mean `config.{text.split('.', 1)[1]}`?" if suggest(head, ["config"])
+                    else "config values are read as `config.KEY`")
+        else:
+            message, hint = f"`{text}` is neither a number nor a name", ir.identifier_problem(text)
+        self._error("E038", message, span, hint)
+        self.bad_words.add((span.line, span.column))
+        return ir.Int(value=0, span=span)
 
     def float(self, meta: Any, token: Token) -> ir.Node:
         value = float(token)
@@ -494,9 +506,6 @@ class _Builder(Transformer):
 
     def false(self, meta: Any) -> ir.Bool:
         return ir.Bool(value=False, span=self._span(meta))
-
-    def config_ref(self, meta: Any, *tokens: Token) -> ir.Config:
-        return ir.Config(path=tuple(str(t) for t in tokens if t.type == "WORD"), span=self._span(meta))
 
     def list(self, meta: Any, *items: ir.Node | None) -> ir.List:
         return ir.List(items=tuple(i for i in items if i is not None), span=self._span(meta))

@@ -22,9 +22,9 @@ _NAMED = {
     "_CONT": "a `|` line",
     "$END": "end of file",
 }
-_EXPRESSION_START = {"FLOAT", "LPAR", "LSQB", "NOT", "TRUE", "FALSE", "CONFIG"}
+_EXPRESSION_START = {"FLOAT", "LPAR", "LSQB", "NOT", "TRUE", "FALSE"}
 _OPERATORS = {"PLUS", "MINUS", "STAR", "PERCENT", "COMPARE", "OR", "AND", "__ANON_1", "__ANON_2"}
-_PATTERN_PARTS = {"DOT", "LBRACE", "STAR", "DOUBLE_STAR"}
+_PATTERN_PARTS = {"LBRACE", "STAR", "DOUBLE_STAR"}
 _BRACKETS = {"(": ")", "[": "]", "{": "}"}
 
 
@@ -60,15 +60,15 @@ def syntax_diagnostic(exc: UnexpectedInput, text: str, path: str, parser: Lark) 
     def diag(code: str, message: str, hint: str | None = None, at: Span | None = None) -> Diagnostic:
         return Diagnostic(code=code, message=message, span=at or span, line_text=line_text, hint=hint)
 
-    opener = _unclosed(before)
-    if opener is not None:
+    opener = _unclosed(line_text)
+    if opener is not None and opener[0] < column:
         bracket_column, bracket = opener
         closer = _BRACKETS[bracket]
-        if not expected or _terminal_for(parser, closer) in expected:
-            at = Span(path=path, line=line, column=bracket_column, end_line=line,
-                      end_column=bracket_column + 1)
-            return diag("E003", f"unclosed `{bracket}`: expected `{closer}` before {found}",
-                        f"close it with `{closer}`", at)
+        at = Span(path=path, line=line, column=bracket_column, end_line=line,
+                  end_column=bracket_column + 1)
+        what = {"{": "a capture or alternatives", "(": "the argument list", "[": "the list"}[bracket]
+        return diag("E003", f"unclosed `{bracket}`: {what} opened here has no `{closer}` on this line",
+                    f"close it with `{closer}`", at)
     if kind == "CHAR":
         hint = None
         if not text[exc.pos_in_stream].isascii():
@@ -137,7 +137,7 @@ def _expected_words(expected: set[str], shown: dict[str, str]) -> str:
     if len(names & _OPERATORS) >= 3:
         groups.append("an operator")
         names -= _OPERATORS
-    if len(names & _PATTERN_PARTS) >= 3:
+    if len(names & _PATTERN_PARTS) >= 2 and "WORD" in names:
         groups.append("more of the key pattern")
         names -= _PATTERN_PARTS | {"WORD"}
     rest = sorted(shown.get(n, n) for n in names)
@@ -157,11 +157,11 @@ def _describe_char(char: str) -> str:
     return f"`{char}`"
 
 
-def _unclosed(before: str) -> tuple[int, str] | None:
-    """The 1-based column and kind of the last bracket opened and not closed in `before`."""
+def _unclosed(line: str) -> tuple[int, str] | None:
+    """The 1-based column and kind of the first bracket of a line that is never closed on it."""
     stack: list[tuple[int, str]] = []
     quoted = False
-    for i, ch in enumerate(before):
+    for i, ch in enumerate(line):
         if ch == '"':
             quoted = not quoted
         elif quoted:
@@ -175,7 +175,7 @@ def _unclosed(before: str) -> tuple[int, str] | None:
                 stack.pop()
             else:
                 return None
-    return stack[-1] if stack else None
+    return stack[0] if stack else None
 
 
 def _cont_position(text: str, start: int) -> tuple[int, int]:

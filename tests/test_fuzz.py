@@ -1,0 +1,178 @@
+"""Fuzzing the front end: whatever the text, the only error that escapes is a RemapError.
+
+Two sources of text: arbitrary strings (unicode, control characters, CR, tabs) and realistic rule
+files broken by random edits (characters and tokens inserted, deleted, replaced). Both go through
+parse_text and through rules_from_text (parse + includes + static checks). Every RemapError must
+render, and every diagnostic with a span must point at a real line and column (1-based).
+"""
+
+from __future__ import annotations
+
+import tempfile
+from pathlib import Path
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from remapdsl.errors import RemapError
+from remapdsl.parse import parse_text
+from remapdsl.rules import rules_from_text
+
+ROOT = Path(__file__).resolve().parent.parent
+
+# An empty folder as the include root, so a fuzzed `include` never reads a real file.
+_EMPTY_ROOT = Path(tempfile.mkdtemp(prefix="remap-fuzz-"))
+
+SAMPLES = [
+    # the language brief's Qwen3-MoE example
+    """\
+# Qwen3-MoE: Hugging Face checkpoint -> fused runtime layout
+remap 1
+
+let H  = config.hidden_size
+let NH = config.num_attention_heads
+let KV = config.num_key_value_heads
+let D  = config.head_dim ?? H // NH
+
+model.embed_tokens.weight                  -> embed.weight
+model.norm.weight                          -> norm.weight
+lm_head.weight                             -> output.weight when not (config.tie_word_embeddings ?? false)
+model.layers.{L}.input_layernorm.weight    -> layers.{L}.attn_norm.weight
+model.layers.{L}.self_attn.o_proj.weight   -> layers.{L}.attn.wo.weight
+
+# q, k and v fused into one tensor, grouped per KV head (Megatron layout)
+model.layers.{L}.self_attn.{q,k,v}_proj.weight -> layers.{L}.attn.wqkv.weight
+    | interleave(dim=0, groups=KV)
+
+# experts stacked into one 3-D tensor, gate and up fused along the output dim
+model.layers.{L}.mlp.experts.{E}.{gate,up}_proj.weight -> layers.{L}.moe.w13
+    | stack(E, dim=0)
+    | concat(dim=1)
+model.layers.{L}.mlp.experts.{E}.down_proj.weight -> layers.{L}.moe.w2
+    | stack(E, dim=0)
+
+drop model.rotary_emb.inv_freq
+""",
+    # quantized checkpoint, guards, optional, otherwise, macros, includes
+    """\
+remap 1
+include "common.remap"
+
+let N = config.num_hidden_layers
+let E0 = config.first_expert ?? 0
+macro rope(heads) = reshape([heads, -1, 2, 128]) | transpose(1, 2) | reshape([-1, 128])
+
+dequantize {P:path}.weight, {P}.weight_scale_inv -> {P}.weight | fp8_block(block=[128, 128], to=bfloat16)
+optional dequantize {P:path}_blocks, {P}_scales -> {P} | mxfp4(to=bfloat16)
+
+drop model.layers.{L}.** when L >= N
+model.layers.{L}.self_attn.q_proj.weight -> layers.{L - 1}.wq when L >= 1 and L < 46
+    | rope(heads=config.num_attention_heads)  # Meta order to HF order
+optional model.layers.{L}.self_attn.{q,k,v}_proj.bias -> layers.{L}.{wq,wk,wv}.bias
+model.layers.{L}.mlp.experts.{E}.w -> moe.{L}.w | stack(E, dim=0, start=E0) | cast(float32)
+model.layers.{L}.{input,post_attention}_layernorm.weight -> layers.{L}.{attn,mlp}_norm.weight
+    | add(1)
+    | scale(0.5)
+fused.{L}.qkv -> layers.{L}.{q,k,v} | split(dim=0, sizes=[4096, 1024, 1024])
+experts.{L}.w -> layers.{L}.experts.{E}.w | unstack(E, dim=0)
+x.{m:seg}_proj.* -> y.{m} | pad(dim=0, to=128, value=-1.5e-3) | slice(dim=1, start=0, stop=64)
+keep layers.{L}.rotary.inv_freq
+otherwise {P:path} -> {P}
+""",
+    # odd but legal layout
+    "\ufeff# BOM, CRLF and tabs\r\nremap 1\r\n\r\nlet\tA = [1, -2, 3.5e2]\r\na.b -> c.d\r\n\t|\tpermute([1, 0])\r\n",
+]
+
+
+def _corpus_samples() -> list[str]:
+    files = sorted((ROOT / "rules").glob("*.remap")) + sorted((ROOT / "tests" / "corpus").glob("**/*.remap"))
+    out = []
+    for path in files[:64]:
+        try:
+            out.append(path.read_bytes().decode("utf-8"))
+        except (OSError, UnicodeDecodeError):
+            continue
+    return out
+
+
+ALL_SAMPLES = SAMPLES + _corpus_samples()
+
+TOKENS = [
+    "{", "}", "|", "->", ",", "(", ")", "[", "]", "\n", "\r", "\r\n", "\t", " ", "#", '"', ".", "*",
+    "**", ":", "=", "==", "??", "-", "+", "//", "%", "<", ">=", "!=", "{L}", "{P:path}", "{m:seg}",
+    "{x:bogus}", "{a,b}", "{1}", "{L - 1}", "remap ", "remap 2", "let ", "drop ", "keep ",
+    "dequantize ", "include ", 'include "../x.remap"', "macro ", "optional ", "otherwise ", "when ",
+    " and ", " or ", "not ", "true", "false", "config.", "config.a", "stack(E, dim=0)", "cast(",
+    "fp8_block(", "concat(dim=1)", "0", "-1", "1e999", "1.5", "99999999999999999999", "_", "é",
+    "\u3042", "\ufeff", "\x00", "\x0b", "\x85", "\u2028", "\U0001f600", "\\",
+]
+
+_any_text = st.text(st.characters(blacklist_categories=("Cs",)), max_size=120)
+_token_text = st.lists(st.one_of(st.sampled_from(TOKENS), st.text(max_size=3)), max_size=30).map("".join)
+
+
+@st.composite
+def mutated_samples(draw) -> str:
+    """A realistic rule file with 1..6 random edits (insert, delete, replace)."""
+    text = draw(st.sampled_from(ALL_SAMPLES))
+    for _ in range(draw(st.integers(1, 6))):
+        at = draw(st.integers(0, len(text)))
+        kind = draw(st.sampled_from(["insert", "delete", "replace"]))
+        piece = draw(st.one_of(st.sampled_from(TOKENS), st.characters(blacklist_categories=("Cs",))))
+        if kind == "insert":
+            text = text[:at] + piece + text[at:]
+        else:
+            stop = min(len(text), at + draw(st.integers(1, 8)))
+            text = text[:at] + (piece if kind == "replace" else "") + text[stop:]
+    return text
+
+
+def check_error(exc: RemapError, text: str) -> None:
+    rendered = str(exc)
+    assert rendered
+    assert exc.diagnostics
+    lines = text.removeprefix("\ufeff").replace("\r\n", "\n").split("\n")
+    for diagnostic in exc.diagnostics:
+        assert diagnostic.render()
+        span = diagnostic.span
+        if span is None:
+            continue
+        assert span.line >= 1 and span.column >= 1, (span, rendered)
+        assert span.end_line >= span.line, (span, rendered)
+        if span.path == "<fuzz>":  # a span in the fuzzed text itself
+            assert span.line <= len(lines), (span, rendered)
+
+
+def front_end(text: str) -> None:
+    """Run the text through both entry points; only RemapError may escape (and is checked)."""
+    try:
+        parse_text(text, "<fuzz>")
+    except RemapError as exc:
+        check_error(exc, text)
+    try:
+        rules_from_text(text, "<fuzz>", root=_EMPTY_ROOT)
+    except RemapError as exc:
+        check_error(exc, text)
+
+
+_FUZZ = settings(max_examples=1000, deadline=None,
+                 suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much])
+
+
+@_FUZZ
+@given(st.one_of(_any_text, _token_text))
+def test_arbitrary_text_raises_only_remap_errors(text):
+    front_end(text)
+
+
+@_FUZZ
+@given(mutated_samples())
+def test_mutated_rule_files_raise_only_remap_errors(text):
+    front_end(text)
+
+
+@pytest.mark.parametrize("text", SAMPLES, ids=["qwen3_moe", "quantized", "bom_crlf_tabs"])
+def test_samples_parse(text):
+    """The seeds are valid syntax, so mutations start from deep inside the grammar."""
+    parse_text(text, "<fuzz>")

@@ -1,0 +1,365 @@
+"""parse(format(ir)) == ir, format idempotence, and comments kept across `fmt`."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from pydantic import ValidationError
+
+from remapdsl import ir
+from remapdsl.errors import RemapError
+from remapdsl.format import format_rules
+from remapdsl.parse import parse_file, parse_text
+
+try:
+    from tests import strategies as S
+except ImportError:  # tests/ on sys.path (rootdir-relative import mode)
+    import strategies as S
+
+ROOT = Path(__file__).resolve().parent.parent
+PATH = "<generated>"
+
+_SETTINGS = settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+
+
+def roundtrip(rules: ir.RuleFile) -> ir.RuleFile:
+    return parse_text(format_rules(rules), rules.path)
+
+
+def all_trivia(rules: ir.RuleFile) -> list:
+    """Every comment and blank line of a file, in order, with the node kind that owns it."""
+    out: list = []
+    for statement in rules.statements:
+        out.append((statement.kind, statement.trivia))
+        ops = (statement.format,) if isinstance(statement, ir.Dequantize) else getattr(statement, "ops", ())
+        out.extend((op.kind, op.trivia) for op in ops)
+    out.append(("file", rules.trailing))
+    return out
+
+
+# ---- properties on generated IR ------------------------------------------------------------
+
+
+@_SETTINGS
+@given(S.rule_files())
+def test_parse_format_roundtrip(rules):
+    text = format_rules(rules)
+    assert parse_text(text, rules.path) == rules, text
+
+
+@_SETTINGS
+@given(S.rule_files())
+def test_format_idempotent_and_keeps_trivia(rules):
+    text = format_rules(rules)
+    again = parse_text(text, rules.path)
+    assert format_rules(again) == text
+    assert all_trivia(again) == all_trivia(rules), text
+
+
+@settings(max_examples=300, deadline=None)
+@given(S.exprs)
+def test_expression_roundtrip(expr):
+    rules = ir.RuleFile(path=PATH, statements=(ir.Let(name="x", value=expr),))
+    assert roundtrip(rules) == rules, format_rules(rules)
+
+
+@pytest.mark.parametrize("cls", [*ir.BUILTIN_OPS, ir.MacroCall], ids=lambda c: c.__name__)
+@settings(max_examples=25, deadline=None)
+@given(data=st.data())
+def test_every_op_roundtrips(cls, data):
+    op = data.draw(S.macro_calls() if cls is ir.MacroCall else S.builtin_ops(cls))
+    source = ir.Pattern(parts=(ir.Text(text="a"),))
+    if cls.role == "format":
+        statement = ir.Dequantize(sources=(source,), target=source, format=op)
+    else:
+        statement = ir.Rule(sources=(source,), targets=(source,), ops=(op, op))
+    macro = ir.Macro(name="m", ops=(op, op))
+    rules = ir.RuleFile(path=PATH, statements=(statement, macro))
+    assert roundtrip(rules) == rules, format_rules(rules)
+
+
+@pytest.mark.parametrize("strategy", ["lets", "rules", "drops_and_keeps", "dequantizes", "includes",
+                                      "macros", "versions"])
+@settings(max_examples=30, deadline=None)
+@given(data=st.data())
+def test_every_statement_kind_roundtrips(strategy, data):
+    value = getattr(S, strategy)
+    statement = data.draw(value if isinstance(value, st.SearchStrategy) else value())
+    statement = statement.model_copy(update={"trivia": ir.NO_TRIVIA})
+    rules = ir.RuleFile(path=PATH, statements=(statement,))
+    assert roundtrip(rules) == rules, format_rules(rules)
+
+
+# ---- known gaps: valid IR that the formatter cannot write back -------------------------------
+
+
+def _text(text: str) -> ir.Pattern:
+    return ir.Pattern(parts=(ir.Text(text=text),))
+
+
+def _rule(*, sources=None, targets=None, **fields) -> ir.Rule:
+    return ir.Rule(sources=sources or (_text("a"),), targets=targets or (_text("b"),), **fields)
+
+
+@pytest.mark.xfail(strict=True, reason="a key segment `when` lexes as the guard keyword wherever "
+                   "a pattern may end: `x -> a.when` is a syntax error")
+@pytest.mark.parametrize("text", ["a.when -> x", "x -> a.when", "drop a.when", "{L}when.x -> y"])
+def test_key_segment_named_when(text):
+    rules = parse_text(text)
+    assert parse_text(format_rules(rules)) == rules
+
+
+@pytest.mark.xfail(strict=True, reason="the first alternative after `{` lexes as an expression: "
+                   "keywords true/false/not/config and float-like words (1.5, 1e5) break it")
+@pytest.mark.parametrize("first", ["true", "false", "not", "config", "1.5", "1e5", "config.x"])
+def test_first_alternative_that_looks_like_an_expression(first):
+    rules = ir.RuleFile(path=PATH, statements=(
+        _rule(sources=(ir.Pattern(parts=(ir.Text(text="a."), ir.Alternatives(options=(first, "x")))),),
+              targets=(ir.Pattern(parts=(ir.Text(text="b."), ir.Alternatives(options=(first, "x")))),)),
+    ))
+    assert roundtrip(rules) == rules, format_rules(rules)
+
+
+@pytest.mark.xfail(strict=True, reason="a rule whose only source pattern is exactly a statement "
+                   "keyword (`drop -> x`) lexes as that keyword; the IR accepts it, fmt writes it")
+@pytest.mark.parametrize(("word", "optional"), [
+    *((word, False) for word in S.STATEMENT_KEYWORDS),
+    ("otherwise", True), ("dequantize", True),  # after `optional` only these two are keywords
+])
+def test_whole_key_named_like_a_statement_keyword(word, optional):
+    rules = ir.RuleFile(path=PATH, statements=(_rule(sources=(_text(word),), optional=optional),))
+    assert roundtrip(rules) == rules, format_rules(rules)
+
+
+def test_keyword_like_keys_that_do_roundtrip():
+    """Neighbours of the gaps above that work, so a fix does not break them."""
+    text = ("drop.weight -> x\nremap, let -> y\noptional drop -> z\notherwise remap -> w\n"
+            "drop keep when x\nx -> when\n{when,x} -> y.{and,true}\nx -> a.and.not.true.config\n"
+            "a.1.5.1e5 -> b | m(drop=1, when=2)\nlet v = config.when.true.1.5\n")
+    rules = parse_text(text)
+    assert format_rules(rules) == text
+    assert parse_text(format_rules(rules)) == rules
+
+
+_UNWRITABLE = {
+    "capture arg is a keyword": lambda: _rule(ops=(ir.Concat(capture="when", dim=ir.Int(value=0)),)),
+    "capture arg is not a name": lambda: _rule(ops=(ir.Concat(capture="a b", dim=ir.Int(value=0)),)),
+    "macro arg name is a keyword": lambda: _rule(ops=(ir.MacroCall(
+        name="m", args=(ir.Arg(name="true", value=ir.Int(value=1)),)),)),
+    "macro arg name is not a name": lambda: _rule(ops=(ir.MacroCall(
+        name="m", args=(ir.Arg(name="a-b", value=ir.Int(value=1)),)),)),
+    "macro call named like a built-in op": lambda: _rule(ops=(ir.MacroCall(
+        name="cast", args=(ir.Arg(value=ir.Name(id="x")),)),)),
+    "include path with a quote": lambda: ir.Include(path='a"b'),
+    "include path with a newline": lambda: ir.Include(path="a\nb"),
+    "blank include path": lambda: ir.Include(path=" "),
+    "unknown version": lambda: ir.Version(number=2),
+    "format op in a rule": lambda: _rule(ops=(ir.Fp8Tensor(to=ir.Name(id="bfloat16")),)),
+    "layout op as a dequantize format": lambda: ir.Dequantize(
+        sources=(_text("a"),), target=_text("b"), format=ir.Cast(dtype=ir.Name(id="x"))),
+    "subst in a source": lambda: _rule(sources=(ir.Pattern(parts=(ir.Subst(expr=ir.Name(id="L")),)),)),
+    "capture in a target": lambda: _rule(targets=(ir.Pattern(parts=(ir.Capture(name="L"),)),)),
+    "star in a target": lambda: _rule(targets=(ir.Pattern(parts=(ir.Star(),)),)),
+    "one capture with two types": lambda: _rule(sources=(
+        ir.Pattern(parts=(ir.Capture(name="L"), ir.Text(text=".x"))),
+        ir.Pattern(parts=(ir.Capture(name="L", type="seg"), ir.Text(text=".y"))))),
+    "version not first": lambda: (ir.Let(name="x", value=ir.Int(value=1)), ir.Version(number=1)),
+}
+
+
+@pytest.mark.parametrize("case", [
+    pytest.param(name, marks=pytest.mark.xfail(
+        strict=True, reason=f"doubtful: the IR validators accept {name}, fmt writes text that does "
+        "not parse back to it"))
+    for name in _UNWRITABLE
+])
+def test_ir_that_fmt_cannot_write_is_rejected(case):
+    """Every IR value the validators accept is one `fmt` can write: parse(format(ir)) == ir."""
+    try:
+        built = _UNWRITABLE[case]()
+        statements = built if isinstance(built, tuple) else (built,)
+        rules = ir.RuleFile(path=PATH, statements=statements)
+    except ValidationError:
+        return
+    text = format_rules(rules)
+    try:
+        again = parse_text(text, PATH)
+    except RemapError as exc:
+        pytest.fail(f"formatted IR does not parse:\n{text}\n{exc}")
+    assert again == rules, text
+
+
+# ---- comments and layout on hand-written files -------------------------------------------------
+
+
+def fmt(text: str) -> str:
+    return format_rules(parse_text(text))
+
+
+def test_comments_above_statements_are_kept():
+    text = "# header\n# two lines\nremap 1\n# about H\nlet H = config.hidden_size\n"
+    assert fmt(text) == text
+    rules = parse_text(text)
+    assert rules.statements[0].trivia.leading == ("# header", "# two lines")
+    assert rules.statements[1].trivia.leading == ("# about H",)
+
+
+def test_trailing_comments_are_kept():
+    text = ('remap 1  # version\nlet H = 4  # hidden\ninclude "a#b.remap"  # not a comment: "#b"\n'
+            "a -> b | cast(bfloat16)  # inline op\n")
+    rules = parse_text(text)
+    assert [s.trivia.trailing for s in rules.statements] == [
+        "# version", "# hidden", '# not a comment: "#b"', "# inline op"]
+    assert rules.statements[2].path == "a#b.remap"
+    assert fmt(text) == text
+
+
+def test_trailing_comment_spacing_is_canonical():
+    assert fmt("let H = 4 # a   \nlet D = 2\t\t#b\n") == "let H = 4  # a\nlet D = 2  #b\n"
+
+
+def test_comments_between_pipe_lines():
+    text = ("a.{q,k,v}.w -> b.w  # fused\n"
+            "    # cut per head\n"
+            "    | interleave(dim=0, groups=KV)  # groups\n"
+            "    # then cast\n"
+            "    # really\n"
+            "    | cast(bfloat16)\n")
+    rules = parse_text(text)
+    rule = rules.statements[0]
+    assert rule.trivia.trailing == "# fused"
+    assert rule.ops[0].trivia == ir.Trivia(leading=("# cut per head",), trailing="# groups")
+    assert rule.ops[1].trivia == ir.Trivia(leading=("# then cast", "# really"))
+    assert fmt(text) == text
+
+
+def test_blank_and_comment_lines_between_pipe_lines_are_allowed():
+    text = "a -> b\n\n  # c\n\n\t| cast(x)\n\n| add(1)\n"
+    assert fmt(text) == "a -> b\n    # c\n    | cast(x)\n    | add(1)\n"
+
+
+def test_single_commented_op_stays_on_its_own_line():
+    text = "a -> b\n    | cast(x)  # why\n"
+    assert fmt(text) == text
+    assert fmt("dequantize a -> b\n    # fmt\n    | mxfp4(to=bfloat16)\n") == (
+        "dequantize a -> b\n    # fmt\n    | mxfp4(to=bfloat16)\n")
+
+
+def test_blank_lines_collapse():
+    text = "\n\n\n# top\n\n\n\nlet a = 1\n\n\n\nlet b = 2\nlet c = 3\n\n\n# end\n\n\n"
+    assert fmt(text) == "# top\n\nlet a = 1\n\nlet b = 2\nlet c = 3\n\n# end\n"
+    assert fmt("\n\n\n") == ""
+    assert fmt("") == ""
+    assert fmt("\n\n# only\n\n") == "# only\n"
+
+
+def test_comments_after_the_last_statement_belong_to_the_file():
+    rules = parse_text("let a = 1\n# one\n\n# two\n")
+    assert rules.trailing == ("# one", "", "# two")
+    assert fmt("let a = 1\n# one\n\n# two\n") == "let a = 1\n# one\n\n# two\n"
+
+
+def test_crlf_input_is_read_as_lf():
+    lf = "# c\nremap 1\n\nlet H = 4  # h\na -> b\n    # op\n    | cast(x)\n"
+    crlf = lf.replace("\n", "\r\n")
+    assert parse_text(crlf) == parse_text(lf)
+    assert all_trivia(parse_text(crlf)) == all_trivia(parse_text(lf))
+    assert fmt(crlf) == lf
+
+
+def test_lone_cr_is_an_error():
+    with pytest.raises(RemapError) as info:
+        parse_text("let a = 1\rlet b = 2\n")
+    span = info.value.diagnostic.span
+    assert (span.line, span.column) == (1, 10)
+
+
+def test_byte_order_mark_is_dropped(tmp_path):
+    text = "# c\nremap 1\n"
+    assert fmt("\ufeff" + text) == text
+    assert parse_text("\ufeff" + text) == parse_text(text)
+    path = tmp_path / "bom.remap"
+    path.write_bytes(b"\xef\xbb\xbf" + text.replace("\n", "\r\n").encode())
+    assert format_rules(parse_file(path)) == text
+
+
+def test_tabs_are_white_space():
+    text = "let\tH\t=\t4\t#\ttab comment\n\tmodel.{L}.w\t->\tl.{L}.w\n\t|\tstack(L,\tdim=0)\n"
+    rules = parse_text(text)
+    assert rules.statements[0].trivia.trailing == "#\ttab comment"
+    assert fmt(text) == "let H = 4  #\ttab comment\nmodel.{L}.w -> l.{L}.w | stack(L, dim=0)\n"
+
+
+def test_long_single_op_rule_breaks_to_its_own_line():
+    head = "model.layers.{L}.mlp.experts.{E}.gate_up_proj.weight -> layers.{L}.moe.w13"
+    text = f"{head} | stack(E, dim=0)\n"
+    assert len(text) <= 101 and fmt(text) == text
+    long_head = head.replace("w13", "w13_with_a_much_longer_runtime_tensor_name")
+    assert fmt(f"{long_head} | stack(E, dim=0)\n") == f"{long_head}\n    | stack(E, dim=0)\n"
+
+
+def test_format_of_the_language_brief_example():
+    text = QWEN3_MOE
+    once = fmt(text)
+    assert fmt(once) == once
+    assert parse_text(once) == parse_text(text)
+    # every comment of the original survives
+    assert [line.strip() for line in text.splitlines() if line.strip().startswith("#")] == [
+        line.strip() for line in once.splitlines() if line.strip().startswith("#")]
+
+
+QWEN3_MOE = """\
+# Qwen3-MoE: Hugging Face checkpoint -> fused runtime layout
+remap 1
+
+let H  = config.hidden_size
+let NH = config.num_attention_heads
+let KV = config.num_key_value_heads
+let D  = config.head_dim ?? H // NH
+
+model.embed_tokens.weight                  -> embed.weight
+model.norm.weight                          -> norm.weight
+lm_head.weight                             -> output.weight
+model.layers.{L}.input_layernorm.weight    -> layers.{L}.attn_norm.weight
+model.layers.{L}.self_attn.o_proj.weight   -> layers.{L}.attn.wo.weight
+
+# q, k and v fused into one tensor, grouped per KV head (Megatron layout)
+model.layers.{L}.self_attn.{q,k,v}_proj.weight -> layers.{L}.attn.wqkv.weight
+    | interleave(dim=0, groups=KV)
+
+# experts stacked into one 3-D tensor, gate and up fused along the output dim
+model.layers.{L}.mlp.experts.{E}.{gate,up}_proj.weight -> layers.{L}.moe.w13
+    | stack(E, dim=0)
+    | concat(dim=1)
+model.layers.{L}.mlp.experts.{E}.down_proj.weight -> layers.{L}.moe.w2
+    | stack(E, dim=0)
+
+drop model.rotary_emb.inv_freq
+"""
+
+
+# ---- every rule file in the repository -----------------------------------------------------
+
+
+def _rule_files() -> list[Path]:
+    found = sorted((ROOT / "rules").glob("*.remap")) + sorted((ROOT / "tests" / "corpus").glob("**/*.remap"))
+    return found
+
+
+@pytest.mark.parametrize("path", _rule_files() or [None],
+                         ids=lambda p: str(p.relative_to(ROOT)) if p else "no-files")
+def test_format_is_idempotent_on_repository_files(path):
+    if path is None:
+        pytest.skip("no rules/*.remap or tests/corpus/**/*.remap yet")
+    try:
+        rules = parse_file(path)
+    except RemapError:
+        pytest.skip("does not parse (an error-corpus file)")
+    once = format_rules(rules)
+    again = parse_text(once, str(path))
+    assert again == rules
+    assert format_rules(again) == once
+    assert all_trivia(again) == all_trivia(rules)
