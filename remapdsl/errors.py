@@ -10,16 +10,20 @@ from __future__ import annotations
 import difflib
 import unicodedata
 from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
 
 from pydantic import BaseModel, ConfigDict
 
 MAX_SHOWN = 20
 
 
-class Span(BaseModel):
-    """A region of a source file: 1-based line and column, end exclusive, columns in characters."""
+@dataclass(frozen=True, slots=True)
+class Span:
+    """A region of a source file: 1-based line and column, end exclusive, columns in characters.
 
-    model_config = ConfigDict(frozen=True, extra="forbid")
+    A plain frozen dataclass rather than a pydantic model: the parser makes one per token-sized
+    node, and pydantic still validates and serializes it as a field of the IR.
+    """
 
     path: str
     line: int

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from typing import Annotated, Any, ClassVar, Literal, NamedTuple, Union
 
+import functools
 import math
 import re
 
@@ -41,6 +42,25 @@ def _identifier(name: str) -> str:
     return name
 
 _NOT_COMPARED = frozenset({"span", "trivia", "source"})
+
+
+@functools.cache
+def _field_defaults(cls: type[BaseModel]) -> dict[str, Any]:
+    return {name: info.default for name, info in cls.model_fields.items()}
+
+
+def construct(cls: type[BaseModel], **values: Any) -> Any:
+    """Build a frozen model without validating it, for the parser, which has already checked
+    every invariant the validators check (with the same functions). Defaults here are immutable,
+    so they are shared rather than deep-copied as pydantic's model_construct does."""
+    obj = cls.__new__(cls)
+    data = _field_defaults(cls).copy()
+    data.update(values)
+    object.__setattr__(obj, "__dict__", data)
+    object.__setattr__(obj, "__pydantic_fields_set__", set(values))
+    object.__setattr__(obj, "__pydantic_extra__", None)
+    object.__setattr__(obj, "__pydantic_private__", None)
+    return obj
 
 
 class Node(BaseModel):
@@ -321,6 +341,7 @@ class Op(Node):
     role: ClassVar[Literal["layout", "value", "format", "macro"]] = "layout"
     params: ClassVar[tuple[Param, ...]] = ()
     summary: ClassVar[str] = ""
+    example: ClassVar[str] = ""  # a typical call, shown in hints
     trivia: Trivia = Field(default=NO_TRIVIA, repr=False)
 
     @classmethod
@@ -333,6 +354,7 @@ _DIM = Param("dim", "int")
 
 class Concat(Op):
     kind: Literal["concat"] = "concat"
+    example = "concat(dim=0)"
     params = (Param("capture", "capture", False, True), _DIM, Param("start", "int", False))
     summary = "concatenate the list axis (or a capture, ascending) along dim"
     capture: str | None = None
@@ -342,6 +364,7 @@ class Concat(Op):
 
 class Stack(Op):
     kind: Literal["stack"] = "stack"
+    example = "stack(E, dim=0)"
     params = (Param("capture", "capture", False, True), _DIM, Param("start", "int", False))
     summary = "stack a capture (ascending, no gaps) or the list axis as a new dim"
     capture: str | None = None
@@ -351,6 +374,7 @@ class Stack(Op):
 
 class Unstack(Op):
     kind: Literal["unstack"] = "unstack"
+    example = "unstack(E, dim=0)"
     params = (Param("capture", "capture", True, True), _DIM, Param("start", "int", False))
     summary = "one target per index of dim, bound to a capture used in the targets"
     capture: str
@@ -360,6 +384,7 @@ class Unstack(Op):
 
 class Interleave(Op):
     kind: Literal["interleave"] = "interleave"
+    example = "interleave(dim=0, groups=KV)"
     params = (_DIM, Param("groups", "int"))
     summary = "cut each source into groups along dim; emit group 0 of every source, then 1, ..."
     dim: Expr
@@ -368,6 +393,7 @@ class Interleave(Op):
 
 class Deinterleave(Op):
     kind: Literal["deinterleave"] = "deinterleave"
+    example = "deinterleave(dim=0, groups=KV)"
     params = (_DIM, Param("groups", "int"))
     summary = "the inverse of interleave: one source to the targets' list axis"
     dim: Expr
@@ -376,6 +402,7 @@ class Deinterleave(Op):
 
 class Split(Op):
     kind: Literal["split"] = "split"
+    example = "split(dim=0, sizes=[4096, 1024, 1024])"
     params = (_DIM, Param("sizes", "ints"))
     summary = "cut one source along dim into the given sizes, one per target"
     dim: Expr
@@ -384,6 +411,7 @@ class Split(Op):
 
 class Chunk(Op):
     kind: Literal["chunk"] = "chunk"
+    example = "chunk(dim=0, n=2)"
     params = (_DIM, Param("n", "int"))
     summary = "cut one source along dim into n equal parts, one per target"
     dim: Expr
@@ -392,6 +420,7 @@ class Chunk(Op):
 
 class Transpose(Op):
     kind: Literal["transpose"] = "transpose"
+    example = "transpose(0, 1)"
     params = (Param("a", "int", True, True), Param("b", "int", True, True))
     summary = "swap two dims (negative dims count from the end)"
     a: Expr
@@ -400,6 +429,7 @@ class Transpose(Op):
 
 class Permute(Op):
     kind: Literal["permute"] = "permute"
+    example = "permute([1, 0, 2])"
     params = (Param("dims", "ints", True, True),)
     summary = "reorder dims"
     dims: Expr
@@ -407,6 +437,7 @@ class Permute(Op):
 
 class Reshape(Op):
     kind: Literal["reshape"] = "reshape"
+    example = "reshape([-1, 128])"
     params = (Param("shape", "ints", True, True),)
     summary = "reshape a contiguous tensor; one -1 allowed"
     shape: Expr
@@ -414,6 +445,7 @@ class Reshape(Op):
 
 class Slice(Op):
     kind: Literal["slice"] = "slice"
+    example = "slice(dim=0, start=0, stop=1024)"
     params = (_DIM, Param("start", "int", False), Param("stop", "int", False))
     summary = "keep the range [start, stop) of dim"
     dim: Expr
@@ -423,6 +455,7 @@ class Slice(Op):
 
 class Pad(Op):
     kind: Literal["pad"] = "pad"
+    example = "pad(dim=0, to=32000)"
     params = (_DIM, Param("to", "int"), Param("value", "number", False))
     summary = "grow dim to a size; the new region is filled with value (default 0), never read"
     dim: Expr
@@ -432,6 +465,7 @@ class Pad(Op):
 
 class Repeat(Op):
     kind: Literal["repeat"] = "repeat"
+    example = "repeat(dim=0, times=2)"
     params = (_DIM, Param("times", "int"))
     summary = "repeat the tensor along dim"
     dim: Expr
@@ -440,6 +474,7 @@ class Repeat(Op):
 
 class RopePermute(Op):
     kind: Literal["rope_permute"] = "rope_permute"
+    example = "rope_permute(heads=NH)"
     params = (Param("heads", "int"),)
     summary = "Meta's pair-interleaved rotary rows to rotate-half order, per head"
     heads: Expr
@@ -447,6 +482,7 @@ class RopePermute(Op):
 
 class Cast(Op):
     kind: Literal["cast"] = "cast"
+    example = "cast(bfloat16)"
     role = "value"
     params = (Param("dtype", "dtype", True, True),)
     summary = "convert the element type"
@@ -455,6 +491,7 @@ class Cast(Op):
 
 class Scale(Op):
     kind: Literal["scale"] = "scale"
+    example = "scale(0.5)"
     role = "value"
     params = (Param("factor", "number", True, True),)
     summary = "multiply every element"
@@ -463,6 +500,7 @@ class Scale(Op):
 
 class Add(Op):
     kind: Literal["add"] = "add"
+    example = "add(1)"
     role = "value"
     params = (Param("value", "number", True, True),)
     summary = "add to every element (zero-centred norms: add(1))"
@@ -474,6 +512,7 @@ _TO = Param("to", "dtype")
 
 class Fp8Block(Op):
     kind: Literal["fp8_block"] = "fp8_block"
+    example = "fp8_block(block=[128, 128], to=bfloat16)"
     role = "format"
     params = (Param("block", "ints"), Param("scale", "scale_dtype", False), _TO)
     summary = "F8_E4M3 values times a scale per [rows, cols] block (DeepSeek-V3)"
@@ -484,6 +523,7 @@ class Fp8Block(Op):
 
 class Fp8Tensor(Op):
     kind: Literal["fp8_tensor"] = "fp8_tensor"
+    example = "fp8_tensor(to=bfloat16)"
     role = "format"
     params = (_TO,)
     summary = "F8_E4M3 values times one scalar scale"
@@ -492,6 +532,7 @@ class Fp8Tensor(Op):
 
 class Fp8Channel(Op):
     kind: Literal["fp8_channel"] = "fp8_channel"
+    example = "fp8_channel(to=bfloat16)"
     role = "format"
     params = (_TO,)
     summary = "F8_E4M3 values times a scale per output row"
@@ -500,6 +541,7 @@ class Fp8Channel(Op):
 
 class Mxfp4(Op):
     kind: Literal["mxfp4"] = "mxfp4"
+    example = "mxfp4(to=bfloat16)"
     role = "format"
     params = (_TO,)
     summary = "packed E2M1 pairs with an E8M0 scale per 32 values (gpt-oss)"
@@ -508,6 +550,7 @@ class Mxfp4(Op):
 
 class Nvfp4(Op):
     kind: Literal["nvfp4"] = "nvfp4"
+    example = "nvfp4(to=bfloat16)"
     role = "format"
     params = (_TO,)
     summary = "packed E2M1 pairs, an F8_E4M3 scale per 16 values and a global F32 scale"

@@ -13,7 +13,7 @@ from pathlib import Path
 from pydantic import BaseModel, ConfigDict, Field
 
 from . import ir
-from .errors import Diagnostic, RuleCheckError, Span
+from .errors import Diagnostic, RemapError, RuleCheckError, Span
 from .parse import parse_file, parse_text
 from .static import check_program
 
@@ -67,6 +67,15 @@ def _resolve(top: ir.RuleFile, root: Path) -> RuleSet:
     return RuleSet(files=files, statements=statements)
 
 
+def _display(path: Path) -> str:
+    """A path as people read it in messages: relative to the working folder when inside it."""
+    try:
+        relative = os.path.relpath(path)
+    except ValueError:
+        return str(path)
+    return relative if not relative.startswith("..") else str(path)
+
+
 def _location(path: str) -> Path | None:
     return Path(path).resolve() if not path.startswith("<") else None
 
@@ -96,10 +105,18 @@ class _Includes:
             if not isinstance(statement, ir.Include):
                 yield statement
                 continue
-            target = (base / statement.path).resolve()
+            try:
+                target = (base / statement.path).resolve()
+                exists = target.is_file()
+            except (OSError, ValueError, RuntimeError) as exc:  # NUL byte, name too long, link loop
+                self.error("E141", f"cannot resolve included path `{statement.path}`: {exc}",
+                           statement, file)
+                continue
             if not target.is_relative_to(self.root):
-                self.error("E142", f"`{statement.path}` is outside the rules folder {self.root}",
-                           statement, file, "pass a wider root to load_rules() to allow it")
+                self.error("E142", f"`{statement.path}` is outside the rules folder "
+                           f"{_display(self.root)}", statement, file,
+                           "to allow it, name a wider root: `remapdsl check --root DIR`, or "
+                           "`load_rules(path, root=DIR)`")
                 continue
             if target in chain or target == location:
                 names = " -> ".join(p.name for p in (*chain, location, target) if p is not None)
@@ -111,15 +128,18 @@ class _Includes:
                            + (f"; first at {first}" if first else " (it is the top-level file)"),
                            statement, file, "each file is included once; remove one of the includes")
                 continue
-            if not target.is_file():
-                self.error("E141", f"included file `{statement.path}` not found (looked at {target})",
-                           statement, file)
+            if not exists:
+                self.error("E141", f"included file `{statement.path}` not found (looked at "
+                           f"{_display(target)})", statement, file)
                 continue
             self.seen[target] = statement.span
-            included = parse_file(target)
+            try:
+                included = parse_file(_display(target))
+            except RemapError as exc:  # reported with the other problems of the program
+                self.diagnostics.extend(exc.diagnostics)
+                continue
             self.files.append(included)
-            top_version = self.files and file.version
-            if included.version is not None and top_version is not None and included.version != top_version:
+            if None not in (included.version, file.version) and included.version != file.version:
                 self.error("E144", f"`{statement.path}` is written for version {included.version}, "
-                           f"this file for version {top_version}", statement, file)
+                           f"this file for version {file.version}", statement, file)
             yield from self.flatten(included, target, (*chain, location) if location else chain)

@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 
 from . import ir
 from .dtypes import RULE_DTYPE_NAMES as DTYPE_NAMES
-from .errors import Diagnostic, RuleCheckError, Span, did_you_mean
+from .errors import Diagnostic, RuleCheckError, Span, did_you_mean, suggest
 
 SCALE_DTYPES = ("float32", "e8m0")
 _COMBINE = (ir.Concat, ir.Interleave, ir.Stack)  # list axis -> one tensor (without a capture)
@@ -33,6 +33,7 @@ def check_program(statements: tuple[ir.Statement, ...], line_text) -> None:
     `line_text(span)` returns the source line of a span, for rendering.
     """
     checker = _Checker(line_text)
+    checker.all_lets = {s.name: s.span for s in statements if isinstance(s, ir.Let)}
     for statement in statements:
         checker.statement(statement)
     if checker.diagnostics:
@@ -45,6 +46,9 @@ class _Checker:
         self.scope = _Scope()
         self.diagnostics: list[Diagnostic] = []
         self.otherwise: Span | None = None
+        self.all_lets: dict[str, Span | None] = {}  # every let of the program, for "defined below"
+        self.rule_captures: dict = {}  # captures of the rule being checked, for better messages
+        self.unknown_op = False  # an op of the current rule could not be resolved
 
     def error(self, code: str, message: str, span: Span | None, hint: str | None = None) -> None:
         self.diagnostics.append(Diagnostic(code=code, message=message, span=span, hint=hint,
@@ -70,15 +74,15 @@ class _Checker:
         kind = self.expr(s.value, {}, allow_dtype=True)
         if s.name in self.scope.lets:
             _, first = self.scope.lets[s.name]
-            self.error("E131", f"`{s.name}` is already defined" + (f" at {first}" if first else ""),
+            self.error("E131", f"`{s.name}` is already defined" + _at(first, s.span),
                        s.span, "give it another name, or remove one of the two")
             return
         self.scope.lets[s.name] = (kind, s.span)
 
     def macro(self, s: ir.Macro) -> None:
         if s.name in self.scope.macros:
-            self.error("E133", f"macro `{s.name}` is already defined at {self.scope.macros[s.name].span}",
-                       s.span)
+            self.error("E133", f"macro `{s.name}` is already defined"
+                       + _at(self.scope.macros[s.name].span, s.span), s.span)
             return
         params = {p: "int" for p in s.params}
         for op in s.ops:
@@ -88,13 +92,15 @@ class _Checker:
     def rule(self, s: ir.Rule) -> None:
         if s.otherwise:
             if self.otherwise is not None:
-                self.error("E107", f"only one `otherwise` rule is allowed; the first is at {self.otherwise}",
-                           s.span)
+                self.error("E107", "only one `otherwise` rule is allowed; the first is"
+                           + _at(self.otherwise, s.span).removeprefix(" "), s.span)
             self.otherwise = self.otherwise or s.span
             if len(s.sources) != 1 or len(s.targets) != 1:
                 self.error("E108", "an `otherwise` rule has one source pattern and one target", s.span)
         captures = self.captures(s.sources)
+        self.rule_captures, self.unknown_op = captures, False
         ops = list(self.expand(s.ops, {}))
+        self.rule_captures = {}
         consumed: dict[str, Span | None] = {}
         unstacked: dict[str, Span | None] = {}
         for op in ops:
@@ -113,6 +119,8 @@ class _Checker:
                 self.error("E105", f"`unstack({name}, ...)` makes one target per `{name}`, so the "
                            f"targets must use `{{{name}}}`", unstacked[name])
         for name, (kind, span) in captures.items():
+            if name in consumed and consumed[name] is None:
+                continue  # suggested as the name a misspelled op argument meant: reported there
             if name in targets:
                 if name in consumed:
                     self.error("E104", f"capture `{name}` is consumed by an op, so it cannot also "
@@ -122,7 +130,8 @@ class _Checker:
                            "would write the same target",
                            span, f"consume it with `stack({name}, dim=0)` or `concat({name}, dim=0)`, "
                            f"or use `{{{name}}}` in the targets")
-        self.list_axis(s, ops)
+        if not self.unknown_op and not (s.otherwise and (len(s.sources) != 1 or len(s.targets) != 1)):
+            self.list_axis(s, ops)
 
     def dequantize(self, s: ir.Dequantize) -> None:
         captures = self.captures(s.sources)
@@ -159,9 +168,13 @@ class _Checker:
     def consumed_capture(self, op, captures, consumed) -> None:
         name = op.capture
         if name not in captures:
+            close = _close_name(name, captures)
             self.error("E103", f"`{op.op_name()}({name}, ...)` names a capture that the sources do "
-                       "not bind", op.span, did_you_mean(name, captures) or
+                       "not bind", op.span, f"did you mean `{close}`?" if close else
                        (f"captures of this rule: {', '.join(captures)}" if captures else None))
+            if close:
+                consumed[close] = None  # the misspelling is the error; do not report `close` too
+            return
         elif captures[name][0] != "int":
             self.error("E103", f"`{op.op_name()}` orders by an integer capture; `{name}` is a "
                        f"{captures[name][0]} capture", op.span)
@@ -188,9 +201,12 @@ class _Checker:
                     elif name.id in self.scope.lets and arithmetic:
                         continue
                     else:
+                        close = _close_name(name.id, bound)
+                        if close:
+                            used.add(close)  # the misspelling is the error, not an unused `close`
                         self.error("E101", f"capture `{name.id}` is used in a target but the sources "
                                    "never bind it", name.span,
-                                   did_you_mean(name.id, bound) or
+                                   f"did you mean `{close}`?" if close else
                                    (f"the sources bind: {', '.join(bound)}" if bound else
                                     "bind it in a source pattern, such as `layers.{L}.weight`"))
         return used
@@ -208,13 +224,19 @@ class _Checker:
             elif isinstance(op, (ir.Split, ir.Chunk, ir.Deinterleave)):
                 if length != 1:
                     self.error("E110", f"`{op.op_name()}` cuts one source, but there are {length}",
-                               op.span)
+                               op.span, "combine the sources first, or cut each in its own rule")
+                    return
+                pieces = None
                 if isinstance(op, ir.Split) and isinstance(op.sizes, ir.List):
-                    length = len(op.sizes.items)
+                    pieces, what = len(op.sizes.items), "give `sizes` one entry per target"
                 elif isinstance(op, ir.Chunk) and isinstance(op.n, ir.Int):
-                    length = op.n.value
-                else:
-                    length = wanted
+                    pieces, what = op.n.value, f"write `n={wanted}`"
+                if pieces is not None and pieces != wanted:
+                    self.error("E111", f"`{op.op_name()}` makes {pieces} piece{'s' if pieces != 1 else ''} "
+                               f"but the rule has {wanted} target{'s' if wanted != 1 else ''}",
+                               op.span, what)
+                    return
+                length = wanted
         if length != wanted:
             if wanted == 1:
                 hint = "combine them with `concat(dim=...)`, `interleave(dim=..., groups=...)` or `stack(dim=...)`"
@@ -222,8 +244,10 @@ class _Checker:
                 hint = "cut it with `split`, `chunk` or `deinterleave`"
             else:
                 hint = "alternatives on both sides pair up by position, so their counts must match"
-            self.error("E111", f"the rule has {length} source tensor{'s' if length != 1 else ''} "
-                       f"per binding but {wanted} target{'s' if wanted != 1 else ''}", s.span, hint)
+            many = "s" if length != 1 else ""
+            self.error("E111", f"{length} source tensor{many} map{'' if many else 's'} to {wanted} "
+                       f"target{'s' if wanted != 1 else ''}, and no op "
+                       + ("combines them" if wanted == 1 else "cuts or pairs them"), s.span, hint)
 
     # -- ops and expressions --
 
@@ -236,6 +260,7 @@ class _Checker:
                 continue
             macro = self.scope.macros.get(op.name)
             if macro is None:
+                self.unknown_op = True
                 choices = list(ir.OPS_BY_NAME) + list(self.scope.macros)
                 self.error("E134", f"unknown op `{op.name}`", op.span,
                            did_you_mean(op.name, choices) or f"ops: {', '.join(sorted(ir.OPS_BY_NAME))}")
@@ -253,7 +278,8 @@ class _Checker:
                 continue
             if name not in macro.params:
                 self.error("E135", f"macro `{macro.name}` has no parameter `{name}`", arg.span,
-                           did_you_mean(name, macro.params))
+                           did_you_mean(name, macro.params)
+                           or f"it is `{macro.name}({', '.join(macro.params)})`")
                 continue
             if name in given:
                 self.error("E135", f"argument `{name}` is given twice", arg.span)
@@ -281,10 +307,16 @@ class _Checker:
                 if self.scope.lets[value.id][0] in ("dtype", "unknown"):
                     return
             if not isinstance(value, ir.Name) or value.id not in choices:
-                text = value.id if isinstance(value, ir.Name) else "this value"
-                self.error("E121", f"`{name}` takes a dtype name; `{text}` is not one", value.span,
-                           (did_you_mean(text, choices) if isinstance(value, ir.Name) else None)
-                           or f"dtypes: {', '.join(choices)}")
+                what = "scale type" if kind == "scale_dtype" else "dtype"
+                example = "float32" if kind == "scale_dtype" else "bfloat16"
+                if isinstance(value, ir.Name):
+                    message = f"unknown {what} `{value.id}`"
+                    hint = did_you_mean(value.id, choices)
+                else:
+                    message = f"`{name}` takes a {what} name such as `{example}`, not a value"
+                    hint = None
+                self.error("E121", message, value.span,
+                           hint or f"{what}s: {', '.join(choices)} (docs/language.md)")
             return
         found = self.expr(value, captures, extra=params)
         ok = {
@@ -312,8 +344,10 @@ class _Checker:
                     self.error("E122", f"split sizes must be at least 1, not {item.value}", item.span)
         if isinstance(op, ir.Reshape) and isinstance(op.shape, ir.List):
             ints = [i for i in op.shape.items if isinstance(i, ir.Int)]
-            if sum(1 for i in ints if i.value == -1) > 1:
-                self.error("E123", "a reshape may infer one size (`-1`), not several", op.shape.span)
+            inferred = [i for i in ints if i.value == -1]
+            if len(inferred) > 1:
+                self.error("E123", "a reshape may infer one size (`-1`), not several", inferred[1].span,
+                           "give every size but one")
             for item in ints:
                 if item.value < -1 or item.value == 0:
                     self.error("E122", f"reshape sizes must be at least 1 (or one -1), not {item.value}",
@@ -325,7 +359,8 @@ class _Checker:
                            op.dims.span)
         if isinstance(op, ir.Fp8Block) and isinstance(op.block, ir.List):
             if len(op.block.items) != 2:
-                self.error("E125", "`block` is [rows, cols]", op.block.span)
+                self.error("E125", f"`block` takes two sizes, [rows, cols]; got {len(op.block.items)}",
+                           op.block.span)
             for item in op.block.items:
                 if isinstance(item, ir.Int) and item.value < 1:
                     self.error("E122", f"block sizes must be at least 1, not {item.value}", item.span)
@@ -350,6 +385,17 @@ class _Checker:
                 return self.scope.lets[expr.id][0]
             if allow_dtype and expr.id in DTYPE_NAMES:
                 return "dtype"
+            if expr.id in self.all_lets and self.all_lets[expr.id] is not None:
+                below = self.all_lets[expr.id]
+                where = f"line {below.line}" if below.path == expr.span.path else str(below)
+                self.error("E130", f"`{expr.id}` is used before its `let` ({where})", expr.span,
+                           "a `let` can only use names defined above it; move the `let` up")
+                return "unknown"
+            if expr.id in self.rule_captures:
+                self.error("E130", f"`{expr.id}` is a capture of this rule; op arguments cannot use "
+                           "captures", expr.span, "op arguments are integers: numbers, `let`s, "
+                           "`config.KEY`")
+                return "unknown"
             choices = list(self.scope.lets) + list(captures) + list(extra)
             hint = did_you_mean(expr.id, choices + (list(DTYPE_NAMES) if allow_dtype else []))
             self.error("E130", f"unknown name `{expr.id}`", expr.span,
@@ -368,6 +414,12 @@ class _Checker:
         if isinstance(expr, ir.BinOp):
             left = self.expr(expr.left, captures, False, extra)
             right = self.expr(expr.right, captures, False, extra)
+            for side, kind in ((expr.left, left), (expr.right, right)):
+                if kind in ("bool", "list", "dtype"):
+                    self.error("E126", f"`{expr.op}` needs numbers, not {_A[kind]}", side.span)
+                    return "unknown"
+            if expr.op in ("//", "%") and isinstance(expr.right, ir.Int) and expr.right.value == 0:
+                self.error("E127", "division by zero", expr.right.span)
             if "float" in (left, right):
                 return "float" if expr.op != "//" else "int"
             return "unknown" if "unknown" in (left, right) else "int"
@@ -406,3 +458,20 @@ def _list_length(pattern: ir.Pattern) -> int:
         if isinstance(part, ir.Alternatives):
             length *= len(part.options)
     return length
+
+
+def _close_name(name: str, choices) -> str | None:
+    """A capture the misspelled `name` most likely meant, ignoring case first."""
+    for choice in choices:
+        if choice.lower() == name.lower():
+            return choice
+    return suggest(name, choices)
+
+
+def _at(first: Span | None, here: Span | None) -> str:
+    """` on line N` for the same file, ` at path:line:col` for another."""
+    if first is None:
+        return ""
+    if here is not None and first.path == here.path:
+        return f" on line {first.line}"
+    return f" at {first}"

@@ -7,9 +7,11 @@ that continues nothing, an op missing after `|`, a misspelled statement keyword.
 
 from __future__ import annotations
 
+import re
+
 from lark import Lark, UnexpectedCharacters, UnexpectedInput, UnexpectedToken
 
-from .errors import Diagnostic, Span, did_you_mean
+from .errors import Diagnostic, Span, suggest
 
 STATEMENT_KEYWORDS = ("remap", "let", "drop", "keep", "dequantize", "include", "macro",
                       "optional", "otherwise")
@@ -69,40 +71,89 @@ def syntax_diagnostic(exc: UnexpectedInput, text: str, path: str, parser: Lark) 
         what = {"{": "a capture or alternatives", "(": "the argument list", "[": "the list"}[bracket]
         return diag("E003", f"unclosed `{bracket}`: {what} opened here has no `{closer}` on this line",
                     f"close it with `{closer}`", at)
+    statement = before.strip()
+    first_word = statement.split()[0] if statement else ""
     if kind == "CHAR":
+        char = text[exc.pos_in_stream]
         hint = None
-        if not text[exc.pos_in_stream].isascii():
+        if char == '"':
+            return diag("E001", 'unterminated path: this `"` has no closing `"` on the line')
+        if char == "'" and first_word == "include":
+            hint = 'paths are in double quotes: `include "common.remap"`'
+        elif not char.isascii():
             hint = "key patterns and names use ASCII letters, digits, `_` and `.`"
-        elif text[exc.pos_in_stream] in "=-" and "->" in line_text[column - 1:column + 2]:
-            hint = "write the arrow as `->`"
         return diag("E001", f"unexpected character {found}", hint)
-    if kind == "VBAR" and before.strip() == "":
-        if not _code_above(lines, line):
+    if kind == "VBAR" and statement == "":
+        above = _statement_above(lines, line)
+        if above is None:
             return diag("E004", "a `|` line continues the statement above it, but there is none",
                         "start the rule on the line above, or remove the `|`")
-        return diag("E004", "a `|` line continues the statement above it, but only a mapping "
-                    "rule, a `dequantize` or a `macro` takes ops")
+        return diag("E004", f"a `|` line continues the statement above it, but that is a `{above}`, "
+                    "which takes no ops", "only mapping rules, `dequantize` and `macro` take `| op`")
     if kind == "VBAR":
-        return diag("E004", "only a mapping rule, a `dequantize` or a `macro` takes `| op`")
-    if before.rstrip().endswith("|") and kind in ("_NL", "$END"):
+        return diag("E004", "only mapping rules, `dequantize` and `macro` take `| op`")
+    if statement.endswith("|") and kind in ("_NL", "$END"):
         return diag("E005", "expected an op after `|`", "for example `| cast(bfloat16)`")
+    if statement in _EXAMPLES and kind in ("_NL", "$END"):
+        return diag("E006", f"`{statement}` needs {_EXAMPLES[statement][0]}",
+                    f"for example `{_EXAMPLES[statement][1]}`")
+    if kind == "__ANON_0" and first_word in ("drop", "keep"):
+        return diag("E006", f"`{first_word}` takes key patterns only, no target",
+                    f"to rename, write a rule without `{first_word}`")
+    if kind == "__ANON_0" and statement == "":
+        return diag("E006", "a rule needs source patterns before `->`")
+    if kind == "__ANON_1" and statement == "":
+        return diag("E006", "unexpected `//`", "comments start with `#`")
+    if kind == "EQUAL" and " when " in f" {before} ":
+        return diag("E006", "`=` is not a comparison", "compare with `==`")
+    if kind == "STRING" and first_word == "include":
+        return diag("E006", "unexpected second path", "one `include` per line")
+    if "__ANON_0" in expected and "->" not in line_text:
+        keyword = suggest(first_word, STATEMENT_KEYWORDS)
+        if keyword and first_word != keyword and "." not in first_word:
+            at = Span(path=path, line=line, column=len(before) - len(before.lstrip()) + 1,
+                      end_line=line, end_column=len(before) - len(before.lstrip()) + 1 + len(first_word))
+            return diag("E007", f"unknown statement `{first_word}`", f"did you mean `{keyword}`?", at)
     if "__ANON_0" in expected and not expected & {"EQUAL"}:
-        first_word = before.split()[0] if before.split() else ""
-        hint = did_you_mean(first_word, STATEMENT_KEYWORDS) if "->" not in line_text else None
-        if hint:
-            hint += " (a statement keyword)"
-        elif kind == "EQUAL" or (kind == "MINUS" and line_text[column:column + 1] in (">", " ")):
-            hint = "write the arrow as `->`"
+        if kind == "EQUAL" and line_text[column:column + 1] == ">":
+            at = Span(path=path, line=line, column=column, end_line=line, end_column=column + 2)
+            return diag("E002", "expected `->` between the source and target patterns, found `=>`",
+                        "write the arrow as `->`", at)
+        gap = _gap(before)
+        if kind in ("_NL", "$END") and gap is not None:
+            at = Span(path=path, line=line, column=gap[0], end_line=line, end_column=gap[1])
+            return diag("E002", "expected `->` between the source and target patterns", None, at)
         return diag("E002", f"expected `->` between the source and target patterns, found {found}",
-                    hint or "a rule reads `SOURCES -> TARGETS`; separate several patterns with `,`")
+                    "a rule reads `SOURCES -> TARGETS`; separate several patterns with `,`")
     words = _expected_words(expected, shown)
     message = f"unexpected {found}"
     if words:
         message += f"; expected {words}"
-    hint = None
-    if kind == "WORD" and "LET" in expected:
-        hint = did_you_mean(str(exc.token), STATEMENT_KEYWORDS)
-    return diag("E006", message, hint)
+    return diag("E006", message)
+
+
+_EXAMPLES = {
+    "remap": ("a version number", "remap 1"),
+    "let": ("a name and a value", "let H = config.hidden_size"),
+    "drop": ("a key pattern", "drop model.rotary_emb.inv_freq"),
+    "keep": ("a key pattern", "keep layers.{L}.attn.kv_cache"),
+    "include": ("a quoted path", 'include "common.remap"'),
+    "dequantize": ("sources, a logical key and a format",
+                   "dequantize {P:path}.weight, {P}.weight_scale -> {P}.weight | fp8_tensor(to=bfloat16)"),
+    "macro": ("a name, parameters and ops", "macro swap() = transpose(0, 1)"),
+    "optional": ("a rule", "optional {P:path}.bias -> {P}.bias"),
+    "otherwise": ("a rule", "otherwise {P:path} -> {P}"),
+}
+
+
+def _gap(before: str) -> tuple[int, int] | None:
+    """Columns of the first run of blanks inside the text before the error, if any."""
+    stripped = before.rstrip()
+    start = len(before) - len(before.lstrip())
+    match = re.search(r"[ \t]+", stripped[start:])
+    if match is None:
+        return None
+    return start + match.start() + 1, start + match.end() + 1
 
 
 def _terminal_words(parser: Lark) -> dict[str, str]:
@@ -115,13 +166,6 @@ def _terminal_words(parser: Lark) -> dict[str, str]:
         else:  # statement keywords: `let(?=[ \t])`
             words[terminal.name] = f"`{terminal.name.lower()}`"
     return words
-
-
-def _terminal_for(parser: Lark, value: str) -> str | None:
-    for terminal in parser.terminals:
-        if terminal.pattern.type == "str" and terminal.pattern.value == value:
-            return terminal.name
-    return None
 
 
 def _expected_words(expected: set[str], shown: dict[str, str]) -> str:
@@ -185,9 +229,11 @@ def _cont_position(text: str, start: int) -> tuple[int, int]:
     return line, bar - (text.rfind("\n", 0, bar) + 1) + 1
 
 
-def _code_above(lines: list[str], line: int) -> bool:
+def _statement_above(lines: list[str], line: int) -> str | None:
+    """The keyword of the statement above a line (`rule` for a mapping rule), or None."""
     for previous in reversed(lines[: line - 1]):
         code = previous.split("#", 1)[0].strip()
-        if code:
-            return True
-    return False
+        if code and not code.startswith("|"):
+            word = code.split()[0]
+            return word if word in STATEMENT_KEYWORDS else "rule"
+    return None

@@ -1,0 +1,68 @@
+"""Rule-file text -> Lark tokens in one regular-expression pass, for Lark's LALR parser.
+
+The terminals are the grammar's own (grammars/remap.lark): this module only orders them into one
+pattern and scans with it. The language is lexed without parser context (a keyword is a keyword
+wherever it stands as a whole word), which lets one compiled pattern do the work that Lark's
+contextual lexer does with a pattern per parser state, at a fraction of the cost per token.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterator
+
+from lark.exceptions import UnexpectedCharacters
+from lark.lexer import Lexer, LexerState, Token
+
+# Expression keywords are plain strings in the grammar; a WORD equal to one of them is retyped.
+_KEYWORDS = {"when": "WHEN", "and": "AND", "or": "OR", "not": "NOT", "true": "TRUE", "false": "FALSE"}
+
+
+class RuleLexer(Lexer):
+    """Lark lexer plug-in: one master pattern built from the grammar's terminals."""
+
+    __future_interface__ = 1  # lex(lexer_state, parser_state)
+
+    def __init__(self, lexer_conf):
+        terminals = sorted(
+            lexer_conf.terminals,
+            key=lambda t: (-t.priority, -t.pattern.max_width, -len(t.pattern.value), t.name),
+        )
+        self.ignore = frozenset(lexer_conf.ignore)
+        self.keywords = {word: name for word, name in _KEYWORDS.items()
+                         if any(t.name == name for t in terminals)}
+        self.pattern = re.compile("|".join(
+            f"(?P<{t.name}>{t.pattern.to_regexp()})" for t in terminals
+            if t.pattern.value not in _KEYWORDS  # matched as WORD, then retyped
+        ))
+        self.allowed = {t.name for t in terminals}
+
+    def lex(self, lexer_state: LexerState, parser_state) -> Iterator[Token]:
+        text = lexer_state.text
+        if not isinstance(text, str):  # Lark >= 1.2 wraps the text
+            text = text.text
+        match = self.pattern.match
+        ignore, keywords = self.ignore, self.keywords
+        pos, line, line_start, end = 0, 1, 0, len(text)
+        while pos < end:
+            m = match(text, pos)
+            if m is None:
+                raise UnexpectedCharacters(text, pos, line, pos - line_start + 1,
+                                           allowed=self.allowed, state=parser_state)
+            kind = m.lastgroup
+            stop = m.end()
+            value = m.group()
+            newlines = value.count("\n")
+            if kind not in ignore:
+                if kind == "WORD" and value in keywords:
+                    kind = keywords[value]
+                if newlines:
+                    last = text.rindex("\n", pos, stop)
+                    end_line, end_column = line + newlines, stop - last
+                else:
+                    end_line, end_column = line, stop - line_start + 1
+                yield Token(kind, value, pos, line, pos - line_start + 1, end_line, end_column, stop)
+            if newlines:
+                line += newlines
+                line_start = text.rindex("\n", pos, stop) + 1
+            pos = stop
