@@ -136,10 +136,6 @@ class Builder(Transformer):
     def rule(self, optional, otherwise, sources, targets, guard, *ops) -> ir.Rule | None:
         first = optional or otherwise or sources[0]
         span = span_of(first, _last(targets[-1], guard, ops))
-        if otherwise is not None and _starts_with_word(sources, "optional"):
-            error("E006", "`optional` comes before `otherwise`", span_of(otherwise),
-                  "write `optional otherwise ...`")
-            return None
         types = _capture_types(sources)
         built_sources = _patterns(sources, "source", types)
         built_targets = _patterns(targets, "target", types)
@@ -307,11 +303,6 @@ def _last(last_pattern, guard, ops):
     if guard is not None:
         return guard.expr
     return last_pattern
-
-
-def _starts_with_word(raws: list[_RawPattern], word: str) -> bool:
-    first = raws[0].items[0]
-    return isinstance(first, Token) and first == word
 
 
 def _value(item: Any) -> ir.Node:

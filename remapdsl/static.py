@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 
 from . import ir
 from .dtypes import RULE_DTYPE_NAMES as DTYPE_NAMES
+from .format import format_expr
 from .errors import Diagnostic, RuleCheckError, Span, did_you_mean, suggest
 
 SCALE_DTYPES = ("float32", "e8m0")
@@ -93,7 +94,7 @@ class _Checker:
         if s.otherwise:
             if self.otherwise is not None:
                 self.error("E107", "only one `otherwise` rule is allowed; the first is"
-                           + _at(self.otherwise, s.span).removeprefix(" "), s.span)
+                           + _at(self.otherwise, s.span), s.span)
             self.otherwise = self.otherwise or s.span
             if len(s.sources) != 1 or len(s.targets) != 1:
                 self.error("E108", "an `otherwise` rule has one source pattern and one target", s.span)
@@ -313,7 +314,8 @@ class _Checker:
                     message = f"unknown {what} `{value.id}`"
                     hint = did_you_mean(value.id, choices)
                 else:
-                    message = f"`{name}` takes a {what} name such as `{example}`, not a value"
+                    message = (f"`{name}` takes a {what} name such as `{example}`, "
+                               f"not `{format_expr(value)}`")
                     hint = None
                 self.error("E121", message, value.span,
                            hint or f"{what}s: {', '.join(choices)} (docs/language.md)")

@@ -19,14 +19,16 @@ _NAMED = {
     "WORD": "a name",
     "FLOAT": "a number",
     "STRING": 'a quoted path such as "common.remap"',
-    "COMPARE": "a comparison",
+    "BINARY": "an operator",
+    "CAPTURE": "a capture such as `{L}`",
+    "ALTERNATIVES": "alternatives such as `{q,k,v}`",
     "_NL": "end of line",
     "_CONT": "a `|` line",
     "$END": "end of file",
 }
 _EXPRESSION_START = {"FLOAT", "LPAR", "LSQB", "NOT", "TRUE", "FALSE"}
-_OPERATORS = {"PLUS", "MINUS", "STAR", "PERCENT", "COMPARE", "OR", "AND", "__ANON_1", "__ANON_2"}
-_PATTERN_PARTS = {"LBRACE", "STAR", "DOUBLE_STAR"}
+_OPERATORS = {"BINARY", "MINUS", "STAR", "OR", "AND"}
+_PATTERN_PARTS = {"LBRACE", "STAR", "DOUBLE_STAR", "CAPTURE", "ALTERNATIVES"}
 _BRACKETS = {"(": ")", "[": "]", "{": "}"}
 
 
@@ -46,7 +48,7 @@ def syntax_diagnostic(exc: UnexpectedInput, text: str, path: str, parser: Lark) 
             if kind in ("_NL", "_CONT"):
                 found, width = ("end of line", 1) if kind == "_NL" else ("a `|` line", 1)
                 if kind == "_CONT":
-                    line, column = _cont_position(text, exc.token.start_pos)
+                    line, column = _cont_position(text, exc.token.end_pos)
                     found, kind = "`|`", "VBAR"
             else:
                 found, width = f"`{value}`", max(len(value.split("\n")[0]), 1)
@@ -102,8 +104,12 @@ def syntax_diagnostic(exc: UnexpectedInput, text: str, path: str, parser: Lark) 
                     f"to rename, write a rule without `{first_word}`")
     if kind == "__ANON_0" and statement == "":
         return diag("E006", "a rule needs source patterns before `->`")
-    if kind == "__ANON_1" and statement == "":
+    if kind == "BINARY" and found == "`//`" and statement == "":
         return diag("E006", "unexpected `//`", "comments start with `#`")
+    if kind == "OPTIONAL" and first_word == "otherwise":
+        return diag("E006", "`optional` comes before `otherwise`", "write `optional otherwise ...`")
+    if kind == "WHEN" and first_word == "let":
+        return diag("E006", "a `let` takes no `when` guard", "for a default, write `config.KEY ?? VALUE`")
     if kind == "EQUAL" and " when " in f" {before} ":
         return diag("E006", "`=` is not a comparison", "compare with `==`")
     if kind == "STRING" and first_word == "include":
@@ -178,11 +184,11 @@ def _expected_words(expected: set[str], shown: dict[str, str]) -> str:
     if {"WORD", "LPAR", "LSQB"} <= names:
         groups.append("an expression")
         names -= _EXPRESSION_START | {"WORD", "MINUS"}
-    if len(names & _OPERATORS) >= 3:
+    if "BINARY" in names:
         groups.append("an operator")
         names -= _OPERATORS
     if len(names & _PATTERN_PARTS) >= 2 and "WORD" in names:
-        groups.append("more of the key pattern")
+        groups.append("a key pattern")
         names -= _PATTERN_PARTS | {"WORD"}
     rest = sorted(shown.get(n, n) for n in names)
     items = groups + rest
@@ -217,14 +223,14 @@ def _unclosed(line: str) -> tuple[int, str] | None:
         elif ch in _BRACKETS.values():
             if stack and _BRACKETS[stack[-1][1]] == ch:
                 stack.pop()
-            else:
-                return None
+            else:  # `[1, 2)`: the innermost open bracket is the one left unclosed
+                return stack[-1] if stack else None
     return stack[0] if stack else None
 
 
-def _cont_position(text: str, start: int) -> tuple[int, int]:
-    """Line and column of the `|` that ends a continuation token starting at `start`."""
-    bar = text.index("|", start)
+def _cont_position(text: str, end: int) -> tuple[int, int]:
+    """Line and column of the `|` that ends a continuation token ending at `end`."""
+    bar = end - 1
     line = text.count("\n", 0, bar) + 1
     return line, bar - (text.rfind("\n", 0, bar) + 1) + 1
 
