@@ -17,7 +17,7 @@ import re
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
-from lark import Token, Transformer, v_args
+from lark import Token, Transformer
 
 from . import ir
 from .dtypes import RULE_DTYPE_NAMES
@@ -47,6 +47,7 @@ CONTEXT: contextvars.ContextVar[Context] = contextvars.ContextVar("remapdsl_pars
 
 
 _new = ir.construct
+_tuple_new = tuple.__new__  # Span(...) without the named tuple's argument handling
 
 
 def span_of(first: Any, last: Any = None) -> Span:
@@ -54,7 +55,7 @@ def span_of(first: Any, last: Any = None) -> Span:
     last = first if last is None else last
     a = first.span if not isinstance(first, Token) else first
     b = last.span if not isinstance(last, Token) else last
-    return Span(CONTEXT.get().path, a.line, a.column, b.end_line, b.end_column)
+    return _tuple_new(Span, (CONTEXT.get().path, a.line, a.column, b.end_line, b.end_column))
 
 
 def error(code: str, message: str, span: Span, hint: str | None = None) -> None:
@@ -101,20 +102,24 @@ class _End(NamedTuple):
     span: Span
 
 
-@v_args(inline=True)
 class Builder(Transformer):
-    """The callbacks Lark calls on each reduction. Stateless: state lives in the Context."""
+    """The callbacks Lark calls on each reduction, each with the list of its children.
+
+    Stateless: state lives in the Context. (No `v_args`: its wrappers cost a tenth of the parse.)
+    """
 
     # -- file and statements --
 
-    def start(self, *statements: ir.Statement | None) -> tuple[ir.Statement, ...]:
+    def start(self, children: list) -> tuple[ir.Statement, ...]:
+        statements = tuple(children)
         found = tuple(s for s in statements if s is not None)
         for s in found[1:]:
             if isinstance(s, ir.Version):
                 error("E032", "the `remap` version line must be the first statement", s.span)
         return found
 
-    def version(self, keyword: Token, number: Token) -> ir.Version | None:
+    def version(self, children: list) -> ir.Version | None:
+        keyword, number = children
         if not number.isdigit():
             error("E030", f"`remap` takes a version number, not `{number}`", span_of(number),
                   "write `remap 1`")
@@ -127,13 +132,16 @@ class Builder(Transformer):
             return None
         return _new(ir.Version, number=int(number), span=span_of(keyword, number))
 
-    def let(self, keyword: Token, name: Token, value: Any) -> ir.Let | None:
+    def let(self, children: list) -> ir.Let | None:
+        keyword, name, value = children
         value = _value(value)
         if _identifier(name, "let name") is None:
             return None
         return _new(ir.Let, name=str(name), value=value, span=span_of(keyword, value))
 
-    def rule(self, optional, otherwise, sources, targets, guard, *ops) -> ir.Rule | None:
+    def rule(self, children: list) -> ir.Rule | None:
+        optional, otherwise, sources, targets, guard, *ops = children
+        ops = tuple(ops)
         first = optional or otherwise or sources[0]
         span = span_of(first, _last(targets[-1], guard, ops))
         types = _capture_types(sources)
@@ -149,10 +157,12 @@ class Builder(Transformer):
                     guard=guard.expr if guard else None, ops=ops, optional=optional is not None,
                     otherwise=otherwise is not None, span=span)
 
-    def drop(self, keyword: Token, patterns: list, guard: _Guard | None) -> ir.Drop | None:
+    def drop(self, children: list) -> ir.Drop | None:
+        keyword, patterns, guard = children
         return self._drop_or_keep(ir.Drop, keyword, patterns, guard)
 
-    def keep(self, keyword: Token, patterns: list, guard: _Guard | None) -> ir.Keep | None:
+    def keep(self, children: list) -> ir.Keep | None:
+        keyword, patterns, guard = children
         return self._drop_or_keep(ir.Keep, keyword, patterns, guard)
 
     @staticmethod
@@ -163,7 +173,9 @@ class Builder(Transformer):
         return _new(cls, patterns=built, guard=guard.expr if guard else None,
                     span=span_of(keyword, _last(patterns[-1], guard, ())))
 
-    def dequantize(self, optional, keyword, sources, target, guard, *ops) -> ir.Dequantize | None:
+    def dequantize(self, children: list) -> ir.Dequantize | None:
+        optional, keyword, sources, target, guard, *ops = children
+        ops = tuple(ops)
         span = span_of(optional or keyword, _last(target, guard, ops))
         types = _capture_types(sources)
         built_sources = _patterns(sources, "source", types)
@@ -187,14 +199,17 @@ class Builder(Transformer):
                     guard=guard.expr if guard else None, format=fmt,
                     optional=optional is not None, span=span)
 
-    def include(self, keyword: Token, path: Token) -> ir.Include | None:
+    def include(self, children: list) -> ir.Include | None:
+        keyword, path = children
         value = str(path)[1:-1]
         if not value.strip():
             error("E033", "`include` needs a file path", span_of(path))
             return None
         return _new(ir.Include, path=value, span=span_of(keyword, path))
 
-    def macro(self, keyword: Token, name: Token, *rest: Any) -> ir.Macro | None:
+    def macro(self, children: list) -> ir.Macro | None:
+        keyword, name, *rest = children
+        rest = tuple(rest)
         params = [p for p in rest if isinstance(p, Token)]
         ops = tuple(op for op in rest if isinstance(op, ir.Op))
         ok = _identifier(name, "macro name") is not None
@@ -213,23 +228,29 @@ class Builder(Transformer):
         return _new(ir.Macro, name=str(name), params=tuple(str(p) for p in params), ops=ops,
                     span=span_of(keyword, ops[-1]))
 
-    def guard(self, expr: Any) -> _Guard:
+    def guard(self, children: list) -> _Guard:
+        (expr,) = children
         return _Guard(_value(expr))
 
-    def pipe(self, op: ir.Op) -> ir.Op:
+    def pipe(self, children: list) -> ir.Op:
+        (op,) = children
         return op
 
     # -- ops --
 
-    def keyword_arg(self, name: Token, value: Any) -> _Arg:
+    def keyword_arg(self, children: list) -> _Arg:
+        name, value = children
         value = _value(value)
         return _Arg(name, value, span_of(name, value))
 
-    def positional_arg(self, value: Any) -> _Arg:
+    def positional_arg(self, children: list) -> _Arg:
+        (value,) = children
         value = _value(value)
         return _Arg(None, value, value.span)
 
-    def op(self, name: Token, *rest: Any) -> ir.Op:
+    def op(self, children: list) -> ir.Op:
+        name, *rest = children
+        rest = tuple(rest)
         *args, close = rest
         given = [a for a in args if a is not None]
         span = span_of(name, close)
@@ -248,19 +269,21 @@ class Builder(Transformer):
 
     # -- patterns --
 
-    def patterns(self, *raws: _RawPattern) -> list[_RawPattern]:
+    def patterns(self, children: list) -> list[_RawPattern]:
+        raws = tuple(children)
         return list(raws)
 
-    def pattern(self, *items: Any) -> _RawPattern:
-        span = span_of(items[0], items[-1])
-        return _RawPattern(tuple(_brace_token(i) if isinstance(i, Token) and i.type in
-                                 ("CAPTURE", "ALTERNATIVES") else i for i in items), span)
+    def pattern(self, children: list) -> _RawPattern:
+        items = tuple(children)
+        return _RawPattern(items, span_of(items[0], items[-1]))
 
-    def brace(self, open_: Token, body: tuple[str, Any], close: Token) -> _Brace:
+    def brace(self, children: list) -> _Brace:
+        open_, body, close = children
         kind, value = body
         return _Brace(kind, value, open_.start_pos, close.end_pos, span_of(open_, close))
 
-    def brace_expr(self, expr: Any) -> tuple[str, Any]:
+    def brace_expr(self, children: list) -> tuple[str, Any]:
+        (expr,) = children
         if isinstance(expr, Token) and expr.type == "WORD" and not expr.isdigit() \
                 and ir.identifier_problem(str(expr)) and "." not in expr:
             span = span_of(expr)
@@ -270,10 +293,12 @@ class Builder(Transformer):
             return ("bad", None)
         return ("expr", _value(expr))
 
-    def brace_typed(self, name: Token, kind: Token) -> tuple[str, Any]:
+    def brace_typed(self, children: list) -> tuple[str, Any]:
+        name, kind = children
         return ("typed", (name, kind))
 
-    def brace_alternatives(self, *options: Token) -> tuple[str, Any]:
+    def brace_alternatives(self, children: list) -> tuple[str, Any]:
+        options = tuple(children)
         for option in options:
             if not ir.OPTION_TEXT.fullmatch(option):
                 error("E016", f"alternative `{option}` has an empty segment", span_of(option))
@@ -281,14 +306,18 @@ class Builder(Transformer):
 
     # -- expressions --
 
-    def expr(self, *items: Any) -> ir.Node:
+    def expr(self, children: list) -> ir.Node:
         """A flat run `[prefix...] operand (operator [prefix...] operand)*`, by precedence."""
+        items = tuple(children)
         return _Precedence(items).parse()
 
-    def paren(self, expr: Any) -> ir.Node:
+    def paren(self, children: list) -> ir.Node:
+        (expr,) = children
         return _value(expr)
 
-    def list(self, open_: Token, *rest: Any) -> ir.List:
+    def list(self, children: list) -> ir.List:
+        open_, *rest = children
+        rest = tuple(rest)
         *items, close = rest
         values = tuple(_value(i) for i in items if i is not None)
         return _new(ir.List, items=values, span=span_of(open_, close))
@@ -522,6 +551,8 @@ def _capture_types(raws: list[_RawPattern]) -> dict[str, str]:
     declared_at: dict[str, Span] = {}
     for raw in raws:
         for item in raw.items:
+            if isinstance(item, Token) and item.type == "CAPTURE" and ":" in item:
+                item = _brace_token(item)
             if isinstance(item, _Brace) and item.kind == "typed":
                 name, kind = item.value
                 if str(kind) not in ir.CAPTURE_TYPES:
@@ -539,20 +570,13 @@ def _capture_types(raws: list[_RawPattern]) -> dict[str, str]:
     return types
 
 
-def _start_pos(item: Any) -> int:
-    return item.start_pos if isinstance(item, Token) else item.start
-
-
-def _end_pos(item: Any) -> int:
-    return item.end_pos if isinstance(item, Token) else item.end
-
-
 def _pattern(raw: _RawPattern, side: str, types: dict[str, str]) -> ir.Pattern | None:
     ctx = CONTEXT.get()
     before = len(ctx.diagnostics)
     items = raw.items
     for a, b in zip(items, items[1:]):
-        if _end_pos(a) != _start_pos(b):
+        if (a.end_pos if isinstance(a, Token) else a.end) != (
+                b.start_pos if isinstance(b, Token) else b.start):
             gap = Span(path=ctx.path, line=a.end_line if isinstance(a, Token) else
                                        a.span.end_line,
                                        column=a.end_column if isinstance(a, Token) else
@@ -594,9 +618,16 @@ def _narrow(part: ir.Node, message: str) -> Span:
 
 def _part(item: Any, side: str, types: dict[str, str]) -> ir.Node | None:
     if isinstance(item, Token):
+        kind = item.type
         span = span_of(item)
-        if item.type == "WORD":
+        if kind == "WORD":
             return _new(ir.Text, text=str(item), span=span)
+        if kind == "CAPTURE" and ":" not in item:  # the common `{L}`, without an intermediate
+            name = str(item)[1:-1]
+            if side == "source" and not ir.identifier_problem(name):
+                return _new(ir.Capture, name=name, type=types.get(name, "int"), span=span)
+        if kind in ("CAPTURE", "ALTERNATIVES"):
+            return _part(_brace_token(item), side, types)
         if side == "target":
             error("E015", f"`{item}` matches keys, but a target names one key", span,
                   "capture the varying part in the source (`{L}` rather than `*`) and write "
@@ -638,17 +669,24 @@ def _part(item: Any, side: str, types: dict[str, str]) -> ir.Node | None:
     return None
 
 
-def depth_problem(statement: ir.Node) -> Span | None:
-    """The span of an expression nested deeper than MAX_DEPTH in a statement, if any."""
-    stack = [(statement, 0)]
+def depth_problem(statement: ir.Statement) -> Span | None:
+    """The span of an expression nested deeper than MAX_DEPTH in a statement, if any.
+
+    Only expressions can nest (patterns are flat), so only they are walked, without recursion.
+    """
+    roots = [getattr(statement, name) for name in ("value", "guard") if hasattr(statement, name)]
+    ops = getattr(statement, "ops", ()) or ((statement.format,) if hasattr(statement, "format") else ())
+    for op in ops:
+        roots.extend(getattr(op, p.name) for p in op.params if p.kind != "capture")
+        roots.extend(arg.value for arg in getattr(op, "args", ()))
+    stack = [(root, 0) for root in roots if isinstance(root, ir.Node)]
     while stack:
         node, depth = stack.pop()
         if depth > MAX_DEPTH:
             return node.span
         for name in node._compared:
             value = getattr(node, name)
-            children = value if isinstance(value, tuple) else (value,)
-            for child in children:
+            for child in value if isinstance(value, tuple) else (value,):
                 if isinstance(child, ir.Node):
                     stack.append((child, depth + 1))
     return None

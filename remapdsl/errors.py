@@ -10,19 +10,18 @@ from __future__ import annotations
 import difflib
 import unicodedata
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
+from typing import Annotated, Any, NamedTuple
 
-from pydantic import BaseModel, ConfigDict
+from pydantic import BaseModel, BeforeValidator, ConfigDict, PlainSerializer
 
 MAX_SHOWN = 20
 
 
-@dataclass(frozen=True, slots=True)
-class Span:
+class Span(NamedTuple):
     """A region of a source file: 1-based line and column, end exclusive, columns in characters.
 
-    A plain frozen dataclass rather than a pydantic model: the parser makes one per token-sized
-    node, and pydantic still validates and serializes it as a field of the IR.
+    A named tuple rather than a model: the parser makes one per token-sized IR node, and a tuple
+    is the cheapest immutable value Python builds. In JSON it is an object (see SpanField).
     """
 
     path: str
@@ -35,6 +34,18 @@ class Span:
         return f"{self.path}:{self.line}:{self.column}"
 
 
+def _span_from_json(value: Any) -> Any:
+    return Span(**value) if isinstance(value, dict) else value
+
+
+# A span as a pydantic field: validated from an object or a Span, written as an object.
+SpanField = Annotated[
+    Span,
+    BeforeValidator(_span_from_json),
+    PlainSerializer(lambda span: span._asdict(), return_type=dict),
+]
+
+
 class Diagnostic(BaseModel):
     """One error: a stable code (documented in docs/errors.md), a message, where, and a hint."""
 
@@ -42,7 +53,7 @@ class Diagnostic(BaseModel):
 
     code: str
     message: str
-    span: Span | None = None
+    span: SpanField | None = None
     line_text: str | None = None
     hint: str | None = None
     path: str | None = None  # for errors about a file or key that have no line (a checkpoint)

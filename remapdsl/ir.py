@@ -16,7 +16,7 @@ import re
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from .errors import Span
+from .errors import SpanField
 
 LANGUAGE_VERSIONS = (1,)
 CAPTURE_TYPES = ("int", "seg", "path")
@@ -68,7 +68,7 @@ class Node(BaseModel):
 
     model_config = ConfigDict(frozen=True, extra="forbid")
 
-    span: Span | None = Field(default=None, repr=False)
+    span: SpanField | None = Field(default=None, repr=False)
     _compared: ClassVar[tuple[str, ...]] = ()
 
     @classmethod

@@ -16,10 +16,18 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from remapdsl.errors import RemapError
+from remapdsl.format import format_rules
 from remapdsl.parse import parse_text
 from remapdsl.rules import rules_from_text
 
+try:
+    from tests import strategies as S
+except ImportError:  # tests/ on sys.path (rootdir-relative import mode)
+    import strategies as S
+
 ROOT = Path(__file__).resolve().parent.parent
+
+pytestmark = pytest.mark.filterwarnings("ignore:Generating overly large repr")
 
 # An empty folder as the include root, so a fuzzed `include` never reads a real file.
 _EMPTY_ROOT = Path(tempfile.mkdtemp(prefix="remap-fuzz-"))
@@ -110,25 +118,37 @@ TOKENS = [
 
 _any_text = st.text(st.characters(blacklist_categories=("Cs",)), max_size=120)
 _token_text = st.lists(st.one_of(st.sampled_from(TOKENS), st.text(max_size=3)), max_size=30).map("".join)
+_piece = st.one_of(st.sampled_from(TOKENS), st.characters(blacklist_categories=("Cs",)))
 
 
 @st.composite
-def mutated_samples(draw) -> str:
-    """A realistic rule file with 1..6 random edits (insert, delete, replace)."""
-    text = draw(st.sampled_from(ALL_SAMPLES))
+def mutate(draw, text: str) -> str:
+    """1..6 random edits: insert, delete or replace a run, duplicate a run, swap two lines."""
     for _ in range(draw(st.integers(1, 6))):
         at = draw(st.integers(0, len(text)))
-        kind = draw(st.sampled_from(["insert", "delete", "replace"]))
-        piece = draw(st.one_of(st.sampled_from(TOKENS), st.characters(blacklist_categories=("Cs",))))
+        stop = min(len(text), at + draw(st.integers(1, 8)))
+        kind = draw(st.sampled_from(["insert", "delete", "replace", "duplicate", "swap_lines"]))
         if kind == "insert":
-            text = text[:at] + piece + text[at:]
+            text = text[:at] + draw(_piece) + text[at:]
+        elif kind == "delete":
+            text = text[:at] + text[stop:]
+        elif kind == "replace":
+            text = text[:at] + draw(_piece) + text[stop:]
+        elif kind == "duplicate":
+            text = text[:stop] + text[at:stop] + text[stop:]
         else:
-            stop = min(len(text), at + draw(st.integers(1, 8)))
-            text = text[:at] + (piece if kind == "replace" else "") + text[stop:]
+            lines = text.split("\n")
+            i, j = draw(st.integers(0, len(lines) - 1)), draw(st.integers(0, len(lines) - 1))
+            lines[i], lines[j] = lines[j], lines[i]
+            text = "\n".join(lines)
     return text
 
 
+mutated_samples = st.sampled_from(ALL_SAMPLES).flatmap(mutate)
+
+
 def check_error(exc: RemapError, text: str) -> None:
+    """A RemapError renders, and each located diagnostic points at a real place of the text."""
     rendered = str(exc)
     assert rendered
     assert exc.diagnostics
@@ -139,23 +159,10 @@ def check_error(exc: RemapError, text: str) -> None:
         if span is None:
             continue
         assert span.line >= 1 and span.column >= 1, (span, rendered)
-        assert span.end_line >= span.line, (span, rendered)
+        assert (span.end_line, span.end_column) >= (span.line, span.column), (span, rendered)
         if span.path == "<fuzz>":  # a span in the fuzzed text itself
             assert span.line <= len(lines), (span, rendered)
-
-
-# Source bugs found by these tests, pinned by the strict-xfail tests below. The fuzz tests tolerate
-# exactly these (exception type, message) pairs from rules_from_text, for a text with an include,
-# so that they keep looking for new ones; delete an entry once its bug is fixed.
-KNOWN_INCLUDE_CRASHES = [
-    (ValueError, "embedded null byte"),  # include "\x00"
-    (OSError, "File name too long"),  # include "aaaa...(300 a)"
-]
-
-
-def _known_crash(exc: Exception, text: str) -> bool:
-    return "include" in text and any(
-        type(exc) is kind and message in str(exc) for kind, message in KNOWN_INCLUDE_CRASHES)
+            assert span.column <= len(lines[span.line - 1]) + 1, (span, rendered)
 
 
 def front_end(text: str) -> None:
@@ -168,9 +175,6 @@ def front_end(text: str) -> None:
         rules_from_text(text, "<fuzz>", root=_EMPTY_ROOT)
     except RemapError as exc:
         check_error(exc, text)
-    except Exception as exc:
-        if not _known_crash(exc, text):
-            raise
 
 
 _FUZZ = settings(max_examples=1000, deadline=None,
@@ -184,9 +188,22 @@ def test_arbitrary_text_raises_only_remap_errors(text):
 
 
 @_FUZZ
-@given(mutated_samples())
+@given(mutated_samples)
 def test_mutated_rule_files_raise_only_remap_errors(text):
     front_end(text)
+
+
+@settings(_FUZZ, max_examples=500)
+@given(S.rule_files(path="<fuzz>").map(format_rules).flatmap(mutate))
+def test_mutated_generated_files_raise_only_remap_errors(text):
+    front_end(text)
+
+
+@settings(_FUZZ, max_examples=300)
+@given(S.rule_files(path="<fuzz>"))
+def test_generated_files_pass_or_fail_static_checks_cleanly(rules):
+    """Well-formed IR with unbound names, odd op arguments...: the static checks report, never crash."""
+    front_end(format_rules(rules))
 
 
 @pytest.mark.parametrize("text", SAMPLES, ids=["qwen3_moe", "quantized", "bom_crlf_tabs"])
@@ -195,15 +212,9 @@ def test_samples_parse(text):
     parse_text(text, "<fuzz>")
 
 
-@pytest.mark.xfail(strict=True, reason="an include path with a NUL character escapes as ValueError "
-                   "from pathlib (rules._Includes.flatten resolves it unguarded)")
-def test_include_path_with_nul_is_a_remap_error():
-    with pytest.raises(RemapError):
-        rules_from_text('include "a\x00b.remap"\n', "<fuzz>", root=_EMPTY_ROOT)
-
-
-@pytest.mark.xfail(strict=True, reason="an include path with a component longer than the file "
-                   "system allows escapes as OSError(ENAMETOOLONG) from Path.is_file()")
-def test_include_path_too_long_is_a_remap_error():
-    with pytest.raises(RemapError):
-        rules_from_text(f'include "{"a" * 300}.remap"\n', "<fuzz>", root=_EMPTY_ROOT)
+@pytest.mark.parametrize("path", ['a\x00b.remap', "a" * 300 + ".remap", "../x.remap", "/etc/passwd",
+                                  ".", "", " ", "a/" * 2000 + "x"])
+def test_odd_include_paths_are_remap_errors(path):
+    with pytest.raises(RemapError) as info:
+        rules_from_text(f'include "{path}"\n', "<fuzz>", root=_EMPTY_ROOT)
+    check_error(info.value, f'include "{path}"\n')
