@@ -1,0 +1,9 @@
+"""Rules + checkpoint inventory + config -> Compiled: blocks that tile every destination.
+
+Entry point: `compile_rules(rules, inventory, config)`. Shapes only; no tensor data is read.
+"""
+
+from .compiler import compile_rules
+from .model import Block, BoundRule, Compiled, Destination, Source, Step
+
+__all__ = ["Block", "BoundRule", "Compiled", "Destination", "Source", "Step", "compile_rules"]

@@ -1,0 +1,168 @@
+"""Key patterns x checkpoint keys -> bindings: which keys each statement takes, with which captures.
+
+A pattern compiles to an anchored regular expression (captures typed: `{L}` a canonical decimal
+integer, `{m:seg}` one segment, `{P:path}` dotted text; alternatives remember their position).
+A binding is one assignment of a statement's captures for which every source of its list axis
+exists; a partial binding (some sources present, others missing) is an error, never skipped.
+"""
+
+from __future__ import annotations
+
+import re
+from collections import defaultdict
+from collections.abc import Iterable
+from typing import NamedTuple
+
+from .. import ir
+
+_INT = r"(?:0|[1-9][0-9]*)"
+_SEG = r"[^.]+"
+_PATH = r"[^.]+(?:\.[^.]+)*"
+
+
+class PatternRegex(NamedTuple):
+    """A source pattern as a regex, with the names of its groups."""
+
+    regex: re.Pattern
+    captures: tuple[tuple[str, str], ...]  # (name, type) in group order
+    alternatives: tuple[tuple[str, ...], ...]  # options of each alternatives part
+
+
+class Match(NamedTuple):
+    ckpt_key: str
+    captures: tuple  # values, in the order of PatternRegex.captures
+    choice: tuple[int, ...]  # chosen option index of each alternatives part
+
+
+def compile_pattern(pattern: ir.Pattern) -> PatternRegex:
+    out, captures, alternatives = [], [], []
+    seen: dict[str, int] = {}
+    for part in pattern.parts:
+        if isinstance(part, ir.Text):
+            out.append(re.escape(part.text))
+        elif isinstance(part, ir.Capture):
+            if part.name in seen:  # a second use in one pattern: must be equal
+                out.append(f"(?P=c{seen[part.name]})")
+                continue
+            seen[part.name] = len(captures)
+            body = {"int": _INT, "seg": _SEG, "path": _PATH}[part.type]
+            out.append(f"(?P<c{len(captures)}>{body})")
+            captures.append((part.name, part.type))
+        elif isinstance(part, ir.Alternatives):
+            options = sorted(part.options, key=len, reverse=True)  # longest first
+            out.append(f"(?P<a{len(alternatives)}>{'|'.join(re.escape(o) for o in options)})")
+            alternatives.append(part.options)
+        elif isinstance(part, ir.Star):
+            out.append(_SEG)
+        else:
+            out.append(_PATH)
+    return PatternRegex(re.compile("".join(out)), tuple(captures), tuple(alternatives))
+
+
+def match_keys(compiled: PatternRegex, keys: Iterable[str]) -> list[Match]:
+    """Every key the pattern matches whole, with its capture values and alternative choices."""
+    found = []
+    fullmatch = compiled.regex.fullmatch
+    for key in keys:
+        m = fullmatch(key)
+        if m is None:
+            continue
+        values = tuple(int(m.group(f"c{i}")) if kind == "int" else m.group(f"c{i}")
+                       for i, (_, kind) in enumerate(compiled.captures))
+        choice = tuple(options.index(m.group(f"a{i}"))
+                       for i, options in enumerate(compiled.alternatives))
+        found.append(Match(key, values, choice))
+    return found
+
+
+def list_axis(patterns: tuple[ir.Pattern, ...]) -> list[tuple[int, tuple[int, ...]]]:
+    """The list axis of a statement: (pattern index, choice of each alternatives part) in order."""
+    axis = []
+    for index, pattern in enumerate(patterns):
+        sizes = [len(p.options) for p in pattern.parts if isinstance(p, ir.Alternatives)]
+        combos: list[tuple[int, ...]] = [()]
+        for size in sizes:
+            combos = [c + (k,) for c in combos for k in range(size)]
+        axis.extend((index, combo) for combo in combos)
+    return axis
+
+
+class Binding(NamedTuple):
+    captures: dict  # name -> value
+    keys: tuple[str, ...]  # one checkpoint key per list-axis entry
+
+
+class Partial(NamedTuple):
+    """A binding with some list-axis entries present and others missing."""
+
+    captures: dict
+    present: tuple[str, ...]
+    missing: tuple[int, ...]  # list-axis positions without a key
+
+
+def bind(patterns: tuple[ir.Pattern, ...], keys: Iterable[str]) -> tuple[list[Binding], list[Partial],
+                                                                        list[int]]:
+    """Bindings of a statement's source patterns; also partial ones and patterns matching nothing."""
+    keys = list(keys)
+    compiled = [compile_pattern(p) for p in patterns]
+    axis = list_axis(patterns)
+    position = {entry: i for i, entry in enumerate(axis)}
+    names: list[str] = []
+    for c in compiled:
+        for name, _ in c.captures:
+            if name not in names:
+                names.append(name)
+    slots: dict[tuple, list[str | None]] = defaultdict(lambda: [None] * len(axis))
+    unmatched = []
+    for index, c in enumerate(compiled):
+        matches = match_keys(c, keys)
+        if not matches:
+            unmatched.append(index)
+        for m in matches:
+            values = dict(zip((n for n, _ in c.captures), m.captures))
+            # a pattern that lacks some captures of the statement fills every binding that agrees
+            key = tuple(values.get(n, _ANY) for n in names)
+            slots[key][position[(index, m.choice)]] = m.ckpt_key
+    bindings, partial = [], []
+    complete_keys = _join(slots, len(axis))
+    for values, entries in complete_keys:
+        captures = dict(zip(names, values))
+        if all(e is not None for e in entries):
+            bindings.append(Binding(captures, tuple(entries)))
+        else:
+            partial.append(Partial(captures, tuple(e for e in entries if e is not None),
+                                   tuple(i for i, e in enumerate(entries) if e is None)))
+    return bindings, partial, unmatched
+
+
+class _AnyValue:
+    def __repr__(self) -> str:
+        return "*"
+
+
+_ANY = _AnyValue()
+
+
+def _join(slots: dict[tuple, list], width: int) -> list[tuple[tuple, list]]:
+    """Merge slot rows where some patterns bind fewer captures (their `_ANY` values)."""
+    full = {k: v for k, v in slots.items() if _ANY not in k}
+    loose = {k: v for k, v in slots.items() if _ANY in k}
+    if not loose:
+        return sorted(full.items(), key=lambda kv: _order(kv[0]))
+    if not full:  # no pattern binds every capture: not a sensible statement, keep as is
+        return sorted(((tuple(None if v is _ANY else v for v in k), e) for k, e in loose.items()),
+                      key=lambda kv: _order(kv[0]))
+    out = []
+    for k, entries in full.items():
+        merged = list(entries)
+        for lk, lentries in loose.items():
+            if all(a is _ANY or a == b for a, b in zip(lk, k)):
+                for i, e in enumerate(lentries):
+                    if e is not None:
+                        merged[i] = e
+        out.append((k, merged))
+    return sorted(out, key=lambda kv: _order(kv[0]))
+
+
+def _order(values: tuple) -> tuple:
+    return tuple((0, v, "") if isinstance(v, int) else (1, 0, str(v)) for v in values)

@@ -1,0 +1,434 @@
+"""RuleSet + checkpoint inventory + model config -> Compiled (blocks for every destination).
+
+Order: lets are evaluated; `drop` removes keys; each mapping rule binds against what is left
+(fan-out allowed); `otherwise` binds what no rule consumed; anything still unconsumed is an error.
+Each binding's ops run on symbolic tensors (remapdsl/compile/symbolic.py). Every problem is a
+located BindError pointing at the statement, raised before any tensor byte is read.
+"""
+
+from __future__ import annotations
+
+import re
+from collections import defaultdict
+from collections.abc import Mapping
+from typing import Any
+
+from .. import ir
+from ..checkpoint import Inventory
+from ..errors import BindError, Diagnostic, Span, suggest
+from ..rules import RuleSet
+from . import symbolic as sym
+from .bind import Binding, bind, list_axis
+from .evaluate import Evaluator, evaluate_lets
+from .model import Block, BoundRule, Compiled, Destination, Source, Step
+
+
+def compile_rules(rules: RuleSet, inventory: Inventory, config: Mapping[str, Any] | None = None,
+                  *, strict: bool = True) -> Compiled:
+    """Compile rules against a checkpoint's inventory and its model config.
+
+    Args:
+        rules: a checked RuleSet (`remapdsl.load_rules`).
+        inventory: the checkpoint's tensors (`remapdsl.checkpoint.open_inventory`).
+        config: the model config (config.json as a dict).
+        strict: when True (the default), a checkpoint key that no rule consumes and no `drop`
+            names is an error; when False it is left out of the load.
+    """
+    return _Compiler(rules, inventory, dict(config or {}), strict).run()
+
+
+class _Compiler:
+    def __init__(self, rules: RuleSet, inventory: Inventory, config: dict, strict: bool):
+        self.rules = rules
+        self.inventory = inventory
+        self.strict = strict
+        self.lets = evaluate_lets(rules.statements, config, rules.line_text)
+        self.evaluator = Evaluator(config, self.lets, rules.line_text)
+        self.macros = {s.name: s for s in rules.statements if isinstance(s, ir.Macro)}
+        self.errors: list[Diagnostic] = []
+        self.destinations: dict[str, Destination] = {}
+        self.bindings: list[BoundRule] = []
+
+    def error(self, code: str, message: str, span: Span | None, hint: str | None = None) -> None:
+        self.errors.append(Diagnostic(code=code, message=message, span=span, hint=hint,
+                                      line_text=self.rules.line_text(span)))
+
+    def run(self) -> Compiled:
+        statements = self.rules.statements
+        available = set(self.inventory.tensors)
+        for s in statements:
+            if isinstance(s, ir.Dequantize):
+                self.dequantize(s, available)
+        dropped, unused = self.drops(statements, available)
+        available -= dropped
+        consumed: set[str] = set()
+        rules = [s for s in statements if isinstance(s, ir.Rule)]
+        for rule in [r for r in rules if not r.otherwise] + [r for r in rules if r.otherwise]:
+            pool = available - consumed if rule.otherwise else available
+            consumed |= self.rule(rule, pool)
+        leftover = sorted(available - consumed)
+        if leftover and self.strict:
+            shown = ", ".join(f"`{k}`" for k in leftover[:8])
+            more = f" and {len(leftover) - 8} more" if len(leftover) > 8 else ""
+            self.error("E202", f"{len(leftover)} checkpoint tensor{'s' if len(leftover) > 1 else ''} "
+                       f"taken by no rule: {shown}{more}", None,
+                       "map them with a rule, name them in a `drop`, or compile with strict=False")
+        if self.errors:
+            raise BindError(self.errors)
+        self.check_tiling()
+        keep = tuple(_regex(p).pattern for s in statements if isinstance(s, ir.Keep)
+                     for p in s.patterns)
+        sources = tuple(Source(ckpt_key=k, file=t.file, dtype=t.dtype, shape=tuple(t.shape))
+                        for k, t in sorted(self.inventory.tensors.items()))
+        return Compiled(destinations=tuple(self.destinations[k] for k in sorted(self.destinations)),
+                        sources=sources, bindings=tuple(self.bindings), dropped=tuple(sorted(dropped)),
+                        unused_drops=unused, keep=keep)
+
+    # -- statements --
+
+    def dequantize(self, s: ir.Dequantize, available: set[str]) -> None:
+        bindings, _, _ = bind(s.sources, available)
+        if bindings:
+            self.error("E220", "`dequantize` is not supported yet: quantized checkpoints come with "
+                       "issue #5", s.span, "load a dequantized (bf16) checkpoint for now")
+
+    def drops(self, statements, available: set[str]) -> tuple[set[str], tuple[Span, ...]]:
+        dropped: set[str] = set()
+        unused: list[Span] = []
+        for s in statements:
+            if not isinstance(s, ir.Drop):
+                continue
+            hit = False
+            for pattern in s.patterns:
+                found, _, _ = bind((pattern,), available)
+                for b in found:
+                    if s.guard is None or self.evaluator.boolean(s.guard, b.captures):
+                        dropped.update(b.keys)
+                        hit = True
+            if not hit and s.span is not None:
+                unused.append(s.span)
+        return dropped, tuple(unused)
+
+    def rule(self, rule: ir.Rule, pool: set[str]) -> set[str]:
+        """Bind one rule, build its destinations; return the checkpoint keys it consumed."""
+        bindings, partial, unmatched = bind(rule.sources, pool)
+        if unmatched and not rule.optional:
+            for index in unmatched:
+                self.no_match(rule, rule.sources[index], pool)
+            return set()
+        for p in partial[:5]:
+            axis = list_axis(rule.sources)
+            missing = [self.name_of(rule.sources[axis[i][0]], axis[i][1], p.captures) for i in p.missing]
+            self.error("E204", f"incomplete binding {_captures(p.captures)}: found `{p.present[0]}` but "
+                       f"not `{missing[0]}`" + (f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""),
+                       rule.span, "every source of a rule must exist for each binding; mark the rule "
+                       "`optional` only if the whole binding may be absent")
+        if partial:
+            return set()
+        if rule.guard is not None:
+            bindings = [b for b in bindings if self.evaluator.boolean(rule.guard, b.captures)]
+        consumed: set[str] = set()
+        for b in bindings:
+            consumed.update(b.keys)
+        try:
+            self.build(rule, bindings)
+        except _RuleFailed:
+            pass
+        return consumed
+
+    def no_match(self, rule: ir.Rule, pattern: ir.Pattern, pool: set[str]) -> None:
+        literal = "".join(p.text for p in pattern.parts if isinstance(p, ir.Text))
+        hint = None
+        prefix = ""
+        for part in pattern.parts:
+            if not isinstance(part, ir.Text):
+                break
+            prefix += part.text
+        segments = [seg for seg in literal.split(".") if seg]
+        known = {seg for k in pool for seg in k.split(".")}
+        for seg in segments:
+            if seg not in known:
+                close = suggest(seg, known)
+                hint = f"did you mean `{close}`?" if close else f"no checkpoint key has a segment `{seg}`"
+                break
+        if hint is None and prefix:
+            similar = sorted(k for k in pool if k.startswith(prefix))[:3]
+            if similar:
+                hint = "checkpoint keys that start like this: " + ", ".join(f"`{k}`" for k in similar)
+        self.error("E201", "pattern matches no checkpoint key", pattern.span or rule.span, hint)
+
+    def name_of(self, pattern: ir.Pattern, choice: tuple[int, ...], captures: dict) -> str:
+        """The key a source pattern names for given captures and alternative choices."""
+        out, alt = [], 0
+        for part in pattern.parts:
+            if isinstance(part, ir.Text):
+                out.append(part.text)
+            elif isinstance(part, ir.Capture):
+                out.append(str(captures.get(part.name, f"{{{part.name}}}")))
+            elif isinstance(part, ir.Alternatives):
+                out.append(part.options[choice[alt]])
+                alt += 1
+            else:
+                out.append("*")
+        return "".join(out)
+
+    # -- building destinations --
+
+    def build(self, rule: ir.Rule, bindings: list[Binding]) -> None:
+        target_names = {n.id for p in rule.targets for part in p.parts if isinstance(part, ir.Subst)
+                        for n in _names(part.expr)}
+        ops = self.expand(rule.ops, {})
+        reduced = sorted({op.capture for op, _ in ops if isinstance(op, (ir.Stack, ir.Concat))
+                          and op.capture is not None})
+        groups: dict[tuple, dict[tuple, list]] = defaultdict(dict)
+        for b in bindings:
+            outer = tuple(sorted((k, v) for k, v in b.captures.items() if k not in reduced))
+            inner = tuple(sorted((k, v) for k, v in b.captures.items() if k in reduced))
+            tensors = [self.source(k) for k in b.keys]
+            groups[outer][inner] = (tensors, b.keys)
+        for outer, items in groups.items():
+            state = {inner: tensors for inner, (tensors, _) in items.items()}
+            keys = tuple(k for _, ks in items.values() for k in ks)
+            for op, env in ops:
+                state = self.apply(rule, op, env, state, keys)
+            for produced, tensors in state.items():
+                captures = dict(outer) | dict(produced)
+                names = self.targets(rule, captures, target_names)
+                if len(names) != len(tensors):
+                    self.error("E111", f"the ops leave {len(tensors)} tensors for {len(names)} targets",
+                               rule.span)
+                    raise _RuleFailed
+                for name, tensor in zip(names, tensors):
+                    self.destination(rule, name, tensor, keys)
+                self.bindings.append(BoundRule(rule=rule.span, captures=tuple(sorted(captures.items())),
+                                               ckpt_keys=keys, runtime_keys=tuple(names)))
+
+    def source(self, ckpt_key: str) -> sym.Sym:
+        info = self.inventory.tensors[ckpt_key]
+        return sym.source(ckpt_key, tuple(info.shape), info.dtype)
+
+    def expand(self, ops, env: dict) -> list[tuple[ir.Op, dict]]:
+        """Ops with macro calls replaced by their bodies, each with its parameter values."""
+        out = []
+        for op in ops:
+            if isinstance(op, ir.MacroCall):
+                macro = self.macros[op.name]
+                args = {}
+                for position, arg in enumerate(op.args):
+                    name = arg.name or macro.params[position]
+                    args[name] = Evaluator(self.evaluator.config, self.lets | env,
+                                           self.rules.line_text).integer(arg.value, name)
+                out.extend(self.expand(macro.ops, args))
+            else:
+                out.append((op, env))
+        return out
+
+    def apply(self, rule: ir.Rule, op: ir.Op, env: dict, state: dict, keys: tuple) -> dict:
+        ev = Evaluator(self.evaluator.config, self.lets | env, self.rules.line_text)
+        try:
+            return _apply(op, ev, state, self.target_count(rule))
+        except sym.LayoutError as exc:
+            self.error("E207", f"`{op.op_name()}`: {exc}", op.span or rule.span,
+                       f"while binding {', '.join(f'`{k}`' for k in keys[:3])}"
+                       + (" ..." if len(keys) > 3 else ""))
+            raise _RuleFailed from None
+        except _GapError as exc:
+            self.error("E205", str(exc), op.span or rule.span,
+                       "a checkpoint that holds a slice says `start=`; never re-slotted silently")
+            raise _RuleFailed from None
+
+    def target_count(self, rule: ir.Rule) -> int:
+        return sum(len(list_axis((p,))) for p in rule.targets)
+
+    def targets(self, rule: ir.Rule, captures: dict, target_names: set[str]) -> list[str]:
+        names = []
+        for pattern in rule.targets:
+            for _, choice in list_axis((pattern,)):
+                out, alt = [], 0
+                for part in pattern.parts:
+                    if isinstance(part, ir.Text):
+                        out.append(part.text)
+                    elif isinstance(part, ir.Alternatives):
+                        out.append(part.options[choice[alt]])
+                        alt += 1
+                    else:
+                        out.append(str(self.evaluator.value(part.expr, captures)))
+                names.append("".join(out))
+        return names
+
+    def destination(self, rule: ir.Rule, name: str, tensor: sym.Sym, keys: tuple) -> None:
+        if name in self.destinations:
+            first = self.destinations[name].rule
+            self.error("E203", f"runtime tensor `{name}` is produced twice", rule.span,
+                       f"first by the rule at {first}" if first else None)
+            return
+        blocks = tuple(_block(b) for b in tensor.blocks)
+        self.destinations[name] = Destination(runtime_key=name, shape=tensor.shape, dtype=tensor.dtype,
+                                              blocks=blocks, rule=rule.span,
+                                              ckpt_keys=tuple(dict.fromkeys(b.ckpt_key for b in tensor.blocks
+                                                                            if b.ckpt_key)))
+
+    def check_tiling(self) -> None:
+        """Every destination is covered exactly once (an invariant of the construction)."""
+        for d in self.destinations.values():
+            total = _prod(d.shape)
+            covered = sum(_prod(b.sizes) for b in d.blocks)
+            inside = all(0 <= o and o + s <= n for b in d.blocks
+                         for o, s, n in zip(b.offsets, b.sizes, d.shape))
+            if covered != total or not inside or not _disjoint(d.blocks):
+                raise BindError(Diagnostic(
+                    code="E206", message=f"blocks of `{d.runtime_key}` do not tile it exactly once "
+                    f"({covered} of {total} elements)", span=d.rule,
+                    line_text=self.rules.line_text(d.rule),
+                    hint="this is a bug in remapdsl; please report it with the rule file"))
+
+
+class _RuleFailed(Exception):
+    """A rule's error was recorded; skip the rest of that rule."""
+
+
+class _GapError(Exception):
+    pass
+
+
+def _apply(op: ir.Op, ev: Evaluator, state: dict, targets: int) -> dict:
+    """Apply one op to every entry of a rule's state (reduced capture values -> list axis)."""
+    if isinstance(op, (ir.Stack, ir.Concat)) and op.capture is not None:
+        return _combine_capture(op, ev, state)
+    if isinstance(op, ir.Unstack):
+        start = ev.integer(op.start, "start") if op.start is not None else 0
+        dim = ev.integer(op.dim, "dim")
+        out: dict = {}
+        for key, tensors in state.items():
+            pieces = [sym.unstack(t, dim) for t in tensors]
+            for i in range(len(pieces[0])):
+                out[key + ((op.capture, start + i),)] = [p[i] for p in pieces]
+        return out
+    return {key: _list_op(op, ev, tensors, targets) for key, tensors in state.items()}
+
+
+def _combine_capture(op, ev: Evaluator, state: dict) -> dict:
+    start = ev.integer(op.start, "start") if op.start is not None else 0
+    dim = ev.integer(op.dim, "dim")
+    grouped: dict[tuple, dict[int, list]] = defaultdict(dict)
+    for key, tensors in state.items():
+        rest = tuple(kv for kv in key if kv[0] != op.capture)
+        value = dict(key)[op.capture]
+        grouped[rest][value] = tensors
+    out = {}
+    for rest, by_value in grouped.items():
+        values = sorted(by_value)
+        expected = list(range(start, start + len(values)))
+        if values != expected:
+            gaps = sorted(set(expected) - set(values))
+            raise _GapError(f"`{op.op_name()}({op.capture}, ...)` needs {op.capture} to run from {start} "
+                            f"to {start + len(values) - 1} without a gap; found {_ranges(values)}"
+                            + (f", missing {_ranges(gaps)}" if gaps else ""))
+        combine = sym.stack if isinstance(op, ir.Stack) else sym.concat
+        width = len(by_value[values[0]])
+        out[rest] = [combine([by_value[v][i] for v in values], dim) for i in range(width)]
+    return out
+
+
+def _list_op(op: ir.Op, ev: Evaluator, tensors: list, targets: int) -> list:
+    if isinstance(op, (ir.Stack, ir.Concat)):
+        combine = sym.stack if isinstance(op, ir.Stack) else sym.concat
+        return [combine(tensors, ev.integer(op.dim, "dim"))]
+    if isinstance(op, ir.Interleave):
+        return [sym.interleave(tensors, ev.integer(op.dim, "dim"), ev.integer(op.groups, "groups"))]
+    if isinstance(op, ir.Split):
+        return sym.split(tensors[0], ev.integer(op.dim, "dim"), ev.integers(op.sizes, "sizes"))
+    if isinstance(op, ir.Chunk):
+        return sym.chunk(tensors[0], ev.integer(op.dim, "dim"), ev.integer(op.n, "n"))
+    if isinstance(op, ir.Deinterleave):
+        return sym.deinterleave(tensors[0], ev.integer(op.dim, "dim"), ev.integer(op.groups, "groups"),
+                                targets)
+    return [_one(op, ev, t) for t in tensors]
+
+
+def _one(op: ir.Op, ev: Evaluator, t: sym.Sym) -> sym.Sym:
+    if isinstance(op, ir.Transpose):
+        return sym.transpose(t, ev.integer(op.a, "a"), ev.integer(op.b, "b"))
+    if isinstance(op, ir.Permute):
+        return sym.permute(t, ev.integers(op.dims, "dims"))
+    if isinstance(op, ir.Reshape):
+        return sym.reshape(t, ev.integers(op.shape, "shape"))
+    if isinstance(op, ir.Slice):
+        start = ev.integer(op.start, "start") if op.start is not None else None
+        stop = ev.integer(op.stop, "stop") if op.stop is not None else None
+        return sym.slice_(t, ev.integer(op.dim, "dim"), start, stop)
+    if isinstance(op, ir.Pad):
+        value = ev.number(op.value, "value") if op.value is not None else 0.0
+        return sym.pad(t, ev.integer(op.dim, "dim"), ev.integer(op.to, "to"), value)
+    if isinstance(op, ir.Repeat):
+        return sym.repeat(t, ev.integer(op.dim, "dim"), ev.integer(op.times, "times"))
+    if isinstance(op, ir.RopePermute):
+        return sym.rope_permute(t, ev.integer(op.heads, "heads"))
+    if isinstance(op, ir.Cast):
+        return sym.value_step(t, ("cast", ev.dtype(op.dtype)))
+    if isinstance(op, ir.Scale):
+        return sym.value_step(t, ("scale", float(ev.number(op.factor, "factor"))))
+    if isinstance(op, ir.Add):
+        return sym.value_step(t, ("add", float(ev.number(op.value, "value"))))
+    raise sym.LayoutError(f"`{op.op_name()}` cannot stand in a mapping rule")
+
+
+def _block(b: sym.Blk) -> Block:
+    steps = tuple(ir.construct(Step, kind=s[0], dtype=s[1]) if s[0] == "cast"
+                  else ir.construct(Step, kind=s[0], value=s[1]) for s in b.steps)
+    return ir.construct(Block, offsets=b.offsets, sizes=b.sizes, ckpt_key=b.ckpt_key, base=b.base,
+                        coeff=b.coeff, steps=steps, fill=b.fill)
+
+
+def _names(expr: ir.Node):
+    if isinstance(expr, ir.Name):
+        yield expr
+    for field in expr._compared:
+        value = getattr(expr, field)
+        for child in value if isinstance(value, tuple) else (value,):
+            if isinstance(child, ir.Node):
+                yield from _names(child)
+
+
+def _regex(pattern: ir.Pattern) -> re.Pattern:
+    from .bind import compile_pattern
+    return compile_pattern(pattern).regex
+
+
+def _prod(values) -> int:
+    out = 1
+    for v in values:
+        out *= v
+    return out
+
+
+def _disjoint(blocks: tuple[Block, ...]) -> bool:
+    """No two blocks overlap (sweep on the first dim; blocks are few per destination)."""
+    if not blocks or not blocks[0].offsets:
+        return len(blocks) <= 1
+    ordered = sorted(blocks, key=lambda b: b.offsets[0])
+    active: list[Block] = []
+    for b in ordered:
+        active = [a for a in active if a.offsets[0] + a.sizes[0] > b.offsets[0]]
+        for a in active:
+            if all(ao < bo + bs and bo < ao + as_ for ao, as_, bo, bs
+                   in zip(a.offsets, a.sizes, b.offsets, b.sizes)):
+                return False
+        active.append(b)
+    return True
+
+
+def _captures(captures: dict) -> str:
+    return "(" + ", ".join(f"{k}={v}" for k, v in captures.items()) + ")" if captures else ""
+
+
+def _ranges(values: list[int]) -> str:
+    """{0,1,2,5} -> `0-2, 5`."""
+    out, start = [], None
+    for i, v in enumerate(values):
+        if start is None:
+            start = v
+        if i + 1 == len(values) or values[i + 1] != v + 1:
+            out.append(f"{start}" if start == v else f"{start}-{v}")
+            start = None
+    return "{" + ", ".join(out) + "}"

@@ -1,0 +1,91 @@
+"""The compiled form every executor runs: destinations tiled by blocks, and the bindings behind them.
+
+Frozen data: it serializes to JSON, and `digest()` is stable across processes for the same inputs.
+It keeps every checkpoint tensor a destination came from (key, file, dtype, shape) and the rule and
+captures that made it, so the save direction can read the same blocks backwards.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict
+
+from ..errors import SpanField
+
+
+class _Frozen(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+
+class Step(_Frozen):
+    """A value step applied to a block after reading: cast to a dtype, multiply, or add."""
+
+    kind: Literal["cast", "scale", "add"]
+    dtype: str | None = None
+    value: float | None = None
+
+
+class Block(_Frozen):
+    """The destination box [offsets, offsets + sizes) takes, at index x, element
+    `base + coeff . (x - offsets)` of checkpoint tensor `ckpt_key` (coeff: [source dim][dest dim]),
+    then `steps`. A block without a key is a fill with `fill`, never read."""
+
+    offsets: tuple[int, ...]
+    sizes: tuple[int, ...]
+    ckpt_key: str | None
+    base: tuple[int, ...] = ()
+    coeff: tuple[tuple[int, ...], ...] = ()
+    steps: tuple[Step, ...] = ()
+    fill: float | None = None
+
+
+class Destination(_Frozen):
+    """One runtime tensor: its shape and dtype, the blocks that tile it, the rule that made it."""
+
+    runtime_key: str
+    shape: tuple[int, ...]
+    dtype: str
+    blocks: tuple[Block, ...]
+    rule: SpanField | None = None
+    ckpt_keys: tuple[str, ...] = ()
+
+
+class Source(_Frozen):
+    """A checkpoint tensor as the compiler saw it (the save direction writes it back)."""
+
+    ckpt_key: str
+    file: str
+    dtype: str
+    shape: tuple[int, ...]
+
+
+class BoundRule(_Frozen):
+    """One binding of one statement: its captures, the checkpoint keys it read, what it made."""
+
+    rule: SpanField | None
+    captures: tuple[tuple[str, int | str], ...]
+    ckpt_keys: tuple[str, ...]
+    runtime_keys: tuple[str, ...]
+
+
+class Compiled(_Frozen):
+    """Everything an executor needs, with no reference to the rule language."""
+
+    destinations: tuple[Destination, ...]  # sorted by runtime key
+    sources: tuple[Source, ...]  # every checkpoint tensor, sorted by key
+    bindings: tuple[BoundRule, ...]
+    dropped: tuple[str, ...] = ()  # checkpoint keys removed by `drop`
+    unused_drops: tuple[SpanField, ...] = ()  # `drop` statements that matched nothing
+    keep: tuple[str, ...] = ()  # regular expressions of runtime keys that take nothing
+
+    def destination(self, runtime_key: str) -> Destination:
+        for d in self.destinations:
+            if d.runtime_key == runtime_key:
+                return d
+        raise KeyError(runtime_key)
+
+    def digest(self) -> str:
+        """sha256 of the canonical JSON form: equal for equal inputs, in any process."""
+        return hashlib.sha256(self.model_dump_json().encode()).hexdigest()

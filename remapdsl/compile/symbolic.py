@@ -1,0 +1,389 @@
+"""Layout ops on symbolic tensors: shapes and blocks only, never data.
+
+A symbolic tensor is a shape, a dtype and blocks that tile it: block b says that the destination
+box [offsets, offsets + sizes) holds, at index x, element `base + coeff . (x - offsets)` of one
+checkpoint tensor (coeff has one row per source dim and one column per destination dim), then its
+value steps. Every layout op of the language is an exact index map, so it maps blocks to blocks;
+where a map is affine only piecewise (reshape across a partial row), blocks are cut into pieces.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+
+class Blk(NamedTuple):
+    """One block while compiling (the frozen `Block` is made from it at the end)."""
+
+    offsets: tuple[int, ...]
+    sizes: tuple[int, ...]
+    ckpt_key: str | None  # None: a fill region (pad), never read
+    base: tuple[int, ...]
+    coeff: tuple[tuple[int, ...], ...]  # [source dim][destination dim]
+    steps: tuple[tuple, ...] = ()  # ("cast", dtype) | ("scale", x) | ("add", x)
+    fill: float | None = None
+
+
+class Sym(NamedTuple):
+    shape: tuple[int, ...]
+    dtype: str
+    blocks: tuple[Blk, ...]
+
+
+class LayoutError(Exception):
+    """An op that does not fit the shapes it meets; the compiler locates it at the op."""
+
+
+def source(ckpt_key: str, shape: tuple[int, ...], dtype: str) -> Sym:
+    """A checkpoint tensor as one block that maps each index to itself."""
+    n = len(shape)
+    identity = tuple(tuple(1 if i == j else 0 for j in range(n)) for i in range(n))
+    if 0 in shape:
+        return Sym(shape, dtype, ())
+    return Sym(shape, dtype, (Blk((0,) * n, shape, ckpt_key, (0,) * n, identity),))
+
+
+def _dim(dim: int, ndim: int, what: str = "dim") -> int:
+    if not -ndim <= dim < ndim:
+        raise LayoutError(f"{what}={dim} is out of range for a {ndim}-d tensor")
+    return dim % ndim
+
+
+def _shift(b: Blk, dim: int, delta: int) -> Blk:
+    offsets = list(b.offsets)
+    offsets[dim] += delta
+    return b._replace(offsets=tuple(offsets))
+
+
+def _column(b: Blk, dim: int) -> tuple[int, ...]:
+    return tuple(row[dim] for row in b.coeff)
+
+
+def _advance(base: tuple[int, ...], column: tuple[int, ...], by: int) -> tuple[int, ...]:
+    return tuple(x + c * by for x, c in zip(base, column))
+
+
+def cut(b: Blk, dim: int, start: int, stop: int) -> Blk | None:
+    """The part of a block inside [start, stop) along one destination dim, or None."""
+    lo, hi = max(b.offsets[dim], start), min(b.offsets[dim] + b.sizes[dim], stop)
+    if lo >= hi:
+        return None
+    offsets, sizes = list(b.offsets), list(b.sizes)
+    base = b.base
+    if b.ckpt_key is not None:
+        base = _advance(b.base, _column(b, dim), lo - b.offsets[dim])
+    offsets[dim], sizes[dim] = lo, hi - lo
+    return b._replace(offsets=tuple(offsets), sizes=tuple(sizes), base=base)
+
+
+def narrow(t: Sym, dim: int, start: int, stop: int) -> Sym:
+    """The range [start, stop) of one dim, re-based to start at 0."""
+    blocks = []
+    for b in t.blocks:
+        piece = cut(b, dim, start, stop)
+        if piece is not None:
+            blocks.append(_shift(piece, dim, -start))
+    shape = list(t.shape)
+    shape[dim] = stop - start
+    return Sym(tuple(shape), t.dtype, tuple(blocks))
+
+
+def concat(parts: list[Sym], dim: int) -> Sym:
+    first = parts[0]
+    dim = _dim(dim, len(first.shape))
+    _same_except(parts, dim, "concat")
+    blocks, at = [], 0
+    for p in parts:
+        blocks.extend(_shift(b, dim, at) for b in p.blocks)
+        at += p.shape[dim]
+    shape = list(first.shape)
+    shape[dim] = at
+    return Sym(tuple(shape), first.dtype, tuple(blocks))
+
+
+def stack(parts: list[Sym], dim: int) -> Sym:
+    first = parts[0]
+    dim = _dim(dim, len(first.shape) + 1)
+    _same_except(parts, None, "stack")
+    blocks = []
+    for i, p in enumerate(parts):
+        for b in p.blocks:
+            blocks.append(Blk(
+                b.offsets[:dim] + (i,) + b.offsets[dim:], b.sizes[:dim] + (1,) + b.sizes[dim:],
+                b.ckpt_key, b.base, tuple(row[:dim] + (0,) + row[dim:] for row in b.coeff),
+                b.steps, b.fill))
+    shape = first.shape[:dim] + (len(parts),) + first.shape[dim:]
+    return Sym(shape, first.dtype, tuple(blocks))
+
+
+def unstack(t: Sym, dim: int) -> list[Sym]:
+    dim = _dim(dim, len(t.shape))
+    out = []
+    for i in range(t.shape[dim]):
+        piece = narrow(t, dim, i, i + 1)
+        blocks = tuple(Blk(b.offsets[:dim] + b.offsets[dim + 1:], b.sizes[:dim] + b.sizes[dim + 1:],
+                           b.ckpt_key, b.base, tuple(row[:dim] + row[dim + 1:] for row in b.coeff),
+                           b.steps, b.fill) for b in piece.blocks)
+        out.append(Sym(t.shape[:dim] + t.shape[dim + 1:], t.dtype, blocks))
+    return out
+
+
+def split(t: Sym, dim: int, sizes: tuple[int, ...]) -> list[Sym]:
+    dim = _dim(dim, len(t.shape))
+    if sum(sizes) != t.shape[dim]:
+        raise LayoutError(f"split sizes {list(sizes)} add up to {sum(sizes)}, but dim {dim} has "
+                          f"{t.shape[dim]}")
+    out, at = [], 0
+    for size in sizes:
+        out.append(narrow(t, dim, at, at + size))
+        at += size
+    return out
+
+
+def chunk(t: Sym, dim: int, n: int) -> list[Sym]:
+    dim = _dim(dim, len(t.shape))
+    if t.shape[dim] % n:
+        raise LayoutError(f"dim {dim} of size {t.shape[dim]} does not divide into {n} equal parts")
+    return split(t, dim, (t.shape[dim] // n,) * n)
+
+
+def interleave(parts: list[Sym], dim: int, groups: int) -> Sym:
+    """Group g of every part, in part order, then group g + 1 (GQA qkv, blocked gate/up)."""
+    dim = _dim(dim, len(parts[0].shape))
+    _same_except(parts, dim, "interleave")
+    for p in parts:
+        if p.shape[dim] % groups:
+            raise LayoutError(f"dim {dim} of size {p.shape[dim]} does not divide into "
+                              f"{groups} groups")
+    pieces = []
+    for g in range(groups):
+        for p in parts:
+            step = p.shape[dim] // groups
+            pieces.append(narrow(p, dim, g * step, (g + 1) * step))
+    return concat(pieces, dim)
+
+
+def deinterleave(t: Sym, dim: int, groups: int, parts: int) -> list[Sym]:
+    """The inverse of interleave for parts of equal size."""
+    dim = _dim(dim, len(t.shape))
+    if t.shape[dim] % (groups * parts):
+        raise LayoutError(f"dim {dim} of size {t.shape[dim]} does not divide into {groups} groups "
+                          f"of {parts} parts")
+    step = t.shape[dim] // (groups * parts)
+    out = []
+    for i in range(parts):
+        pieces = [narrow(t, dim, (g * parts + i) * step, (g * parts + i + 1) * step)
+                  for g in range(groups)]
+        out.append(concat(pieces, dim))
+    return out
+
+
+def permute(t: Sym, dims: tuple[int, ...]) -> Sym:
+    n = len(t.shape)
+    if len(dims) != n:
+        raise LayoutError(f"permute needs {n} dims for a {n}-d tensor, got {len(dims)}")
+    order = tuple(_dim(d, n) for d in dims)
+    if sorted(order) != list(range(n)):
+        raise LayoutError(f"{list(dims)} is not a permutation of the {n} dims")
+    blocks = tuple(b._replace(offsets=tuple(b.offsets[d] for d in order),
+                              sizes=tuple(b.sizes[d] for d in order),
+                              coeff=tuple(tuple(row[d] for d in order) for row in b.coeff))
+                   for b in t.blocks)
+    return Sym(tuple(t.shape[d] for d in order), t.dtype, blocks)
+
+
+def transpose(t: Sym, a: int, b: int) -> Sym:
+    n = len(t.shape)
+    a, b = _dim(a, n, "a"), _dim(b, n, "b")
+    order = list(range(n))
+    order[a], order[b] = order[b], order[a]
+    return permute(t, tuple(order))
+
+
+def slice_(t: Sym, dim: int, start: int | None, stop: int | None) -> Sym:
+    dim = _dim(dim, len(t.shape))
+    size = t.shape[dim]
+    start = 0 if start is None else start
+    stop = size if stop is None else stop
+    if not 0 <= start < stop <= size:
+        raise LayoutError(f"slice [{start}, {stop}) is not inside dim {dim} of size {size}")
+    return narrow(t, dim, start, stop)
+
+
+def pad(t: Sym, dim: int, to: int, value: float) -> Sym:
+    dim = _dim(dim, len(t.shape))
+    size = t.shape[dim]
+    if to < size:
+        raise LayoutError(f"pad to {to} would shrink dim {dim} of size {size}")
+    shape = list(t.shape)
+    shape[dim] = to
+    blocks = list(t.blocks)
+    if to > size:
+        offsets = [0] * len(shape)
+        offsets[dim] = size
+        sizes = list(shape)
+        sizes[dim] = to - size
+        blocks.append(Blk(tuple(offsets), tuple(sizes), None, (), (), (), float(value)))
+    return Sym(tuple(shape), t.dtype, tuple(blocks))
+
+
+def repeat(t: Sym, dim: int, times: int) -> Sym:
+    dim = _dim(dim, len(t.shape))
+    return concat([t] * times, dim)
+
+
+def value_step(t: Sym, step: tuple) -> Sym:
+    dtype = step[1] if step[0] == "cast" else t.dtype
+    blocks = tuple(b if b.ckpt_key is None else b._replace(steps=b.steps + (step,)) for b in t.blocks)
+    return Sym(t.shape, dtype, blocks)
+
+
+def reshape(t: Sym, shape: tuple[int, ...]) -> Sym:
+    """Any reshape of a contiguous tensor, as merges and splits of adjacent dims."""
+    old = t.shape
+    numel = _prod(old)
+    if shape.count(-1) > 1:
+        raise LayoutError("a reshape may infer one size (-1), not several")
+    if -1 in shape:
+        known = _prod(s for s in shape if s != -1)
+        if known == 0 or numel % known:
+            raise LayoutError(f"cannot reshape {list(old)} into {list(shape)}")
+        shape = tuple(numel // known if s == -1 else s for s in shape)
+    if _prod(shape) != numel:
+        raise LayoutError(f"cannot reshape {list(old)} ({numel} elements) into {list(shape)} "
+                          f"({_prod(shape)} elements)")
+    # Group old and new dims into runs of equal products; within a run, merge then split.
+    result = t
+    i = j = 0
+    out_dim = 0
+    while i < len(old) or j < len(shape):
+        run_old, run_new = [i], [j]
+        p_old, p_new = (old[i] if i < len(old) else 1), (shape[j] if j < len(shape) else 1)
+        while p_old != p_new:
+            if p_old < p_new:
+                i += 1
+                run_old.append(i)
+                p_old *= old[i]
+            else:
+                j += 1
+                run_new.append(j)
+                p_new *= shape[j]
+        # absorb trailing size-1 dims into the current run where both sides agree
+        olds = [k for k in run_old if k < len(old)]
+        news = [k for k in run_new if k < len(shape)]
+        for _ in range(len(olds) - 1):
+            result = _merge(result, out_dim)
+        if len(news) > 1:
+            result = _split(result, out_dim, tuple(shape[k] for k in news))
+        elif len(news) == 1 and not olds:
+            result = _insert_unit(result, out_dim)
+        elif not news and olds:
+            result = _drop_unit(result, out_dim)
+        out_dim += len(news)
+        i, j = i + 1, j + 1
+    return result
+
+
+def rope_permute(t: Sym, heads: int) -> Sym:
+    """Per head, rows seen as [rows/2, 2] transposed to [2, rows/2] (Meta -> rotate-half)."""
+    rows = t.shape[0]
+    if rows % (2 * heads):
+        raise LayoutError(f"{rows} rows do not divide into {heads} heads of pairs")
+    rest = t.shape[1:]
+    viewed = reshape(t, (heads, rows // heads // 2, 2) + rest)
+    return reshape(transpose(viewed, 1, 2), (rows,) + rest)
+
+
+# ---- helpers -------------------------------------------------------------------------------
+
+
+def _prod(values) -> int:
+    out = 1
+    for v in values:
+        out *= v
+    return out
+
+
+def _same_except(parts: list[Sym], dim: int | None, op: str) -> None:
+    first = parts[0]
+    for p in parts[1:]:
+        if len(p.shape) != len(first.shape) or any(
+                a != b for k, (a, b) in enumerate(zip(p.shape, first.shape)) if k != dim):
+            raise LayoutError(f"{op} needs matching shapes{' outside dim ' + str(dim) if dim is not None else ''}: "
+                              f"{list(first.shape)} and {list(p.shape)}")
+        if p.dtype != first.dtype:
+            raise LayoutError(f"{op} needs one dtype: {first.dtype} and {p.dtype}")
+
+
+def _insert_unit(t: Sym, dim: int) -> Sym:
+    blocks = tuple(b._replace(offsets=b.offsets[:dim] + (0,) + b.offsets[dim:],
+                              sizes=b.sizes[:dim] + (1,) + b.sizes[dim:],
+                              coeff=tuple(r[:dim] + (0,) + r[dim:] for r in b.coeff))
+                   for b in t.blocks)
+    return Sym(t.shape[:dim] + (1,) + t.shape[dim:], t.dtype, blocks)
+
+
+def _drop_unit(t: Sym, dim: int) -> Sym:
+    blocks = tuple(b._replace(offsets=b.offsets[:dim] + b.offsets[dim + 1:],
+                              sizes=b.sizes[:dim] + b.sizes[dim + 1:],
+                              coeff=tuple(r[:dim] + r[dim + 1:] for r in b.coeff))
+                   for b in t.blocks)
+    return Sym(t.shape[:dim] + t.shape[dim + 1:], t.dtype, blocks)
+
+
+def _merge(t: Sym, dim: int) -> Sym:
+    """Merge dims dim and dim + 1 (sizes A, B) into one of size A * B."""
+    inner = t.shape[dim + 1]
+    blocks: list[Blk] = []
+    for b in t.blocks:
+        a_off, a_size = b.offsets[dim], b.sizes[dim]
+        b_off, b_size = b.offsets[dim + 1], b.sizes[dim + 1]
+        col_a, col_b = _column(b, dim), _column(b, dim + 1)
+        whole_rows = b_off == 0 and b_size == inner
+        affine = b.ckpt_key is None or all(x == inner * y for x, y in zip(col_a, col_b))
+        if whole_rows and affine:
+            pieces = [(a_off * inner, a_size * inner, b.base)]
+        else:  # one piece per row of the outer dim
+            pieces = []
+            for r in range(a_size):
+                base = _advance(b.base, col_a, r) if b.ckpt_key is not None else b.base
+                pieces.append(((a_off + r) * inner + b_off, b_size, base))
+        for offset, size, base in pieces:
+            blocks.append(b._replace(
+                offsets=b.offsets[:dim] + (offset,) + b.offsets[dim + 2:],
+                sizes=b.sizes[:dim] + (size,) + b.sizes[dim + 2:],
+                base=base, coeff=tuple(r[:dim] + (r[dim + 1],) + r[dim + 2:] for r in b.coeff)))
+    shape = t.shape[:dim] + (t.shape[dim] * inner,) + t.shape[dim + 2:]
+    return Sym(shape, t.dtype, tuple(blocks))
+
+
+def _split(t: Sym, dim: int, sizes: tuple[int, ...]) -> Sym:
+    """Split dim into several dims of the given sizes (their product is the dim's size)."""
+    if len(sizes) > 2:
+        return _split(_split(t, dim, (sizes[0], _prod(sizes[1:]))), dim + 1, sizes[1:])
+    outer, inner = sizes
+    blocks: list[Blk] = []
+    for b in t.blocks:
+        start, stop = b.offsets[dim], b.offsets[dim] + b.sizes[dim]
+        # pieces: a partial first row, whole rows, a partial last row
+        cuts = sorted({start, stop, min(stop, -(-start // inner) * inner), max(start, stop // inner * inner)})
+        for lo, hi in zip(cuts, cuts[1:]):
+            if lo >= hi:
+                continue
+            piece = cut(b, dim, lo, hi)
+            column = _column(piece, dim)
+            if lo % inner == 0 and hi % inner == 0:
+                offsets = (lo // inner, 0)
+                psizes = ((hi - lo) // inner, inner)
+                new_cols = (tuple(c * inner for c in column), column)
+            else:  # inside one row
+                offsets = (lo // inner, lo % inner)
+                psizes = (1, hi - lo)
+                new_cols = (tuple(0 for _ in column), column)
+            coeff = tuple(r[:dim] + (new_cols[0][k], new_cols[1][k]) + r[dim + 1:]
+                          for k, r in enumerate(piece.coeff))
+            blocks.append(piece._replace(
+                offsets=piece.offsets[:dim] + offsets + piece.offsets[dim + 1:],
+                sizes=piece.sizes[:dim] + psizes + piece.sizes[dim + 1:], coeff=coeff))
+    shape = t.shape[:dim] + sizes + t.shape[dim + 1:]
+    return Sym(shape, t.dtype, tuple(blocks))
