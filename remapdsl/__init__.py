@@ -23,6 +23,7 @@ from .errors import (
 )
 from .checkpoint import Inventory, open_inventory
 from .compile import Compiled, compile_rules
+from .explain import explain
 from .format import format_rules
 from .parse import parse_file, parse_text
 from .rules import RuleSet, load_rules, rules_from_text
@@ -74,6 +75,7 @@ __all__ = [
     "Compiled",
     "Inventory",
     "compile_rules",
+    "explain",
     "load",
     "open_checkpoint",
     "read_config",

@@ -42,7 +42,8 @@ def main(argv: Sequence[str] | None = None) -> int:
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="remapdsl",
-        description="Declarative, exact checkpoint remapping: check, format and inspect .remap rule files.",
+        description="Declarative, exact checkpoint remapping: check, format and inspect .remap rule "
+        "files, and see how they map a checkpoint.",
     )
     parser.add_argument("--version", action="version", version=f"remapdsl {remapdsl.__version__}")
     commands = parser.add_subparsers(title="commands", metavar="COMMAND")
@@ -61,6 +62,23 @@ def _parser() -> argparse.ArgumentParser:
     fmt.add_argument("--check", action="store_true", help="report files that are not formatted")
     fmt.add_argument("--diff", action="store_true", help="print what would change, as a diff")
     fmt.set_defaults(run=_fmt)
+
+    explain = commands.add_parser(
+        "explain", help="show how a checkpoint's tensors fill each runtime tensor",
+        description="Compile rules against a checkpoint (headers only, no tensor data) and print, for "
+        "each runtime tensor, its shape and dtype and which regions of which checkpoint tensors fill "
+        "it, through which rule.")
+    explain.add_argument("rules", metavar="RULES", help="a .remap file")
+    explain.add_argument("--checkpoint", required=True, metavar="DIR",
+                         help="a Hugging Face checkpoint folder (safetensors, with config.json)")
+    explain.add_argument("--key", metavar="PATTERN",
+                         help="only runtime tensors (or their checkpoint keys) matching this glob")
+    explain.add_argument("--blocks", type=int, default=8, metavar="N",
+                         help="blocks shown per tensor (default 8)")
+    explain.add_argument("--json", action="store_true", help="print the compiled form as JSON")
+    explain.add_argument("--lenient", action="store_true",
+                         help="leave out checkpoint tensors no rule takes, instead of failing")
+    explain.set_defaults(run=_explain)
 
     show = commands.add_parser("ir", help="print the parsed IR of a rule file",
                                description="Print the typed IR of a rule file, for editors and tools.")
@@ -106,6 +124,18 @@ def _fmt(args: argparse.Namespace) -> int:
             Path(name).write_text(canonical, encoding="utf-8")
             print(f"reformatted {name}", file=sys.stderr)
     return EXIT_DIFFERS if differs and (args.check or args.diff) else EXIT_OK
+
+
+def _explain(args: argparse.Namespace) -> int:
+    rules = remapdsl.load_rules(args.rules)
+    inventory = remapdsl.open_checkpoint(args.checkpoint)
+    compiled = remapdsl.compile_rules(rules, inventory, remapdsl.read_config(inventory),
+                                      strict=not args.lenient)
+    if args.json:
+        print(compiled.model_dump_json(indent=2))
+    else:
+        print(remapdsl.explain(compiled, args.key, args.blocks))
+    return EXIT_OK
 
 
 def _ir(args: argparse.Namespace) -> int:

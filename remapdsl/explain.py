@@ -1,0 +1,80 @@
+"""Compiled -> text for people: each destination's shape and dtype, and which region of which
+checkpoint tensor fills each region of it, through which rule. Reads no tensor data."""
+
+from __future__ import annotations
+
+import fnmatch
+
+from .compile.model import Block, Compiled, Destination
+
+
+def explain(compiled: Compiled, key: str | None = None, max_blocks: int = 8) -> str:
+    """The destinations (those whose runtime key, or one of whose checkpoint keys, matches the
+    glob `key`), each with up to `max_blocks` blocks, then a summary line."""
+    shown = [d for d in compiled.destinations
+             if key is None or fnmatch.fnmatchcase(d.runtime_key, key)
+             or any(fnmatch.fnmatchcase(k, key) for k in d.ckpt_keys)]
+    sources = {s.ckpt_key: s for s in compiled.sources}
+    lines: list[str] = []
+    for d in shown:
+        lines.extend(_destination(d, sources, max_blocks))
+    read = sum(_nbytes(sources[k].dtype, sources[k].shape) for d in shown for k in d.ckpt_keys)
+    lines.append(f"{len(shown)} runtime tensor{'s' if len(shown) != 1 else ''} from "
+                 f"{len({k for d in shown for k in d.ckpt_keys})} checkpoint tensors "
+                 f"({read / 1e6:.1f} MB)"
+                 + (f"; {len(compiled.dropped)} dropped" if compiled.dropped and key is None else ""))
+    return "\n".join(lines)
+
+
+def _destination(d: Destination, sources, max_blocks: int) -> list[str]:
+    where = f"  ({d.rule.path}:{d.rule.line})" if d.rule else ""
+    out = [f"{d.runtime_key}  {list(d.shape)} {d.dtype}{where}"]
+    for b in d.blocks[:max_blocks]:
+        out.append(f"    {_box(b.offsets, b.sizes)} <- {_source(b)}")
+    if len(d.blocks) > max_blocks:
+        out.append(f"    ... and {len(d.blocks) - max_blocks} more blocks")
+    return out
+
+
+def _box(offsets, sizes) -> str:
+    return "[" + ", ".join(str(o) if s == 1 else f"{o}:{o + s}" for o, s in zip(offsets, sizes)) + "]"
+
+
+def _source(b: Block) -> str:
+    if b.ckpt_key is None:
+        return f"fill {b.fill:g}"
+    steps = "".join(f" | {s.kind}({s.dtype if s.kind == 'cast' else f'{s.value:g}'})" for s in b.steps)
+    # When each destination dim moves one source dim by +-1, the source region is a box.
+    region = []
+    for k, row in enumerate(b.coeff):
+        moving = [(j, c) for j, c in enumerate(row) if c]
+        if not moving:
+            region.append(str(b.base[k]))
+        elif len(moving) == 1 and abs(moving[0][1]) == 1:
+            j, c = moving[0]
+            lo, hi = sorted((b.base[k], b.base[k] + c * (b.sizes[j] - 1)))
+            region.append(str(lo) if lo == hi else f"{lo}:{hi + 1}" + ("" if c > 0 else " reversed"))
+        else:
+            return f"{b.ckpt_key} from {list(b.base)}, steps {[list(r) for r in b.coeff]}{steps}"
+    order = _dim_order(b)
+    moved = f" (dims {order})" if order and order != sorted(order) else ""
+    return f"{b.ckpt_key} [{', '.join(region)}]{moved}{steps}"
+
+
+def _dim_order(b: Block) -> list[int]:
+    """For each destination dim, the source dim it walks (a transpose shows as a permutation)."""
+    order = []
+    for j in range(len(b.sizes)):
+        walking = [k for k, row in enumerate(b.coeff) if row[j]]
+        if len(walking) == 1:
+            order.append(walking[0])
+    return order
+
+
+def _nbytes(dtype: str, shape) -> int:
+    from .dtypes import BY_NAME
+
+    count = 1
+    for n in shape:
+        count *= n
+    return count * BY_NAME[dtype].bits // 8
