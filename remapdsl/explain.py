@@ -43,7 +43,7 @@ def _box(offsets, sizes) -> str:
 def _source(b: Block) -> str:
     if b.ckpt_key is None:
         return f"fill {b.fill:g}"
-    steps = "".join(f" | {s.kind}({s.dtype if s.kind == 'cast' else f'{s.value:g}'})" for s in b.steps)
+    steps = "".join(f" | {kind}({value if kind == 'cast' else f'{value:g}'})" for kind, value in b.steps)
     # When each destination dim moves one source dim by +-1, the source region is a box.
     region = []
     for k, row in enumerate(b.coeff):

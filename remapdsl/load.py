@@ -113,13 +113,13 @@ def _read_block(b: Block, view: torch.Tensor, inventory: Inventory, reader: Chec
                              start - low + sum(strides[j] * (b.sizes[j] - 1) for j in flips))
     if flips:
         source = source.flip(flips)
-    for step in b.steps:
-        if step.kind == "cast":
-            source = source.to(torch_dtype(step.dtype))
-        elif step.kind == "scale":
-            source = (source.float() * step.value).to(source.dtype)
+    for kind, value in b.steps:
+        if kind == "cast":
+            source = source.to(torch_dtype(value))
+        elif kind == "scale":
+            source = (source.float() * value).to(source.dtype)
         else:
-            source = (source.float() + step.value).to(source.dtype)
+            source = (source.float() + value).to(source.dtype)
     view.copy_(source)
     return count * itemsize
 

@@ -18,9 +18,9 @@ from ..checkpoint import Inventory
 from ..errors import BindError, Diagnostic, Span, suggest
 from ..rules import RuleSet
 from . import symbolic as sym
-from .bind import Binding, bind, list_axis
+from .bind import Binding, bind, compile_pattern, list_axis, match_keys
 from .evaluate import Evaluator, evaluate_lets
-from .model import Block, BoundRule, Compiled, Destination, Source, Step
+from .model import Block, BoundRule, Compiled, Destination, Source
 
 
 def compile_rules(rules: RuleSet, inventory: Inventory, config: Mapping[str, Any] | None = None,
@@ -78,17 +78,17 @@ class _Compiler:
         self.check_tiling()
         keep = tuple(_regex(p).pattern for s in statements if isinstance(s, ir.Keep)
                      for p in s.patterns)
-        sources = tuple(Source(ckpt_key=k, file=t.file, dtype=t.dtype, shape=tuple(t.shape))
+        sources = tuple(Source(k, t.file, t.dtype, tuple(t.shape))
                         for k, t in sorted(self.inventory.tensors.items()))
-        return Compiled(destinations=tuple(self.destinations[k] for k in sorted(self.destinations)),
-                        sources=sources, bindings=tuple(self.bindings), dropped=tuple(sorted(dropped)),
-                        unused_drops=unused, keep=keep)
+        return ir.construct(Compiled,
+                            destinations=tuple(self.destinations[k] for k in sorted(self.destinations)),
+                            sources=sources, bindings=tuple(self.bindings), dropped=tuple(sorted(dropped)),
+                            unused_drops=unused, keep=keep)
 
     # -- statements --
 
     def dequantize(self, s: ir.Dequantize, available: set[str]) -> None:
-        bindings, _, _ = bind(s.sources, available)
-        if bindings:
+        if bind(s.sources, available).bindings:
             self.error("E220", "`dequantize` is not supported yet: quantized checkpoints come with "
                        "issue #5", s.span, "load a dequantized (bf16) checkpoint for now")
 
@@ -100,10 +100,14 @@ class _Compiler:
                 continue
             hit = False
             for pattern in s.patterns:
-                found, _, _ = bind((pattern,), available)
-                for b in found:
-                    if s.guard is None or self.evaluator.boolean(s.guard, b.captures):
-                        dropped.update(b.keys)
+                regex = compile_pattern(pattern)
+                names = [name for name, _ in regex.captures]
+                verdicts: dict[tuple, bool] = {}  # the guard per capture values, not per key
+                for m in match_keys(regex, available):
+                    if s.guard is not None and m.captures not in verdicts:
+                        verdicts[m.captures] = self.evaluator.boolean(s.guard, dict(zip(names, m.captures)))
+                    if s.guard is None or verdicts[m.captures]:
+                        dropped.add(m.ckpt_key)
                         hit = True
             if not hit and s.span is not None:
                 unused.append(s.span)
@@ -111,7 +115,14 @@ class _Compiler:
 
     def rule(self, rule: ir.Rule, pool: set[str]) -> set[str]:
         """Bind one rule, build its destinations; return the checkpoint keys it consumed."""
-        bindings, partial, unmatched = bind(rule.sources, pool)
+        bindings, partial, unmatched, ambiguous = bind(rule.sources, pool)
+        if ambiguous:
+            first, second = ambiguous[0]
+            self.error("E208", f"one binding takes several checkpoint keys: `{first}` and `{second}`"
+                       + (f" (and {len(ambiguous) - 1} more)" if len(ambiguous) > 1 else ""),
+                       rule.span, "a wildcard (`*`, `**`) in a rule's sources must not match two keys "
+                       "for one target; capture the varying part instead")
+            return set()
         if unmatched and not rule.optional:
             for index in unmatched:
                 self.no_match(rule, rule.sources[index], pool)
@@ -200,8 +211,9 @@ class _Compiler:
                     raise _RuleFailed
                 for name, tensor in zip(names, tensors):
                     self.destination(rule, name, tensor, keys)
-                self.bindings.append(BoundRule(rule=rule.span, captures=tuple(sorted(captures.items())),
-                                               ckpt_keys=keys, runtime_keys=tuple(names)))
+                self.bindings.append(ir.construct(BoundRule, rule=rule.span,
+                                                  captures=tuple(sorted(captures.items())),
+                                                  ckpt_keys=keys, runtime_keys=tuple(names)))
 
     def source(self, ckpt_key: str) -> sym.Sym:
         info = self.inventory.tensors[ckpt_key]
@@ -262,11 +274,10 @@ class _Compiler:
             self.error("E203", f"runtime tensor `{name}` is produced twice", rule.span,
                        f"first by the rule at {first}" if first else None)
             return
-        blocks = tuple(_block(b) for b in tensor.blocks)
-        self.destinations[name] = Destination(runtime_key=name, shape=tensor.shape, dtype=tensor.dtype,
-                                              blocks=blocks, rule=rule.span,
-                                              ckpt_keys=tuple(dict.fromkeys(b.ckpt_key for b in tensor.blocks
-                                                                            if b.ckpt_key)))
+        blocks = tensor.blocks
+        self.destinations[name] = ir.construct(
+            Destination, runtime_key=name, shape=tensor.shape, dtype=tensor.dtype, blocks=blocks,
+            rule=rule.span, ckpt_keys=tuple(dict.fromkeys(b.ckpt_key for b in tensor.blocks if b.ckpt_key)))
 
     def check_tiling(self) -> None:
         """Every destination is covered exactly once (an invariant of the construction)."""
@@ -373,13 +384,6 @@ def _one(op: ir.Op, ev: Evaluator, t: sym.Sym) -> sym.Sym:
     raise sym.LayoutError(f"`{op.op_name()}` cannot stand in a mapping rule")
 
 
-def _block(b: sym.Blk) -> Block:
-    steps = tuple(ir.construct(Step, kind=s[0], dtype=s[1]) if s[0] == "cast"
-                  else ir.construct(Step, kind=s[0], value=s[1]) for s in b.steps)
-    return ir.construct(Block, offsets=b.offsets, sizes=b.sizes, ckpt_key=b.ckpt_key, base=b.base,
-                        coeff=b.coeff, steps=steps, fill=b.fill)
-
-
 def _names(expr: ir.Node):
     if isinstance(expr, ir.Name):
         yield expr
@@ -391,7 +395,6 @@ def _names(expr: ir.Node):
 
 
 def _regex(pattern: ir.Pattern) -> re.Pattern:
-    from .bind import compile_pattern
     return compile_pattern(pattern).regex
 
 

@@ -8,7 +8,7 @@ captures that made it, so the save direction can read the same blocks backwards.
 from __future__ import annotations
 
 import hashlib
-from typing import Literal
+from typing import NamedTuple
 
 from pydantic import BaseModel, ConfigDict
 
@@ -19,25 +19,22 @@ class _Frozen(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid")
 
 
-class Step(_Frozen):
-    """A value step applied to a block after reading: cast to a dtype, multiply, or add."""
-
-    kind: Literal["cast", "scale", "add"]
-    dtype: str | None = None
-    value: float | None = None
-
-
-class Block(_Frozen):
+class Block(NamedTuple):
     """The destination box [offsets, offsets + sizes) takes, at index x, element
     `base + coeff . (x - offsets)` of checkpoint tensor `ckpt_key` (coeff: [source dim][dest dim]),
-    then `steps`. A block without a key is a fill with `fill`, never read."""
+    then its value `steps`: ("cast", dtype), ("scale", x) or ("add", x). A block without a key is
+    a fill with `fill`, never read.
+
+    A named tuple, not a model: a DeepSeek-V3-sized checkpoint compiles to ~10^5 blocks, and the
+    compiler's own ops build them; pydantic still checks and writes them as fields of Destination.
+    """
 
     offsets: tuple[int, ...]
     sizes: tuple[int, ...]
     ckpt_key: str | None
     base: tuple[int, ...] = ()
     coeff: tuple[tuple[int, ...], ...] = ()
-    steps: tuple[Step, ...] = ()
+    steps: tuple[tuple[str, str | float], ...] = ()
     fill: float | None = None
 
 
@@ -52,7 +49,7 @@ class Destination(_Frozen):
     ckpt_keys: tuple[str, ...] = ()
 
 
-class Source(_Frozen):
+class Source(NamedTuple):
     """A checkpoint tensor as the compiler saw it (the save direction writes it back)."""
 
     ckpt_key: str

@@ -11,36 +11,30 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
-
-class Blk(NamedTuple):
-    """One block while compiling (the frozen `Block` is made from it at the end)."""
-
-    offsets: tuple[int, ...]
-    sizes: tuple[int, ...]
-    ckpt_key: str | None  # None: a fill region (pad), never read
-    base: tuple[int, ...]
-    coeff: tuple[tuple[int, ...], ...]  # [source dim][destination dim]
-    steps: tuple[tuple, ...] = ()  # ("cast", dtype) | ("scale", x) | ("add", x)
-    fill: float | None = None
+from .model import Block
 
 
 class Sym(NamedTuple):
     shape: tuple[int, ...]
     dtype: str
-    blocks: tuple[Blk, ...]
+    blocks: tuple[Block, ...]
 
 
 class LayoutError(Exception):
     """An op that does not fit the shapes it meets; the compiler locates it at the op."""
 
 
+_IDENTITY = {n: tuple(tuple(1 if i == j else 0 for j in range(n)) for i in range(n)) for n in range(9)}
+
+
 def source(ckpt_key: str, shape: tuple[int, ...], dtype: str) -> Sym:
     """A checkpoint tensor as one block that maps each index to itself."""
     n = len(shape)
-    identity = tuple(tuple(1 if i == j else 0 for j in range(n)) for i in range(n))
     if 0 in shape:
         return Sym(shape, dtype, ())
-    return Sym(shape, dtype, (Blk((0,) * n, shape, ckpt_key, (0,) * n, identity),))
+    identity = _IDENTITY.get(n) or tuple(tuple(1 if i == j else 0 for j in range(n)) for i in range(n))
+    zeros = (0,) * n
+    return Sym(shape, dtype, (Block(zeros, shape, ckpt_key, zeros, identity),))
 
 
 def _dim(dim: int, ndim: int, what: str = "dim") -> int:
@@ -49,13 +43,13 @@ def _dim(dim: int, ndim: int, what: str = "dim") -> int:
     return dim % ndim
 
 
-def _shift(b: Blk, dim: int, delta: int) -> Blk:
+def _shift(b: Block, dim: int, delta: int) -> Block:
     offsets = list(b.offsets)
     offsets[dim] += delta
     return b._replace(offsets=tuple(offsets))
 
 
-def _column(b: Blk, dim: int) -> tuple[int, ...]:
+def _column(b: Block, dim: int) -> tuple[int, ...]:
     return tuple(row[dim] for row in b.coeff)
 
 
@@ -63,7 +57,7 @@ def _advance(base: tuple[int, ...], column: tuple[int, ...], by: int) -> tuple[i
     return tuple(x + c * by for x, c in zip(base, column))
 
 
-def cut(b: Blk, dim: int, start: int, stop: int) -> Blk | None:
+def cut(b: Block, dim: int, start: int, stop: int) -> Block | None:
     """The part of a block inside [start, stop) along one destination dim, or None."""
     lo, hi = max(b.offsets[dim], start), min(b.offsets[dim] + b.sizes[dim], stop)
     if lo >= hi:
@@ -108,7 +102,7 @@ def stack(parts: list[Sym], dim: int) -> Sym:
     blocks = []
     for i, p in enumerate(parts):
         for b in p.blocks:
-            blocks.append(Blk(
+            blocks.append(Block(
                 b.offsets[:dim] + (i,) + b.offsets[dim:], b.sizes[:dim] + (1,) + b.sizes[dim:],
                 b.ckpt_key, b.base, tuple(row[:dim] + (0,) + row[dim:] for row in b.coeff),
                 b.steps, b.fill))
@@ -121,7 +115,7 @@ def unstack(t: Sym, dim: int) -> list[Sym]:
     out = []
     for i in range(t.shape[dim]):
         piece = narrow(t, dim, i, i + 1)
-        blocks = tuple(Blk(b.offsets[:dim] + b.offsets[dim + 1:], b.sizes[:dim] + b.sizes[dim + 1:],
+        blocks = tuple(Block(b.offsets[:dim] + b.offsets[dim + 1:], b.sizes[:dim] + b.sizes[dim + 1:],
                            b.ckpt_key, b.base, tuple(row[:dim] + row[dim + 1:] for row in b.coeff),
                            b.steps, b.fill) for b in piece.blocks)
         out.append(Sym(t.shape[:dim] + t.shape[dim + 1:], t.dtype, blocks))
@@ -223,7 +217,7 @@ def pad(t: Sym, dim: int, to: int, value: float) -> Sym:
         offsets[dim] = size
         sizes = list(shape)
         sizes[dim] = to - size
-        blocks.append(Blk(tuple(offsets), tuple(sizes), None, (), (), (), float(value)))
+        blocks.append(Block(tuple(offsets), tuple(sizes), None, (), (), (), float(value)))
     return Sym(tuple(shape), t.dtype, tuple(blocks))
 
 
@@ -334,7 +328,7 @@ def _drop_unit(t: Sym, dim: int) -> Sym:
 def _merge(t: Sym, dim: int) -> Sym:
     """Merge dims dim and dim + 1 (sizes A, B) into one of size A * B."""
     inner = t.shape[dim + 1]
-    blocks: list[Blk] = []
+    blocks: list[Block] = []
     for b in t.blocks:
         a_off, a_size = b.offsets[dim], b.sizes[dim]
         b_off, b_size = b.offsets[dim + 1], b.sizes[dim + 1]
@@ -362,7 +356,7 @@ def _split(t: Sym, dim: int, sizes: tuple[int, ...]) -> Sym:
     if len(sizes) > 2:
         return _split(_split(t, dim, (sizes[0], _prod(sizes[1:]))), dim + 1, sizes[1:])
     outer, inner = sizes
-    blocks: list[Blk] = []
+    blocks: list[Block] = []
     for b in t.blocks:
         start, stop = b.offsets[dim], b.offsets[dim] + b.sizes[dim]
         # pieces: a partial first row, whole rows, a partial last row
