@@ -59,7 +59,7 @@ def load(target, checkpoint, rules, *, config: Mapping[str, Any] | None = None,
         config: the model config; by default the folder's config.json.
         strict: refuse checkpoint tensors that no rule takes and no `drop` names.
     """
-    from .load import run_load  # torch is imported only here
+    from .execute import run_load  # torch is imported only here
 
     # Rules, checkpoint headers and config: all checked before any tensor byte is read.
     ruleset = rules if isinstance(rules, RuleSet) else load_rules(rules)

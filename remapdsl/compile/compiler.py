@@ -329,11 +329,10 @@ def _combine_capture(op, ev: Evaluator, state: dict) -> dict:
     out = {}
     for rest, by_value in grouped.items():
         values = sorted(by_value)
-        expected = list(range(start, start + len(values)))
-        if values != expected:
-            gaps = sorted(set(expected) - set(values))
+        if values != list(range(start, start + len(values))):
+            gaps = sorted(set(range(start, max(values) + 1)) - set(values))
             raise _GapError(f"`{op.op_name()}({op.capture}, ...)` needs {op.capture} to run from {start} "
-                            f"to {start + len(values) - 1} without a gap; found {_ranges(values)}"
+                            f"without a gap; found {_ranges(values)}"
                             + (f", missing {_ranges(gaps)}" if gaps else ""))
         combine = sym.stack if isinstance(op, ir.Stack) else sym.concat
         width = len(by_value[values[0]])

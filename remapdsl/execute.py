@@ -1,4 +1,4 @@
-"""Compiled blocks + existing tensors -> the tensors filled from the checkpoint files, in one process.
+"""Compiled blocks + existing tensors -> the tensors filled from the checkpoint files (one process).
 
 Each block reads the byte range that covers its source elements (straight into the destination's
 memory when both sides are one contiguous run and no value step applies), then copies it through a

@@ -1,0 +1,227 @@
+"""The compiler against real safetensors files: bindings, blocks, errors, and the fused layouts
+transformers does not provide, checked against direct torch operations on whole tensors."""
+
+import json
+
+import pytest
+import torch
+from safetensors.torch import save_file
+
+import remapdsl
+from remapdsl import BindError, rules_from_text
+
+
+def write_checkpoint(folder, tensors, config=None):
+    save_file(tensors, str(folder / "model.safetensors"))
+    (folder / "config.json").write_text(json.dumps(config or {}))
+    return folder
+
+
+def compile_text(text, folder, config=None, strict=True):
+    inventory = remapdsl.open_checkpoint(folder)
+    return remapdsl.compile_rules(rules_from_text(text, "t.remap"), inventory, config or {}, strict=strict)
+
+
+def load_text(text, folder, config=None):
+    rules = rules_from_text(text, "t.remap")
+    compiled = remapdsl.compile_rules(rules, remapdsl.open_checkpoint(folder), config or {})
+    target = {d.runtime_key: torch.empty(d.shape, dtype=getattr(torch, d.dtype))
+              for d in compiled.destinations}
+    report = remapdsl.load(target, folder, rules, config=config or {})
+    return target, report
+
+
+def randn(*shape, dtype=torch.float32):
+    return torch.randn(*shape).to(dtype)
+
+
+def bind_error(text, folder, config=None) -> BindError:
+    with pytest.raises(BindError) as info:
+        compile_text(text, folder, config)
+    return info.value
+
+
+def test_llama_fused_grouped_qkv_and_interleaved_gate_up(tmp_path):
+    nh, nkv, hd, hidden, inter, layers = 8, 2, 4, 16, 32, 2
+    tensors = {"model.embed_tokens.weight": randn(50, hidden), "model.norm.weight": randn(hidden),
+               "lm_head.weight": randn(50, hidden)}
+    for L in range(layers):
+        p = f"model.layers.{L}."
+        tensors |= {p + "input_layernorm.weight": randn(hidden),
+                    p + "post_attention_layernorm.weight": randn(hidden),
+                    p + "self_attn.q_proj.weight": randn(nh * hd, hidden),
+                    p + "self_attn.k_proj.weight": randn(nkv * hd, hidden),
+                    p + "self_attn.v_proj.weight": randn(nkv * hd, hidden),
+                    p + "self_attn.o_proj.weight": randn(hidden, nh * hd),
+                    p + "mlp.gate_proj.weight": randn(inter, hidden),
+                    p + "mlp.up_proj.weight": randn(inter, hidden),
+                    p + "mlp.down_proj.weight": randn(hidden, inter)}
+    config = {"num_key_value_heads": nkv, "intermediate_size": inter, "tie_word_embeddings": False}
+    folder = write_checkpoint(tmp_path, tensors, config)
+    rules = remapdsl.load_rules("rules/llama_fused.remap")
+    compiled = remapdsl.compile_rules(rules, remapdsl.open_checkpoint(folder), config)
+    target = {d.runtime_key: torch.empty(d.shape) for d in compiled.destinations}
+    remapdsl.load(target, folder, rules)
+    for L in range(layers):
+        p = f"model.layers.{L}."
+        q, k, v = (tensors[p + f"self_attn.{n}_proj.weight"] for n in "qkv")
+        # Megatron: per KV group g, its nh/nkv query heads, then its k head, then its v head
+        expected = torch.cat([torch.cat([q.chunk(nkv)[g], k.chunk(nkv)[g], v.chunk(nkv)[g]])
+                              for g in range(nkv)])
+        assert torch.equal(target[f"layers.{L}.attn.wqkv.weight"], expected)
+        gate, up = tensors[p + "mlp.gate_proj.weight"], tensors[p + "mlp.up_proj.weight"]
+        blocks = inter // 16
+        expected = torch.cat([torch.cat([gate.chunk(blocks)[i], up.chunk(blocks)[i]]) for i in range(blocks)])
+        assert torch.equal(target[f"layers.{L}.mlp.w13.weight"], expected)
+        assert torch.equal(target[f"layers.{L}.attn.wo.weight"], tensors[p + "self_attn.o_proj.weight"])
+    assert torch.equal(target["output.weight"], tensors["lm_head.weight"])
+
+
+def test_experts_stack_in_numeric_order(tmp_path):
+    experts = {f"m.experts.{e}.w": torch.full((2, 3), float(e)) for e in range(12)}
+    folder = write_checkpoint(tmp_path, experts)
+    target, report = load_text("m.experts.{E}.w -> w | stack(E, dim=0)\n", folder)
+    assert target["w"][:, 0, 0].tolist() == [float(e) for e in range(12)]
+    assert report.bytes_read == 12 * 2 * 3 * 4
+
+
+def test_expert_gap_is_an_error_never_a_reslot(tmp_path):
+    experts = {f"m.experts.{e}.w": randn(2, 3) for e in (0, 1, 2, 5)}
+    folder = write_checkpoint(tmp_path, experts)
+    error = bind_error("m.experts.{E}.w -> w | stack(E, dim=0)\n", folder)
+    assert error.diagnostic.code == "E205"
+    assert "found {0-2, 5}, missing {3-4}" in error.diagnostic.message
+    assert error.diagnostic.span.line == 1
+
+
+def test_stack_with_start_for_a_slice_of_the_experts(tmp_path):
+    experts = {f"m.experts.{e}.w": torch.full((2,), float(e)) for e in (4, 5, 6)}
+    folder = write_checkpoint(tmp_path, experts)
+    target, _ = load_text("m.experts.{E}.w -> w | stack(E, dim=0, start=4)\n", folder)
+    assert target["w"][:, 0].tolist() == [4.0, 5.0, 6.0]
+
+
+def test_pattern_matching_nothing_points_at_the_pattern_with_a_suggestion(tmp_path):
+    folder = write_checkpoint(tmp_path, {"model.layers.0.self_attn.o_proj.weight": randn(2, 2)})
+    error = bind_error("model.layers.{L}.self_atn.o_proj.weight -> wo.{L}\n", folder)
+    d = error.diagnostic
+    assert (d.code, d.span.line, d.span.column) == ("E201", 1, 1)
+    assert d.hint == "did you mean `self_attn`?"
+
+
+def test_unconsumed_tensor_is_an_error_unless_lenient(tmp_path):
+    folder = write_checkpoint(tmp_path, {"a": randn(2), "b": randn(2)})
+    error = bind_error("a -> x\n", folder)
+    assert error.diagnostic.code == "E202" and "`b`" in error.diagnostic.message
+    compiled = compile_text("a -> x\n", folder, strict=False)
+    assert [d.runtime_key for d in compiled.destinations] == ["x"]
+
+
+def test_destination_produced_twice(tmp_path):
+    folder = write_checkpoint(tmp_path, {"a": randn(2), "b": randn(2)})
+    error = bind_error("a -> x\nb -> x\n", folder)
+    assert error.diagnostic.code == "E203" and error.diagnostic.span.line == 2
+
+
+def test_incomplete_binding_names_the_missing_key(tmp_path):
+    tensors = {f"l.{L}.{n}": randn(2, 2) for L in range(2) for n in ("gate", "up")}
+    del tensors["l.1.up"]
+    folder = write_checkpoint(tmp_path, tensors)
+    error = bind_error("l.{L}.{gate,up} -> w.{L} | concat(dim=0)\n", folder)
+    assert error.diagnostic.code == "E204"
+    assert "`l.1.gate` but not `l.1.up`" in error.diagnostic.message
+
+
+def test_concat_of_mismatched_shapes_names_both(tmp_path):
+    folder = write_checkpoint(tmp_path, {"a.x": randn(2, 3), "a.y": randn(2, 4)})
+    error = bind_error("a.{x,y} -> w | concat(dim=0)\n", folder)
+    assert error.diagnostic.code == "E207"
+    assert "[2, 3] and [2, 4]" in error.diagnostic.message
+
+
+def test_wildcard_taking_two_keys_for_one_target_is_an_error(tmp_path):
+    folder = write_checkpoint(tmp_path, {"m.a.inv_freq": randn(2), "m.b.inv_freq": randn(2)})
+    error = bind_error("m.*.inv_freq -> freq\n", folder)
+    assert error.diagnostic.code == "E208"
+
+
+def test_drop_with_guard_and_otherwise(tmp_path):
+    tensors = {f"model.layers.{L}.w": randn(2) for L in range(3)} | {"extra.bias": randn(2)}
+    folder = write_checkpoint(tmp_path, tensors, {"num_hidden_layers": 2})
+    compiled = compile_text("drop model.layers.{L}.** when L >= config.num_hidden_layers\n"
+                            "model.layers.{L}.w -> layers.{L}.w\notherwise {P:path} -> {P}\n",
+                            folder, {"num_hidden_layers": 2})
+    assert [d.runtime_key for d in compiled.destinations] == ["extra.bias", "layers.0.w", "layers.1.w"]
+    assert compiled.dropped == ("model.layers.2.w",)
+
+
+def test_tied_embedding_fans_out(tmp_path):
+    folder = write_checkpoint(tmp_path, {"model.embed_tokens.weight": randn(4, 2)})
+    target, report = load_text("model.embed_tokens.weight -> embed\n"
+                               "model.embed_tokens.weight -> head when config.tie\n",
+                               folder, {"tie": True})
+    assert torch.equal(target["embed"], target["head"])
+
+
+def test_cast_and_value_steps(tmp_path):
+    source = randn(3, 4)
+    folder = write_checkpoint(tmp_path, {"norm": source})
+    target, _ = load_text("norm -> w | add(1) | cast(bfloat16)\n", folder)
+    assert target["w"].dtype == torch.bfloat16
+    assert torch.equal(target["w"], (source + 1).to(torch.bfloat16))
+
+
+def test_transpose_and_pad(tmp_path):
+    source = randn(3, 5)
+    folder = write_checkpoint(tmp_path, {"w": source})
+    target, report = load_text("w -> t | transpose(0, 1) | pad(dim=1, to=4, value=7)\n", folder)
+    assert torch.equal(target["t"][:, :3], source.T)
+    assert (target["t"][:, 3] == 7).all()
+    assert report.bytes_read == source.numel() * 4
+
+
+def test_model_mismatches_are_reported_before_reading(tmp_path):
+    folder = write_checkpoint(tmp_path, {"a": randn(2, 3)})
+    rules = rules_from_text("a -> x\n", "t.remap")
+    with pytest.raises(BindError) as info:
+        remapdsl.load({"x": torch.empty(3, 2), "y": torch.empty(1)}, folder, rules)
+    assert sorted(d.code for d in info.value.diagnostics) == ["E231", "E232"]
+    with pytest.raises(BindError) as info:
+        remapdsl.load({"z": torch.empty(2, 3)}, folder, rules)
+    assert {d.code for d in info.value.diagnostics} == {"E230", "E231"}
+
+
+def test_compiled_is_frozen_serializable_and_stable(tmp_path):
+    folder = write_checkpoint(tmp_path, {f"e.{i}.w": randn(2, 2) for i in range(3)})
+    a = compile_text("e.{E}.w -> w | stack(E, dim=1)\n", folder)
+    b = compile_text("e.{E}.w -> w | stack(E, dim=1)\n", folder)
+    assert a.digest() == b.digest()
+    assert type(a).model_validate_json(a.model_dump_json()) == a
+    with pytest.raises(Exception):
+        a.destinations = ()
+
+
+def test_explain_command(tmp_path, capsys):
+    from remapdsl.cli import main
+
+    assert main(["explain", "rules/qwen3_moe.remap", "--checkpoint", "examples/tiny-qwen3-moe",
+                 "--key", "*layers.1.mlp.experts.down_proj"]) == 0
+    out = capsys.readouterr().out
+    assert "model.layers.1.mlp.experts.down_proj  [4, 16, 8] float32" in out
+    assert "[3, 0:16, 0:8] <- model.layers.1.mlp.experts.3.down_proj.weight [0:16, 0:8]" in out
+
+
+def test_bundled_example_is_what_its_script_writes(tmp_path, monkeypatch):
+    import importlib.util
+    from pathlib import Path
+
+    spec = importlib.util.spec_from_file_location("make_tiny", "examples/make_tiny.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    bundled = Path("examples/tiny-qwen3-moe/model.safetensors")
+    from safetensors.torch import load_file
+
+    written = load_file(bundled)
+    fresh = module.tensors()
+    assert written.keys() == fresh.keys()
+    assert all(torch.equal(written[k], fresh[k]) for k in fresh)
