@@ -30,7 +30,7 @@ FORMAT_NAMES = sorted(cls.op_name() for cls in ir.BUILTIN_OPS if cls.role == "fo
 # Binding strength of binary operators (loosest first) and whether they chain to the left.
 _BINARY = {"or": 1, "and": 2, "==": 4, "!=": 4, "<": 4, "<=": 4, ">": 4, ">=": 4, "??": 5,
            "+": 6, "-": 6, "*": 7, "//": 7, "%": 7}
-_NOT_LEVEL, _COMPARE_LEVEL, _COALESCE_LEVEL = 3, 4, 5
+_COMPARE_LEVEL = 4
 
 
 @dataclass
@@ -402,6 +402,7 @@ class _Precedence:
         if depth > MAX_DEPTH:
             raise TooDeep(self.items[0])
         left = self.prefixed(level, depth)
+        compared = False  # whether `left` is a comparison made in this run (not parenthesized)
         while (op := self.peek_operator()) is not None and _BINARY[op] >= level:
             strength = _BINARY[op]
             token = self.items[self.at]
@@ -413,10 +414,11 @@ class _Precedence:
             right = self.binary(strength + 1, depth + 1)
             span = span_of(left, right)
             if strength == _COMPARE_LEVEL:
-                if isinstance(left, ir.Compare):
+                if compared:
                     error("E039", "comparisons do not chain", span_of(token),
                           "join two comparisons with `and`")
                 left = _new(ir.Compare, op=op, left=left, right=right, span=span)
+                compared = True
             elif op in ("and", "or"):
                 left = _new(ir.BoolOp, op=op, left=left, right=right, span=span)
             else:
@@ -430,9 +432,8 @@ class _Precedence:
         item = self.items[self.at]
         if isinstance(item, Token) and item.type in ("MINUS", "NOT"):
             self.at += 1
-            if item.type == "NOT":
-                operand = self.binary(_COMPARE_LEVEL, depth + 1) if level <= _NOT_LEVEL else \
-                    self.prefixed(level, depth + 1)
+            if item.type == "NOT":  # its operand is a whole comparison, as in Python
+                operand = self.binary(_COMPARE_LEVEL, depth + 1)
                 return _new(ir.Not, operand=operand, span=span_of(item, operand))
             operand = self.prefixed(level, depth + 1)
             span = span_of(item, operand)

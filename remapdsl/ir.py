@@ -20,7 +20,11 @@ from .errors import SpanField
 
 LANGUAGE_VERSIONS = (1,)
 CAPTURE_TYPES = ("int", "seg", "path")
-KEYWORDS = frozenset({"when", "and", "or", "not", "true", "false", "config"})
+STATEMENT_KEYWORDS = frozenset({"remap", "let", "drop", "keep", "dequantize", "include", "macro",
+                                "optional", "otherwise"})
+KEYWORDS = frozenset({"when", "and", "or", "not", "true", "false", "config"}) | STATEMENT_KEYWORDS
+_LEXER_KEYWORDS = frozenset({"when", "and", "or", "not", "true", "false"})  # read as such anywhere
+_NUMBER_LIKE = re.compile(r"[0-9]+(\.[0-9]+)?[eE][+-]?[0-9]+")
 IDENTIFIER = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 KEY_TEXT = re.compile(r"[A-Za-z0-9_.]+")
 OPTION_TEXT = re.compile(r"[A-Za-z0-9_]+(\.[A-Za-z0-9_]+)*")
@@ -279,6 +283,13 @@ def pattern_problems(parts: tuple[Node, ...]) -> list[tuple[int, str]]:
     if not parts:
         return [(0, "a key pattern cannot be empty")]
     problems: list[tuple[int, str]] = []
+    for i, part in enumerate(parts):
+        if isinstance(part, Text) and (part.text in _LEXER_KEYWORDS or _NUMBER_LIKE.fullmatch(part.text)
+                                       or part.text in STATEMENT_KEYWORDS and i == len(parts) - 1):
+            problems.append((i, f"`{part.text}` cannot stand alone as key text: it reads as a "
+                                + ("number" if part.text[0].isdigit() else "keyword")))
+        if isinstance(part, Subst) and isinstance(part.expr, (Bool, List, Float)):
+            problems.append((i, "a key part is an integer or text, not a boolean, list or fraction"))
     for i in range(1, len(parts)):
         a, b = parts[i - 1], parts[i]
         if isinstance(a, Text) and isinstance(b, Text):
@@ -352,6 +363,10 @@ class Op(Node):
 _DIM = Param("dim", "int")
 
 
+def _capture_name(name: str | None) -> str | None:
+    return None if name is None else _identifier(name)
+
+
 class Concat(Op):
     kind: Literal["concat"] = "concat"
     example = "concat(dim=0)"
@@ -360,6 +375,8 @@ class Concat(Op):
     capture: str | None = None
     dim: Expr
     start: Expr | None = None
+
+    _check_capture = field_validator("capture")(_capture_name)
 
 
 class Stack(Op):
@@ -371,6 +388,8 @@ class Stack(Op):
     dim: Expr
     start: Expr | None = None
 
+    _check_capture = field_validator("capture")(_capture_name)
+
 
 class Unstack(Op):
     kind: Literal["unstack"] = "unstack"
@@ -380,6 +399,8 @@ class Unstack(Op):
     capture: str
     dim: Expr
     start: Expr | None = None
+
+    _check_capture = field_validator("capture")(_capture_name)
 
 
 class Interleave(Op):
@@ -563,6 +584,8 @@ class Arg(Node):
     name: str | None = None
     value: Expr
 
+    _check_name = field_validator("name")(_capture_name)
+
 
 class MacroCall(Op):
     """A call of a `macro` statement's op chain; resolved by name in the static checks."""
@@ -572,7 +595,12 @@ class MacroCall(Op):
     name: str
     args: tuple[Arg, ...] = ()
 
-    _check_name = field_validator("name")(_identifier)
+    @field_validator("name")
+    @classmethod
+    def _not_builtin(cls, name: str) -> str:
+        if name in OPS_BY_NAME:
+            raise ValueError(f"`{name}` is a built-in op, not a macro")
+        return _identifier(name)
 
 
 BUILTIN_OPS: tuple[type[Op], ...] = (
@@ -604,6 +632,31 @@ class Version(Statement):
     kind: Literal["version"] = "version"
     number: int
 
+    @field_validator("number")
+    @classmethod
+    def _known(cls, number: int) -> int:
+        if number not in LANGUAGE_VERSIONS:
+            raise ValueError(f"unknown language version {number}")
+        return number
+
+
+def _sided(patterns: tuple[Pattern, ...], side: str) -> None:
+    """Sources match keys (captures, wildcards); targets name keys (substitutions)."""
+    wrong = (Subst,) if side == "source" else (Capture, Star, DoubleStar)
+    types: dict[str, str] = {}
+    for pattern in patterns:
+        for part in pattern.parts:
+            if isinstance(part, wrong):
+                raise ValueError(f"a {type(part).__name__} cannot stand in a {side} pattern")
+            if isinstance(part, Capture) and types.setdefault(part.name, part.type) != part.type:
+                raise ValueError(f"capture `{part.name}` has two types in one statement")
+
+
+def _roles(ops: tuple, allowed: tuple[str, ...], where: str) -> None:
+    for op in ops:
+        if op.role not in allowed:
+            raise ValueError(f"`{op.op_name()}` cannot stand in {where}")
+
 
 class Let(Statement):
     kind: Literal["let"] = "let"
@@ -624,17 +677,34 @@ class Rule(Statement):
     optional: bool = False
     otherwise: bool = False
 
+    @model_validator(mode="after")
+    def _valid(self) -> Rule:
+        _sided(self.sources, "source")
+        _sided(self.targets, "target")
+        _roles(self.ops, ("layout", "value", "macro"), "a mapping rule")
+        return self
+
 
 class Drop(Statement):
     kind: Literal["drop"] = "drop"
     patterns: tuple[Pattern, ...]
     guard: Expr | None = None
 
+    @model_validator(mode="after")
+    def _valid(self) -> Drop:
+        _sided(self.patterns, "source")
+        return self
+
 
 class Keep(Statement):
     kind: Literal["keep"] = "keep"
     patterns: tuple[Pattern, ...]
     guard: Expr | None = None
+
+    @model_validator(mode="after")
+    def _valid(self) -> Keep:
+        _sided(self.patterns, "source")
+        return self
 
 
 class Dequantize(Statement):
@@ -647,10 +717,24 @@ class Dequantize(Statement):
     format: AnyOp
     optional: bool = False
 
+    @model_validator(mode="after")
+    def _valid(self) -> Dequantize:
+        _sided(self.sources, "source")
+        _sided((self.target,), "target")
+        _roles((self.format,), ("format",), "a dequantize statement")
+        return self
+
 
 class Include(Statement):
     kind: Literal["include"] = "include"
     path: str
+
+    @field_validator("path")
+    @classmethod
+    def _quotable(cls, path: str) -> str:
+        if not path.strip() or '"' in path or "\n" in path:
+            raise ValueError("an include path is non-blank, on one line, without `\"`")
+        return path
 
 
 class Macro(Statement):
@@ -688,6 +772,12 @@ class RuleFile(Node):
     statements: tuple[AnyStatement, ...] = ()
     trailing: tuple[str, ...] = Field(default=(), repr=False)
     source: str = Field(default="", repr=False, exclude=True)
+
+    @model_validator(mode="after")
+    def _version_first(self) -> RuleFile:
+        if any(isinstance(s, Version) for s in self.statements[1:]):
+            raise ValueError("the `remap` version line can only be the first statement")
+        return self
 
     @property
     def version(self) -> int | None:

@@ -1,8 +1,10 @@
 """Fuzzing the front end: whatever the text, the only error that escapes is a RemapError.
 
-Two sources of text: arbitrary strings (unicode, control characters, CR, tabs) and realistic rule
-files broken by random edits (characters and tokens inserted, deleted, replaced). Both go through
-parse_text and through rules_from_text (parse + includes + static checks). Every RemapError must
+Three sources of text: arbitrary strings (unicode, control characters, CR, tabs); realistic rule
+files (inline samples, rules/, tests/corpus/) broken by random edits (characters and tokens
+inserted, deleted, replaced, runs duplicated, lines swapped); and well-formed generated files
+(tests/strategies.py), as they are and mutated. All go through parse_text and through
+rules_from_text (parse + includes + static checks). Every RemapError must
 render, and every diagnostic with a span must point at a real line and column (1-based).
 """
 
@@ -94,11 +96,16 @@ otherwise {P:path} -> {P}
 
 
 def _corpus_samples() -> list[str]:
-    files = sorted((ROOT / "rules").glob("*.remap")) + sorted((ROOT / "tests" / "corpus").glob("**/*.remap"))
+    """Rule files of the repository as extra seeds: rules/, the valid corpus, some error files."""
+    corpus = ROOT / "tests" / "corpus"
+    files = (sorted((ROOT / "rules").glob("*.remap")) + sorted((corpus / "ok").glob("**/*.remap"))
+             + sorted((corpus / "errors").glob("**/*.remap"))[:40])
     out = []
-    for path in files[:64]:
+    for path in files:
         try:
-            out.append(path.read_bytes().decode("utf-8"))
+            data = path.read_bytes()
+            if len(data) <= 20_000:  # keep each example fast
+                out.append(data.decode("utf-8"))
         except (OSError, UnicodeDecodeError):
             continue
     return out
@@ -181,25 +188,25 @@ _FUZZ = settings(max_examples=1000, deadline=None,
                  suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much])
 
 
-@_FUZZ
+@settings(_FUZZ, max_examples=2000)
 @given(st.one_of(_any_text, _token_text))
 def test_arbitrary_text_raises_only_remap_errors(text):
     front_end(text)
 
 
-@_FUZZ
+@settings(_FUZZ, max_examples=3000)
 @given(mutated_samples)
 def test_mutated_rule_files_raise_only_remap_errors(text):
     front_end(text)
 
 
-@settings(_FUZZ, max_examples=500)
+@settings(_FUZZ, max_examples=300)
 @given(S.rule_files(path="<fuzz>").map(format_rules).flatmap(mutate))
 def test_mutated_generated_files_raise_only_remap_errors(text):
     front_end(text)
 
 
-@settings(_FUZZ, max_examples=300)
+@settings(_FUZZ, max_examples=200)
 @given(S.rule_files(path="<fuzz>"))
 def test_generated_files_pass_or_fail_static_checks_cleanly(rules):
     """Well-formed IR with unbound names, odd op arguments...: the static checks report, never crash."""

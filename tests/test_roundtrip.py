@@ -97,14 +97,9 @@ def test_every_statement_kind_roundtrips(strategy, data):
 
 
 # ---- known gaps: valid IR that the formatter cannot write back -------------------------------
-# Each strict xfail below is a source bug (or a doubtful design point) with a minimal reproduction;
-# tests/strategies.py avoids the same constructs (AVOIDED) so the properties above stay useful.
-# When a fix lands the xfail turns red: drop the marker here and the avoidance there.
-
-
-def gap(reason: str) -> pytest.MarkDecorator:
-    """A strict xfail that only counts a failed round trip, not an unrelated crash."""
-    return pytest.mark.xfail(strict=True, raises=(AssertionError, pytest.fail.Exception), reason=reason)
+# The concrete syntax cannot say everything a free-form tree could: names spelled like keywords,
+# key text that reads as a keyword or a number. The IR refuses those at construction, so that
+# every IR value is one `fmt` can write. Each case below either round-trips or is refused.
 
 
 def _text(text: str) -> ir.Pattern:
@@ -129,13 +124,16 @@ def assert_roundtrips(*statements: ir.Statement) -> None:
     assert again == rules, text
 
 
-@gap("a name spelled like a statement keyword (remap, let, drop, "
-                   "...) lexes as that keyword; ir.identifier_problem allows it")
-@pytest.mark.parametrize("word", ["remap", "drop", "otherwise"])
+def assert_refused(build) -> None:
+    with pytest.raises(ValidationError):
+        build()
+
+
+@pytest.mark.parametrize("word", ["remap", "drop", "otherwise", "when", "true"])
 @pytest.mark.parametrize("where", ["let name", "expression", "capture argument", "macro name",
                                    "macro parameter", "macro argument name"])
-def test_name_spelled_like_a_statement_keyword(word, where):
-    statement = {
+def test_name_spelled_like_a_keyword_is_refused(word, where):
+    assert_refused({
         "let name": lambda: ir.Let(name=word, value=ir.Int(value=1)),
         "expression": lambda: ir.Let(name="x", value=_name(word)),
         "capture argument": lambda: _rule(ops=(ir.Concat(capture=word, dim=ir.Int(value=0)),)),
@@ -143,45 +141,32 @@ def test_name_spelled_like_a_statement_keyword(word, where):
         "macro parameter": lambda: ir.Macro(name="m", params=(word,), ops=(ir.Cast(dtype=_name("x")),)),
         "macro argument name": lambda: _rule(ops=(ir.MacroCall(
             name="m", args=(ir.Arg(name=word, value=ir.Int(value=1)),)),)),
-    }[where]()
-    assert_roundtrips(statement)
+    }[where])
 
 
-@gap("a literal pattern part spelled exactly like a keyword lexes "
-                   "as the keyword: `x -> when`, `drop true`, `x -> {L}and`, `x -> drop`")
-@pytest.mark.parametrize("pattern", [
-    _text("when"), _text("true"), _text("not"), _text("and"), _text("drop"), _text("remap"),
-    ir.Pattern(parts=(ir.Subst(expr=_name("L")), ir.Text(text="and"))),
-    ir.Pattern(parts=(ir.Subst(expr=_name("L")), ir.Text(text="otherwise"))),
-], ids=["when", "true", "not", "and", "drop", "remap", "{L}and", "{L}otherwise"])
-def test_target_part_spelled_like_a_keyword(pattern):
-    assert_roundtrips(_rule(targets=(pattern,)))
-
-
-@gap("a rule whose only source pattern is exactly a statement "
-                   "keyword (`drop -> x`) lexes as that keyword; the IR accepts it, fmt writes it")
-@pytest.mark.parametrize(("word", "optional"), [
-    *((word, False) for word in S.STATEMENT_KEYWORDS),
-    ("otherwise", True), ("dequantize", True),
-])
-def test_whole_key_named_like_a_statement_keyword(word, optional):
-    assert_roundtrips(_rule(sources=(_text(word),), optional=optional))
-
-
-@gap("a literal pattern part that starts like a float with an "
-                   "exponent (1e5, 1.5e3, 2E3) lexes as a number")
 @pytest.mark.parametrize("parts", [
-    (ir.Text(text="1e5"),),
+    (ir.Text(text="when"),), (ir.Text(text="true"),), (ir.Text(text="drop"),),
+    (ir.Subst(expr=_name("L")), ir.Text(text="drop")),
+    (ir.Subst(expr=_name("L")), ir.Text(text="and")),
+    (ir.Subst(expr=_name("L")), ir.Text(text="otherwise")),
+    (ir.Text(text="1e5"),), (ir.Text(text="model."), ir.Subst(expr=_name("P")), ir.Text(text="2E3")),
+    (ir.Subst(expr=ir.Bool(value=True)),),
+], ids=["when", "true", "drop", "{L}drop", "{L}and", "{L}otherwise", "1e5", "model.{P}2E3", "{true}"])
+def test_key_text_the_syntax_cannot_write_is_refused(parts):
+    assert_refused(lambda: _rule(targets=(ir.Pattern(parts=parts),)))
+
+
+@pytest.mark.parametrize("parts", [
     (ir.Text(text="1.5e3.x"),),
-    (ir.Text(text="model."), ir.Star(), ir.Text(text="1e5")),
     (ir.Text(text="a."), ir.Capture(name="L"), ir.Text(text="2E3.w")),
-], ids=["1e5", "1.5e3.x", "model.*1e5", "a.{L}2E3.w"])
-def test_key_text_that_starts_like_a_float(parts):
-    assert_roundtrips(_rule(sources=(ir.Pattern(parts=parts),)))
+    (ir.Text(text="model."), ir.Star(), ir.Text(text="1e5.x")),
+], ids=["1.5e3.x", "a.{L}2E3.w", "model.*1e5.x"])
+def test_key_text_starting_like_a_number_roundtrips(parts):
+    assert_roundtrips(_rule(sources=(ir.Pattern(parts=parts),),
+                            targets=(_text("b"),) if not any(isinstance(p, ir.Capture) for p in parts)
+                            else (ir.Pattern(parts=(ir.Text(text="b."), ir.Subst(expr=_name("L")))),)))
 
 
-@gap("`(a < b) == c` is refused as a chained comparison although "
-                   "the left comparison is parenthesized (build._Precedence checks the node type)")
 def test_parenthesized_comparison_left_of_a_comparison():
     inner = ir.Compare(op="<", left=_name("a"), right=_name("b"))
     assert_roundtrips(ir.Let(name="x", value=ir.Compare(op="==", left=inner, right=_name("c"))))
@@ -192,20 +177,17 @@ def test_parenthesized_comparison_right_of_a_comparison():
     assert_roundtrips(ir.Let(name="x", value=ir.Compare(op="==", left=_name("a"), right=inner)))
 
 
-@gap("`not not a + b` parses as `not ((not a) + b)`: a `not` right "
-                   "after `not` takes one operand instead of a whole comparison")
+def test_chained_comparison_without_parentheses_is_an_error():
+    with pytest.raises(RemapError) as info:
+        parse_text("let x = a < b < c\n")
+    assert info.value.diagnostic.code == "E039"
+
+
 @pytest.mark.parametrize("op", ["+", "*"])
 def test_not_not_binds_looser_than_arithmetic(op):
     value = ir.Not(operand=ir.Not(operand=ir.BinOp(op=op, left=_name("a"), right=_name("b"))))
     assert_roundtrips(ir.Let(name="x", value=value))
     assert parse_text(f"let x = not not a {op} b").statements[0].value == value
-
-
-@gap("`x -> {true}` is lexed as a capture token and refused as a "
-                   "capture named `true`, though Subst(Bool) is valid IR (and `{not x}` works)")
-@pytest.mark.parametrize("value", [True, False])
-def test_boolean_substitution_in_a_target(value):
-    assert_roundtrips(_rule(targets=(ir.Pattern(parts=(ir.Subst(expr=ir.Bool(value=value)),)),)))
 
 
 @pytest.mark.parametrize("text", [
@@ -248,21 +230,14 @@ _UNWRITABLE = {
 }
 
 
-@pytest.mark.parametrize("case", [
-    pytest.param(name, marks=gap(
-        f"doubtful: the IR validators accept {name}, fmt writes text that does "
-        "not parse back to it"))
-    for name in _UNWRITABLE
-])
-def test_ir_that_fmt_cannot_write_is_rejected(case):
+@pytest.mark.parametrize("case", list(_UNWRITABLE))
+def test_ir_that_fmt_cannot_write_is_refused(case):
     """Every IR value the validators accept is one `fmt` can write: parse(format(ir)) == ir."""
-    try:
+    def build():
         built = _UNWRITABLE[case]()
         statements = built if isinstance(built, tuple) else (built,)
         ir.RuleFile(path=PATH, statements=statements)
-    except ValidationError:
-        return
-    assert_roundtrips(*statements)
+    assert_refused(build)
 
 
 # ---- comments and layout on hand-written files -------------------------------------------------
