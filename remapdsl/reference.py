@@ -54,7 +54,10 @@ def apply_ops(ops: list[ir.Op], tensors: State, evaluate: Callable[[ir.Node], An
 
 
 def _apply(op: ir.Op, state: State, ev: Callable, targets: int | None) -> State:
-    arg = lambda name, default=None: default if getattr(op, name) is None else ev(getattr(op, name))  # noqa: E731
+    def arg(name: str, default: Any = None) -> Any:
+        value = getattr(op, name)
+        return default if value is None else ev(value)
+
     if isinstance(op, (ir.Stack, ir.Concat)) and op.capture is not None:
         assert isinstance(state, Mapping), "a capture is reduced from a dict of capture values"
         start = arg("start", 0)

@@ -28,6 +28,9 @@ class PatternRegex(NamedTuple):
     alternatives: tuple[tuple[str, ...], ...]  # options of each alternatives part
 
 
+_new = tuple.__new__  # a named tuple from a plain tuple, without its argument handling
+
+
 class Match(NamedTuple):
     ckpt_key: str
     captures: tuple  # values, in the order of PatternRegex.captures
@@ -66,19 +69,20 @@ def match_keys(compiled: PatternRegex, keys: Iterable[str]) -> list[Match]:
     `finditer`: the scan stays in the regex engine instead of a Python loop over 10^5 keys.
     """
     text = "\n".join(keys)
-    line = re.compile(f"^{compiled.regex.pattern}$", re.MULTILINE)
-    # groups() lists captures and alternatives in order of appearance; sort them out once
+    # one outer group for the whole key; findall then yields (key, *groups) tuples from C
+    line = re.compile(f"^({compiled.regex.pattern})$", re.MULTILINE)
     order = sorted(line.groupindex.items(), key=lambda kv: kv[1])
     captures = [(group - 1, kind == "int") for name, group in order if name[0] == "c"
                 for kind in [compiled.captures[int(name[1:])][1]]]
     choices = [(group - 1, {o: k for k, o in enumerate(compiled.alternatives[int(name[1:])])})
                for name, group in order if name[0] == "a"]
     found = []
-    for m in line.finditer(text):
-        g = m.groups()
+    if not captures and not choices:
+        return [_new(Match, (row if isinstance(row, str) else row[0], (), ())) for row in line.findall(text)]
+    for g in line.findall(text):
         values = tuple(int(g[i]) if is_int else g[i] for i, is_int in captures)
         choice = tuple(index[g[i]] for i, index in choices)
-        found.append(Match(m.group(), values, choice))
+        found.append(_new(Match, (g[0], values, choice)))
     return found
 
 

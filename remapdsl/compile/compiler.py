@@ -122,11 +122,11 @@ class _Compiler:
                        + (f" (and {len(ambiguous) - 1} more)" if len(ambiguous) > 1 else ""),
                        rule.span, "a wildcard (`*`, `**`) in a rule's sources must not match two keys "
                        "for one target; capture the varying part instead")
-            return set()
+            return _taken(bindings, partial)
         if unmatched and not rule.optional:
             for index in unmatched:
                 self.no_match(rule, rule.sources[index], pool)
-            return set()
+            return _taken(bindings, partial)
         for p in partial[:5]:
             axis = list_axis(rule.sources)
             missing = [self.name_of(rule.sources[axis[i][0]], axis[i][1], p.captures) for i in p.missing]
@@ -135,7 +135,7 @@ class _Compiler:
                        rule.span, "every source of a rule must exist for each binding; mark the rule "
                        "`optional` only if the whole binding may be absent")
         if partial:
-            return set()
+            return _taken(bindings, partial)
         if rule.guard is not None:
             bindings = [b for b in bindings if self.evaluator.boolean(rule.guard, b.captures)]
         consumed: set[str] = set()
@@ -192,11 +192,14 @@ class _Compiler:
         reduced = sorted({op.capture for op, _ in ops if isinstance(op, (ir.Stack, ir.Concat))
                           and op.capture is not None})
         groups: dict[tuple, dict[tuple, list]] = defaultdict(dict)
+        names = sorted(bindings[0].captures) if bindings else []
+        outer_names = [n for n in names if n not in reduced]
+        inner_names = [n for n in names if n in reduced]
         for b in bindings:
-            outer = tuple(sorted((k, v) for k, v in b.captures.items() if k not in reduced))
-            inner = tuple(sorted((k, v) for k, v in b.captures.items() if k in reduced))
-            tensors = [self.source(k) for k in b.keys]
-            groups[outer][inner] = (tensors, b.keys)
+            c = b.captures
+            outer = tuple((n, c[n]) for n in outer_names)
+            inner = tuple((n, c[n]) for n in inner_names)
+            groups[outer][inner] = ([self.source(k) for k in b.keys], b.keys)
         for outer, items in groups.items():
             state = {inner: tensors for inner, (tensors, _) in items.items()}
             keys = tuple(k for _, ks in items.values() for k in ks)
@@ -292,6 +295,11 @@ class _Compiler:
                     f"({covered} of {total} elements)", span=d.rule,
                     line_text=self.rules.line_text(d.rule),
                     hint="this is a bug in remapdsl; please report it with the rule file"))
+
+
+def _taken(bindings, partial) -> set[str]:
+    """The keys a failed rule matched: counted as taken, so its error is not repeated as E202."""
+    return {k for b in bindings for k in b.keys} | {k for p in partial for k in p.present}
 
 
 class _RuleFailed(Exception):

@@ -14,6 +14,9 @@ from typing import NamedTuple
 from .model import Block
 
 
+_new = tuple.__new__  # a named tuple from a plain tuple, without its Python-level argument handling
+
+
 class Sym(NamedTuple):
     shape: tuple[int, ...]
     dtype: str
@@ -34,7 +37,7 @@ def source(ckpt_key: str, shape: tuple[int, ...], dtype: str) -> Sym:
         return Sym(shape, dtype, ())
     identity = _IDENTITY.get(n) or tuple(tuple(1 if i == j else 0 for j in range(n)) for i in range(n))
     zeros = (0,) * n
-    return Sym(shape, dtype, (Block(zeros, shape, ckpt_key, zeros, identity),))
+    return _new(Sym, (shape, dtype, (_new(Block, (zeros, shape, ckpt_key, zeros, identity, (), None)),)))
 
 
 def _dim(dim: int, ndim: int, what: str = "dim") -> int:
@@ -44,9 +47,8 @@ def _dim(dim: int, ndim: int, what: str = "dim") -> int:
 
 
 def _shift(b: Block, dim: int, delta: int) -> Block:
-    offsets = list(b.offsets)
-    offsets[dim] += delta
-    return b._replace(offsets=tuple(offsets))
+    offsets = b[0]
+    return _new(Block, (offsets[:dim] + (offsets[dim] + delta,) + offsets[dim + 1:],) + b[1:])
 
 
 def _column(b: Block, dim: int) -> tuple[int, ...]:
@@ -101,11 +103,10 @@ def stack(parts: list[Sym], dim: int) -> Sym:
     _same_except(parts, None, "stack")
     blocks = []
     for i, p in enumerate(parts):
-        for b in p.blocks:
-            blocks.append(Block(
-                b.offsets[:dim] + (i,) + b.offsets[dim:], b.sizes[:dim] + (1,) + b.sizes[dim:],
-                b.ckpt_key, b.base, tuple(row[:dim] + (0,) + row[dim:] for row in b.coeff),
-                b.steps, b.fill))
+        for offsets, sizes, key, base, coeff, steps, fill in p.blocks:
+            blocks.append(_new(Block, (
+                offsets[:dim] + (i,) + offsets[dim:], sizes[:dim] + (1,) + sizes[dim:],
+                key, base, tuple(row[:dim] + (0,) + row[dim:] for row in coeff), steps, fill)))
     shape = first.shape[:dim] + (len(parts),) + first.shape[dim:]
     return Sym(shape, first.dtype, tuple(blocks))
 
