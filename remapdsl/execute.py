@@ -81,8 +81,8 @@ def _load_destination(d: Destination, tensor: torch.Tensor, inventory: Inventory
     nbytes = 0
     for b in d.blocks:
         view = tensor[tuple(slice(o, o + s) for o, s in zip(b.offsets, b.sizes))]
-        if b.ckpt_key is None:
-            view.fill_(b.fill)
+        if b.ckpt_key is None:  # a pad region: made in its dtype, then the later value steps
+            view.copy_(_steps(torch.full(b.sizes, b.fill, dtype=torch.float64), b.steps))
             continue
         nbytes += _read_block(b, view, inventory, reader)
     return nbytes
@@ -113,15 +113,20 @@ def _read_block(b: Block, view: torch.Tensor, inventory: Inventory, reader: Chec
                              start - low + sum(strides[j] * (b.sizes[j] - 1) for j in flips))
     if flips:
         source = source.flip(flips)
-    for kind, value in b.steps:
-        if kind == "cast":
-            source = source.to(torch_dtype(value))
-        elif kind == "scale":
-            source = (source.float() * value).to(source.dtype)
-        else:
-            source = (source.float() + value).to(source.dtype)
-    view.copy_(source)
+    view.copy_(_steps(source, b.steps))
     return count * itemsize
+
+
+def _steps(values: torch.Tensor, steps) -> torch.Tensor:
+    """Value steps: casts, and scale/add computed in float32 then cast back to the dtype."""
+    for kind, value in steps:
+        if kind == "cast":
+            values = values.to(torch_dtype(value))
+        elif kind == "scale":
+            values = (values.float() * value).to(values.dtype)
+        else:
+            values = (values.float() + value).to(values.dtype)
+    return values
 
 
 def _dense(strides: list[int], sizes: tuple[int, ...]) -> bool:

@@ -218,7 +218,8 @@ def pad(t: Sym, dim: int, to: int, value: float) -> Sym:
         offsets[dim] = size
         sizes = list(shape)
         sizes[dim] = to - size
-        blocks.append(Block(tuple(offsets), tuple(sizes), None, (), (), (), float(value)))
+        # a fill is made in the tensor's dtype at this point, then takes the later value steps
+        blocks.append(Block(tuple(offsets), tuple(sizes), None, (), (), (("cast", t.dtype),), float(value)))
     return Sym(tuple(shape), t.dtype, tuple(blocks))
 
 
@@ -229,7 +230,7 @@ def repeat(t: Sym, dim: int, times: int) -> Sym:
 
 def value_step(t: Sym, step: tuple) -> Sym:
     dtype = step[1] if step[0] == "cast" else t.dtype
-    blocks = tuple(b if b.ckpt_key is None else b._replace(steps=b.steps + (step,)) for b in t.blocks)
+    blocks = tuple(b._replace(steps=b.steps + (step,)) for b in t.blocks)
     return Sym(t.shape, dtype, blocks)
 
 
