@@ -9,6 +9,7 @@ exists; a partial binding (some sources present, others missing) is an error, ne
 from __future__ import annotations
 
 import re
+from operator import itemgetter
 from collections import defaultdict
 from collections.abc import Iterable
 from typing import NamedTuple
@@ -26,15 +27,6 @@ class PatternRegex(NamedTuple):
     regex: re.Pattern
     captures: tuple[tuple[str, str], ...]  # (name, type) in group order
     alternatives: tuple[tuple[str, ...], ...]  # options of each alternatives part
-
-
-_new = tuple.__new__  # a named tuple from a plain tuple, without its argument handling
-
-
-class Match(NamedTuple):
-    ckpt_key: str
-    captures: tuple  # values, in the order of PatternRegex.captures
-    choice: tuple[int, ...]  # chosen option index of each alternatives part
 
 
 def compile_pattern(pattern: ir.Pattern) -> PatternRegex:
@@ -62,8 +54,8 @@ def compile_pattern(pattern: ir.Pattern) -> PatternRegex:
     return PatternRegex(re.compile("".join(out)), tuple(captures), tuple(alternatives))
 
 
-def match_keys(compiled: PatternRegex, keys: Iterable[str]) -> list[Match]:
-    """Every key the pattern matches whole, with its capture values and alternative choices.
+def match_keys(compiled: PatternRegex, keys: Iterable[str]) -> list[tuple]:
+    """Every key the pattern matches whole, as (key, capture values, alternative choices).
 
     The keys are joined into one text, one key per line, and the pattern runs over it in a single
     `finditer`: the scan stays in the regex engine instead of a Python loop over 10^5 keys.
@@ -76,14 +68,21 @@ def match_keys(compiled: PatternRegex, keys: Iterable[str]) -> list[Match]:
                 for kind in [compiled.captures[int(name[1:])][1]]]
     choices = [(group - 1, {o: k for k, o in enumerate(compiled.alternatives[int(name[1:])])})
                for name, group in order if name[0] == "a"]
-    found = []
+    rows = line.findall(text)
     if not captures and not choices:
-        return [_new(Match, (row if isinstance(row, str) else row[0], (), ())) for row in line.findall(text)]
-    for g in line.findall(text):
-        values = tuple(int(g[i]) if is_int else g[i] for i, is_int in captures)
-        choice = tuple(index[g[i]] for i, index in choices)
-        found.append(_new(Match, (g[0], values, choice)))
-    return found
+        return [(row if isinstance(row, str) else row[0], (), ()) for row in rows]
+    if choices or not all(is_int for _, is_int in captures):
+        found = []
+        for g in rows:
+            values = tuple(int(g[i]) if is_int else g[i] for i, is_int in captures)
+            choice = tuple(index[g[i]] for i, index in choices)
+            found.append((g[0], values, choice))
+        return found
+    # the common case, integer captures only: extract and convert in C
+    get = itemgetter(*(i for i, _ in captures))
+    if len(captures) == 1:
+        return [(g[0], (int(get(g)),), ()) for g in rows]
+    return [(g[0], tuple(map(int, get(g))), ()) for g in rows]
 
 
 def list_axis(patterns: tuple[ir.Pattern, ...]) -> list[tuple[int, tuple[int, ...]]]:
@@ -138,22 +137,24 @@ def bind(patterns: tuple[ir.Pattern, ...], keys: Iterable[str]) -> Bound:
         if not matches:
             unmatched.append(index)
         own = tuple(n for n, _ in c.captures)
-        for m in matches:
-            if own == tuple(names):
-                key = m.captures
+        same = own == tuple(names)
+        for ckpt_key, captured, choice in matches:
+            if same:
+                key = captured
             else:  # a pattern lacking some captures of the statement fills every binding that agrees
-                values = dict(zip(own, m.captures))
+                values = dict(zip(own, captured))
                 key = tuple(values.get(n, _ANY) for n in names)
-            row, at = slots[key], position[(index, m.choice)]
-            if row[at] is not None and row[at] != m.ckpt_key:
-                ambiguous.append((row[at], m.ckpt_key))
-            row[at] = m.ckpt_key
+            row, at = slots[key], position[(index, choice)]
+            if row[at] is not None and row[at] != ckpt_key:
+                ambiguous.append((row[at], ckpt_key))
+            row[at] = ckpt_key
     bindings, partial = [], []
     complete_keys = _join(slots, len(axis))
+    new = tuple.__new__  # named tuples without their Python-level argument handling
     for values, entries in complete_keys:
         captures = dict(zip(names, values))
-        if all(e is not None for e in entries):
-            bindings.append(Binding(captures, tuple(entries)))
+        if None not in entries:
+            bindings.append(new(Binding, (captures, tuple(entries))))
         else:
             partial.append(Partial(captures, tuple(e for e in entries if e is not None),
                                    tuple(i for i, e in enumerate(entries) if e is None)))
@@ -172,8 +173,8 @@ def _join(slots: dict[tuple, list], width: int) -> list[tuple[tuple, list]]:
     """Merge slot rows where some patterns bind fewer captures (their `_ANY` values)."""
     full = {k: v for k, v in slots.items() if _ANY not in k}
     loose = {k: v for k, v in slots.items() if _ANY in k}
-    if not loose:
-        return sorted(full.items(), key=lambda kv: _order(kv[0]))
+    if not loose:  # each position holds one type (ints, or text): tuples sort directly
+        return sorted(full.items(), key=itemgetter(0))
     if not full:  # no pattern binds every capture: not a sensible statement, keep as is
         return sorted(((tuple(None if v is _ANY else v for v in k), e) for k, e in loose.items()),
                       key=lambda kv: _order(kv[0]))

@@ -78,7 +78,7 @@ class _Compiler:
         self.check_tiling()
         keep = tuple(_regex(p).pattern for s in statements if isinstance(s, ir.Keep)
                      for p in s.patterns)
-        sources = tuple(Source(k, t.file, t.dtype, tuple(t.shape))
+        sources = tuple(tuple.__new__(Source, (k, t.file, t.dtype, tuple(t.shape)))
                         for k, t in sorted(self.inventory.tensors.items()))
         return ir.construct(Compiled,
                             destinations=tuple(self.destinations[k] for k in sorted(self.destinations)),
@@ -103,11 +103,11 @@ class _Compiler:
                 regex = compile_pattern(pattern)
                 names = [name for name, _ in regex.captures]
                 verdicts: dict[tuple, bool] = {}  # the guard per capture values, not per key
-                for m in match_keys(regex, available):
-                    if s.guard is not None and m.captures not in verdicts:
-                        verdicts[m.captures] = self.evaluator.boolean(s.guard, dict(zip(names, m.captures)))
-                    if s.guard is None or verdicts[m.captures]:
-                        dropped.add(m.ckpt_key)
+                for ckpt_key, values, _ in match_keys(regex, available):
+                    if s.guard is not None and values not in verdicts:
+                        verdicts[values] = self.evaluator.boolean(s.guard, dict(zip(names, values)))
+                    if s.guard is None or verdicts[values]:
+                        dropped.add(ckpt_key)
                         hit = True
             if not hit and s.span is not None:
                 unused.append(s.span)

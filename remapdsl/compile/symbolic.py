@@ -102,11 +102,15 @@ def stack(parts: list[Sym], dim: int) -> Sym:
     dim = _dim(dim, len(first.shape) + 1)
     _same_except(parts, None, "stack")
     blocks = []
+    widened: dict[tuple, tuple] = {}  # parts usually share one coeff: widen it once
     for i, p in enumerate(parts):
         for offsets, sizes, key, base, coeff, steps, fill in p.blocks:
+            wide = widened.get(coeff)
+            if wide is None:
+                wide = widened[coeff] = tuple(row[:dim] + (0,) + row[dim:] for row in coeff)
             blocks.append(_new(Block, (
                 offsets[:dim] + (i,) + offsets[dim:], sizes[:dim] + (1,) + sizes[dim:],
-                key, base, tuple(row[:dim] + (0,) + row[dim:] for row in coeff), steps, fill)))
+                key, base, wide, steps, fill)))
     shape = first.shape[:dim] + (len(parts),) + first.shape[dim:]
     return Sym(shape, first.dtype, tuple(blocks))
 
