@@ -232,10 +232,6 @@ class Builder(Transformer):
         (expr,) = children
         return _Guard(_value(expr))
 
-    def pipe(self, children: list) -> ir.Op:
-        (op,) = children
-        return op
-
     # -- ops --
 
     def keyword_arg(self, children: list) -> _Arg:
@@ -625,8 +621,12 @@ def _part(item: Any, side: str, types: dict[str, str]) -> ir.Node | None:
             return _new(ir.Text, text=str(item), span=span)
         if kind == "CAPTURE" and ":" not in item:  # the common `{L}`, without an intermediate
             name = str(item)[1:-1]
-            if side == "source" and not ir.identifier_problem(name):
-                return _new(ir.Capture, name=name, type=types.get(name, "int"), span=span)
+            if not ir.identifier_problem(name):
+                if side == "source":
+                    return _new(ir.Capture, name=name, type=types.get(name, "int"), span=span)
+                inner = _tuple_new(Span, (span.path, span.line, span.column + 1, span.line,
+                                          span.end_column - 1))
+                return _new(ir.Subst, expr=_new(ir.Name, id=name, span=inner), span=span)
         if kind in ("CAPTURE", "ALTERNATIVES"):
             return _part(_brace_token(item), side, types)
         if side == "target":

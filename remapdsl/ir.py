@@ -30,6 +30,7 @@ KEY_TEXT = re.compile(r"[A-Za-z0-9_.]+")
 OPTION_TEXT = re.compile(r"[A-Za-z0-9_]+(\.[A-Za-z0-9_]+)*")
 
 
+@functools.lru_cache(maxsize=4096)  # a pure function, called for every name the parser meets
 def identifier_problem(name: str) -> str | None:
     """Why a name cannot be a let name, capture or macro parameter, or None when it can."""
     if not IDENTIFIER.fullmatch(name):

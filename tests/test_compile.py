@@ -225,3 +225,19 @@ def test_bundled_example_is_what_its_script_writes(tmp_path, monkeypatch):
     fresh = module.tensors()
     assert written.keys() == fresh.keys()
     assert all(torch.equal(written[k], fresh[k]) for k in fresh)
+
+
+def test_digest_is_the_same_in_another_process(tmp_path):
+    import subprocess
+    import sys
+
+    script = ("import remapdsl; r = remapdsl.load_rules('rules/qwen3_moe.remap'); "
+              "i = remapdsl.open_checkpoint('examples/tiny-qwen3-moe'); "
+              "print(remapdsl.compile_rules(r, i, remapdsl.read_config(i)).digest())")
+    digests = {subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                              check=True, env={"PYTHONHASHSEED": seed, "PATH": ""}).stdout
+               for seed in ("1", "2")}
+    inventory = remapdsl.open_checkpoint("examples/tiny-qwen3-moe")
+    here = remapdsl.compile_rules(remapdsl.load_rules("rules/qwen3_moe.remap"), inventory,
+                                  remapdsl.read_config(inventory)).digest()
+    assert digests == {here + "\n"}
