@@ -36,34 +36,7 @@ _EMPTY_ROOT = Path(tempfile.mkdtemp(prefix="remap-fuzz-"))
 
 SAMPLES = [
     # the language brief's Qwen3-MoE example
-    """\
-# Qwen3-MoE: Hugging Face checkpoint -> fused runtime layout
-remap 1
-
-let H  = config.hidden_size
-let NH = config.num_attention_heads
-let KV = config.num_key_value_heads
-let D  = config.head_dim ?? H // NH
-
-model.embed_tokens.weight                  -> embed.weight
-model.norm.weight                          -> norm.weight
-lm_head.weight                             -> output.weight when not (config.tie_word_embeddings ?? false)
-model.layers.{L}.input_layernorm.weight    -> layers.{L}.attn_norm.weight
-model.layers.{L}.self_attn.o_proj.weight   -> layers.{L}.attn.wo.weight
-
-# q, k and v fused into one tensor, grouped per KV head (Megatron layout)
-model.layers.{L}.self_attn.{q,k,v}_proj.weight -> layers.{L}.attn.wqkv.weight
-    | interleave(dim=0, groups=KV)
-
-# experts stacked into one 3-D tensor, gate and up fused along the output dim
-model.layers.{L}.mlp.experts.{E}.{gate,up}_proj.weight -> layers.{L}.moe.w13
-    | stack(E, dim=0)
-    | concat(dim=1)
-model.layers.{L}.mlp.experts.{E}.down_proj.weight -> layers.{L}.moe.w2
-    | stack(E, dim=0)
-
-drop model.rotary_emb.inv_freq
-""",
+    (Path(__file__).parent / "corpus" / "language_brief.remap").read_text(),
     # quantized checkpoint, guards, optional, otherwise, macros, includes
     """\
 remap 1

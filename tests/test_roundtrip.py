@@ -359,34 +359,7 @@ def test_format_of_the_language_brief_example():
         line.strip() for line in once.splitlines() if line.strip().startswith("#")]
 
 
-QWEN3_MOE = """\
-# Qwen3-MoE: Hugging Face checkpoint -> fused runtime layout
-remap 1
-
-let H  = config.hidden_size
-let NH = config.num_attention_heads
-let KV = config.num_key_value_heads
-let D  = config.head_dim ?? H // NH
-
-model.embed_tokens.weight                  -> embed.weight
-model.norm.weight                          -> norm.weight
-lm_head.weight                             -> output.weight
-model.layers.{L}.input_layernorm.weight    -> layers.{L}.attn_norm.weight
-model.layers.{L}.self_attn.o_proj.weight   -> layers.{L}.attn.wo.weight
-
-# q, k and v fused into one tensor, grouped per KV head (Megatron layout)
-model.layers.{L}.self_attn.{q,k,v}_proj.weight -> layers.{L}.attn.wqkv.weight
-    | interleave(dim=0, groups=KV)
-
-# experts stacked into one 3-D tensor, gate and up fused along the output dim
-model.layers.{L}.mlp.experts.{E}.{gate,up}_proj.weight -> layers.{L}.moe.w13
-    | stack(E, dim=0)
-    | concat(dim=1)
-model.layers.{L}.mlp.experts.{E}.down_proj.weight -> layers.{L}.moe.w2
-    | stack(E, dim=0)
-
-drop model.rotary_emb.inv_freq
-"""
+QWEN3_MOE = (Path(__file__).parent / "corpus" / "language_brief.remap").read_text()
 
 
 # ---- every rule file in the repository -----------------------------------------------------
