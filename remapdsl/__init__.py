@@ -49,26 +49,36 @@ def read_config(inventory: Inventory) -> dict[str, Any]:
 
 
 def load(target, checkpoint, rules, *, config: Mapping[str, Any] | None = None,
-         strict: bool = True):
+         strict: bool = True, layout=None, mesh=None):
     """Fill existing tensors in place from a checkpoint, through a rule file; returns a LoadReport.
 
+    In a torch.distributed job every rank calls it: rank 0 reads the headers once and shares them,
+    the ranks check that they compiled the same rules against the same checkpoint, and each reads
+    only the bytes of its own shards. An error on any rank is raised on every rank.
+
     Args:
-        target: a state dict (runtime key -> tensor) or a torch.nn.Module.
+        target: a state dict (runtime key -> tensor) or a torch.nn.Module. DTensors are loaded per
+            their placements; plain tensors are whole, or this rank's shard under `layout`.
         checkpoint: a checkpoint folder (or its Inventory).
         rules: a .remap file path (or a RuleSet).
         config: the model config; by default the folder's config.json.
         strict: refuse checkpoint tensors that no rule takes and no `drop` names.
+        layout: a `remapdsl.layout.LayoutPlan` placing plain tensors on `mesh` (tp_plan style).
+        mesh: the `remapdsl.layout.Mesh` of the job, with `layout`.
     """
-    from .execute import run_load  # torch is imported only here
+    from . import dist  # torch is imported only here
+    from .execute import run_sharded_load
 
-    # Rules, checkpoint headers and config: all checked before any tensor byte is read.
+    # Rules, shared headers and config; compiled identically on every rank, before any data read.
     ruleset = rules if isinstance(rules, RuleSet) else load_rules(rules)
-    inventory = open_checkpoint(checkpoint)
+    inventory = dist.share_inventory(checkpoint)
     config = read_config(inventory) if config is None else config
-    compiled = compile_rules(ruleset, inventory, config, strict=strict)
-    # The model's tensors, then the reads.
+    compiled = dist.together(lambda: compile_rules(ruleset, inventory, config, strict=strict))
+    dist.agree(compiled.digest(), "compiled rules and checkpoint")
+    # Each rank's shards: plan, then read.
     tensors = target.state_dict(keep_vars=True) if hasattr(target, "state_dict") else target
-    return run_load(compiled, inventory, tensors)
+    return dist.together(lambda: run_sharded_load(compiled, inventory, tensors, layout, mesh, dist.rank()))
+
 
 __all__ = [
     "BindError",

@@ -1,22 +1,24 @@
-"""Compiled blocks + existing tensors -> the tensors filled from the checkpoint files (one process).
+"""A rank's LoadPlan + its local tensors -> the tensors filled from the checkpoint files.
 
-Each block reads the byte range that covers its source elements (straight into the destination's
-memory when both sides are one contiguous run and no value step applies), then copies it through a
-strided view with its value steps. Nothing is read before every destination's shape and dtype are
-checked against the compiled ones.
+Each read item reads exactly its byte runs: straight into the destination's memory when they are
+one contiguous run into a contiguous region with no value step, else into one staging buffer that
+is copied through a strided view with its value steps. Reads run on two threads. Nothing is read
+before every destination's shape and dtype are checked against the compiled ones.
 """
 
 from __future__ import annotations
 
 import time
 from collections.abc import Mapping, MutableMapping
+from concurrent.futures import ThreadPoolExecutor
 
 import torch
 from pydantic import BaseModel, ConfigDict
 
 from .checkpoint import CheckpointReader, Inventory
-from .compile.model import Block, Compiled, Destination
-from .dtypes import BY_NAME
+from .compile.model import Compiled
+from .layout import Box, LocalShard
+from .plan import LoadPlan, ReadItem, make_load_plan
 from .errors import BindError, Diagnostic
 
 
@@ -29,6 +31,8 @@ class LoadReport(BaseModel):
     ckpt_keys: tuple[str, ...]
     bytes_read: int
     seconds: float
+    bytes_owned: int = 0  # checkpoint bytes behind the elements this rank holds
+    rank: int = 0
 
 
 def torch_dtype(name: str) -> torch.dtype:
@@ -63,58 +67,100 @@ def check_targets(compiled: Compiled, tensors: Mapping[str, torch.Tensor]) -> No
         raise BindError(problems)
 
 
-def run_load(compiled: Compiled, inventory: Inventory, tensors: MutableMapping[str, torch.Tensor]) -> LoadReport:
-    """Fill `tensors` in place from the checkpoint through the compiled blocks."""
+def held_tensors(compiled: Compiled, tensors: Mapping[str, torch.Tensor], layout=None, mesh=None,
+                 rank: int = 0) -> tuple[dict[str, LocalShard], dict[str, torch.Tensor]]:
+    """What this rank holds of each destination, and the local tensor that holds it.
+
+    A DTensor says it itself (its mesh and placements); a plain tensor is either whole, or, with a
+    `layout` plan and a `mesh`, the local shard the plan gives this rank. Checked before any read.
+    """
+    from torch.distributed.tensor import DTensor
+
+    from .layout import layout_for, local_shard, placements_from_dtensor
+
+    check_targets(compiled, {k: _global(v, compiled, k, layout) for k, v in tensors.items()})
+    held: dict[str, LocalShard] = {}
+    local: dict[str, torch.Tensor] = {}
+    problems = []
+    for d in compiled.destinations:
+        tensor = tensors[d.runtime_key]
+        if isinstance(tensor, DTensor):
+            shard = placements_from_dtensor(tensor, d.runtime_key).local_shard()
+            local[d.runtime_key] = tensor.to_local()
+        elif layout is not None:
+            placements = layout_for(d.runtime_key, d.shape, layout, mesh)
+            shard = local_shard(d.shape, mesh.sizes, placements, mesh.coordinate(rank),
+                                runtime_key=d.runtime_key)
+            local[d.runtime_key] = tensor
+        else:
+            shard = LocalShard(d.shape, (Box((0,) * len(d.shape), d.shape),), ((0,) * len(d.shape),))
+            local[d.runtime_key] = tensor
+        if tuple(local[d.runtime_key].shape) != shard.shape:
+            problems.append(Diagnostic(code="E233", span=d.rule, message=f"`{d.runtime_key}` is "
+                            f"{list(local[d.runtime_key].shape)} on rank {rank}, but its layout gives "
+                            f"this rank {list(shard.shape)} of {list(d.shape)}"))
+        held[d.runtime_key] = shard
+    if problems:
+        raise BindError(problems)
+    return held, local
+
+
+def _global(tensor: torch.Tensor, compiled: Compiled, key: str, layout) -> torch.Tensor:
+    """A stand-in with the global shape, for the shape and dtype checks of sharded plain tensors."""
+    if layout is None:
+        return tensor
+    try:
+        shape = compiled.destination(key).shape
+    except KeyError:
+        return tensor
+    return torch.empty(shape, dtype=tensor.dtype, device="meta")
+
+
+def run_sharded_load(compiled: Compiled, inventory: Inventory, tensors: Mapping[str, torch.Tensor],
+                     layout=None, mesh=None, rank: int = 0) -> LoadReport:
+    """Fill this rank's shards: plan the intersection of its boxes with the blocks, then read."""
     start = time.perf_counter()
-    check_targets(compiled, tensors)
-    nbytes = 0
-    with CheckpointReader(inventory) as reader, torch.no_grad():
-        for d in compiled.destinations:
-            nbytes += _load_destination(d, tensors[d.runtime_key], inventory, reader)
+    held, local = held_tensors(compiled, tensors, layout, mesh, rank)
+    plan = make_load_plan(compiled, inventory, held, rank)
+    run_plan(plan, inventory, local)
     return LoadReport(loaded=tuple(d.runtime_key for d in compiled.destinations),
-                      ckpt_keys=tuple(sorted({k for d in compiled.destinations for k in d.ckpt_keys})),
-                      bytes_read=nbytes, seconds=time.perf_counter() - start)
+                      ckpt_keys=tuple(sorted({i.ckpt_key for i in plan.items if i.ckpt_key})),
+                      bytes_read=plan.bytes_read, bytes_owned=plan.bytes_owned, rank=rank,
+                      seconds=time.perf_counter() - start)
 
 
-def _load_destination(d: Destination, tensor: torch.Tensor, inventory: Inventory,
-                      reader: CheckpointReader) -> int:
-    nbytes = 0
-    for b in d.blocks:
-        view = tensor[tuple(slice(o, o + s) for o, s in zip(b.offsets, b.sizes))]
-        if b.ckpt_key is None:  # a pad region: made in its dtype, then the later value steps
-            view.copy_(_steps(torch.full(b.sizes, b.fill, dtype=torch.float64), b.steps))
-            continue
-        nbytes += _read_block(b, view, inventory, reader)
-    return nbytes
+def run_plan(plan: LoadPlan, inventory: Inventory, tensors: Mapping[str, torch.Tensor],
+             threads: int = 2) -> None:
+    """Execute one rank's plan into its local tensors; reads run on `threads` threads (positioned
+    reads release the GIL), each item into its own region, so no two threads write one byte."""
+    with CheckpointReader(inventory) as reader, torch.no_grad():
+        if threads <= 1 or len(plan.items) < 2:
+            for item in plan.items:
+                _run_item(item, tensors[item.runtime_key], reader)
+            return
+        with ThreadPoolExecutor(threads) as pool:
+            for future in [pool.submit(_run_item, item, tensors[item.runtime_key], reader)
+                           for item in plan.items]:
+                future.result()
 
 
-def _read_block(b: Block, view: torch.Tensor, inventory: Inventory, reader: CheckpointReader) -> int:
-    info = inventory.tensors[b.ckpt_key]
-    dtype = torch_dtype(info.dtype)
-    itemsize = BY_NAME[info.dtype].bits // 8
-    shape = tuple(info.shape)
-    row_major = [1] * len(shape)
-    for k in range(len(shape) - 2, -1, -1):
-        row_major[k] = row_major[k + 1] * shape[k + 1]
-    start = sum(s * x for s, x in zip(row_major, b.base))
-    strides = [sum(row_major[k] * b.coeff[k][j] for k in range(len(shape))) for j in range(len(b.sizes))]
-    low = start + sum(min(0, t * (n - 1)) for t, n in zip(strides, b.sizes))
-    high = start + sum(max(0, t * (n - 1)) for t, n in zip(strides, b.sizes))
-    count = high - low + 1
-    byte_offset = info.byte_offset + low * itemsize
-    if not b.steps and view.dtype == dtype and view.is_contiguous() and _dense(strides, b.sizes):
-        reader.read_into(info.file, byte_offset, view)  # straight into the destination
-        return count * itemsize
-    staging = torch.empty(count * itemsize, dtype=torch.uint8)
-    reader.read_into(info.file, byte_offset, staging)
-    flat = staging.view(dtype)
-    flips = [j for j, t in enumerate(strides) if t < 0]
-    source = flat.as_strided(tuple(b.sizes), tuple(abs(t) for t in strides),
-                             start - low + sum(strides[j] * (b.sizes[j] - 1) for j in flips))
-    if flips:
-        source = source.flip(flips)
-    view.copy_(_steps(source, b.steps))
-    return count * itemsize
+def _run_item(item: ReadItem, tensor: torch.Tensor, reader: CheckpointReader) -> None:
+    view = tensor[tuple(slice(o, o + s) for o, s in zip(item.local_offsets, item.sizes))]
+    if item.ckpt_key is None:  # a pad region: made in its dtype, then the later value steps
+        view.copy_(_steps(torch.full(item.sizes, item.fill, dtype=torch.float64), item.steps))
+        return
+    dtype = torch_dtype(item.dtype)
+    if (len(item.runs) == 1 and not item.steps and view.dtype == dtype and view.is_contiguous()
+            and _dense(item.strides, item.sizes)):
+        reader.read_into(item.file, item.runs[0][0], view)  # straight into the destination
+        return
+    staging = torch.empty(sum(n for _, n in item.runs), dtype=torch.uint8)
+    at = 0
+    for byte_offset, nbytes in item.runs:
+        reader.read_into(item.file, byte_offset, staging[at:at + nbytes])
+        at += nbytes
+    source = staging.view(dtype).as_strided(item.sizes, item.strides)
+    view.copy_(_steps(source, item.steps))
 
 
 def _steps(values: torch.Tensor, steps) -> torch.Tensor:

@@ -1,0 +1,145 @@
+"""Compiled + what one rank holds of each tensor -> that rank's frozen LoadPlan: what to read, where.
+
+Each held box of a destination is intersected with the destination's blocks; each piece becomes a
+read item: the byte runs of its checkpoint tensor that hold exactly its source elements (in source
+order: a transposed block reads whole source rows, a column shard one run per row), and the region
+of the rank's local tensor it fills. So a layout-only load reads exactly the bytes the rank owns.
+The plan is plain data: it prints, compares and hashes without a process group.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Mapping
+from typing import NamedTuple
+
+from pydantic import BaseModel, ConfigDict
+
+from .checkpoint import Inventory
+from .compile.model import Block, Compiled
+from .compile.symbolic import cut
+from .dtypes import BY_NAME
+from .layout import Box, LocalShard
+
+
+class ReadItem(NamedTuple):
+    """One piece of one block, for one rank.
+
+    The local region [local_offsets, local_offsets + sizes) of `runtime_key` takes the elements of
+    `ckpt_key` held by `runs` ((byte_offset, nbytes) pairs of `file`, concatenated), laid out by
+    `strides` (element strides into that concatenation, one per destination dim), then `steps`.
+    An item without a key fills its region with `fill` (a `pad`).
+    """
+
+    runtime_key: str
+    local_offsets: tuple[int, ...]
+    sizes: tuple[int, ...]
+    ckpt_key: str | None
+    file: str | None
+    dtype: str | None  # the checkpoint tensor's element type
+    runs: tuple[tuple[int, int], ...]
+    strides: tuple[int, ...]
+    steps: tuple[tuple[str, str | float], ...]
+    fill: float | None
+
+
+class LoadPlan(BaseModel):
+    """Everything one rank reads, ordered by file and offset, with what it owns."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    rank: int
+    items: tuple[ReadItem, ...]
+    bytes_owned: int  # checkpoint bytes behind the elements this rank holds
+    bytes_read: int  # bytes its runs read (equal to bytes_owned: never a bounding box)
+    files: tuple[str, ...]
+
+    def digest(self) -> str:
+        return hashlib.sha256(self.model_dump_json().encode()).hexdigest()
+
+
+def whole(compiled: Compiled) -> dict[str, LocalShard]:
+    """Every destination held whole (a single process)."""
+    return {d.runtime_key: LocalShard(d.shape, (Box((0,) * len(d.shape), d.shape),), ((0,) * len(d.shape),))
+            for d in compiled.destinations}
+
+
+def make_load_plan(compiled: Compiled, inventory: Inventory, held: Mapping[str, LocalShard],
+                   rank: int = 0) -> LoadPlan:
+    """The plan of one rank. `held` maps a runtime key to what the rank holds of it; a destination
+    missing from `held` is not loaded by this rank."""
+    items: list[ReadItem] = []
+    for d in compiled.destinations:
+        shard = held.get(d.runtime_key)
+        if shard is None:
+            continue
+        for box, local_offsets in zip(shard.boxes, shard.local_offsets):
+            for block in d.blocks:
+                piece = _intersect(block, box.offsets, box.sizes)
+                if piece is None:
+                    continue
+                local = tuple(lo + o - bo for lo, o, bo in zip(local_offsets, piece.offsets, box.offsets))
+                items.append(_item(d.runtime_key, local, piece, inventory))
+    items.sort(key=lambda i: (i.file or "", i.runs[0][0] if i.runs else -1, i.runtime_key, i.local_offsets))
+    nbytes = sum(n for i in items for _, n in i.runs)
+    owned = sum(_volume(i.sizes) * BY_NAME[i.dtype].bits // 8 for i in items if i.ckpt_key)
+    return LoadPlan(rank=rank, items=tuple(items), bytes_owned=owned, bytes_read=nbytes,
+                    files=tuple(sorted({i.file for i in items if i.file})))
+
+
+def _intersect(block: Block, offsets, sizes) -> Block | None:
+    piece = block
+    for dim, (start, size) in enumerate(zip(offsets, sizes)):
+        piece = cut(piece, dim, start, start + size)
+        if piece is None:
+            return None
+    return piece
+
+
+def _item(runtime_key: str, local: tuple[int, ...], piece: Block, inventory: Inventory) -> ReadItem:
+    if piece.ckpt_key is None:
+        return ReadItem(runtime_key, local, piece.sizes, None, None, None, (), (), piece.steps, piece.fill)
+    info = inventory.tensors[piece.ckpt_key]
+    itemsize = BY_NAME[info.dtype].bits // 8
+    shape = tuple(info.shape)
+    row_major = [1] * len(shape)
+    for k in range(len(shape) - 2, -1, -1):
+        row_major[k] = row_major[k + 1] * shape[k + 1]
+    start = sum(s * b for s, b in zip(row_major, piece.base))
+    flat = [sum(row_major[k] * piece.coeff[k][j] for k in range(len(shape))) for j in range(len(piece.sizes))]
+    runs, strides = _source_runs(start, flat, piece.sizes)
+    return ReadItem(runtime_key, local, piece.sizes, piece.ckpt_key, info.file, info.dtype,
+                    tuple((info.byte_offset + first * itemsize, length * itemsize) for first, length in runs),
+                    strides, piece.steps, None)
+
+
+def _source_runs(start: int, flat: list[int], sizes: tuple[int, ...]):
+    """Contiguous runs of source elements (first, length) in ascending order, and each destination
+    dim's stride into their concatenation. Dims are taken by ascending source stride: the inner
+    ones that continue a contiguous run merge into it; each remaining dim multiplies the runs."""
+    moving = sorted((abs(t), j) for j, t in enumerate(flat) if sizes[j] > 1)
+    if any(flat[j] < 0 for _, j in moving):  # no op of the language reverses a dim today
+        raise NotImplementedError("negative source strides")
+    length, k = 1, 0
+    while k < len(moving) and moving[k][0] == length:
+        length *= sizes[moving[k][1]]
+        k += 1
+    outer = moving[k:]  # ascending stride: the last is the outermost
+    strides = [0] * len(sizes)
+    for t, j in moving[:k]:
+        strides[j] = t
+    step = length
+    for t, j in outer:
+        strides[j] = step
+        step *= sizes[j]
+    firsts = [start]
+    for t, j in reversed(outer):  # outermost first, so runs come out in ascending source order
+        firsts = [f + t * i for f in firsts for i in range(sizes[j])]
+    return [(f, length) for f in firsts], tuple(strides)
+
+
+def _volume(sizes) -> int:
+    out = 1
+    for s in sizes:
+        out *= s
+    return out

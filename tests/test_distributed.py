@@ -1,0 +1,141 @@
+"""Sharded loads on real torch.distributed process groups (gloo, CPU, 2 and 4 ranks).
+
+Every rank loads its own shards of the bundled tiny Qwen3-MoE checkpoint through
+rules/qwen3_moe.remap, under tensor-, expert- and fully-sharded layouts and their combination, as
+plain local tensors with a layout plan and as DTensors; each rank's shards must equal the
+single-process load sliced to that rank (by torch's own `distribute_tensor` for DTensors), and each
+rank must read exactly the bytes it owns. A rank with other rules, or a bad tensor, fails everyone.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import socket
+import traceback
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+import remapdsl
+from remapdsl.layout import LayoutPlan, Mesh, Replicate, Shard, layout_for, local_shard
+
+ROOT = Path(__file__).resolve().parent.parent
+CHECKPOINT = str(ROOT / "examples" / "tiny-qwen3-moe")
+RULES = str(ROOT / "rules" / "qwen3_moe.remap")
+
+TP = {
+    "*.self_attn.q_proj": "colwise", "*.self_attn.k_proj": "colwise", "*.self_attn.v_proj": "colwise",
+    "*.self_attn.o_proj": "rowwise", "*.mlp.experts.gate_up_proj": "packed_colwise",
+    "*.mlp.experts.down_proj": "rowwise", "model.embed_tokens": "embedding_rowwise", "lm_head": "colwise",
+}
+EP = {"*.mlp.experts.*": "grouped_gemm"}
+FSDP_TP = {"*norm.weight": [Shard(dim=0), Replicate()], "*": [Shard(dim=1), Shard(dim=0)]}
+CASES = {
+    2: [("tp", {"tp": 2}, TP, "tp"), ("ep", {"ep": 2}, EP, "ep"), ("fsdp", {"dp": 2}, {"*": [Shard(dim=0)]}, "dp")],
+    4: [("tp", {"tp": 4}, TP, "tp"), ("fsdp_tp", {"dp": 2, "tp": 2}, FSDP_TP, "tp")],
+}
+
+
+def full_state() -> dict[str, torch.Tensor]:
+    rules = remapdsl.load_rules(RULES)
+    inventory = remapdsl.open_checkpoint(CHECKPOINT)
+    compiled = remapdsl.compile_rules(rules, inventory, remapdsl.read_config(inventory))
+    return {d.runtime_key: torch.empty(d.shape, dtype=getattr(torch, d.dtype)) for d in compiled.destinations}
+
+
+def _worker(rank: int, world: int, port: int, out: str) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=60))
+    failures: list[str] = []
+    try:
+        expected = full_state()
+        remapdsl.load(expected, CHECKPOINT, RULES)  # the single-process load every shard must match
+        for name, dims, plan_map, mesh_dim in CASES[world]:
+            try:
+                _plain_case(rank, expected, Mesh.of(dims), LayoutPlan.from_mapping(plan_map, mesh_dim=mesh_dim))
+                _dtensor_case(rank, expected, Mesh.of(dims), LayoutPlan.from_mapping(plan_map, mesh_dim=mesh_dim))
+            except Exception:  # noqa: BLE001 - reported by the parent
+                failures.append(f"{name}: {traceback.format_exc()}")
+        for check in (_disagreeing_rules_fail_everyone, _one_bad_rank_fails_everyone):
+            try:
+                check(rank)
+            except Exception:  # noqa: BLE001
+                failures.append(f"{check.__name__}: {traceback.format_exc()}")
+    finally:
+        Path(out, f"rank{rank}.txt").write_text("\n".join(failures))
+        dist.destroy_process_group()
+
+
+def _plain_case(rank, expected, mesh, plan) -> None:
+    local, shards = {}, {}
+    for key, full in expected.items():
+        placements = layout_for(key, full.shape, plan, mesh)
+        shard = local_shard(full.shape, mesh.sizes, placements, mesh.coordinate(rank))
+        local[key] = torch.full(shard.shape, float("nan"), dtype=full.dtype)
+        shards[key] = shard
+    report = remapdsl.load(local, CHECKPOINT, RULES, layout=plan, mesh=mesh)
+    for key, shard in shards.items():
+        for box, at in zip(shard.boxes, shard.local_offsets):
+            want = expected[key][tuple(slice(o, o + s) for o, s in zip(box.offsets, box.sizes))]
+            got = local[key][tuple(slice(o, o + s) for o, s in zip(at, box.sizes))]
+            assert torch.equal(got, want), (key, box)
+    assert report.bytes_read == report.bytes_owned, (report.bytes_read, report.bytes_owned)
+
+
+def _dtensor_case(rank, expected, mesh, plan) -> None:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Replicate as TReplicate
+    from torch.distributed.tensor import Shard as TShard
+    from torch.distributed.tensor import distribute_tensor
+    from torch.distributed.tensor.placement_types import _StridedShard
+
+    device_mesh = init_device_mesh("cpu", tuple(mesh.sizes), mesh_dim_names=tuple(mesh.names))
+
+    def torch_placement(p):
+        if type(p).__name__ == "Shard":
+            return TShard(p.dim)
+        if type(p).__name__ == "StridedShard":
+            return _StridedShard(p.dim, split_factor=p.split_factor)
+        return TReplicate()
+
+    targets, wanted = {}, {}
+    for key, full in expected.items():
+        placements = [torch_placement(p) for p in layout_for(key, full.shape, plan, mesh)]
+        targets[key] = distribute_tensor(torch.zeros_like(full), device_mesh, placements)
+        wanted[key] = distribute_tensor(full, device_mesh, placements).to_local()
+    remapdsl.load(targets, CHECKPOINT, RULES)
+    for key in expected:
+        assert torch.equal(targets[key].to_local(), wanted[key]), key
+
+
+def _disagreeing_rules_fail_everyone(rank: int) -> None:
+    rules = RULES if rank == 0 else str(ROOT / "rules" / "llama.remap")
+    with pytest.raises(remapdsl.RemapError) as info:
+        remapdsl.load(full_state(), CHECKPOINT, rules, strict=False)
+    assert info.value.diagnostic.code in ("E410", "E201"), str(info.value)
+
+
+def _one_bad_rank_fails_everyone(rank: int) -> None:
+    state = full_state()
+    if rank == 1:
+        state["model.norm.weight"] = torch.empty(3)
+    with pytest.raises(remapdsl.RemapError) as info:
+        remapdsl.load(state, CHECKPOINT, RULES)
+    assert "model.norm.weight" in str(info.value)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_sharded_loads_equal_the_sliced_single_process_load(world, tmp_path):
+    mp.spawn(_worker, args=(world, _free_port(), str(tmp_path)), nprocs=world, join=True)
+    failures = [Path(tmp_path, f"rank{r}.txt").read_text() for r in range(world)]
+    assert failures == [""] * world, "\n\n".join(f for f in failures if f)
