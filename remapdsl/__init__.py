@@ -48,6 +48,46 @@ def read_config(inventory: Inventory) -> dict[str, Any]:
                                     path=str(path))) from None
 
 
+def parse_mesh(text: str):
+    """`dp=2,tp=4` -> a Mesh (outermost dim first); a malformed text is a RemapError."""
+    from .layout import Mesh
+
+    dims = {}
+    for part in text.split(","):
+        name, _, size = part.partition("=")
+        if not name.strip().isidentifier() or not size.strip().isdigit() or int(size) < 1:
+            raise RemapError(Diagnostic(code="E409", message=f"bad mesh `{text}`: write dims as "
+                                        "`name=size` separated by commas, e.g. `dp=2,tp=4`"))
+        dims[name.strip()] = int(size)
+    return Mesh.of(dims)
+
+
+def read_layout(path: str | os.PathLike):
+    """A layout plan from JSON: {"mesh_dim": "tp", "plan": {glob: style or [placements]}}."""
+    from pydantic import ValidationError
+
+    from .layout import LayoutPlan, Replicate, Shard, StridedShard
+
+    kinds = {"shard": Shard, "replicate": Replicate, "strided_shard": StridedShard}
+    try:
+        data = json.loads(Path(path).read_text(encoding="utf-8"))
+        plan = {glob: value if isinstance(value, str) else
+                [kinds[p.pop("kind")](**p) for p in value] for glob, value in data["plan"].items()}
+        return LayoutPlan.from_mapping(plan, mesh_dim=data.get("mesh_dim", "tp"))
+    except (OSError, ValueError, KeyError, TypeError, AttributeError, ValidationError) as exc:
+        if isinstance(exc, RemapError):
+            raise
+        raise RemapError(Diagnostic(code="E409", path=str(path), message=f"cannot read the layout: {exc}",
+                                    hint='expected {"mesh_dim": "tp", "plan": {"*.q_proj": "colwise"}}')) from None
+
+
+def plan_rank(compiled: Compiled, inventory: Inventory, layout, mesh, rank: int):
+    """The LoadPlan of one rank under a layout plan, without a process group or tensors."""
+    from .plan import held_by_layout, make_load_plan
+
+    return make_load_plan(compiled, inventory, held_by_layout(compiled, layout, mesh, rank), rank)
+
+
 def load(target, checkpoint, rules, *, config: Mapping[str, Any] | None = None,
          strict: bool = True, layout=None, mesh=None):
     """Fill existing tensors in place from a checkpoint, through a rule file; returns a LoadReport.
@@ -88,6 +128,9 @@ __all__ = [
     "explain",
     "load",
     "open_checkpoint",
+    "parse_mesh",
+    "plan_rank",
+    "read_layout",
     "read_config",
     "CheckpointError",
     "Diagnostic",

@@ -32,6 +32,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         return EXIT_USER_ERROR
     except KeyboardInterrupt:
         return 130
+    except BrokenPipeError:  # output cut short by `| head`: not an error
+        sys.stderr.close()
+        return EXIT_OK
     except Exception:  # noqa: BLE001 - anything else is our bug, not the user's
         traceback.print_exc()
         print(f"\nremapdsl {remapdsl.__version__}: this is a bug in remapdsl, not in your files; "
@@ -79,6 +82,21 @@ def _parser() -> argparse.ArgumentParser:
     explain.add_argument("--lenient", action="store_true",
                          help="leave out checkpoint tensors no rule takes, instead of failing")
     explain.set_defaults(run=_explain)
+
+    plan = commands.add_parser(
+        "plan", help="show what each rank of a sharded load reads, without reading tensor data",
+        description="Compile rules against a checkpoint and plan a sharded load on a device mesh: "
+        "per rank, the tensors it holds, its boxes, the bytes it reads and the files it touches, "
+        "and totals across ranks. Reads headers only.")
+    plan.add_argument("rules", metavar="RULES", help="a .remap file")
+    plan.add_argument("--checkpoint", required=True, metavar="DIR", help="a checkpoint folder")
+    plan.add_argument("--mesh", required=True, metavar="DIMS",
+                      help="mesh dims and sizes, outermost first, e.g. `dp=2,tp=4`")
+    plan.add_argument("--layout", required=True, metavar="FILE",
+                      help="JSON: {\"mesh_dim\": \"tp\", \"plan\": {glob: style or [placements]}} "
+                      "(styles as in a transformers tp_plan; docs/layout.md)")
+    plan.add_argument("--rank", type=int, metavar="R", help="show one rank in detail")
+    plan.set_defaults(run=_plan)
 
     show = commands.add_parser("ir", help="print the parsed IR of a rule file",
                                description="Print the typed IR of a rule file, for editors and tools.")
@@ -135,6 +153,33 @@ def _explain(args: argparse.Namespace) -> int:
         print(compiled.model_dump_json(indent=2))
     else:
         print(remapdsl.explain(compiled, args.key, args.blocks))
+    return EXIT_OK
+
+
+def _plan(args: argparse.Namespace) -> int:
+    rules = remapdsl.load_rules(args.rules)
+    inventory = remapdsl.open_checkpoint(args.checkpoint)
+    compiled = remapdsl.compile_rules(rules, inventory, remapdsl.read_config(inventory))
+    mesh = remapdsl.parse_mesh(args.mesh)
+    layout = remapdsl.read_layout(args.layout)
+    ranks = [args.rank] if args.rank is not None else range(mesh.size)
+    total_read = total_owned = 0
+    for rank in ranks:
+        plan = remapdsl.plan_rank(compiled, inventory, layout, mesh, rank)
+        total_read += plan.bytes_read
+        total_owned += plan.bytes_owned
+        tensors = {i.runtime_key for i in plan.items}
+        print(f"rank {rank} {dict(zip(mesh.names, mesh.coordinate(rank)))}: {len(tensors)} tensors, "
+              f"{len(plan.items)} reads, {plan.bytes_read / 1e6:.2f} MB read of "
+              f"{plan.bytes_owned / 1e6:.2f} MB owned, files {', '.join(plan.files) or '-'}")
+        if args.rank is not None:
+            for item in plan.items:
+                where = ", ".join(f"{o}:{o + n}" for o, n in zip(item.local_offsets, item.sizes))
+                runs = f"{len(item.runs)} run{'s' if len(item.runs) != 1 else ''}"
+                source = f"{item.ckpt_key} ({runs})" if item.ckpt_key else f"fill {item.fill:g}"
+                print(f"    {item.runtime_key}[{where}] <- {source}")
+    ratio = f" ({total_read / total_owned:.2f}x owned)" if total_owned else ""
+    print(f"total: {total_read / 1e6:.2f} MB read{ratio} over {len(ranks)} rank{'s' if len(ranks) != 1 else ''}")
     return EXIT_OK
 
 

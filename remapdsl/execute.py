@@ -18,7 +18,7 @@ from pydantic import BaseModel, ConfigDict
 from .checkpoint import CheckpointReader, Inventory
 from .compile.model import Compiled
 from .layout import Box, LocalShard
-from .plan import LoadPlan, ReadItem, make_load_plan
+from .plan import LoadPlan, ReadItem, held_by_layout, make_load_plan
 from .errors import BindError, Diagnostic
 
 
@@ -76,21 +76,20 @@ def held_tensors(compiled: Compiled, tensors: Mapping[str, torch.Tensor], layout
     """
     from torch.distributed.tensor import DTensor
 
-    from .layout import layout_for, local_shard, placements_from_dtensor
+    from .layout import placements_from_dtensor
 
     check_targets(compiled, {k: _global(v, compiled, k, layout) for k, v in tensors.items()})
     held: dict[str, LocalShard] = {}
     local: dict[str, torch.Tensor] = {}
     problems = []
+    by_layout = held_by_layout(compiled, layout, mesh, rank) if layout is not None else {}
     for d in compiled.destinations:
         tensor = tensors[d.runtime_key]
         if isinstance(tensor, DTensor):
             shard = placements_from_dtensor(tensor, d.runtime_key).local_shard()
             local[d.runtime_key] = tensor.to_local()
         elif layout is not None:
-            placements = layout_for(d.runtime_key, d.shape, layout, mesh)
-            shard = local_shard(d.shape, mesh.sizes, placements, mesh.coordinate(rank),
-                                runtime_key=d.runtime_key)
+            shard = by_layout[d.runtime_key]
             local[d.runtime_key] = tensor
         else:
             shard = LocalShard(d.shape, (Box((0,) * len(d.shape), d.shape),), ((0,) * len(d.shape),))

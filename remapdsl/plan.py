@@ -19,7 +19,7 @@ from .checkpoint import Inventory
 from .compile.model import Block, Compiled
 from .compile.symbolic import cut
 from .dtypes import BY_NAME
-from .layout import Box, LocalShard
+from .layout import Box, LayoutPlan, LocalShard, Mesh, layout_for, local_shard
 
 
 class ReadItem(NamedTuple):
@@ -61,6 +61,14 @@ class LoadPlan(BaseModel):
 def whole(compiled: Compiled) -> dict[str, LocalShard]:
     """Every destination held whole (a single process)."""
     return {d.runtime_key: LocalShard(d.shape, (Box((0,) * len(d.shape), d.shape),), ((0,) * len(d.shape),))
+            for d in compiled.destinations}
+
+
+def held_by_layout(compiled: Compiled, layout: LayoutPlan, mesh: Mesh, rank: int) -> dict[str, LocalShard]:
+    """What `rank` holds of every destination when `layout` places the tensors on `mesh`."""
+    coordinate = mesh.coordinate(rank)
+    return {d.runtime_key: local_shard(d.shape, mesh.sizes, layout_for(d.runtime_key, d.shape, layout, mesh),
+                                       coordinate, runtime_key=d.runtime_key)
             for d in compiled.destinations}
 
 

@@ -103,3 +103,16 @@ def test_real_processes(launcher, good, tmp_path):
     failed = subprocess.run([*launcher, "check", str(bad)], capture_output=True, text=True)
     assert failed.returncode == 2
     assert "did you mean `concat`?" in failed.stderr and "Traceback" not in failed.stderr
+
+
+def test_plan_command_reads_exactly_what_each_rank_owns(capsys):
+    assert main(["plan", "rules/qwen3_moe.remap", "--checkpoint", "examples/tiny-qwen3-moe",
+                 "--mesh", "tp=2", "--layout", "examples/tp2_layout.json"]) == 0
+    out = capsys.readouterr().out
+    assert out.count("rank ") == 2 and "(1.00x owned) over 2 ranks" in out
+
+
+def test_plan_command_bad_mesh_is_a_user_error(capsys):
+    assert main(["plan", "rules/qwen3_moe.remap", "--checkpoint", "examples/tiny-qwen3-moe",
+                 "--mesh", "tp:2", "--layout", "examples/tp2_layout.json"]) == 2
+    assert "error[E409]" in capsys.readouterr().err
