@@ -114,7 +114,7 @@ def load(target, checkpoint, rules, *, config: Mapping[str, Any] | None = None,
     inventory = dist.share_inventory(checkpoint)
     config = read_config(inventory) if config is None else config
     compiled = dist.together(lambda: compile_rules(ruleset, inventory, config, strict=strict))
-    dist.agree(compiled.digest(), "compiled rules and checkpoint")
+    dist.agree(compiled.digest, "compiled rules and checkpoint")
     # Each rank's shards: plan, then read.
     tensors = target.state_dict(keep_vars=True) if hasattr(target, "state_dict") else target
     return dist.together(lambda: run_sharded_load(compiled, inventory, tensors, layout, mesh, dist.rank()))

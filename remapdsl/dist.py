@@ -42,10 +42,12 @@ def share_inventory(checkpoint) -> Inventory:
     return Inventory.model_validate_json(box[0])
 
 
-def agree(digest: str, what: str) -> None:
-    """Every rank compiled the same thing, or every rank fails with a message naming the difference."""
+def agree(digest: Callable[[], str], what: str) -> None:
+    """Every rank compiled the same thing, or every rank fails with a message naming the difference.
+    `digest` is called only in a distributed job (hashing a large Compiled takes a while)."""
     if not active():
         return
+    digest = digest()
     digests: list = [None] * dist.get_world_size()
     dist.all_gather_object(digests, digest)
     if len(set(digests)) > 1:

@@ -8,6 +8,7 @@ before every destination's shape and dtype are checked against the compiled ones
 
 from __future__ import annotations
 
+import sys
 import time
 from collections.abc import Mapping, MutableMapping
 from concurrent.futures import ThreadPoolExecutor
@@ -74,9 +75,10 @@ def held_tensors(compiled: Compiled, tensors: Mapping[str, torch.Tensor], layout
     A DTensor says it itself (its mesh and placements); a plain tensor is either whole, or, with a
     `layout` plan and a `mesh`, the local shard the plan gives this rank. Checked before any read.
     """
-    from torch.distributed.tensor import DTensor
-
     from .layout import placements_from_dtensor
+
+    # no DTensor exists unless its module was imported: do not pay that import (~0.5 s) otherwise
+    dtensor_type = getattr(sys.modules.get("torch.distributed.tensor"), "DTensor", None)
 
     check_targets(compiled, {k: _global(v, compiled, k, layout) for k, v in tensors.items()})
     held: dict[str, LocalShard] = {}
@@ -85,7 +87,7 @@ def held_tensors(compiled: Compiled, tensors: Mapping[str, torch.Tensor], layout
     by_layout = held_by_layout(compiled, layout, mesh, rank) if layout is not None else {}
     for d in compiled.destinations:
         tensor = tensors[d.runtime_key]
-        if isinstance(tensor, DTensor):
+        if dtensor_type is not None and isinstance(tensor, dtensor_type):
             shard = placements_from_dtensor(tensor, d.runtime_key).local_shard()
             local[d.runtime_key] = tensor.to_local()
         elif layout is not None:
