@@ -8,9 +8,10 @@ before every destination's shape and dtype are checked against the compiled ones
 
 from __future__ import annotations
 
+import ctypes
 import sys
 import time
-from collections.abc import Mapping, MutableMapping
+from collections.abc import Mapping
 from concurrent.futures import ThreadPoolExecutor
 
 import torch
@@ -132,27 +133,52 @@ def run_sharded_load(compiled: Compiled, inventory: Inventory, tensors: Mapping[
 
 def run_plan(plan: LoadPlan, inventory: Inventory, tensors: Mapping[str, torch.Tensor],
              threads: int = 2) -> None:
-    """Execute one rank's plan into its local tensors; reads run on `threads` threads (positioned
-    reads release the GIL), each item into its own region, so no two threads write one byte."""
+    """Execute one rank's plan into its local tensors. Items that continue each other both in the
+    file and in destination memory (a layer's gate and up slabs, consecutive experts) are read with
+    one call; reads run on `threads` threads (positioned reads release the GIL), each into its own
+    region, so no two threads write one byte."""
     with CheckpointReader(inventory) as reader, torch.no_grad():
-        if threads <= 1 or len(plan.items) < 2:
-            for item in plan.items:
-                _run_item(item, tensors[item.runtime_key], reader)
+        work = _batches(plan.items, tensors)
+        if threads <= 1 or len(work) < 2:
+            for batch in work:
+                _run_batch(batch, reader)
             return
         with ThreadPoolExecutor(threads) as pool:
-            for future in [pool.submit(_run_item, item, tensors[item.runtime_key], reader)
-                           for item in plan.items]:
+            for future in [pool.submit(_run_batch, batch, reader) for batch in work]:
                 future.result()
 
 
-def _run_item(item: ReadItem, tensor: torch.Tensor, reader: CheckpointReader) -> None:
-    view = tensor[tuple(slice(o, o + s) for o, s in zip(item.local_offsets, item.sizes))]
+def _batches(items, tensors) -> list[list[tuple[ReadItem, torch.Tensor, bool]]]:
+    """Items with their destination views, merged where file bytes and memory are contiguous."""
+    out: list[list[tuple[ReadItem, torch.Tensor, bool]]] = []
+    end_of = None  # (file, next byte offset, next data pointer) of the last direct batch
+    for item in items:
+        tensor = tensors[item.runtime_key]
+        view = tensor[tuple(slice(o, o + s) for o, s in zip(item.local_offsets, item.sizes))]
+        direct = (item.ckpt_key is not None and len(item.runs) == 1 and not item.steps
+                  and view.dtype == torch_dtype(item.dtype) and view.is_contiguous()
+                  and view.device.type == "cpu" and _dense(item.strides, item.sizes))
+        if direct and end_of == (item.file, item.runs[0][0], view.data_ptr()):
+            out[-1].append((item, view, True))
+        else:
+            out.append([(item, view, direct)])
+        end_of = ((item.file, item.runs[0][0] + item.runs[0][1], view.data_ptr() + item.runs[0][1])
+                  if direct else None)
+    return out
+
+
+def _run_batch(batch, reader: CheckpointReader) -> None:
+    if len(batch) > 1:  # one read into consecutive memory
+        first, view, _ = batch[0]
+        nbytes = sum(item.runs[0][1] for item, _, _ in batch)
+        memory = (ctypes.c_ubyte * nbytes).from_address(view.data_ptr())
+        reader.read_into(first.file, first.runs[0][0], memoryview(memory).cast("B"))
+        return
+    item, view, direct = batch[0]
     if item.ckpt_key is None:  # a pad region: made in its dtype, then the later value steps
         view.copy_(_steps(torch.full(item.sizes, item.fill, dtype=torch.float64), item.steps))
         return
-    dtype = torch_dtype(item.dtype)
-    if (len(item.runs) == 1 and not item.steps and view.dtype == dtype and view.is_contiguous()
-            and _dense(item.strides, item.sizes)):
+    if direct:
         reader.read_into(item.file, item.runs[0][0], view)  # straight into the destination
         return
     staging = torch.empty(sum(n for _, n in item.runs), dtype=torch.uint8)
@@ -160,7 +186,7 @@ def _run_item(item: ReadItem, tensor: torch.Tensor, reader: CheckpointReader) ->
     for byte_offset, nbytes in item.runs:
         reader.read_into(item.file, byte_offset, staging[at:at + nbytes])
         at += nbytes
-    source = staging.view(dtype).as_strided(item.sizes, item.strides)
+    source = staging.view(torch_dtype(item.dtype)).as_strided(item.sizes, item.strides)
     view.copy_(_steps(source, item.steps))
 
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import re
 
-from lark import Lark, UnexpectedCharacters, UnexpectedInput, UnexpectedToken
+from lark import Lark, UnexpectedInput, UnexpectedToken
 
 from .errors import Diagnostic, Span, suggest
 

@@ -10,8 +10,6 @@ rank must read exactly the bytes it owns. A rank with other rules, or a bad tens
 from __future__ import annotations
 
 import datetime
-import os
-import socket
 import traceback
 from pathlib import Path
 
@@ -47,9 +45,10 @@ def full_state() -> dict[str, torch.Tensor]:
     return {d.runtime_key: torch.empty(d.shape, dtype=getattr(torch, d.dtype)) for d in compiled.destinations}
 
 
-def _worker(rank: int, world: int, port: int, out: str) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=60))
+def _worker(rank: int, world: int, rendezvous: str, out: str) -> None:
+    # a file rendezvous: no TCP port to race for with other tests or jobs on the machine
+    dist.init_process_group("gloo", init_method=f"file://{rendezvous}", rank=rank, world_size=world,
+                            timeout=datetime.timedelta(seconds=60))
     failures: list[str] = []
     try:
         expected = full_state()
@@ -128,14 +127,9 @@ def _one_bad_rank_fails_everyone(rank: int) -> None:
     assert "model.norm.weight" in str(info.value)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
 
 @pytest.mark.parametrize("world", [2, 4])
 def test_sharded_loads_equal_the_sliced_single_process_load(world, tmp_path):
-    mp.spawn(_worker, args=(world, _free_port(), str(tmp_path)), nprocs=world, join=True)
+    mp.spawn(_worker, args=(world, str(tmp_path / 'rendezvous'), str(tmp_path)), nprocs=world, join=True)
     failures = [Path(tmp_path, f"rank{r}.txt").read_text() for r in range(world)]
     assert failures == [""] * world, "\n\n".join(f for f in failures if f)

@@ -8,7 +8,6 @@ import json
 import math
 import os
 import random
-import socket
 from datetime import timedelta
 from itertools import product
 
@@ -384,7 +383,7 @@ def dtensor_cases(world, count, seed):
     return cases
 
 
-def _dtensor_worker(rank, world, port, cases, out_dir):
+def _dtensor_worker(rank, world, rendezvous, cases, out_dir):
     import torch.distributed as dist
     from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
     from torch.distributed.tensor import DTensor, Partial, distribute_tensor
@@ -392,8 +391,9 @@ def _dtensor_worker(rank, world, port, cases, out_dir):
 
     from remapdsl.layout import placements_from_dtensor
 
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timedelta(seconds=60))
+    # a file rendezvous: no TCP port to race for with other tests or jobs on the machine
+    dist.init_process_group("gloo", init_method=f"file://{rendezvous}", rank=rank, world_size=world,
+                            timeout=timedelta(seconds=60))
     failures, held = [], []
     try:
         meshes = {}
@@ -446,11 +446,6 @@ def _dtensor_worker(rank, world, port, cases, out_dir):
         json.dump({"failures": failures, "held": held}, f)
 
 
-def _free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
 
 @pytest.mark.parametrize(("world", "count", "seed"), [(2, 60, 2), (4, 60, 4)])
 def test_boxes_match_dtensor_to_local(world, count, seed, tmp_path):
@@ -458,7 +453,7 @@ def test_boxes_match_dtensor_to_local(world, count, seed, tmp_path):
 
     cases = dtensor_cases(world, count, seed)
     assert sum(any(isinstance(p, StridedShard) for p in c[2]) for c in cases) >= count // 5
-    mp.spawn(_dtensor_worker, args=(world, _free_port(), cases, str(tmp_path)), nprocs=world)
+    mp.spawn(_dtensor_worker, args=(world, str(tmp_path / 'rendezvous'), cases, str(tmp_path)), nprocs=world)
     ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(world)]
     assert [f for r in ranks for f in r["failures"]] == []
     for number, (shape, mesh_shape, placements) in enumerate(cases):
