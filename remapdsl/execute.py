@@ -140,12 +140,12 @@ def run_plan(plan: LoadPlan, inventory: Inventory, tensors: Mapping[str, torch.T
     with CheckpointReader(inventory) as reader, torch.no_grad():
         work = _batches(plan.items, tensors)
         if threads <= 1 or len(work) < 2:
-            for batch in work:
-                _run_batch(batch, reader)
-            return
-        with ThreadPoolExecutor(threads) as pool:
-            for future in [pool.submit(_run_batch, batch, reader) for batch in work]:
-                future.result()
+            in_flight = [_run_batch(batch, reader) for batch in work]
+        else:
+            with ThreadPoolExecutor(threads) as pool:
+                in_flight = [f.result() for f in [pool.submit(_run_batch, b, reader) for b in work]]
+        if any(buffer is not None for buffer in in_flight):
+            torch.cuda.synchronize()  # the asynchronous copies from pinned staging are done
 
 
 def _batches(items, tensors) -> list[list[tuple[ReadItem, torch.Tensor, bool]]]:
@@ -167,27 +167,35 @@ def _batches(items, tensors) -> list[list[tuple[ReadItem, torch.Tensor, bool]]]:
     return out
 
 
-def _run_batch(batch, reader: CheckpointReader) -> None:
+def _run_batch(batch, reader: CheckpointReader) -> torch.Tensor | None:
+    """Run one batch; for a device destination, return the pinned buffer still being copied."""
     if len(batch) > 1:  # one read into consecutive memory
         first, view, _ = batch[0]
         nbytes = sum(item.runs[0][1] for item, _, _ in batch)
         memory = (ctypes.c_ubyte * nbytes).from_address(view.data_ptr())
         reader.read_into(first.file, first.runs[0][0], memoryview(memory).cast("B"))
-        return
+        return None
     item, view, direct = batch[0]
     if item.ckpt_key is None:  # a pad region: made in its dtype, then the later value steps
         view.copy_(_steps(torch.full(item.sizes, item.fill, dtype=torch.float64), item.steps))
-        return
+        return None
     if direct:
         reader.read_into(item.file, item.runs[0][0], view)  # straight into the destination
-        return
-    staging = torch.empty(sum(n for _, n in item.runs), dtype=torch.uint8)
+        return None
+    device = view.device.type != "cpu"  # a CUDA destination: pinned staging, asynchronous copy
+    staging = torch.empty(sum(n for _, n in item.runs), dtype=torch.uint8, pin_memory=device)
     at = 0
     for byte_offset, nbytes in item.runs:
         reader.read_into(item.file, byte_offset, staging[at:at + nbytes])
         at += nbytes
-    source = staging.view(torch_dtype(item.dtype)).as_strided(item.sizes, item.strides)
-    view.copy_(_steps(source, item.steps))
+    values = _steps(staging.view(torch_dtype(item.dtype)).as_strided(item.sizes, item.strides), item.steps)
+    if not device:
+        view.copy_(values)
+        return None
+    if not values.is_contiguous() or values.data_ptr() != staging.data_ptr():
+        values = values.contiguous().pin_memory()
+    view.copy_(values, non_blocking=True)
+    return values
 
 
 def _steps(values: torch.Tensor, steps) -> torch.Tensor:
