@@ -89,7 +89,7 @@ def plan_rank(compiled: Compiled, inventory: Inventory, layout, mesh, rank: int)
 
 
 def load(target, checkpoint, rules, *, config: Mapping[str, Any] | None = None,
-         strict: bool = True, layout=None, mesh=None):
+         strict: bool = True, layout=None, mesh=None, read_replicated_once: bool = False):
     """Fill existing tensors in place from a checkpoint, through a rule file; returns a LoadReport.
 
     In a torch.distributed job every rank calls it: rank 0 reads the headers once and shares them,
@@ -105,6 +105,8 @@ def load(target, checkpoint, rules, *, config: Mapping[str, Any] | None = None,
         strict: refuse checkpoint tensors that no rule takes and no `drop` names.
         layout: a `remapdsl.layout.LayoutPlan` placing plain tensors on `mesh` (tp_plan style).
         mesh: the `remapdsl.layout.Mesh` of the job, with `layout`.
+        read_replicated_once: tensors that every rank holds whole are read by rank 0 and broadcast,
+            instead of read by every rank.
     """
     from . import dist  # torch is imported only here
     from .execute import run_sharded_load
@@ -117,7 +119,10 @@ def load(target, checkpoint, rules, *, config: Mapping[str, Any] | None = None,
     dist.agree(compiled.digest, "compiled rules and checkpoint")
     # Each rank's shards: plan, then read.
     tensors = target.state_dict(keep_vars=True) if hasattr(target, "state_dict") else target
-    return dist.together(lambda: run_sharded_load(compiled, inventory, tensors, layout, mesh, dist.rank()))
+    report, shared = dist.together(lambda: run_sharded_load(
+        compiled, inventory, tensors, layout, mesh, dist.rank(), read_replicated_once and dist.active()))
+    dist.broadcast_from_first(shared)  # after every rank's reads succeeded, so none waits in vain
+    return report
 
 
 __all__ = [

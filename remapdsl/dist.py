@@ -89,3 +89,18 @@ def together(fn: Callable[[], T]) -> T:
     lines = [f"rank {r}: {kind}: {text}" for r, (kind, text, _) in failed]
     raise RemapError(Diagnostic(code="E411", message=f"{len(failed)} of {len(reports)} ranks failed:\n"
                                 + "\n".join(lines)))
+
+
+def broadcast_from_first(tensors: list) -> None:
+    """Rank 0's contents of each tensor, on every rank. Bytes travel as uint8, so dtypes the
+    backend cannot carry (FP8 on gloo) pass unchanged."""
+    if not active():
+        return
+    import torch
+
+    for tensor in tensors:
+        buffer = tensor if tensor.is_contiguous() else tensor.contiguous()
+        dist.broadcast(buffer.view(torch.uint8) if buffer.dim() else buffer.reshape(1).view(torch.uint8), src=0)
+        if buffer is not tensor:
+            tensor.copy_(buffer)
+

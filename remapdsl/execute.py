@@ -70,13 +70,14 @@ def check_targets(compiled: Compiled, tensors: Mapping[str, torch.Tensor]) -> No
 
 
 def held_tensors(compiled: Compiled, tensors: Mapping[str, torch.Tensor], layout=None, mesh=None,
-                 rank: int = 0) -> tuple[dict[str, LocalShard], dict[str, torch.Tensor]]:
-    """What this rank holds of each destination, and the local tensor that holds it.
+                 rank: int = 0) -> tuple[dict[str, LocalShard], dict[str, torch.Tensor], set[str]]:
+    """What this rank holds of each destination, the local tensor that holds it, and the keys
+    every rank holds whole (replicated on every mesh dim).
 
     A DTensor says it itself (its mesh and placements); a plain tensor is either whole, or, with a
     `layout` plan and a `mesh`, the local shard the plan gives this rank. Checked before any read.
     """
-    from .layout import placements_from_dtensor
+    from .layout import Replicate, layout_for, placements_from_dtensor
 
     # no DTensor exists unless its module was imported: do not pay that import (~0.5 s) otherwise
     dtensor_type = getattr(sys.modules.get("torch.distributed.tensor"), "DTensor", None)
@@ -84,19 +85,26 @@ def held_tensors(compiled: Compiled, tensors: Mapping[str, torch.Tensor], layout
     check_targets(compiled, {k: _global(v, compiled, k, layout) for k, v in tensors.items()})
     held: dict[str, LocalShard] = {}
     local: dict[str, torch.Tensor] = {}
+    everywhere: set[str] = set()
     problems = []
     by_layout = held_by_layout(compiled, layout, mesh, rank) if layout is not None else {}
     for d in compiled.destinations:
         tensor = tensors[d.runtime_key]
         if dtensor_type is not None and isinstance(tensor, dtensor_type):
-            shard = placements_from_dtensor(tensor, d.runtime_key).local_shard()
+            placed = placements_from_dtensor(tensor, d.runtime_key)
+            shard = placed.local_shard()
             local[d.runtime_key] = tensor.to_local()
+            sizes, placements = placed.mesh.sizes, placed.placements
         elif layout is not None:
             shard = by_layout[d.runtime_key]
             local[d.runtime_key] = tensor
+            sizes, placements = mesh.sizes, layout_for(d.runtime_key, d.shape, layout, mesh)
         else:
             shard = LocalShard(d.shape, (Box((0,) * len(d.shape), d.shape),), ((0,) * len(d.shape),))
             local[d.runtime_key] = tensor
+            sizes, placements = (), ()
+        if all(isinstance(p, Replicate) or n == 1 for p, n in zip(placements, sizes)):
+            everywhere.add(d.runtime_key)
         if tuple(local[d.runtime_key].shape) != shard.shape:
             problems.append(Diagnostic(code="E233", span=d.rule, message=f"`{d.runtime_key}` is "
                             f"{list(local[d.runtime_key].shape)} on rank {rank}, but its layout gives "
@@ -104,7 +112,7 @@ def held_tensors(compiled: Compiled, tensors: Mapping[str, torch.Tensor], layout
         held[d.runtime_key] = shard
     if problems:
         raise BindError(problems)
-    return held, local
+    return held, local, everywhere
 
 
 def _global(tensor: torch.Tensor, compiled: Compiled, key: str, layout) -> torch.Tensor:
@@ -119,16 +127,25 @@ def _global(tensor: torch.Tensor, compiled: Compiled, key: str, layout) -> torch
 
 
 def run_sharded_load(compiled: Compiled, inventory: Inventory, tensors: Mapping[str, torch.Tensor],
-                     layout=None, mesh=None, rank: int = 0) -> LoadReport:
-    """Fill this rank's shards: plan the intersection of its boxes with the blocks, then read."""
+                     layout=None, mesh=None, rank: int = 0, replicated_once: bool = False
+                     ) -> tuple[LoadReport, list[torch.Tensor]]:
+    """Fill this rank's shards: plan the intersection of its boxes with the blocks, then read.
+
+    With `replicated_once`, tensors every rank holds whole are read by rank 0 alone; they are
+    returned (in key order, on every rank) for the caller to broadcast from rank 0.
+    """
     start = time.perf_counter()
-    held, local = held_tensors(compiled, tensors, layout, mesh, rank)
+    held, local, everywhere = held_tensors(compiled, tensors, layout, mesh, rank)
+    shared = sorted(everywhere) if replicated_once else []
+    if rank != 0:
+        held = {k: v for k, v in held.items() if k not in shared}
     plan = make_load_plan(compiled, inventory, held, rank)
     run_plan(plan, inventory, local)
-    return LoadReport(loaded=tuple(d.runtime_key for d in compiled.destinations),
-                      ckpt_keys=tuple(sorted({i.ckpt_key for i in plan.items if i.ckpt_key})),
-                      bytes_read=plan.bytes_read, bytes_owned=plan.bytes_owned, rank=rank,
-                      seconds=time.perf_counter() - start)
+    report = LoadReport(loaded=tuple(d.runtime_key for d in compiled.destinations),
+                        ckpt_keys=tuple(sorted({i.ckpt_key for i in plan.items if i.ckpt_key})),
+                        bytes_read=plan.bytes_read, bytes_owned=plan.bytes_owned, rank=rank,
+                        seconds=time.perf_counter() - start)
+    return report, [local[k] for k in shared]
 
 
 def run_plan(plan: LoadPlan, inventory: Inventory, tensors: Mapping[str, torch.Tensor],

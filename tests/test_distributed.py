@@ -59,7 +59,8 @@ def _worker(rank: int, world: int, rendezvous: str, out: str) -> None:
                 _dtensor_case(rank, expected, Mesh.of(dims), LayoutPlan.from_mapping(plan_map, mesh_dim=mesh_dim))
             except Exception:  # noqa: BLE001 - reported by the parent
                 failures.append(f"{name}: {traceback.format_exc()}")
-        for check in (_disagreeing_rules_fail_everyone, _one_bad_rank_fails_everyone):
+        for check in (_disagreeing_rules_fail_everyone, _one_bad_rank_fails_everyone,
+                      _replicated_tensors_read_once):
             try:
                 check(rank)
             except Exception:  # noqa: BLE001
@@ -116,6 +117,27 @@ def _disagreeing_rules_fail_everyone(rank: int) -> None:
     with pytest.raises(remapdsl.RemapError) as info:
         remapdsl.load(full_state(), CHECKPOINT, rules, strict=False)
     assert info.value.diagnostic.code in ("E410", "E201"), str(info.value)
+
+
+def _replicated_tensors_read_once(rank: int) -> None:
+    expected = full_state()
+    remapdsl.load(expected, CHECKPOINT, RULES)
+    mesh, plan = Mesh.of({"tp": dist.get_world_size()}), LayoutPlan.from_mapping(TP, mesh_dim="tp")
+    reports = {}
+    for once in (False, True):
+        local = {}
+        for key, full in expected.items():
+            shard = local_shard(full.shape, mesh.sizes, layout_for(key, full.shape, plan, mesh),
+                                mesh.coordinate(rank))
+            local[key] = torch.full(shard.shape, float("nan"), dtype=full.dtype)
+        reports[once] = remapdsl.load(local, CHECKPOINT, RULES, layout=plan, mesh=mesh,
+                                      read_replicated_once=once)
+        for key in ("model.norm.weight", "model.layers.1.mlp.gate.weight"):  # replicated under TP
+            assert torch.equal(local[key], expected[key]), key
+    if rank == 0:
+        assert reports[True].bytes_read == reports[False].bytes_read
+    else:
+        assert reports[True].bytes_read < reports[False].bytes_read
 
 
 def _one_bad_rank_fails_everyone(rank: int) -> None:
