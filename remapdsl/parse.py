@@ -37,8 +37,10 @@ def grammar_text() -> str:
 @functools.cache
 def lark_parser() -> Lark:
     """The parser, built once (the only module-level state: immutable; its callbacks are stateless)."""
+    # cache=True: Lark keeps its analysis of the grammar in the temp folder, keyed by the grammar's
+    # hash, so a process's first parse does not pay for building the LALR tables again
     return Lark(grammar_text(), parser="lalr", lexer=RuleLexer, transformer=Builder(),
-                maybe_placeholders=True)
+                maybe_placeholders=True, cache=True)
 
 
 def parse_text(text: str, path: str = "<text>") -> ir.RuleFile:
