@@ -41,6 +41,8 @@ class ReadItem(NamedTuple):
     strides: tuple[int, ...]
     steps: tuple[tuple[str, str | float], ...]
     fill: float | None
+    origin: int = 0  # byte offset in `file` of the piece's first element
+    source_strides: tuple[int, ...] = ()  # element strides of each destination dim in the file
 
 
 class LoadPlan(BaseModel):
@@ -118,7 +120,7 @@ def _item(runtime_key: str, local: tuple[int, ...], piece: Block, inventory: Inv
     runs, strides = _source_runs(start, flat, piece.sizes)
     return ReadItem(runtime_key, local, piece.sizes, piece.ckpt_key, info.file, info.dtype,
                     tuple((info.byte_offset + first * itemsize, length * itemsize) for first, length in runs),
-                    strides, piece.steps, None)
+                    strides, piece.steps, None, info.byte_offset + start * itemsize, tuple(flat))
 
 
 def _source_runs(start: int, flat: list[int], sizes: tuple[int, ...]):

@@ -241,3 +241,26 @@ def test_digest_is_the_same_in_another_process(tmp_path):
     here = remapdsl.compile_rules(remapdsl.load_rules("rules/qwen3_moe.remap"), inventory,
                                   remapdsl.read_config(inventory)).digest()
     assert digests == {here + "\n"}
+
+
+def test_many_short_runs_are_copied_from_the_mapped_file(tmp_path, monkeypatch):
+    import remapdsl.execute as execute
+    from remapdsl.layout import LayoutPlan, Mesh
+
+    source, other = randn(64, 48), randn(48, 64)
+    folder = write_checkpoint(tmp_path, {"w": source, "o": other})
+    rules = rules_from_text("w -> a\no -> b | transpose(0, 1)\n", "t.remap")
+    plan = LayoutPlan.from_mapping({"a": "rowwise", "b": "rowwise"}, mesh_dim="tp")
+    for many in (10**9, 0):  # per-run reads, then the mapped-file copy for every item
+        monkeypatch.setattr(execute, "MANY_RUNS", many)
+        for rank in range(3):
+            mesh = Mesh.of({"tp": 3})
+            local = {"a": torch.full((64, 16), float("nan")), "b": torch.full((64, 16), float("nan"))}
+            compiled = remapdsl.compile_rules(rules, remapdsl.open_checkpoint(folder), {})
+            held, views, _ = execute.held_tensors(compiled, local, plan, mesh, rank)
+            report, _ = execute.run_sharded_load(compiled, remapdsl.open_checkpoint(folder), local,
+                                                 plan, mesh, rank)
+            cols = slice(16 * rank, 16 * rank + 16)
+            assert torch.equal(local["a"], source[:, cols])
+            assert torch.equal(local["b"], other.T[:, cols])
+            assert report.bytes_read == report.bytes_owned == 2 * 64 * 16 * 4

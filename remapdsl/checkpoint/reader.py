@@ -9,6 +9,7 @@ refused. A `CheckpointReader` may be shared by threads: `os.preadv` does not mov
 from __future__ import annotations
 
 import ctypes
+import mmap
 import os
 import threading
 from types import TracebackType
@@ -60,8 +61,24 @@ class CheckpointReader:
     def close(self) -> None:
         with self._lock:
             fds, self._fds = self._fds, {}
+            maps, self._maps = getattr(self, "_maps", {}), {}
+        for m in maps.values():
+            try:
+                m.close()
+            except BufferError:  # a view is still alive; the map closes when it is collected
+                pass
         for fd in fds.values():
             os.close(fd)
+
+    def mapped(self, file: str) -> mmap.mmap:
+        """The whole file mapped read-only (for many small strided runs, copied without a read call
+        each; only the pages holding them are touched)."""
+        fd = self._fd(file)
+        with self._lock:
+            maps = self.__dict__.setdefault("_maps", {})
+            if file not in maps:
+                maps[file] = mmap.mmap(fd, 0, access=mmap.ACCESS_READ)
+            return maps[file]
 
     def read_into(self, file: str, byte_offset: int, buffer: object) -> int:
         """Fill buffer with the bytes of `file` from byte_offset on; returns how many (the buffer's size).
