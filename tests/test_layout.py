@@ -441,7 +441,7 @@ def _dtensor_worker(rank, world, rendezvous, cases, out_dir):
             if e.diagnostic.code != "E401":
                 failures.append(f"Partial refused with {e.diagnostic.code}")
     finally:
-        dist.destroy_process_group()
+        _shut_down()
     with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
         json.dump({"failures": failures, "held": held}, f)
 
@@ -463,3 +463,15 @@ def test_boxes_match_dtensor_to_local(world, count, seed, tmp_path):
                 count_held[tuple(slice(o, o + s) for o, s in zip(offsets, sizes))] += 1
         copies = math.prod(n for n, p in zip(mesh_shape, placements) if isinstance(p, Replicate))
         assert (count_held == copies).all(), (number, shape, mesh_shape, placements)
+
+
+def _shut_down() -> None:
+    """Leave the group together: a rank tearing down gloo while its peer is still in a collective
+    can abort the peer's process."""
+    import torch.distributed as dist
+
+    try:
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
+

@@ -73,7 +73,7 @@ def _worker(rank: int, port: int, jobs: dict, out: str) -> None:
             Path(out, f"{name}.rank{rank}.txt").write_text(failure)
             dist.barrier()  # a rank that failed early must not run ahead into the next case's collectives
     finally:
-        dist.destroy_process_group()
+        _shut_down()
 
 
 def _allow_tp_without_accelerate() -> None:
@@ -241,3 +241,15 @@ def test_sharded_load_equals_transformers_parallel_load(results, name):
 def test_fused_llama_shards_equal_independent_expectation(results):
     failures = _failures(results, LLAMA_FUSED)
     assert not failures, failures
+
+
+def _shut_down() -> None:
+    """Leave the group together: a rank tearing down gloo while its peer is still in a collective
+    can abort the peer's process."""
+    import torch.distributed as dist
+
+    try:
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
+
