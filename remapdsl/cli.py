@@ -56,6 +56,9 @@ def _parser() -> argparse.ArgumentParser:
                                 "check that needs no checkpoint. Exit 0 when clean, 2 on errors.")
     check.add_argument("files", nargs="+", metavar="FILE", help=".remap files")
     check.add_argument("--root", help="folder that includes may not leave (default: each file's folder)")
+    check.add_argument("--checkpoint", metavar="DIR",
+                       help="also compile against this checkpoint (headers only) and report `drop` "
+                       "statements that matched nothing and .safetensors files the index ignores")
     check.set_defaults(run=_check)
 
     fmt = commands.add_parser("fmt", help="rewrite rule files in canonical form",
@@ -118,10 +121,27 @@ def _check(args: argparse.Namespace) -> int:
             continue
         included = len(rules.files) - 1
         more = f", {included} included file{'s' if included != 1 else ''}" if included else ""
+        if args.checkpoint:
+            try:
+                more += _against_checkpoint(rules, args.checkpoint)
+            except remapdsl.RemapError as exc:
+                errors.append(exc)
+                continue
         print(f"ok: {name} ({len(rules.statements)} statements{more})")
     for exc in errors:
         print(exc.render(), file=sys.stderr)
     return EXIT_USER_ERROR if errors else EXIT_OK
+
+
+def _against_checkpoint(rules, folder: str) -> str:
+    """Compile against a checkpoint; notes on what it left unused, for the summary line."""
+    inventory = remapdsl.open_checkpoint(folder)
+    compiled = remapdsl.compile_rules(rules, inventory, remapdsl.read_config(inventory))
+    for span in compiled.unused_drops:
+        print(f"{span}: note: this `drop` removes no checkpoint tensor")
+    for file in inventory.ignored_files:
+        print(f"{folder}: note: `{file}` is not named by the index and is ignored")
+    return f", {len(compiled.destinations)} runtime tensors from {len(compiled.sources)} checkpoint tensors"
 
 
 def _fmt(args: argparse.Namespace) -> int:

@@ -116,3 +116,17 @@ def test_plan_command_bad_mesh_is_a_user_error(capsys):
     assert main(["plan", "rules/qwen3_moe.remap", "--checkpoint", "examples/tiny-qwen3-moe",
                  "--mesh", "tp:2", "--layout", "examples/tp2_layout.json"]) == 2
     assert "error[E409]" in capsys.readouterr().err
+
+
+def test_check_against_a_checkpoint_reports_unused_drops(tmp_path, capsys):
+    rules = tmp_path / "r.remap"
+    rules.write_text(Path("rules/qwen3_moe.remap").read_text() + "drop model.rotary_emb.inv_freq\n")
+    assert main(["check", str(rules), "--checkpoint", "examples/tiny-qwen3-moe"]) == 0
+    out = capsys.readouterr().out
+    assert "note: this `drop` removes no checkpoint tensor" in out
+    assert "runtime tensors from 45 checkpoint tensors" in out
+
+
+def test_check_against_the_wrong_checkpoint_is_a_located_error(capsys):
+    assert main(["check", "rules/mixtral.remap", "--checkpoint", "examples/tiny-qwen3-moe"]) == 2
+    assert "rules/mixtral.remap:16:1: error[E201]" in capsys.readouterr().err
