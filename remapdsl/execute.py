@@ -14,6 +14,7 @@ import time
 import warnings
 from collections.abc import Mapping
 from concurrent.futures import ThreadPoolExecutor
+from typing import NamedTuple
 
 import torch
 from pydantic import BaseModel, ConfigDict
@@ -159,7 +160,7 @@ def run_plan(plan: LoadPlan, inventory: Inventory, tensors: Mapping[str, torch.T
     one call; reads run on `threads` threads (positioned reads release the GIL), each into its own
     region, so no two threads write one byte."""
     with CheckpointReader(inventory) as reader, torch.no_grad():
-        work = _batches(plan.items, tensors)
+        work = _split(_batches(plan.items, tensors))
         if threads <= 1 or len(work) < 2:
             in_flight = [_run_batch(batch, reader) for batch in work]
         else:
@@ -188,20 +189,42 @@ def _batches(items, tensors) -> list[list[tuple[ReadItem, torch.Tensor, bool]]]:
     return out
 
 
-def _run_batch(batch, reader: CheckpointReader) -> torch.Tensor | None:
-    """Run one batch; for a device destination, return the pinned buffer still being copied."""
-    if len(batch) > 1:  # one read into consecutive memory
-        first, view, _ = batch[0]
+CHUNK = 32 << 20  # direct reads are cut to this size, so both threads stay busy to the end
+
+
+class _Direct(NamedTuple):
+    """A byte range of a file read straight into consecutive destination memory."""
+
+    file: str
+    byte_offset: int
+    address: int
+    nbytes: int
+
+
+def _split(batches) -> list:
+    """Direct batches as chunked byte ranges; other items as they are."""
+    work: list = []
+    for batch in batches:
+        first, view, direct = batch[0]
+        if not direct:
+            work.append(batch)
+            continue
         nbytes = sum(item.runs[0][1] for item, _, _ in batch)
-        memory = (ctypes.c_ubyte * nbytes).from_address(view.data_ptr())
-        reader.read_into(first.file, first.runs[0][0], memoryview(memory).cast("B"))
+        for at in range(0, nbytes, CHUNK):
+            work.append(_Direct(first.file, first.runs[0][0] + at, view.data_ptr() + at,
+                                min(CHUNK, nbytes - at)))
+    return work
+
+
+def _run_batch(batch, reader: CheckpointReader) -> torch.Tensor | None:
+    """Run one unit of work; for a device destination, return the pinned buffer still being copied."""
+    if isinstance(batch, _Direct):  # straight into the destination's memory
+        memory = (ctypes.c_ubyte * batch.nbytes).from_address(batch.address)
+        reader.read_into(batch.file, batch.byte_offset, memoryview(memory).cast("B"))
         return None
     item, view, direct = batch[0]
     if item.ckpt_key is None:  # a pad region: made in its dtype, then the later value steps
         view.copy_(_steps(torch.full(item.sizes, item.fill, dtype=torch.float64), item.steps))
-        return None
-    if direct:
-        reader.read_into(item.file, item.runs[0][0], view)  # straight into the destination
         return None
     device = view.device.type != "cpu"  # a CUDA destination: pinned staging, asynchronous copy
     dtype = torch_dtype(item.dtype)
