@@ -17,6 +17,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from gloo import shut_down
 
 import remapdsl
 from remapdsl.layout import LayoutPlan, Mesh, Replicate, Shard, layout_for, local_shard
@@ -67,7 +68,7 @@ def _worker(rank: int, world: int, rendezvous: str, out: str) -> None:
                 failures.append(f"{check.__name__}: {traceback.format_exc()}")
     finally:
         Path(out, f"rank{rank}.txt").write_text("\n".join(failures))
-        _shut_down()
+        shut_down()
 
 
 def _plain_case(rank, expected, mesh, plan) -> None:
@@ -155,15 +156,3 @@ def test_sharded_loads_equal_the_sliced_single_process_load(world, tmp_path):
     mp.spawn(_worker, args=(world, str(tmp_path / 'rendezvous'), str(tmp_path)), nprocs=world, join=True)
     failures = [Path(tmp_path, f"rank{r}.txt").read_text() for r in range(world)]
     assert failures == [""] * world, "\n\n".join(f for f in failures if f)
-
-
-def _shut_down() -> None:
-    """Leave the group together: a rank tearing down gloo while its peer is still in a collective
-    can abort the peer's process."""
-    import torch.distributed as dist
-
-    try:
-        dist.barrier()
-    finally:
-        dist.destroy_process_group()
-

@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 import torch
 from hypothesis import HealthCheck, example, given, note, settings
+from gloo import shut_down
 from hypothesis import strategies as st
 
 from remapdsl.errors import RemapError
@@ -441,7 +442,7 @@ def _dtensor_worker(rank, world, rendezvous, cases, out_dir):
             if e.diagnostic.code != "E401":
                 failures.append(f"Partial refused with {e.diagnostic.code}")
     finally:
-        _shut_down()
+        shut_down()
     with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
         json.dump({"failures": failures, "held": held}, f)
 
@@ -463,15 +464,3 @@ def test_boxes_match_dtensor_to_local(world, count, seed, tmp_path):
                 count_held[tuple(slice(o, o + s) for o, s in zip(offsets, sizes))] += 1
         copies = math.prod(n for n, p in zip(mesh_shape, placements) if isinstance(p, Replicate))
         assert (count_held == copies).all(), (number, shape, mesh_shape, placements)
-
-
-def _shut_down() -> None:
-    """Leave the group together: a rank tearing down gloo while its peer is still in a collective
-    can abort the peer's process."""
-    import torch.distributed as dist
-
-    try:
-        dist.barrier()
-    finally:
-        dist.destroy_process_group()
-

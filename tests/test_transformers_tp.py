@@ -32,6 +32,7 @@ import torch.multiprocessing as mp
 pytest.importorskip("transformers")
 
 from hf_models import CASES as HF_CASES
+from gloo import shut_down
 from hf_models import ModelFactory
 
 import remapdsl
@@ -73,7 +74,7 @@ def _worker(rank: int, port: int, jobs: dict, out: str) -> None:
             Path(out, f"{name}.rank{rank}.txt").write_text(failure)
             dist.barrier()  # a rank that failed early must not run ahead into the next case's collectives
     finally:
-        _shut_down()
+        shut_down()
 
 
 def _allow_tp_without_accelerate() -> None:
@@ -241,15 +242,3 @@ def test_sharded_load_equals_transformers_parallel_load(results, name):
 def test_fused_llama_shards_equal_independent_expectation(results):
     failures = _failures(results, LLAMA_FUSED)
     assert not failures, failures
-
-
-def _shut_down() -> None:
-    """Leave the group together: a rank tearing down gloo while its peer is still in a collective
-    can abort the peer's process."""
-    import torch.distributed as dist
-
-    try:
-        dist.barrier()
-    finally:
-        dist.destroy_process_group()
-
