@@ -78,6 +78,9 @@ SPECS = {  # name -> Llama-like dims; every tensor is 2-D bf16
               "files": 2},
     "tiny": {"layers": 2, "hidden": 1024, "intermediate": 2818, "heads": 16, "kv_heads": 4, "vocab": 4096,
              "files": 2},
+    # Qwen3-MoE-shaped, per-expert tensors plus norms: ~0.42 GB in ~1,000 tensors, as real MoE files are.
+    "moe": {"layers": 5, "hidden": 1024, "heads": 16, "kv_heads": 4, "vocab": 16384, "experts": 64,
+            "expert_intermediate": 192, "files": 4},
 }
 FOLDERS = {name: OUT / f"dist_llama_{name}" for name in SPECS}
 
@@ -89,6 +92,11 @@ model.embed_tokens.weight -> model.embed_tokens.weight
 lm_head.weight -> lm_head.weight
 model.layers.{L}.self_attn.{q,k,v,o}_proj.weight -> model.layers.{L}.self_attn.{q,k,v,o}_proj.weight
 model.layers.{L}.mlp.{gate,up,down}_proj.weight -> model.layers.{L}.mlp.{gate,up,down}_proj.weight
+""",
+    "everything": """\
+remap 1
+# Identity over every key (the --dcp-spec moe checkpoint's norms, routers and per-expert tensors).
+{P:path} -> {P}
 """,
     "concat": """\
 remap 1
@@ -141,7 +149,7 @@ TP_PLANS = {
 
 def tensor_shapes(spec: dict) -> list[tuple[str, list[int]]]:
     """The checkpoint's (key, shape) in layer order: embed, layers, lm_head."""
-    h, i, v = spec["hidden"], spec["intermediate"], spec["vocab"]
+    h, i, v = spec["hidden"], spec.get("intermediate"), spec["vocab"]
     hd = h // spec["heads"]
     out = [("model.embed_tokens.weight", [v, h])]
     for layer in range(spec["layers"]):
@@ -149,10 +157,22 @@ def tensor_shapes(spec: dict) -> list[tuple[str, list[int]]]:
         out += [(p + "self_attn.q_proj.weight", [spec["heads"] * hd, h]),
                 (p + "self_attn.k_proj.weight", [spec["kv_heads"] * hd, h]),
                 (p + "self_attn.v_proj.weight", [spec["kv_heads"] * hd, h]),
-                (p + "self_attn.o_proj.weight", [h, spec["heads"] * hd]),
-                (p + "mlp.gate_proj.weight", [i, h]),
-                (p + "mlp.up_proj.weight", [i, h]),
-                (p + "mlp.down_proj.weight", [h, i])]
+                (p + "self_attn.o_proj.weight", [h, spec["heads"] * hd])]
+        if "experts" not in spec:
+            out += [(p + "mlp.gate_proj.weight", [i, h]),
+                    (p + "mlp.up_proj.weight", [i, h]),
+                    (p + "mlp.down_proj.weight", [h, i])]
+            continue
+        e = spec["expert_intermediate"]
+        out += [(p + "input_layernorm.weight", [h]), (p + "post_attention_layernorm.weight", [h]),
+                (p + "self_attn.q_norm.weight", [hd]), (p + "self_attn.k_norm.weight", [hd]),
+                (p + "mlp.gate.weight", [spec["experts"], h])]
+        for x in range(spec["experts"]):
+            out += [(p + f"mlp.experts.{x}.gate_proj.weight", [e, h]),
+                    (p + f"mlp.experts.{x}.up_proj.weight", [e, h]),
+                    (p + f"mlp.experts.{x}.down_proj.weight", [h, e])]
+    if "experts" in spec:
+        out.append(("model.norm.weight", [h]))
     out.append(("lm_head.weight", [v, h]))
     return out
 
@@ -383,6 +403,8 @@ def child_dist(mode: str, folder: Path, rank: int, world: int, port: int, verify
         mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("dp",))
         inventory = remapdsl.open_checkpoint(str(folder))
         files = tensor_files(folder)
+        rules = RULE_FILES["everything" if "experts" in json.loads((folder / MANIFEST).read_text())["spec"]
+                           else "identity"]
         rss0 = rss_now()
         targets, rows = {}, {}
         for key, info in inventory.tensors.items():
@@ -403,7 +425,7 @@ def child_dist(mode: str, folder: Path, rank: int, world: int, port: int, verify
             start = time.perf_counter()
             report = None
             if mode == "dist-remapdsl":
-                report = remapdsl.load(targets, str(folder), str(RULE_FILES["identity"]))
+                report = remapdsl.load(targets, str(folder), str(rules))
             else:
                 reader = HuggingFaceStorageReader(str(folder), thread_count=2 if mode == "dist-dcp-t2" else 1)
                 dcp.load(targets, storage_reader=reader)
@@ -666,12 +688,16 @@ def bench_single(runs: int, rebuild: bool) -> None:
               "views (1st calls)")
 
 
-def bench_dcp(runs: int, rebuild: bool, cold: bool, dim: int) -> None:
-    folder = ensure_checkpoint("400mb", rebuild)
+def dcp_rules(spec: str) -> str:
+    return "everything" if "experts" in SPECS[spec] else "identity"
+
+
+def bench_dcp(runs: int, rebuild: bool, cold: bool, dim: int, spec: str) -> None:
+    folder = ensure_checkpoint(spec, rebuild)
     files = tensor_files(folder)
     data = sum(n for _, _, n in data_sections(files))
     print(f"\n[2] 2 gloo ranks, DTensor Shard({dim}) on a mesh of 2, {rel(folder)}: {len(files)} files, "
-          f"{data / 1e9:.3f} GB; rules {rel(RULE_FILES['identity'])}; OMP_NUM_THREADS="
+          f"{data / 1e9:.3f} GB in {len(tensor_shapes(SPECS[spec]))} tensors; rules {rel(RULE_FILES[dcp_rules(spec)])}; OMP_NUM_THREADS="
           f"{os.environ.get('OMP_NUM_THREADS', '1')} per rank; "
           + ("COLD: the files evicted from the page cache before each load" if cold else
              "warm: the files read with `cat` before each load"))
@@ -679,7 +705,7 @@ def bench_dcp(runs: int, rebuild: bool, cold: bool, dim: int) -> None:
     digests: dict[str, list] = {}
 
     def one(mode, verify):
-        ranks = spawn_ranks(["--child", mode, "--spec", "400mb"] + (["--verify"] if verify else [])
+        ranks = spawn_ranks(["--child", mode, "--spec", spec] + (["--verify"] if verify else [])
                             + (["--cold"] if cold else []) + ["--shard-dim", str(dim)], 2)
         bad = [r for r in ranks if "error" in r]
         if bad:
@@ -782,6 +808,8 @@ def main() -> None:
                         help="[2] only: evict the files from the page cache before each load, not warm them")
     parser.add_argument("--shard-dim", type=int, choices=(0, 1), default=0,
                         help="[2] only: the DTensors' Shard dim (1: column shards, one byte run per row)")
+    parser.add_argument("--dcp-spec", choices=("400mb", "moe"), default="400mb",
+                        help="[2] only: the checkpoint (moe: ~1,000 tensors, norms and per-expert weights)")
     parser.add_argument("--runs", type=int, default=5)
     parser.add_argument("--rebuild", action="store_true", help="write the checkpoints again")
     parser.add_argument("--child", help=argparse.SUPPRESS)
@@ -809,7 +837,7 @@ def main() -> None:
     if "single" in chosen:
         bench_single(args.runs, fresh("1gb"))
     if "dcp" in chosen:
-        bench_dcp(args.runs, fresh("400mb"), args.cold, args.shard_dim)
+        bench_dcp(args.runs, fresh(args.dcp_spec), args.cold, args.shard_dim, args.dcp_spec)
     if "tp" in chosen:
         bench_tp(fresh("1gb"), fresh("tiny"))
     print(f"\nload average {load_before:.1f} before, {os.getloadavg()[0]:.1f} after, on {os.cpu_count()} "

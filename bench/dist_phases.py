@@ -2,7 +2,7 @@
 
 Each of 2 gloo ranks loads its Shard(0) DTensors of the 400 MB checkpoint that dist_bench.py
 writes (run `python bench/dist_bench.py --dcp` once first), three times, timing the phases of
-`remapdsl.load` separately: rules, shared headers, compile, digest agreement, plan + reads. The
+`remapdsl.load` separately: rules, shared headers, compile and digest agreement (one exchange), plan + reads. The
 last two rounds show the steady state; the first includes one-time costs.
 
     OMP_NUM_THREADS=1 python bench/dist_phases.py
@@ -22,8 +22,8 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 OUT = Path(__file__).resolve().parent / "out"
-FOLDER = OUT / "dist_llama_400mb"
-RULES = OUT / "dist_rules_identity.remap"
+FOLDER = OUT / os.environ.get("PHASES_FOLDER", "dist_llama_400mb")
+RULES = OUT / os.environ.get("PHASES_RULES", "dist_rules_identity.remap")
 
 
 def _worker(rank: int, world: int, rendezvous: str) -> None:
@@ -35,6 +35,7 @@ def _worker(rank: int, world: int, rendezvous: str) -> None:
     import remapdsl
     from remapdsl import dist as shared
     from remapdsl.execute import run_sharded_load
+    from remapdsl.gcpause import paused_gc
 
     inventory = remapdsl.open_checkpoint(FOLDER)
     mesh = init_device_mesh("cpu", (world,))
@@ -50,16 +51,18 @@ def _worker(rank: int, world: int, rendezvous: str) -> None:
             phases[name] = (time.perf_counter() - mark) * 1e3
             mark = time.perf_counter()
 
+        pause = paused_gc()  # as remapdsl.load does
+        pause.__enter__()
         rules = remapdsl.load_rules(RULES)
         lap("rules")
         inv = shared.share_inventory(FOLDER)
         lap("shared headers")
-        compiled = shared.together(lambda: remapdsl.compile_rules(rules, inv, remapdsl.read_config(inv)))
-        lap("compile")
-        shared.agree(compiled.digest, "compiled rules")
-        lap("agreement")
+        compiled = shared.together(lambda: remapdsl.compile_rules(rules, inv, remapdsl.read_config(inv)),
+                                   agree_on=("compiled rules", remapdsl.Compiled.digest))
+        lap("compile + agreement")
         report, _ = shared.together(lambda: run_sharded_load(compiled, inv, targets, rank=shared.rank()))
         lap("plan + reads")
+        pause.__exit__(None, None, None)
         if rank == 0:
             total = (time.perf_counter() - start) * 1e3
             detail = ", ".join(f"{k} {v:.1f} ms" for k, v in phases.items())

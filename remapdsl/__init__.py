@@ -25,6 +25,7 @@ from .checkpoint import Inventory, open_inventory
 from .compile import Compiled, compile_rules
 from .explain import explain
 from .format import format_rules
+from .gcpause import paused_gc
 from .parse import parse_file, parse_text
 from .rules import RuleSet, load_rules, rules_from_text
 
@@ -108,6 +109,11 @@ def load(target, checkpoint, rules, *, config: Mapping[str, Any] | None = None,
         read_replicated_once: tensors that every rank holds whole are read by rank 0 and broadcast,
             instead of read by every rank.
     """
+    with paused_gc():
+        return _load(target, checkpoint, rules, config, strict, layout, mesh, read_replicated_once)
+
+
+def _load(target, checkpoint, rules, config, strict, layout, mesh, read_replicated_once):
     from . import dist  # torch is imported only here
     from .execute import run_sharded_load
 
@@ -115,8 +121,8 @@ def load(target, checkpoint, rules, *, config: Mapping[str, Any] | None = None,
     ruleset = rules if isinstance(rules, RuleSet) else load_rules(rules)
     inventory = dist.share_inventory(checkpoint)
     config = read_config(inventory) if config is None else config
-    compiled = dist.together(lambda: compile_rules(ruleset, inventory, config, strict=strict))
-    dist.agree(compiled.digest, "compiled rules and checkpoint")
+    compiled = dist.together(lambda: compile_rules(ruleset, inventory, config, strict=strict),
+                             agree_on=("compiled rules and checkpoint", Compiled.digest))
     # Each rank's shards: plan, then read.
     tensors = target.state_dict(keep_vars=True) if hasattr(target, "state_dict") else target
     report, shared = dist.together(lambda: run_sharded_load(

@@ -1,9 +1,10 @@
 """The only caller of torch.distributed: share headers, agree on the compiled rules, fail together.
 
 Interface (every rank calls each function, in this order, as DCP's planners do):
-`share_inventory` (rank 0 reads the headers, the others receive them), `agree` (all ranks compare
-the digest of what they compiled), `together(fn)` (run a phase; an error on any rank becomes the
-same error, naming every failing rank, on all ranks, instead of a hang).
+`share_inventory` (rank 0 reads the headers, the others receive them), `together(fn[, agree_on])`
+(run a phase; an error on any rank becomes the same error, naming every failing rank, on all ranks,
+instead of a hang; with `agree_on`, the ranks also compare the digest of what they compiled).
+Each is one collective.
 """
 
 from __future__ import annotations
@@ -28,39 +29,32 @@ def rank() -> int:
 
 
 def share_inventory(checkpoint) -> Inventory:
-    """Rank 0 reads the checkpoint's headers once; every rank gets the same Inventory."""
+    """Rank 0 reads the checkpoint's headers once; every rank gets the same Inventory (one
+    broadcast, carrying either the inventory or rank 0's error)."""
     if isinstance(checkpoint, Inventory):
         return checkpoint
     if not active():
         return open_inventory(checkpoint)
     box: list = [None]
     if dist.get_rank() == 0:
-        box[0] = together(lambda: open_inventory(checkpoint).model_dump_json())
-    else:
-        together(lambda: None)
-    dist.broadcast_object_list(box, src=0)
-    return Inventory.model_validate_json(box[0])
+        try:
+            box[0] = (None, open_inventory(checkpoint))
+        except Exception as exc:  # noqa: BLE001 - sent to the other ranks, then raised
+            box[0] = (_report(exc), None)
+    dist.broadcast_object_list(box, src=0)  # pickled: rank 0 validated it, no second validation
+    report, inventory = box[0]
+    if report is not None:
+        _raise([(0, report)], dist.get_world_size())
+    return inventory
 
 
-def agree(digest: Callable[[], str], what: str) -> None:
-    """Every rank compiled the same thing, or every rank fails with a message naming the difference.
-    `digest` is called only in a distributed job (hashing a large Compiled takes a while)."""
-    if not active():
-        return
-    digest = digest()
-    digests: list = [None] * dist.get_world_size()
-    dist.all_gather_object(digests, digest)
-    if len(set(digests)) > 1:
-        groups: dict[str, list[int]] = {}
-        for r, d in enumerate(digests):
-            groups.setdefault(d, []).append(r)
-        detail = "; ".join(f"ranks {v} have {k[:12]}" for k, v in groups.items())
-        raise RemapError(Diagnostic(code="E410", message=f"ranks disagree on the {what}: {detail}",
-                                    hint="every rank must load the same rules from the same checkpoint"))
+def together(fn: Callable[[], T], agree_on: tuple[str, Callable[[T], str]] | None = None) -> T:
+    """Run one phase on every rank; if any rank fails, all raise the same error naming the ranks.
 
-
-def together(fn: Callable[[], T]) -> T:
-    """Run one phase on every rank; if any rank fails, all raise the same error naming the ranks."""
+    With `agree_on=(what, digest)`, the ranks also compare `digest(result)` in the same exchange:
+    a rank that compiled something else (other rules, other checkpoint) makes every rank fail
+    with a message naming the difference, not hang.
+    """
     error: BaseException | None = None
     result = None
     try:
@@ -71,15 +65,30 @@ def together(fn: Callable[[], T]) -> T:
         if error is not None:
             raise error
         return result
-    report = None
-    if error is not None:
-        diagnostics = error.diagnostics if isinstance(error, RemapError) else None
-        report = (type(error).__name__, str(error), diagnostics)
-    reports: list = [None] * dist.get_world_size()
-    dist.all_gather_object(reports, report)
-    failed = [(r, rep) for r, rep in enumerate(reports) if rep is not None]
-    if not failed:
-        return result
+    mine = (_report(error), None) if error is not None else (
+        None, agree_on[1](result) if agree_on is not None else None)
+    gathered: list = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, mine)
+    failed = [(r, report) for r, (report, _) in enumerate(gathered) if report is not None]
+    if failed:
+        _raise(failed, len(gathered))
+    digests = [digest for _, digest in gathered]
+    if agree_on is not None and len(set(digests)) > 1:
+        groups: dict[str, list[int]] = {}
+        for r, d in enumerate(digests):
+            groups.setdefault(d, []).append(r)
+        detail = "; ".join(f"ranks {v} have {k[:12]}" for k, v in groups.items())
+        raise RemapError(Diagnostic(code="E410", message=f"ranks disagree on the {agree_on[0]}: {detail}",
+                                    hint="every rank must load the same rules from the same checkpoint"))
+    return result
+
+
+def _report(error: BaseException) -> tuple:
+    """What other ranks need to raise the same error: its kind, text and diagnostics."""
+    return type(error).__name__, str(error), error.diagnostics if isinstance(error, RemapError) else None
+
+
+def _raise(failed: list[tuple[int, tuple]], world: int) -> None:
     if all(rep[2] is not None for _, rep in failed):  # user errors: the same diagnostics everywhere
         seen: dict[str, Diagnostic] = {}
         for _, rep in failed:
@@ -87,7 +96,7 @@ def together(fn: Callable[[], T]) -> T:
                 seen.setdefault(d.render(), d)
         raise RemapError(tuple(seen.values()))
     lines = [f"rank {r}: {kind}: {text}" for r, (kind, text, _) in failed]
-    raise RemapError(Diagnostic(code="E411", message=f"{len(failed)} of {len(reports)} ranks failed:\n"
+    raise RemapError(Diagnostic(code="E411", message=f"{len(failed)} of {world} ranks failed:\n"
                                 + "\n".join(lines)))
 
 

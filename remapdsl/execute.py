@@ -9,10 +9,11 @@ before every destination's shape and dtype are checked against the compiled ones
 from __future__ import annotations
 
 import ctypes
+import itertools
 import sys
 import time
 import warnings
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from typing import NamedTuple
 
@@ -90,13 +91,17 @@ def held_tensors(compiled: Compiled, tensors: Mapping[str, torch.Tensor], layout
     everywhere: set[str] = set()
     problems = []
     by_layout = held_by_layout(compiled, layout, mesh, rank) if layout is not None else {}
+    placed_as: dict = {}
     for d in compiled.destinations:
         tensor = tensors[d.runtime_key]
         if dtensor_type is not None and isinstance(tensor, dtensor_type):
-            placed = placements_from_dtensor(tensor, d.runtime_key)
-            shard = placed.local_shard()
-            local[d.runtime_key] = tensor.to_local()
-            sizes, placements = placed.mesh.sizes, placed.placements
+            # tensors of one shape and placement share their boxes (a model repeats a few hundredfold)
+            spec = (tensor.device_mesh, tensor.placements, d.shape)
+            if spec not in placed_as:
+                placed = placements_from_dtensor(tensor, d.runtime_key)
+                placed_as[spec] = placed.local_shard(), placed.mesh.sizes, placed.placements
+            shard, sizes, placements = placed_as[spec]
+            local[d.runtime_key] = _local_tensor(tensor)
         elif layout is not None:
             shard = by_layout[d.runtime_key]
             local[d.runtime_key] = tensor
@@ -115,6 +120,12 @@ def held_tensors(compiled: Compiled, tensors: Mapping[str, torch.Tensor], layout
     if problems:
         raise BindError(problems)
     return held, local, everywhere
+
+
+def _local_tensor(tensor) -> torch.Tensor:
+    """A DTensor's local shard: the tensor it wraps, without `to_local()`'s autograd call (~30 µs)."""
+    inner = getattr(tensor, "_local_tensor", None)
+    return inner if isinstance(inner, torch.Tensor) else tensor.to_local()
 
 
 def _global(tensor: torch.Tensor, compiled: Compiled, key: str, layout) -> torch.Tensor:
@@ -161,13 +172,22 @@ def run_plan(plan: LoadPlan, inventory: Inventory, tensors: Mapping[str, torch.T
     region, so no two threads write one byte."""
     with CheckpointReader(inventory) as reader, torch.no_grad():
         work = _split(_batches(plan.items, tensors))
+        in_flight: list = [None] * len(work)
         if threads <= 1 or len(work) < 2:
-            in_flight = [_run_batch(batch, reader) for batch in work]
-        else:
+            _drain(work, itertools.count(), reader, in_flight)
+        else:  # each thread takes the next unit in file order; no future per unit
+            taken = itertools.count()
             with ThreadPoolExecutor(threads) as pool:
-                in_flight = [f.result() for f in [pool.submit(_run_batch, b, reader) for b in work]]
+                for f in [pool.submit(_drain, work, taken, reader, in_flight) for _ in range(threads)]:
+                    f.result()
         if any(buffer is not None for buffer in in_flight):
             torch.cuda.synchronize()  # the asynchronous copies from pinned staging are done
+
+
+def _drain(work: list, taken: Iterator[int], reader: CheckpointReader, in_flight: list) -> None:
+    """Run units of work until none is left; `taken` hands out each index once (atomic in CPython)."""
+    while (i := next(taken)) < len(work):
+        in_flight[i] = _run_batch(work[i], reader)
 
 
 def _batches(items, tensors) -> list[list[tuple[ReadItem, torch.Tensor, bool]]]:

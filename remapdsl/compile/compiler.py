@@ -16,6 +16,7 @@ from typing import Any
 from .. import ir
 from ..checkpoint import Inventory
 from ..errors import BindError, Diagnostic, Span, suggest
+from ..gcpause import paused_gc
 from ..rules import RuleSet
 from . import symbolic as sym
 from .bind import Binding, bind, compile_pattern, list_axis, match_keys
@@ -34,7 +35,8 @@ def compile_rules(rules: RuleSet, inventory: Inventory, config: Mapping[str, Any
         strict: when True (the default), a checkpoint key that no rule consumes and no `drop`
             names is an error; when False it is left out of the load.
     """
-    return _Compiler(rules, inventory, dict(config or {}), strict).run()
+    with paused_gc():
+        return _Compiler(rules, inventory, dict(config or {}), strict).run()
 
 
 class _Compiler:
