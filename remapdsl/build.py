@@ -22,10 +22,10 @@ from lark import Token, Transformer
 from . import ir
 from .dtypes import RULE_DTYPE_NAMES
 from .errors import Diagnostic, Span, did_you_mean, suggest
+from .quant import format_names
 
 MAX_DEPTH = 64  # expression nesting; deeper is refused rather than recursed into
 _DECIMAL = re.compile(r"[0-9]+\.[0-9]+")
-FORMAT_NAMES = sorted(cls.op_name() for cls in ir.BUILTIN_OPS if cls.role == "format")
 
 # Binding strength of binary operators (loosest first) and whether they chain to the left.
 _BINARY = {"or": 1, "and": 2, "==": 4, "!=": 4, "<": 4, "<=": 4, ">": 4, ">=": 4, "??": 5,
@@ -188,10 +188,13 @@ class Builder(Transformer):
                   "`| fp8_block(block=[128, 128], to=bfloat16)`")
             return None
         (fmt,) = ops
+        if isinstance(fmt, ir.MacroCall) and fmt.name in format_names():  # registered from Python
+            fmt = _new(ir.FormatCall, name=fmt.name, args=fmt.args, span=fmt.span)
         if fmt.role != "format":
             name = fmt.name if isinstance(fmt, ir.MacroCall) else fmt.op_name()
+            known = format_names()
             error("E035", f"`{name}` is not a quantized format", fmt.span,
-                  did_you_mean(name, FORMAT_NAMES) or f"formats: {', '.join(FORMAT_NAMES)}")
+                  did_you_mean(name, known) or f"formats: {', '.join(known)}")
             return None
         if None in built_sources or built_target is None:
             return None

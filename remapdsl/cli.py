@@ -183,14 +183,17 @@ def _plan(args: argparse.Namespace) -> int:
     mesh = remapdsl.parse_mesh(args.mesh)
     layout = remapdsl.read_layout(args.layout)
     ranks = [args.rank] if args.rank is not None else range(mesh.size)
-    total_read = total_owned = 0
+    total_read = total_owned = total_scales = 0
     for rank in ranks:
         plan = remapdsl.plan_rank(compiled, inventory, layout, mesh, rank)
         total_read += plan.bytes_read
         total_owned += plan.bytes_owned
-        tensors = {i.runtime_key for i in plan.items}
+        total_scales += plan.scale_bytes_read
+        tensors = {i.runtime_key for i in plan.items} | {i.runtime_key for i in plan.decodes}
+        decoded = (f" ({len(plan.decodes)} dequantized, {plan.scale_bytes_read / 1e6:.2f} MB of scales)"
+                   if plan.decodes else "")
         print(f"rank {rank} {dict(zip(mesh.names, mesh.coordinate(rank)))}: {len(tensors)} tensors, "
-              f"{len(plan.items)} reads, {plan.bytes_read / 1e6:.2f} MB read of "
+              f"{len(plan.items) + len(plan.decodes)} reads{decoded}, {plan.bytes_read / 1e6:.2f} MB read of "
               f"{plan.bytes_owned / 1e6:.2f} MB owned, files {', '.join(plan.files) or '-'}")
         if args.rank is not None:
             for item in plan.items:
@@ -198,7 +201,15 @@ def _plan(args: argparse.Namespace) -> int:
                 runs = f"{len(item.runs)} run{'s' if len(item.runs) != 1 else ''}"
                 source = f"{item.ckpt_key} ({runs})" if item.ckpt_key else f"fill {item.fill:g}"
                 print(f"    {item.runtime_key}[{where}] <- {source}")
-    ratio = f" ({total_read / total_owned:.2f}x owned)" if total_owned else ""
+            for item in plan.decodes:
+                where = ", ".join(f"{o}:{o + n}" for o, n in zip(item.local_offsets, item.sizes))
+                box = ", ".join(f"{o}:{o + n}" for o, n in zip(*item.box))
+                parts = ", ".join(f"{p.ckpt_key} ({len(p.runs)} run{'s' if len(p.runs) != 1 else ''})"
+                                  for p in item.parts)
+                print(f"    {item.runtime_key}[{where}] <- {item.format} {item.logical}[{box}] of {parts}")
+    ratio = (f" ({total_read / total_owned:.2f}x owned"
+             + (f"; {total_read / (total_owned + total_scales):.2f}x owned values + covering scales"
+                if total_scales else "") + ")") if total_owned else ""
     print(f"total: {total_read / 1e6:.2f} MB read{ratio} over {len(ranks)} rank{'s' if len(ranks) != 1 else ''}")
     return EXIT_OK
 

@@ -21,9 +21,10 @@ import torch
 from pydantic import BaseModel, ConfigDict
 
 from .checkpoint import CheckpointReader, Inventory
+from .dtypes import BY_NAME
 from .compile.model import Compiled
 from .layout import Box, LocalShard
-from .plan import LoadPlan, ReadItem, held_by_layout, make_load_plan
+from .plan import DecodeItem, LoadPlan, ReadItem, held_by_layout, make_load_plan
 from .errors import BindError, Diagnostic
 
 
@@ -37,6 +38,7 @@ class LoadReport(BaseModel):
     bytes_read: int
     seconds: float
     bytes_owned: int = 0  # checkpoint bytes behind the elements this rank holds
+    scale_bytes_read: int = 0  # of bytes_read, bytes of quantization scales (covering tiles)
     rank: int = 0
 
 
@@ -155,8 +157,10 @@ def run_sharded_load(compiled: Compiled, inventory: Inventory, tensors: Mapping[
     plan = make_load_plan(compiled, inventory, held, rank)
     run_plan(plan, inventory, local)
     report = LoadReport(loaded=tuple(d.runtime_key for d in compiled.destinations),
-                        ckpt_keys=tuple(sorted({i.ckpt_key for i in plan.items if i.ckpt_key})),
-                        bytes_read=plan.bytes_read, bytes_owned=plan.bytes_owned, rank=rank,
+                        ckpt_keys=tuple(sorted({i.ckpt_key for i in plan.items if i.ckpt_key}
+                                               | {p.ckpt_key for i in plan.decodes for p in i.parts})),
+                        bytes_read=plan.bytes_read, bytes_owned=plan.bytes_owned,
+                        scale_bytes_read=plan.scale_bytes_read, rank=rank,
                         seconds=time.perf_counter() - start)
     return report, [local[k] for k in shared]
 
@@ -172,6 +176,7 @@ def run_plan(plan: LoadPlan, inventory: Inventory, tensors: Mapping[str, torch.T
     region, so no two threads write one byte."""
     with CheckpointReader(inventory) as reader, torch.no_grad():
         work = _split(_batches(plan.items, tensors))
+        work += [_Decode(item, _region(tensors[item.runtime_key], item)) for item in plan.decodes]
         in_flight: list = [None] * len(work)
         if threads <= 1 or len(work) < 2:
             _drain(work, itertools.count(), reader, in_flight)
@@ -236,8 +241,48 @@ def _split(batches) -> list:
     return work
 
 
+def _region(tensor: torch.Tensor, item) -> torch.Tensor:
+    return tensor[tuple(slice(o, o + s) for o, s in zip(item.local_offsets, item.sizes))]
+
+
+class _Decode(NamedTuple):
+    """A piece of a logical source and the destination region it fills."""
+
+    item: DecodeItem
+    view: torch.Tensor
+
+
+def _run_decode(unit: _Decode, reader: CheckpointReader) -> torch.Tensor | None:
+    """Read each part's covering box, decode the logical box, place the piece: straight into the
+    destination when the piece is the box in its own order, else through the decoded box."""
+    from .quant import get_format
+
+    item, view = unit
+    parts = []
+    for part in item.parts:
+        staging = torch.empty(sum(n for _, n in part.runs), dtype=torch.uint8)
+        at = 0
+        for byte_offset, nbytes in part.runs:
+            reader.read_into(part.file, byte_offset, staging[at:at + nbytes])
+            at += nbytes
+        dtype = BY_NAME[part.dtype]
+        parts.append(staging.view(torch_dtype(part.dtype) if dtype.in_torch else torch.uint8).view(part.sizes))
+    dtype = torch_dtype(item.dtype)
+    covers = tuple((p.offsets, p.sizes) for p in item.parts)
+    in_place = (view.device.type == "cpu" and view.dtype == dtype and not item.steps and item.offset == 0
+                and tuple(item.box[1]) == tuple(item.sizes) and _dense(item.strides, item.sizes))
+    out = view if in_place else torch.empty(item.box[1], dtype=dtype)
+    get_format(item.format).decode(parts, item.box, covers, dict(item.params), out)
+    if in_place:
+        return None
+    view.copy_(_steps(out.view(-1).as_strided(item.sizes, item.strides, item.offset), item.steps))
+    return None
+
+
 def _run_batch(batch, reader: CheckpointReader) -> torch.Tensor | None:
     """Run one unit of work; for a device destination, return the pinned buffer still being copied."""
+    if isinstance(batch, _Decode):
+        return _run_decode(batch, reader)
     if isinstance(batch, _Direct):  # straight into the destination's memory
         memory = (ctypes.c_ubyte * batch.nbytes).from_address(batch.address)
         reader.read_into(batch.file, batch.byte_offset, memoryview(memory).cast("B"))

@@ -15,12 +15,21 @@ def explain(compiled: Compiled, key: str | None = None, max_blocks: int = 8) -> 
              if key is None or fnmatch.fnmatchcase(d.runtime_key, key)
              or any(fnmatch.fnmatchcase(k, key) for k in d.ckpt_keys)]
     sources = {s.ckpt_key: s for s in compiled.sources}
+    logical = compiled.logical_by_key()
     lines: list[str] = []
     for d in shown:
         lines.extend(_destination(d, sources, max_blocks))
-    read = sum(_nbytes(sources[k].dtype, sources[k].shape) for d in shown for k in d.ckpt_keys)
+    stored = {p for d in shown for k in d.ckpt_keys for p in (logical[k].parts if k in logical else (k,))}
+    read = sum(_nbytes(sources[k].dtype, sources[k].shape) for k in stored)
+    used = [logical[k] for k in sorted({k for d in shown for k in d.ckpt_keys}) if k in logical]
+    for source in used[:max_blocks]:
+        params = ", ".join(f"{k}={list(v) if isinstance(v, tuple) else v}" for k, v in source.params)
+        lines.append(f"{source.key}  {list(source.shape)} {source.dtype} = {source.format}({params}) of "
+                     + ", ".join(f"`{p}`" for p in source.parts))
+    if len(used) > max_blocks:
+        lines.append(f"... and {len(used) - max_blocks} more dequantized tensors")
     lines.append(f"{len(shown)} runtime tensor{'s' if len(shown) != 1 else ''} from "
-                 f"{len({k for d in shown for k in d.ckpt_keys})} checkpoint tensors "
+                 f"{len(stored)} checkpoint tensors "
                  f"({read / 1e6:.1f} MB)"
                  + (f"; {len(compiled.dropped)} dropped" if compiled.dropped and key is None else ""))
     return "\n".join(lines)

@@ -107,7 +107,7 @@ def format_pattern(pattern: ir.Pattern, seen: set[str] | None = None) -> str:
 
 def format_op(op: ir.Op) -> str:
     """`name(args)` in canonical argument order."""
-    if isinstance(op, ir.MacroCall):
+    if isinstance(op, (ir.MacroCall, ir.FormatCall)):
         args = [f"{a.name}={format_expr(a.value)}" if a.name else format_expr(a.value) for a in op.args]
         return f"{op.name}({', '.join(args)})"
     args = []

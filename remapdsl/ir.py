@@ -604,6 +604,23 @@ class MacroCall(Op):
         return _identifier(name)
 
 
+class FormatCall(Op):
+    """A quantized format registered from Python (`remapdsl.quant.register_format`), named in a
+    `dequantize` statement; its arguments are checked against the registered parameters."""
+
+    kind: Literal["format_call"] = "format_call"
+    role = "format"
+    name: str
+    args: tuple[Arg, ...] = ()
+
+    @field_validator("name")
+    @classmethod
+    def _not_builtin(cls, name: str) -> str:
+        if name in OPS_BY_NAME:
+            raise ValueError(f"`{name}` is a built-in op; write it as such")
+        return _identifier(name)
+
+
 BUILTIN_OPS: tuple[type[Op], ...] = (
     Concat, Stack, Unstack, Interleave, Deinterleave, Split, Chunk, Transpose, Permute, Reshape,
     Slice, Pad, Repeat, RopePermute, Cast, Scale, Add,
@@ -615,7 +632,7 @@ AnyOp = Annotated[
     Union[
         Concat, Stack, Unstack, Interleave, Deinterleave, Split, Chunk, Transpose, Permute,
         Reshape, Slice, Pad, Repeat, RopePermute, Cast, Scale, Add,
-        Fp8Block, Fp8Tensor, Fp8Channel, Mxfp4, Nvfp4, MacroCall,
+        Fp8Block, Fp8Tensor, Fp8Channel, Mxfp4, Nvfp4, MacroCall, FormatCall,
     ],
     Field(discriminator="kind"),
 ]  # fmt: skip
@@ -793,5 +810,5 @@ class RuleFile(Node):
 
 for _model in (List, Neg, Not, BinOp, Compare, BoolOp, Coalesce, Subst, Pattern, Arg):
     _model.model_rebuild()
-for _model in BUILTIN_OPS + (MacroCall, Rule, Dequantize, Macro, Let, Drop, Keep, RuleFile):
+for _model in BUILTIN_OPS + (MacroCall, FormatCall, Rule, Dequantize, Macro, Let, Drop, Keep, RuleFile):
     _model.model_rebuild()

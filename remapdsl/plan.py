@@ -45,6 +45,37 @@ class ReadItem(NamedTuple):
     source_strides: tuple[int, ...] = ()  # element strides of each destination dim in the file
 
 
+class PartRead(NamedTuple):
+    """The covering box of one physical part of a logical source: `runs` of `file` fill, in order,
+    a row-major tensor of `sizes`, the box at `offsets` of the part's view (the format's `views`)."""
+
+    ckpt_key: str
+    file: str
+    dtype: str
+    offsets: tuple[int, ...]
+    sizes: tuple[int, ...]
+    runs: tuple[tuple[int, int], ...]
+
+
+class DecodeItem(NamedTuple):
+    """One piece of one block read from a logical source: read each part's covering box, decode
+    the logical `box` with `format`, then the local region [local_offsets, local_offsets + sizes)
+    of `runtime_key` takes the decoded box's elements at `offset + strides . x`, then `steps`."""
+
+    runtime_key: str
+    local_offsets: tuple[int, ...]
+    sizes: tuple[int, ...]
+    logical: str
+    format: str
+    params: tuple
+    box: tuple[tuple[int, ...], tuple[int, ...]]
+    parts: tuple[PartRead, ...]
+    strides: tuple[int, ...]
+    offset: int
+    dtype: str  # the logical (decoded) dtype
+    steps: tuple[tuple[str, str | float], ...]
+
+
 class LoadPlan(BaseModel):
     """Everything one rank reads, ordered by file and offset, with what it owns."""
 
@@ -52,8 +83,10 @@ class LoadPlan(BaseModel):
 
     rank: int
     items: tuple[ReadItem, ...]
-    bytes_owned: int  # checkpoint bytes behind the elements this rank holds
-    bytes_read: int  # bytes its runs read (equal to bytes_owned: never a bounding box)
+    decodes: tuple[DecodeItem, ...] = ()  # pieces of logical (dequantized) sources
+    bytes_owned: int  # checkpoint bytes behind the elements this rank holds (packed values included)
+    bytes_read: int  # bytes all runs read: bytes_owned plus the scales' covering tiles
+    scale_bytes_read: int = 0  # of bytes_read, the bytes of scales (every part after the values)
     files: tuple[str, ...]
 
     def digest(self) -> str:
@@ -79,6 +112,8 @@ def make_load_plan(compiled: Compiled, inventory: Inventory, held: Mapping[str, 
     """The plan of one rank. `held` maps a runtime key to what the rank holds of it; a destination
     missing from `held` is not loaded by this rank."""
     items: list[ReadItem] = []
+    decodes: list[DecodeItem] = []
+    logical = compiled.logical_by_key()
     for d in compiled.destinations:
         shard = held.get(d.runtime_key)
         if shard is None:
@@ -89,12 +124,69 @@ def make_load_plan(compiled: Compiled, inventory: Inventory, held: Mapping[str, 
                 if piece is None:
                     continue
                 local = tuple(lo + o - bo for lo, o, bo in zip(local_offsets, piece.offsets, box.offsets))
-                items.append(_item(d.runtime_key, local, piece, inventory))
+                if piece.ckpt_key in logical:
+                    decodes.append(_decode_item(d.runtime_key, local, piece, logical[piece.ckpt_key], inventory))
+                else:
+                    items.append(_item(d.runtime_key, local, piece, inventory))
     items.sort(key=lambda i: (i.file or "", i.runs[0][0] if i.runs else -1, i.runtime_key, i.local_offsets))
+    decodes.sort(key=lambda i: (i.parts[0].file, i.parts[0].runs[0][0] if i.parts[0].runs else -1,
+                                i.runtime_key, i.local_offsets))
     nbytes = sum(n for i in items for _, n in i.runs)
     owned = sum(_volume(i.sizes) * BY_NAME[i.dtype].bits // 8 for i in items if i.ckpt_key)
-    return LoadPlan(rank=rank, items=tuple(items), bytes_owned=owned, bytes_read=nbytes,
-                    files=tuple(sorted({i.file for i in items if i.file})))
+    values = sum(n for i in decodes for _, n in i.parts[0].runs)
+    scales = sum(n for i in decodes for p in i.parts[1:] for _, n in p.runs)
+    owned += sum(_owned_values(i, logical[i.logical], inventory) for i in decodes)
+    files = {i.file for i in items if i.file} | {p.file for i in decodes for p in i.parts}
+    return LoadPlan(rank=rank, items=tuple(items), decodes=tuple(decodes), bytes_owned=owned,
+                    bytes_read=nbytes + values + scales, scale_bytes_read=scales, files=tuple(sorted(files)))
+
+
+def _decode_item(runtime_key: str, local: tuple[int, ...], piece: Block, source, inventory: Inventory
+                 ) -> DecodeItem:
+    """The logical box a piece reads (its bounding box: the piece itself for every layout op but a
+    strided one), the covering box of each part, and where the piece sits in the decoded box."""
+    from .quant import Part, get_format
+
+    rank = len(source.shape)
+    low = list(piece.base)
+    size = [1] * rank
+    for k in range(rank):
+        for j, n in enumerate(piece.sizes):
+            c = piece.coeff[k][j]
+            low[k] += min(0, c * (n - 1))
+            size[k] += abs(c) * (n - 1)
+    row_major = _row_major(size)
+    strides = tuple(sum(piece.coeff[k][j] * row_major[k] for k in range(rank)) for j in range(len(piece.sizes)))
+    offset = sum((b - lo) * t for b, lo, t in zip(piece.base, low, row_major))
+    fmt = get_format(source.format)
+    params = source.param_dict()
+    infos = [inventory.tensors[k] for k in source.parts]
+    parts = [Part(k, info.dtype, tuple(info.shape)) for k, info in zip(source.parts, infos)]
+    box = (tuple(low), tuple(size))
+    reads = []
+    for info, view, (offsets, sizes) in zip(infos, fmt.views(parts, params), fmt.cover(box, parts, params)):
+        itemsize = BY_NAME[info.dtype].bits // 8
+        view_major = _row_major(view)
+        start = sum(o * t for o, t in zip(offsets, view_major))
+        runs, _ = _source_runs(start, list(view_major), tuple(sizes))
+        reads.append(PartRead(info.ckpt_key, info.file, info.dtype, tuple(offsets), tuple(sizes),
+                              tuple((info.byte_offset + first * itemsize, length * itemsize)
+                                    for first, length in runs)))
+    return DecodeItem(runtime_key, local, piece.sizes, source.key, source.format, source.params, box,
+                      tuple(reads), strides, offset, source.dtype, piece.steps)
+
+
+def _owned_values(item: DecodeItem, source, inventory: Inventory) -> int:
+    """Bytes of packed values behind the piece's elements (a 4-bit format: half a byte each)."""
+    values = inventory.tensors[source.parts[0]]
+    return -(-_volume(item.sizes) * values.nbytes // max(1, _volume(source.shape)))
+
+
+def _row_major(shape) -> list[int]:
+    strides = [1] * len(shape)
+    for k in range(len(shape) - 2, -1, -1):
+        strides[k] = strides[k + 1] * shape[k + 1]
+    return strides
 
 
 def _intersect(block: Block, offsets, sizes) -> Block | None:

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from . import ir
 from .dtypes import RULE_DTYPE_NAMES as DTYPE_NAMES
 from .format import format_expr
+from .quant import get_format
 from .errors import Diagnostic, RuleCheckError, Span, did_you_mean, suggest
 
 SCALE_DTYPES = ("float32", "e8m0")
@@ -289,9 +290,33 @@ class _Checker:
         for missing in [p for p in macro.params if p not in given]:
             self.error("E135", f"macro `{macro.name}` needs argument `{missing}`", call.span)
 
+    def format_args(self, call: ir.FormatCall, params, captures) -> None:
+        """A registered format's arguments: known names, each once, the required ones given."""
+        declared = get_format(call.name).params
+        names = [p.name for p in declared]
+        given: set[str] = set()
+        for position, arg in enumerate(call.args):
+            name = arg.name or (names[position] if position < len(names) else None)
+            if name is None or name not in names:
+                self.error("E128", f"format `{call.name}` has no parameter `{arg.name or position + 1}`",
+                           arg.span, did_you_mean(arg.name or "", names)
+                           or f"it takes {', '.join(names)}")
+                continue
+            if name in given:
+                self.error("E128", f"argument `{name}` is given twice", arg.span)
+            given.add(name)
+            kind = declared[names.index(name)].kind
+            if kind != "capture":
+                self.typed(arg.value, kind, params, name, captures)
+        for missing in [p.name for p in declared if p.required and p.name not in given]:
+            self.error("E128", f"format `{call.name}` needs argument `{missing}`", call.span)
+
     def op(self, op: ir.Op, params, captures) -> None:
         if isinstance(op, ir.MacroCall):
             list(self.expand((op,), params))
+            return
+        if isinstance(op, ir.FormatCall):
+            self.format_args(op, params, captures)
             return
         for param in op.params:
             value = getattr(op, param.name)

@@ -21,7 +21,8 @@ from ..rules import RuleSet
 from . import symbolic as sym
 from .bind import Binding, bind, compile_pattern, list_axis, match_keys
 from .evaluate import Evaluator, evaluate_lets
-from .model import Block, BoundRule, Compiled, Destination, Source
+from .logical import bind_dequantize
+from .model import Block, BoundRule, Compiled, Destination, LogicalSource, Source
 
 
 def compile_rules(rules: RuleSet, inventory: Inventory, config: Mapping[str, Any] | None = None,
@@ -50,6 +51,7 @@ class _Compiler:
         self.errors: list[Diagnostic] = []
         self.destinations: dict[str, Destination] = {}
         self.bindings: list[BoundRule] = []
+        self.logical: dict[str, LogicalSource] = {}
 
     def error(self, code: str, message: str, span: Span | None, hint: str | None = None) -> None:
         self.errors.append(Diagnostic(code=code, message=message, span=span, hint=hint,
@@ -84,15 +86,22 @@ class _Compiler:
                         for k, t in sorted(self.inventory.tensors.items()))
         return ir.construct(Compiled,
                             destinations=tuple(self.destinations[k] for k in sorted(self.destinations)),
-                            sources=sources, bindings=tuple(self.bindings), dropped=tuple(sorted(dropped)),
+                            sources=sources, logical=tuple(self.logical[k] for k in sorted(self.logical)),
+                            bindings=tuple(self.bindings), dropped=tuple(sorted(dropped)),
                             unused_drops=unused, keep=keep)
 
     # -- statements --
 
     def dequantize(self, s: ir.Dequantize, available: set[str]) -> None:
-        if bind(s.sources, available).bindings:
-            self.error("E220", "`dequantize` is not supported yet: quantized checkpoints come with "
-                       "issue #5", s.span, "load a dequantized (bf16) checkpoint for now")
+        try:
+            bind_dequantize(s, available, self.inventory.tensors, self.evaluator, self.pattern_name,
+                            self.error, self.logical)
+        except BindError as exc:
+            self.errors.extend(exc.diagnostics)
+
+    def pattern_name(self, pattern: ir.Pattern, captures: dict) -> str:
+        return "".join(part.text if isinstance(part, ir.Text) else str(self.evaluator.value(part.expr, captures))
+                       for part in pattern.parts)
 
     def drops(self, statements, available: set[str]) -> tuple[set[str], tuple[Span, ...]]:
         dropped: set[str] = set()
@@ -221,7 +230,7 @@ class _Compiler:
                                                   ckpt_keys=keys, runtime_keys=tuple(names)))
 
     def source(self, ckpt_key: str) -> sym.Sym:
-        info = self.inventory.tensors[ckpt_key]
+        info = self.logical.get(ckpt_key) or self.inventory.tensors[ckpt_key]
         return sym.source(ckpt_key, tuple(info.shape), info.dtype)
 
     def expand(self, ops, env: dict) -> list[tuple[ir.Op, dict]]:

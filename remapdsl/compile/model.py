@@ -58,6 +58,23 @@ class Source(NamedTuple):
     shape: tuple[int, ...]
 
 
+class LogicalSource(_Frozen):
+    """A tensor the checkpoint does not store, made by a format from its parts (a `dequantize`
+    binding). Blocks name it by `key` like a checkpoint tensor; `parts` are checkpoint keys in the
+    format's order (values first), `params` the format's evaluated arguments."""
+
+    key: str
+    format: str
+    params: tuple[tuple[str, int | float | str | tuple[int, ...]], ...]
+    parts: tuple[str, ...]
+    shape: tuple[int, ...]
+    dtype: str
+    rule: SpanField | None = None
+
+    def param_dict(self) -> dict:
+        return dict(self.params)
+
+
 class BoundRule(_Frozen):
     """One binding of one statement: its captures, the checkpoint keys it read, what it made."""
 
@@ -72,6 +89,7 @@ class Compiled(_Frozen):
 
     destinations: tuple[Destination, ...]  # sorted by runtime key
     sources: tuple[Source, ...]  # every checkpoint tensor, sorted by key
+    logical: tuple[LogicalSource, ...] = ()  # dequantized tensors, sorted by key
     bindings: tuple[BoundRule, ...]
     dropped: tuple[str, ...] = ()  # checkpoint keys removed by `drop`
     unused_drops: tuple[SpanField, ...] = ()  # `drop` statements that matched nothing
@@ -82,6 +100,9 @@ class Compiled(_Frozen):
             if d.runtime_key == runtime_key:
                 return d
         raise KeyError(runtime_key)
+
+    def logical_by_key(self) -> dict[str, LogicalSource]:
+        return {s.key: s for s in self.logical}
 
     def digest(self) -> str:
         """sha256 of the canonical JSON form: equal for equal inputs, in any process."""

@@ -1,0 +1,321 @@
+"""The built-in formats: fp8_block, fp8_tensor, fp8_channel, mxfp4, nvfp4 (docs/quantized.md).
+
+Definitions (FIELD_NOTES §2, the formats' own specifications):
+- F8_E4M3 values decode exactly to any float of 16 bits or more; E8M0 scale bytes are 2^(b-127),
+  with 255 NaN; E2M1 codes are 0, 0.5, 1, 1.5, 2, 3, 4, 6 and their negatives (bit 3 the sign),
+  two per byte, the element with the even index in the low nibble.
+- Every product is computed in float32 and rounded once to `to` (as transformers' Fp8Dequantize
+  does); NVFP4 multiplies value by block scale (exact), then by the global scale.
+
+Shapes and covers are integer arithmetic (no torch); `decode` imports torch when it runs.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from .. import ir
+from .registry import Box, FormatError, Part, QuantFormat, register_format
+
+FLOAT_TARGETS = ("float32", "bfloat16", "float16", "float64")  # every decoded value is exact in these
+E2M1 = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
+
+
+def _ceil(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def _dtype(part: Part, allowed: Sequence[str], role: str) -> None:
+    if part.dtype not in allowed:
+        raise FormatError(f"{role} `{part.key}` are {part.dtype}, expected {' or '.join(allowed)}")
+
+
+def _target(params: Mapping[str, Any]) -> None:
+    if params["to"] not in FLOAT_TARGETS:
+        raise FormatError(f"`to={params['to']}`: a dequantized tensor is one of {', '.join(FLOAT_TARGETS)}")
+
+
+def _scalar(part: Part, role: str) -> None:
+    if part.shape not in ((), (1,)):
+        raise FormatError(f"{role} `{part.key}` is {list(part.shape)}, expected one value ([] or [1])")
+
+
+def _whole(view: tuple[int, ...]) -> Box:
+    return (0,) * len(view), tuple(view)
+
+
+def _last_dim_cover(box: Box, per: int) -> tuple[int, int]:
+    """The first and count of the units of `per` elements that the box's last dim touches."""
+    start, size = box[0][-1], box[1][-1]
+    first = start // per
+    return first, _ceil(start + size, per) - first
+
+
+class Fp8Block(QuantFormat):
+    name = "fp8_block"
+    parts = ("values", "scales")
+    params = ir.Fp8Block.params
+    summary = ir.Fp8Block.summary
+
+    @staticmethod
+    def block(params) -> tuple[int, int]:
+        block = tuple(params["block"])
+        if len(block) != 2 or min(block) < 1:
+            raise FormatError(f"`block={list(block)}`: give [rows, cols], both at least 1")
+        return block
+
+    def logical_shape(self, parts, params):
+        values, scales = parts
+        _target(params)
+        _dtype(values, ("float8_e4m3fn",), "values")
+        if params.get("scale", "float32") == "e8m0":
+            _dtype(scales, ("float8_e8m0fnu", "uint8"), "e8m0 scales")
+        else:
+            _dtype(scales, ("float32",), "scales")
+        rows_block, cols_block = self.block(params)
+        if len(values.shape) < 2:
+            raise FormatError(f"values `{values.key}` are {list(values.shape)}: block scaling needs [rows, cols]")
+        *lead, rows, cols = values.shape
+        grid = (*lead, _ceil(rows, rows_block), _ceil(cols, cols_block))
+        if tuple(scales.shape) != grid:
+            raise FormatError(f"scales `{scales.key}` are {list(scales.shape)}, but values {list(values.shape)} "
+                              f"in blocks of [{rows_block}, {cols_block}] need a grid of {list(grid)}")
+        return tuple(values.shape)
+
+    def cover(self, box, parts, params):
+        rows_block, cols_block = self.block(params)
+        offsets, sizes = box
+        (r0, c0), (h, w) = offsets[-2:], sizes[-2:]
+        g0, k0 = r0 // rows_block, c0 // cols_block
+        grid = (offsets[:-2] + (g0, k0),
+                sizes[:-2] + (_ceil(r0 + h, rows_block) - g0, _ceil(c0 + w, cols_block) - k0))
+        return box, grid
+
+    def grid(self, params, ndim):
+        return (1,) * (ndim - 2) + self.block(params)
+
+    def decode(self, tensors, box, covers, params, out):
+        import torch
+
+        values, scales = tensors
+        rows_block, cols_block = self.block(params)
+        (r0, c0), (h, w) = box[0][-2:], box[1][-2:]
+        g0, k0 = covers[1][0][-2], covers[1][0][-1]
+        scale = _scale_f32(scales, params.get("scale", "float32"))
+        # per column of the box, per row block of the grid: [..., grid rows, w] (1/rows_block of the box)
+        at = c0 - k0 * cols_block
+        scale = scale.repeat_interleave(cols_block, dim=-1)[..., at:at + w]
+        values = values.to(out.dtype)  # exact: every E4M3 value is a 16-bit float
+        # at most three row segments: the first block's tail, whole blocks, the last block's head
+        for a, b in _segments(r0, h, rows_block):
+            block = (r0 + a) // rows_block - g0
+            whole = (r0 + a) % rows_block == 0 and (b - a) % rows_block == 0
+            n = (b - a) // rows_block if whole else 1  # else the segment lies inside one block
+            if n == 1:
+                torch.mul(values[..., a:b, :], scale[..., block:block + 1, :], out=out[..., a:b, :])
+            else:
+                torch.mul(values[..., a:b, :].unflatten(-2, (n, rows_block)),
+                          scale[..., block:block + n, :].unsqueeze(-2),
+                          out=out[..., a:b, :].unflatten(-2, (n, rows_block)))
+
+
+def _segments(start: int, size: int, block: int) -> list[tuple[int, int]]:
+    """Rows [0, size) of a box starting at `start`, cut where blocks of `block` rows begin, with
+    whole blocks kept together: at most three (relative start, end) pairs."""
+    end = start + size
+    cuts = sorted({start, min(end, _ceil(start, block) * block), max(start, end // block * block), end})
+    return [(a - start, b - start) for a, b in zip(cuts, cuts[1:]) if b > a]
+
+
+def _scale_f32(scales, kind: str):
+    """Scales as float32: float32 as they are; E8M0 bytes b as 2^(b-127), built from the bits
+    (b=0 is the subnormal 2^-127, b=255 NaN), so no rounding can enter."""
+    import torch
+
+    if kind != "e8m0":
+        return scales.to(torch.float32)
+    code = scales.view(torch.uint8).to(torch.int32)
+    bits = torch.where(code == 0, torch.tensor(0x00400000, dtype=torch.int32), code << 23)
+    bits = torch.where(code == 255, torch.tensor(0x7FC00000, dtype=torch.int32), bits)
+    return bits.view(torch.float32)
+
+
+class Fp8Tensor(QuantFormat):
+    name = "fp8_tensor"
+    parts = ("values", "scale")
+    params = ir.Fp8Tensor.params
+    summary = ir.Fp8Tensor.summary
+
+    def logical_shape(self, parts, params):
+        values, scale = parts
+        _target(params)
+        _dtype(values, ("float8_e4m3fn",), "values")
+        _dtype(scale, ("float32",), "scale")
+        _scalar(scale, "scale")
+        return tuple(values.shape)
+
+    def cover(self, box, parts, params):
+        return box, _whole(parts[1].shape)
+
+    def decode(self, tensors, box, covers, params, out):
+        import torch
+
+        values, scale = tensors
+        # a 1-element 1-D scale, not 0-dim: a 0-dim float32 would not promote the product to float32
+        torch.mul(values.to(out.dtype), scale.to(torch.float32).reshape(1), out=out)
+
+
+class Fp8Channel(QuantFormat):
+    name = "fp8_channel"
+    parts = ("values", "scales")
+    params = ir.Fp8Channel.params
+    summary = ir.Fp8Channel.summary
+
+    def logical_shape(self, parts, params):
+        values, scales = parts
+        _target(params)
+        _dtype(values, ("float8_e4m3fn",), "values")
+        _dtype(scales, ("float32",), "scales")
+        if len(values.shape) < 2:
+            raise FormatError(f"values `{values.key}` are {list(values.shape)}: per-channel scales need "
+                              "[out channels, in]")
+        rows = tuple(values.shape[:-1])
+        if tuple(scales.shape) not in (rows, rows + (1,)):
+            raise FormatError(f"scales `{scales.key}` are {list(scales.shape)}, but values "
+                              f"{list(values.shape)} need one per output channel: {list(rows)} or "
+                              f"{list(rows + (1,))}")
+        return tuple(values.shape)
+
+    def cover(self, box, parts, params):
+        offsets, sizes = box
+        rows = (offsets[:-1], sizes[:-1])
+        if len(parts[1].shape) == len(parts[0].shape):
+            rows = (rows[0] + (0,), rows[1] + (1,))
+        return box, rows
+
+    def decode(self, tensors, box, covers, params, out):
+        import torch
+
+        values, scales = tensors
+        rows = scales.to(torch.float32).reshape(*box[1][:-1], 1)
+        torch.mul(values.to(out.dtype), rows, out=out)
+
+
+def _pairs():
+    """Each byte's two E2M1 values, the low nibble first: a [256, 2] float32 table."""
+    import torch
+
+    table = torch.tensor(E2M1, dtype=torch.float32)
+    codes = torch.arange(256)
+    return torch.stack((table[codes & 0xF], table[codes >> 4]), dim=-1)
+
+
+_PAIRS: list = []
+
+
+def _e2m1(packed, byte0: int, start: int, width: int):
+    """float32 values of `width` elements from `start`, out of packed bytes that begin at byte `byte0`."""
+    if not _PAIRS:
+        _PAIRS.append(_pairs())
+    decoded = _PAIRS[0][packed.view(__import__("torch").uint8).long()].flatten(-2)
+    at = start - 2 * byte0
+    return decoded[..., at:at + width]
+
+
+def _per_group(scales, group0: int, start: int, width: int, per: int):
+    """Scales of groups of `per` elements, repeated for each of `width` elements from `start`."""
+    import torch
+
+    index = torch.arange(start, start + width) // per - group0
+    return scales.index_select(-1, index)
+
+
+class Mxfp4(QuantFormat):
+    name = "mxfp4"
+    parts = ("blocks", "scales")
+    params = ir.Mxfp4.params
+    summary = ir.Mxfp4.summary
+
+    def logical_shape(self, parts, params):
+        blocks, scales = parts
+        _target(params)
+        _dtype(blocks, ("uint8",), "blocks")
+        _dtype(scales, ("uint8", "float8_e8m0fnu"), "scales")
+        if len(blocks.shape) < 2 or blocks.shape[-1] != 16:
+            raise FormatError(f"blocks `{blocks.key}` are {list(blocks.shape)}, expected [..., groups, 16] "
+                              "(32 four-bit values per group)")
+        if tuple(scales.shape) != tuple(blocks.shape[:-1]):
+            raise FormatError(f"scales `{scales.key}` are {list(scales.shape)}, but blocks "
+                              f"{list(blocks.shape)} need one per group: {list(blocks.shape[:-1])}")
+        return (*blocks.shape[:-2], blocks.shape[-2] * 32)
+
+    def views(self, parts, params):
+        blocks, scales = parts
+        return (*blocks.shape[:-2], blocks.shape[-2] * 16), tuple(scales.shape)
+
+    def cover(self, box, parts, params):
+        offsets, sizes = box
+        byte0, nbytes = _last_dim_cover(box, 2)
+        group0, groups = _last_dim_cover(box, 32)
+        return ((offsets[:-1] + (byte0,), sizes[:-1] + (nbytes,)),
+                (offsets[:-1] + (group0,), sizes[:-1] + (groups,)))
+
+    def grid(self, params, ndim):
+        return (1,) * (ndim - 1) + (32,)
+
+    def decode(self, tensors, box, covers, params, out):
+        import torch
+
+        blocks, scales = tensors
+        start, width = box[0][-1], box[1][-1]
+        values = _e2m1(blocks, covers[0][0][-1], start, width)
+        scale = _per_group(_scale_f32(scales, "e8m0"), covers[1][0][-1], start, width, 32)
+        torch.mul(values, scale, out=out)
+
+
+class Nvfp4(QuantFormat):
+    name = "nvfp4"
+    parts = ("values", "scales", "global_scale")
+    params = ir.Nvfp4.params
+    summary = ir.Nvfp4.summary
+
+    def logical_shape(self, parts, params):
+        values, scales, global_scale = parts
+        _target(params)
+        _dtype(values, ("uint8",), "packed values")
+        _dtype(scales, ("float8_e4m3fn",), "block scales")
+        _dtype(global_scale, ("float32",), "global scale")
+        _scalar(global_scale, "global scale")
+        if not values.shape:
+            raise FormatError(f"packed values `{values.key}` are a scalar")
+        *lead, half = values.shape
+        grid = (*lead, _ceil(2 * half, 16))
+        if tuple(scales.shape) != grid:
+            raise FormatError(f"block scales `{scales.key}` are {list(scales.shape)}, but packed values "
+                              f"{list(values.shape)} ({2 * half} four-bit values a row) need one per 16: "
+                              f"{list(grid)}")
+        return (*lead, 2 * half)
+
+    def cover(self, box, parts, params):
+        offsets, sizes = box
+        byte0, nbytes = _last_dim_cover(box, 2)
+        group0, groups = _last_dim_cover(box, 16)
+        return ((offsets[:-1] + (byte0,), sizes[:-1] + (nbytes,)),
+                (offsets[:-1] + (group0,), sizes[:-1] + (groups,)), _whole(parts[2].shape))
+
+    def grid(self, params, ndim):
+        return (1,) * (ndim - 1) + (16,)
+
+    def decode(self, tensors, box, covers, params, out):
+        import torch
+
+        values, scales, global_scale = tensors
+        start, width = box[0][-1], box[1][-1]
+        decoded = _e2m1(values, covers[0][0][-1], start, width)
+        decoded *= _per_group(scales.to(torch.float32), covers[1][0][-1], start, width, 16)  # exact
+        torch.mul(decoded, global_scale.to(torch.float32).reshape(1), out=out)
+
+
+for _format in (Fp8Block(), Fp8Tensor(), Fp8Channel(), Mxfp4(), Nvfp4()):
+    register_format(_format)

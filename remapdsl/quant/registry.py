@@ -1,0 +1,103 @@
+"""The registry of quantized formats: what a `dequantize` statement's format name means.
+
+A format says, from shapes alone, what logical tensor its physical parts make, which box of each
+part any box of the logical tensor needs, and how to decode those boxes. The compiler and the plan
+use the first two (no torch); the executor calls `decode`. Formats are looked up by name; the
+built-in ones are registered on import, and a program may register its own (`register_format`)
+before it loads rules that name them. Rule files only name formats, they never define one.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any, ClassVar, NamedTuple
+
+from ..ir import Param
+
+Box = tuple[tuple[int, ...], tuple[int, ...]]  # (offsets, sizes)
+
+
+class Part(NamedTuple):
+    """One physical tensor of a quantized weight, as the header gives it."""
+
+    key: str
+    dtype: str
+    shape: tuple[int, ...]
+
+
+class FormatError(ValueError):
+    """The parts or parameters do not fit the format; the message names what and how."""
+
+
+class QuantFormat:
+    """A quantized storage format. Subclass it, set the class attributes, implement the methods.
+
+    `parts` names what each source of the `dequantize` statement holds, in order (the first is
+    always the packed values; the others are scales). `params` declares the arguments the rule
+    writes, with their kinds (`ints`, `int`, `number`, `dtype`, `scale_dtype`); every format takes
+    `to=`, the logical dtype.
+    """
+
+    name: ClassVar[str]
+    parts: ClassVar[tuple[str, ...]]
+    params: ClassVar[tuple[Param, ...]]
+    summary: ClassVar[str] = ""
+
+    def logical_shape(self, parts: Sequence[Part], params: Mapping[str, Any]) -> tuple[int, ...]:
+        """The logical tensor's shape; raise FormatError when a part's dtype or shape does not fit."""
+        raise NotImplementedError
+
+    def views(self, parts: Sequence[Part], params: Mapping[str, Any]) -> tuple[tuple[int, ...], ...]:
+        """The shape each part is addressed by in `cover` (the same bytes, row-major)."""
+        return tuple(p.shape for p in parts)
+
+    def cover(self, box: Box, parts: Sequence[Part], params: Mapping[str, Any]) -> tuple[Box, ...]:
+        """For a box of the logical tensor, the box of each part's view that decoding it needs."""
+        raise NotImplementedError
+
+    def decode(self, tensors: Sequence[Any], box: Box, covers: Sequence[Box], params: Mapping[str, Any],
+               out: Any) -> None:
+        """Write the logical `box` into `out` (a torch tensor of the box's sizes, dtype `to`).
+
+        `tensors[i]` holds part i's `covers[i]`, shaped as that box, in the part's dtype where torch
+        has it (else uint8). Vectorized: torch ops over the whole box, no loop per block or element.
+        """
+        raise NotImplementedError
+
+    def grid(self, params: Mapping[str, Any], ndim: int) -> tuple[int, ...]:
+        """Per logical dim, how many consecutive elements share one scale (1: none); a cut through
+        the stored form must fall on a multiple of it."""
+        return (1,) * ndim
+
+
+_FORMATS: dict[str, QuantFormat] = {}
+
+
+def register_format(fmt: QuantFormat, *, replace: bool = False) -> QuantFormat:
+    """Make `fmt` available to `dequantize` statements by its name; returns it."""
+    if not isinstance(fmt, QuantFormat):
+        raise TypeError(f"register a QuantFormat instance, not {type(fmt).__name__}")
+    if not fmt.name.isidentifier():
+        raise ValueError(f"a format name is an identifier, not {fmt.name!r}")
+    if not any(p.name == "to" for p in fmt.params):
+        raise ValueError(f"format `{fmt.name}` must declare `to` (the logical dtype) among its params")
+    if fmt.name in _FORMATS and not replace:
+        raise ValueError(f"format `{fmt.name}` is already registered (pass replace=True to replace it)")
+    _FORMATS[fmt.name] = fmt
+    return fmt
+
+
+def unregister_format(name: str) -> None:
+    _FORMATS.pop(name, None)
+
+
+def get_format(name: str) -> QuantFormat:
+    from . import builtin  # noqa: F401  (registers the built-in formats)
+
+    return _FORMATS[name]
+
+
+def format_names() -> list[str]:
+    from . import builtin  # noqa: F401
+
+    return sorted(_FORMATS)
