@@ -250,3 +250,80 @@ def copy_checkpoint(src: Path, dst: Path, edit) -> Path:
     tensors = edit(load_file(files[0]))
     save_file(tensors, dst / "model.safetensors", metadata={"format": "pt"})
     return dst
+
+
+# -- quantized releases made from the tiny models ----------------------------------------------------
+
+
+def is_fp8_quantized(key: str) -> bool:
+    """The weights DeepSeek-V3's release stores in FP8: every linear projection (not the embedding,
+    norms, router or lm_head)."""
+    return key.endswith("_proj.weight") or key.endswith("kv_a_proj_with_mqa.weight")
+
+
+def fp8_release(src: Path, dst: Path, block: tuple[int, int]) -> Path:
+    """A copy of a single-file checkpoint as a DeepSeek-style FP8 release: each projection as E4M3
+    values plus float32 `weight_scale_inv` per block, and `quantization_config` in config.json."""
+    from quant_reference import quantize_fp8_block
+
+    def edit(tensors):
+        out = {}
+        for key, value in tensors.items():
+            if is_fp8_quantized(key):
+                out[key], out[key.removesuffix("weight") + "weight_scale_inv"] = quantize_fp8_block(value, block)
+            else:
+                out[key] = value
+        return out
+
+    copy_checkpoint(src, dst, edit)
+    config = json.loads((dst / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "fp8", "fmt": "e4m3", "weight_block_size": list(block),
+                                     "activation_scheme": "dynamic"}
+    (dst / "config.json").write_text(json.dumps(config, indent=2))
+    return dst
+
+
+GPT_OSS = dict(vocab_size=128, hidden_size=64, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+               num_key_value_heads=2, head_dim=16, num_local_experts=4, num_experts_per_tok=2,
+               max_position_embeddings=128)
+
+
+def gpt_oss_mxfp4_release(folder: Path, seed: int = 0) -> Path:
+    """A tiny random gpt-oss saved as the MXFP4 release is: experts as `*_blocks` / `*_scales`,
+    output dim first; everything else bf16 in the in-memory layout."""
+    from safetensors.torch import save_file
+
+    from quant_reference import quantize_mxfp4
+
+    _quiet_transformers()
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.for_model("gpt_oss", **GPT_OSS)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
+    gen = torch.Generator().manual_seed(1000 + seed)
+    tensors = {}
+    for key, value in model.state_dict().items():
+        value = torch.randn(value.shape, generator=gen).to(torch.bfloat16)
+        if key.endswith(("experts.gate_up_proj", "experts.down_proj")):
+            tensors[key + "_blocks"], tensors[key + "_scales"] = quantize_mxfp4(value.transpose(1, 2))
+        else:
+            tensors[key] = value
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    save_file(tensors, str(folder / "model.safetensors"), metadata={"format": "pt"})
+    saved = config.to_dict()
+    saved.update(dtype="bfloat16", quantization_config={"quant_method": "mxfp4"})
+    (folder / "config.json").write_text(json.dumps(saved, indent=2))
+    return folder
+
+
+def transformers_state_dict(folder: Path, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    """What transformers' own loader makes of a (quantized) checkpoint on CPU: it dequantizes."""
+    _quiet_transformers()
+    from transformers import AutoModelForCausalLM
+
+    model, info = AutoModelForCausalLM.from_pretrained(str(folder), dtype=dtype, output_loading_info=True)
+    assert not any(info[k] for k in ("missing_keys", "unexpected_keys", "mismatched_keys")), info
+    return model.state_dict()

@@ -98,9 +98,11 @@ class Evaluator:
                 node = node[key]
             if node is None:
                 raise _Missing(expr, "is null in the config")
+            if isinstance(node, str) and node in RULE_DTYPE_NAMES:  # `"dtype": "bfloat16"`
+                return node
             if isinstance(node, (Mapping, str)):
                 raise self.fail(f"`config.{'.'.join(expr.path)}` is {type(node).__name__}, not a "
-                                "number, a boolean or a list", expr.span)
+                                "number, a boolean, a list or a dtype name", expr.span)
             return list(node) if isinstance(node, (list, tuple)) else node
         if isinstance(expr, ir.List):
             return [self._eval(item, captures) for item in expr.items]

@@ -1,0 +1,387 @@
+"""Quantized checkpoints: every format against the numpy reference written from its definition
+(tests/quant_reference.py), on every box a plan can ask for, through layout ops and shards, with
+the bytes read accounted; the errors; a format registered from Python."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from safetensors.torch import save_file
+
+import quant_reference as ref
+import remapdsl
+from remapdsl import BindError, rules_from_text
+from remapdsl.layout import LayoutPlan, Mesh, Shard, layout_for, local_shard
+from remapdsl.quant import Part, QuantFormat, get_format, register_format, unregister_format
+
+BF16 = torch.bfloat16
+NAN_AND_SUBNORMAL_E4M3 = (0x7F, 0xFF, 0x01, 0x81, 0x07, 0x00, 0x80, 0x7E)
+E8M0_EDGES = (0, 1, 127, 254, 255)
+
+
+def same(got: torch.Tensor, want: torch.Tensor) -> bool:
+    """Bit-for-bit equality, NaN in the same places (any NaN payload)."""
+    if got.shape != want.shape or got.dtype != want.dtype:
+        return False
+    nan = torch.isnan(got)
+    return bool(torch.equal(nan, torch.isnan(want)) and torch.equal(got[~nan], want[~nan]))
+
+
+def write(folder, tensors, config=None):
+    save_file(tensors, str(folder / "model.safetensors"))
+    (folder / "config.json").write_text(json.dumps(config or {}))
+    return folder
+
+
+def load_text(text, folder, target=None, **kwargs):
+    rules = rules_from_text(text, "t.remap")
+    compiled = remapdsl.compile_rules(rules, remapdsl.open_checkpoint(folder), {})
+    if target is None:
+        target = {d.runtime_key: torch.full(d.shape, float("nan"), dtype=getattr(torch, d.dtype))
+                  for d in compiled.destinations}
+    report = remapdsl.load(target, folder, rules, config={}, **kwargs)
+    return target, report, compiled
+
+
+# ------------------------------------------------------------------------------ random quantized parts
+
+
+def make_parts(fmt: str, lead: tuple, rows: int, cols: int, block, g: torch.Generator, scale="float32"):
+    """Random physical parts of one logical [*lead, rows, cols] tensor, and its reference decode."""
+    if fmt == "fp8_block":
+        values = ref.random_codes(g, (*lead, rows, cols), NAN_AND_SUBNORMAL_E4M3).view(torch.float8_e4m3fn)
+        grid = (*lead, -(-rows // block[0]), -(-cols // block[1]))
+        if scale == "e8m0":
+            scales = ref.random_codes(g, grid, E8M0_EDGES) % 40 + 107  # near 1, then the edges
+            scales.view(-1)[:len(E8M0_EDGES)] = torch.tensor(E8M0_EDGES, dtype=torch.uint8)[:scales.numel()]
+            scales = scales.view(torch.float8_e8m0fnu)
+        else:
+            scales = torch.rand(grid, generator=g) * 4 + 1e-3
+        return [values, scales], ref.fp8_block(values, scales, block, BF16, scale)
+    if fmt == "fp8_tensor":
+        values = ref.random_codes(g, (*lead, rows, cols), NAN_AND_SUBNORMAL_E4M3).view(torch.float8_e4m3fn)
+        scale_ = torch.rand((1,), generator=g) * 3
+        return [values, scale_], ref.fp8_tensor(values, scale_, BF16)
+    if fmt == "fp8_channel":
+        values = ref.random_codes(g, (*lead, rows, cols), NAN_AND_SUBNORMAL_E4M3).view(torch.float8_e4m3fn)
+        scales = torch.rand((*lead, rows, 1), generator=g) * 3
+        return [values, scales], ref.fp8_channel(values, scales, BF16)
+    if fmt == "mxfp4":
+        groups = -(-cols // 32)
+        blocks = ref.random_codes(g, (*lead, rows, groups, 16))
+        scales = ref.random_codes(g, (*lead, rows, groups)) % 16 + 120
+        scales.view(-1)[:len(E8M0_EDGES)] = torch.tensor(E8M0_EDGES, dtype=torch.uint8)[:scales.numel()]
+        return [blocks, scales], ref.mxfp4(blocks, scales, BF16)
+    assert fmt == "nvfp4"
+    half = -(-cols // 2)
+    packed = ref.random_codes(g, (*lead, rows, half))
+    scales = ref.random_codes(g, (*lead, rows, -(-2 * half // 16)), NAN_AND_SUBNORMAL_E4M3)
+    scales = scales.view(torch.float8_e4m3fn)
+    global_scale = torch.rand((), generator=g) + 0.01
+    return [packed, scales, global_scale], ref.nvfp4(packed, scales, global_scale, BF16)
+
+
+PARAMS = {"fp8_block": lambda block, scale: {"block": block, "scale": scale, "to": "bfloat16"},
+          "fp8_tensor": lambda *_: {"to": "bfloat16"}, "fp8_channel": lambda *_: {"to": "bfloat16"},
+          "mxfp4": lambda *_: {"to": "bfloat16"}, "nvfp4": lambda *_: {"to": "bfloat16"}}
+
+
+def decode_box(fmt_name, tensors, params, box):
+    """What a plan does for one box: cover, cut the parts to their covers, decode."""
+    fmt = get_format(fmt_name)
+    parts = [Part(f"p{i}", str(t.dtype).removeprefix("torch."), tuple(t.shape)) for i, t in enumerate(tensors)]
+    shape = fmt.logical_shape(parts, params)
+    views = fmt.views(parts, params)
+    covers = fmt.cover(box, parts, params)
+    cut = []
+    for t, view, (offsets, sizes) in zip(tensors, views, covers):
+        t = t.reshape(view)
+        cut.append(t[tuple(slice(o, o + n) for o, n in zip(offsets, sizes))].contiguous())
+    out = torch.empty(box[1], dtype=BF16)
+    fmt.decode(cut, box, covers, params, out)
+    return shape, covers, out
+
+
+@st.composite
+def format_cases(draw):
+    fmt = draw(st.sampled_from(sorted(PARAMS)))
+    lead = tuple(draw(st.lists(st.integers(1, 3), max_size=1)))
+    rows = draw(st.integers(1, 40))
+    if fmt == "mxfp4":
+        cols = 32 * draw(st.integers(1, 3))
+    elif fmt == "nvfp4":
+        cols = 2 * draw(st.integers(1, 40))
+    else:
+        cols = draw(st.integers(1, 40))
+    block = (draw(st.integers(1, 9)), draw(st.integers(1, 9)))
+    scale = draw(st.sampled_from(["float32", "e8m0"]))
+    shape = (*lead, rows, cols)
+    offsets = tuple(draw(st.integers(0, n - 1)) for n in shape)
+    sizes = tuple(draw(st.integers(1, n - o)) for n, o in zip(shape, offsets))
+    return fmt, lead, rows, cols, block, scale, (offsets, sizes), draw(st.integers(0, 2**31))
+
+
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(format_cases())
+def test_every_box_decodes_like_the_reference(case):
+    """Any box of any format, edge blocks and every byte code included, equals the reference's
+    decode of the whole tensor cut to that box; the covers stay inside the parts."""
+    fmt, lead, rows, cols, block, scale, box, seed = case
+    tensors, want = make_parts(fmt, lead, rows, cols, block, torch.Generator().manual_seed(seed), scale)
+    params = PARAMS[fmt](block, scale)
+    shape, covers, got = decode_box(fmt, tensors, params, box)
+    assert shape == tuple(want.shape)
+    (offsets, sizes) = box
+    assert same(got, want[tuple(slice(o, o + n) for o, n in zip(offsets, sizes))])
+    views = get_format(fmt).views([Part("", "", tuple(t.shape)) for t in tensors], params)
+    for (o, n), view in zip(covers, views):
+        assert all(0 <= a and a + b <= v for a, b, v in zip(o, n, view)), (covers, views)
+
+
+@pytest.mark.parametrize("rows", [576, 1000, 128, 1])
+def test_partial_edge_blocks_load_exactly(tmp_path, rows):
+    """A 576- or 1000-row weight in 128-blocks (a partial last block row; transformers raises on
+    the first and mis-scales the second) dequantizes exactly."""
+    g = torch.Generator().manual_seed(rows)
+    (values, scales), want = make_parts("fp8_block", (), rows, 256, (128, 128), g)
+    write(tmp_path, {"w.weight": values, "w.weight_scale_inv": scales})
+    got, report, _ = load_text("""remap 1
+dequantize {P:path}.weight, {P}.weight_scale_inv -> {P}.weight | fp8_block(block=[128, 128], to=bfloat16)
+w.weight -> w
+""", tmp_path)
+    assert same(got["w"], want)
+    assert report.bytes_read == values.numel() + scales.numel() * 4
+    assert report.scale_bytes_read == scales.numel() * 4
+
+
+def test_layout_ops_after_dequantize_equal_torch_ops_on_the_reference(tmp_path):
+    """Stack experts, fuse gate/up, transpose, cast: the ops apply to the logical tensors."""
+    g = torch.Generator().manual_seed(0)
+    tensors, want = {}, {}
+    for e in range(3):
+        for name, rows in (("gate", 40), ("up", 40), ("down", 24)):
+            cols = 24 if name != "down" else 40
+            (v, s), w = make_parts("fp8_block", (), rows, cols, (16, 16), g)
+            tensors[f"e.{e}.{name}.weight"], tensors[f"e.{e}.{name}.weight_scale_inv"] = v, s
+            want[(e, name)] = w
+    write(tmp_path, tensors)
+    got, _, compiled = load_text("""remap 1
+dequantize {P:path}.weight, {P}.weight_scale_inv -> {P}.weight | fp8_block(block=[16, 16], to=bfloat16)
+e.{E}.{gate,up}.weight -> gate_up | stack(E, dim=0) | concat(dim=1)
+e.{E}.down.weight -> down_t | stack(E, dim=0) | transpose(1, 2) | cast(float32)
+""", tmp_path)
+    assert len(compiled.logical) == 9
+    gate_up = torch.stack([torch.cat([want[(e, "gate")], want[(e, "up")]]) for e in range(3)])
+    assert same(got["gate_up"], gate_up)
+    down_t = torch.stack([want[(e, "down")] for e in range(3)]).transpose(1, 2).float()
+    assert same(got["down_t"], down_t)
+
+
+@pytest.mark.parametrize("fmt", sorted(PARAMS))
+def test_each_format_through_a_load(tmp_path, fmt):
+    g = torch.Generator().manual_seed(7)
+    cols = {"mxfp4": 64, "nvfp4": 48}.get(fmt, 40)
+    tensors, want = make_parts(fmt, (), 20, cols, (8, 16), g)
+    names, statement, logical = {
+        "fp8_block": (("x.weight", "x.weight_scale_inv"), "{P:path}.weight, {P}.weight_scale_inv -> {P}.weight "
+                      "| fp8_block(block=[8, 16], to=bfloat16)", "x.weight"),
+        "fp8_tensor": (("x.weight", "x.weight_scale"), "{P:path}.weight, {P}.weight_scale -> {P}.weight "
+                       "| fp8_tensor(to=bfloat16)", "x.weight"),
+        "fp8_channel": (("x.weight", "x.weight_scale"), "{P:path}.weight, {P}.weight_scale -> {P}.weight "
+                        "| fp8_channel(to=bfloat16)", "x.weight"),
+        "mxfp4": (("x_blocks", "x_scales"), "{P:path}_blocks, {P}_scales -> {P} | mxfp4(to=bfloat16)", "x"),
+        "nvfp4": (("x.weight", "x.weight_scale", "x.weight_scale_2"), "{P:path}.weight, {P}.weight_scale, "
+                  "{P}.weight_scale_2 -> {P}.weight | nvfp4(to=bfloat16)", "x.weight"),
+    }[fmt]
+    write(tmp_path, dict(zip(names, tensors)))
+    got, report, _ = load_text(f"remap 1\ndequantize {statement}\n{logical} -> out | transpose(0, 1)\n", tmp_path)
+    assert same(got["out"], want.t())
+    assert report.bytes_read == sum(t.numel() * t.element_size() for t in tensors)
+
+
+def test_a_weight_without_a_scale_passes_through(tmp_path):
+    g = torch.Generator().manual_seed(1)
+    (v, s), want = make_parts("fp8_block", (), 8, 8, (4, 4), g)
+    norm = torch.randn(8).to(BF16)
+    write(tmp_path, {"a.weight": v, "a.weight_scale_inv": s, "norm.weight": norm})
+    got, _, compiled = load_text("""remap 1
+dequantize {P:path}.weight, {P}.weight_scale_inv -> {P}.weight | fp8_block(block=[4, 4], to=bfloat16)
+{n:seg}.weight -> {n}
+""", tmp_path)
+    assert [s.key for s in compiled.logical] == ["a.weight"]
+    assert same(got["a"], want) and torch.equal(got["norm"], norm)
+
+
+# ------------------------------------------------------------------------------------ narrow reads
+
+
+def test_tp_shards_read_only_their_values_and_covering_scales(tmp_path):
+    """Column and row shards under TP=4 of dequantized weights (blocks cut by the shard edges):
+    each rank's values are exactly its elements, its scales the covering tiles, and what it
+    decodes equals the reference cut to its shard."""
+    g = torch.Generator().manual_seed(3)
+    (qv, qs), q_want = make_parts("fp8_block", (), 200, 96, (32, 32), g)  # 200 rows: uneven, partial
+    (ov, os_), o_want = make_parts("fp8_block", (), 96, 200, (32, 32), g)
+    (ev, es), e_want = make_parts("mxfp4", (4,), 48, 64, None, g)
+    write(tmp_path, {"q.weight": qv, "q.weight_scale_inv": qs, "o.weight": ov, "o.weight_scale_inv": os_,
+                     "experts_blocks": ev, "experts_scales": es})
+    text = """remap 1
+dequantize {P:path}.weight, {P}.weight_scale_inv -> {P}.weight | fp8_block(block=[32, 32], to=bfloat16)
+dequantize {P:path}_blocks, {P}_scales -> {P} | mxfp4(to=bfloat16)
+q.weight -> q
+o.weight -> o
+experts -> experts | transpose(1, 2)
+"""
+    rules = rules_from_text(text, "t.remap")
+    inventory = remapdsl.open_checkpoint(tmp_path)
+    compiled = remapdsl.compile_rules(rules, inventory, {})
+    mesh = Mesh.of({"tp": 4})
+    layout = LayoutPlan.from_mapping({"q": "colwise", "o": "rowwise", "experts": [Shard(dim=2)]}, mesh_dim="tp")
+    full = {"q": q_want, "o": o_want, "experts": e_want.transpose(1, 2)}
+    total_values = 0
+    for rank in range(4):
+        plan = remapdsl.plan_rank(compiled, inventory, layout, mesh, rank)
+        assert plan.bytes_read == plan.bytes_owned + plan.scale_bytes_read
+        local, shards = {}, {}
+        for key, whole in full.items():
+            shard = local_shard(whole.shape, mesh.sizes, layout_for(key, whole.shape, layout, mesh),
+                                mesh.coordinate(rank))
+            local[key] = torch.full(shard.shape, float("nan"), dtype=BF16)
+            shards[key] = shard
+        from remapdsl.execute import run_plan
+
+        run_plan(plan, inventory, local)
+        for key, shard in shards.items():
+            (box,) = shard.boxes
+            assert same(local[key], full[key][tuple(slice(o, o + n) for o, n in zip(box.offsets, box.sizes))])
+        total_values += plan.bytes_owned
+        # the values read are the rank's elements; the scale rows read are those its rows touch
+        q_rows = shards["q"].boxes[0]
+        q_item = next(i for i in plan.decodes if i.runtime_key == "q")
+        assert sum(n for _, n in q_item.parts[0].runs) == q_rows.sizes[0] * 96
+        first, last = q_rows.offsets[0] // 32, -(-(q_rows.offsets[0] + q_rows.sizes[0]) // 32)
+        assert sum(n for _, n in q_item.parts[1].runs) == (last - first) * 3 * 4
+    assert total_values == qv.numel() + ov.numel() + ev.numel()
+
+
+# ------------------------------------------------------------------------------------------ errors
+
+
+def bind_error(text, folder) -> BindError:
+    with pytest.raises(BindError) as info:
+        remapdsl.compile_rules(rules_from_text(text, "t.remap"), remapdsl.open_checkpoint(folder), {})
+    return info.value
+
+
+def test_a_scale_grid_that_does_not_fit_is_an_error(tmp_path):
+    write(tmp_path, {"a.weight": torch.zeros(576, 256).to(torch.float8_e4m3fn),
+                     "a.weight_scale_inv": torch.ones(4, 2)})
+    err = bind_error("""remap 1
+dequantize {P:path}.weight, {P}.weight_scale_inv -> {P}.weight | fp8_block(block=[128, 128], to=bfloat16)
+a.weight -> a
+""", tmp_path)
+    d = err.diagnostics[0]
+    assert d.code == "E221" and d.span.line == 2
+    assert "[4, 2]" in d.message and "[5, 2]" in d.message and "a.weight_scale_inv" in d.message
+
+
+def test_values_of_the_wrong_dtype_are_an_error(tmp_path):
+    write(tmp_path, {"a.weight": torch.zeros(8, 8, dtype=BF16), "a.weight_scale_inv": torch.ones(1, 1)})
+    err = bind_error("""remap 1
+dequantize {P:path}.weight, {P}.weight_scale_inv -> {P}.weight | fp8_block(block=[8, 8], to=bfloat16)
+a.weight -> a
+""", tmp_path)
+    assert err.diagnostics[0].code == "E221" and "bfloat16, expected float8_e4m3fn" in err.diagnostics[0].message
+
+
+def test_a_scale_without_its_weight_is_an_error(tmp_path):
+    write(tmp_path, {"a.weight": torch.zeros(8, 8).to(torch.float8_e4m3fn), "a.weight_scale_inv": torch.ones(1, 1),
+                     "b.weight_scale_inv": torch.ones(1, 1)})
+    err = bind_error("""remap 1
+dequantize {P:path}.weight, {P}.weight_scale_inv -> {P}.weight | fp8_block(block=[8, 8], to=bfloat16)
+a.weight -> a
+""", tmp_path)
+    assert err.diagnostics[0].code == "E222" and "b.weight_scale_inv" in err.diagnostics[0].message
+
+
+def test_the_wrong_number_of_parts_is_an_error(tmp_path):
+    write(tmp_path, {"a.weight": torch.zeros(8, 8).to(torch.float8_e4m3fn), "a.weight_scale": torch.ones(1)})
+    err = bind_error("""remap 1
+dequantize {P:path}.weight, {P}.weight_scale, {P}.weight_scale -> {P}.weight | fp8_tensor(to=bfloat16)
+a.weight -> a
+""", tmp_path)
+    assert err.diagnostics[0].code == "E221" and "takes 2 source tensors" in err.diagnostics[0].message
+
+
+def test_a_logical_name_taken_by_a_checkpoint_tensor_is_an_error(tmp_path):
+    write(tmp_path, {"a.q": torch.zeros(8, 8).to(torch.float8_e4m3fn), "a.s": torch.ones(1),
+                     "a.weight": torch.zeros(2)})
+    err = bind_error("""remap 1
+dequantize {P:path}.q, {P}.s -> {P}.weight | fp8_tensor(to=bfloat16)
+a.weight -> a
+""", tmp_path)
+    assert err.diagnostics[0].code == "E223"
+
+
+# ------------------------------------------------------------------------ a format from Python
+
+
+class Int8Row(QuantFormat):
+    """int8 values with one float32 scale per row (an example of a format written in Python)."""
+
+    name = "int8_row"
+    parts = ("values", "scales")
+    params = get_format("fp8_channel").params
+
+    def logical_shape(self, parts, params):
+        values, scales = parts
+        if values.dtype != "int8" or tuple(scales.shape) != tuple(values.shape[:-1]):
+            from remapdsl.quant import FormatError
+
+            raise FormatError(f"want int8 values and one scale per row, got {values.dtype} {scales.shape}")
+        return tuple(values.shape)
+
+    def cover(self, box, parts, params):
+        return box, (box[0][:-1], box[1][:-1])
+
+    def decode(self, tensors, box, covers, params, out):
+        values, scales = tensors
+        torch.mul(values.to(torch.float32), scales.unsqueeze(-1), out=out)
+
+
+@pytest.fixture
+def int8_row():
+    fmt = register_format(Int8Row())
+    yield fmt
+    unregister_format("int8_row")
+
+
+def test_a_format_registered_from_python(tmp_path, int8_row):
+    values = torch.randint(-128, 128, (6, 10), dtype=torch.int8)
+    scales = torch.rand(6)
+    write(tmp_path, {"a.qweight": values, "a.scales": scales})
+    got, _, _ = load_text("""remap 1
+dequantize {P:path}.qweight, {P}.scales -> {P}.weight | int8_row(to=bfloat16)
+a.weight -> a
+""", tmp_path)
+    assert torch.equal(got["a"], (values.double() * scales.double()[:, None]).float().to(BF16))
+    formatted = remapdsl.format_rules(remapdsl.parse_text(
+        "remap 1\ndequantize {P:path}.qweight, {P}.scales -> {P}.weight | int8_row(to=bfloat16)\n", "t.remap"))
+    assert "int8_row(to=bfloat16)" in formatted
+
+
+def test_registered_format_arguments_are_checked(int8_row):
+    with pytest.raises(remapdsl.RemapError) as info:
+        rules_from_text("remap 1\ndequantize {P:path}.q, {P}.s -> {P} | int8_row(too=bfloat16)\n", "t.remap")
+    codes = [d.code for d in info.value.diagnostics]
+    assert "E128" in codes and "`too`" in str(info.value) and "did you mean `to`" in str(info.value)
+
+
+def test_an_unknown_format_names_the_registered_ones(int8_row):
+    with pytest.raises(remapdsl.RemapError) as info:
+        rules_from_text("remap 1\ndequantize {P:path}.q, {P}.s -> {P} | int8_rows(to=bfloat16)\n", "t.remap")
+    assert info.value.diagnostics[0].code == "E035" and "int8_row" in str(info.value)
