@@ -98,34 +98,42 @@ class Fp8Block(QuantFormat):
     def decode(self, tensors, box, covers, params, out):
         import torch
 
+        from .kernels import e4m3_scaled
+
         values, scales = tensors
         rows_block, cols_block = self.block(params)
         (r0, c0), (h, w) = box[0][-2:], box[1][-2:]
         g0, k0 = covers[1][0][-2], covers[1][0][-1]
+        grid_rows = covers[1][1][-2]
         scale = _scale_f32(scales, params.get("scale", "float32"))
-        # per column of the box, per row block of the grid: [..., grid rows, w] (1/rows_block of the box)
+        # per column of the box: [lead..., grid rows, w], then one row of scales per grid row
         at = c0 - k0 * cols_block
-        scale = scale.repeat_interleave(cols_block, dim=-1)[..., at:at + w]
-        values = values.to(out.dtype)  # exact: every E4M3 value is a 16-bit float
-        # at most three row segments: the first block's tail, whole blocks, the last block's head
-        for a, b in _segments(r0, h, rows_block):
-            block = (r0 + a) // rows_block - g0
-            whole = (r0 + a) % rows_block == 0 and (b - a) % rows_block == 0
-            n = (b - a) // rows_block if whole else 1  # else the segment lies inside one block
-            if n == 1:
-                torch.mul(values[..., a:b, :], scale[..., block:block + 1, :], out=out[..., a:b, :])
-            else:
-                torch.mul(values[..., a:b, :].unflatten(-2, (n, rows_block)),
-                          scale[..., block:block + n, :].unsqueeze(-2),
-                          out=out[..., a:b, :].unflatten(-2, (n, rows_block)))
+        scale = scale.repeat_interleave(cols_block, dim=-1)[..., at:at + w].reshape(-1, w)
+        # the scale row of each row of the box, leading dims flattened into rows
+        lead = values.numel() // max(1, h * w)
+        block_of_row = (torch.arange(r0, r0 + h) // rows_block - g0).repeat(lead)
+        block_of_row += torch.arange(lead).repeat_interleave(h) * grid_rows
+
+        def scale_rows(a: int, b: int):
+            first, last = int(block_of_row[a]), int(block_of_row[b - 1])
+            return scale[first:first + 1] if first == last else scale.index_select(0, block_of_row[a:b])
+
+        _into(out, lambda flat: e4m3_scaled(values.reshape(-1, w), scale_rows, flat))
 
 
-def _segments(start: int, size: int, block: int) -> list[tuple[int, int]]:
-    """Rows [0, size) of a box starting at `start`, cut where blocks of `block` rows begin, with
-    whole blocks kept together: at most three (relative start, end) pairs."""
-    end = start + size
-    cuts = sorted({start, min(end, _ceil(start, block) * block), max(start, end // block * block), end})
-    return [(a - start, b - start) for a, b in zip(cuts, cuts[1:]) if b > a]
+def _into(out, fill) -> None:
+    """Run `fill(flat)` on out viewed as [rows, cols], or on a scratch tensor copied into out."""
+    import torch
+
+    from .kernels import rows_of
+
+    flat = rows_of(out)
+    if flat is not None:
+        fill(flat)
+        return
+    scratch = torch.empty(out.shape, dtype=out.dtype)
+    fill(scratch.view(-1, out.shape[-1]))
+    out.copy_(scratch)
 
 
 def _scale_f32(scales, kind: str):
@@ -161,9 +169,11 @@ class Fp8Tensor(QuantFormat):
     def decode(self, tensors, box, covers, params, out):
         import torch
 
+        from .kernels import e4m3_scaled
+
         values, scale = tensors
-        # a 1-element 1-D scale, not 0-dim: a 0-dim float32 would not promote the product to float32
-        torch.mul(values.to(out.dtype), scale.to(torch.float32).reshape(1), out=out)
+        one = scale.to(torch.float32).reshape(1, 1)
+        _into(out, lambda flat: e4m3_scaled(values.reshape(-1, values.shape[-1]), lambda a, b: one, flat))
 
 
 class Fp8Channel(QuantFormat):
@@ -197,9 +207,11 @@ class Fp8Channel(QuantFormat):
     def decode(self, tensors, box, covers, params, out):
         import torch
 
+        from .kernels import e4m3_scaled
+
         values, scales = tensors
-        rows = scales.to(torch.float32).reshape(*box[1][:-1], 1)
-        torch.mul(values.to(out.dtype), rows, out=out)
+        rows = scales.to(torch.float32).reshape(-1, 1)
+        _into(out, lambda flat: e4m3_scaled(values.reshape(-1, values.shape[-1]), lambda a, b: rows[a:b], flat))
 
 
 def _pairs():
