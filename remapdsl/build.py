@@ -173,6 +173,15 @@ class Builder(Transformer):
         return _new(cls, patterns=built, guard=guard.expr if guard else None,
                     span=span_of(keyword, _last(patterns[-1], guard, ())))
 
+    def quantized(self, children: list) -> ir.Quantized | None:
+        keyword, sources, guard, *ops = children
+        span = span_of(keyword, _last(sources[-1], guard, tuple(ops)))
+        built = _patterns(sources, "source", _capture_types(sources))
+        fmt = _format(tuple(ops), span, "quantized")
+        if fmt is None or None in built:
+            return None
+        return _new(ir.Quantized, sources=built, guard=guard.expr if guard else None, format=fmt, span=span)
+
     def dequantize(self, children: list) -> ir.Dequantize | None:
         optional, keyword, sources, target, guard, *ops = children
         ops = tuple(ops)
@@ -180,21 +189,12 @@ class Builder(Transformer):
         types = _capture_types(sources)
         built_sources = _patterns(sources, "source", types)
         (built_target,) = _patterns([target], "target", types)
-        if len(ops) != 1:
-            where = ops[1].span if len(ops) > 1 else span
-            error("E034", "a `dequantize` statement names exactly one format after `|`, "
-                  f"found {len(ops)}", where,
-                  "the format's `to=` sets the dtype, for example "
-                  "`| fp8_block(block=[128, 128], to=bfloat16)`")
+        fmt = _format(ops, span, "dequantize")
+        if fmt is None:
             return None
-        (fmt,) = ops
-        if isinstance(fmt, ir.MacroCall) and fmt.name in format_names():  # registered from Python
-            fmt = _new(ir.FormatCall, name=fmt.name, args=fmt.args, span=fmt.span)
-        if fmt.role != "format":
-            name = fmt.name if isinstance(fmt, ir.MacroCall) else fmt.op_name()
-            known = format_names()
-            error("E035", f"`{name}` is not a quantized format", fmt.span,
-                  did_you_mean(name, known) or f"formats: {', '.join(known)}")
+        if _format_arg(fmt, "to") is None:
+            error("E036", f"`{_op_name(fmt)}` in a `dequantize` needs `to=`, the dtype of the logical tensor",
+                  fmt.span, f"for example `| {_op_name(fmt)}(..., to=bfloat16)`")
             return None
         if None in built_sources or built_target is None:
             return None
@@ -324,6 +324,37 @@ class Builder(Transformer):
 
 # ---- helpers of the callbacks --------------------------------------------------------------
 
+
+
+def _op_name(op: ir.Op) -> str:
+    return op.name if isinstance(op, (ir.MacroCall, ir.FormatCall)) else op.op_name()
+
+
+def _format_arg(op: ir.Op, name: str):
+    if isinstance(op, ir.FormatCall):
+        return next((a.value for a in op.args if a.name == name), None)
+    return getattr(op, name, None)
+
+
+def _format(ops: tuple, span, statement: str) -> ir.Op | None:
+    """The one format op of a `dequantize` or `quantized` statement (a format registered from Python
+    becomes a FormatCall), or None after reporting what is wrong."""
+    if len(ops) != 1:
+        where = ops[1].span if len(ops) > 1 else span
+        error("E034", f"a `{statement}` statement names exactly one format after `|`, found {len(ops)}",
+              where, "the format's `to=` sets the dtype, for example `| fp8_block(block=[128, 128], to=bfloat16)`"
+              if statement == "dequantize" else "for example `| fp8_block(block=[128, 128])`")
+        return None
+    (fmt,) = ops
+    if isinstance(fmt, ir.MacroCall) and fmt.name in format_names():  # registered from Python
+        fmt = _new(ir.FormatCall, name=fmt.name, args=fmt.args, span=fmt.span)
+    if fmt.role != "format":
+        name = _op_name(fmt)
+        known = format_names()
+        error("E035", f"`{name}` is not a quantized format", fmt.span,
+              did_you_mean(name, known) or f"formats: {', '.join(known)}")
+        return None
+    return fmt
 
 def _last(last_pattern, guard, ops):
     if ops:

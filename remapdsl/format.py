@@ -68,6 +68,8 @@ def _head(statement: ir.Statement, seen: set[str]) -> tuple[str, tuple[ir.Op, ..
         sources = _patterns(statement.sources, seen)
         target = format_pattern(statement.target, seen)
         return f"{prefix}dequantize {sources} -> {target}{_guard(statement.guard)}", (statement.format,)
+    if isinstance(statement, ir.Quantized):
+        return f"quantized {_patterns(statement.sources, seen)}{_guard(statement.guard)}", (statement.format,)
     if isinstance(statement, ir.Macro):
         head = f"macro {statement.name}({', '.join(statement.params)}) ="
         first, *rest = statement.ops

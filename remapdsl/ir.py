@@ -20,8 +20,8 @@ from .errors import SpanField
 
 LANGUAGE_VERSIONS = (1,)
 CAPTURE_TYPES = ("int", "seg", "path")
-STATEMENT_KEYWORDS = frozenset({"remap", "let", "drop", "keep", "dequantize", "include", "macro",
-                                "optional", "otherwise"})
+STATEMENT_KEYWORDS = frozenset({"remap", "let", "drop", "keep", "dequantize", "quantized", "include",
+                                "macro", "optional", "otherwise"})
 KEYWORDS = frozenset({"when", "and", "or", "not", "true", "false", "config"}) | STATEMENT_KEYWORDS
 _LEXER_KEYWORDS = frozenset({"when", "and", "or", "not", "true", "false"})  # read as such anywhere
 _NUMBER_LIKE = re.compile(r"[0-9]+(\.[0-9]+)?[eE][+-]?[0-9]+")
@@ -529,7 +529,7 @@ class Add(Op):
     value: Expr
 
 
-_TO = Param("to", "dtype")
+_TO = Param("to", "dtype", False)  # required in a `dequantize` (E036), not in `quantized`
 
 
 class Fp8Block(Op):
@@ -540,7 +540,7 @@ class Fp8Block(Op):
     summary = "F8_E4M3 values times a scale per [rows, cols] block (DeepSeek-V3)"
     block: Expr
     scale: Expr | None = None
-    to: Expr
+    to: Expr | None = None
 
 
 class Fp8Tensor(Op):
@@ -549,7 +549,7 @@ class Fp8Tensor(Op):
     role = "format"
     params = (_TO,)
     summary = "F8_E4M3 values times one scalar scale"
-    to: Expr
+    to: Expr | None = None
 
 
 class Fp8Channel(Op):
@@ -558,7 +558,7 @@ class Fp8Channel(Op):
     role = "format"
     params = (_TO,)
     summary = "F8_E4M3 values times a scale per output row"
-    to: Expr
+    to: Expr | None = None
 
 
 class Mxfp4(Op):
@@ -567,7 +567,7 @@ class Mxfp4(Op):
     role = "format"
     params = (_TO,)
     summary = "packed E2M1 pairs with an E8M0 scale per 32 values (gpt-oss)"
-    to: Expr
+    to: Expr | None = None
 
 
 class Nvfp4(Op):
@@ -576,7 +576,7 @@ class Nvfp4(Op):
     role = "format"
     params = (_TO,)
     summary = "packed E2M1 pairs, an F8_E4M3 scale per 16 values and a global F32 scale"
-    to: Expr
+    to: Expr | None = None
 
 
 class Arg(Node):
@@ -740,6 +740,26 @@ class Dequantize(Statement):
         _sided(self.sources, "source")
         _sided((self.target,), "target")
         _roles((self.format,), ("format",), "a dequantize statement")
+        given = ({a.name for a in self.format.args} if isinstance(self.format, FormatCall)
+                 else {"to"} if getattr(self.format, "to", None) is not None else set())
+        if "to" not in given:
+            raise ValueError("a dequantize statement's format needs `to=`")
+        return self
+
+
+class Quantized(Statement):
+    """`quantized SOURCES | format(...)`: these tensors are the parts of quantized weights that the
+    rules move as they are (no dequantizing); every cut through the values must fall on a block."""
+
+    kind: Literal["quantized"] = "quantized"
+    sources: tuple[Pattern, ...]
+    guard: Expr | None = None
+    format: AnyOp
+
+    @model_validator(mode="after")
+    def _valid(self) -> Quantized:
+        _sided(self.sources, "source")
+        _roles((self.format,), ("format",), "a quantized statement")
         return self
 
 
@@ -779,7 +799,7 @@ class Macro(Statement):
 
 
 AnyStatement = Annotated[
-    Union[Version, Let, Rule, Drop, Keep, Dequantize, Include, Macro], Field(discriminator="kind")
+    Union[Version, Let, Rule, Drop, Keep, Dequantize, Quantized, Include, Macro], Field(discriminator="kind")
 ]
 
 
@@ -810,5 +830,5 @@ class RuleFile(Node):
 
 for _model in (List, Neg, Not, BinOp, Compare, BoolOp, Coalesce, Subst, Pattern, Arg):
     _model.model_rebuild()
-for _model in BUILTIN_OPS + (MacroCall, FormatCall, Rule, Dequantize, Macro, Let, Drop, Keep, RuleFile):
+for _model in BUILTIN_OPS + (MacroCall, FormatCall, Rule, Dequantize, Quantized, Macro, Let, Drop, Keep, RuleFile):
     _model.model_rebuild()

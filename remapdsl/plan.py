@@ -119,6 +119,8 @@ def make_load_plan(compiled: Compiled, inventory: Inventory, held: Mapping[str, 
         if shard is None:
             continue
         for box, local_offsets in zip(shard.boxes, shard.local_offsets):
+            if d.grid:
+                _check_grid(d, box, rank)
             for block in d.blocks:
                 piece = _intersect(block, box.offsets, box.sizes)
                 if piece is None:
@@ -174,6 +176,22 @@ def _decode_item(runtime_key: str, local: tuple[int, ...], piece: Block, source,
                                     for first, length in runs)))
     return DecodeItem(runtime_key, local, piece.sizes, source.key, source.format, source.params, box,
                       tuple(reads), strides, offset, source.dtype, piece.steps)
+
+
+def _check_grid(d, box, rank: int) -> None:
+    """A shard of stored quantized values must hold whole blocks: its edges on the grid."""
+    from .errors import Diagnostic, RemapError
+
+    for dim, (g, start, size, extent) in enumerate(zip(d.grid, box.offsets, box.sizes, d.shape)):
+        for edge in (start, start + size):
+            if g > 1 and size and edge % g and edge != extent:
+                raise RemapError(Diagnostic(
+                    code="E412", span=d.rule,
+                    message=f"rank {rank}'s shard of `{d.runtime_key}` ({start}:{start + size} of dim {dim}) "
+                            f"cuts inside a block of {g}: the values are kept quantized, and a shard edge at "
+                            f"{edge} would split one block's values from its scale",
+                    hint=f"shard dim {dim} in multiples of {g} (an even split of {extent // g} blocks), "
+                         "or dequantize the tensor"))
 
 
 def _owned_values(item: DecodeItem, source, inventory: Inventory) -> int:

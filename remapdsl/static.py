@@ -67,6 +67,13 @@ class _Checker:
             self.rule(s)
         elif isinstance(s, ir.Dequantize):
             self.dequantize(s)
+        elif isinstance(s, ir.Quantized):
+            captures = self.captures(s.sources)
+            if s.guard is not None:
+                self.expr(s.guard, captures)
+            if any(_list_length(p) != 1 for p in s.sources):
+                self.error("E111", "a `quantized` statement takes no `{a,b}` alternatives", s.span)
+            self.op(s.format, {}, {})
         elif isinstance(s, (ir.Drop, ir.Keep)):
             captures = self.captures(s.patterns)
             if s.guard is not None:
@@ -308,7 +315,7 @@ class _Checker:
             kind = declared[names.index(name)].kind
             if kind != "capture":
                 self.typed(arg.value, kind, params, name, captures)
-        for missing in [p.name for p in declared if p.required and p.name not in given]:
+        for missing in [p.name for p in declared if p.required and p.name not in given and p.name != "to"]:
             self.error("E128", f"format `{call.name}` needs argument `{missing}`", call.span)
 
     def op(self, op: ir.Op, params, captures) -> None:

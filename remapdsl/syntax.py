@@ -13,7 +13,7 @@ from lark import Lark, UnexpectedInput, UnexpectedToken
 
 from .errors import Diagnostic, Span, suggest
 
-STATEMENT_KEYWORDS = ("remap", "let", "drop", "keep", "dequantize", "include", "macro",
+STATEMENT_KEYWORDS = ("remap", "let", "drop", "keep", "dequantize", "quantized", "include", "macro",
                       "optional", "otherwise")
 _NAMED = {
     "WORD": "a name",
@@ -91,9 +91,9 @@ def syntax_diagnostic(exc: UnexpectedInput, text: str, path: str, parser: Lark) 
             return diag("E004", "a `|` line continues the statement above it, but there is none",
                         "start the rule on the line above, or remove the `|`")
         return diag("E004", f"a `|` line continues the statement above it, but that is a `{above}`, "
-                    "which takes no ops", "only mapping rules, `dequantize` and `macro` take `| op`")
+                    "which takes no ops", "only mapping rules, `dequantize`, `quantized` and `macro` take `| op`")
     if kind == "VBAR":
-        return diag("E004", "only mapping rules, `dequantize` and `macro` take `| op`")
+        return diag("E004", "only mapping rules, `dequantize`, `quantized` and `macro` take `| op`")
     if statement.endswith("|") and kind in ("_NL", "$END"):
         return diag("E005", "expected an op after `|`", "for example `| cast(bfloat16)`")
     if statement in _EXAMPLES and kind in ("_NL", "$END"):
@@ -146,6 +146,8 @@ _EXAMPLES = {
     "include": ("a quoted path", 'include "common.remap"'),
     "dequantize": ("sources, a logical key and a format",
                    "dequantize {P:path}.weight, {P}.weight_scale -> {P}.weight | fp8_tensor(to=bfloat16)"),
+    "quantized": ("source patterns and a format",
+                  "quantized {P:path}.weight, {P}.weight_scale_inv | fp8_block(block=[128, 128])"),
     "macro": ("a name, parameters and ops", "macro swap() = transpose(0, 1)"),
     "optional": ("a rule", "optional {P:path}.bias -> {P}.bias"),
     "otherwise": ("a rule", "otherwise {P:path} -> {P}"),
@@ -178,8 +180,8 @@ def _expected_words(expected: set[str], shown: dict[str, str]) -> str:
     names = set(expected) - {"WS", "COMMENT"}
     groups: list[str] = []
     if "LET" in names:
-        groups.append("a statement (a rule, `let`, `drop`, `keep`, `dequantize`, `include` or `macro`)")
-        names -= {"LET", "REMAP", "DROP", "KEEP", "DEQUANTIZE", "INCLUDE", "MACRO", "OPTIONAL",
+        groups.append("a statement (a rule, `let`, `drop`, `keep`, `dequantize`, `quantized`, `include` or `macro`)")
+        names -= {"LET", "REMAP", "DROP", "KEEP", "DEQUANTIZE", "QUANTIZED", "INCLUDE", "MACRO", "OPTIONAL",
                   "OTHERWISE", "WORD", "LBRACE", "STAR", "DOUBLE_STAR"}
     if {"WORD", "LPAR", "LSQB"} <= names:
         groups.append("an expression")

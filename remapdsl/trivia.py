@@ -72,13 +72,13 @@ def _line_owners(statements: tuple[ir.Statement, ...]) -> dict[int, tuple[int, i
 def _ops_of(statement: ir.Statement) -> tuple[ir.Op, ...]:
     if isinstance(statement, (ir.Rule, ir.Macro)):
         return statement.ops
-    if isinstance(statement, ir.Dequantize):
+    if isinstance(statement, (ir.Dequantize, ir.Quantized)):
         return (statement.format,)
     return ()
 
 
 def _replace_ops(statement: ir.Statement, ops: tuple[ir.Op, ...]) -> ir.Statement:
-    if isinstance(statement, ir.Dequantize):
+    if isinstance(statement, (ir.Dequantize, ir.Quantized)):
         return statement.model_copy(update={"format": ops[0]})
     return statement.model_copy(update={"ops": ops})
 

@@ -245,12 +245,14 @@ capture_types = st.dictionaries(
 
 
 @st.composite
-def builtin_ops(draw, cls: type[ir.Op], trivia: st.SearchStrategy = st.just(ir.NO_TRIVIA)) -> ir.Op:
-    """An op of class `cls`, every declared parameter filled with a value of the right shape."""
+def builtin_ops(draw, cls: type[ir.Op], trivia: st.SearchStrategy = st.just(ir.NO_TRIVIA),
+                need: tuple[str, ...] = ()) -> ir.Op:
+    """An op of class `cls`, every declared parameter filled with a value of the right shape
+    (optional ones sometimes left out, except those named in `need`)."""
     fields = {}
     for param in cls.params:
         value = identifiers if param.kind == "capture" else small_exprs
-        if not param.required:
+        if not param.required and param.name not in need:
             value = st.none() | value
         fields[param.name] = draw(value)
     return cls(**{k: v for k, v in fields.items() if v is not None}, trivia=draw(trivia))
@@ -264,15 +266,16 @@ def macro_calls(draw, trivia: st.SearchStrategy = st.just(ir.NO_TRIVIA)) -> ir.M
 
 
 def ops(roles: tuple[str, ...] = ("layout", "value"), macro: bool = True,
-        trivia: st.SearchStrategy = st.just(ir.NO_TRIVIA)) -> st.SearchStrategy:
-    choices = [builtin_ops(cls, trivia) for cls in ir.BUILTIN_OPS if cls.role in roles]
+        trivia: st.SearchStrategy = st.just(ir.NO_TRIVIA), need: tuple[str, ...] = ()) -> st.SearchStrategy:
+    choices = [builtin_ops(cls, trivia, need) for cls in ir.BUILTIN_OPS if cls.role in roles]
     if macro:
         choices.append(macro_calls(trivia))
     return st.one_of(choices)
 
 
 pipe_ops = ops(("layout", "value"), trivia=op_trivia)  # what a mapping rule may hold
-format_ops = ops(("format",), macro=False, trivia=op_trivia)  # what a dequantize names
+format_ops = ops(("format",), macro=False, trivia=op_trivia)  # what a `quantized` names
+dequantize_formats = ops(("format",), macro=False, trivia=op_trivia, need=("to",))  # `to=` required
 any_ops = ops(("layout", "value", "format"), trivia=op_trivia)  # a macro body takes anything
 
 # ---- statements ----------------------------------------------------------------------------
@@ -311,8 +314,19 @@ def dequantizes(draw) -> ir.Dequantize:
         sources=tuple(draw(st.lists(source_patterns(captures), min_size=1, max_size=3))),
         target=draw(target_patterns()),
         guard=draw(guards),
-        format=draw(format_ops),
+        format=draw(dequantize_formats),
         optional=draw(st.booleans()),
+        trivia=draw(statement_trivia),
+    )
+
+
+@st.composite
+def quantizeds(draw) -> ir.Quantized:
+    captures = draw(capture_types)
+    return ir.Quantized(
+        sources=tuple(draw(st.lists(source_patterns(captures), min_size=1, max_size=3))),
+        guard=draw(guards),
+        format=draw(format_ops),
         trivia=draw(statement_trivia),
     )
 
@@ -332,7 +346,7 @@ def macros(draw) -> ir.Macro:
                     ops=(first, *rest), trivia=draw(statement_trivia))
 
 
-statements = st.one_of(lets, rules(), drops_and_keeps(), dequantizes(), includes, macros())
+statements = st.one_of(lets, rules(), drops_and_keeps(), dequantizes(), quantizeds(), includes, macros())
 
 
 @st.composite

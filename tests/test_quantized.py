@@ -376,7 +376,7 @@ a.weight -> a
 
 def test_registered_format_arguments_are_checked(int8_row):
     with pytest.raises(remapdsl.RemapError) as info:
-        rules_from_text("remap 1\ndequantize {P:path}.q, {P}.s -> {P} | int8_row(too=bfloat16)\n", "t.remap")
+        rules_from_text("remap 1\nquantized {P:path}.q, {P}.s | int8_row(too=bfloat16)\n", "t.remap")
     codes = [d.code for d in info.value.diagnostics]
     assert "E128" in codes and "`too`" in str(info.value) and "did you mean `to`" in str(info.value)
 
@@ -385,3 +385,80 @@ def test_an_unknown_format_names_the_registered_ones(int8_row):
     with pytest.raises(remapdsl.RemapError) as info:
         rules_from_text("remap 1\ndequantize {P:path}.q, {P}.s -> {P} | int8_rows(to=bfloat16)\n", "t.remap")
     assert info.value.diagnostics[0].code == "E035" and "int8_row" in str(info.value)
+
+
+# --------------------------------------------------------------------- stored as they are
+
+
+PASS_THROUGH = """remap 1
+quantized {P:path}.weight, {P}.weight_scale_inv | fp8_block(block=[128, 128])
+e.{E}.{gate,up}.weight -> gate_up | stack(E, dim=0) | concat(dim=1)
+e.{E}.{gate,up}.weight_scale_inv -> gate_up_scale | stack(E, dim=0) | concat(dim=1)
+"""
+
+
+def fp8_experts(folder, rows, g=None):
+    g = g or torch.Generator().manual_seed(rows)
+    tensors = {}
+    for e in range(2):
+        for name in ("gate", "up"):
+            (v, s), _ = make_parts("fp8_block", (), rows, 256, (128, 128), g)
+            tensors[f"e.{e}.{name}.weight"], tensors[f"e.{e}.{name}.weight_scale_inv"] = v, s
+    return write(folder, tensors), tensors
+
+
+def test_stored_fp8_moves_as_it_is_when_cuts_fall_on_blocks(tmp_path):
+    folder, tensors = fp8_experts(tmp_path, 256)
+    got, report, compiled = load_text(PASS_THROUGH, folder)
+    want = torch.stack([torch.cat([tensors[f"e.{e}.gate.weight"], tensors[f"e.{e}.up.weight"]]) for e in range(2)])
+    assert torch.equal(got["gate_up"].view(torch.uint8), want.view(torch.uint8))
+    scales = torch.stack([torch.cat([tensors[f"e.{e}.{n}.weight_scale_inv"] for n in ("gate", "up")]) for e in range(2)])
+    assert torch.equal(got["gate_up_scale"], scales)
+    assert compiled.destination("gate_up").grid == (1, 128, 128)
+    assert [q.values for q in compiled.quantized] == sorted(k for k in tensors if k.endswith(".weight"))
+
+
+def test_fusing_stored_fp8_off_the_block_grid_is_an_error(tmp_path):
+    """gate and up of 200 rows: up would start at row 200 of the fused tensor, inside a block whose
+    one scale cannot serve both (transformers mixes the scales silently; vLLM refuses at start)."""
+    folder, _ = fp8_experts(tmp_path, 200)
+    err = bind_error(PASS_THROUGH, folder)
+    d = err.diagnostics[0]
+    assert d.code == "E224" and d.span.line == 3
+    assert "`e.0.gate.weight`" in d.message and "offset 200" in d.message and "`gate_up`" in d.message
+
+
+def test_slicing_stored_fp8_inside_a_block_is_an_error(tmp_path):
+    folder, _ = fp8_experts(tmp_path, 256)
+    err = bind_error("""remap 1
+quantized {P:path}.weight, {P}.weight_scale_inv | fp8_block(block=[128, 128])
+e.{E}.{gate,up}.weight -> e{E}.{gate,up}.head | slice(dim=0, start=0, stop=100)
+drop e.{E}.{gate,up}.weight_scale_inv
+""", folder)
+    assert err.diagnostics[0].code == "E224" and "source offset 100" in err.diagnostics[0].message
+
+
+def test_fusing_two_one_scale_tensors_is_an_error(tmp_path):
+    write(tmp_path, {"q.weight": torch.zeros(8, 8).to(torch.float8_e4m3fn), "q.weight_scale": torch.ones(1),
+                     "k.weight": torch.zeros(8, 8).to(torch.float8_e4m3fn), "k.weight_scale": torch.ones(1)})
+    err = bind_error("""remap 1
+quantized {P:path}.weight, {P}.weight_scale | fp8_tensor()
+{q,k}.weight -> qk | concat(dim=0)
+{q,k}.weight_scale -> qk_scale | concat(dim=0)
+""", tmp_path)
+    assert err.diagnostics[0].code == "E224" and "one scale" in err.diagnostics[0].message
+
+
+def test_a_shard_edge_inside_a_block_of_stored_values_is_an_error(tmp_path):
+    folder, _ = fp8_experts(tmp_path, 256)
+    rules = rules_from_text(PASS_THROUGH, "t.remap")
+    inventory = remapdsl.open_checkpoint(folder)
+    compiled = remapdsl.compile_rules(rules, inventory, {})
+    layout = LayoutPlan.from_mapping({"gate_up": [Shard(dim=1)], "gate_up_scale": [Shard(dim=1)]}, mesh_dim="tp")
+    for rank in range(4):  # 512 rows in 4: 128 each, whole blocks, and the scale rows follow
+        plan = remapdsl.plan_rank(compiled, inventory, layout, Mesh.of({"tp": 4}), rank)
+        assert plan.bytes_read == plan.bytes_owned
+    with pytest.raises(remapdsl.RemapError) as info:  # 512 rows in 3: 171 per rank
+        remapdsl.plan_rank(compiled, inventory, layout, Mesh.of({"tp": 3}), 0)
+    d = info.value.diagnostics[0]
+    assert d.code == "E412" and "gate_up" in d.message and "171" in d.message

@@ -37,7 +37,8 @@ def all_trivia(rules: ir.RuleFile) -> list:
     out: list = []
     for statement in rules.statements:
         out.append((statement.kind, statement.trivia))
-        ops = (statement.format,) if isinstance(statement, ir.Dequantize) else getattr(statement, "ops", ())
+        ops = ((statement.format,) if isinstance(statement, (ir.Dequantize, ir.Quantized))
+               else getattr(statement, "ops", ()))
         out.extend((op.kind, op.trivia) for op in ops)
     out.append(("file", rules.trailing))
     return out
@@ -76,7 +77,8 @@ def test_every_op_roundtrips(cls, data):
     op = data.draw(S.macro_calls() if cls is ir.MacroCall else S.builtin_ops(cls))
     source = ir.Pattern(parts=(ir.Text(text="a"),))
     if cls.role == "format":
-        statement = ir.Dequantize(sources=(source,), target=source, format=op)
+        statement = (ir.Dequantize(sources=(source,), target=source, format=op) if getattr(op, "to", None)
+                     else ir.Quantized(sources=(source,), format=op))
     else:
         statement = ir.Rule(sources=(source,), targets=(source,), ops=(op, op))
     macro = ir.Macro(name="m", ops=(op, op))
@@ -84,7 +86,7 @@ def test_every_op_roundtrips(cls, data):
     assert roundtrip(rules) == rules, format_rules(rules)
 
 
-@pytest.mark.parametrize("strategy", ["lets", "rules", "drops_and_keeps", "dequantizes", "includes",
+@pytest.mark.parametrize("strategy", ["lets", "rules", "drops_and_keeps", "dequantizes", "quantizeds", "includes",
                                       "macros", "versions"])
 @settings(max_examples=30, deadline=None)
 @given(data=st.data())

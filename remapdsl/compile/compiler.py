@@ -21,8 +21,8 @@ from ..rules import RuleSet
 from . import symbolic as sym
 from .bind import Binding, bind, compile_pattern, list_axis, match_keys
 from .evaluate import Evaluator, evaluate_lets
-from .logical import bind_dequantize
-from .model import Block, BoundRule, Compiled, Destination, LogicalSource, Source
+from .quantized import bind_dequantize, bind_quantized, check_cuts
+from .model import Block, BoundRule, Compiled, Destination, LogicalSource, Source, StoredQuantized
 
 
 def compile_rules(rules: RuleSet, inventory: Inventory, config: Mapping[str, Any] | None = None,
@@ -52,6 +52,7 @@ class _Compiler:
         self.destinations: dict[str, Destination] = {}
         self.bindings: list[BoundRule] = []
         self.logical: dict[str, LogicalSource] = {}
+        self.stored: dict[str, StoredQuantized] = {}
 
     def error(self, code: str, message: str, span: Span | None, hint: str | None = None) -> None:
         self.errors.append(Diagnostic(code=code, message=message, span=span, hint=hint,
@@ -61,7 +62,9 @@ class _Compiler:
         statements = self.rules.statements
         available = set(self.inventory.tensors)
         for s in statements:
-            if isinstance(s, ir.Dequantize):
+            if isinstance(s, ir.Quantized):
+                self.quantized(s, available)
+            elif isinstance(s, ir.Dequantize):
                 self.dequantize(s, available)
         dropped, unused = self.drops(statements, available)
         available -= dropped
@@ -77,6 +80,8 @@ class _Compiler:
             self.error("E202", f"{len(leftover)} checkpoint tensor{'s' if len(leftover) > 1 else ''} "
                        f"taken by no rule: {shown}{more}", None,
                        "map them with a rule, name them in a `drop`, or compile with strict=False")
+        if self.stored:
+            self.check_cuts()
         if self.errors:
             raise BindError(self.errors)
         self.check_tiling()
@@ -87,6 +92,7 @@ class _Compiler:
         return ir.construct(Compiled,
                             destinations=tuple(self.destinations[k] for k in sorted(self.destinations)),
                             sources=sources, logical=tuple(self.logical[k] for k in sorted(self.logical)),
+                            quantized=tuple(self.stored[k] for k in sorted(self.stored)),
                             bindings=tuple(self.bindings), dropped=tuple(sorted(dropped)),
                             unused_drops=unused, keep=keep)
 
@@ -98,6 +104,24 @@ class _Compiler:
                             self.error, self.logical)
         except BindError as exc:
             self.errors.extend(exc.diagnostics)
+
+    def quantized(self, s: ir.Quantized, available: set[str]) -> None:
+        try:
+            bind_quantized(s, available, self.inventory.tensors, self.evaluator, self.error, self.stored)
+        except BindError as exc:
+            self.errors.extend(exc.diagnostics)
+
+    def check_cuts(self) -> None:
+        """Stored quantized values: no cut inside a block; each destination learns its grid."""
+        def shape_of(key: str) -> tuple[int, ...]:
+            return tuple(self.inventory.tensors[key].shape)
+
+        for name, d in list(self.destinations.items()):
+            if not any(k in self.stored for k in d.ckpt_keys):
+                continue
+            grid = check_cuts(d, self.stored, shape_of, self.error)
+            if grid:
+                self.destinations[name] = d.model_copy(update={"grid": grid})
 
     def pattern_name(self, pattern: ir.Pattern, captures: dict) -> str:
         return "".join(part.text if isinstance(part, ir.Text) else str(self.evaluator.value(part.expr, captures))

@@ -47,6 +47,7 @@ class Destination(_Frozen):
     blocks: tuple[Block, ...]
     rule: SpanField | None = None
     ckpt_keys: tuple[str, ...] = ()
+    grid: tuple[int, ...] = ()  # per dim, the block a shard edge must respect (stored quantized values)
 
 
 class Source(NamedTuple):
@@ -75,6 +76,17 @@ class LogicalSource(_Frozen):
         return dict(self.params)
 
 
+class StoredQuantized(_Frozen):
+    """Parts of a quantized weight that the rules move as they are (a `quantized` binding)."""
+
+    values: str  # the checkpoint key of the stored values
+    format: str
+    params: tuple[tuple[str, int | float | str | tuple[int, ...]], ...]
+    parts: tuple[str, ...]
+    grid: tuple[int, ...]  # per dim of the values: cuts fall on multiples of these
+    rule: SpanField | None = None
+
+
 class BoundRule(_Frozen):
     """One binding of one statement: its captures, the checkpoint keys it read, what it made."""
 
@@ -90,6 +102,7 @@ class Compiled(_Frozen):
     destinations: tuple[Destination, ...]  # sorted by runtime key
     sources: tuple[Source, ...]  # every checkpoint tensor, sorted by key
     logical: tuple[LogicalSource, ...] = ()  # dequantized tensors, sorted by key
+    quantized: tuple[StoredQuantized, ...] = ()  # quantized tensors moved as stored, by values key
     bindings: tuple[BoundRule, ...]
     dropped: tuple[str, ...] = ()  # checkpoint keys removed by `drop`
     unused_drops: tuple[SpanField, ...] = ()  # `drop` statements that matched nothing

@@ -32,7 +32,7 @@ def _dtype(part: Part, allowed: Sequence[str], role: str) -> None:
 
 
 def _target(params: Mapping[str, Any]) -> None:
-    if params["to"] not in FLOAT_TARGETS:
+    if "to" in params and params["to"] not in FLOAT_TARGETS:
         raise FormatError(f"`to={params['to']}`: a dequantized tensor is one of {', '.join(FLOAT_TARGETS)}")
 
 
@@ -92,8 +92,8 @@ class Fp8Block(QuantFormat):
                 sizes[:-2] + (_ceil(r0 + h, rows_block) - g0, _ceil(c0 + w, cols_block) - k0))
         return box, grid
 
-    def grid(self, params, ndim):
-        return (1,) * (ndim - 2) + self.block(params)
+    def value_grid(self, parts, params):
+        return (1,) * (len(parts[0].shape) - 2) + self.block(params)
 
     def decode(self, tensors, box, covers, params, out):
         import torch
@@ -152,6 +152,7 @@ def _scale_f32(scales, kind: str):
 class Fp8Tensor(QuantFormat):
     name = "fp8_tensor"
     parts = ("values", "scale")
+    one_scale = True
     params = ir.Fp8Tensor.params
     summary = ir.Fp8Tensor.summary
 
@@ -273,8 +274,8 @@ class Mxfp4(QuantFormat):
         return ((offsets[:-1] + (byte0,), sizes[:-1] + (nbytes,)),
                 (offsets[:-1] + (group0,), sizes[:-1] + (groups,)))
 
-    def grid(self, params, ndim):
-        return (1,) * (ndim - 1) + (32,)
+    def value_grid(self, parts, params):  # the 16 bytes of a group stay together
+        return (1,) * (len(parts[0].shape) - 1) + (16,)
 
     def decode(self, tensors, box, covers, params, out):
         import torch
@@ -316,8 +317,8 @@ class Nvfp4(QuantFormat):
         return ((offsets[:-1] + (byte0,), sizes[:-1] + (nbytes,)),
                 (offsets[:-1] + (group0,), sizes[:-1] + (groups,)), _whole(parts[2].shape))
 
-    def grid(self, params, ndim):
-        return (1,) * (ndim - 1) + (16,)
+    def value_grid(self, parts, params):  # 16 values (8 bytes) share a scale
+        return (1,) * (len(parts[0].shape) - 1) + (8,)
 
     def decode(self, tensors, box, covers, params, out):
         import torch

@@ -64,10 +64,13 @@ class QuantFormat:
         """
         raise NotImplementedError
 
-    def grid(self, params: Mapping[str, Any], ndim: int) -> tuple[int, ...]:
-        """Per logical dim, how many consecutive elements share one scale (1: none); a cut through
-        the stored form must fall on a multiple of it."""
-        return (1,) * ndim
+    one_scale: ClassVar[bool] = False  # one scale for the whole tensor: never fuse two as they are
+
+    def value_grid(self, parts: Sequence[Part], params: Mapping[str, Any]) -> tuple[int, ...]:
+        """Per dim of the stored values (part 0), how many consecutive elements share their scales
+        or their bytes: where rules move the stored form as it is (`quantized`), every cut must
+        fall on a multiple of it."""
+        return (1,) * len(parts[0].shape)
 
 
 _FORMATS: dict[str, QuantFormat] = {}

@@ -1,0 +1,182 @@
+"""`dequantize` statements -> logical sources: tensors the checkpoint does not store, made from a
+format's parts (packed values plus scales), that later rules take like any checkpoint tensor;
+`quantized` statements -> parts the rules move as stored, and the checks that no layout op or
+shard cuts their values inside a block.
+
+A binding with all parts becomes one logical source: its parts leave the pool of checkpoint keys
+and the logical key enters it, with the shape and dtype the format gives. A binding with the
+values but no scale is not quantized and passes through; scales without their values are an error.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from .. import ir
+from ..quant import FormatError, Part, QuantFormat, get_format
+from .bind import bind
+from .evaluate import Evaluator
+from .model import LogicalSource, StoredQuantized
+
+
+def format_of(op: ir.Op, ev: Evaluator) -> tuple[QuantFormat, dict[str, Any]]:
+    """The registered format a dequantize statement names, with its arguments evaluated."""
+    if isinstance(op, ir.FormatCall):
+        fmt = get_format(op.name)
+        given = {}
+        for position, arg in enumerate(op.args):
+            given[arg.name or fmt.params[position].name] = arg.value
+    else:
+        fmt = get_format(op.op_name())
+        given = {p.name: getattr(op, p.name) for p in op.params if getattr(op, p.name) is not None}
+    params: dict[str, Any] = {}
+    for p in fmt.params:
+        if p.name not in given:
+            continue
+        expr = given[p.name]
+        if p.kind == "ints":
+            params[p.name] = ev.integers(expr, p.name)
+        elif p.kind == "int":
+            params[p.name] = ev.integer(expr, p.name)
+        elif p.kind == "number":
+            params[p.name] = ev.number(expr, p.name)
+        elif p.kind == "dtype":
+            params[p.name] = ev.dtype(expr)
+        else:  # scale_dtype and other names: checked by the static checks
+            params[p.name] = expr.id if isinstance(expr, ir.Name) else ev.value(expr)
+    return fmt, params
+
+
+def bind_dequantize(s: ir.Dequantize, available: set[str], inventory_tensors, ev: Evaluator,
+                    name: Callable[[ir.Pattern, dict], str], error: Callable[..., None],
+                    logical: dict[str, LogicalSource]) -> None:
+    """Bind one statement: add its logical sources to `logical` and to `available`, take its parts
+    out of `available`; report problems through `error(code, message, span, hint)`."""
+    fmt, params = format_of(s.format, ev)
+    if len(s.sources) != len(fmt.parts):
+        error("E221", f"`{fmt.name}` takes {len(fmt.parts)} source tensors ({', '.join(fmt.parts)}), "
+              f"the statement names {len(s.sources)}", s.span)
+        return
+    bound = bind(s.sources, available)
+    _stray_scales(bound, fmt, s, error)
+    bindings = bound.bindings
+    if s.guard is not None:
+        bindings = [b for b in bindings if ev.boolean(s.guard, b.captures)]
+    for b in bindings:
+        key = name(s.target, b.captures)
+        parts = [Part(k, inventory_tensors[k].dtype, tuple(inventory_tensors[k].shape)) for k in b.keys]
+        try:
+            shape = fmt.logical_shape(parts, params)
+        except FormatError as exc:
+            error("E221", f"`{fmt.name}` does not fit the tensors of `{key}`: {exc}", s.format.span or s.span)
+            continue
+        if key in logical:
+            error("E223", f"logical tensor `{key}` is made twice (also by the statement at "
+                  f"{logical[key].rule})", s.span)
+            continue
+        available.difference_update(b.keys)
+        if key in available:
+            error("E223", f"logical tensor `{key}` has the name of a checkpoint tensor it does not "
+                  "consume", s.span, "name the logical tensor after its values part, or after a free key")
+            continue
+        available.add(key)
+        logical[key] = ir.construct(LogicalSource, key=key, format=fmt.name,
+                                    params=tuple(sorted((k, _plain(v)) for k, v in params.items())),
+                                    parts=tuple(b.keys), shape=tuple(shape), dtype=params["to"], rule=s.span)
+
+
+def _plain(value: Any) -> Any:
+    return tuple(value) if isinstance(value, (list, tuple)) else value
+
+
+def _captures(captures: dict) -> str:
+    return "{" + ", ".join(f"{k}={v}" for k, v in captures.items()) + "}"
+
+
+def bind_quantized(s: ir.Quantized, available: set[str], inventory_tensors, ev: Evaluator,
+                   error: Callable[..., None], stored: dict[str, StoredQuantized]) -> None:
+    """Bind one `quantized` statement: its parts stay checkpoint tensors for the rules to move; the
+    values' block grid is recorded for the cut checks."""
+    fmt, params = format_of(s.format, ev)
+    if len(s.sources) != len(fmt.parts):
+        error("E221", f"`{fmt.name}` takes {len(fmt.parts)} source tensors ({', '.join(fmt.parts)}), "
+              f"the statement names {len(s.sources)}", s.span)
+        return
+    bound = bind(s.sources, available)
+    _stray_scales(bound, fmt, s, error)
+    bindings = bound.bindings
+    if s.guard is not None:
+        bindings = [b for b in bindings if ev.boolean(s.guard, b.captures)]
+    for b in bindings:
+        parts = [Part(k, inventory_tensors[k].dtype, tuple(inventory_tensors[k].shape)) for k in b.keys]
+        try:
+            fmt.logical_shape(parts, params)
+            grid = fmt.value_grid(parts, params)
+        except FormatError as exc:
+            error("E221", f"`{fmt.name}` does not fit the tensors of `{b.keys[0]}`: {exc}", s.format.span or s.span)
+            continue
+        stored[b.keys[0]] = ir.construct(StoredQuantized, values=b.keys[0], format=fmt.name,
+                                         params=tuple(sorted((k, _plain(v)) for k, v in params.items())),
+                                         parts=tuple(b.keys), grid=tuple(grid), rule=s.span)
+
+
+def check_cuts(destination, stored: dict[str, StoredQuantized], shape_of, error: Callable[..., None]):
+    """Every block of `destination` that moves stored quantized values must take whole blocks of
+    its source and put them at block offsets of the destination (a cut inside a block would pair
+    values with another tensor's scales); returns the destination's grid per dim, () if none."""
+    grid = [1] * len(destination.shape)
+    sources_one_scale = {b.ckpt_key for b in destination.blocks if b.ckpt_key in stored
+                         and get_format(stored[b.ckpt_key].format).one_scale}
+    if len(sources_one_scale) > 1:
+        first, second = sorted(sources_one_scale)[:2]
+        error("E224", f"`{destination.runtime_key}` joins `{first}` and `{second}`, stored with one scale "
+              "each: one tensor cannot keep both scales", destination.rule,
+              "dequantize them first (`dequantize`), or keep them as separate tensors")
+        return ()
+    for block in destination.blocks:
+        declared = stored.get(block.ckpt_key) if block.ckpt_key else None
+        if declared is None:
+            continue
+        extent = shape_of(block.ckpt_key)
+        for k, g in enumerate(declared.grid):
+            if g == 1:
+                continue
+            moving = [j for j, c in enumerate(block.coeff[k]) if c and block.sizes[j] > 1]
+            low = block.base[k]
+            if len(moving) > 1 or any(abs(block.coeff[k][j]) != 1 for j in moving):
+                error("E224", f"`{block.ckpt_key}` is stored quantized in blocks of {g} along dim {k} "
+                      f"(declared at {declared.rule}); this rule reshapes or strides that dim into "
+                      f"`{destination.runtime_key}`", destination.rule, "dequantize it first")
+                return ()
+            if not moving:  # one index of this dim: a cut on both sides unless the dim is one block
+                if extent[k] > 1:
+                    _cut(error, declared, destination, k, g, low, "source", low)
+                    return ()
+                continue
+            (j,) = moving
+            n, at = block.sizes[j], block.offsets[j]
+            for offset, end, where in ((low, extent[k], "source"), (at, destination.shape[j], "destination")):
+                for edge in (offset, offset + n):
+                    if edge % g and edge != end:
+                        _cut(error, declared, destination, k, g, edge, where, low, j, at, n)
+                        return ()
+            grid[j] = max(grid[j], g)
+    return tuple(grid) if any(g > 1 for g in grid) else ()
+
+
+def _cut(error, declared, destination, k, g, edge, where, low, j=None, at=None, n=1) -> None:
+    placed = (f"; the rule puts its dim-{k} range {low}:{low + n} at {at}:{at + n} of dim {j} of "
+              f"`{destination.runtime_key}`" if j is not None else "")
+    error("E224", f"`{declared.values}` is stored quantized in blocks of {g} along dim {k} (declared at "
+          f"{declared.rule}){placed}: {where} offset {edge} falls inside a block", destination.rule,
+          f"a cut of block-scaled values must fall on a multiple of {g}; dequantize first to cut anywhere")
+
+
+def _stray_scales(bound, fmt, s, error) -> None:
+    for p in bound.partial:
+        if 0 in p.missing:  # scales (or another part) without the values they scale
+            error("E222", f"`{p.present[0]}` has no `{fmt.parts[0]}` to scale: "
+                  f"{_captures(p.captures)} matches the {fmt.name} parts "
+                  + ", ".join(f"`{k}`" for k in p.present) + " but not the first", s.span,
+                  "a quantized weight needs every part; drop stray scales with `drop`")
