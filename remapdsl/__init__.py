@@ -113,16 +113,33 @@ def load(target, checkpoint, rules, *, config: Mapping[str, Any] | None = None,
         return _load(target, checkpoint, rules, config, strict, layout, mesh, read_replicated_once)
 
 
+def compile_digest(ruleset: RuleSet, config: Mapping[str, Any], strict: bool,
+                   inventory: Inventory | None = None) -> str:
+    """sha256 of what a compile depends on: the rule files' text, the config, strictness, and the
+    inventory where given; equal inputs give equal digests in any process."""
+    import hashlib
+
+    text = json.dumps([[f.source for f in ruleset.files], config, strict], sort_keys=True, default=str)
+    digest = hashlib.sha256(text.encode())
+    if inventory is not None:
+        digest.update(inventory.model_dump_json().encode())
+    return digest.hexdigest()
+
+
 def _load(target, checkpoint, rules, config, strict, layout, mesh, read_replicated_once):
     from . import dist  # torch is imported only here
     from .execute import run_sharded_load
 
     # Rules, shared headers and config; compiled identically on every rank, before any data read.
     ruleset = rules if isinstance(rules, RuleSet) else load_rules(rules)
+    shared_headers = not isinstance(checkpoint, Inventory)  # else each rank passed its own
     inventory = dist.share_inventory(checkpoint)
     config = read_config(inventory) if config is None else config
+    # Compiling is a pure function of rules, config and inventory, so ranks compare a digest of those
+    # (the inventory only when each rank brought its own): cheaper than hashing what they compiled.
+    digest = compile_digest(ruleset, config, strict, None if shared_headers else inventory)
     compiled = dist.together(lambda: compile_rules(ruleset, inventory, config, strict=strict),
-                             agree_on=("compiled rules and checkpoint", Compiled.digest))
+                             agree_on=("compiled rules and checkpoint", lambda _: digest))
     # Each rank's shards: plan, then read.
     tensors = target.state_dict(keep_vars=True) if hasattr(target, "state_dict") else target
     report, shared = dist.together(lambda: run_sharded_load(

@@ -17,7 +17,6 @@ from pydantic import BaseModel, ConfigDict
 
 from .checkpoint import Inventory
 from .compile.model import Block, Compiled
-from .compile.symbolic import cut
 from .dtypes import BY_NAME
 from .layout import Box, LayoutPlan, LocalShard, Mesh, layout_for, local_shard
 
@@ -208,12 +207,20 @@ def _row_major(shape) -> list[int]:
 
 
 def _intersect(block: Block, offsets, sizes) -> Block | None:
-    piece = block
-    for dim, (start, size) in enumerate(zip(offsets, sizes)):
-        piece = cut(piece, dim, start, start + size)
-        if piece is None:
+    """The part of a block inside the box [offsets, offsets + sizes), re-based: one pass over the
+    dims (the compiler's `cut`, all dims at once)."""
+    low, size = [], []
+    for o, n, start, extent in zip(block.offsets, block.sizes, offsets, sizes):
+        lo, hi = max(o, start), min(o + n, start + extent)
+        if lo >= hi:
             return None
-    return piece
+        low.append(lo)
+        size.append(hi - lo)
+    moved = [lo - o for lo, o in zip(low, block.offsets)]
+    base = block.base
+    if block.ckpt_key is not None and any(moved):
+        base = tuple(b + sum(c * m for c, m in zip(row, moved)) for b, row in zip(block.base, block.coeff))
+    return Block(tuple(low), tuple(size), block.ckpt_key, base, block.coeff, block.steps, block.fill)
 
 
 def _item(runtime_key: str, local: tuple[int, ...], piece: Block, inventory: Inventory) -> ReadItem:

@@ -52,3 +52,26 @@ def test_the_reference_lists_exactly_the_dtypes_a_rule_may_name():
     reference = (ROOT / "docs" / "language.md").read_text()
     paragraph = reference[reference.index("Dtype names are torch's:"):].split("\n\n")[0]
     assert re.findall(r"`([a-z0-9_]+)`", paragraph) == list(RULE_DTYPE_NAMES)
+
+
+def test_the_python_format_example_registers_and_loads(tmp_path):
+    """docs/quantized.md's format written in Python, run as printed, then used by a rule."""
+    import torch
+    from safetensors.torch import save_file
+
+    import remapdsl
+    from remapdsl.quant import unregister_format
+
+    (code,) = re.findall(r"```python\n(.*?)```", (ROOT / "docs" / "quantized.md").read_text(), re.S)
+    try:
+        exec(compile(code, "docs/quantized.md", "exec"), {})
+        values, scales = torch.randint(-128, 128, (4, 6), dtype=torch.int8), torch.rand(4)
+        save_file({"a.qweight": values, "a.scales": scales}, str(tmp_path / "model.safetensors"))
+        (tmp_path / "config.json").write_text("{}")
+        rules = rules_from_text("remap 1\ndequantize {P:path}.qweight, {P}.scales -> {P}.weight"
+                                " | int8_row(to=bfloat16)\na.weight -> a\n", "t.remap")
+        target = {"a": torch.empty(4, 6, dtype=torch.bfloat16)}
+        remapdsl.load(target, str(tmp_path), rules)
+        assert torch.equal(target["a"], (values.float() * scales[:, None]).to(torch.bfloat16))
+    finally:
+        unregister_format("int8_row")

@@ -215,35 +215,6 @@ class Fp8Channel(QuantFormat):
         _into(out, lambda flat: e4m3_scaled(values.reshape(-1, values.shape[-1]), lambda a, b: rows[a:b], flat))
 
 
-def _pairs():
-    """Each byte's two E2M1 values, the low nibble first: a [256, 2] float32 table."""
-    import torch
-
-    table = torch.tensor(E2M1, dtype=torch.float32)
-    codes = torch.arange(256)
-    return torch.stack((table[codes & 0xF], table[codes >> 4]), dim=-1)
-
-
-_PAIRS: list = []
-
-
-def _e2m1(packed, byte0: int, start: int, width: int):
-    """float32 values of `width` elements from `start`, out of packed bytes that begin at byte `byte0`."""
-    if not _PAIRS:
-        _PAIRS.append(_pairs())
-    decoded = _PAIRS[0][packed.view(__import__("torch").uint8).long()].flatten(-2)
-    at = start - 2 * byte0
-    return decoded[..., at:at + width]
-
-
-def _per_group(scales, group0: int, start: int, width: int, per: int):
-    """Scales of groups of `per` elements, repeated for each of `width` elements from `start`."""
-    import torch
-
-    index = torch.arange(start, start + width) // per - group0
-    return scales.index_select(-1, index)
-
-
 class Mxfp4(QuantFormat):
     name = "mxfp4"
     parts = ("blocks", "scales")
@@ -278,13 +249,12 @@ class Mxfp4(QuantFormat):
         return (1,) * (len(parts[0].shape) - 1) + (16,)
 
     def decode(self, tensors, box, covers, params, out):
-        import torch
+        from .kernels import fp4_scaled
 
         blocks, scales = tensors
-        start, width = box[0][-1], box[1][-1]
-        values = _e2m1(blocks, covers[0][0][-1], start, width)
-        scale = _per_group(_scale_f32(scales, "e8m0"), covers[1][0][-1], start, width, 32)
-        torch.mul(values, scale, out=out)
+        scales = _scale_f32(scales, "e8m0")
+        _into(out, lambda flat: fp4_scaled(blocks, covers[0][0][-1], box[0][-1], scales, covers[1][0][-1], 32,
+                                           None, flat))
 
 
 class Nvfp4(QuantFormat):
@@ -323,11 +293,12 @@ class Nvfp4(QuantFormat):
     def decode(self, tensors, box, covers, params, out):
         import torch
 
+        from .kernels import fp4_scaled
+
         values, scales, global_scale = tensors
-        start, width = box[0][-1], box[1][-1]
-        decoded = _e2m1(values, covers[0][0][-1], start, width)
-        decoded *= _per_group(scales.to(torch.float32), covers[1][0][-1], start, width, 16)  # exact
-        torch.mul(decoded, global_scale.to(torch.float32).reshape(1), out=out)
+        scales, global_scale = scales.to(torch.float32), global_scale.to(torch.float32).reshape(1, 1)
+        _into(out, lambda flat: fp4_scaled(values, covers[0][0][-1], box[0][-1], scales, covers[1][0][-1], 16,
+                                           global_scale, flat))
 
 
 for _format in (Fp8Block(), Fp8Tensor(), Fp8Channel(), Mxfp4(), Nvfp4()):

@@ -49,3 +49,39 @@ def rows_of(tensor: torch.Tensor) -> torch.Tensor:
         return tensor.view(-1, tensor.shape[-1])
     except RuntimeError:
         return None
+
+
+_PAIRS: list[torch.Tensor] = []
+
+
+def _pairs() -> torch.Tensor:
+    """Each byte's two E2M1 values, the low nibble first: a [256, 2] float32 table."""
+    if not _PAIRS:
+        table = torch.tensor((0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0))
+        codes = torch.arange(256)
+        _PAIRS.append(torch.stack((table[codes & 0xF], table[codes >> 4]), dim=-1))
+    return _PAIRS[0]
+
+
+def fp4_scaled(packed: torch.Tensor, byte0: int, start: int, scales: torch.Tensor, group0: int, per: int,
+               then: torch.Tensor | None, out: torch.Tensor) -> None:
+    """`out = e2m1 * scale [* then]` for packed E2M1 pairs (low nibble first).
+
+    packed: bytes [..., nbytes], beginning at byte `byte0` of their rows; out: [rows, width], the
+    elements from `start`; scales: float32 [..., groups] of `per` elements each, beginning at group
+    `group0`; then: an optional [1, 1] factor applied after (a global scale: one rounding).
+    """
+    rows, width = out.shape
+    packed = packed.reshape(rows, -1).view(torch.uint8)
+    scales = scales.reshape(rows, -1)
+    at = start - 2 * byte0
+    group = torch.arange(start, start + width) // per - group0
+    step = max(1, CHUNK // max(1, 2 * packed.shape[1]))
+    pairs = _pairs()
+    for a in range(0, rows, step):
+        b = min(rows, a + step)
+        values = pairs[packed[a:b].to(torch.int64)].flatten(-2)[:, at:at + width]
+        values = values.mul_(scales[a:b].index_select(-1, group))  # exact: a power of two or an E4M3
+        if then is not None:
+            values.mul_(then)
+        out[a:b].copy_(values)
