@@ -130,3 +130,30 @@ def test_check_against_a_checkpoint_reports_unused_drops(tmp_path, capsys):
 def test_check_against_the_wrong_checkpoint_is_a_located_error(capsys):
     assert main(["check", "rules/mixtral.remap", "--checkpoint", "examples/tiny-qwen3-moe"]) == 2
     assert "rules/mixtral.remap:16:1: error[E201]" in capsys.readouterr().err
+
+
+def test_plan_and_explain_show_dequantized_tensors(tmp_path, capsys):
+    """A block-FP8 checkpoint: `plan` counts the dequantized pieces and their scale bytes, and the
+    total read is the owned values plus the covering scales; `explain` names the format and parts."""
+    import json
+
+    import torch
+    from safetensors.torch import save_file
+
+    save_file({"a.weight": torch.zeros(256, 64).to(torch.float8_e4m3fn), "a.weight_scale_inv": torch.ones(2, 1)},
+              str(tmp_path / "model.safetensors"))
+    (tmp_path / "config.json").write_text("{}")
+    rules = tmp_path / "r.remap"
+    rules.write_text("remap 1\ndequantize {P:path}.weight, {P}.weight_scale_inv -> {P}.weight"
+                     " | fp8_block(block=[128, 128], to=bfloat16)\na.weight -> a\n")
+    layout = tmp_path / "layout.json"
+    layout.write_text(json.dumps({"mesh_dim": "tp", "plan": {"a": "colwise"}}))
+    assert main(["plan", str(rules), "--checkpoint", str(tmp_path), "--mesh", "tp=2", "--layout", str(layout),
+                 "--rank", "1"]) == 0
+    out = capsys.readouterr().out
+    assert "(1 dequantized, 0.00 MB of scales)" in out and "fp8_block a.weight[128:256, 0:64]" in out
+    assert "1.00x owned values + covering scales" in out
+    assert main(["explain", str(rules), "--checkpoint", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    assert "a.weight  [256, 64] bfloat16 = fp8_block(block=[128, 128], to=bfloat16) of `a.weight`, " \
+           "`a.weight_scale_inv`" in out
