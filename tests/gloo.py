@@ -17,3 +17,31 @@ def shut_down() -> None:
         dist.barrier()
     finally:
         dist.destroy_process_group()
+
+
+def distributed_like(expected: dict, mesh, plan) -> tuple[dict, dict]:
+    """For each full tensor of `expected`: a zeroed DTensor placed as `plan` places it on `mesh`
+    (remapdsl.layout types, turned into torch's), and the local shard torch's own
+    `distribute_tensor` gives this rank of the full tensor: the targets and what they must hold."""
+    import torch
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+    from torch.distributed.tensor.placement_types import _StridedShard
+
+    from remapdsl.layout import layout_for
+
+    device_mesh = init_device_mesh("cpu", tuple(mesh.sizes), mesh_dim_names=tuple(mesh.names))
+
+    def torch_placement(p):
+        if type(p).__name__ == "Shard":
+            return Shard(p.dim)
+        if type(p).__name__ == "StridedShard":
+            return _StridedShard(p.dim, split_factor=p.split_factor)
+        return Replicate()
+
+    targets, wanted = {}, {}
+    for key, full in expected.items():
+        placements = [torch_placement(p) for p in layout_for(key, full.shape, plan, mesh)]
+        targets[key] = distribute_tensor(torch.zeros_like(full), device_mesh, placements)
+        wanted[key] = distribute_tensor(full, device_mesh, placements).to_local()
+    return targets, wanted

@@ -13,7 +13,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-from gloo import shut_down
+from gloo import distributed_like, shut_down
 from safetensors.torch import load_file, save_file
 
 import quant_reference as ref
@@ -86,26 +86,7 @@ def _plain(rank, expected, rules, folder, mesh, plan) -> None:
 
 
 def _dtensors(expected, rules, folder, mesh, plan) -> None:
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.tensor import Replicate as TReplicate
-    from torch.distributed.tensor import Shard as TShard
-    from torch.distributed.tensor import distribute_tensor
-    from torch.distributed.tensor.placement_types import _StridedShard
-
-    device_mesh = init_device_mesh("cpu", tuple(mesh.sizes), mesh_dim_names=tuple(mesh.names))
-
-    def torch_placement(p):
-        if type(p).__name__ == "Shard":
-            return TShard(p.dim)
-        if type(p).__name__ == "StridedShard":
-            return _StridedShard(p.dim, split_factor=p.split_factor)
-        return TReplicate()
-
-    targets, wanted = {}, {}
-    for key, full in expected.items():
-        placements = [torch_placement(p) for p in layout_for(key, full.shape, plan, mesh)]
-        targets[key] = distribute_tensor(torch.zeros_like(full), device_mesh, placements)
-        wanted[key] = distribute_tensor(full, device_mesh, placements).to_local()
+    targets, wanted = distributed_like(expected, mesh, plan)
     remapdsl.load(targets, folder, rules)
     for key in expected:
         assert torch.equal(targets[key].to_local(), wanted[key]), key

@@ -53,19 +53,10 @@ def bind_dequantize(s: ir.Dequantize, available: set[str], inventory_tensors, ev
                     logical: dict[str, LogicalSource]) -> None:
     """Bind one statement: add its logical sources to `logical` and to `available`, take its parts
     out of `available`; report problems through `error(code, message, span, hint)`."""
-    fmt, params = format_of(s.format, ev)
-    if len(s.sources) != len(fmt.parts):
-        error("E221", f"`{fmt.name}` takes {len(fmt.parts)} source tensors ({', '.join(fmt.parts)}), "
-              f"the statement names {len(s.sources)}", s.span)
-        return
-    bound = bind(s.sources, available)
-    _stray_scales(bound, fmt, s, error)
-    bindings = bound.bindings
-    if s.guard is not None:
-        bindings = [b for b in bindings if ev.boolean(s.guard, b.captures)]
+    fmt, params, bindings = _bound(s, available, ev, error)
     for b in bindings:
         key = name(s.target, b.captures)
-        parts = [Part(k, inventory_tensors[k].dtype, tuple(inventory_tensors[k].shape)) for k in b.keys]
+        parts = _parts(b.keys, inventory_tensors)
         try:
             shape = fmt.logical_shape(parts, params)
         except FormatError as exc:
@@ -86,6 +77,26 @@ def bind_dequantize(s: ir.Dequantize, available: set[str], inventory_tensors, ev
                                     parts=tuple(b.keys), shape=tuple(shape), dtype=params["to"], rule=s.span)
 
 
+def _bound(s: ir.Dequantize | ir.Quantized, available: set[str], ev: Evaluator, error: Callable[..., None]):
+    """The statement's format, its evaluated arguments, and the bindings with every part present
+    that its guard accepts (none when the sources do not match the format's parts)."""
+    fmt, params = format_of(s.format, ev)
+    if len(s.sources) != len(fmt.parts):
+        error("E221", f"`{fmt.name}` takes {len(fmt.parts)} source tensors ({', '.join(fmt.parts)}), "
+              f"the statement names {len(s.sources)}", s.span)
+        return fmt, params, []
+    bound = bind(s.sources, available)
+    _stray_scales(bound, fmt, s, error)
+    bindings = bound.bindings
+    if s.guard is not None:
+        bindings = [b for b in bindings if ev.boolean(s.guard, b.captures)]
+    return fmt, params, bindings
+
+
+def _parts(keys, inventory_tensors) -> list[Part]:
+    return [Part(k, inventory_tensors[k].dtype, tuple(inventory_tensors[k].shape)) for k in keys]
+
+
 def _plain(value: Any) -> Any:
     return tuple(value) if isinstance(value, (list, tuple)) else value
 
@@ -98,18 +109,9 @@ def bind_quantized(s: ir.Quantized, available: set[str], inventory_tensors, ev: 
                    error: Callable[..., None], stored: dict[str, StoredQuantized]) -> None:
     """Bind one `quantized` statement: its parts stay checkpoint tensors for the rules to move; the
     values' block grid is recorded for the cut checks."""
-    fmt, params = format_of(s.format, ev)
-    if len(s.sources) != len(fmt.parts):
-        error("E221", f"`{fmt.name}` takes {len(fmt.parts)} source tensors ({', '.join(fmt.parts)}), "
-              f"the statement names {len(s.sources)}", s.span)
-        return
-    bound = bind(s.sources, available)
-    _stray_scales(bound, fmt, s, error)
-    bindings = bound.bindings
-    if s.guard is not None:
-        bindings = [b for b in bindings if ev.boolean(s.guard, b.captures)]
+    fmt, params, bindings = _bound(s, available, ev, error)
     for b in bindings:
-        parts = [Part(k, inventory_tensors[k].dtype, tuple(inventory_tensors[k].shape)) for k in b.keys]
+        parts = _parts(b.keys, inventory_tensors)
         try:
             fmt.logical_shape(parts, params)
             grid = fmt.value_grid(parts, params)
