@@ -588,37 +588,33 @@ class Arg(Node):
     _check_name = field_validator("name")(_capture_name)
 
 
-class MacroCall(Op):
+class _NamedCall(Op):
+    """An op named by the program, not by the language: a macro call, or a registered format."""
+
+    name: str
+    args: tuple[Arg, ...] = ()
+
+    @field_validator("name")
+    @classmethod
+    def _not_builtin(cls, name: str) -> str:
+        if name in OPS_BY_NAME:
+            raise ValueError(f"`{name}` is a built-in op, not a macro or a registered format")
+        return _identifier(name)
+
+
+class MacroCall(_NamedCall):
     """A call of a `macro` statement's op chain; resolved by name in the static checks."""
 
     kind: Literal["macro_call"] = "macro_call"
     role = "macro"
-    name: str
-    args: tuple[Arg, ...] = ()
-
-    @field_validator("name")
-    @classmethod
-    def _not_builtin(cls, name: str) -> str:
-        if name in OPS_BY_NAME:
-            raise ValueError(f"`{name}` is a built-in op, not a macro")
-        return _identifier(name)
 
 
-class FormatCall(Op):
+class FormatCall(_NamedCall):
     """A quantized format registered from Python (`remapdsl.quant.register_format`), named in a
-    `dequantize` statement; its arguments are checked against the registered parameters."""
+    `dequantize` or `quantized` statement; its arguments are checked against its parameters."""
 
     kind: Literal["format_call"] = "format_call"
     role = "format"
-    name: str
-    args: tuple[Arg, ...] = ()
-
-    @field_validator("name")
-    @classmethod
-    def _not_builtin(cls, name: str) -> str:
-        if name in OPS_BY_NAME:
-            raise ValueError(f"`{name}` is a built-in op; write it as such")
-        return _identifier(name)
 
 
 BUILTIN_OPS: tuple[type[Op], ...] = (
