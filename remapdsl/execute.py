@@ -258,15 +258,7 @@ def _run_decode(unit: _Decode, reader: CheckpointReader) -> torch.Tensor | None:
     from .quant import get_format
 
     item, view = unit
-    parts = []
-    for part in item.parts:
-        staging = torch.empty(sum(n for _, n in part.runs), dtype=torch.uint8)
-        at = 0
-        for byte_offset, nbytes in part.runs:
-            reader.read_into(part.file, byte_offset, staging[at:at + nbytes])
-            at += nbytes
-        dtype = BY_NAME[part.dtype]
-        parts.append(staging.view(torch_dtype(part.dtype) if dtype.in_torch else torch.uint8).view(part.sizes))
+    parts = [_part(part, reader) for part in item.parts]
     dtype = torch_dtype(item.dtype)
     covers = tuple((p.offsets, p.sizes) for p in item.parts)
     in_place = (view.device.type == "cpu" and view.dtype == dtype and not item.steps and item.offset == 0
@@ -277,6 +269,25 @@ def _run_decode(unit: _Decode, reader: CheckpointReader) -> torch.Tensor | None:
         return None
     view.copy_(_steps(out.view(-1).as_strided(item.sizes, item.strides, item.offset), item.steps))
     return None
+
+
+def _part(part, reader: CheckpointReader) -> torch.Tensor:
+    """One part's covering box as a tensor of its sizes, in the part's dtype where torch has it."""
+    kind = BY_NAME[part.dtype]
+    dtype = torch_dtype(part.dtype) if kind.in_torch else torch.uint8
+    if len(part.runs) > MANY_RUNS and part.origin % dtype.itemsize == 0 and part.strides:
+        # many short runs (a column shard): one strided copy from the mapped file, the same bytes
+        span = 1 + sum((n - 1) * t for n, t in zip(part.sizes, part.strides))
+        with warnings.catch_warnings():  # the map is read-only, and only ever read
+            warnings.simplefilter("ignore", UserWarning)
+            flat = torch.frombuffer(reader.mapped(part.file), dtype=dtype, offset=part.origin, count=span)
+        return flat.as_strided(part.sizes, part.strides).contiguous()
+    staging = torch.empty(sum(n for _, n in part.runs), dtype=torch.uint8)
+    at = 0
+    for byte_offset, nbytes in part.runs:
+        reader.read_into(part.file, byte_offset, staging[at:at + nbytes])
+        at += nbytes
+    return staging.view(dtype).view(part.sizes)
 
 
 def _run_batch(batch, reader: CheckpointReader) -> torch.Tensor | None:

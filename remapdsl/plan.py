@@ -54,6 +54,8 @@ class PartRead(NamedTuple):
     offsets: tuple[int, ...]
     sizes: tuple[int, ...]
     runs: tuple[tuple[int, int], ...]
+    origin: int = 0  # byte offset in `file` of the box's first element
+    strides: tuple[int, ...] = ()  # element strides of the view (row-major), one per dim
 
 
 class DecodeItem(NamedTuple):
@@ -172,7 +174,8 @@ def _decode_item(runtime_key: str, local: tuple[int, ...], piece: Block, source,
         runs, _ = _source_runs(start, list(view_major), tuple(sizes))
         reads.append(PartRead(info.ckpt_key, info.file, info.dtype, tuple(offsets), tuple(sizes),
                               tuple((info.byte_offset + first * itemsize, length * itemsize)
-                                    for first, length in runs)))
+                                    for first, length in runs),
+                              info.byte_offset + start * itemsize, tuple(view_major)))
     return DecodeItem(runtime_key, local, piece.sizes, source.key, source.format, source.params, box,
                       tuple(reads), strides, offset, source.dtype, piece.steps)
 
