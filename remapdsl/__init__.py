@@ -148,6 +148,14 @@ def _load(target, checkpoint, rules, config, strict, layout, mesh, read_replicat
     return report
 
 
+def save(source, folder, rules, *, like, **kwargs):
+    """Write runtime tensors back to a checkpoint's layout, every rank its own bytes (no gather);
+    see `remapdsl.saving.save` for the arguments."""
+    from .saving import save as _save
+
+    return _save(source, folder, rules, like=like, **kwargs)
+
+
 __all__ = [
     "BindError",
     "Compiled",
@@ -155,6 +163,7 @@ __all__ = [
     "compile_rules",
     "explain",
     "load",
+    "save",
     "open_checkpoint",
     "parse_mesh",
     "plan_rank",

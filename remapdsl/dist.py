@@ -33,19 +33,24 @@ def share_inventory(checkpoint) -> Inventory:
     broadcast, carrying either the inventory or rank 0's error)."""
     if isinstance(checkpoint, Inventory):
         return checkpoint
+    return from_first(lambda: open_inventory(checkpoint))  # pickled: rank 0 validated it
+
+
+def from_first(fn: Callable[[], T]) -> T:
+    """Rank 0's `fn()`, on every rank (one broadcast); an error there is raised on every rank."""
     if not active():
-        return open_inventory(checkpoint)
+        return fn()
     box: list = [None]
     if dist.get_rank() == 0:
         try:
-            box[0] = (None, open_inventory(checkpoint))
+            box[0] = (None, fn())
         except Exception as exc:  # noqa: BLE001 - sent to the other ranks, then raised
             box[0] = (_report(exc), None)
-    dist.broadcast_object_list(box, src=0)  # pickled: rank 0 validated it, no second validation
-    report, inventory = box[0]
+    dist.broadcast_object_list(box, src=0)
+    report, value = box[0]
     if report is not None:
         _raise([(0, report)], dist.get_world_size())
-    return inventory
+    return value
 
 
 def together(fn: Callable[[], T], agree_on: tuple[str, Callable[[T], str]] | None = None) -> T:

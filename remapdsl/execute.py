@@ -24,7 +24,7 @@ from .checkpoint import CheckpointReader, Inventory
 from .dtypes import BY_NAME
 from .compile.model import Compiled
 from .layout import Box, LocalShard
-from .plan import DecodeItem, LoadPlan, ReadItem, held_by_layout, make_load_plan
+from .plan import DecodeItem, LoadPlan, ReadItem, WritePlan, held_by_layout, make_load_plan, owned_boxes
 from .errors import BindError, Diagnostic
 
 
@@ -355,3 +355,71 @@ def _near(name: str, tensors: Mapping[str, torch.Tensor]) -> str | None:
 
     close = suggest(name, list(tensors))
     return f"did you mean `{close}`?" if close else None
+
+
+# ------------------------------------------------------------------------------------------- saving
+
+
+def owned_tensors(compiled: Compiled, tensors: Mapping[str, torch.Tensor], layout=None, mesh=None,
+                  rank: int = 0, world: int = 1) -> tuple[dict[str, LocalShard], dict[str, torch.Tensor]]:
+    """What this rank writes of each runtime tensor on save (the boxes it holds that no lower rank
+    holds: every region has one writer, decided by arithmetic alone), and its local tensors."""
+    from .layout import local_shard, placements_from_dtensor
+
+    held, local, _ = held_tensors(compiled, tensors, layout, mesh, rank)
+    dtensor_type = getattr(sys.modules.get("torch.distributed.tensor"), "DTensor", None)
+    if layout is not None:
+        by_rank = [held_by_layout(compiled, layout, mesh, r) for r in range(rank)] + [held]
+        return owned_boxes(by_rank, rank), local
+    owned: dict[str, LocalShard] = {}
+    lower_boxes: dict = {}
+    for d in compiled.destinations:
+        tensor = tensors[d.runtime_key]
+        if dtensor_type is None or not isinstance(tensor, dtensor_type):
+            if rank == 0:  # a whole tensor on every rank: rank 0 writes it
+                owned[d.runtime_key] = held[d.runtime_key]
+            continue
+        spec = (tensor.device_mesh, tensor.placements, d.shape)
+        if spec not in lower_boxes:  # the boxes held by ranks below this one, per shape and placement
+            placed = placements_from_dtensor(tensor, d.runtime_key)
+            grid = tensor.device_mesh.mesh
+            lower_boxes[spec] = {
+                box for index in itertools.product(*(range(n) for n in placed.mesh.sizes))
+                if int(grid[index]) < rank
+                for box in local_shard(d.shape, placed.mesh.sizes, placed.placements, index).boxes}
+        shard = held[d.runtime_key]
+        keep = [(b, at) for b, at in zip(shard.boxes, shard.local_offsets) if b not in lower_boxes[spec]]
+        if keep:
+            owned[d.runtime_key] = LocalShard(shard.shape, tuple(b for b, _ in keep), tuple(a for _, a in keep))
+    return owned, local
+
+
+def run_write_plan(plan: WritePlan, writer, tensors: Mapping[str, torch.Tensor], threads: int = 2) -> None:
+    """Write one rank's pieces: each gathered into source order in a staging buffer, undone by the
+    inverse value steps into the checkpoint's dtype, then written run by run."""
+    with torch.no_grad():
+        work = [(item, _region(tensors[item.runtime_key], item)) for item in plan.items]
+
+        def write(i: int) -> None:
+            item, view = work[i]
+            nbytes = sum(n for _, n in item.runs)
+            staging = torch.empty(nbytes, dtype=torch.uint8)
+            values = _steps(view.detach().cpu() if view.device.type != "cpu" else view, item.steps)
+            staging.view(torch_dtype(item.dtype)).as_strided(item.sizes, item.strides).copy_(values)
+            data, at = memoryview(staging.numpy()), 0
+            for byte_offset, n in item.runs:
+                writer.write_at(item.file, byte_offset, data[at:at + n])
+                at += n
+
+        taken = itertools.count()
+
+        def drain() -> None:
+            while (i := next(taken)) < len(work):
+                write(i)
+
+        if threads <= 1 or len(work) < 2:
+            drain()
+        else:
+            with ThreadPoolExecutor(threads) as pool:
+                for f in [pool.submit(drain) for _ in range(threads)]:
+                    f.result()

@@ -273,3 +273,48 @@ def _volume(sizes) -> int:
     for s in sizes:
         out *= s
     return out
+
+
+class WritePlan(BaseModel):
+    """Everything one rank writes on save: each item's runs are where its elements go in the output
+    files (the checkpoint's layout), `steps` undo the load's value steps. Every byte of the output
+    has exactly one writer, the lowest rank that holds it."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    rank: int
+    items: tuple[ReadItem, ...]
+    bytes_written: int
+    files: tuple[str, ...]
+
+
+def make_write_plan(writers, inventory: Inventory, owned: Mapping[str, LocalShard], rank: int = 0) -> WritePlan:
+    """The plan of one rank: `writers` (remapdsl.compile.inverse) cut to the boxes this rank owns."""
+    items: list[ReadItem] = []
+    for w in writers:
+        shard = owned.get(w.runtime_key)
+        if shard is None:
+            continue
+        for box, local_offsets in zip(shard.boxes, shard.local_offsets):
+            piece = _intersect(w.block, box.offsets, box.sizes)
+            if piece is None:
+                continue
+            local = tuple(lo + o - bo for lo, o, bo in zip(local_offsets, piece.offsets, box.offsets))
+            items.append(_item(w.runtime_key, local, piece._replace(steps=w.steps), inventory))
+    items.sort(key=lambda i: (i.file, i.runs[0][0] if i.runs else -1))
+    return WritePlan(rank=rank, items=tuple(items), bytes_written=sum(n for i in items for _, n in i.runs),
+                     files=tuple(sorted({i.file for i in items})))
+
+
+def owned_boxes(held_by_rank: list[Mapping[str, LocalShard]], rank: int) -> dict[str, LocalShard]:
+    """What `rank` writes of each tensor: the boxes it holds that no lower rank holds. Boxes of two
+    ranks are identical or disjoint for every placement (per dim, two ranks' index sets are), so a
+    replicated region is written once, by its lowest holder."""
+    mine = held_by_rank[rank]
+    out = {}
+    for key, shard in mine.items():
+        lower = {b for r in range(rank) for b in held_by_rank[r].get(key, LocalShard((), (), ())).boxes}
+        keep = [(b, at) for b, at in zip(shard.boxes, shard.local_offsets) if b not in lower]
+        if keep:
+            out[key] = LocalShard(shard.shape, tuple(b for b, _ in keep), tuple(at for _, at in keep))
+    return out

@@ -1,0 +1,119 @@
+"""Compiled -> the save direction: for each checkpoint tensor, the runtime regions that write it.
+
+A block says `dest[offsets + x] = S[base + coeff . x]`, then its value steps. Saving reads it
+backwards. Each element of a checkpoint tensor S must be written once: where several blocks hold
+the same region of S (a tied embedding taken by two rules, `repeat`), the first in rule-file
+order writes it. A region of S that no runtime tensor holds (a `slice` dropped it, a `drop`
+removed S) cannot be written, and a cast that loses values on load (float32 read into bfloat16)
+cannot be undone: both fail the save before any byte is written (E501-E503).
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+from ..dtypes import BY_NAME
+from ..errors import Diagnostic, RemapError
+from .model import Block, Compiled
+
+# (exponent bits, mantissa bits) of the float types: a cast keeps every value iff neither shrinks
+_FLOAT_BITS = {"float64": (11, 52), "float32": (8, 23), "bfloat16": (8, 7), "float16": (5, 10),
+               "float8_e4m3fn": (4, 3), "float8_e5m2": (5, 2)}
+
+
+class Writer(NamedTuple):
+    """One block that writes (part of) a checkpoint tensor, with the value steps that undo the
+    load's: applied to the runtime values, they give the checkpoint's values in its dtype."""
+
+    runtime_key: str
+    block: Block
+    steps: tuple[tuple[str, str | float], ...]
+
+
+def writers(compiled: Compiled, *, allow_lossy: bool = False) -> list[Writer]:
+    """The blocks that write every checkpoint tensor the compiled rules read, each region once;
+    raises RemapError naming every tensor that cannot be written back."""
+    logical = compiled.logical_by_key()
+    sources = {s.ckpt_key: s for s in compiled.sources}
+    order = sorted(compiled.destinations, key=lambda d: (d.rule.path, d.rule.line, d.rule.column)
+                   if d.rule else ("", 0, 0))
+    chosen: dict[str, dict[tuple, Writer]] = {}
+    problems: list[Diagnostic] = []
+    for d in order:
+        for block in d.blocks:
+            if block.ckpt_key is None:
+                continue  # a pad region: not in the checkpoint
+            if block.ckpt_key in logical:
+                problems.append(Diagnostic(
+                    code="E503", span=d.rule, message=f"`{d.runtime_key}` holds `{block.ckpt_key}` dequantized "
+                    f"({logical[block.ckpt_key].format}); writing it back needs re-quantizing, not supported yet",
+                    hint="move the stored values as they are (`quantized`), or save a dequantized checkpoint"))
+                continue
+            steps, lossy = _inverse_steps(block.steps, sources[block.ckpt_key].dtype)
+            if lossy and not allow_lossy:
+                problems.append(Diagnostic(
+                    code="E502", span=d.rule, message=f"`{d.runtime_key}` reads `{block.ckpt_key}` through "
+                    f"`{lossy}`, which loses values: the checkpoint cannot be written back exactly",
+                    hint="pass allow_lossy=True to write the rounded values"))
+                continue
+            seen = chosen.setdefault(block.ckpt_key, {})
+            seen.setdefault(_region(block), Writer(d.runtime_key, block, steps))  # first rule wins
+    dequantized = {part for source in logical.values() for part in source.parts}
+    for key, source in sources.items():
+        if key in dequantized:
+            continue  # E503 above, for the logical tensor it is part of
+        held = sum(_volume(w.block.sizes) for w in chosen.get(key, {}).values())
+        if key in compiled.dropped or not held:
+            why = "is dropped by the rules" if key in compiled.dropped else "is read by no rule"
+            problems.append(Diagnostic(code="E501", message=f"checkpoint tensor `{key}` {why}: no runtime "
+                                       "tensor holds it", hint="the save writes back only what the load read"))
+        elif held != _volume(source.shape):
+            problems.append(Diagnostic(code="E501", message=f"checkpoint tensor `{key}` {list(source.shape)}: "
+                                       f"the runtime tensors hold {held} of its {_volume(source.shape)} "
+                                       "elements (a `slice` left the rest out)",
+                                       hint="the save writes back only what the load read"))
+    if problems:
+        raise RemapError(tuple(problems))
+    return [w for region in chosen.values() for w in region.values()]
+
+
+def _region(block: Block) -> tuple:
+    """Which elements of its source a block takes: its first element and its moving directions."""
+    moving = tuple(sorted((tuple(row[j] for row in block.coeff), n) for j, n in enumerate(block.sizes) if n > 1))
+    return block.base, moving
+
+
+def _inverse_steps(steps, source_dtype: str) -> tuple[tuple, str | None]:
+    """The steps that undo a block's load steps, and the first lossy cast among them (or None)."""
+    dtype, before, lossy = source_dtype, [], None
+    for kind, value in steps:
+        before.append(dtype)
+        if kind == "cast":
+            if lossy is None and not _lossless(dtype, value):
+                lossy = f"cast({value})"
+            dtype = value
+    inverse = []
+    for (kind, value), prior in zip(reversed(steps), reversed(before)):
+        if kind == "cast":
+            inverse.append(("cast", prior))
+        elif kind == "scale":
+            inverse.append(("scale", 1.0 / value))
+        else:
+            inverse.append(("add", -value))
+    return tuple(inverse), lossy
+
+
+def _lossless(a: str, b: str) -> bool:
+    if a == b:
+        return True
+    if a in _FLOAT_BITS and b in _FLOAT_BITS:
+        return all(x <= y for x, y in zip(_FLOAT_BITS[a], _FLOAT_BITS[b]))
+    kind_a, kind_b = BY_NAME[a], BY_NAME[b]
+    return kind_a.kind == kind_b.kind and kind_a.kind in ("int", "uint") and kind_a.bits <= kind_b.bits
+
+
+def _volume(shape) -> int:
+    out = 1
+    for n in shape:
+        out *= n
+    return out

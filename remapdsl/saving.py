@@ -1,0 +1,103 @@
+"""`remapdsl.save`: the inverse of a load, written in place by every rank, no gather.
+
+Every rank compiles the same rules against the checkpoint the output is `like` (its headers read
+once, by rank 0), derives the writers (remapdsl/compile/inverse.py), and computes alone which
+boxes it writes: those it holds that no lower rank holds. Rank 0 creates the output files at full
+size in a hidden staging folder; each rank writes its own bytes; rank 0 writes the index and
+renames the folder into place (remapdsl/checkpoint/writer.py). Each phase fails on every rank
+together; a failed save removes its staging folder and leaves the destination as it was.
+"""
+
+from __future__ import annotations
+
+import secrets
+import time
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict
+
+from .checkpoint import Inventory
+from .compile import compile_rules
+from .gcpause import paused_gc
+from .rules import RuleSet, load_rules
+
+
+class SaveReport(BaseModel):
+    """What a save did on this rank."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    folder: str
+    rank: int
+    bytes_written: int  # by this rank
+    files: tuple[str, ...]  # the files this rank wrote into
+    seconds: float
+
+
+def save(source, folder, rules, *, like, config: Mapping[str, Any] | None = None, layout=None, mesh=None,
+         overwrite: bool = False, allow_lossy: bool = False) -> SaveReport:
+    """Write runtime tensors back to the checkpoint layout `like` through the rules that load it.
+
+    Args:
+        source: a state dict (runtime key -> tensor) or a torch.nn.Module; DTensors are written per
+            their placements, plain tensors are whole or this rank's shard under `layout`.
+        folder: the output checkpoint folder (created; it must not exist unless `overwrite`).
+        rules: a .remap file path (or a RuleSet): the rules that load `like` into `source`'s layout.
+        like: the checkpoint (folder or Inventory) whose keys, files, headers and index the output
+            takes: an unchanged model saves to byte-identical files.
+        config: the model config; by default `like`'s config.json.
+        layout, mesh: as for `remapdsl.load`.
+        overwrite: replace an existing folder (only once the new one is complete).
+        allow_lossy: write back tensors that the rules read through a cast that loses values.
+    """
+    with paused_gc():
+        return _save(source, Path(folder).absolute(), rules, like, config, layout, mesh, overwrite, allow_lossy)
+
+
+def _save(source, folder: Path, rules, like, config, layout, mesh, overwrite, allow_lossy) -> SaveReport:
+    from . import dist
+    from .checkpoint.writer import FileWriter, check_destination, commit, create_files, discard, staging_path
+    from .compile.inverse import writers as derive_writers
+    from .execute import owned_tensors, run_write_plan
+    from .plan import make_write_plan
+
+    start = time.perf_counter()
+    ruleset = rules if isinstance(rules, RuleSet) else load_rules(rules)
+    shared_headers = not isinstance(like, Inventory)
+    inventory = dist.share_inventory(like)
+    if config is None:
+        from . import read_config
+
+        config = read_config(inventory)
+    from . import compile_digest
+
+    digest = compile_digest(ruleset, config, True, None if shared_headers else inventory)
+    compiled = dist.together(lambda: compile_rules(ruleset, inventory, config, strict=False),
+                             agree_on=("compiled rules and checkpoint", lambda _: digest))
+    tensors = source.state_dict(keep_vars=True) if hasattr(source, "state_dict") else source
+    rank = dist.rank()
+
+    def prepare():
+        chosen = derive_writers(compiled, allow_lossy=allow_lossy)
+        owned, local = owned_tensors(compiled, tensors, layout, mesh, rank)
+        return make_write_plan(chosen, inventory, owned, rank), local
+
+    plan, local = dist.together(prepare)
+    token = dist.from_first(lambda: (check_destination(folder, overwrite), secrets.token_hex(6))[1])
+    staging = staging_path(folder, token)
+    dist.together(lambda: create_files(staging, inventory) if rank == 0 else None)
+    writer = FileWriter(staging)
+    try:
+        try:
+            dist.together(lambda: run_write_plan(plan, writer, local))
+        finally:
+            writer.close(sync=True)
+        dist.together(lambda: commit(staging, folder, inventory, token, overwrite) if rank == 0 else None)
+    except BaseException:
+        if rank == 0:
+            discard(staging)
+        raise
+    return SaveReport(folder=str(folder), rank=rank, bytes_written=plan.bytes_written, files=plan.files,
+                      seconds=time.perf_counter() - start)
