@@ -125,3 +125,23 @@ def test_missing_expert_tensor_is_named(hf_models, tmp_path):
     with pytest.raises(remapdsl.RemapError) as excinfo:
         _load(built, folder)
     assert missing in str(excinfo.value)
+
+
+# -- the save direction ----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_save_reproduces_the_save_pretrained_checkpoint(hf_models, tmp_path, name):
+    """load -> save through the same rule file writes transformers' own files back, byte for byte:
+    keys, dtypes, headers, offsets, the index of a sharded save (a tied lm_head is read from the
+    embedding and, not being in the checkpoint, not written)."""
+    import filecmp
+
+    built = hf_models(name)
+    target, _, _ = _load(built)
+    out = tmp_path / "saved"
+    remapdsl.save(target, out, str(REPO / built.case.rules), like=str(built.folder))
+    tensors_and_index = [p.name for p in built.folder.iterdir() if p.suffix in (".safetensors", ".json")]
+    assert tensors_and_index
+    for file in tensors_and_index:  # the weights, the index of a sharded save, config.json
+        assert filecmp.cmp(built.folder / file, out / file, shallow=False), file
