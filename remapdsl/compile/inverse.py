@@ -39,6 +39,7 @@ def writers(compiled: Compiled, *, allow_lossy: bool = False) -> list[Writer]:
                    if d.rule else ("", 0, 0))
     chosen: dict[str, dict[tuple, Writer]] = {}
     problems: list[Diagnostic] = []
+    refused: set[str] = set()  # reported already (E502): no second error for the same tensor
     for d in order:
         for block in d.blocks:
             if block.ckpt_key is None:
@@ -51,6 +52,7 @@ def writers(compiled: Compiled, *, allow_lossy: bool = False) -> list[Writer]:
                 continue
             steps, lossy = _inverse_steps(block.steps, sources[block.ckpt_key].dtype)
             if lossy and not allow_lossy:
+                refused.add(block.ckpt_key)
                 problems.append(Diagnostic(
                     code="E502", span=d.rule, message=f"`{d.runtime_key}` reads `{block.ckpt_key}` through "
                     f"`{lossy}`, which loses values: the checkpoint cannot be written back exactly",
@@ -60,8 +62,8 @@ def writers(compiled: Compiled, *, allow_lossy: bool = False) -> list[Writer]:
             seen.setdefault(_region(block), Writer(d.runtime_key, block, steps))  # first rule wins
     dequantized = {part for source in logical.values() for part in source.parts}
     for key, source in sources.items():
-        if key in dequantized:
-            continue  # E503 above, for the logical tensor it is part of
+        if key in dequantized or key in refused:
+            continue  # E503 or E502 above
         held = sum(_volume(w.block.sizes) for w in chosen.get(key, {}).values())
         if key in compiled.dropped or not held:
             why = "is dropped by the rules" if key in compiled.dropped else "is read by no rule"
