@@ -21,6 +21,7 @@ import torch
 from pydantic import BaseModel, ConfigDict
 
 from .checkpoint import CheckpointReader, Inventory
+from .checkpoint.reader import as_byte_view
 from .dtypes import BY_NAME
 from .compile.model import Compiled
 from .layout import Box, LocalShard
@@ -402,6 +403,11 @@ def run_write_plan(plan: WritePlan, writer, tensors: Mapping[str, torch.Tensor],
 
         def write(i: int) -> None:
             item, view = work[i]
+            dtype = torch_dtype(item.dtype)
+            if (len(item.runs) == 1 and not item.steps and view.dtype == dtype and view.device.type == "cpu"
+                    and view.is_contiguous() and _dense(item.strides, item.sizes)):  # straight from memory
+                writer.write_at(item.file, item.runs[0][0], as_byte_view(view))
+                return
             nbytes = sum(n for _, n in item.runs)
             staging = torch.empty(nbytes, dtype=torch.uint8)
             values = _steps(view.detach().cpu() if view.device.type != "cpu" else view, item.steps)
