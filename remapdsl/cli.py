@@ -101,6 +101,27 @@ def _parser() -> argparse.ArgumentParser:
     plan.add_argument("--rank", type=int, metavar="R", help="show one rank in detail")
     plan.set_defaults(run=_plan)
 
+    convert = commands.add_parser(
+        "convert", help="convert a checkpoint between layouts, offline (also under torchrun)",
+        description="Write SRC in the runtime layout RULES make (keys = runtime keys; safetensors "
+        "shards and an index as Hugging Face writes them), or with --reverse write SRC (in the runtime "
+        "layout) back to the layout of the checkpoint --like names. Each rank converts a share of the "
+        "tensors a batch at a time; the output appears at DST only when complete.")
+    convert.add_argument("src", metavar="SRC", help="the checkpoint folder to convert")
+    convert.add_argument("dst", metavar="DST", help="the output folder (must not exist unless --overwrite)")
+    convert.add_argument("--rules", required=True, metavar="RULES", help="the .remap file that loads the "
+                         "original layout into the runtime layout")
+    convert.add_argument("--reverse", action="store_true", help="SRC is in the runtime layout; write the "
+                         "original layout (needs --like)")
+    convert.add_argument("--like", metavar="DIR", help="with --reverse: a checkpoint in the original layout "
+                         "(headers, index and config are taken from it)")
+    convert.add_argument("--max-shard-size", default="5GB", metavar="SIZE",
+                         help="forward: start a new file past this size (default 5GB; e.g. 500MB)")
+    convert.add_argument("--memory", default="1GB", metavar="SIZE",
+                         help="tensors a rank holds at once (default 1GB; a larger tensor alone)")
+    convert.add_argument("--overwrite", action="store_true", help="replace DST once the new one is complete")
+    convert.set_defaults(run=_convert)
+
     show = commands.add_parser("ir", help="print the parsed IR of a rule file",
                                description="Print the typed IR of a rule file, for editors and tools.")
     show.add_argument("file", metavar="FILE", help="a .remap file")
@@ -212,6 +233,72 @@ def _plan(args: argparse.Namespace) -> int:
                 if total_scales else "") + ")") if total_owned else ""
     print(f"total: {total_read / 1e6:.2f} MB read{ratio} over {len(ranks)} rank{'s' if len(ranks) != 1 else ''}")
     return EXIT_OK
+
+
+def _size(text: str, option: str) -> int:
+    units = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12, "KIB": 2**10,
+             "MIB": 2**20, "GIB": 2**30}
+    number = text.strip().upper().rstrip("BKMGTI") or "0"
+    unit = text.strip().upper()[len(number):]
+    try:
+        value = float(number) * units[unit]
+    except (KeyError, ValueError):
+        raise remapdsl.RemapError(remapdsl.Diagnostic(
+            code="E522", message=f"`{option} {text}` is not a size", hint="for example 500MB, 5GB or 2GiB")) from None
+    if value < 1:
+        raise remapdsl.RemapError(remapdsl.Diagnostic(code="E522", message=f"`{option} {text}` must be positive"))
+    return int(value)
+
+
+def _convert(args: argparse.Namespace) -> int:
+    import os
+
+    from .convert import convert
+
+    started = _join_torchrun()
+    try:
+        rank = int(os.environ.get("RANK", "0"))
+        tty = sys.stderr.isatty() and rank == 0
+
+        def progress(done: int, total: int) -> None:
+            if tty:
+                print(f"\rconverting: {done / 1e9:.2f} of {total / 1e9:.2f} GB", end="", file=sys.stderr, flush=True)
+
+        report = convert(args.src, args.dst, args.rules, reverse=args.reverse, like=args.like,
+                         max_shard_bytes=_size(args.max_shard_size, "--max-shard-size"),
+                         budget_bytes=_size(args.memory, "--memory"), overwrite=args.overwrite, progress=progress)
+        if tty:
+            print(file=sys.stderr)
+        if rank == 0:
+            rate = report.bytes_written / report.seconds / 1e9 if report.seconds else 0.0
+            print(f"converted {args.src} -> {report.folder}: {report.files} file{'s' if report.files != 1 else ''}; "
+                  f"rank 0 of {report.ranks} wrote {report.tensors} tensors, {_bytes(report.bytes_written)}, "
+                  f"in {report.seconds:.2f} s ({rate:.2f} GB/s)")
+        return EXIT_OK
+    finally:
+        if started:
+            import torch.distributed as dist
+
+            dist.barrier()
+            dist.destroy_process_group()
+
+
+def _bytes(n: int) -> str:
+    return f"{n / 1e9:.2f} GB" if n >= 1e9 else f"{n / 1e6:.2f} MB" if n >= 1e6 else f"{n / 1e3:.1f} kB"
+
+
+def _join_torchrun() -> bool:
+    """Under torchrun (WORLD_SIZE > 1), join the process group; True if this call started it."""
+    import os
+
+    if int(os.environ.get("WORLD_SIZE", "1")) <= 1:
+        return False
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        return False
+    dist.init_process_group("gloo")
+    return True
 
 
 def _ir(args: argparse.Namespace) -> int:

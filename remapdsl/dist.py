@@ -28,6 +28,10 @@ def rank() -> int:
     return dist.get_rank() if active() else 0
 
 
+def world_size() -> int:
+    return dist.get_world_size() if active() else 1
+
+
 def share_inventory(checkpoint) -> Inventory:
     """Rank 0 reads the checkpoint's headers once; every rank gets the same Inventory (one
     broadcast, carrying either the inventory or rank 0's error)."""

@@ -17,7 +17,12 @@ import shutil
 import threading
 from pathlib import Path
 
+import json
+from collections.abc import Mapping
+
+from ..dtypes import BY_NAME
 from ..errors import CheckpointError, Diagnostic
+from .header import FileInfo, TensorInfo
 from .inventory import Inventory
 
 COPIED = ("config.json", "generation_config.json")  # small files a loadable checkpoint carries
@@ -37,12 +42,89 @@ def check_destination(folder: Path, overwrite: bool) -> None:
                                          path=str(folder.parent)))
 
 
-def create_files(staging: Path, like: Inventory) -> None:
-    """The staging folder with every file of `like` at its full size, headers copied (rank 0)."""
+# safetensors orders a file's tensors by dtype (this enum order, last first), then by name
+_SAFETENSORS_ORDER = ("BOOL", "F4", "F6_E2M3", "F6_E3M2", "U8", "I8", "F8_E5M2", "F8_E5M2FNUZ", "F8_E4M3",
+                      "F8_E4M3FNUZ", "F8_E8M0", "I16", "U16", "F16", "BF16", "I32", "U32", "F32", "F64", "I64",
+                      "U64", "C64")
+
+
+class NewLayout(Mapping):
+    """A checkpoint layout made here (no `like`): the inventory of the files to write, each file's
+    header bytes, and the index (None for a single file)."""
+
+    def __init__(self, inventory: Inventory, headers: dict[str, bytes], index: dict | None):
+        self.inventory, self.headers, self.index = inventory, headers, index
+
+    def __getitem__(self, name: str) -> bytes:
+        return self.headers[name]
+
+    def __iter__(self):
+        return iter(self.headers)
+
+    def __len__(self) -> int:
+        return len(self.headers)
+
+
+def new_layout(root: str, tensors: Mapping[str, tuple[str, tuple[int, ...]]], max_shard_bytes: int,
+               metadata: Mapping[str, str] | None = None) -> NewLayout:
+    """Files for `tensors` (key -> (dtype name, shape)) as Hugging Face shards them: keys in order,
+    a new file when the next tensor would pass `max_shard_bytes`, named `model-0000i-of-0000N`
+    (`model.safetensors` alone when one file does), each laid out as `safetensors` lays out a file."""
+    groups: list[list[str]] = [[]]
+    size = 0
+    for key in sorted(tensors):
+        nbytes = _nbytes(*tensors[key])
+        if groups[-1] and size + nbytes > max_shard_bytes:
+            groups.append([])
+            size = 0
+        groups[-1].append(key)
+        size += nbytes
+    names = (["model.safetensors"] if len(groups) == 1 else
+             [f"model-{i + 1:05d}-of-{len(groups):05d}.safetensors" for i in range(len(groups))])
+    infos, files, headers = {}, {}, {}
+    meta = dict(metadata or {"format": "pt"})
+    for name, keys in zip(names, groups):
+        keys.sort(key=lambda k: (-_SAFETENSORS_ORDER.index(BY_NAME[tensors[k][0]].safetensors), k))
+        entries, at = {}, 0
+        for key in keys:
+            dtype, shape = tensors[key]
+            n = _nbytes(dtype, shape)
+            entries[key] = {"dtype": BY_NAME[dtype].safetensors, "shape": list(shape), "data_offsets": [at, at + n]}
+            at += n
+        text = json.dumps({"__metadata__": meta, **entries}, separators=(",", ":")).encode()
+        text += b" " * (-len(text) % 8)
+        header = len(text).to_bytes(8, "little") + text
+        headers[name] = header
+        files[name] = FileInfo(file=name, nbytes=len(header) + at, data_offset=len(header), metadata=meta)
+        for key, entry in entries.items():
+            infos[key] = TensorInfo(ckpt_key=key, file=name, dtype=tensors[key][0], shape=tuple(tensors[key][1]),
+                                    byte_offset=len(header) + entry["data_offsets"][0],
+                                    nbytes=entry["data_offsets"][1] - entry["data_offsets"][0])
+    index = None if len(names) == 1 else {
+        "metadata": {"total_size": sum(i.nbytes for i in infos.values())},
+        "weight_map": {k: infos[k].file for k in sorted(infos)}}
+    inventory = Inventory(root=root, tensors=infos, files=files,
+                          index_file=None if index is None else "model.safetensors.index.json")
+    return NewLayout(inventory, headers, index)
+
+
+def _nbytes(dtype: str, shape) -> int:
+    count = 1
+    for n in shape:
+        count *= n
+    return count * BY_NAME[dtype].bits // 8
+
+
+def create_files(staging: Path, like: Inventory, headers: Mapping[str, bytes] | None = None) -> None:
+    """The staging folder with every file of `like` at its full size and its header: copied from
+    `like`'s own files, or taken from `headers` (a new layout) (rank 0)."""
     staging.mkdir()
     for name, info in like.files.items():
-        with open(os.path.join(like.root, name), "rb") as source:
-            header = source.read(info.data_offset)
+        if headers is not None:
+            header = headers[name]
+        else:
+            with open(os.path.join(like.root, name), "rb") as source:
+                header = source.read(info.data_offset)
         target = staging / name
         target.parent.mkdir(parents=True, exist_ok=True)
         fd = os.open(target, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
@@ -87,11 +169,18 @@ def _write_all(fd: int, data: memoryview, offset: int) -> None:
         done += n
 
 
-def commit(staging: Path, folder: Path, like: Inventory, token: str, overwrite: bool) -> None:
-    """Rank 0, after every rank's writes: the index and small files, sync, rename into place."""
-    names = ([like.index_file] if like.index_file else []) + [n for n in COPIED if (Path(like.root) / n).is_file()]
-    for name in names:
-        shutil.copyfile(Path(like.root) / name, staging / name)
+def commit(staging: Path, folder: Path, like: Inventory, token: str, overwrite: bool,
+           index: dict | None = None, copy_from: str | None = None) -> None:
+    """Rank 0, after every rank's writes: the index (`like`'s, or a new layout's `index`), the small
+    files of `copy_from` (default `like`'s folder), sync, rename into place."""
+    if index is not None:
+        (staging / like.index_file).write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
+    elif like.index_file:
+        shutil.copyfile(Path(like.root) / like.index_file, staging / like.index_file)
+    source = Path(copy_from or like.root)
+    for name in COPIED:
+        if (source / name).is_file():
+            shutil.copyfile(source / name, staging / name)
     for path in staging.rglob("*"):
         if path.is_file():
             fd = os.open(path, os.O_RDONLY)

@@ -1,0 +1,184 @@
+"""`remapdsl convert`: a checkpoint from one layout to another, offline, in batches, on any number
+of ranks.
+
+Forward: the runtime layout the rules make, written as a new checkpoint (keys = runtime keys,
+shards named and laid out as Hugging Face and safetensors do). Reverse: a checkpoint in the runtime
+layout (what a forward conversion wrote, or a trainer saved) written back to the layout of the
+original checkpoint (`like`), through the save direction of the same rules. Each rank takes a share
+of the runtime tensors (balanced by bytes), fills them a batch at a time within `budget_bytes`, and
+writes their bytes into the output files at their offsets; rank 0 creates the files in a staging
+folder first and renames it into place last (remapdsl/checkpoint/writer.py).
+"""
+
+from __future__ import annotations
+
+import secrets
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+from pydantic import BaseModel, ConfigDict
+
+from .errors import Diagnostic, RemapError
+from .gcpause import paused_gc
+from .rules import RuleSet, load_rules
+
+
+class ConvertReport(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    folder: str
+    tensors: int  # runtime tensors converted by this rank
+    bytes_written: int  # by this rank
+    files: int  # output files (all ranks)
+    ranks: int
+    seconds: float
+
+
+def convert(src, dst, rules, *, reverse: bool = False, like=None, max_shard_bytes: int = 5 * 10**9,
+            budget_bytes: int = 1 << 30, overwrite: bool = False,
+            progress: Callable[[int, int], None] | None = None) -> ConvertReport:
+    """Convert checkpoint `src` into `dst` through `rules` (see the module docstring).
+
+    Args:
+        reverse: `src` is in the runtime layout; write `like`'s layout (required then).
+        max_shard_bytes: forward only: start a new output file past this size.
+        budget_bytes: runtime tensors held at once by a rank (a larger tensor is held alone).
+        progress: called with (bytes done, bytes in all) on this rank after each batch.
+    """
+    with paused_gc():
+        return _convert(src, Path(dst).absolute(), rules, reverse, like, max_shard_bytes, budget_bytes,
+                        overwrite, progress)
+
+
+def _convert(src, dst: Path, rules, reverse, like, max_shard_bytes, budget_bytes, overwrite, progress):
+    import torch
+
+    from . import compile_digest, dist, read_config
+    from .checkpoint import CheckpointReader
+    from .checkpoint.reader import as_byte_view
+    from .checkpoint.writer import (FileWriter, check_destination, commit, create_files, discard, new_layout,
+                                    staging_path)
+    from .compile import compile_rules
+    from .compile.inverse import writers as derive_writers
+    from .execute import run_plan, run_write_plan
+    from .layout import Box, LocalShard
+    from .plan import make_load_plan, make_write_plan
+
+    start = time.perf_counter()
+    if reverse and like is None:
+        raise RemapError(Diagnostic(code="E520", message="a reverse conversion writes the layout of the original "
+                                    "checkpoint: give it with `like` (`--like DIR`)"))
+    ruleset = rules if isinstance(rules, RuleSet) else load_rules(rules)
+    checkpoint = dist.share_inventory(like if reverse else src)  # the layout the rules read
+    runtime_source = dist.share_inventory(src) if reverse else None
+    config = read_config(checkpoint)
+    digest = compile_digest(ruleset, config, True)
+    compiled = dist.together(lambda: compile_rules(ruleset, checkpoint, config),
+                             agree_on=("compiled rules and checkpoint", lambda _: digest))
+    destinations = {d.runtime_key: d for d in compiled.destinations}
+    rank, world = dist.rank(), dist.world_size()
+
+    if reverse:
+        dist.together(lambda: _check_runtime_source(compiled, runtime_source, src))
+        chosen = dist.together(lambda: derive_writers(compiled))
+        out_inventory, headers, index, copy_from = checkpoint, None, None, checkpoint.root
+    else:
+        layout = new_layout(str(dst), {k: (d.dtype, d.shape) for k, d in destinations.items()}, max_shard_bytes)
+        out_inventory, headers, index, copy_from = layout.inventory, layout.headers, layout.index, checkpoint.root
+    mine = _share(sorted(destinations), lambda k: _nbytes(destinations[k]), rank, world)
+    token = dist.from_first(lambda: (check_destination(dst, overwrite), secrets.token_hex(6))[1])
+    staging = staging_path(dst, token)
+    dist.together(lambda: create_files(staging, out_inventory, headers) if rank == 0 else None)
+    writer = FileWriter(staging)
+    total, done, written = sum(_nbytes(destinations[k]) for k in mine), 0, 0
+
+    def work() -> None:
+        nonlocal done, written
+        reader = CheckpointReader(runtime_source or checkpoint)
+        try:
+            for batch in _batches(mine, lambda k: _nbytes(destinations[k]), budget_bytes):
+                tensors = {k: torch.empty(destinations[k].shape, dtype=getattr(torch, destinations[k].dtype))
+                           for k in batch}
+                whole = {k: LocalShard(t.shape, (Box((0,) * t.dim(), tuple(t.shape)),), ((0,) * t.dim(),))
+                         for k, t in tensors.items()}
+                if reverse:  # runtime tensors read whole from src, written through the save direction
+                    for k, t in tensors.items():
+                        info = runtime_source.tensors[k]
+                        reader.read_into(info.file, info.byte_offset, as_byte_view(t))
+                    plan = make_write_plan(chosen, out_inventory, whole, rank)
+                    run_write_plan(plan, writer, tensors)
+                    written += plan.bytes_written
+                else:  # runtime tensors made by the rules, written whole at their offsets
+                    run_plan(make_load_plan(compiled, checkpoint, whole, rank), checkpoint, tensors)
+                    for k, t in tensors.items():
+                        info = out_inventory.tensors[k]
+                        writer.write_at(info.file, info.byte_offset, as_byte_view(t))
+                        written += info.nbytes
+                done += sum(t.nbytes for t in tensors.values())
+                if progress is not None:
+                    progress(done, total)
+        finally:
+            reader.close()
+
+    try:
+        try:
+            dist.together(work)
+        finally:
+            writer.close(sync=True)
+        dist.together(lambda: commit(staging, dst, out_inventory, token, overwrite, index=index,
+                                     copy_from=copy_from) if rank == 0 else None)
+    except BaseException:
+        if rank == 0:
+            discard(staging)
+        raise
+    return ConvertReport(folder=str(dst), tensors=len(mine), bytes_written=written, files=len(out_inventory.files),
+                         ranks=world, seconds=time.perf_counter() - start)
+
+
+def _check_runtime_source(compiled, source, src) -> None:
+    """The runtime-layout checkpoint has every runtime tensor, with the shape and dtype the rules make."""
+    problems = []
+    for d in compiled.destinations:
+        info = source.tensors.get(d.runtime_key)
+        if info is None:
+            problems.append(Diagnostic(code="E521", path=str(src), message=f"`{d.runtime_key}` is not in the "
+                                       "runtime-layout checkpoint", hint="convert a checkpoint the rules' forward "
+                                       "direction wrote (or a trainer saved in that layout)"))
+        elif tuple(info.shape) != d.shape or info.dtype != d.dtype:
+            problems.append(Diagnostic(code="E521", path=str(src), message=f"`{d.runtime_key}` is "
+                                       f"{list(info.shape)} {info.dtype}, the rules make {list(d.shape)} {d.dtype}"))
+    if problems:
+        raise RemapError(tuple(problems))
+
+
+def _share(keys: list[str], size, rank: int, world: int) -> list[str]:
+    """This rank's keys: the largest first to the least loaded rank (every rank computes the same)."""
+    load = [0] * world
+    owner: dict[str, int] = {}
+    for key in sorted(keys, key=lambda k: (-size(k), k)):
+        r = load.index(min(load))
+        owner[key] = r
+        load[r] += size(key)
+    return [k for k in keys if owner[k] == rank]
+
+
+def _batches(keys: list[str], size, budget: int) -> list[list[str]]:
+    out: list[list[str]] = [[]]
+    held = 0
+    for key in keys:
+        if out[-1] and held + size(key) > budget:
+            out.append([])
+            held = 0
+        out[-1].append(key)
+        held += size(key)
+    return [b for b in out if b]
+
+
+def _nbytes(d) -> int:
+    from .dtypes import BY_NAME
+
+    count = 1
+    for n in d.shape:
+        count *= n
+    return count * BY_NAME[d.dtype].bits // 8

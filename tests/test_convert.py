@@ -1,0 +1,107 @@
+"""`remapdsl convert`: forward to the runtime layout (new safetensors shards, laid out exactly as
+safetensors lays them out), reverse back to the original layout byte for byte; in one process, from
+the command line, and on 2 gloo ranks sharing the work."""
+
+from __future__ import annotations
+
+import datetime
+import filecmp
+import json
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from gloo import shut_down
+from safetensors.torch import load_file, save_file
+
+import remapdsl
+from remapdsl.cli import main
+from remapdsl.convert import convert
+
+ROOT = Path(__file__).resolve().parent.parent
+EXAMPLE = ROOT / "examples" / "tiny-qwen3-moe"
+RULES = str(ROOT / "rules" / "qwen3_moe.remap")
+
+
+def runtime_state() -> dict[str, torch.Tensor]:
+    inventory = remapdsl.open_checkpoint(EXAMPLE)
+    compiled = remapdsl.compile_rules(remapdsl.load_rules(RULES), inventory, remapdsl.read_config(inventory))
+    state = {d.runtime_key: torch.empty(d.shape, dtype=getattr(torch, d.dtype)) for d in compiled.destinations}
+    remapdsl.load(state, str(EXAMPLE), RULES)
+    return state
+
+
+def test_forward_writes_the_runtime_layout_as_safetensors_would(tmp_path):
+    report = convert(EXAMPLE, tmp_path / "fused", RULES, budget_bytes=3000)  # many small batches
+    state = runtime_state()
+    save_file(state, str(tmp_path / "reference.safetensors"), metadata={"format": "pt"})
+    assert filecmp.cmp(tmp_path / "fused" / "model.safetensors", tmp_path / "reference.safetensors", shallow=False)
+    assert filecmp.cmp(EXAMPLE / "config.json", tmp_path / "fused" / "config.json", shallow=False)
+    assert report.tensors == len(state) and report.bytes_written == sum(t.nbytes for t in state.values())
+
+
+def test_forward_shards_and_indexes_like_hugging_face(tmp_path):
+    convert(EXAMPLE, tmp_path / "fused", RULES, max_shard_bytes=10_000)
+    index = json.loads((tmp_path / "fused" / "model.safetensors.index.json").read_text())
+    files = sorted({*index["weight_map"].values()})
+    assert files == [f"model-{i:05d}-of-{len(files):05d}.safetensors" for i in range(1, len(files) + 1)]
+    state = runtime_state()
+    loaded = {}
+    for file in files:
+        loaded.update(load_file(str(tmp_path / "fused" / file)))
+    assert loaded.keys() == state.keys() and all(torch.equal(loaded[k], state[k]) for k in state)
+    assert index["metadata"]["total_size"] == sum(t.nbytes for t in state.values())
+
+
+def test_reverse_writes_the_original_back_byte_for_byte(tmp_path):
+    convert(EXAMPLE, tmp_path / "fused", RULES, max_shard_bytes=10_000)
+    convert(tmp_path / "fused", tmp_path / "back", RULES, reverse=True, like=EXAMPLE, budget_bytes=5000)
+    for file in ("model.safetensors", "config.json"):
+        assert filecmp.cmp(EXAMPLE / file, tmp_path / "back" / file, shallow=False), file
+
+
+def test_the_command_line(tmp_path, capsys):
+    fused, back = str(tmp_path / "fused"), str(tmp_path / "back")
+    assert main(["convert", str(EXAMPLE), fused, "--rules", RULES, "--max-shard-size", "10KB"]) == 0
+    assert "converted" in capsys.readouterr().out
+    assert main(["convert", fused, back, "--rules", RULES, "--reverse"]) == 2
+    assert "error[E520]" in capsys.readouterr().err
+    assert main(["convert", fused, back, "--rules", RULES, "--reverse", "--like", str(EXAMPLE)]) == 0
+    assert filecmp.cmp(EXAMPLE / "model.safetensors", Path(back) / "model.safetensors", shallow=False)
+    assert main(["convert", fused, back, "--rules", RULES, "--reverse", "--like", str(EXAMPLE)]) == 2
+    assert "error[E510]" in capsys.readouterr().err
+    assert main(["convert", str(EXAMPLE), str(tmp_path / "x"), "--rules", RULES, "--memory", "lots"]) == 2
+    assert "error[E522]" in capsys.readouterr().err
+
+
+def test_reverse_refuses_a_source_in_another_layout(tmp_path):
+    import pytest
+
+    with pytest.raises(remapdsl.RemapError) as info:
+        convert(EXAMPLE, tmp_path / "back", RULES, reverse=True, like=EXAMPLE)
+    assert info.value.diagnostics[0].code == "E521"
+    assert not (tmp_path / "back").exists()
+
+
+def _worker(rank: int, world: int, rendezvous: str, out: str) -> None:
+    dist.init_process_group("gloo", init_method=f"file://{rendezvous}", rank=rank, world_size=world,
+                            timeout=datetime.timedelta(seconds=60))
+    try:
+        forward = convert(EXAMPLE, Path(out) / "fused", RULES, max_shard_bytes=10_000, budget_bytes=4000)
+        back = convert(Path(out) / "fused", Path(out) / "back", RULES, reverse=True, like=EXAMPLE)
+        Path(out, f"rank{rank}.json").write_text(json.dumps([forward.bytes_written, back.bytes_written]))
+    finally:
+        shut_down()
+
+
+def test_two_ranks_share_the_work_and_write_the_same_files(tmp_path):
+    mp.spawn(_worker, args=(2, str(tmp_path / "rendezvous"), str(tmp_path)), nprocs=2, join=True)
+    convert(EXAMPLE, tmp_path / "single", RULES, max_shard_bytes=10_000)
+    for file in (tmp_path / "single").iterdir():
+        assert filecmp.cmp(file, tmp_path / "fused" / file.name, shallow=False), file.name
+    assert filecmp.cmp(EXAMPLE / "model.safetensors", tmp_path / "back" / "model.safetensors", shallow=False)
+    shares = [json.loads(Path(tmp_path, f"rank{r}.json").read_text()) for r in range(2)]
+    total = sum(t.nbytes for t in runtime_state().values())
+    assert sum(s[0] for s in shares) == total and all(s[0] > 0 for s in shares)
+    assert sum(s[1] for s in shares) == total
