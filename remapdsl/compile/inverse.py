@@ -10,11 +10,13 @@ cannot be undone: both fail the save before any byte is written (E501-E503).
 
 from __future__ import annotations
 
+import bisect
 from typing import NamedTuple
 
 from ..dtypes import BY_NAME
 from ..errors import Diagnostic, RemapError
 from .model import Block, Compiled
+from .symbolic import cut
 
 # (exponent bits, mantissa bits) of the float types: a cast keeps every value iff neither shrinks
 _FLOAT_BITS = {"float64": (11, 52), "float32": (8, 23), "bfloat16": (8, 7), "float16": (5, 10),
@@ -37,7 +39,8 @@ def writers(compiled: Compiled, *, allow_lossy: bool = False) -> list[Writer]:
     sources = {s.ckpt_key: s for s in compiled.sources}
     order = sorted(compiled.destinations, key=lambda d: (d.rule.path, d.rule.line, d.rule.column)
                    if d.rule else ("", 0, 0))
-    chosen: dict[str, dict[tuple, Writer]] = {}
+    chosen: dict[str, list[Writer]] = {}
+    covered: dict[str, _Covered] = {}
     problems: list[Diagnostic] = []
     refused: set[str] = set()  # reported already (E502): no second error for the same tensor
     for d in order:
@@ -58,13 +61,15 @@ def writers(compiled: Compiled, *, allow_lossy: bool = False) -> list[Writer]:
                     f"`{lossy}`, which loses values: the checkpoint cannot be written back exactly",
                     hint="pass allow_lossy=True to write the rounded values"))
                 continue
-            seen = chosen.setdefault(block.ckpt_key, {})
-            seen.setdefault(_region(block), Writer(d.runtime_key, block, steps))  # first rule wins
+            shape = sources[block.ckpt_key].shape
+            cover = covered.setdefault(block.ckpt_key, _Covered())
+            for piece in _new_parts(block, shape, cover):  # what earlier rules left: first rule wins
+                chosen.setdefault(block.ckpt_key, []).append(Writer(d.runtime_key, piece, steps))
     dequantized = {part for source in logical.values() for part in source.parts}
     for key, source in sources.items():
         if key in dequantized or key in refused:
             continue  # E503 or E502 above
-        held = sum(_volume(w.block.sizes) for w in chosen.get(key, {}).values())
+        held = sum(_volume(w.block.sizes) for w in chosen.get(key, []))
         if key in compiled.dropped or not held:
             why = "is dropped by the rules" if key in compiled.dropped else "is read by no rule"
             problems.append(Diagnostic(code="E501", message=f"checkpoint tensor `{key}` {why}: no runtime "
@@ -76,13 +81,72 @@ def writers(compiled: Compiled, *, allow_lossy: bool = False) -> list[Writer]:
                                        hint="the save writes back only what the load read"))
     if problems:
         raise RemapError(tuple(problems))
-    return [w for region in chosen.values() for w in region.values()]
+    return [w for pieces in chosen.values() for w in pieces]
 
 
-def _region(block: Block) -> tuple:
-    """Which elements of its source a block takes: its first element and its moving directions."""
-    moving = tuple(sorted((tuple(row[j] for row in block.coeff), n) for j, n in enumerate(block.sizes) if n > 1))
-    return block.base, moving
+class _Covered:
+    """The elements of one checkpoint tensor already written, as sorted disjoint [start, stop)
+    intervals of its row-major flat index."""
+
+    def __init__(self) -> None:
+        self.starts: list[int] = []
+        self.stops: list[int] = []
+
+    def overlap(self, start: int, stop: int) -> int:
+        """How many of [start, stop) are covered."""
+        i = bisect.bisect_right(self.stops, start)
+        count = 0
+        while i < len(self.starts) and self.starts[i] < stop:
+            count += min(stop, self.stops[i]) - max(start, self.starts[i])
+            i += 1
+        return count
+
+    def add(self, start: int, stop: int) -> None:
+        i = bisect.bisect_left(self.starts, start)
+        self.starts.insert(i, start)
+        self.stops.insert(i, stop)
+
+
+def _new_parts(block: Block, shape: tuple[int, ...], cover: _Covered) -> list[Block]:
+    """The parts of a block whose source elements no earlier block covers (then marked covered):
+    the whole block, nothing (a tied embedding's second reader, a `repeat` copy), or, where it
+    overlaps earlier blocks in part, its pieces cut in halves along its largest dim until each is
+    all new or all covered."""
+    runs = _runs(block, shape)
+    size = sum(n for _, n in runs)
+    seen = sum(cover.overlap(first, first + n) for first, n in runs)
+    if seen == size:
+        return []
+    if seen == 0:
+        for first, n in runs:
+            cover.add(first, first + n)
+        return [block]
+    dim = max(range(len(block.sizes)), key=lambda j: block.sizes[j])
+    half = block.sizes[dim] // 2
+    parts = []
+    for lo, n in ((0, half), (half, block.sizes[dim] - half)):
+        offsets = block.offsets[dim] + lo
+        piece = cut(block, dim, offsets, offsets + n)
+        parts.extend(_new_parts(piece, shape, cover))
+    return parts
+
+
+def _runs(block: Block, shape: tuple[int, ...]) -> list[tuple[int, int]]:
+    """The block's source elements as (first, length) runs of the row-major flat index, merged."""
+    strides = [1] * len(shape)
+    for k in range(len(shape) - 2, -1, -1):
+        strides[k] = strides[k + 1] * shape[k + 1]
+    start = sum(t * b for t, b in zip(strides, block.base))
+    flat = [sum(strides[k] * block.coeff[k][j] for k in range(len(shape))) for j in range(len(block.sizes))]
+    moving = sorted((abs(t), j) for j, t in enumerate(flat) if block.sizes[j] > 1)
+    length, k = 1, 0
+    while k < len(moving) and moving[k][0] == length:
+        length *= block.sizes[moving[k][1]]
+        k += 1
+    firsts = [start + sum(min(0, flat[j]) * (block.sizes[j] - 1) for _, j in moving[:k])]
+    for t, j in reversed(moving[k:]):
+        firsts = [f + flat[j] * i for f in firsts for i in range(block.sizes[j])]
+    return [(f, length) for f in firsts]
 
 
 def _inverse_steps(steps, source_dtype: str) -> tuple[tuple, str | None]:
