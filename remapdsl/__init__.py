@@ -148,7 +148,7 @@ def _load(target, checkpoint, rules, config, strict, layout, mesh, read_replicat
     return report
 
 
-def save(source, folder, rules, *, like, **kwargs):
+def save(source, folder, rules, *, like=None, **kwargs):
     """Write runtime tensors back to a checkpoint's layout, every rank its own bytes (no gather);
     see `remapdsl.saving.save` for the arguments."""
     from .saving import save as _save

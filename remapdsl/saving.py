@@ -36,7 +36,7 @@ class SaveReport(BaseModel):
     seconds: float
 
 
-def save(source, folder, rules, *, like, config: Mapping[str, Any] | None = None, layout=None, mesh=None,
+def save(source, folder, rules, *, like=None, config: Mapping[str, Any] | None = None, layout=None, mesh=None,
          overwrite: bool = False, allow_lossy: bool = False) -> SaveReport:
     """Write runtime tensors back to the checkpoint layout `like` through the rules that load it.
 
@@ -52,6 +52,13 @@ def save(source, folder, rules, *, like, config: Mapping[str, Any] | None = None
         overwrite: replace an existing folder (only once the new one is complete).
         allow_lossy: write back tensors that the rules read through a cast that loses values.
     """
+    if like is None:
+        from .errors import Diagnostic, RemapError
+
+        raise RemapError(Diagnostic(code="E520", message="a save writes the checkpoint layout the rules read: "
+                                    "give that checkpoint with `like` (its keys, files and headers); rules "
+                                    "alone do not give the sizes of every tensor",
+                                    hint="or write the runtime layout itself with `remapdsl convert`"))
     with paused_gc():
         return _save(source, Path(folder).absolute(), rules, like, config, layout, mesh, overwrite, allow_lossy)
 

@@ -124,6 +124,12 @@ def test_a_lossy_cast_saves_with_the_opt_in(tmp_path):
     assert torch.equal(saved["b.weight"], state["b"].float())
 
 
+def test_a_save_needs_the_layout_it_writes(tmp_path):
+    with pytest.raises(RemapError) as info:
+        remapdsl.save(loaded(EXAMPLE, QWEN), tmp_path / "out", QWEN)
+    assert info.value.diagnostics[0].code == "E520" and "like" in str(info.value)
+
+
 def test_an_existing_folder_is_kept_unless_overwrite(tmp_path):
     state = loaded(EXAMPLE, QWEN)
     out = tmp_path / "out"
