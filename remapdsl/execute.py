@@ -272,6 +272,26 @@ def _run_decode(unit: _Decode, reader: CheckpointReader) -> torch.Tensor | None:
     return None
 
 
+def _write_encoded(item: DecodeItem, view: torch.Tensor, writer, reader: CheckpointReader) -> None:
+    """A piece of a dequantized tensor back in its format, with the stored scales of its box."""
+    from .errors import RemapError
+    from .quant import FormatError, get_format
+
+    box = torch.empty(item.box[1], dtype=torch.float32)
+    box.view(-1).as_strided(item.sizes, item.strides, item.offset).copy_(_steps(view, item.steps))
+    scales = [_part(p, reader) for p in item.parts[1:]]
+    covers = tuple((p.offsets, p.sizes) for p in item.parts)
+    try:
+        codes = get_format(item.format).encode(box, item.box, covers, scales, dict(item.params))
+    except FormatError as exc:
+        raise RemapError(Diagnostic(code="E503", message=f"`{item.runtime_key}` cannot be written back to "
+                                    f"`{item.logical}`: {exc}")) from None
+    data, at = memoryview(codes.contiguous().numpy()).cast("B"), 0
+    for byte_offset, n in item.parts[0].runs:
+        writer.write_at(item.parts[0].file, byte_offset, data[at:at + n])
+        at += n
+
+
 def _part(part, reader: CheckpointReader) -> torch.Tensor:
     """One part's covering box as a tensor of its sizes, in the part's dtype where torch has it."""
     kind = BY_NAME[part.dtype]
@@ -395,14 +415,20 @@ def owned_tensors(compiled: Compiled, tensors: Mapping[str, torch.Tensor], layou
     return owned, local
 
 
-def run_write_plan(plan: WritePlan, writer, tensors: Mapping[str, torch.Tensor], threads: int = 2) -> None:
+def run_write_plan(plan: WritePlan, writer, tensors: Mapping[str, torch.Tensor], threads: int = 2,
+                   reader: CheckpointReader | None = None) -> None:
     """Write one rank's pieces: each gathered into source order in a staging buffer, undone by the
-    inverse value steps into the checkpoint's dtype, then written run by run."""
+    inverse value steps into the checkpoint's dtype, then written run by run. A piece of a
+    dequantized tensor is encoded with the scales `reader` reads from the checkpoint it came from."""
     with torch.no_grad():
         work = [(item, _region(tensors[item.runtime_key], item)) for item in plan.items]
+        work += [(item, _region(tensors[item.runtime_key], item)) for item in plan.encodes]
 
         def write(i: int) -> None:
             item, view = work[i]
+            if isinstance(item, DecodeItem):
+                _write_encoded(item, view, writer, reader)
+                return
             dtype = torch_dtype(item.dtype)
             if (len(item.runs) == 1 and not item.steps and view.dtype == dtype and view.device.type == "cpu"
                     and view.is_contiguous() and _dense(item.strides, item.sizes)):  # straight from memory

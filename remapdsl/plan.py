@@ -284,13 +284,21 @@ class WritePlan(BaseModel):
 
     rank: int
     items: tuple[ReadItem, ...]
+    encodes: tuple[DecodeItem, ...] = ()  # pieces of dequantized tensors, written back with their scales
     bytes_written: int
     files: tuple[str, ...]
 
 
-def make_write_plan(writers, inventory: Inventory, owned: Mapping[str, LocalShard], rank: int = 0) -> WritePlan:
-    """The plan of one rank: `writers` (remapdsl.compile.inverse) cut to the boxes this rank owns."""
+def make_write_plan(writers, inventory: Inventory, owned: Mapping[str, LocalShard], rank: int = 0,
+                    logical: Mapping | None = None) -> WritePlan:
+    """The plan of one rank: `writers` (remapdsl.compile.inverse) cut to the boxes this rank owns.
+    A piece of a dequantized tensor (`logical`: key -> LogicalSource) becomes an encode item: its
+    values part's runs are where it is written, its scales' runs where the stored scales are read."""
+    from .errors import Diagnostic, RemapError
+
     items: list[ReadItem] = []
+    encodes: list[DecodeItem] = []
+    logical = logical or {}
     for w in writers:
         shard = owned.get(w.runtime_key)
         if shard is None:
@@ -300,10 +308,19 @@ def make_write_plan(writers, inventory: Inventory, owned: Mapping[str, LocalShar
             if piece is None:
                 continue
             local = tuple(lo + o - bo for lo, o, bo in zip(local_offsets, piece.offsets, box.offsets))
-            items.append(_item(w.runtime_key, local, piece._replace(steps=w.steps), inventory))
+            piece = piece._replace(steps=w.steps)
+            if piece.ckpt_key not in logical:
+                items.append(_item(w.runtime_key, local, piece, inventory))
+                continue
+            item = _decode_item(w.runtime_key, local, piece, logical[piece.ckpt_key], inventory)
+            if item.offset or _volume(item.box[1]) != _volume(item.sizes):
+                raise RemapError(Diagnostic(code="E503", message=f"`{w.runtime_key}` holds a strided part of "
+                                            f"`{piece.ckpt_key}`: it cannot be written back in its format"))
+            encodes.append(item)
     items.sort(key=lambda i: (i.file, i.runs[0][0] if i.runs else -1))
-    return WritePlan(rank=rank, items=tuple(items), bytes_written=sum(n for i in items for _, n in i.runs),
-                     files=tuple(sorted({i.file for i in items})))
+    written = sum(n for i in items for _, n in i.runs) + sum(n for i in encodes for _, n in i.parts[0].runs)
+    return WritePlan(rank=rank, items=tuple(items), encodes=tuple(encodes), bytes_written=written,
+                     files=tuple(sorted({i.file for i in items} | {i.parts[0].file for i in encodes})))
 
 
 def owned_boxes(held_by_rank: list[Mapping[str, LocalShard]], rank: int) -> dict[str, LocalShard]:

@@ -66,6 +66,8 @@ def save(source, folder, rules, *, like=None, config: Mapping[str, Any] | None =
 def _save(source, folder: Path, rules, like, config, layout, mesh, overwrite, allow_lossy) -> SaveReport:
     from . import dist
     from .checkpoint.writer import FileWriter, check_destination, commit, create_files, discard, staging_path
+    from .checkpoint import CheckpointReader
+    from .compile.inverse import copied_parts
     from .compile.inverse import writers as derive_writers
     from .execute import owned_tensors, run_write_plan
     from .plan import make_write_plan
@@ -89,22 +91,35 @@ def _save(source, folder: Path, rules, like, config, layout, mesh, overwrite, al
     def prepare():
         chosen = derive_writers(compiled, allow_lossy=allow_lossy)
         owned, local = owned_tensors(compiled, tensors, layout, mesh, rank)
-        return make_write_plan(chosen, inventory, owned, rank), local
+        return make_write_plan(chosen, inventory, owned, rank, compiled.logical_by_key()), local
 
     plan, local = dist.together(prepare)
+    copies = copied_parts(compiled) if rank == 0 else []  # stored scales of dequantized tensors
     token = dist.from_first(lambda: (check_destination(folder, overwrite), secrets.token_hex(6))[1])
     staging = staging_path(folder, token)
     dist.together(lambda: create_files(staging, inventory) if rank == 0 else None)
     writer = FileWriter(staging)
+    reader = CheckpointReader(inventory)
+
+    def write() -> None:
+        run_write_plan(plan, writer, local, reader=reader)
+        for key in copies:
+            info = inventory.tensors[key]
+            data = bytearray(info.nbytes)
+            reader.read_into(info.file, info.byte_offset, data)
+            writer.write_at(info.file, info.byte_offset, memoryview(data))
+
     try:
         try:
-            dist.together(lambda: run_write_plan(plan, writer, local))
+            dist.together(write)
         finally:
             writer.close(sync=True)
+            reader.close()
         dist.together(lambda: commit(staging, folder, inventory, token, overwrite) if rank == 0 else None)
     except BaseException:
         if rank == 0:
             discard(staging)
         raise
-    return SaveReport(folder=str(folder), rank=rank, bytes_written=plan.bytes_written, files=plan.files,
+    copied = sum(inventory.tensors[k].nbytes for k in copies)
+    return SaveReport(folder=str(folder), rank=rank, bytes_written=plan.bytes_written + copied, files=plan.files,
                       seconds=time.perf_counter() - start)

@@ -462,3 +462,59 @@ def test_a_shard_edge_inside_a_block_of_stored_values_is_an_error(tmp_path):
         remapdsl.plan_rank(compiled, inventory, layout, Mesh.of({"tp": 3}), 0)
     d = info.value.diagnostics[0]
     assert d.code == "E412" and "gate_up" in d.message and "171" in d.message
+
+
+# --------------------------------------------------------------------------- saving back
+
+
+SAFE_E4M3 = tuple(c for c in range(256) if c & 0x7F != 0x7F)  # every code but NaN (its sign is not kept)
+
+
+@pytest.mark.parametrize("fmt, rows, to", [("fp8_block", 576, "bfloat16"), ("fp8_block", 100, "float32"),
+                                           ("fp8_tensor", 40, "bfloat16"), ("fp8_channel", 40, "float16")])
+def test_a_dequantized_load_saves_back_byte_for_byte(tmp_path, fmt, rows, to):
+    """Values decoded and left unchanged are encoded again with the stored scales, exactly; the
+    scales are copied. Every finite code, subnormals included, a partial last block."""
+    import filecmp
+
+    g = torch.Generator().manual_seed(rows)
+    codes = torch.tensor(SAFE_E4M3, dtype=torch.uint8)[torch.randint(0, len(SAFE_E4M3), (rows, 200), generator=g)]
+    values = codes.view(torch.float8_e4m3fn)
+    scale = {"fp8_block": torch.rand(-(-rows // 128), 2, generator=g) * 4 + 1e-3,
+             "fp8_tensor": torch.rand(1, generator=g) + 0.1, "fp8_channel": torch.rand(rows, 1, generator=g) + 0.1}[fmt]
+    suffix = "weight_scale_inv" if fmt == "fp8_block" else "weight_scale"
+    (tmp_path / "src").mkdir()
+    source = write(tmp_path / "src", {"w.weight": values, f"w.{suffix}": scale})
+    call = "fp8_block(block=[128, 128], to=DT)" if fmt == "fp8_block" else f"{fmt}(to=DT)"
+    text = f"remap 1\nlet DT = {to}\ndequantize {{P:path}}.weight, {{P}}.{suffix} -> {{P}}.weight | {call}\n" \
+           "w.weight -> w | transpose(0, 1)\n"
+    got, _, _ = load_text(text, source)
+    rules = rules_from_text(text, "t.remap")
+    remapdsl.save(got, tmp_path / "out", rules, like=source)
+    assert filecmp.cmp(source / "model.safetensors", tmp_path / "out" / "model.safetensors", shallow=False)
+
+
+def test_a_value_beyond_the_stored_scale_cannot_be_saved(tmp_path):
+    (tmp_path / "src").mkdir()
+    source = write(tmp_path / "src", {"w.weight": torch.ones(4, 4).to(torch.float8_e4m3fn),
+                                      "w.weight_scale_inv": torch.ones(1, 1)})
+    text = "remap 1\ndequantize {P:path}.weight, {P}.weight_scale_inv -> {P}.weight | " \
+           "fp8_block(block=[4, 4], to=float32)\nw.weight -> w\n"
+    got, _, _ = load_text(text, source)
+    got["w"][0, 0] = 1000.0  # 448 is the largest E4M3 value times a scale of 1
+    with pytest.raises(remapdsl.RemapError) as info:
+        remapdsl.save(got, tmp_path / "out", rules_from_text(text, "t.remap"), like=source)
+    assert info.value.diagnostics[0].code == "E503" and "beyond 448" in str(info.value)
+    assert not (tmp_path / "out").exists()
+
+
+def test_mxfp4_cannot_be_saved_back_yet(tmp_path):
+    g = torch.Generator().manual_seed(0)
+    (tensors, _) = make_parts("mxfp4", (), 4, 64, None, g)
+    (tmp_path / "src").mkdir()
+    source = write(tmp_path / "src", {"x_blocks": tensors[0], "x_scales": tensors[1]})
+    text = "remap 1\ndequantize {P:path}_blocks, {P}_scales -> {P} | mxfp4(to=bfloat16)\nx -> x\n"
+    got, _, _ = load_text(text, source)
+    with pytest.raises(remapdsl.RemapError) as info:
+        remapdsl.save(got, tmp_path / "out", rules_from_text(text, "t.remap"), like=source)
+    assert info.value.diagnostics[0].code == "E503" and "mxfp4" in str(info.value)

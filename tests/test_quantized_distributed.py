@@ -1,8 +1,9 @@
 """Block-FP8 loads on real gloo process groups: the bundled tiny Qwen3-MoE re-saved with every
 projection as E4M3 values plus float32 scales per [3, 5] block (so tensor-parallel shard edges
 cut through blocks), loaded under TP=2 and EP=2 (plain tensors with a layout, and DTensors).
-Every rank's shards must equal the single-process dequantized load sliced to it, and each rank
-must read its own values plus the scale tiles that cover them, nothing else."""
+Every rank's shards must equal the single-process dequantized load sliced to it, each rank must
+read its own values plus the scale tiles that cover them, nothing else, and saving the shards
+back must write the FP8 checkpoint byte for byte."""
 
 from __future__ import annotations
 
@@ -60,7 +61,7 @@ def _worker(rank: int, world: int, rendezvous: str, folder: str, out: str) -> No
         for name, plan_map, mesh_dim in (("tp", TP, "tp"), ("ep", EP, "ep")):
             try:
                 mesh, plan = Mesh.of({mesh_dim: world}), LayoutPlan.from_mapping(plan_map, mesh_dim=mesh_dim)
-                _plain(rank, expected, rules, folder, mesh, plan)
+                _plain(rank, expected, rules, folder, mesh, plan, Path(out) / f"saved-{name}")
                 _dtensors(expected, rules, folder, mesh, plan)
             except Exception:  # noqa: BLE001 - reported by the parent
                 failures.append(f"{name}: {traceback.format_exc()}")
@@ -69,7 +70,7 @@ def _worker(rank: int, world: int, rendezvous: str, folder: str, out: str) -> No
         shut_down()
 
 
-def _plain(rank, expected, rules, folder, mesh, plan) -> None:
+def _plain(rank, expected, rules, folder, mesh, plan, out: Path) -> None:
     local, shards = {}, {}
     for key, full in expected.items():
         shard = local_shard(full.shape, mesh.sizes, layout_for(key, full.shape, plan, mesh), mesh.coordinate(rank))
@@ -83,6 +84,10 @@ def _plain(rank, expected, rules, folder, mesh, plan) -> None:
             assert torch.equal(got, want), (key, box)
     assert report.bytes_read == report.bytes_owned + report.scale_bytes_read
     assert 0 < report.scale_bytes_read < report.bytes_owned
+    # and back: every rank encodes the values it is the lowest holder of with the stored scales
+    remapdsl.save(local, out, rules, like=folder, layout=plan, mesh=mesh)
+    dist.barrier()
+    assert (out / "model.safetensors").read_bytes() == (Path(folder) / "model.safetensors").read_bytes()
 
 
 def _dtensors(expected, rules, folder, mesh, plan) -> None:

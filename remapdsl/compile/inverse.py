@@ -14,6 +14,7 @@ import bisect
 from typing import NamedTuple
 
 from ..dtypes import BY_NAME
+from ..quant import get_format
 from ..errors import Diagnostic, RemapError
 from .model import Block, Compiled
 from .symbolic import cut
@@ -47,13 +48,15 @@ def writers(compiled: Compiled, *, allow_lossy: bool = False) -> list[Writer]:
         for block in d.blocks:
             if block.ckpt_key is None:
                 continue  # a pad region: not in the checkpoint
-            if block.ckpt_key in logical:
+            source = logical.get(block.ckpt_key) or sources[block.ckpt_key]
+            if block.ckpt_key in logical and not get_format(source.format).encodes:
+                refused.add(block.ckpt_key)
                 problems.append(Diagnostic(
                     code="E503", span=d.rule, message=f"`{d.runtime_key}` holds `{block.ckpt_key}` dequantized "
-                    f"({logical[block.ckpt_key].format}); writing it back needs re-quantizing, not supported yet",
+                    f"({source.format}); writing it back in that format is not supported yet",
                     hint="move the stored values as they are (`quantized`), or save a dequantized checkpoint"))
                 continue
-            steps, lossy = _inverse_steps(block.steps, sources[block.ckpt_key].dtype)
+            steps, lossy = _inverse_steps(block.steps, source.dtype)
             if lossy and not allow_lossy:
                 refused.add(block.ckpt_key)
                 problems.append(Diagnostic(
@@ -61,14 +64,15 @@ def writers(compiled: Compiled, *, allow_lossy: bool = False) -> list[Writer]:
                     f"`{lossy}`, which loses values: the checkpoint cannot be written back exactly",
                     hint="pass allow_lossy=True to write the rounded values"))
                 continue
-            shape = sources[block.ckpt_key].shape
+            shape = source.shape
             cover = covered.setdefault(block.ckpt_key, _Covered())
             for piece in _new_parts(block, shape, cover):  # what earlier rules left: first rule wins
                 chosen.setdefault(block.ckpt_key, []).append(Writer(d.runtime_key, piece, steps))
-    dequantized = {part for source in logical.values() for part in source.parts}
-    for key, source in sources.items():
-        if key in dequantized or key in refused:
-            continue  # E503 or E502 above
+    dequantized = {part: source.key for source in logical.values() for part in source.parts}
+    checked = [(k, s) for k, s in sources.items() if k not in dequantized] + list(logical.items())
+    for key, source in checked:  # the parts of a dequantized tensor: its values through it, scales copied
+        if key in refused:
+            continue  # E502 or E503 above
         held = sum(_volume(w.block.sizes) for w in chosen.get(key, []))
         if key in compiled.dropped or not held:
             why = "is dropped by the rules" if key in compiled.dropped else "is read by no rule"
@@ -82,6 +86,12 @@ def writers(compiled: Compiled, *, allow_lossy: bool = False) -> list[Writer]:
     if problems:
         raise RemapError(tuple(problems))
     return [w for pieces in chosen.values() for w in pieces]
+
+
+def copied_parts(compiled: Compiled) -> list[str]:
+    """Scales of dequantized tensors: a save writes the values back with them, so they are copied
+    from the checkpoint the output is like, byte for byte."""
+    return sorted(part for source in compiled.logical for part in source.parts[1:])
 
 
 class _Covered:

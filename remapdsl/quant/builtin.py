@@ -120,6 +120,22 @@ class Fp8Block(QuantFormat):
 
         _into(out, lambda flat: e4m3_scaled(values.reshape(-1, w), scale_rows, flat))
 
+    encodes = True
+
+    def encode(self, values, box, covers, scales, params):
+        return _e4m3_codes(values / _block_scales(scales[0], box, covers, params, self.block(params)), self.name)
+
+
+def _e4m3_codes(scaled, what: str):
+    """float32 values already divided by their scales -> E4M3 codes (round to nearest even)."""
+    import torch
+
+    finite = torch.isfinite(scaled)
+    if bool((scaled[finite].abs() > 464).any()):  # 448 and half a step: beyond the largest code
+        raise FormatError(f"{what}: a value is beyond 448 times its stored scale; it cannot be written "
+                          "with the checkpoint's scales")
+    return scaled.to(torch.float8_e4m3fn).view(torch.uint8)
+
 
 def _into(out, fill) -> None:
     """Run `fill(flat)` on out viewed as [rows, cols], or on a scratch tensor copied into out."""
@@ -134,6 +150,19 @@ def _into(out, fill) -> None:
     scratch = torch.empty(out.shape, dtype=out.dtype)
     fill(scratch.view(-1, out.shape[-1]))
     out.copy_(scratch)
+
+
+def _block_scales(scales, box, covers, params, block):
+    """The scale of every element of the box: [..., rows, cols] float32."""
+    import torch
+
+    rows_block, cols_block = block
+    (r0, c0), (h, w) = box[0][-2:], box[1][-2:]
+    g0, k0 = covers[1][0][-2], covers[1][0][-1]
+    scale = _scale_f32(scales, params.get("scale", "float32"))
+    rows = torch.arange(r0, r0 + h) // rows_block - g0
+    cols = torch.arange(c0, c0 + w) // cols_block - k0
+    return scale.index_select(-2, rows).index_select(-1, cols)
 
 
 def _scale_f32(scales, kind: str):
@@ -176,6 +205,13 @@ class Fp8Tensor(QuantFormat):
         one = scale.to(torch.float32).reshape(1, 1)
         _into(out, lambda flat: e4m3_scaled(values.reshape(-1, values.shape[-1]), lambda a, b: one, flat))
 
+    encodes = True
+
+    def encode(self, values, box, covers, scales, params):
+        import torch
+
+        return _e4m3_codes(values / scales[0].to(torch.float32).reshape(-1)[0], self.name)
+
 
 class Fp8Channel(QuantFormat):
     name = "fp8_channel"
@@ -213,6 +249,13 @@ class Fp8Channel(QuantFormat):
         values, scales = tensors
         rows = scales.to(torch.float32).reshape(-1, 1)
         _into(out, lambda flat: e4m3_scaled(values.reshape(-1, values.shape[-1]), lambda a, b: rows[a:b], flat))
+
+    encodes = True
+
+    def encode(self, values, box, covers, scales, params):
+        import torch
+
+        return _e4m3_codes(values / scales[0].to(torch.float32).reshape(*values.shape[:-1], 1), self.name)
 
 
 class Mxfp4(QuantFormat):

@@ -65,6 +65,15 @@ class QuantFormat:
         raise NotImplementedError
 
     one_scale: ClassVar[bool] = False  # one scale for the whole tensor: never fuse two as they are
+    encodes: ClassVar[bool] = False  # implements `encode`: a save writes it back with its stored scales
+
+    def encode(self, values: Any, box: Box, covers: Sequence[Box], scales: Sequence[Any],
+               params: Mapping[str, Any]) -> Any:
+        """The inverse of `decode` with the stored scales: float32 `values` of the logical `box` ->
+        the values part's covering box (a uint8 tensor of its bytes, row-major). `scales[i]` holds
+        part i + 1's cover. Values decoded and not changed come back bit for bit; a value the
+        stored scale cannot reach raises FormatError."""
+        raise NotImplementedError
 
     def value_grid(self, parts: Sequence[Part], params: Mapping[str, Any]) -> tuple[int, ...]:
         """Per dim of the stored values (part 0), how many consecutive elements share their scales
