@@ -272,24 +272,33 @@ def _run_decode(unit: _Decode, reader: CheckpointReader) -> torch.Tensor | None:
     return None
 
 
-def _write_encoded(item: DecodeItem, view: torch.Tensor, writer, reader: CheckpointReader) -> None:
-    """A piece of a dequantized tensor back in its format, with the stored scales of its box."""
+def _write_encoded(item: DecodeItem, view: torch.Tensor, writer, reader: CheckpointReader,
+                   requantize: bool) -> None:
+    """A piece of a dequantized tensor back in its format: with the stored scales of its box, or,
+    re-quantizing, with new scales that are written too."""
     from .errors import RemapError
-    from .quant import FormatError, get_format
+    from .quant import FormatError, Part, get_format
 
     box = torch.empty(item.box[1], dtype=torch.float32)
     box.view(-1).as_strided(item.sizes, item.strides, item.offset).copy_(_steps(view, item.steps))
-    scales = [_part(p, reader) for p in item.parts[1:]]
-    covers = tuple((p.offsets, p.sizes) for p in item.parts)
+    fmt = get_format(item.format)
     try:
-        codes = get_format(item.format).encode(box, item.box, covers, scales, dict(item.params))
+        if requantize:
+            shapes = [Part(p.ckpt_key, p.dtype, reader.inventory.tensors[p.ckpt_key].shape) for p in item.parts]
+            codes, scales = fmt.requantize(box, item.box, shapes, dict(item.params))
+            written = [codes, scales]
+        else:
+            scales = [_part(p, reader) for p in item.parts[1:]]
+            covers = tuple((p.offsets, p.sizes) for p in item.parts)
+            written = [fmt.encode(box, item.box, covers, scales, dict(item.params))]
     except FormatError as exc:
         raise RemapError(Diagnostic(code="E503", message=f"`{item.runtime_key}` cannot be written back to "
                                     f"`{item.logical}`: {exc}")) from None
-    data, at = memoryview(codes.contiguous().numpy()).cast("B"), 0
-    for byte_offset, n in item.parts[0].runs:
-        writer.write_at(item.parts[0].file, byte_offset, data[at:at + n])
-        at += n
+    for part, tensor in zip(item.parts, written):
+        data, at = memoryview(tensor.contiguous().view(torch.uint8).numpy()).cast("B"), 0
+        for byte_offset, n in part.runs:
+            writer.write_at(part.file, byte_offset, data[at:at + n])
+            at += n
 
 
 def _part(part, reader: CheckpointReader) -> torch.Tensor:
@@ -427,7 +436,7 @@ def run_write_plan(plan: WritePlan, writer, tensors: Mapping[str, torch.Tensor],
         def write(i: int) -> None:
             item, view = work[i]
             if isinstance(item, DecodeItem):
-                _write_encoded(item, view, writer, reader)
+                _write_encoded(item, view, writer, reader, plan.requantize)
                 return
             dtype = torch_dtype(item.dtype)
             if (len(item.runs) == 1 and not item.steps and view.dtype == dtype and view.device.type == "cpu"

@@ -285,12 +285,13 @@ class WritePlan(BaseModel):
     rank: int
     items: tuple[ReadItem, ...]
     encodes: tuple[DecodeItem, ...] = ()  # pieces of dequantized tensors, written back with their scales
+    requantize: bool = False  # the encodes compute new scales (and write them) instead of the stored ones
     bytes_written: int
     files: tuple[str, ...]
 
 
 def make_write_plan(writers, inventory: Inventory, owned: Mapping[str, LocalShard], rank: int = 0,
-                    logical: Mapping | None = None) -> WritePlan:
+                    logical: Mapping | None = None, requantize: bool = False) -> WritePlan:
     """The plan of one rank: `writers` (remapdsl.compile.inverse) cut to the boxes this rank owns.
     A piece of a dequantized tensor (`logical`: key -> LogicalSource) becomes an encode item: its
     values part's runs are where it is written, its scales' runs where the stored scales are read."""
@@ -319,7 +320,10 @@ def make_write_plan(writers, inventory: Inventory, owned: Mapping[str, LocalShar
             encodes.append(item)
     items.sort(key=lambda i: (i.file, i.runs[0][0] if i.runs else -1))
     written = sum(n for i in items for _, n in i.runs) + sum(n for i in encodes for _, n in i.parts[0].runs)
-    return WritePlan(rank=rank, items=tuple(items), encodes=tuple(encodes), bytes_written=written,
+    if requantize:
+        written += sum(n for i in encodes for p in i.parts[1:] for _, n in p.runs)
+    return WritePlan(rank=rank, items=tuple(items), encodes=tuple(encodes), requantize=requantize,
+                     bytes_written=written,
                      files=tuple(sorted({i.file for i in items} | {i.parts[0].file for i in encodes})))
 
 

@@ -37,7 +37,7 @@ class SaveReport(BaseModel):
 
 
 def save(source, folder, rules, *, like=None, config: Mapping[str, Any] | None = None, layout=None, mesh=None,
-         overwrite: bool = False, allow_lossy: bool = False) -> SaveReport:
+         overwrite: bool = False, allow_lossy: bool = False, requantize: bool = False) -> SaveReport:
     """Write runtime tensors back to the checkpoint layout `like` through the rules that load it.
 
     Args:
@@ -51,6 +51,8 @@ def save(source, folder, rules, *, like=None, config: Mapping[str, Any] | None =
         layout, mesh: as for `remapdsl.load`.
         overwrite: replace an existing folder (only once the new one is complete).
         allow_lossy: write back tensors that the rules read through a cast that loses values.
+        requantize: write dequantized tensors with new scales computed from their values (fp8_block:
+            amax / 448 per block), not the stored ones; each block must be whole on one rank.
     """
     if like is None:
         from .errors import Diagnostic, RemapError
@@ -60,10 +62,12 @@ def save(source, folder, rules, *, like=None, config: Mapping[str, Any] | None =
                                     "alone do not give the sizes of every tensor",
                                     hint="or write the runtime layout itself with `remapdsl convert`"))
     with paused_gc():
-        return _save(source, Path(folder).absolute(), rules, like, config, layout, mesh, overwrite, allow_lossy)
+        return _save(source, Path(folder).absolute(), rules, like, config, layout, mesh, overwrite, allow_lossy,
+                     requantize)
 
 
-def _save(source, folder: Path, rules, like, config, layout, mesh, overwrite, allow_lossy) -> SaveReport:
+def _save(source, folder: Path, rules, like, config, layout, mesh, overwrite, allow_lossy,
+          requantize) -> SaveReport:
     from . import dist
     from .checkpoint.writer import FileWriter, check_destination, commit, create_files, discard, staging_path
     from .checkpoint import CheckpointReader
@@ -89,12 +93,12 @@ def _save(source, folder: Path, rules, like, config, layout, mesh, overwrite, al
     rank = dist.rank()
 
     def prepare():
-        chosen = derive_writers(compiled, allow_lossy=allow_lossy)
+        chosen = derive_writers(compiled, allow_lossy=allow_lossy, requantize=requantize)
         owned, local = owned_tensors(compiled, tensors, layout, mesh, rank)
-        return make_write_plan(chosen, inventory, owned, rank, compiled.logical_by_key()), local
+        return make_write_plan(chosen, inventory, owned, rank, compiled.logical_by_key(), requantize), local
 
     plan, local = dist.together(prepare)
-    copies = copied_parts(compiled) if rank == 0 else []  # stored scales of dequantized tensors
+    copies = copied_parts(compiled) if rank == 0 and not requantize else []  # stored scales, as they are
     token = dist.from_first(lambda: (check_destination(folder, overwrite), secrets.token_hex(6))[1])
     staging = staging_path(folder, token)
     dist.together(lambda: create_files(staging, inventory) if rank == 0 else None)

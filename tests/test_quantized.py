@@ -518,3 +518,37 @@ def test_mxfp4_cannot_be_saved_back_yet(tmp_path):
     with pytest.raises(remapdsl.RemapError) as info:
         remapdsl.save(got, tmp_path / "out", rules_from_text(text, "t.remap"), like=source)
     assert info.value.diagnostics[0].code == "E503" and "mxfp4" in str(info.value)
+
+
+def test_requantize_writes_new_block_scales(tmp_path):
+    """requantize=True: scales amax / 448 per block from the values the model holds (here doubled),
+    the values their nearest E4M3 codes; a partial last block included."""
+    g = torch.Generator().manual_seed(3)
+    weight = torch.randn(200, 72, generator=g)
+    q, s = __import__("quant_reference").quantize_fp8_block(weight, (64, 64))
+    (tmp_path / "src").mkdir()
+    source = write(tmp_path / "src", {"w.weight": q, "w.weight_scale_inv": s})
+    text = "remap 1\ndequantize {P:path}.weight, {P}.weight_scale_inv -> {P}.weight | " \
+           "fp8_block(block=[64, 64], to=float32)\nw.weight -> w\n"
+    got, _, _ = load_text(text, source)
+    got["w"] *= 2
+    remapdsl.save(got, tmp_path / "out", rules_from_text(text, "t.remap"), like=source, requantize=True)
+    from safetensors.torch import load_file
+
+    saved = load_file(str(tmp_path / "out" / "model.safetensors"))
+    want_q, want_s = __import__("quant_reference").quantize_fp8_block(got["w"], (64, 64))
+    assert torch.equal(saved["w.weight_scale_inv"], want_s)
+    assert torch.equal(saved["w.weight"].view(torch.uint8), want_q.view(torch.uint8))
+
+
+def test_requantize_needs_whole_blocks_on_a_rank(tmp_path):
+    (tmp_path / "src").mkdir()
+    source = write(tmp_path / "src", {"w.weight": torch.ones(8, 8).to(torch.float8_e4m3fn),
+                                      "w.weight_scale_inv": torch.ones(2, 2)})
+    text = "remap 1\ndequantize {P:path}.weight, {P}.weight_scale_inv -> {P}.weight | " \
+           "fp8_block(block=[4, 4], to=float32)\nw.weight -> a | slice(dim=0, start=0, stop=6)\n" \
+           "w.weight -> b | slice(dim=0, start=6, stop=8)\n"
+    got, _, _ = load_text(text, source)
+    with pytest.raises(remapdsl.RemapError) as info:
+        remapdsl.save(got, tmp_path / "out", rules_from_text(text, "t.remap"), like=source, requantize=True)
+    assert info.value.diagnostics[0].code == "E503" and "whole blocks" in str(info.value)

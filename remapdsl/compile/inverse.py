@@ -33,7 +33,7 @@ class Writer(NamedTuple):
     steps: tuple[tuple[str, str | float], ...]
 
 
-def writers(compiled: Compiled, *, allow_lossy: bool = False) -> list[Writer]:
+def writers(compiled: Compiled, *, allow_lossy: bool = False, requantize: bool = False) -> list[Writer]:
     """The blocks that write every checkpoint tensor the compiled rules read, each region once;
     raises RemapError naming every tensor that cannot be written back."""
     logical = compiled.logical_by_key()
@@ -49,11 +49,13 @@ def writers(compiled: Compiled, *, allow_lossy: bool = False) -> list[Writer]:
             if block.ckpt_key is None:
                 continue  # a pad region: not in the checkpoint
             source = logical.get(block.ckpt_key) or sources[block.ckpt_key]
-            if block.ckpt_key in logical and not get_format(source.format).encodes:
+            fmt = get_format(source.format) if block.ckpt_key in logical else None
+            if fmt is not None and not (fmt.requantizes if requantize else fmt.encodes):
                 refused.add(block.ckpt_key)
                 problems.append(Diagnostic(
                     code="E503", span=d.rule, message=f"`{d.runtime_key}` holds `{block.ckpt_key}` dequantized "
-                    f"({source.format}); writing it back in that format is not supported yet",
+                    f"({source.format}); writing it back in that format"
+                    + (" with new scales" if requantize else "") + " is not supported yet",
                     hint="move the stored values as they are (`quantized`), or save a dequantized checkpoint"))
                 continue
             steps, lossy = _inverse_steps(block.steps, source.dtype)

@@ -121,9 +121,32 @@ class Fp8Block(QuantFormat):
         _into(out, lambda flat: e4m3_scaled(values.reshape(-1, w), scale_rows, flat))
 
     encodes = True
+    requantizes = True
 
     def encode(self, values, box, covers, scales, params):
         return _e4m3_codes(values / _block_scales(scales[0], box, covers, params, self.block(params)), self.name)
+
+    def requantize(self, values, box, parts, params):
+        """Scales amax / 448 per block (1 for an all-zero block), as DeepSeek-V3's release is made."""
+        import torch
+
+        if params.get("scale", "float32") != "float32":
+            raise FormatError("re-quantizing writes float32 scales; this format stores e8m0 scales")
+        rows_block, cols_block = self.block(params)
+        (r0, c0), (h, w) = box[0][-2:], box[1][-2:]
+        rows, cols = parts[0].shape[-2:]
+        for start, size, step, extent, what in ((r0, h, rows_block, rows, "rows"), (c0, w, cols_block, cols, "cols")):
+            if start % step or ((start + size) % step and start + size != extent):
+                raise FormatError(f"{what} {start}:{start + size} do not hold whole blocks of {step}: new scales "
+                                  "need every value of a block on the rank that writes it")
+        grid_rows, grid_cols = _ceil(h, rows_block), _ceil(w, cols_block)
+        padded = torch.zeros(*values.shape[:-2], grid_rows * rows_block, grid_cols * cols_block)
+        padded[..., :h, :w] = values
+        tiles = padded.unflatten(-1, (grid_cols, cols_block)).unflatten(-3, (grid_rows, rows_block))
+        amax = tiles.abs().amax(dim=(-3, -1))
+        scales = torch.where(amax > 0, amax / 448.0, torch.ones_like(amax))
+        scaled = (tiles / scales[..., :, None, :, None]).flatten(-2).flatten(-3, -2)[..., :h, :w]
+        return _e4m3_codes(scaled, self.name), scales.contiguous()
 
 
 def _e4m3_codes(scaled, what: str):

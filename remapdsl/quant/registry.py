@@ -47,12 +47,24 @@ class QuantFormat:
         """The logical tensor's shape; raise FormatError when a part's dtype or shape does not fit."""
         raise NotImplementedError
 
+    def requantize(self, values: Any, box: Box, parts: Sequence[Part], params: Mapping[str, Any]) -> tuple:
+        """New scales from the values themselves: float32 `values` of the logical `box` -> (the
+        values part's cover as uint8 bytes, the scales part's cover in its dtype). The box must hold
+        whole blocks (or reach the tensor's end); else FormatError."""
+        raise NotImplementedError
+
     def views(self, parts: Sequence[Part], params: Mapping[str, Any]) -> tuple[tuple[int, ...], ...]:
         """The shape each part is addressed by in `cover` (the same bytes, row-major)."""
         return tuple(p.shape for p in parts)
 
     def cover(self, box: Box, parts: Sequence[Part], params: Mapping[str, Any]) -> tuple[Box, ...]:
         """For a box of the logical tensor, the box of each part's view that decoding it needs."""
+        raise NotImplementedError
+
+    def requantize(self, values: Any, box: Box, parts: Sequence[Part], params: Mapping[str, Any]) -> tuple:
+        """New scales from the values themselves: float32 `values` of the logical `box` -> (the
+        values part's cover as uint8 bytes, the scales part's cover in its dtype). The box must hold
+        whole blocks (or reach the tensor's end); else FormatError."""
         raise NotImplementedError
 
     def decode(self, tensors: Sequence[Any], box: Box, covers: Sequence[Box], params: Mapping[str, Any],
@@ -64,8 +76,15 @@ class QuantFormat:
         """
         raise NotImplementedError
 
+    def requantize(self, values: Any, box: Box, parts: Sequence[Part], params: Mapping[str, Any]) -> tuple:
+        """New scales from the values themselves: float32 `values` of the logical `box` -> (the
+        values part's cover as uint8 bytes, the scales part's cover in its dtype). The box must hold
+        whole blocks (or reach the tensor's end); else FormatError."""
+        raise NotImplementedError
+
     one_scale: ClassVar[bool] = False  # one scale for the whole tensor: never fuse two as they are
     encodes: ClassVar[bool] = False  # implements `encode`: a save writes it back with its stored scales
+    requantizes: ClassVar[bool] = False  # implements `requantize`: new scales from the values
 
     def encode(self, values: Any, box: Box, covers: Sequence[Box], scales: Sequence[Any],
                params: Mapping[str, Any]) -> Any:
@@ -73,6 +92,12 @@ class QuantFormat:
         the values part's covering box (a uint8 tensor of its bytes, row-major). `scales[i]` holds
         part i + 1's cover. Values decoded and not changed come back bit for bit; a value the
         stored scale cannot reach raises FormatError."""
+        raise NotImplementedError
+
+    def requantize(self, values: Any, box: Box, parts: Sequence[Part], params: Mapping[str, Any]) -> tuple:
+        """New scales from the values themselves: float32 `values` of the logical `box` -> (the
+        values part's cover as uint8 bytes, the scales part's cover in its dtype). The box must hold
+        whole blocks (or reach the tensor's end); else FormatError."""
         raise NotImplementedError
 
     def value_grid(self, parts: Sequence[Part], params: Mapping[str, Any]) -> tuple[int, ...]:
