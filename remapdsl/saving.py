@@ -34,6 +34,7 @@ class SaveReport(BaseModel):
     bytes_written: int  # by this rank
     files: tuple[str, ...]  # the files this rank wrote into
     seconds: float
+    sync_seconds: float = 0.0  # of `seconds`, in fsync: making the files durable before the rename
 
 
 def save(source, folder, rules, *, like=None, config: Mapping[str, Any] | None = None, layout=None, mesh=None,
@@ -117,7 +118,9 @@ def _save(source, folder: Path, rules, like, config, layout, mesh, overwrite, al
         try:
             dist.together(write)
         finally:
+            synced = time.perf_counter()
             writer.close(sync=True)
+            sync_seconds = time.perf_counter() - synced
             reader.close()
         dist.together(lambda: commit(staging, folder, inventory, token, overwrite) if rank == 0 else None)
     except BaseException:
@@ -126,4 +129,4 @@ def _save(source, folder: Path, rules, like, config, layout, mesh, overwrite, al
         raise
     copied = sum(inventory.tensors[k].nbytes for k in copies)
     return SaveReport(folder=str(folder), rank=rank, bytes_written=plan.bytes_written + copied, files=plan.files,
-                      seconds=time.perf_counter() - start)
+                      seconds=time.perf_counter() - start, sync_seconds=sync_seconds)
