@@ -69,9 +69,9 @@ def save(source, folder, rules, *, like=None, config: Mapping[str, Any] | None =
 
 def _save(source, folder: Path, rules, like, config, layout, mesh, overwrite, allow_lossy,
           requantize) -> SaveReport:
-    from . import dist
-    from .checkpoint.writer import FileWriter, check_destination, commit, create_files, discard, staging_path
+    from . import compile_digest, dist, read_config  # torch is imported only here
     from .checkpoint import CheckpointReader
+    from .checkpoint.writer import FileWriter, check_destination, commit, create_files, discard, staging_path
     from .compile.inverse import copied_parts
     from .compile.inverse import writers as derive_writers
     from .execute import owned_tensors, run_write_plan
@@ -81,13 +81,9 @@ def _save(source, folder: Path, rules, like, config, layout, mesh, overwrite, al
     ruleset = rules if isinstance(rules, RuleSet) else load_rules(rules)
     shared_headers = not isinstance(like, Inventory)
     inventory = dist.share_inventory(like)
-    if config is None:
-        from . import read_config
-
-        config = read_config(inventory)
-    from . import compile_digest
-
+    config = read_config(inventory) if config is None else config
     digest = compile_digest(ruleset, config, True, None if shared_headers else inventory)
+    # not strict: a checkpoint tensor no rule reads is the save's own error (E501, below)
     compiled = dist.together(lambda: compile_rules(ruleset, inventory, config, strict=False),
                              agree_on=("compiled rules and checkpoint", lambda _: digest))
     tensors = source.state_dict(keep_vars=True) if hasattr(source, "state_dict") else source

@@ -42,15 +42,12 @@ class QuantFormat:
     parts: ClassVar[tuple[str, ...]]
     params: ClassVar[tuple[Param, ...]]
     summary: ClassVar[str] = ""
+    one_scale: ClassVar[bool] = False  # one scale for the whole tensor: never fuse two as they are
+    encodes: ClassVar[bool] = False  # implements `encode`: a save writes it back with its stored scales
+    requantizes: ClassVar[bool] = False  # implements `requantize`: new scales from the values
 
     def logical_shape(self, parts: Sequence[Part], params: Mapping[str, Any]) -> tuple[int, ...]:
         """The logical tensor's shape; raise FormatError when a part's dtype or shape does not fit."""
-        raise NotImplementedError
-
-    def requantize(self, values: Any, box: Box, parts: Sequence[Part], params: Mapping[str, Any]) -> tuple:
-        """New scales from the values themselves: float32 `values` of the logical `box` -> (the
-        values part's cover as uint8 bytes, the scales part's cover in its dtype). The box must hold
-        whole blocks (or reach the tensor's end); else FormatError."""
         raise NotImplementedError
 
     def views(self, parts: Sequence[Part], params: Mapping[str, Any]) -> tuple[tuple[int, ...], ...]:
@@ -61,12 +58,6 @@ class QuantFormat:
         """For a box of the logical tensor, the box of each part's view that decoding it needs."""
         raise NotImplementedError
 
-    def requantize(self, values: Any, box: Box, parts: Sequence[Part], params: Mapping[str, Any]) -> tuple:
-        """New scales from the values themselves: float32 `values` of the logical `box` -> (the
-        values part's cover as uint8 bytes, the scales part's cover in its dtype). The box must hold
-        whole blocks (or reach the tensor's end); else FormatError."""
-        raise NotImplementedError
-
     def decode(self, tensors: Sequence[Any], box: Box, covers: Sequence[Box], params: Mapping[str, Any],
                out: Any) -> None:
         """Write the logical `box` into `out` (a torch tensor of the box's sizes, dtype `to`).
@@ -75,16 +66,6 @@ class QuantFormat:
         has it (else uint8). Vectorized: torch ops over the whole box, no loop per block or element.
         """
         raise NotImplementedError
-
-    def requantize(self, values: Any, box: Box, parts: Sequence[Part], params: Mapping[str, Any]) -> tuple:
-        """New scales from the values themselves: float32 `values` of the logical `box` -> (the
-        values part's cover as uint8 bytes, the scales part's cover in its dtype). The box must hold
-        whole blocks (or reach the tensor's end); else FormatError."""
-        raise NotImplementedError
-
-    one_scale: ClassVar[bool] = False  # one scale for the whole tensor: never fuse two as they are
-    encodes: ClassVar[bool] = False  # implements `encode`: a save writes it back with its stored scales
-    requantizes: ClassVar[bool] = False  # implements `requantize`: new scales from the values
 
     def encode(self, values: Any, box: Box, covers: Sequence[Box], scales: Sequence[Any],
                params: Mapping[str, Any]) -> Any:
