@@ -508,18 +508,6 @@ def test_a_value_beyond_the_stored_scale_cannot_be_saved(tmp_path):
     assert not (tmp_path / "out").exists()
 
 
-def test_mxfp4_cannot_be_saved_back_yet(tmp_path):
-    g = torch.Generator().manual_seed(0)
-    (tensors, _) = make_parts("mxfp4", (), 4, 64, None, g)
-    (tmp_path / "src").mkdir()
-    source = write(tmp_path / "src", {"x_blocks": tensors[0], "x_scales": tensors[1]})
-    text = "remap 1\ndequantize {P:path}_blocks, {P}_scales -> {P} | mxfp4(to=bfloat16)\nx -> x\n"
-    got, _, _ = load_text(text, source)
-    with pytest.raises(remapdsl.RemapError) as info:
-        remapdsl.save(got, tmp_path / "out", rules_from_text(text, "t.remap"), like=source)
-    assert info.value.diagnostics[0].code == "E503" and "mxfp4" in str(info.value)
-
-
 def test_requantize_writes_new_block_scales(tmp_path):
     """requantize=True: scales amax / 448 per block from the values the model holds (here doubled),
     the values their nearest E4M3 codes; a partial last block included."""
@@ -552,3 +540,29 @@ def test_requantize_needs_whole_blocks_on_a_rank(tmp_path):
     with pytest.raises(remapdsl.RemapError) as info:
         remapdsl.save(got, tmp_path / "out", rules_from_text(text, "t.remap"), like=source, requantize=True)
     assert info.value.diagnostics[0].code == "E503" and "whole blocks" in str(info.value)
+
+
+@pytest.mark.parametrize("fmt", ["mxfp4", "nvfp4"])
+def test_fp4_loads_save_back_byte_for_byte(tmp_path, fmt):
+    """Every byte of packed values, finite scales: decoded to bfloat16 and written back unchanged."""
+    import filecmp
+
+    g = torch.Generator().manual_seed(11)
+    if fmt == "mxfp4":
+        blocks = ref.random_codes(g, (3, 10, 4, 16))
+        scales = ref.random_codes(g, (3, 10, 4)) % 60 + 100  # 2^-27 .. 2^32
+        tensors, names = [blocks, scales], ("x_blocks", "x_scales")
+        statement = "{P:path}_blocks, {P}_scales -> {P} | mxfp4(to=bfloat16)"
+    else:
+        packed = ref.random_codes(g, (10, 24))
+        scale_codes = torch.tensor(SAFE_E4M3, dtype=torch.uint8)[torch.randint(0, len(SAFE_E4M3), (10, 3), generator=g)]
+        tensors = [packed, scale_codes.view(torch.float8_e4m3fn), torch.tensor(0.75)]
+        names = ("x.weight", "x.weight_scale", "x.weight_scale_2")
+        statement = "{P:path}.weight, {P}.weight_scale, {P}.weight_scale_2 -> {P}.weight | nvfp4(to=bfloat16)"
+    (tmp_path / "src").mkdir()
+    source = write(tmp_path / "src", dict(zip(names, tensors)))
+    logical = "x" if fmt == "mxfp4" else "x.weight"
+    text = f"remap 1\ndequantize {statement}\n{logical} -> out | transpose(-1, -2)\n"
+    got, _, _ = load_text(text, source)
+    remapdsl.save(got, tmp_path / "out", rules_from_text(text, "t.remap"), like=source)
+    assert filecmp.cmp(source / "model.safetensors", tmp_path / "out" / "model.safetensors", shallow=False)

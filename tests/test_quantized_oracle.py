@@ -39,6 +39,8 @@ def test_deepseek_v3_fp8_equals_transformers(hf_models, tmp_path, case):
     want = transformers_state_dict(folder, built.case.dtype)
     got, report = load_like(want, folder, "rules/deepseek_v3_fp8.remap")
     assert [k for k in want if not torch.equal(got[k], want[k])] == []
+    remapdsl.save(got, tmp_path / "saved", str(REPO / "rules/deepseek_v3_fp8.remap"), like=str(folder))  # and back
+    assert (tmp_path / "saved" / "model.safetensors").read_bytes() == (folder / "model.safetensors").read_bytes()
     stored = sum(t.nbytes for t in remapdsl.open_checkpoint(folder).tensors.values())
     assert report.bytes_read == stored  # every value and scale read once
     assert report.scale_bytes_read > 0
@@ -62,6 +64,8 @@ def test_gpt_oss_mxfp4_equals_transformers(tmp_path):
     got, report = load_like(want, folder, "rules/gpt_oss.remap")
     assert [k for k in want if not torch.equal(got[k], want[k])] == []
     assert report.bytes_read == sum(t.nbytes for t in remapdsl.open_checkpoint(folder).tensors.values())
+    remapdsl.save(got, tmp_path / "saved", str(REPO / "rules/gpt_oss.remap"), like=str(folder))  # and back
+    assert (tmp_path / "saved" / "model.safetensors").read_bytes() == (folder / "model.safetensors").read_bytes()
 
 
 def test_mxfp4_decode_equals_convert_moe_packed_tensors(tmp_path):

@@ -281,6 +281,34 @@ class Fp8Channel(QuantFormat):
         return _e4m3_codes(values / scales[0].to(torch.float32).reshape(*values.shape[:-1], 1), self.name)
 
 
+def _group_scales(scales, box, cover, per: int):
+    """The scale of every element of the box, from a per-group scale cover: [..., width] float32."""
+    import torch
+
+    start, width = box[0][-1], box[1][-1]
+    index = torch.arange(start, start + width) // per - cover[0][-1]
+    return scales.index_select(-1, index)
+
+
+_E2M1_MIDPOINTS = (0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0)  # between the magnitudes 0, 0.5, 1, ... 6
+
+
+def _e2m1_bytes(scaled, box, what: str):
+    """float32 values already divided by their scales -> packed E2M1 bytes (the even element in the
+    low nibble), nearest code. The box's last dim must start and end on whole bytes."""
+    import torch
+
+    start, width = box[0][-1], box[1][-1]
+    if start % 2 or width % 2:
+        raise FormatError(f"{what}: columns {start}:{start + width} split a byte of two values; write whole "
+                          "bytes (an even shard of the last dim)")
+    if not bool(torch.isfinite(scaled).all()) or bool((scaled.abs() > 7).any()):
+        raise FormatError(f"{what}: a value is not finite or beyond 6 times its stored scale")
+    codes = torch.bucketize(scaled.abs(), torch.tensor(_E2M1_MIDPOINTS))
+    codes = (codes | (torch.signbit(scaled).to(torch.int64) << 3)).to(torch.uint8)
+    return (codes[..., 0::2] | (codes[..., 1::2] << 4)).contiguous()
+
+
 class Mxfp4(QuantFormat):
     name = "mxfp4"
     parts = ("blocks", "scales")
@@ -321,6 +349,12 @@ class Mxfp4(QuantFormat):
         scales = _scale_f32(scales, "e8m0")
         _into(out, lambda flat: fp4_scaled(blocks, covers[0][0][-1], box[0][-1], scales, covers[1][0][-1], 32,
                                            None, flat))
+
+    encodes = True
+
+    def encode(self, values, box, covers, scales, params):
+        per_value = _group_scales(_scale_f32(scales[0], "e8m0"), box, covers[1], 32)
+        return _e2m1_bytes(values / per_value, box, self.name)
 
 
 class Nvfp4(QuantFormat):
@@ -365,6 +399,14 @@ class Nvfp4(QuantFormat):
         scales, global_scale = scales.to(torch.float32), global_scale.to(torch.float32).reshape(1, 1)
         _into(out, lambda flat: fp4_scaled(values, covers[0][0][-1], box[0][-1], scales, covers[1][0][-1], 16,
                                            global_scale, flat))
+
+    encodes = True
+
+    def encode(self, values, box, covers, scales, params):
+        import torch
+
+        per_value = _group_scales(scales[0].to(torch.float32), box, covers[1], 16)
+        return _e2m1_bytes(values / scales[1].to(torch.float32).reshape(-1)[0] / per_value, box, self.name)
 
 
 for _format in (Fp8Block(), Fp8Tensor(), Fp8Channel(), Mxfp4(), Nvfp4()):
