@@ -10,6 +10,8 @@ render, and every diagnostic with a span must point at a real line and column (1
 
 from __future__ import annotations
 
+import atexit
+import shutil
 import tempfile
 from pathlib import Path
 
@@ -33,6 +35,7 @@ pytestmark = pytest.mark.filterwarnings("ignore:Generating overly large repr")
 
 # An empty folder as the include root, so a fuzzed `include` never reads a real file.
 _EMPTY_ROOT = Path(tempfile.mkdtemp(prefix="remap-fuzz-"))
+atexit.register(shutil.rmtree, _EMPTY_ROOT, True)  # no empty folder left behind per test run
 
 SAMPLES = [
     # the language brief's Qwen3-MoE example
