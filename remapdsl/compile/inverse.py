@@ -114,9 +114,19 @@ class _Covered:
         return count
 
     def add(self, start: int, stop: int) -> None:
+        """Cover [start, stop) (not covered yet), merged with a neighbour it touches: runs taken in
+        order stay one interval, so the lists stay short."""
         i = bisect.bisect_left(self.starts, start)
-        self.starts.insert(i, start)
-        self.stops.insert(i, stop)
+        if i > 0 and self.stops[i - 1] == start:
+            self.stops[i - 1] = stop
+            if i < len(self.starts) and self.starts[i] == stop:  # now touches the next one too
+                self.stops[i - 1] = self.stops.pop(i)
+                self.starts.pop(i)
+        elif i < len(self.starts) and self.starts[i] == stop:
+            self.starts[i] = start
+        else:
+            self.starts.insert(i, start)
+            self.stops.insert(i, stop)
 
 
 def _new_parts(block: Block, shape: tuple[int, ...], cover: _Covered) -> list[Block]:
