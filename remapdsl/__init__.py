@@ -113,16 +113,21 @@ def load(target, checkpoint, rules, *, config: Mapping[str, Any] | None = None,
         return _load(target, checkpoint, rules, config, strict, layout, mesh, read_replicated_once)
 
 
-def compile_digest(ruleset: RuleSet, config: Mapping[str, Any], strict: bool,
-                   inventory: Inventory | None = None) -> str:
+def compile_digest(ruleset: RuleSet, config: Mapping[str, Any], strict: bool, checkpoint=None) -> str:
     """sha256 of what a compile depends on: the rule files' text, the config, strictness, and the
-    inventory where given; equal inputs give equal digests in any process."""
+    checkpoint this process was given (an Inventory: all of it; a path: its name and the names and
+    sizes of its safetensors files, listed without opening them, so a rank given another checkpoint
+    than rank 0 is caught even though it reads rank 0's headers). Equal inputs, equal digests."""
     import hashlib
+
+    from .checkpoint.inventory import listing
 
     text = json.dumps([[f.source for f in ruleset.files], config, strict], sort_keys=True, default=str)
     digest = hashlib.sha256(text.encode())
-    if inventory is not None:
-        digest.update(inventory.model_dump_json().encode())
+    if isinstance(checkpoint, Inventory):
+        digest.update(checkpoint.model_dump_json().encode())
+    elif checkpoint is not None:
+        digest.update(json.dumps(listing(checkpoint)).encode())
     return digest.hexdigest()
 
 
@@ -132,12 +137,11 @@ def _load(target, checkpoint, rules, config, strict, layout, mesh, read_replicat
 
     # Rules, shared headers and config; compiled identically on every rank, before any data read.
     ruleset = rules if isinstance(rules, RuleSet) else load_rules(rules)
-    shared_headers = not isinstance(checkpoint, Inventory)  # else each rank passed its own
     inventory = dist.share_inventory(checkpoint)
     config = read_config(inventory) if config is None else config
     # Compiling is a pure function of rules, config and inventory, so ranks compare a digest of those
     # (the inventory only when each rank brought its own): cheaper than hashing what they compiled.
-    digest = compile_digest(ruleset, config, strict, None if shared_headers else inventory)
+    digest = compile_digest(ruleset, config, strict, checkpoint)
     compiled = dist.together(lambda: compile_rules(ruleset, inventory, config, strict=strict),
                              agree_on=("compiled rules and checkpoint", lambda _: digest))
     # Each rank's shards: plan, then read.

@@ -73,7 +73,7 @@ def _convert(src, dst: Path, rules, reverse, like, max_shard_bytes, budget_bytes
     checkpoint = dist.share_inventory(like if reverse else src)  # the layout the rules read
     runtime_source = dist.share_inventory(src) if reverse else None
     config = read_config(checkpoint)
-    digest = compile_digest(ruleset, config, True)
+    digest = compile_digest(ruleset, config, True, like if reverse else src)
     compiled = dist.together(lambda: compile_rules(ruleset, checkpoint, config),
                              agree_on=("compiled rules and checkpoint", lambda _: digest))
     destinations = {d.runtime_key: d for d in compiled.destinations}

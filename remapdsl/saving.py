@@ -18,7 +18,6 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict
 
-from .checkpoint import Inventory
 from .compile import compile_rules
 from .gcpause import paused_gc
 from .rules import RuleSet, load_rules
@@ -79,10 +78,9 @@ def _save(source, folder: Path, rules, like, config, layout, mesh, overwrite, al
 
     start = time.perf_counter()
     ruleset = rules if isinstance(rules, RuleSet) else load_rules(rules)
-    shared_headers = not isinstance(like, Inventory)
     inventory = dist.share_inventory(like)
     config = read_config(inventory) if config is None else config
-    digest = compile_digest(ruleset, config, True, None if shared_headers else inventory)
+    digest = compile_digest(ruleset, config, True, like)
     # not strict: a checkpoint tensor no rule reads is the save's own error (E501, below)
     compiled = dist.together(lambda: compile_rules(ruleset, inventory, config, strict=False),
                              agree_on=("compiled rules and checkpoint", lambda _: digest))

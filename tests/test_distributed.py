@@ -10,6 +10,7 @@ rank must read exactly the bytes it owns. A rank with other rules, or a bad tens
 from __future__ import annotations
 
 import datetime
+import functools
 import traceback
 from pathlib import Path
 
@@ -61,11 +62,12 @@ def _worker(rank: int, world: int, rendezvous: str, out: str) -> None:
             except Exception:  # noqa: BLE001 - reported by the parent
                 failures.append(f"{name}: {traceback.format_exc()}")
         for check in (_disagreeing_rules_fail_everyone, _one_bad_rank_fails_everyone,
-                      _replicated_tensors_read_once):
+                      _replicated_tensors_read_once,
+                      functools.partial(_another_checkpoint_fails_everyone, other=Path(out) / "other")):
             try:
                 check(rank)
             except Exception:  # noqa: BLE001
-                failures.append(f"{check.__name__}: {traceback.format_exc()}")
+                failures.append(f"{getattr(check, '__name__', check)}: {traceback.format_exc()}")
     finally:
         Path(out, f"rank{rank}.txt").write_text("\n".join(failures))
         shut_down()
@@ -92,6 +94,14 @@ def _dtensor_case(rank, expected, mesh, plan) -> None:
     remapdsl.load(targets, CHECKPOINT, RULES)
     for key in expected:
         assert torch.equal(targets[key].to_local(), wanted[key]), key
+
+
+def _another_checkpoint_fails_everyone(rank: int, other: Path) -> None:
+    """Rank 1 names another checkpoint (the bundled one without its lm_head): every rank reads rank
+    0's headers, so only the agreement can tell, and it must."""
+    with pytest.raises(remapdsl.RemapError) as info:
+        remapdsl.load(full_state(), CHECKPOINT if rank == 0 else str(other), RULES)
+    assert info.value.diagnostic.code == "E410", str(info.value)
 
 
 def _disagreeing_rules_fail_everyone(rank: int) -> None:
@@ -134,6 +144,12 @@ def _one_bad_rank_fails_everyone(rank: int) -> None:
 
 @pytest.mark.parametrize("world", [2, 4])
 def test_sharded_loads_equal_the_sliced_single_process_load(world, tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    (tmp_path / "other").mkdir()
+    tensors = load_file(str(Path(CHECKPOINT) / "model.safetensors"))
+    tensors.pop("lm_head.weight")
+    save_file(tensors, str(tmp_path / "other" / "model.safetensors"))
     mp.spawn(_worker, args=(world, str(tmp_path / 'rendezvous'), str(tmp_path)), nprocs=world, join=True)
     failures = [Path(tmp_path, f"rank{r}.txt").read_text() for r in range(world)]
     assert failures == [""] * world, "\n\n".join(f for f in failures if f)

@@ -172,6 +172,19 @@ def open_inventory(path: str | os.PathLike[str]) -> Inventory:
     return _assemble(root, named, index_file, weight_map, ignored)
 
 
+def listing(path: str | os.PathLike[str]) -> list:
+    """What identifies a checkpoint without opening it: its folder's name and the name and size of
+    each `.safetensors` file in it (or of the one file named)."""
+    path = os.path.abspath(os.fspath(path))
+    folder = path if os.path.isdir(path) else os.path.dirname(path)
+    try:
+        names = [os.path.basename(path)] if path.endswith(SUFFIX) else _safetensors_in(folder)
+        sizes = [[name, os.stat(os.path.join(folder, name)).st_size] for name in names]
+    except OSError:
+        sizes = []  # reading the headers reports it
+    return [os.path.basename(folder), sizes]
+
+
 def _safetensors_in(root: str) -> list[str]:
     """Names of the `*.safetensors` entries directly in root (symlinks included, checked when read)."""
     with os.scandir(root) as entries:
