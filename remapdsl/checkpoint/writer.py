@@ -19,6 +19,7 @@ from pathlib import Path
 
 import json
 from collections.abc import Mapping
+from typing import NamedTuple
 
 from ..dtypes import BY_NAME
 from ..errors import CheckpointError, Diagnostic
@@ -48,21 +49,13 @@ _SAFETENSORS_ORDER = ("BOOL", "F4", "F6_E2M3", "F6_E3M2", "U8", "I8", "F8_E5M2",
                       "U64", "C64")
 
 
-class NewLayout(Mapping):
+class NewLayout(NamedTuple):
     """A checkpoint layout made here (no `like`): the inventory of the files to write, each file's
     header bytes, and the index (None for a single file)."""
 
-    def __init__(self, inventory: Inventory, headers: dict[str, bytes], index: dict | None):
-        self.inventory, self.headers, self.index = inventory, headers, index
-
-    def __getitem__(self, name: str) -> bytes:
-        return self.headers[name]
-
-    def __iter__(self):
-        return iter(self.headers)
-
-    def __len__(self) -> int:
-        return len(self.headers)
+    inventory: Inventory
+    headers: dict[str, bytes]
+    index: dict | None
 
 
 def new_layout(root: str, tensors: Mapping[str, tuple[str, tuple[int, ...]]], max_shard_bytes: int,

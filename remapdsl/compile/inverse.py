@@ -43,11 +43,11 @@ def writers(compiled: Compiled, *, allow_lossy: bool = False, requantize: bool =
     chosen: dict[str, list[Writer]] = {}
     covered: dict[str, _Covered] = {}
     problems: list[Diagnostic] = []
-    refused: set[str] = set()  # reported already (E502): no second error for the same tensor
+    refused: set[str] = set()  # reported already (E502, E503): one error per tensor
     for d in order:
         for block in d.blocks:
-            if block.ckpt_key is None:
-                continue  # a pad region: not in the checkpoint
+            if block.ckpt_key is None or block.ckpt_key in refused:
+                continue  # a pad region (not in the checkpoint), or a tensor already reported
             source = logical.get(block.ckpt_key) or sources[block.ckpt_key]
             fmt = get_format(source.format) if block.ckpt_key in logical else None
             if fmt is not None and not (fmt.requantizes if requantize else fmt.encodes):
