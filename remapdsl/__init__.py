@@ -131,19 +131,27 @@ def compile_digest(ruleset: RuleSet, config: Mapping[str, Any], strict: bool, ch
     return digest.hexdigest()
 
 
-def _load(target, checkpoint, rules, config, strict, layout, mesh, read_replicated_once):
+def compile_everywhere(rules, checkpoint, config=None, strict: bool = True) -> tuple[Inventory, Compiled]:
+    """Every rank: the rules, rank 0's headers of `checkpoint` shared, the config, compiled
+    identically, before any data is read. Compiling is a pure function of its inputs, so the ranks
+    compare a digest of those (cheaper than hashing what they compiled): other rules, another config
+    or another checkpoint on any rank fails every rank (E410)."""
     from . import dist  # torch is imported only here
-    from .execute import run_sharded_load
 
-    # Rules, shared headers and config; compiled identically on every rank, before any data read.
     ruleset = rules if isinstance(rules, RuleSet) else load_rules(rules)
     inventory = dist.share_inventory(checkpoint)
     config = read_config(inventory) if config is None else config
-    # Compiling is a pure function of rules, config and inventory, so ranks compare a digest of those
-    # (the inventory only when each rank brought its own): cheaper than hashing what they compiled.
     digest = compile_digest(ruleset, config, strict, checkpoint)
     compiled = dist.together(lambda: compile_rules(ruleset, inventory, config, strict=strict),
                              agree_on=("compiled rules and checkpoint", lambda _: digest))
+    return inventory, compiled
+
+
+def _load(target, checkpoint, rules, config, strict, layout, mesh, read_replicated_once):
+    from . import dist
+    from .execute import run_sharded_load
+
+    inventory, compiled = compile_everywhere(rules, checkpoint, config, strict)
     # Each rank's shards: plan, then read.
     tensors = target.state_dict(keep_vars=True) if hasattr(target, "state_dict") else target
     report, shared = dist.together(lambda: run_sharded_load(

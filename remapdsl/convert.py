@@ -12,7 +12,6 @@ folder first and renames it into place last (remapdsl/checkpoint/writer.py).
 
 from __future__ import annotations
 
-import secrets
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -21,7 +20,6 @@ from pydantic import BaseModel, ConfigDict
 
 from .errors import Diagnostic, RemapError
 from .gcpause import paused_gc
-from .rules import RuleSet, load_rules
 
 
 class ConvertReport(BaseModel):
@@ -54,28 +52,23 @@ def convert(src, dst, rules, *, reverse: bool = False, like=None, max_shard_byte
 def _convert(src, dst: Path, rules, reverse, like, max_shard_bytes, budget_bytes, overwrite, progress):
     import torch
 
-    from . import compile_digest, dist, read_config
+    from . import compile_everywhere, dist
     from .checkpoint import CheckpointReader
     from .checkpoint.reader import as_byte_view
-    from .checkpoint.writer import (FileWriter, check_destination, commit, create_files, discard, new_layout,
-                                    staging_path)
-    from .compile import compile_rules
+    from .checkpoint.writer import new_layout
+    from .compile.inverse import copied_parts
     from .compile.inverse import writers as derive_writers
     from .execute import run_plan, run_write_plan
     from .layout import Box, LocalShard
     from .plan import make_load_plan, make_write_plan
+    from .saving import copy_tensors, write_output
 
     start = time.perf_counter()
     if reverse and like is None:
         raise RemapError(Diagnostic(code="E520", message="a reverse conversion writes the layout of the original "
                                     "checkpoint: give it with `like` (`--like DIR`)"))
-    ruleset = rules if isinstance(rules, RuleSet) else load_rules(rules)
-    checkpoint = dist.share_inventory(like if reverse else src)  # the layout the rules read
+    checkpoint, compiled = compile_everywhere(rules, like if reverse else src)  # the layout the rules read
     runtime_source = dist.share_inventory(src) if reverse else None
-    config = read_config(checkpoint)
-    digest = compile_digest(ruleset, config, True, like if reverse else src)
-    compiled = dist.together(lambda: compile_rules(ruleset, checkpoint, config),
-                             agree_on=("compiled rules and checkpoint", lambda _: digest))
     destinations = {d.runtime_key: d for d in compiled.destinations}
     rank, world = dist.rank(), dist.world_size()
 
@@ -87,16 +80,16 @@ def _convert(src, dst: Path, rules, reverse, like, max_shard_bytes, budget_bytes
         layout = new_layout(str(dst), {k: (d.dtype, d.shape) for k, d in destinations.items()}, max_shard_bytes)
         out_inventory, headers, index, copy_from = layout.inventory, layout.headers, layout.index, checkpoint.root
     mine = _share(sorted(destinations), lambda k: _nbytes(destinations[k]), rank, world)
-    token = dist.from_first(lambda: (check_destination(dst, overwrite), secrets.token_hex(6))[1])
-    staging = staging_path(dst, token)
-    dist.together(lambda: create_files(staging, out_inventory, headers) if rank == 0 else None)
-    writer = FileWriter(staging)
     total, done, written = sum(_nbytes(destinations[k]) for k in mine), 0, 0
+    logical = compiled.logical_by_key()
 
-    def work() -> None:
+    def work(writer) -> None:
         nonlocal done, written
         reader = CheckpointReader(runtime_source or checkpoint)
+        scales = CheckpointReader(checkpoint)  # reverse: the stored scales of dequantized tensors
         try:
+            if reverse and rank == 0:
+                copy_tensors(copied_parts(compiled), scales, writer)
             for batch in _batches(mine, lambda k: _nbytes(destinations[k]), budget_bytes):
                 tensors = {k: torch.empty(destinations[k].shape, dtype=getattr(torch, destinations[k].dtype))
                            for k in batch}
@@ -106,8 +99,8 @@ def _convert(src, dst: Path, rules, reverse, like, max_shard_bytes, budget_bytes
                     for k, t in tensors.items():
                         info = runtime_source.tensors[k]
                         reader.read_into(info.file, info.byte_offset, as_byte_view(t))
-                    plan = make_write_plan(chosen, out_inventory, whole, rank)
-                    run_write_plan(plan, writer, tensors)
+                    plan = make_write_plan(chosen, out_inventory, whole, rank, logical)
+                    run_write_plan(plan, writer, tensors, reader=scales)
                     written += plan.bytes_written
                 else:  # runtime tensors made by the rules, written whole at their offsets
                     run_plan(make_load_plan(compiled, checkpoint, whole, rank), checkpoint, tensors)
@@ -120,18 +113,10 @@ def _convert(src, dst: Path, rules, reverse, like, max_shard_bytes, budget_bytes
                     progress(done, total)
         finally:
             reader.close()
+            scales.close()
 
-    try:
-        try:
-            dist.together(work)
-        finally:
-            writer.close(sync=True)
-        dist.together(lambda: commit(staging, dst, out_inventory, token, overwrite, index=index,
-                                     copy_from=copy_from) if rank == 0 else None)
-    except BaseException:
-        if rank == 0:
-            discard(staging)
-        raise
+    write_output(dst, out_inventory, headers=headers, index=index, copy_from=copy_from, overwrite=overwrite,
+                 write=work)
     return ConvertReport(folder=str(dst), tensors=len(mine), bytes_written=written, files=len(out_inventory.files),
                          ranks=world, seconds=time.perf_counter() - start)
 

@@ -18,9 +18,7 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict
 
-from .compile import compile_rules
 from .gcpause import paused_gc
-from .rules import RuleSet, load_rules
 
 
 class SaveReport(BaseModel):
@@ -68,22 +66,16 @@ def save(source, folder, rules, *, like=None, config: Mapping[str, Any] | None =
 
 def _save(source, folder: Path, rules, like, config, layout, mesh, overwrite, allow_lossy,
           requantize) -> SaveReport:
-    from . import compile_digest, dist, read_config  # torch is imported only here
+    from . import compile_everywhere, dist  # torch is imported only here
     from .checkpoint import CheckpointReader
-    from .checkpoint.writer import FileWriter, check_destination, commit, create_files, discard, staging_path
     from .compile.inverse import copied_parts
     from .compile.inverse import writers as derive_writers
     from .execute import owned_tensors, run_write_plan
     from .plan import make_write_plan
 
     start = time.perf_counter()
-    ruleset = rules if isinstance(rules, RuleSet) else load_rules(rules)
-    inventory = dist.share_inventory(like)
-    config = read_config(inventory) if config is None else config
-    digest = compile_digest(ruleset, config, True, like)
     # not strict: a checkpoint tensor no rule reads is the save's own error (E501, below)
-    compiled = dist.together(lambda: compile_rules(ruleset, inventory, config, strict=False),
-                             agree_on=("compiled rules and checkpoint", lambda _: digest))
+    inventory, compiled = compile_everywhere(rules, like, config, strict=False)
     tensors = source.state_dict(keep_vars=True) if hasattr(source, "state_dict") else source
     rank = dist.rank()
 
@@ -94,33 +86,52 @@ def _save(source, folder: Path, rules, like, config, layout, mesh, overwrite, al
 
     plan, local = dist.together(prepare)
     copies = copied_parts(compiled) if rank == 0 and not requantize else []  # stored scales, as they are
+    reader = CheckpointReader(inventory)
+    try:
+        sync_seconds = write_output(folder, inventory, overwrite=overwrite, write=lambda writer: (
+            run_write_plan(plan, writer, local, reader=reader), copy_tensors(copies, reader, writer)))
+    finally:
+        reader.close()
+    copied = sum(inventory.tensors[k].nbytes for k in copies)
+    return SaveReport(folder=str(folder), rank=rank, bytes_written=plan.bytes_written + copied, files=plan.files,
+                      seconds=time.perf_counter() - start, sync_seconds=sync_seconds)
+
+
+def write_output(folder: Path, layout, *, headers=None, index=None, copy_from=None, overwrite: bool,
+                 write) -> float:
+    """The phases every rank runs to write a checkpoint in place: rank 0 checks the destination and
+    creates the staging files of `layout` (an Inventory: `like`'s, or a new one with `headers` and
+    `index`), every rank runs `write(writer)`, rank 0 commits. An error on any rank, in any phase,
+    is raised on every rank and the staging folder is removed. Returns this rank's fsync seconds."""
+    from . import dist
+    from .checkpoint.writer import FileWriter, check_destination, commit, create_files, discard, staging_path
+
+    rank = dist.rank()
     token = dist.from_first(lambda: (check_destination(folder, overwrite), secrets.token_hex(6))[1])
     staging = staging_path(folder, token)
-    dist.together(lambda: create_files(staging, inventory) if rank == 0 else None)
+    dist.together(lambda: create_files(staging, layout, headers) if rank == 0 else None)
     writer = FileWriter(staging)
-    reader = CheckpointReader(inventory)
-
-    def write() -> None:
-        run_write_plan(plan, writer, local, reader=reader)
-        for key in copies:
-            info = inventory.tensors[key]
-            data = bytearray(info.nbytes)
-            reader.read_into(info.file, info.byte_offset, data)
-            writer.write_at(info.file, info.byte_offset, memoryview(data))
-
     try:
         try:
-            dist.together(write)
+            dist.together(lambda: write(writer))
         finally:
             synced = time.perf_counter()
             writer.close(sync=True)
             sync_seconds = time.perf_counter() - synced
-            reader.close()
-        dist.together(lambda: commit(staging, folder, inventory, token, overwrite) if rank == 0 else None)
+        dist.together(lambda: commit(staging, folder, layout, token, overwrite, index=index, copy_from=copy_from)
+                      if rank == 0 else None)
     except BaseException:
         if rank == 0:
             discard(staging)
         raise
-    copied = sum(inventory.tensors[k].nbytes for k in copies)
-    return SaveReport(folder=str(folder), rank=rank, bytes_written=plan.bytes_written + copied, files=plan.files,
-                      seconds=time.perf_counter() - start, sync_seconds=sync_seconds)
+    return sync_seconds
+
+
+def copy_tensors(keys, reader, writer) -> None:
+    """Checkpoint tensors copied byte for byte into the output (the stored scales of dequantized
+    tensors written back with them)."""
+    for key in keys:
+        info = reader.inventory.tensors[key]
+        data = bytearray(info.nbytes)
+        reader.read_into(info.file, info.byte_offset, data)
+        writer.write_at(info.file, info.byte_offset, memoryview(data))

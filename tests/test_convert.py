@@ -105,3 +105,26 @@ def test_two_ranks_share_the_work_and_write_the_same_files(tmp_path):
     total = sum(t.nbytes for t in runtime_state().values())
     assert sum(s[0] for s in shares) == total and all(s[0] > 0 for s in shares)
     assert sum(s[1] for s in shares) == total
+
+
+def test_a_quantized_checkpoint_converts_there_and_back(tmp_path):
+    """Block FP8 dequantized to bfloat16 by the forward conversion, encoded again with the stored
+    scales by the reverse one: the original FP8 file, byte for byte."""
+    import quant_reference as ref
+
+    g = torch.Generator().manual_seed(0)
+    source = tmp_path / "fp8"
+    source.mkdir()
+    tensors = {"norm.weight": torch.randn(64, generator=g).to(torch.bfloat16)}
+    for name, rows in (("a", 200), ("b", 64)):
+        tensors[f"{name}.weight"], tensors[f"{name}.weight_scale_inv"] = ref.quantize_fp8_block(
+            torch.randn(rows, 64, generator=g), (128, 128))
+    save_file(tensors, str(source / "model.safetensors"))
+    (source / "config.json").write_text("{}")
+    rules = tmp_path / "fp8.remap"
+    rules.write_text("remap 1\ndequantize {P:path}.weight, {P}.weight_scale_inv -> {P}.weight"
+                     " | fp8_block(block=[128, 128], to=bfloat16)\n{x:seg}.weight -> {x}\n")
+    convert(source, tmp_path / "bf16", rules)
+    assert load_file(str(tmp_path / "bf16" / "model.safetensors"))["a"].dtype == torch.bfloat16
+    convert(tmp_path / "bf16", tmp_path / "back", rules, reverse=True, like=source)
+    assert filecmp.cmp(source / "model.safetensors", tmp_path / "back" / "model.safetensors", shallow=False)
