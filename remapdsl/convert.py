@@ -52,7 +52,8 @@ def convert(src, dst, rules, *, reverse: bool = False, like=None, max_shard_byte
 def _convert(src, dst: Path, rules, reverse, like, max_shard_bytes, budget_bytes, overwrite, progress):
     import torch
 
-    from . import compile_everywhere, dist
+    from . import dist
+    from .prepare import compile_everywhere
     from .checkpoint import CheckpointReader
     from .checkpoint.reader import as_byte_view
     from .checkpoint.writer import new_layout

@@ -66,7 +66,8 @@ def save(source, folder, rules, *, like=None, config: Mapping[str, Any] | None =
 
 def _save(source, folder: Path, rules, like, config, layout, mesh, overwrite, allow_lossy,
           requantize) -> SaveReport:
-    from . import compile_everywhere, dist  # torch is imported only here
+    from . import dist  # torch is imported only here
+    from .prepare import compile_everywhere
     from .checkpoint import CheckpointReader
     from .compile.inverse import copied_parts
     from .compile.inverse import writers as derive_writers
