@@ -25,7 +25,7 @@ from .checkpoint.reader import as_byte_view
 from .dtypes import BY_NAME
 from .compile.model import Compiled
 from .layout import Box, LocalShard
-from .plan import DecodeItem, LoadPlan, ReadItem, WritePlan, held_by_layout, make_load_plan, owned_boxes
+from .plan import DecodeItem, LoadPlan, ReadItem, WritePlan, held_by_layout, make_load_plan
 from .errors import BindError, Diagnostic
 
 
@@ -391,37 +391,59 @@ def _near(name: str, tensors: Mapping[str, torch.Tensor]) -> str | None:
 
 
 def owned_tensors(compiled: Compiled, tensors: Mapping[str, torch.Tensor], layout=None, mesh=None,
-                  rank: int = 0, world: int = 1) -> tuple[dict[str, LocalShard], dict[str, torch.Tensor]]:
+                  rank: int = 0) -> tuple[dict[str, LocalShard], dict[str, torch.Tensor]]:
     """What this rank writes of each runtime tensor on save (the boxes it holds that no lower rank
-    holds: every region has one writer, decided by arithmetic alone), and its local tensors."""
-    from .layout import local_shard, placements_from_dtensor
+    holds: every region has one writer, decided by arithmetic alone), and its local tensors. For
+    every placement two ranks' boxes are identical or disjoint (per dim, their index sets are), so
+    a replicated region is written once, by its lowest holder. The boxes of the lower ranks are
+    computed once per mesh, placement and shape, not per tensor."""
+    from .layout import layout_for, placements_from_dtensor
 
     held, local, _ = held_tensors(compiled, tensors, layout, mesh, rank)
     dtensor_type = getattr(sys.modules.get("torch.distributed.tensor"), "DTensor", None)
-    if layout is not None:
-        by_rank = [held_by_layout(compiled, layout, mesh, r) for r in range(rank)] + [held]
-        return owned_boxes(by_rank, rank), local
     owned: dict[str, LocalShard] = {}
     lower_boxes: dict = {}
     for d in compiled.destinations:
         tensor = tensors[d.runtime_key]
-        if dtensor_type is None or not isinstance(tensor, dtensor_type):
-            if rank == 0:  # a whole tensor on every rank: rank 0 writes it
+        if dtensor_type is not None and isinstance(tensor, dtensor_type):
+            spec = (tensor.device_mesh, tensor.placements, d.shape)
+            if spec not in lower_boxes:
+                placed = placements_from_dtensor(tensor, d.runtime_key)
+                grid = tensor.device_mesh.mesh  # the global rank at each mesh coordinate
+                lower_boxes[spec] = _boxes_below(d.shape, placed.mesh.sizes, placed.placements,
+                                                 lambda index, grid=grid: int(grid[index]), rank)
+        elif layout is not None:
+            placements = tuple(layout_for(d.runtime_key, d.shape, layout, mesh))
+            spec = (placements, d.shape)
+            if spec not in lower_boxes:
+                lower_boxes[spec] = _boxes_below(d.shape, mesh.sizes, placements, _row_major(mesh.sizes), rank)
+        else:  # a whole tensor on every rank: rank 0 writes it
+            if rank == 0:
                 owned[d.runtime_key] = held[d.runtime_key]
             continue
-        spec = (tensor.device_mesh, tensor.placements, d.shape)
-        if spec not in lower_boxes:  # the boxes held by ranks below this one, per shape and placement
-            placed = placements_from_dtensor(tensor, d.runtime_key)
-            grid = tensor.device_mesh.mesh
-            lower_boxes[spec] = {
-                box for index in itertools.product(*(range(n) for n in placed.mesh.sizes))
-                if int(grid[index]) < rank
-                for box in local_shard(d.shape, placed.mesh.sizes, placed.placements, index).boxes}
         shard = held[d.runtime_key]
         keep = [(b, at) for b, at in zip(shard.boxes, shard.local_offsets) if b not in lower_boxes[spec]]
         if keep:
             owned[d.runtime_key] = LocalShard(shard.shape, tuple(b for b, _ in keep), tuple(a for _, a in keep))
     return owned, local
+
+
+def _boxes_below(shape, sizes, placements, rank_of, rank: int) -> set:
+    """The boxes held by the ranks of a mesh below `rank` (`rank_of`: mesh coordinate -> rank)."""
+    from .layout import local_shard
+
+    return {box for index in itertools.product(*(range(n) for n in sizes)) if rank_of(index) < rank
+            for box in local_shard(shape, sizes, placements, index).boxes}
+
+
+def _row_major(sizes):
+    """A mesh coordinate -> its rank, ranks in row-major order (as `Mesh.coordinate` counts them)."""
+    def rank_of(index) -> int:
+        out = 0
+        for i, n in zip(index, sizes):
+            out = out * n + i
+        return out
+    return rank_of
 
 
 def run_write_plan(plan: WritePlan, writer, tensors: Mapping[str, torch.Tensor], threads: int = 2,

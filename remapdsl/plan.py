@@ -325,17 +325,3 @@ def make_write_plan(writers, inventory: Inventory, owned: Mapping[str, LocalShar
     return WritePlan(rank=rank, items=tuple(items), encodes=tuple(encodes), requantize=requantize,
                      bytes_written=written,
                      files=tuple(sorted({i.file for i in items} | {i.parts[0].file for i in encodes})))
-
-
-def owned_boxes(held_by_rank: list[Mapping[str, LocalShard]], rank: int) -> dict[str, LocalShard]:
-    """What `rank` writes of each tensor: the boxes it holds that no lower rank holds. Boxes of two
-    ranks are identical or disjoint for every placement (per dim, two ranks' index sets are), so a
-    replicated region is written once, by its lowest holder."""
-    mine = held_by_rank[rank]
-    out = {}
-    for key, shard in mine.items():
-        lower = {b for r in range(rank) for b in held_by_rank[r].get(key, LocalShard((), (), ())).boxes}
-        keep = [(b, at) for b, at in zip(shard.boxes, shard.local_offsets) if b not in lower]
-        if keep:
-            out[key] = LocalShard(shard.shape, tuple(b for b, _ in keep), tuple(at for _, at in keep))
-    return out

@@ -206,17 +206,7 @@ def source_patterns(draw, captures: dict[str, str]) -> ir.Pattern:
     if path_names:
         whole.append(st.sampled_from(path_names).map(lambda n: [ir.Capture(name=n, type="path")]))
     segment = st.one_of(_inline_segment(holes), *whole)
-    segments = draw(st.lists(segment, min_size=1, max_size=4))
-    parts: list[ir.Node] = []
-    for i, pieces in enumerate(segments):
-        if i:
-            parts.append(ir.Text(text="."))
-        parts.extend(pieces)
-    merged = _merge_texts(parts)
-    if ir.pattern_problems(merged) or not _lexes_cleanly(merged):
-        # rare (e.g. a path capture inside a segment, if the validator forbids it): reject
-        draw(st.nothing())
-    return ir.Pattern(parts=merged)
+    return _dotted(draw, draw(st.lists(segment, min_size=1, max_size=4)))
 
 
 @st.composite
@@ -224,7 +214,12 @@ def target_patterns(draw) -> ir.Pattern:
     """A producing-side pattern: literal text, substitutions `{expr}` and alternatives."""
     holes = st.one_of(alternatives, st.builds(ir.Subst, expr=small_exprs),
                       names.map(lambda n: ir.Subst(expr=n)))
-    segments = draw(st.lists(_inline_segment(holes), min_size=1, max_size=4))
+    return _dotted(draw, draw(st.lists(_inline_segment(holes), min_size=1, max_size=4)))
+
+
+def _dotted(draw, segments: list[list[ir.Node]]) -> ir.Pattern:
+    """Segments joined by dots into a pattern; rare combinations the IR refuses (or that would not
+    lex back) are rejected."""
     parts: list[ir.Node] = []
     for i, pieces in enumerate(segments):
         if i:
