@@ -310,7 +310,7 @@ def child_remapdsl_single(folder: Path, rules: str, verify: bool) -> dict:
     import torch  # noqa: F401  (imports stay out of the timing)
 
     import remapdsl
-    import remapdsl.execute
+    import remapdsl.runtime.execute
 
     spec = json.loads((folder / MANIFEST).read_text())["spec"]
     files = tensor_files(folder)
@@ -396,7 +396,7 @@ def child_dist(mode: str, folder: Path, rank: int, world: int, port: int, verify
     from torch.distributed.tensor import DTensor, Shard
 
     import remapdsl
-    import remapdsl.execute
+    import remapdsl.runtime.execute
 
     init_group(rank, world, port)
     try:
@@ -462,7 +462,7 @@ def child_dist(mode: str, folder: Path, rank: int, world: int, port: int, verify
 
 
 def torch_free_plan(rules: str):
-    from remapdsl.layout import LayoutPlan, Shard
+    from remapdsl.sharding.placements import LayoutPlan, Shard
 
     plan = {glob: value if isinstance(value, str) else [Shard(dim=d) for _, d in value]
             for glob, value in TP_PLANS[rules].items()}
@@ -471,7 +471,7 @@ def torch_free_plan(rules: str):
 
 def child_tp_plan(folder: Path) -> dict:
     import remapdsl
-    from remapdsl.layout import Mesh
+    from remapdsl.sharding.placements import Mesh
 
     mesh = Mesh.of({"tp": TP})
     inventory = remapdsl.open_checkpoint(str(folder))
@@ -496,8 +496,8 @@ def child_tp_load(folder: Path, rank: int, world: int, port: int) -> dict:
     from safetensors import safe_open
 
     import remapdsl
-    import remapdsl.execute
-    from remapdsl.layout import Mesh, layout_for, local_shard
+    import remapdsl.runtime.execute
+    from remapdsl.sharding.placements import Mesh, layout_for, local_shard
 
     init_group(rank, world, port)
     try:

@@ -33,8 +33,8 @@ def _worker(rank: int, world: int, rendezvous: str) -> None:
     from torch.distributed.tensor import Shard, distribute_tensor
 
     import remapdsl
-    from remapdsl import dist as shared
-    from remapdsl.execute import run_sharded_load
+    from remapdsl.runtime import dist as shared
+    from remapdsl.runtime.execute import run_sharded_load
     from remapdsl.gcpause import paused_gc
 
     inventory = remapdsl.open_checkpoint(FOLDER)

@@ -20,10 +20,10 @@ import time
 
 from lark import Lark
 
-from remapdsl import ir
-from remapdsl.format import format_statement
-from remapdsl.parse import grammar_text, lark_parser, parse_file, parse_text
-from remapdsl.rules import rules_from_text
+from remapdsl.language import ir
+from remapdsl.language.formatter import format_statement
+from remapdsl.language.parser import grammar_text, lark_parser, parse_file, parse_text
+from remapdsl.language.includes import rules_from_text
 
 RULES = Path(__file__).resolve().parent.parent / "rules"
 

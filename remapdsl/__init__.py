@@ -23,12 +23,12 @@ from .errors import (
 )
 from .checkpoint import Inventory, open_inventory
 from .compile import Compiled, compile_rules
-from .explain import explain
-from .format import format_rules
+from .compile.explain import explain
+from .language.formatter import format_rules
 from .gcpause import paused_gc
-from .parse import parse_file, parse_text
-from .prepare import compile_digest, compile_everywhere, read_config
-from .rules import RuleSet, load_rules, rules_from_text
+from .language.parser import parse_file, parse_text
+from .runtime.prepare import compile_digest, compile_everywhere, read_config
+from .language.includes import RuleSet, load_rules, rules_from_text
 
 __version__ = "0.1.0"
 
@@ -40,7 +40,7 @@ def open_checkpoint(checkpoint: str | os.PathLike | Inventory) -> Inventory:
 
 def parse_mesh(text: str):
     """`dp=2,tp=4` -> a Mesh (outermost dim first); a malformed text is a RemapError."""
-    from .layout import Mesh
+    from .sharding.placements import Mesh
 
     dims = {}
     for part in text.split(","):
@@ -56,7 +56,7 @@ def read_layout(path: str | os.PathLike):
     """A layout plan from JSON: {"mesh_dim": "tp", "plan": {glob: style or [placements]}}."""
     from pydantic import ValidationError
 
-    from .layout import LayoutPlan, Replicate, Shard, StridedShard
+    from .sharding.placements import LayoutPlan, Replicate, Shard, StridedShard
 
     kinds = {"shard": Shard, "replicate": Replicate, "strided_shard": StridedShard}
     try:
@@ -73,7 +73,7 @@ def read_layout(path: str | os.PathLike):
 
 def plan_rank(compiled: Compiled, inventory: Inventory, layout, mesh, rank: int):
     """The LoadPlan of one rank under a layout plan, without a process group or tensors."""
-    from .plan import held_by_layout, make_load_plan
+    from .sharding.plans import held_by_layout, make_load_plan
 
     return make_load_plan(compiled, inventory, held_by_layout(compiled, layout, mesh, rank), rank)
 
@@ -93,8 +93,8 @@ def load(target, checkpoint, rules, *, config: Mapping[str, Any] | None = None,
         rules: a .remap file path (or a RuleSet).
         config: the model config; by default the folder's config.json.
         strict: refuse checkpoint tensors that no rule takes and no `drop` names.
-        layout: a `remapdsl.layout.LayoutPlan` placing plain tensors on `mesh` (tp_plan style).
-        mesh: the `remapdsl.layout.Mesh` of the job, with `layout`.
+        layout: a `remapdsl.sharding.placements.LayoutPlan` placing plain tensors on `mesh` (tp_plan style).
+        mesh: the `remapdsl.sharding.placements.Mesh` of the job, with `layout`.
         read_replicated_once: tensors that every rank holds whole are read by rank 0 and broadcast,
             instead of read by every rank.
     """
@@ -103,8 +103,8 @@ def load(target, checkpoint, rules, *, config: Mapping[str, Any] | None = None,
 
 
 def _load(target, checkpoint, rules, config, strict, layout, mesh, read_replicated_once):
-    from . import dist
-    from .execute import run_sharded_load
+    from .runtime import dist
+    from .runtime.execute import run_sharded_load
 
     inventory, compiled = compile_everywhere(rules, checkpoint, config, strict)
     # Each rank's shards: plan, then read.
@@ -117,8 +117,8 @@ def _load(target, checkpoint, rules, config, strict, layout, mesh, read_replicat
 
 def save(source, folder, rules, *, like=None, **kwargs):
     """Write runtime tensors back to a checkpoint's layout, every rank its own bytes (no gather);
-    see `remapdsl.saving.save` for the arguments."""
-    from .saving import save as _save
+    see `remapdsl.runtime.save.save` for the arguments."""
+    from .runtime.save import save as _save
 
     return _save(source, folder, rules, like=like, **kwargs)
 

@@ -253,7 +253,7 @@ def _size(text: str, option: str) -> int:
 def _convert(args: argparse.Namespace) -> int:
     import os
 
-    from .convert import convert
+    from .runtime.convert import convert
 
     started = _join_torchrun()
     try:

@@ -21,14 +21,14 @@ def shut_down() -> None:
 
 def distributed_like(expected: dict, mesh, plan) -> tuple[dict, dict]:
     """For each full tensor of `expected`: a zeroed DTensor placed as `plan` places it on `mesh`
-    (remapdsl.layout types, turned into torch's), and the local shard torch's own
+    (remapdsl.sharding.placements types, turned into torch's), and the local shard torch's own
     `distribute_tensor` gives this rank of the full tensor: the targets and what they must hold."""
     import torch
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import Replicate, Shard, distribute_tensor
     from torch.distributed.tensor.placement_types import _StridedShard
 
-    from remapdsl.layout import layout_for
+    from remapdsl.sharding.placements import layout_for
 
     device_mesh = init_device_mesh("cpu", tuple(mesh.sizes), mesh_dim_names=tuple(mesh.names))
 

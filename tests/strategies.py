@@ -1,4 +1,4 @@
-"""Hypothesis strategies for arbitrary well-formed IR (remapdsl.ir).
+"""Hypothesis strategies for arbitrary well-formed IR (remapdsl.language.ir).
 
 Generated IR satisfies the IR validators and the parser's syntax-level rules, so that
 `parse_text(format_rules(ir)) == ir` must hold for it. It need not pass the static checks: names
@@ -18,7 +18,7 @@ import re
 
 from hypothesis import strategies as st
 
-from remapdsl import ir
+from remapdsl.language import ir
 
 STATEMENT_KEYWORDS = ("remap", "let", "drop", "keep", "dequantize", "include", "macro",
                       "optional", "otherwise")

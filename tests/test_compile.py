@@ -244,8 +244,8 @@ def test_digest_is_the_same_in_another_process(tmp_path):
 
 
 def test_many_short_runs_are_copied_from_the_mapped_file(tmp_path, monkeypatch):
-    import remapdsl.execute as execute
-    from remapdsl.layout import LayoutPlan, Mesh
+    import remapdsl.runtime.execute as execute
+    from remapdsl.sharding.placements import LayoutPlan, Mesh
 
     source, other = randn(64, 48), randn(48, 64)
     folder = write_checkpoint(tmp_path, {"w": source, "o": other})

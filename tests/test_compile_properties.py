@@ -2,7 +2,7 @@
 
 For random source shapes and random valid op chains, a rule file is written, compiled with
 remapdsl.compile_rules, loaded with remapdsl.load into fresh tensors, and compared bit for bit with
-remapdsl.reference.apply_ops (whole-tensor torch ops) on the same sources. Every destination must
+layout_reference.apply_ops (whole-tensor torch ops) on the same sources. Every destination must
 also be tiled by its blocks exactly once.
 """
 
@@ -20,8 +20,9 @@ from hypothesis import strategies as st
 from safetensors.torch import save_file
 
 import remapdsl
-from remapdsl import ir, parse_text
-from remapdsl.reference import apply_ops
+from remapdsl.language import ir
+from remapdsl.language.parser import parse_text
+from layout_reference import apply_ops
 
 MAX_DIM = 12  # no dim grows past this, so every example stays tiny
 DTYPES = ("float32", "bfloat16", "float16", "float64")

@@ -39,7 +39,7 @@ def test_every_error_code_in_the_source_is_documented():
 
 
 def test_every_op_is_in_the_reference():
-    from remapdsl.ir import OPS_BY_NAME
+    from remapdsl.language.ir import OPS_BY_NAME
 
     reference = (ROOT / "docs" / "language.md").read_text()
     missing = [name for name in OPS_BY_NAME if f"| `{name}` |" not in reference]

@@ -29,7 +29,7 @@ from pathlib import Path
 import pytest
 
 from remapdsl.errors import RemapError
-from remapdsl.rules import load_rules
+from remapdsl.language.includes import load_rules
 
 REPO = Path(__file__).resolve().parent.parent
 CORPUS = REPO / "tests" / "corpus"

@@ -20,9 +20,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from remapdsl.errors import RemapError
-from remapdsl.format import format_rules
-from remapdsl.parse import parse_text
-from remapdsl.rules import rules_from_text
+from remapdsl.language.formatter import format_rules
+from remapdsl.language.parser import parse_text
+from remapdsl.language.includes import rules_from_text
 
 try:
     from tests import strategies as S

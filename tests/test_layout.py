@@ -1,4 +1,4 @@
-"""remapdsl.layout: placements -> held boxes, checked by hand, by a brute-force oracle, and against torch's
+"""remapdsl.sharding.placements: placements -> held boxes, checked by hand, by a brute-force oracle, and against torch's
 own DTensor on real gloo processes (one spawn per world size, many cases inside it)."""
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from gloo import shut_down
 from hypothesis import strategies as st
 
 from remapdsl.errors import RemapError
-from remapdsl.layout import (
+from remapdsl.sharding.placements import (
     Box,
     LayoutPlan,
     Mesh,
@@ -390,7 +390,7 @@ def _dtensor_worker(rank, world, rendezvous, cases, out_dir):
     from torch.distributed.tensor import DTensor, Partial, distribute_tensor
     from torch.distributed.tensor import Shard as TorchShard
 
-    from remapdsl.layout import placements_from_dtensor
+    from remapdsl.sharding.placements import placements_from_dtensor
 
     # a file rendezvous: no TCP port to race for with other tests or jobs on the machine
     dist.init_process_group("gloo", init_method=f"file://{rendezvous}", rank=rank, world_size=world,

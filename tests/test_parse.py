@@ -2,9 +2,9 @@
 
 import pytest
 
-from remapdsl import ir
+from remapdsl.language import ir
 from remapdsl.errors import RemapError
-from remapdsl.parse import parse_text
+from remapdsl.language.parser import parse_text
 
 
 def one(text: str) -> ir.Statement:

@@ -15,7 +15,7 @@ from safetensors.torch import save_file
 import quant_reference as ref
 import remapdsl
 from remapdsl import BindError, rules_from_text
-from remapdsl.layout import LayoutPlan, Mesh, Shard, layout_for, local_shard
+from remapdsl.sharding.placements import LayoutPlan, Mesh, Shard, layout_for, local_shard
 from remapdsl.quant import Part, QuantFormat, get_format, register_format, unregister_format
 
 BF16 = torch.bfloat16
@@ -252,7 +252,7 @@ experts -> experts | transpose(1, 2)
                                 mesh.coordinate(rank))
             local[key] = torch.full(shard.shape, float("nan"), dtype=BF16)
             shards[key] = shard
-        from remapdsl.execute import run_plan
+        from remapdsl.runtime.execute import run_plan
 
         run_plan(plan, inventory, local)
         for key, shard in shards.items():

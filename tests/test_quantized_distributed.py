@@ -19,7 +19,7 @@ from safetensors.torch import load_file, save_file
 
 import quant_reference as ref
 import remapdsl
-from remapdsl.layout import LayoutPlan, Mesh, layout_for, local_shard
+from remapdsl.sharding.placements import LayoutPlan, Mesh, layout_for, local_shard
 
 ROOT = Path(__file__).resolve().parent.parent
 BLOCK = (3, 5)

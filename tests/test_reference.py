@@ -1,12 +1,13 @@
-"""The oracle checked by hand: remapdsl.reference on tiny tensors whose answers are written out."""
+"""The oracle checked by hand: tests/layout_reference.py on tiny tensors whose answers are written out."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from remapdsl import ir, parse_text
-from remapdsl.reference import apply_ops, literal
+from remapdsl.language import ir
+from remapdsl.language.parser import parse_text
+from layout_reference import apply_ops, literal
 
 
 def ops(text: str) -> list[ir.Op]:

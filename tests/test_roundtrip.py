@@ -9,10 +9,10 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from pydantic import ValidationError
 
-from remapdsl import ir
+from remapdsl.language import ir
 from remapdsl.errors import RemapError
-from remapdsl.format import format_rules
-from remapdsl.parse import parse_file, parse_text
+from remapdsl.language.formatter import format_rules
+from remapdsl.language.parser import parse_file, parse_text
 
 try:
     from tests import strategies as S

@@ -17,7 +17,7 @@ import torch.multiprocessing as mp
 from gloo import distributed_like, shut_down
 
 import remapdsl
-from remapdsl.layout import LayoutPlan, Mesh, Replicate, Shard, layout_for, local_shard
+from remapdsl.sharding.placements import LayoutPlan, Mesh, Replicate, Shard, layout_for, local_shard
 
 ROOT = Path(__file__).resolve().parent.parent
 CHECKPOINT = ROOT / "examples" / "tiny-qwen3-moe"

@@ -24,9 +24,9 @@ import remapdsl
 from remapdsl import RemapError
 from remapdsl.checkpoint.writer import FileWriter, create_files
 from remapdsl.compile.inverse import writers
-from remapdsl.execute import owned_tensors, run_write_plan
-from remapdsl.layout import LayoutPlan, Mesh, Replicate, Shard, layout_for, local_shard
-from remapdsl.plan import make_write_plan
+from remapdsl.runtime.execute import owned_tensors, run_write_plan
+from remapdsl.sharding.placements import LayoutPlan, Mesh, Replicate, Shard, layout_for, local_shard
+from remapdsl.sharding.plans import make_write_plan
 
 
 @st.composite

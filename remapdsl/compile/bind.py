@@ -14,7 +14,7 @@ from collections import defaultdict
 from collections.abc import Iterable
 from typing import NamedTuple
 
-from .. import ir
+from ..language import ir
 
 _INT = r"(?:0|[1-9][0-9]*)"
 _SEG = r"[^.\n]+"  # keys are matched as lines of one text (see match_keys)

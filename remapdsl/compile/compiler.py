@@ -13,11 +13,11 @@ from collections import defaultdict
 from collections.abc import Mapping
 from typing import Any
 
-from .. import ir
+from ..language import ir
 from ..checkpoint import Inventory
 from ..errors import BindError, Diagnostic, Span, suggest
 from ..gcpause import paused_gc
-from ..rules import RuleSet
+from ..language.includes import RuleSet
 from . import symbolic as sym
 from .bind import Binding, bind, compile_pattern, list_axis, match_keys
 from .evaluate import Evaluator, evaluate_lets

@@ -9,7 +9,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from .. import ir
+from ..language import ir
 from ..dtypes import RULE_DTYPE_NAMES
 from ..errors import BindError, Diagnostic, Span
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from .. import ir
+from ..language import ir
 from ..quant import FormatError, Part, QuantFormat, get_format
 from .bind import bind
 from .evaluate import Evaluator

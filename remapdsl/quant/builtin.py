@@ -15,7 +15,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from .. import ir
+from ..language import ir
 from .registry import Box, FormatError, Part, QuantFormat, register_format
 
 FLOAT_TARGETS = ("float32", "bfloat16", "float16", "float64")  # every decoded value is exact in these

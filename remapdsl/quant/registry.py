@@ -12,7 +12,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any, ClassVar, NamedTuple
 
-from ..ir import Param
+from ..language.ir import Param
 
 Box = tuple[tuple[int, ...], tuple[int, ...]]  # (offsets, sizes)
 

@@ -20,13 +20,13 @@ from typing import NamedTuple
 import torch
 from pydantic import BaseModel, ConfigDict
 
-from .checkpoint import CheckpointReader, Inventory
-from .checkpoint.reader import as_byte_view
-from .dtypes import BY_NAME
-from .compile.model import Compiled
-from .layout import Box, LocalShard
-from .plan import DecodeItem, LoadPlan, ReadItem, WritePlan, held_by_layout, make_load_plan
-from .errors import BindError, Diagnostic
+from ..checkpoint import CheckpointReader, Inventory
+from ..checkpoint.reader import as_byte_view
+from ..dtypes import BY_NAME
+from ..compile.model import Compiled
+from ..sharding.placements import Box, LocalShard
+from ..sharding.plans import DecodeItem, LoadPlan, ReadItem, WritePlan, held_by_layout, make_load_plan
+from ..errors import BindError, Diagnostic
 
 
 class LoadReport(BaseModel):
@@ -83,7 +83,7 @@ def held_tensors(compiled: Compiled, tensors: Mapping[str, torch.Tensor], layout
     A DTensor says it itself (its mesh and placements); a plain tensor is either whole, or, with a
     `layout` plan and a `mesh`, the local shard the plan gives this rank. Checked before any read.
     """
-    from .layout import Replicate, layout_for, placements_from_dtensor
+    from ..sharding.placements import Replicate, layout_for, placements_from_dtensor
 
     # no DTensor exists unless its module was imported: do not pay that import (~0.5 s) otherwise
     dtensor_type = getattr(sys.modules.get("torch.distributed.tensor"), "DTensor", None)
@@ -256,7 +256,7 @@ class _Decode(NamedTuple):
 def _run_decode(unit: _Decode, reader: CheckpointReader) -> torch.Tensor | None:
     """Read each part's covering box, decode the logical box, place the piece: straight into the
     destination when the piece is the box in its own order, else through the decoded box."""
-    from .quant import get_format
+    from ..quant import get_format
 
     item, view = unit
     parts = [_part(part, reader) for part in item.parts]
@@ -276,8 +276,8 @@ def _write_encoded(item: DecodeItem, view: torch.Tensor, writer, reader: Checkpo
                    requantize: bool) -> None:
     """A piece of a dequantized tensor back in its format: with the stored scales of its box, or,
     re-quantizing, with new scales that are written too."""
-    from .errors import RemapError
-    from .quant import FormatError, Part, get_format
+    from ..errors import RemapError
+    from ..quant import FormatError, Part, get_format
 
     box = torch.empty(item.box[1], dtype=torch.float32)
     box.view(-1).as_strided(item.sizes, item.strides, item.offset).copy_(_steps(view, item.steps))
@@ -381,7 +381,7 @@ def _dense(strides: list[int], sizes: tuple[int, ...]) -> bool:
 
 
 def _near(name: str, tensors: Mapping[str, torch.Tensor]) -> str | None:
-    from .errors import suggest
+    from ..errors import suggest
 
     close = suggest(name, list(tensors))
     return f"did you mean `{close}`?" if close else None
@@ -397,7 +397,7 @@ def owned_tensors(compiled: Compiled, tensors: Mapping[str, torch.Tensor], layou
     every placement two ranks' boxes are identical or disjoint (per dim, their index sets are), so
     a replicated region is written once, by its lowest holder. The boxes of the lower ranks are
     computed once per mesh, placement and shape, not per tensor."""
-    from .layout import layout_for, placements_from_dtensor
+    from ..sharding.placements import layout_for, placements_from_dtensor
 
     held, local, _ = held_tensors(compiled, tensors, layout, mesh, rank)
     dtensor_type = getattr(sys.modules.get("torch.distributed.tensor"), "DTensor", None)
@@ -430,7 +430,7 @@ def owned_tensors(compiled: Compiled, tensors: Mapping[str, torch.Tensor], layou
 
 def _boxes_below(shape, sizes, placements, rank_of, rank: int) -> set:
     """The boxes held by the ranks of a mesh below `rank` (`rank_of`: mesh coordinate -> rank)."""
-    from .layout import local_shard
+    from ..sharding.placements import local_shard
 
     return {box for index in itertools.product(*(range(n) for n in sizes)) if rank_of(index) < rank
             for box in local_shard(shape, sizes, placements, index).boxes}

@@ -1,4 +1,4 @@
-"""Lark parser callbacks -> IR nodes (remapdsl.ir), called while parsing, without a parse tree.
+"""Lark parser callbacks -> IR nodes (remapdsl.language.ir), called while parsing, without a parse tree.
 
 The grammar gives the shape; the callbacks give it meaning: merge pattern tokens into parts
 (checking that nothing but `,` and `->` separates patterns), resolve capture types, apply the
@@ -20,9 +20,9 @@ from typing import Any, NamedTuple
 from lark import Token, Transformer
 
 from . import ir
-from .dtypes import RULE_DTYPE_NAMES
-from .errors import Diagnostic, Span, did_you_mean, suggest
-from .quant import format_names
+from ..dtypes import RULE_DTYPE_NAMES
+from ..errors import Diagnostic, Span, did_you_mean, suggest
+from ..quant import format_names
 
 MAX_DEPTH = 64  # expression nesting; deeper is refused rather than recursed into
 _DECIMAL = re.compile(r"[0-9]+\.[0-9]+")

@@ -18,7 +18,7 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict
 
-from .gcpause import paused_gc
+from ..gcpause import paused_gc
 
 
 class SaveReport(BaseModel):
@@ -53,7 +53,7 @@ def save(source, folder, rules, *, like=None, config: Mapping[str, Any] | None =
             amax / 448 per block), not the stored ones; each block must be whole on one rank.
     """
     if like is None:
-        from .errors import Diagnostic, RemapError
+        from ..errors import Diagnostic, RemapError
 
         raise RemapError(Diagnostic(code="E520", message="a save writes the checkpoint layout the rules read: "
                                     "give that checkpoint with `like` (its keys, files and headers); rules "
@@ -68,11 +68,11 @@ def _save(source, folder: Path, rules, like, config, layout, mesh, overwrite, al
           requantize) -> SaveReport:
     from . import dist  # torch is imported only here
     from .prepare import compile_everywhere
-    from .checkpoint import CheckpointReader
-    from .compile.inverse import copied_parts
-    from .compile.inverse import writers as derive_writers
+    from ..checkpoint import CheckpointReader
+    from ..compile.inverse import copied_parts
+    from ..compile.inverse import writers as derive_writers
     from .execute import owned_tensors, run_write_plan
-    from .plan import make_write_plan
+    from ..sharding.plans import make_write_plan
 
     start = time.perf_counter()
     # not strict: a checkpoint tensor no rule reads is the save's own error (E501, below)
@@ -105,7 +105,7 @@ def write_output(folder: Path, layout, *, headers=None, index=None, copy_from=No
     `index`), every rank runs `write(writer)`, rank 0 commits. An error on any rank, in any phase,
     is raised on every rank and the staging folder is removed. Returns this rank's fsync seconds."""
     from . import dist
-    from .checkpoint.writer import FileWriter, check_destination, commit, create_files, discard, staging_path
+    from ..checkpoint.writer import FileWriter, check_destination, commit, create_files, discard, staging_path
 
     rank = dist.rank()
     token = dist.from_first(lambda: (check_destination(folder, overwrite), secrets.token_hex(6))[1])

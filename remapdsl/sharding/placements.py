@@ -22,7 +22,7 @@ from typing import Annotated, Any, Literal, NamedTuple
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from .errors import Diagnostic, RemapError, did_you_mean
+from ..errors import Diagnostic, RemapError, did_you_mean
 
 
 class LayoutError(RemapError):
@@ -247,7 +247,7 @@ def local_shard(
             raise _fail(
                 "E402",
                 f"{placement!r} is not a remapdsl placement",
-                "use remapdsl.layout's Shard, Replicate, StridedShard (placements_from_dtensor converts torch's)",
+                "use remapdsl.sharding.placements's Shard, Replicate, StridedShard (placements_from_dtensor converts torch's)",
                 runtime_key,
             )
     per_dim = [

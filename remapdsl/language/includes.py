@@ -13,9 +13,9 @@ from pathlib import Path
 from pydantic import BaseModel, ConfigDict, Field
 
 from . import ir
-from .errors import Diagnostic, RemapError, RuleCheckError, Span
-from .parse import parse_file, parse_text
-from .static import check_program
+from ..errors import Diagnostic, RemapError, RuleCheckError, Span
+from .parser import parse_file, parse_text
+from .check import check_program
 
 
 class RuleSet(BaseModel):

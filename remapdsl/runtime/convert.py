@@ -18,8 +18,8 @@ from pathlib import Path
 
 from pydantic import BaseModel, ConfigDict
 
-from .errors import Diagnostic, RemapError
-from .gcpause import paused_gc
+from ..errors import Diagnostic, RemapError
+from ..gcpause import paused_gc
 
 
 class ConvertReport(BaseModel):
@@ -54,15 +54,15 @@ def _convert(src, dst: Path, rules, reverse, like, max_shard_bytes, budget_bytes
 
     from . import dist
     from .prepare import compile_everywhere
-    from .checkpoint import CheckpointReader
-    from .checkpoint.reader import as_byte_view
-    from .checkpoint.writer import new_layout
-    from .compile.inverse import copied_parts
-    from .compile.inverse import writers as derive_writers
+    from ..checkpoint import CheckpointReader
+    from ..checkpoint.reader import as_byte_view
+    from ..checkpoint.writer import new_layout
+    from ..compile.inverse import copied_parts
+    from ..compile.inverse import writers as derive_writers
     from .execute import run_plan, run_write_plan
-    from .layout import Box, LocalShard
-    from .plan import make_load_plan, make_write_plan
-    from .saving import copy_tensors, write_output
+    from ..sharding.placements import Box, LocalShard
+    from ..sharding.plans import make_load_plan, make_write_plan
+    from .save import copy_tensors, write_output
 
     start = time.perf_counter()
     if reverse and like is None:
@@ -162,7 +162,7 @@ def _batches(keys: list[str], size, budget: int) -> list[list[str]]:
 
 
 def _nbytes(d) -> int:
-    from .dtypes import BY_NAME
+    from ..dtypes import BY_NAME
 
     count = 1
     for n in d.shape:

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import fnmatch
 
-from .compile.model import Block, Compiled, Destination
+from .model import Block, Compiled, Destination
 
 
 def explain(compiled: Compiled, key: str | None = None, max_blocks: int = 8) -> str:
@@ -81,7 +81,7 @@ def _dim_order(b: Block) -> list[int]:
 
 
 def _nbytes(dtype: str, shape) -> int:
-    from .dtypes import BY_NAME
+    from ..dtypes import BY_NAME
 
     count = 1
     for n in shape:

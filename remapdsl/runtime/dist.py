@@ -14,8 +14,8 @@ from typing import TypeVar
 
 import torch.distributed as dist
 
-from .checkpoint import Inventory, open_inventory
-from .errors import Diagnostic, RemapError
+from ..checkpoint import Inventory, open_inventory
+from ..errors import Diagnostic, RemapError
 
 T = TypeVar("T")
 

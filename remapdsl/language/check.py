@@ -11,10 +11,10 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 from . import ir
-from .dtypes import RULE_DTYPE_NAMES as DTYPE_NAMES
-from .format import format_expr
-from .quant import get_format
-from .errors import Diagnostic, RuleCheckError, Span, did_you_mean, suggest
+from ..dtypes import RULE_DTYPE_NAMES as DTYPE_NAMES
+from .formatter import format_expr
+from ..quant import get_format
+from ..errors import Diagnostic, RuleCheckError, Span, did_you_mean, suggest
 
 SCALE_DTYPES = ("float32", "e8m0")
 _COMBINE = (ir.Concat, ir.Interleave, ir.Stack)  # list axis -> one tensor (without a capture)

@@ -2,7 +2,7 @@
 the model config, and the rules compiled identically on every rank, the ranks agreeing on it.
 
 `load`, `save` and `convert` all start here. torch is imported only in a distributed job's path
-(`remapdsl.dist`), when `compile_everywhere` runs.
+(`remapdsl.runtime.dist`), when `compile_everywhere` runs.
 """
 
 from __future__ import annotations
@@ -12,10 +12,10 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from .checkpoint import Inventory
-from .compile import Compiled, compile_rules
-from .errors import Diagnostic, RemapError
-from .rules import RuleSet, load_rules
+from ..checkpoint import Inventory
+from ..compile import Compiled, compile_rules
+from ..errors import Diagnostic, RemapError
+from ..language.includes import RuleSet, load_rules
 
 
 def read_config(inventory: Inventory) -> dict[str, Any]:
@@ -37,7 +37,7 @@ def compile_digest(ruleset: RuleSet, config: Mapping[str, Any], strict: bool, ch
     than rank 0 is caught even though it reads rank 0's headers). Equal inputs, equal digests."""
     import hashlib
 
-    from .checkpoint.inventory import listing
+    from ..checkpoint.inventory import listing
 
     text = json.dumps([[f.source for f in ruleset.files], config, strict], sort_keys=True, default=str)
     digest = hashlib.sha256(text.encode())

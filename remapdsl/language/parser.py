@@ -1,4 +1,4 @@
-"""Rule-file text -> IR (remapdsl.ir) with source spans, comments kept as trivia.
+"""Rule-file text -> IR (remapdsl.language.ir) with source spans, comments kept as trivia.
 
 Lark's LALR parser runs with the grammar's terminals scanned by remapdsl/lexer.py and the IR built
 by the callbacks of remapdsl/build.py during parsing (no parse tree). Syntax errors become
@@ -14,15 +14,15 @@ from pathlib import Path
 from lark import Lark, UnexpectedInput
 
 from . import ir
-from .build import CONTEXT, Builder, Context, TooDeep, depth_problem, span_of
-from .errors import Diagnostic, RemapError, RuleSyntaxError, Span
+from .builder import CONTEXT, Builder, Context, TooDeep, depth_problem, span_of
+from ..errors import Diagnostic, RemapError, RuleSyntaxError, Span
 from .lexer import RuleLexer
 from .syntax import syntax_diagnostic
-from .trivia import attach_trivia
+from .comments import attach_trivia
 
 _GRAMMAR_LOCATIONS = (
-    Path(__file__).parent / "grammars" / "remap.lark",  # installed wheel
-    Path(__file__).parent.parent / "grammars" / "remap.lark",  # source tree, editable install
+    Path(__file__).parent.parent / "grammars" / "remap.lark",  # installed wheel
+    Path(__file__).parent.parent.parent / "grammars" / "remap.lark",  # source tree, editable install
 )
 
 

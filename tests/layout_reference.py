@@ -1,6 +1,6 @@
 """The reference conversion: a rule's ops applied to whole tensors with plain torch ops.
 
-This is the oracle of the test suite (and of `check --dense`): it knows nothing of blocks, index
+This is the oracle of the test suite: it knows nothing of blocks, index
 maps or byte ranges, and implements each op of the language directly from its definition
 (docs/language.md, "Operations"), so that the compiler's blocks can be checked against it.
 It does not import remapdsl.compile.
@@ -9,7 +9,7 @@ It does not import remapdsl.compile.
 is still to be reduced, a dict capture value -> list of tensors (the caller builds it from the
 checkpoint; `unstack` makes one). Per-tensor ops apply to every tensor of every entry.
 Value ops (`scale`, `add`) compute in float32 and cast back to the tensor's dtype, the same
-convention as remapdsl/execute.py.
+convention as the load executor (remapdsl/runtime/execute.py).
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from typing import Any, Union
 
 import torch
 
-from . import ir
+from remapdsl.language import ir
 
 State = Union[list[torch.Tensor], dict[int, list[torch.Tensor]]]
 

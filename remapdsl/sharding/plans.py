@@ -15,10 +15,10 @@ from typing import NamedTuple
 
 from pydantic import BaseModel, ConfigDict
 
-from .checkpoint import Inventory
-from .compile.model import Block, Compiled
-from .dtypes import BY_NAME
-from .layout import Box, LayoutPlan, LocalShard, Mesh, layout_for, local_shard
+from ..checkpoint import Inventory
+from ..compile.model import Block, Compiled
+from ..dtypes import BY_NAME
+from .placements import Box, LayoutPlan, LocalShard, Mesh, layout_for, local_shard
 
 
 class ReadItem(NamedTuple):
@@ -148,7 +148,7 @@ def _decode_item(runtime_key: str, local: tuple[int, ...], piece: Block, source,
                  ) -> DecodeItem:
     """The logical box a piece reads (its bounding box: the piece itself for every layout op but a
     strided one), the covering box of each part, and where the piece sits in the decoded box."""
-    from .quant import Part, get_format
+    from ..quant import Part, get_format
 
     rank = len(source.shape)
     low = list(piece.base)
@@ -182,7 +182,7 @@ def _decode_item(runtime_key: str, local: tuple[int, ...], piece: Block, source,
 
 def _check_grid(d, box, rank: int) -> None:
     """A shard of stored quantized values must hold whole blocks: its edges on the grid."""
-    from .errors import Diagnostic, RemapError
+    from ..errors import Diagnostic, RemapError
 
     for dim, (g, start, size, extent) in enumerate(zip(d.grid, box.offsets, box.sizes, d.shape)):
         for edge in (start, start + size):
@@ -295,7 +295,7 @@ def make_write_plan(writers, inventory: Inventory, owned: Mapping[str, LocalShar
     """The plan of one rank: `writers` (remapdsl.compile.inverse) cut to the boxes this rank owns.
     A piece of a dequantized tensor (`logical`: key -> LogicalSource) becomes an encode item: its
     values part's runs are where it is written, its scales' runs where the stored scales are read."""
-    from .errors import Diagnostic, RemapError
+    from ..errors import Diagnostic, RemapError
 
     items: list[ReadItem] = []
     encodes: list[DecodeItem] = []

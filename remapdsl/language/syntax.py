@@ -11,7 +11,7 @@ import re
 
 from lark import Lark, UnexpectedInput, UnexpectedToken
 
-from .errors import Diagnostic, Span, suggest
+from ..errors import Diagnostic, Span, suggest
 
 STATEMENT_KEYWORDS = ("remap", "let", "drop", "keep", "dequantize", "quantized", "include", "macro",
                       "optional", "otherwise")

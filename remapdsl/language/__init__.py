@@ -1,0 +1,1 @@
+"""The rule language: text -> frozen IR (lexer, builder, IR, checks, formatter, comments, includes)."""
