@@ -158,7 +158,7 @@ def main() -> None:
         raise SystemExit(2)
 
     cold, compiled = timed(lambda: compile_once(inventory, config))
-    destinations = len(compiled.destinations)
+    destinations = len(compiled.runtime_tensors)
     digest = compiled.digest()
     del compiled
     warm = []

@@ -508,7 +508,7 @@ def child_tp_load(folder: Path, rank: int, world: int, port: int) -> dict:
                                           remapdsl.read_config(inventory))
         predicted = remapdsl.plan_rank(compiled, inventory, layout, mesh, rank)
         local, shards = {}, {}
-        for d in compiled.destinations:
+        for d in compiled.runtime_tensors:
             shard = local_shard(d.shape, mesh.sizes, layout_for(d.runtime_key, d.shape, layout, mesh),
                                 mesh.coordinate(rank))
             local[d.runtime_key] = torch.full(shard.shape, float("nan"), dtype=getattr(torch, d.dtype))

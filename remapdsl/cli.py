@@ -162,7 +162,7 @@ def _against_checkpoint(rules, folder: str) -> str:
         print(f"{span}: note: this `drop` removes no checkpoint tensor")
     for file in inventory.ignored_files:
         print(f"{folder}: note: `{file}` is not named by the index and is ignored")
-    return f", {len(compiled.destinations)} runtime tensors from {len(compiled.sources)} checkpoint tensors"
+    return f", {len(compiled.runtime_tensors)} runtime tensors from {len(compiled.ckpt_tensors)} checkpoint tensors"
 
 
 def _fmt(args: argparse.Namespace) -> int:

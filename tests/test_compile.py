@@ -26,7 +26,7 @@ def load_text(text, folder, config=None):
     rules = rules_from_text(text, "t.remap")
     compiled = remapdsl.compile_rules(rules, remapdsl.open_checkpoint(folder), config or {})
     target = {d.runtime_key: torch.empty(d.shape, dtype=getattr(torch, d.dtype))
-              for d in compiled.destinations}
+              for d in compiled.runtime_tensors}
     report = remapdsl.load(target, folder, rules, config=config or {})
     return target, report
 
@@ -60,7 +60,7 @@ def test_llama_fused_grouped_qkv_and_interleaved_gate_up(tmp_path):
     folder = write_checkpoint(tmp_path, tensors, config)
     rules = remapdsl.load_rules("rules/llama_fused.remap")
     compiled = remapdsl.compile_rules(rules, remapdsl.open_checkpoint(folder), config)
-    target = {d.runtime_key: torch.empty(d.shape) for d in compiled.destinations}
+    target = {d.runtime_key: torch.empty(d.shape) for d in compiled.runtime_tensors}
     remapdsl.load(target, folder, rules)
     for L in range(layers):
         p = f"model.layers.{L}."
@@ -114,7 +114,7 @@ def test_unconsumed_tensor_is_an_error_unless_lenient(tmp_path):
     error = bind_error("a -> x\n", folder)
     assert error.diagnostic.code == "E202" and "`b`" in error.diagnostic.message
     compiled = compile_text("a -> x\n", folder, strict=False)
-    assert [d.runtime_key for d in compiled.destinations] == ["x"]
+    assert [d.runtime_key for d in compiled.runtime_tensors] == ["x"]
 
 
 def test_destination_produced_twice(tmp_path):
@@ -151,7 +151,7 @@ def test_drop_with_guard_and_otherwise(tmp_path):
     compiled = compile_text("drop model.layers.{L}.** when L >= config.num_hidden_layers\n"
                             "model.layers.{L}.w -> layers.{L}.w\notherwise {P:path} -> {P}\n",
                             folder, {"num_hidden_layers": 2})
-    assert [d.runtime_key for d in compiled.destinations] == ["extra.bias", "layers.0.w", "layers.1.w"]
+    assert [d.runtime_key for d in compiled.runtime_tensors] == ["extra.bias", "layers.0.w", "layers.1.w"]
     assert compiled.dropped == ("model.layers.2.w",)
 
 
@@ -198,7 +198,7 @@ def test_compiled_is_frozen_serializable_and_stable(tmp_path):
     assert a.digest() == b.digest()
     assert type(a).model_validate_json(a.model_dump_json()) == a
     with pytest.raises(Exception):
-        a.destinations = ()
+        a.runtime_tensors = ()
 
 
 def test_explain_command(tmp_path, capsys):

@@ -246,15 +246,15 @@ def _empty(shape, dtype: str) -> torch.Tensor:
 
 def check_tiling(compiled: remapdsl.Compiled) -> None:
     """Every destination is covered by its blocks exactly once, and every read is in bounds."""
-    shapes = {s.ckpt_key: s.shape for s in compiled.sources}
-    for d in compiled.destinations:
+    shapes = {s.ckpt_key: s.shape for s in compiled.ckpt_tensors}
+    for d in compiled.runtime_tensors:
         count = torch.zeros(d.shape, dtype=torch.int32)
         for b in d.blocks:
             assert len(b.offsets) == len(b.sizes) == len(d.shape)
             assert all(o >= 0 and o + s <= n for o, s, n in zip(b.offsets, b.sizes, d.shape)), b
             count[tuple(slice(o, o + s) for o, s in zip(b.offsets, b.sizes))] += 1
-            if b.ckpt_key is not None:  # the corners of the box read inside the source
-                source = shapes[b.ckpt_key]
+            if b.source_key is not None:  # the corners of the box read inside the source
+                source = shapes[b.source_key]
                 for k, n in enumerate(source):
                     low = b.base[k] + sum(min(0, c * (s - 1)) for c, s in zip(b.coeff[k], b.sizes))
                     high = b.base[k] + sum(max(0, c * (s - 1)) for c, s in zip(b.coeff[k], b.sizes))
@@ -281,8 +281,8 @@ def run_case(case: Case) -> None:
         inventory = remapdsl.open_checkpoint(tmp)
         compiled = remapdsl.compile_rules(rules, inventory, {})
         check_tiling(compiled)
-        assert sorted(d.runtime_key for d in compiled.destinations) == sorted(case.targets)
-        loaded = {d.runtime_key: _empty(d.shape, d.dtype) for d in compiled.destinations}
+        assert sorted(d.runtime_key for d in compiled.runtime_tensors) == sorted(case.targets)
+        loaded = {d.runtime_key: _empty(d.shape, d.dtype) for d in compiled.runtime_tensors}
         remapdsl.load(loaded, tmp, rules, config={})
     assert len(expected) == len(case.targets)
     for name, want in zip(case.targets, expected):

@@ -44,7 +44,7 @@ def full_state() -> dict[str, torch.Tensor]:
     rules = remapdsl.load_rules(RULES)
     inventory = remapdsl.open_checkpoint(CHECKPOINT)
     compiled = remapdsl.compile_rules(rules, inventory, remapdsl.read_config(inventory))
-    return {d.runtime_key: torch.empty(d.shape, dtype=getattr(torch, d.dtype)) for d in compiled.destinations}
+    return {d.runtime_key: torch.empty(d.shape, dtype=getattr(torch, d.dtype)) for d in compiled.runtime_tensors}
 
 
 def _worker(rank: int, world: int, rendezvous: str, out: str) -> None:

@@ -42,7 +42,7 @@ def load_text(text, folder, target=None, **kwargs):
     compiled = remapdsl.compile_rules(rules, remapdsl.open_checkpoint(folder), {})
     if target is None:
         target = {d.runtime_key: torch.full(d.shape, float("nan"), dtype=getattr(torch, d.dtype))
-                  for d in compiled.destinations}
+                  for d in compiled.runtime_tensors}
     report = remapdsl.load(target, folder, rules, config={}, **kwargs)
     return target, report, compiled
 
@@ -212,7 +212,7 @@ def test_a_weight_without_a_scale_passes_through(tmp_path):
 dequantize {P:path}.weight, {P}.weight_scale_inv -> {P}.weight | fp8_block(block=[4, 4], to=bfloat16)
 {n:seg}.weight -> {n}
 """, tmp_path)
-    assert [s.key for s in compiled.logical] == ["a.weight"]
+    assert [s.logical_key for s in compiled.logical] == ["a.weight"]
     assert same(got["a"], want) and torch.equal(got["norm"], norm)
 
 
@@ -414,7 +414,7 @@ def test_stored_fp8_moves_as_it_is_when_cuts_fall_on_blocks(tmp_path):
     assert torch.equal(got["gate_up"].view(torch.uint8), want.view(torch.uint8))
     scales = torch.stack([torch.cat([tensors[f"e.{e}.{n}.weight_scale_inv"] for n in ("gate", "up")]) for e in range(2)])
     assert torch.equal(got["gate_up_scale"], scales)
-    assert compiled.destination("gate_up").grid == (1, 128, 128)
+    assert compiled.runtime_tensor("gate_up").grid == (1, 128, 128)
     assert [q.values for q in compiled.quantized] == sorted(k for k in tensors if k.endswith(".weight"))
 
 

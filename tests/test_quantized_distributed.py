@@ -56,7 +56,7 @@ def _worker(rank: int, world: int, rendezvous: str, folder: str, out: str) -> No
     try:
         rules = remapdsl.rules_from_text(RULES, "qwen3_moe_fp8.remap")
         compiled = remapdsl.compile_rules(rules, remapdsl.open_checkpoint(folder), {})
-        expected = {d.runtime_key: torch.empty(d.shape, dtype=getattr(torch, d.dtype)) for d in compiled.destinations}
+        expected = {d.runtime_key: torch.empty(d.shape, dtype=getattr(torch, d.dtype)) for d in compiled.runtime_tensors}
         remapdsl.load(expected, folder, rules)
         for name, plan_map, mesh_dim in (("tp", TP, "tp"), ("ep", EP, "ep")):
             try:

@@ -27,7 +27,7 @@ def loaded(checkpoint, rules, **kwargs) -> dict[str, torch.Tensor]:
     ruleset = rules if isinstance(rules, remapdsl.RuleSet) else remapdsl.load_rules(rules)
     inventory = remapdsl.open_checkpoint(checkpoint)
     compiled = remapdsl.compile_rules(ruleset, inventory, remapdsl.read_config(inventory), **kwargs)
-    state = {d.runtime_key: torch.empty(d.shape, dtype=getattr(torch, d.dtype)) for d in compiled.destinations}
+    state = {d.runtime_key: torch.empty(d.shape, dtype=getattr(torch, d.dtype)) for d in compiled.runtime_tensors}
     remapdsl.load(state, checkpoint, ruleset, **kwargs)
     return state
 

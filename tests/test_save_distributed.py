@@ -44,7 +44,7 @@ def _worker(rank: int, world: int, rendezvous: str, out: str) -> None:
     try:
         inventory = remapdsl.open_checkpoint(CHECKPOINT)
         compiled = remapdsl.compile_rules(remapdsl.load_rules(RULES), inventory, remapdsl.read_config(inventory))
-        full = {d.runtime_key: torch.empty(d.shape, dtype=getattr(torch, d.dtype)) for d in compiled.destinations}
+        full = {d.runtime_key: torch.empty(d.shape, dtype=getattr(torch, d.dtype)) for d in compiled.runtime_tensors}
         remapdsl.load(full, str(CHECKPOINT), RULES)
         for name in CASES[world]:
             mesh, plan = _layout(name, world)
@@ -140,7 +140,7 @@ def _hf_worker(rank: int, world: int, rendezvous: str, folders: dict, out: str) 
                 try:
                     mesh, plan = Mesh.of(dims), LayoutPlan.from_mapping(plan_map, mesh_dim=mesh_dim)
                     local = {}
-                    for d in compiled.destinations:
+                    for d in compiled.runtime_tensors:
                         shard = local_shard(d.shape, mesh.sizes, layout_for(d.runtime_key, d.shape, plan, mesh),
                                             mesh.coordinate(rank))
                         local[d.runtime_key] = torch.full(shard.shape, float("nan"), dtype=getattr(torch, d.dtype))

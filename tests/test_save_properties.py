@@ -50,7 +50,7 @@ def test_save_of_load_writes_the_checkpoint_back(case, mesh, data):
         save_file(case.sources, str(source / "model.safetensors"))
         inventory = remapdsl.open_checkpoint(source)
         compiled = remapdsl.compile_rules(rules, inventory, {})
-        full = {d.runtime_key: torch.empty(d.shape, dtype=getattr(torch, d.dtype)) for d in compiled.destinations}
+        full = {d.runtime_key: torch.empty(d.shape, dtype=getattr(torch, d.dtype)) for d in compiled.runtime_tensors}
         remapdsl.load(full, source, rules, config={})
         try:
             chosen = writers(compiled)

@@ -22,7 +22,7 @@ from . import symbolic as sym
 from .bind import Binding, bind, compile_pattern, list_axis, match_keys
 from .evaluate import Evaluator, evaluate_lets
 from .quantized import bind_dequantize, bind_quantized, check_cuts
-from .model import Block, BoundRule, Compiled, Destination, LogicalSource, Source, StoredQuantized
+from .model import Block, BoundRule, Compiled, RuntimeTensor, LogicalTensor, CkptTensor, StoredQuantized
 
 
 def compile_rules(rules: RuleSet, inventory: Inventory, config: Mapping[str, Any] | None = None,
@@ -49,9 +49,9 @@ class _Compiler:
         self.evaluator = Evaluator(config, self.lets, rules.line_text)
         self.macros = {s.name: s for s in rules.statements if isinstance(s, ir.Macro)}
         self.errors: list[Diagnostic] = []
-        self.destinations: dict[str, Destination] = {}
+        self.runtime_tensors: dict[str, RuntimeTensor] = {}
         self.bindings: list[BoundRule] = []
-        self.logical: dict[str, LogicalSource] = {}
+        self.logical: dict[str, LogicalTensor] = {}
         self.stored: dict[str, StoredQuantized] = {}
 
     def error(self, code: str, message: str, span: Span | None, hint: str | None = None) -> None:
@@ -87,11 +87,11 @@ class _Compiler:
         self.check_tiling()
         keep = tuple(_regex(p).pattern for s in statements if isinstance(s, ir.Keep)
                      for p in s.patterns)
-        sources = tuple(tuple.__new__(Source, (k, t.file, t.dtype, tuple(t.shape)))
+        ckpt_tensors = tuple(tuple.__new__(CkptTensor, (k, t.file, t.dtype, tuple(t.shape)))
                         for k, t in sorted(self.inventory.tensors.items()))
         return ir.construct(Compiled,
-                            destinations=tuple(self.destinations[k] for k in sorted(self.destinations)),
-                            sources=sources, logical=tuple(self.logical[k] for k in sorted(self.logical)),
+                            runtime_tensors=tuple(self.runtime_tensors[k] for k in sorted(self.runtime_tensors)),
+                            ckpt_tensors=ckpt_tensors, logical=tuple(self.logical[k] for k in sorted(self.logical)),
                             quantized=tuple(self.stored[k] for k in sorted(self.stored)),
                             bindings=tuple(self.bindings), dropped=tuple(sorted(dropped)),
                             unused_drops=unused, keep=keep)
@@ -116,12 +116,12 @@ class _Compiler:
         def shape_of(key: str) -> tuple[int, ...]:
             return tuple(self.inventory.tensors[key].shape)
 
-        for name, d in list(self.destinations.items()):
+        for name, d in list(self.runtime_tensors.items()):
             if not any(k in self.stored for k in d.ckpt_keys):
                 continue
             grid = check_cuts(d, self.stored, shape_of, self.error)
             if grid:
-                self.destinations[name] = d.model_copy(update={"grid": grid})
+                self.runtime_tensors[name] = d.model_copy(update={"grid": grid})
 
     def pattern_name(self, pattern: ir.Pattern, captures: dict) -> str:
         return "".join(part.text if isinstance(part, ir.Text) else str(self.evaluator.value(part.expr, captures))
@@ -307,19 +307,19 @@ class _Compiler:
         return names
 
     def destination(self, rule: ir.Rule, name: str, tensor: sym.Sym, keys: tuple) -> None:
-        if name in self.destinations:
-            first = self.destinations[name].rule
+        if name in self.runtime_tensors:
+            first = self.runtime_tensors[name].rule
             self.error("E203", f"runtime tensor `{name}` is produced twice", rule.span,
                        f"first by the rule at {first}" if first else None)
             return
         blocks = tensor.blocks
-        self.destinations[name] = ir.construct(
-            Destination, runtime_key=name, shape=tensor.shape, dtype=tensor.dtype, blocks=blocks,
-            rule=rule.span, ckpt_keys=tuple(dict.fromkeys(b.ckpt_key for b in tensor.blocks if b.ckpt_key)))
+        self.runtime_tensors[name] = ir.construct(
+            RuntimeTensor, runtime_key=name, shape=tensor.shape, dtype=tensor.dtype, blocks=blocks,
+            rule=rule.span, ckpt_keys=tuple(dict.fromkeys(b.source_key for b in tensor.blocks if b.source_key)))
 
     def check_tiling(self) -> None:
         """Every destination is covered exactly once (an invariant of the construction)."""
-        for d in self.destinations.values():
+        for d in self.runtime_tensors.values():
             total = _prod(d.shape)
             covered = sum(_prod(b.sizes) for b in d.blocks)
             inside = all(0 <= o and o + s <= n for b in d.blocks

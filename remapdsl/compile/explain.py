@@ -5,16 +5,16 @@ from __future__ import annotations
 
 import fnmatch
 
-from .model import Block, Compiled, Destination
+from .model import Block, Compiled, RuntimeTensor
 
 
 def explain(compiled: Compiled, key: str | None = None, max_blocks: int = 8) -> str:
     """The destinations (those whose runtime key, or one of whose checkpoint keys, matches the
     glob `key`), each with up to `max_blocks` blocks, then a summary line."""
-    shown = [d for d in compiled.destinations
+    shown = [d for d in compiled.runtime_tensors
              if key is None or fnmatch.fnmatchcase(d.runtime_key, key)
              or any(fnmatch.fnmatchcase(k, key) for k in d.ckpt_keys)]
-    sources = {s.ckpt_key: s for s in compiled.sources}
+    sources = {s.ckpt_key: s for s in compiled.ckpt_tensors}
     logical = compiled.logical_by_key()
     lines: list[str] = []
     for d in shown:
@@ -24,7 +24,7 @@ def explain(compiled: Compiled, key: str | None = None, max_blocks: int = 8) -> 
     used = [logical[k] for k in sorted({k for d in shown for k in d.ckpt_keys}) if k in logical]
     for source in used[:max_blocks]:
         params = ", ".join(f"{k}={list(v) if isinstance(v, tuple) else v}" for k, v in source.params)
-        lines.append(f"{source.key}  {list(source.shape)} {source.dtype} = {source.format}({params}) of "
+        lines.append(f"{source.logical_key}  {list(source.shape)} {source.dtype} = {source.format}({params}) of "
                      + ", ".join(f"`{p}`" for p in source.parts))
     if len(used) > max_blocks:
         lines.append(f"... and {len(used) - max_blocks} more dequantized tensors")
@@ -35,7 +35,7 @@ def explain(compiled: Compiled, key: str | None = None, max_blocks: int = 8) -> 
     return "\n".join(lines)
 
 
-def _destination(d: Destination, sources, max_blocks: int) -> list[str]:
+def _destination(d: RuntimeTensor, sources, max_blocks: int) -> list[str]:
     where = f"  ({d.rule.path}:{d.rule.line})" if d.rule else ""
     out = [f"{d.runtime_key}  {list(d.shape)} {d.dtype}{where}"]
     for b in d.blocks[:max_blocks]:
@@ -50,7 +50,7 @@ def _box(offsets, sizes) -> str:
 
 
 def _source(b: Block) -> str:
-    if b.ckpt_key is None:
+    if b.source_key is None:
         return f"fill {b.fill:g}"
     steps = "".join(f" | {kind}({value if kind == 'cast' else f'{value:g}'})" for kind, value in b.steps)
     # When each destination dim moves one source dim by +-1, the source region is a box.
@@ -64,10 +64,10 @@ def _source(b: Block) -> str:
             lo, hi = sorted((b.base[k], b.base[k] + c * (b.sizes[j] - 1)))
             region.append(str(lo) if lo == hi else f"{lo}:{hi + 1}" + ("" if c > 0 else " reversed"))
         else:
-            return f"{b.ckpt_key} from {list(b.base)}, steps {[list(r) for r in b.coeff]}{steps}"
+            return f"{b.source_key} from {list(b.base)}, steps {[list(r) for r in b.coeff]}{steps}"
     order = _dim_order(b)
     moved = f" (dims {order})" if order and order != sorted(order) else ""
-    return f"{b.ckpt_key} [{', '.join(region)}]{moved}{steps}"
+    return f"{b.source_key} [{', '.join(region)}]{moved}{steps}"
 
 
 def _dim_order(b: Block) -> list[int]:

@@ -37,8 +37,8 @@ def writers(compiled: Compiled, *, allow_lossy: bool = False, requantize: bool =
     """The blocks that write every checkpoint tensor the compiled rules read, each region once;
     raises RemapError naming every tensor that cannot be written back."""
     logical = compiled.logical_by_key()
-    sources = {s.ckpt_key: s for s in compiled.sources}
-    order = sorted(compiled.destinations, key=lambda d: (d.rule.path, d.rule.line, d.rule.column)
+    sources = {s.ckpt_key: s for s in compiled.ckpt_tensors}
+    order = sorted(compiled.runtime_tensors, key=lambda d: (d.rule.path, d.rule.line, d.rule.column)
                    if d.rule else ("", 0, 0))
     chosen: dict[str, list[Writer]] = {}
     covered: dict[str, _Covered] = {}
@@ -46,31 +46,31 @@ def writers(compiled: Compiled, *, allow_lossy: bool = False, requantize: bool =
     refused: set[str] = set()  # reported already (E502, E503): one error per tensor
     for d in order:
         for block in d.blocks:
-            if block.ckpt_key is None or block.ckpt_key in refused:
+            if block.source_key is None or block.source_key in refused:
                 continue  # a pad region (not in the checkpoint), or a tensor already reported
-            source = logical.get(block.ckpt_key) or sources[block.ckpt_key]
-            fmt = get_format(source.format) if block.ckpt_key in logical else None
+            source = logical.get(block.source_key) or sources[block.source_key]
+            fmt = get_format(source.format) if block.source_key in logical else None
             if fmt is not None and not (fmt.requantizes if requantize else fmt.encodes):
-                refused.add(block.ckpt_key)
+                refused.add(block.source_key)
                 problems.append(Diagnostic(
-                    code="E503", span=d.rule, message=f"`{d.runtime_key}` holds `{block.ckpt_key}` dequantized "
+                    code="E503", span=d.rule, message=f"`{d.runtime_key}` holds `{block.source_key}` dequantized "
                     f"({source.format}); writing it back in that format"
                     + (" with new scales" if requantize else "") + " is not supported yet",
                     hint="move the stored values as they are (`quantized`), or save a dequantized checkpoint"))
                 continue
             steps, lossy = _inverse_steps(block.steps, source.dtype)
             if lossy and not allow_lossy:
-                refused.add(block.ckpt_key)
+                refused.add(block.source_key)
                 problems.append(Diagnostic(
-                    code="E502", span=d.rule, message=f"`{d.runtime_key}` reads `{block.ckpt_key}` through "
+                    code="E502", span=d.rule, message=f"`{d.runtime_key}` reads `{block.source_key}` through "
                     f"`{lossy}`, which loses values: the checkpoint cannot be written back exactly",
                     hint="pass allow_lossy=True to write the rounded values"))
                 continue
             shape = source.shape
-            cover = covered.setdefault(block.ckpt_key, _Covered())
+            cover = covered.setdefault(block.source_key, _Covered())
             for piece in _new_parts(block, shape, cover):  # what earlier rules left: first rule wins
-                chosen.setdefault(block.ckpt_key, []).append(Writer(d.runtime_key, piece, steps))
-    dequantized = {part: source.key for source in logical.values() for part in source.parts}
+                chosen.setdefault(block.source_key, []).append(Writer(d.runtime_key, piece, steps))
+    dequantized = {part: source.logical_key for source in logical.values() for part in source.parts}
     checked = [(k, s) for k, s in sources.items() if k not in dequantized] + list(logical.items())
     for key, source in checked:  # the parts of a dequantized tensor: its values through it, scales copied
         if key in refused:

@@ -1,4 +1,4 @@
-"""The compiled form every executor runs: destinations tiled by blocks, and the bindings behind them.
+"""The compiled form every executor runs: runtime tensors tiled by blocks, and the bindings behind them.
 
 Frozen data: it serializes to JSON, and `digest()` is stable across processes for the same inputs.
 It keeps every checkpoint tensor a destination came from (key, file, dtype, shape) and the rule and
@@ -21,24 +21,25 @@ class _Frozen(BaseModel):
 
 class Block(NamedTuple):
     """The destination box [offsets, offsets + sizes) takes, at index x, element
-    `base + coeff . (x - offsets)` of checkpoint tensor `ckpt_key` (coeff: [source dim][dest dim]),
+    `base + coeff . (x - offsets)` of tensor `source_key` (coeff: [source dim][dest dim]): a
+    checkpoint key, or the logical key of a tensor a `dequantize` made (`Compiled.logical`),
     then its value `steps`: ("cast", dtype), ("scale", x) or ("add", x). A block without a key is
     a fill with `fill`, never read.
 
     A named tuple, not a model: a DeepSeek-V3-sized checkpoint compiles to ~10^5 blocks, and the
-    compiler's own ops build them; pydantic still checks and writes them as fields of Destination.
+    compiler's own ops build them; pydantic still checks and writes them as fields of RuntimeTensor.
     """
 
     offsets: tuple[int, ...]
     sizes: tuple[int, ...]
-    ckpt_key: str | None
+    source_key: str | None
     base: tuple[int, ...] = ()
     coeff: tuple[tuple[int, ...], ...] = ()
     steps: tuple[tuple[str, str | float], ...] = ()
     fill: float | None = None
 
 
-class Destination(_Frozen):
+class RuntimeTensor(_Frozen):
     """One runtime tensor: its shape and dtype, the blocks that tile it, the rule that made it."""
 
     runtime_key: str
@@ -50,7 +51,7 @@ class Destination(_Frozen):
     grid: tuple[int, ...] = ()  # per dim, the block a shard edge must respect (stored quantized values)
 
 
-class Source(NamedTuple):
+class CkptTensor(NamedTuple):
     """A checkpoint tensor as the compiler saw it (the save direction writes it back)."""
 
     ckpt_key: str
@@ -59,12 +60,12 @@ class Source(NamedTuple):
     shape: tuple[int, ...]
 
 
-class LogicalSource(_Frozen):
+class LogicalTensor(_Frozen):
     """A tensor the checkpoint does not store, made by a format from its parts (a `dequantize`
-    binding). Blocks name it by `key` like a checkpoint tensor; `parts` are checkpoint keys in the
+    binding). Blocks name it by `logical_key` like a checkpoint tensor; `parts` are checkpoint keys in the
     format's order (values first), `params` the format's evaluated arguments."""
 
-    key: str
+    logical_key: str
     format: str
     params: tuple[tuple[str, int | float | str | tuple[int, ...]], ...]
     parts: tuple[str, ...]
@@ -99,23 +100,23 @@ class BoundRule(_Frozen):
 class Compiled(_Frozen):
     """Everything an executor needs, with no reference to the rule language."""
 
-    destinations: tuple[Destination, ...]  # sorted by runtime key
-    sources: tuple[Source, ...]  # every checkpoint tensor, sorted by key
-    logical: tuple[LogicalSource, ...] = ()  # dequantized tensors, sorted by key
+    runtime_tensors: tuple[RuntimeTensor, ...]  # sorted by runtime key
+    ckpt_tensors: tuple[CkptTensor, ...]  # every checkpoint tensor, sorted by key
+    logical: tuple[LogicalTensor, ...] = ()  # dequantized tensors, sorted by key
     quantized: tuple[StoredQuantized, ...] = ()  # quantized tensors moved as stored, by values key
     bindings: tuple[BoundRule, ...]
     dropped: tuple[str, ...] = ()  # checkpoint keys removed by `drop`
     unused_drops: tuple[SpanField, ...] = ()  # `drop` statements that matched nothing
     keep: tuple[str, ...] = ()  # regular expressions of runtime keys that take nothing
 
-    def destination(self, runtime_key: str) -> Destination:
-        for d in self.destinations:
+    def runtime_tensor(self, runtime_key: str) -> RuntimeTensor:
+        for d in self.runtime_tensors:
             if d.runtime_key == runtime_key:
                 return d
         raise KeyError(runtime_key)
 
-    def logical_by_key(self) -> dict[str, LogicalSource]:
-        return {s.key: s for s in self.logical}
+    def logical_by_key(self) -> dict[str, LogicalTensor]:
+        return {s.logical_key: s for s in self.logical}
 
     def digest(self) -> str:
         """sha256 of the canonical JSON form: equal for equal inputs, in any process."""

@@ -17,7 +17,7 @@ from ..language import ir
 from ..quant import FormatError, Part, QuantFormat, get_format
 from .bind import bind
 from .evaluate import Evaluator
-from .model import LogicalSource, StoredQuantized
+from .model import LogicalTensor, StoredQuantized
 
 
 def format_of(op: ir.Op, ev: Evaluator) -> tuple[QuantFormat, dict[str, Any]]:
@@ -50,7 +50,7 @@ def format_of(op: ir.Op, ev: Evaluator) -> tuple[QuantFormat, dict[str, Any]]:
 
 def bind_dequantize(s: ir.Dequantize, available: set[str], inventory_tensors, ev: Evaluator,
                     name: Callable[[ir.Pattern, dict], str], error: Callable[..., None],
-                    logical: dict[str, LogicalSource]) -> None:
+                    logical: dict[str, LogicalTensor]) -> None:
     """Bind one statement: add its logical sources to `logical` and to `available`, take its parts
     out of `available`; report problems through `error(code, message, span, hint)`."""
     fmt, params, bindings = _bound(s, available, ev, error)
@@ -72,7 +72,7 @@ def bind_dequantize(s: ir.Dequantize, available: set[str], inventory_tensors, ev
                   "consume", s.span, "name the logical tensor after its values part, or after a free key")
             continue
         available.add(key)
-        logical[key] = ir.construct(LogicalSource, key=key, format=fmt.name,
+        logical[key] = ir.construct(LogicalTensor, logical_key=key, format=fmt.name,
                                     params=tuple(sorted((k, _plain(v)) for k, v in params.items())),
                                     parts=tuple(b.keys), shape=tuple(shape), dtype=params["to"], rule=s.span)
 
@@ -128,8 +128,8 @@ def check_cuts(destination, stored: dict[str, StoredQuantized], shape_of, error:
     its source and put them at block offsets of the destination (a cut inside a block would pair
     values with another tensor's scales); returns the destination's grid per dim, () if none."""
     grid = [1] * len(destination.shape)
-    sources_one_scale = {b.ckpt_key for b in destination.blocks if b.ckpt_key in stored
-                         and get_format(stored[b.ckpt_key].format).one_scale}
+    sources_one_scale = {b.source_key for b in destination.blocks if b.source_key in stored
+                         and get_format(stored[b.source_key].format).one_scale}
     if len(sources_one_scale) > 1:
         first, second = sorted(sources_one_scale)[:2]
         error("E224", f"`{destination.runtime_key}` joins `{first}` and `{second}`, stored with one scale "
@@ -137,17 +137,17 @@ def check_cuts(destination, stored: dict[str, StoredQuantized], shape_of, error:
               "dequantize them first (`dequantize`), or keep them as separate tensors")
         return ()
     for block in destination.blocks:
-        declared = stored.get(block.ckpt_key) if block.ckpt_key else None
+        declared = stored.get(block.source_key) if block.source_key else None
         if declared is None:
             continue
-        extent = shape_of(block.ckpt_key)
+        extent = shape_of(block.source_key)
         for k, g in enumerate(declared.grid):
             if g == 1:
                 continue
             moving = [j for j, c in enumerate(block.coeff[k]) if c and block.sizes[j] > 1]
             low = block.base[k]
             if len(moving) > 1 or any(abs(block.coeff[k][j]) != 1 for j in moving):
-                error("E224", f"`{block.ckpt_key}` is stored quantized in blocks of {g} along dim {k} "
+                error("E224", f"`{block.source_key}` is stored quantized in blocks of {g} along dim {k} "
                       f"(declared at {declared.rule}); this rule reshapes or strides that dim into "
                       f"`{destination.runtime_key}`", destination.rule, "dequantize it first")
                 return ()

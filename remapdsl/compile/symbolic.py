@@ -66,7 +66,7 @@ def cut(b: Block, dim: int, start: int, stop: int) -> Block | None:
         return None
     offsets, sizes = list(b.offsets), list(b.sizes)
     base = b.base
-    if b.ckpt_key is not None:
+    if b.source_key is not None:
         base = _advance(b.base, _column(b, dim), lo - b.offsets[dim])
     offsets[dim], sizes[dim] = lo, hi - lo
     return b._replace(offsets=tuple(offsets), sizes=tuple(sizes), base=base)
@@ -121,7 +121,7 @@ def unstack(t: Sym, dim: int) -> list[Sym]:
     for i in range(t.shape[dim]):
         piece = narrow(t, dim, i, i + 1)
         blocks = tuple(Block(b.offsets[:dim] + b.offsets[dim + 1:], b.sizes[:dim] + b.sizes[dim + 1:],
-                           b.ckpt_key, b.base, tuple(row[:dim] + row[dim + 1:] for row in b.coeff),
+                           b.source_key, b.base, tuple(row[:dim] + row[dim + 1:] for row in b.coeff),
                            b.steps, b.fill) for b in piece.blocks)
         out.append(Sym(t.shape[:dim] + t.shape[dim + 1:], t.dtype, blocks))
     return out
@@ -340,13 +340,13 @@ def _merge(t: Sym, dim: int) -> Sym:
         b_off, b_size = b.offsets[dim + 1], b.sizes[dim + 1]
         col_a, col_b = _column(b, dim), _column(b, dim + 1)
         whole_rows = b_off == 0 and b_size == inner
-        affine = b.ckpt_key is None or all(x == inner * y for x, y in zip(col_a, col_b))
+        affine = b.source_key is None or all(x == inner * y for x, y in zip(col_a, col_b))
         if whole_rows and affine:
             pieces = [(a_off * inner, a_size * inner, b.base)]
         else:  # one piece per row of the outer dim
             pieces = []
             for r in range(a_size):
-                base = _advance(b.base, col_a, r) if b.ckpt_key is not None else b.base
+                base = _advance(b.base, col_a, r) if b.source_key is not None else b.base
                 pieces.append(((a_off + r) * inner + b_off, b_size, base))
         for offset, size, base in pieces:
             blocks.append(b._replace(

@@ -70,7 +70,7 @@ def _convert(src, dst: Path, rules, reverse, like, max_shard_bytes, budget_bytes
                                     "checkpoint: give it with `like` (`--like DIR`)"))
     checkpoint, compiled = compile_everywhere(rules, like if reverse else src)  # the layout the rules read
     runtime_source = dist.share_inventory(src) if reverse else None
-    destinations = {d.runtime_key: d for d in compiled.destinations}
+    destinations = {d.runtime_key: d for d in compiled.runtime_tensors}
     rank, world = dist.rank(), dist.world_size()
 
     if reverse:
@@ -125,7 +125,7 @@ def _convert(src, dst: Path, rules, reverse, like, max_shard_bytes, budget_bytes
 def _check_runtime_source(compiled, source, src) -> None:
     """The runtime-layout checkpoint has every runtime tensor, with the shape and dtype the rules make."""
     problems = []
-    for d in compiled.destinations:
+    for d in compiled.runtime_tensors:
         info = source.tensors.get(d.runtime_key)
         if info is None:
             problems.append(Diagnostic(code="E521", path=str(src), message=f"`{d.runtime_key}` is not in the "

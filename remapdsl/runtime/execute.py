@@ -54,8 +54,8 @@ def check_targets(compiled: Compiled, tensors: Mapping[str, torch.Tensor]) -> No
 
     problems = []
     keep = [re.compile(p) for p in compiled.keep]
-    produced = {d.runtime_key for d in compiled.destinations}
-    for d in compiled.destinations:
+    produced = {d.runtime_key for d in compiled.runtime_tensors}
+    for d in compiled.runtime_tensors:
         tensor = tensors.get(d.runtime_key)
         if tensor is None:
             problems.append(Diagnostic(code="E230", span=d.rule, message=f"the rules produce "
@@ -95,7 +95,7 @@ def held_tensors(compiled: Compiled, tensors: Mapping[str, torch.Tensor], layout
     problems = []
     by_layout = held_by_layout(compiled, layout, mesh, rank) if layout is not None else {}
     placed_as: dict = {}
-    for d in compiled.destinations:
+    for d in compiled.runtime_tensors:
         tensor = tensors[d.runtime_key]
         if dtensor_type is not None and isinstance(tensor, dtensor_type):
             # tensors of one shape and placement share their boxes (a model repeats a few hundredfold)
@@ -136,7 +136,7 @@ def _global(tensor: torch.Tensor, compiled: Compiled, key: str, layout) -> torch
     if layout is None:
         return tensor
     try:
-        shape = compiled.destination(key).shape
+        shape = compiled.runtime_tensor(key).shape
     except KeyError:
         return tensor
     return torch.empty(shape, dtype=tensor.dtype, device="meta")
@@ -157,7 +157,7 @@ def run_sharded_load(compiled: Compiled, inventory: Inventory, tensors: Mapping[
         held = {k: v for k, v in held.items() if k not in shared}
     plan = make_load_plan(compiled, inventory, held, rank)
     run_plan(plan, inventory, local)
-    report = LoadReport(loaded=tuple(d.runtime_key for d in compiled.destinations),
+    report = LoadReport(loaded=tuple(d.runtime_key for d in compiled.runtime_tensors),
                         ckpt_keys=tuple(sorted({i.ckpt_key for i in plan.items if i.ckpt_key}
                                                | {p.ckpt_key for i in plan.decodes for p in i.parts})),
                         bytes_read=plan.bytes_read, bytes_owned=plan.bytes_owned,
@@ -403,7 +403,7 @@ def owned_tensors(compiled: Compiled, tensors: Mapping[str, torch.Tensor], layou
     dtensor_type = getattr(sys.modules.get("torch.distributed.tensor"), "DTensor", None)
     owned: dict[str, LocalShard] = {}
     lower_boxes: dict = {}
-    for d in compiled.destinations:
+    for d in compiled.runtime_tensors:
         tensor = tensors[d.runtime_key]
         if dtensor_type is not None and isinstance(tensor, dtensor_type):
             spec = (tensor.device_mesh, tensor.placements, d.shape)

@@ -97,7 +97,7 @@ class LoadPlan(BaseModel):
 def whole(compiled: Compiled) -> dict[str, LocalShard]:
     """Every destination held whole (a single process)."""
     return {d.runtime_key: LocalShard(d.shape, (Box((0,) * len(d.shape), d.shape),), ((0,) * len(d.shape),))
-            for d in compiled.destinations}
+            for d in compiled.runtime_tensors}
 
 
 def held_by_layout(compiled: Compiled, layout: LayoutPlan, mesh: Mesh, rank: int) -> dict[str, LocalShard]:
@@ -105,7 +105,7 @@ def held_by_layout(compiled: Compiled, layout: LayoutPlan, mesh: Mesh, rank: int
     coordinate = mesh.coordinate(rank)
     return {d.runtime_key: local_shard(d.shape, mesh.sizes, layout_for(d.runtime_key, d.shape, layout, mesh),
                                        coordinate, runtime_key=d.runtime_key)
-            for d in compiled.destinations}
+            for d in compiled.runtime_tensors}
 
 
 def make_load_plan(compiled: Compiled, inventory: Inventory, held: Mapping[str, LocalShard],
@@ -115,7 +115,7 @@ def make_load_plan(compiled: Compiled, inventory: Inventory, held: Mapping[str, 
     items: list[ReadItem] = []
     decodes: list[DecodeItem] = []
     logical = compiled.logical_by_key()
-    for d in compiled.destinations:
+    for d in compiled.runtime_tensors:
         shard = held.get(d.runtime_key)
         if shard is None:
             continue
@@ -127,8 +127,8 @@ def make_load_plan(compiled: Compiled, inventory: Inventory, held: Mapping[str, 
                 if piece is None:
                     continue
                 local = tuple(lo + o - bo for lo, o, bo in zip(local_offsets, piece.offsets, box.offsets))
-                if piece.ckpt_key in logical:
-                    decodes.append(_decode_item(d.runtime_key, local, piece, logical[piece.ckpt_key], inventory))
+                if piece.source_key in logical:
+                    decodes.append(_decode_item(d.runtime_key, local, piece, logical[piece.source_key], inventory))
                 else:
                     items.append(_item(d.runtime_key, local, piece, inventory))
     items.sort(key=lambda i: (i.file or "", i.runs[0][0] if i.runs else -1, i.runtime_key, i.local_offsets))
@@ -176,7 +176,7 @@ def _decode_item(runtime_key: str, local: tuple[int, ...], piece: Block, source,
                               tuple((info.byte_offset + first * itemsize, length * itemsize)
                                     for first, length in runs),
                               info.byte_offset + start * itemsize, tuple(view_major)))
-    return DecodeItem(runtime_key, local, piece.sizes, source.key, source.format, source.params, box,
+    return DecodeItem(runtime_key, local, piece.sizes, source.logical_key, source.format, source.params, box,
                       tuple(reads), strides, offset, source.dtype, piece.steps)
 
 
@@ -221,15 +221,15 @@ def _intersect(block: Block, offsets, sizes) -> Block | None:
         size.append(hi - lo)
     moved = [lo - o for lo, o in zip(low, block.offsets)]
     base = block.base
-    if block.ckpt_key is not None and any(moved):
+    if block.source_key is not None and any(moved):
         base = tuple(b + sum(c * m for c, m in zip(row, moved)) for b, row in zip(block.base, block.coeff))
-    return Block(tuple(low), tuple(size), block.ckpt_key, base, block.coeff, block.steps, block.fill)
+    return Block(tuple(low), tuple(size), block.source_key, base, block.coeff, block.steps, block.fill)
 
 
 def _item(runtime_key: str, local: tuple[int, ...], piece: Block, inventory: Inventory) -> ReadItem:
-    if piece.ckpt_key is None:
+    if piece.source_key is None:
         return ReadItem(runtime_key, local, piece.sizes, None, None, None, (), (), piece.steps, piece.fill)
-    info = inventory.tensors[piece.ckpt_key]
+    info = inventory.tensors[piece.source_key]
     itemsize = BY_NAME[info.dtype].bits // 8
     shape = tuple(info.shape)
     row_major = [1] * len(shape)
@@ -238,7 +238,7 @@ def _item(runtime_key: str, local: tuple[int, ...], piece: Block, inventory: Inv
     start = sum(s * b for s, b in zip(row_major, piece.base))
     flat = [sum(row_major[k] * piece.coeff[k][j] for k in range(len(shape))) for j in range(len(piece.sizes))]
     runs, strides = _source_runs(start, flat, piece.sizes)
-    return ReadItem(runtime_key, local, piece.sizes, piece.ckpt_key, info.file, info.dtype,
+    return ReadItem(runtime_key, local, piece.sizes, piece.source_key, info.file, info.dtype,
                     tuple((info.byte_offset + first * itemsize, length * itemsize) for first, length in runs),
                     strides, piece.steps, None, info.byte_offset + start * itemsize, tuple(flat))
 
@@ -293,7 +293,7 @@ class WritePlan(BaseModel):
 def make_write_plan(writers, inventory: Inventory, owned: Mapping[str, LocalShard], rank: int = 0,
                     logical: Mapping | None = None, requantize: bool = False) -> WritePlan:
     """The plan of one rank: `writers` (remapdsl.compile.inverse) cut to the boxes this rank owns.
-    A piece of a dequantized tensor (`logical`: key -> LogicalSource) becomes an encode item: its
+    A piece of a dequantized tensor (`logical`: key -> LogicalTensor) becomes an encode item: its
     values part's runs are where it is written, its scales' runs where the stored scales are read."""
     from ..errors import Diagnostic, RemapError
 
@@ -310,13 +310,13 @@ def make_write_plan(writers, inventory: Inventory, owned: Mapping[str, LocalShar
                 continue
             local = tuple(lo + o - bo for lo, o, bo in zip(local_offsets, piece.offsets, box.offsets))
             piece = piece._replace(steps=w.steps)
-            if piece.ckpt_key not in logical:
+            if piece.source_key not in logical:
                 items.append(_item(w.runtime_key, local, piece, inventory))
                 continue
-            item = _decode_item(w.runtime_key, local, piece, logical[piece.ckpt_key], inventory)
+            item = _decode_item(w.runtime_key, local, piece, logical[piece.source_key], inventory)
             if item.offset or _volume(item.box[1]) != _volume(item.sizes):
                 raise RemapError(Diagnostic(code="E503", message=f"`{w.runtime_key}` holds a strided part of "
-                                            f"`{piece.ckpt_key}`: it cannot be written back in its format"))
+                                            f"`{piece.source_key}`: it cannot be written back in its format"))
             encodes.append(item)
     items.sort(key=lambda i: (i.file, i.runs[0][0] if i.runs else -1))
     written = sum(n for i in items for _, n in i.runs) + sum(n for i in encodes for _, n in i.parts[0].runs)
