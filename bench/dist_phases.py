@@ -34,7 +34,9 @@ def _worker(rank: int, world: int, rendezvous: str) -> None:
 
     import remapdsl
     from remapdsl.runtime import dist as shared
-    from remapdsl.runtime.execute import run_sharded_load
+    from remapdsl.runtime.read import run_load_plan
+    from remapdsl.sharding.holdings import hold
+    from remapdsl.sharding.plans import make_load_plan
     from remapdsl.gcpause import paused_gc
 
     inventory = remapdsl.open_checkpoint(FOLDER)
@@ -57,10 +59,16 @@ def _worker(rank: int, world: int, rendezvous: str) -> None:
         lap("rules")
         inv = shared.share_inventory(FOLDER)
         lap("shared headers")
-        compiled = shared.together(lambda: remapdsl.compile_rules(rules, inv, remapdsl.read_config(inv)),
-                                   agree_on=("compiled rules", remapdsl.Compiled.digest))
+        compiled = shared.together(lambda: remapdsl.compile_rules(rules, inv),
+                                   agree_on=("compiled rules", remapdsl.compile.Compiled.digest))
         lap("compile + agreement")
-        report, _ = shared.together(lambda: run_sharded_load(compiled, inv, targets, rank=shared.rank()))
+        def plan_and_read():
+            holding = hold(compiled, targets, rank=shared.rank())
+            plan = make_load_plan(compiled, inv, holding.held(), shared.rank())
+            run_load_plan(plan, inv, holding.local)
+            return plan
+
+        report = shared.together(plan_and_read)
         lap("plan + reads")
         pause.__exit__(None, None, None)
         if rank == 0:

@@ -1,85 +1,61 @@
 """remapdsl: one declarative rule file -> exact, sharded loads and saves of model checkpoints.
 
-The public API: short drivers over stages that are plain functions from frozen data to frozen
-data (docs/architecture.md). Importing it does not import torch; `load` does, when called.
+The public API: a few drivers over stages that are plain functions from frozen data to frozen data
+(docs/architecture.md). Everything else lives in its subpackage: `remapdsl.language` (rule text ->
+IR), `remapdsl.checkpoint`, `remapdsl.quant`, `remapdsl.compile`, `remapdsl.sharding` (meshes,
+placements, layout plans, per-rank plans), `remapdsl.runtime`. Importing it does not import torch;
+`load`, `save` and `convert` do, when called.
 """
 
 from __future__ import annotations
 
-import json
 import os
 from collections.abc import Mapping
-from pathlib import Path
 from typing import Any
 
-from .errors import (
-    BindError,
-    CheckpointError,
-    Diagnostic,
-    RemapError,
-    RuleCheckError,
-    RuleSyntaxError,
-    Span,
-)
-from .checkpoint import Inventory, open_inventory
-from .compile import Compiled, compile_rules
+from .checkpoint import Inventory, open_inventory, read_config
+from .compile import Compiled
+from .compile import compile_rules as _compile_rules
 from .compile.explain import explain
-from .language.formatter import format_rules
-from .gcpause import paused_gc
-from .language.parser import parse_file, parse_text
-from .runtime.prepare import compile_digest, compile_everywhere, read_config
-from .language.includes import RuleSet, load_rules, rules_from_text
+from .errors import BindError, CheckpointError, Diagnostic, RemapError, RuleCheckError, RuleSyntaxError, Span
+from .language import RuleSet, load_rules
+from .sharding.placements import LayoutError
 
 __version__ = "0.1.0"
 
 
 def open_checkpoint(checkpoint: str | os.PathLike | Inventory) -> Inventory:
-    """The inventory of a checkpoint folder (headers only), or the one given."""
+    """The inventory of a checkpoint folder (headers, index and config.json; no tensor data), or
+    the one given."""
     return checkpoint if isinstance(checkpoint, Inventory) else open_inventory(checkpoint)
 
 
-def parse_mesh(text: str):
-    """`dp=2,tp=4` -> a Mesh (outermost dim first); a malformed text is a RemapError."""
-    from .sharding.placements import Mesh
+def compile_rules(rules: str | os.PathLike | RuleSet, checkpoint: str | os.PathLike | Inventory,
+                  config: Mapping[str, Any] | None = None, *, strict: bool = True) -> Compiled:
+    """Compile a rule file against a checkpoint's headers: the blocks that tile every runtime tensor.
 
-    dims = {}
-    for part in text.split(","):
-        name, _, size = part.partition("=")
-        if not name.strip().isidentifier() or not size.strip().isdigit() or int(size) < 1:
-            raise RemapError(Diagnostic(code="E409", message=f"bad mesh `{text}`: write dims as "
-                                        "`name=size` separated by commas, e.g. `dp=2,tp=4`"))
-        dims[name.strip()] = int(size)
-    return Mesh.of(dims)
-
-
-def read_layout(path: str | os.PathLike):
-    """A layout plan from JSON: {"mesh_dim": "tp", "plan": {glob: style or [placements]}}."""
-    from pydantic import ValidationError
-
-    from .sharding.placements import LayoutPlan, Replicate, Shard, StridedShard
-
-    kinds = {"shard": Shard, "replicate": Replicate, "strided_shard": StridedShard}
-    try:
-        data = json.loads(Path(path).read_text(encoding="utf-8"))
-        plan = {glob: value if isinstance(value, str) else
-                [kinds[p.pop("kind")](**p) for p in value] for glob, value in data["plan"].items()}
-        return LayoutPlan.from_mapping(plan, mesh_dim=data.get("mesh_dim", "tp"))
-    except (OSError, ValueError, KeyError, TypeError, AttributeError, ValidationError) as exc:
-        if isinstance(exc, RemapError):
-            raise
-        raise RemapError(Diagnostic(code="E409", path=str(path), message=f"cannot read the layout: {exc}",
-                                    hint='expected {"mesh_dim": "tp", "plan": {"*.q_proj": "colwise"}}')) from None
+    Args:
+        rules: a .remap file path (or a RuleSet from `load_rules`).
+        checkpoint: a checkpoint folder (or its Inventory).
+        config: the model config; by default the checkpoint's config.json ({} when there is none).
+        strict: refuse checkpoint tensors that no rule takes and no `drop` names.
+    """
+    ruleset = rules if isinstance(rules, RuleSet) else load_rules(rules)
+    inventory = open_checkpoint(checkpoint)
+    return _compile_rules(ruleset, inventory, read_config(inventory) if config is None else config, strict=strict)
 
 
 def plan_rank(compiled: Compiled, inventory: Inventory, layout, mesh, rank: int):
-    """The LoadPlan of one rank under a layout plan, without a process group or tensors."""
-    from .sharding.plans import held_by_layout, make_load_plan
+    """The LoadPlan of one rank under a layout plan (`remapdsl.sharding.LayoutPlan` on a
+    `remapdsl.sharding.Mesh`), without a process group or tensors."""
+    from .sharding.holdings import held_by_layout
+    from .sharding.plans import make_load_plan
 
     return make_load_plan(compiled, inventory, held_by_layout(compiled, layout, mesh, rank), rank)
 
 
-def load(target, checkpoint, rules, *, config: Mapping[str, Any] | None = None,
-         strict: bool = True, layout=None, mesh=None, read_replicated_once: bool = False):
+def load(state_dict, checkpoint, rules, *, config: Mapping[str, Any] | None = None, strict: bool = True,
+         layout=None, mesh=None, read_replicated_once: bool = False):
     """Fill existing tensors in place from a checkpoint, through a rule file; returns a LoadReport.
 
     In a torch.distributed job every rank calls it: rank 0 reads the headers once and shares them,
@@ -87,67 +63,86 @@ def load(target, checkpoint, rules, *, config: Mapping[str, Any] | None = None,
     only the bytes of its own shards. An error on any rank is raised on every rank.
 
     Args:
-        target: a state dict (runtime key -> tensor) or a torch.nn.Module. DTensors are loaded per
-            their placements; plain tensors are whole, or this rank's shard under `layout`.
+        state_dict: runtime key -> tensor (or a torch.nn.Module). DTensors are loaded per their
+            placements; plain tensors are whole, or this rank's shard under `layout`.
+            `compile_rules(...).empty_state_dict()` makes one.
         checkpoint: a checkpoint folder (or its Inventory).
         rules: a .remap file path (or a RuleSet).
         config: the model config; by default the folder's config.json.
         strict: refuse checkpoint tensors that no rule takes and no `drop` names.
-        layout: a `remapdsl.sharding.placements.LayoutPlan` placing plain tensors on `mesh` (tp_plan style).
-        mesh: the `remapdsl.sharding.placements.Mesh` of the job, with `layout`.
+        layout: a `remapdsl.sharding.LayoutPlan` placing plain tensors on `mesh` (tp_plan style).
+        mesh: the `remapdsl.sharding.Mesh` of the job, with `layout`.
         read_replicated_once: tensors that every rank holds whole are read by rank 0 and broadcast,
             instead of read by every rank.
     """
-    with paused_gc():
-        return _load(target, checkpoint, rules, config, strict, layout, mesh, read_replicated_once)
+    from .runtime.load import load as _load
+
+    return _load(state_dict, checkpoint, rules, config=config, strict=strict, layout=layout, mesh=mesh,
+                 read_replicated_once=read_replicated_once)
 
 
-def _load(target, checkpoint, rules, config, strict, layout, mesh, read_replicated_once):
-    from .runtime import dist
-    from .runtime.execute import run_sharded_load
+def save(state_dict, folder, rules, *, like=None, config: Mapping[str, Any] | None = None, layout=None,
+         mesh=None, overwrite: bool = False, allow_lossy: bool = False, requantize: bool = False):
+    """Write runtime tensors back to the checkpoint layout `like` through the rules that load it,
+    every rank its own bytes (no gather); returns a SaveReport.
 
-    inventory, compiled = compile_everywhere(rules, checkpoint, config, strict)
-    # Each rank's shards: plan, then read.
-    tensors = target.state_dict(keep_vars=True) if hasattr(target, "state_dict") else target
-    report, shared = dist.together(lambda: run_sharded_load(
-        compiled, inventory, tensors, layout, mesh, dist.rank(), read_replicated_once and dist.active()))
-    dist.broadcast_from_first(shared)  # after every rank's reads succeeded, so none waits in vain
-    return report
-
-
-def save(source, folder, rules, *, like=None, **kwargs):
-    """Write runtime tensors back to a checkpoint's layout, every rank its own bytes (no gather);
-    see `remapdsl.runtime.save.save` for the arguments."""
+    Args:
+        state_dict: runtime key -> tensor (or a torch.nn.Module); DTensors are written per their
+            placements, plain tensors are whole or this rank's shard under `layout`.
+        folder: the output checkpoint folder (created; it must not exist unless `overwrite`).
+        rules: a .remap file path (or a RuleSet): the rules that load `like` into this layout.
+        like: the checkpoint (folder or Inventory) whose keys, files, headers and index the output
+            takes: an unchanged model saves to byte-identical files.
+        config: the model config; by default `like`'s config.json.
+        layout, mesh: as for `load`.
+        overwrite: replace an existing folder (only once the new one is complete).
+        allow_lossy: write back tensors that the rules read through a cast that loses values.
+        requantize: write dequantized tensors with new scales computed from their values (fp8_block:
+            amax / 448 per block), not the stored ones; each block must be whole on one rank.
+    """
     from .runtime.save import save as _save
 
-    return _save(source, folder, rules, like=like, **kwargs)
+    return _save(state_dict, folder, rules, like=like, config=config, layout=layout, mesh=mesh,
+                 overwrite=overwrite, allow_lossy=allow_lossy, requantize=requantize)
+
+
+def convert(src, dst, rules, *, reverse: bool = False, like=None, max_shard_bytes: int = 5 * 10**9,
+            budget_bytes: int = 1 << 30, overwrite: bool = False, progress=None):
+    """Convert checkpoint `src` into `dst` through `rules`, offline, in batches, on any number of
+    ranks; returns a ConvertReport.
+
+    Forward: the runtime layout the rules make, written as a new checkpoint laid out as Hugging Face
+    and safetensors do. Reverse (`reverse=True`): a checkpoint in the runtime layout written back to
+    the layout of the original checkpoint `like`.
+
+    Args:
+        reverse: `src` is in the runtime layout; write `like`'s layout (required then).
+        max_shard_bytes: forward only: start a new output file past this size.
+        budget_bytes: runtime tensors held at once by a rank (a larger tensor is held alone).
+        overwrite: replace an existing `dst` (only once the new one is complete).
+        progress: called with (bytes done, bytes in all) on this rank after each batch.
+    """
+    from .runtime.convert import convert as _convert
+
+    return _convert(src, dst, rules, reverse=reverse, like=like, max_shard_bytes=max_shard_bytes,
+                    budget_bytes=budget_bytes, overwrite=overwrite, progress=progress)
 
 
 __all__ = [
     "BindError",
-    "Compiled",
-    "Inventory",
-    "compile_digest",
-    "compile_everywhere",
-    "compile_rules",
-    "explain",
-    "load",
-    "save",
-    "open_checkpoint",
-    "parse_mesh",
-    "plan_rank",
-    "read_layout",
-    "read_config",
     "CheckpointError",
     "Diagnostic",
+    "LayoutError",
     "RemapError",
     "RuleCheckError",
-    "RuleSet",
     "RuleSyntaxError",
     "Span",
-    "format_rules",
+    "compile_rules",
+    "convert",
+    "explain",
+    "load",
     "load_rules",
-    "parse_file",
-    "parse_text",
-    "rules_from_text",
+    "open_checkpoint",
+    "plan_rank",
+    "save",
 ]

@@ -157,7 +157,7 @@ def _check(args: argparse.Namespace) -> int:
 def _against_checkpoint(rules, folder: str) -> str:
     """Compile against a checkpoint; notes on what it left unused, for the summary line."""
     inventory = remapdsl.open_checkpoint(folder)
-    compiled = remapdsl.compile_rules(rules, inventory, remapdsl.read_config(inventory))
+    compiled = remapdsl.compile_rules(rules, inventory)
     for span in compiled.unused_drops:
         print(f"{span}: note: this `drop` removes no checkpoint tensor")
     for file in inventory.ignored_files:
@@ -168,8 +168,8 @@ def _against_checkpoint(rules, folder: str) -> str:
 def _fmt(args: argparse.Namespace) -> int:
     differs = False
     for name in args.files:
-        rules = remapdsl.parse_file(name)
-        canonical = remapdsl.format_rules(rules)
+        rules = remapdsl.language.parse_file(name)
+        canonical = remapdsl.language.format_rules(rules)
         if canonical == rules.source:
             continue
         differs = True
@@ -188,7 +188,7 @@ def _fmt(args: argparse.Namespace) -> int:
 def _explain(args: argparse.Namespace) -> int:
     rules = remapdsl.load_rules(args.rules)
     inventory = remapdsl.open_checkpoint(args.checkpoint)
-    compiled = remapdsl.compile_rules(rules, inventory, remapdsl.read_config(inventory),
+    compiled = remapdsl.compile_rules(rules, inventory,
                                       strict=not args.lenient)
     if args.json:
         print(compiled.model_dump_json(indent=2))
@@ -200,9 +200,9 @@ def _explain(args: argparse.Namespace) -> int:
 def _plan(args: argparse.Namespace) -> int:
     rules = remapdsl.load_rules(args.rules)
     inventory = remapdsl.open_checkpoint(args.checkpoint)
-    compiled = remapdsl.compile_rules(rules, inventory, remapdsl.read_config(inventory))
-    mesh = remapdsl.parse_mesh(args.mesh)
-    layout = remapdsl.read_layout(args.layout)
+    compiled = remapdsl.compile_rules(rules, inventory)
+    mesh = remapdsl.sharding.parse_mesh(args.mesh)
+    layout = remapdsl.sharding.read_layout(args.layout)
     ranks = [args.rank] if args.rank is not None else range(mesh.size)
     total_read = total_owned = total_scales = 0
     for rank in ranks:
@@ -307,7 +307,7 @@ def _ir(args: argparse.Namespace) -> int:
         statements = rules.statements
         payload = rules.model_dump_json(indent=2) if args.json else None
     else:
-        parsed = remapdsl.parse_file(args.file)
+        parsed = remapdsl.language.parse_file(args.file)
         statements = parsed.statements
         payload = parsed.model_dump_json(indent=2) if args.json else None
     if payload is not None:

@@ -28,7 +28,7 @@ def distributed_like(expected: dict, mesh, plan) -> tuple[dict, dict]:
     from torch.distributed.tensor import Replicate, Shard, distribute_tensor
     from torch.distributed.tensor.placement_types import _StridedShard
 
-    from remapdsl.sharding.placements import layout_for
+    from remapdsl.sharding import layout_for
 
     device_mesh = init_device_mesh("cpu", tuple(mesh.sizes), mesh_dim_names=tuple(mesh.names))
 

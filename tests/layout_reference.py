@@ -9,7 +9,7 @@ It does not import remapdsl.compile.
 is still to be reduced, a dict capture value -> list of tensors (the caller builds it from the
 checkpoint; `unstack` makes one). Per-tensor ops apply to every tensor of every entry.
 Value ops (`scale`, `add`) compute in float32 and cast back to the tensor's dtype, the same
-convention as the load executor (remapdsl/runtime/execute.py).
+convention as the load executor (remapdsl/runtime/pieces.py).
 """
 
 from __future__ import annotations

@@ -8,7 +8,8 @@ import torch
 from safetensors.torch import save_file
 
 import remapdsl
-from remapdsl import BindError, rules_from_text
+from remapdsl import BindError
+from remapdsl.language import rules_from_text
 
 
 def write_checkpoint(folder, tensors, config=None):
@@ -25,8 +26,7 @@ def compile_text(text, folder, config=None, strict=True):
 def load_text(text, folder, config=None):
     rules = rules_from_text(text, "t.remap")
     compiled = remapdsl.compile_rules(rules, remapdsl.open_checkpoint(folder), config or {})
-    target = {d.runtime_key: torch.empty(d.shape, dtype=getattr(torch, d.dtype))
-              for d in compiled.runtime_tensors}
+    target = compiled.empty_state_dict()
     report = remapdsl.load(target, folder, rules, config=config or {})
     return target, report
 
@@ -233,33 +233,33 @@ def test_digest_is_the_same_in_another_process(tmp_path):
 
     script = ("import remapdsl; r = remapdsl.load_rules('rules/qwen3_moe.remap'); "
               "i = remapdsl.open_checkpoint('examples/tiny-qwen3-moe'); "
-              "print(remapdsl.compile_rules(r, i, remapdsl.read_config(i)).digest())")
+              "print(remapdsl.compile_rules(r, i).digest())")
     digests = {subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
                               check=True, env={"PYTHONHASHSEED": seed, "PATH": ""}).stdout
                for seed in ("1", "2")}
     inventory = remapdsl.open_checkpoint("examples/tiny-qwen3-moe")
-    here = remapdsl.compile_rules(remapdsl.load_rules("rules/qwen3_moe.remap"), inventory,
-                                  remapdsl.read_config(inventory)).digest()
+    here = remapdsl.compile_rules(remapdsl.load_rules("rules/qwen3_moe.remap"), inventory).digest()
     assert digests == {here + "\n"}
 
 
 def test_many_short_runs_are_copied_from_the_mapped_file(tmp_path, monkeypatch):
-    import remapdsl.runtime.execute as execute
-    from remapdsl.sharding.placements import LayoutPlan, Mesh
+    import remapdsl.runtime.pieces as pieces
+    from remapdsl.runtime.read import run_load_plan
+    from remapdsl.sharding import LayoutPlan, Mesh
 
     source, other = randn(64, 48), randn(48, 64)
     folder = write_checkpoint(tmp_path, {"w": source, "o": other})
     rules = rules_from_text("w -> a\no -> b | transpose(0, 1)\n", "t.remap")
     plan = LayoutPlan.from_mapping({"a": "rowwise", "b": "rowwise"}, mesh_dim="tp")
     for many in (10**9, 0):  # per-run reads, then the mapped-file copy for every item
-        monkeypatch.setattr(execute, "MANY_RUNS", many)
+        monkeypatch.setattr(pieces, "MANY_RUNS", many)
         for rank in range(3):
             mesh = Mesh.of({"tp": 3})
             local = {"a": torch.full((64, 16), float("nan")), "b": torch.full((64, 16), float("nan"))}
             compiled = remapdsl.compile_rules(rules, remapdsl.open_checkpoint(folder), {})
-            held, views, _ = execute.held_tensors(compiled, local, plan, mesh, rank)
-            report, _ = execute.run_sharded_load(compiled, remapdsl.open_checkpoint(folder), local,
-                                                 plan, mesh, rank)
+            inventory = remapdsl.open_checkpoint(folder)
+            report = remapdsl.plan_rank(compiled, inventory, plan, mesh, rank)  # a rank of 3, one process
+            run_load_plan(report, inventory, local)
             cols = slice(16 * rank, 16 * rank + 16)
             assert torch.equal(local["a"], source[:, cols])
             assert torch.equal(local["b"], other.T[:, cols])

@@ -244,7 +244,7 @@ def _empty(shape, dtype: str) -> torch.Tensor:
     return torch.full(shape, float("nan"), dtype=getattr(torch, dtype))
 
 
-def check_tiling(compiled: remapdsl.Compiled) -> None:
+def check_tiling(compiled: remapdsl.compile.Compiled) -> None:
     """Every destination is covered by its blocks exactly once, and every read is in bounds."""
     shapes = {s.ckpt_key: s.shape for s in compiled.ckpt_tensors}
     for d in compiled.runtime_tensors:
@@ -267,7 +267,7 @@ def run_case(case: Case) -> None:
     if currently_in_test_context():
         note(case.text)
         note({k: (tuple(t.shape), str(t.dtype)) for k, t in case.sources.items()})
-    rules = remapdsl.rules_from_text(case.text)
+    rules = remapdsl.language.rules_from_text(case.text)
     (rule,) = [s for s in rules.statements if isinstance(s, ir.Rule)]
     if isinstance(case.ordered, dict):
         given_ = {v: [case.sources[k] for k in keys] for v, keys in case.ordered.items()}
@@ -350,7 +350,7 @@ def test_experts_past_nine_in_numeric_order(join):
         save_file(experts, str(Path(tmp) / "model.safetensors"))
         shape = (2, n, 3) if join == "stack" else (2, n * 3)
         out = {"out": torch.empty(shape)}
-        remapdsl.load(out, tmp, remapdsl.rules_from_text(case.text), config={})
+        remapdsl.load(out, tmp, remapdsl.language.rules_from_text(case.text), config={})
     combine = torch.stack if join == "stack" else torch.cat
     assert torch.equal(out["out"], combine([experts[f"e.{i}.w"] for i in range(n)], 1))
 

@@ -26,8 +26,8 @@ RULES = str(ROOT / "rules" / "qwen3_moe.remap")
 
 def runtime_state() -> dict[str, torch.Tensor]:
     inventory = remapdsl.open_checkpoint(EXAMPLE)
-    compiled = remapdsl.compile_rules(remapdsl.load_rules(RULES), inventory, remapdsl.read_config(inventory))
-    state = {d.runtime_key: torch.empty(d.shape, dtype=getattr(torch, d.dtype)) for d in compiled.runtime_tensors}
+    compiled = remapdsl.compile_rules(remapdsl.load_rules(RULES), inventory)
+    state = compiled.empty_state_dict()
     remapdsl.load(state, str(EXAMPLE), RULES)
     return state
 

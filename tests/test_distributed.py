@@ -21,7 +21,7 @@ import torch.multiprocessing as mp
 from gloo import distributed_like, shut_down
 
 import remapdsl
-from remapdsl.sharding.placements import LayoutPlan, Mesh, Replicate, Shard, layout_for, local_shard
+from remapdsl.sharding import LayoutPlan, Mesh, Replicate, Shard, layout_for, local_shard
 
 ROOT = Path(__file__).resolve().parent.parent
 CHECKPOINT = str(ROOT / "examples" / "tiny-qwen3-moe")
@@ -43,8 +43,8 @@ CASES = {
 def full_state() -> dict[str, torch.Tensor]:
     rules = remapdsl.load_rules(RULES)
     inventory = remapdsl.open_checkpoint(CHECKPOINT)
-    compiled = remapdsl.compile_rules(rules, inventory, remapdsl.read_config(inventory))
-    return {d.runtime_key: torch.empty(d.shape, dtype=getattr(torch, d.dtype)) for d in compiled.runtime_tensors}
+    compiled = remapdsl.compile_rules(rules, inventory)
+    return compiled.empty_state_dict()
 
 
 def _worker(rank: int, world: int, rendezvous: str, out: str) -> None:

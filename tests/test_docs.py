@@ -5,7 +5,7 @@ from pathlib import Path
 
 import pytest
 
-from remapdsl import rules_from_text
+from remapdsl.language import rules_from_text
 
 ROOT = Path(__file__).resolve().parent.parent
 DOCS = sorted((ROOT / "docs").glob("*.md")) + [ROOT / "README.md"]

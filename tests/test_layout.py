@@ -19,15 +19,13 @@ from gloo import shut_down
 from hypothesis import strategies as st
 
 from remapdsl.errors import RemapError
+from remapdsl.sharding.layouts import LayoutPlan, PlanRule, layout_for
 from remapdsl.sharding.placements import (
     Box,
-    LayoutPlan,
     Mesh,
-    PlanRule,
     Replicate,
     Shard,
     StridedShard,
-    layout_for,
     local_boxes,
     local_shard,
 )
@@ -390,7 +388,7 @@ def _dtensor_worker(rank, world, rendezvous, cases, out_dir):
     from torch.distributed.tensor import DTensor, Partial, distribute_tensor
     from torch.distributed.tensor import Shard as TorchShard
 
-    from remapdsl.sharding.placements import placements_from_dtensor
+    from remapdsl.sharding import placements_from_dtensor
 
     # a file rendezvous: no TCP port to race for with other tests or jobs on the machine
     dist.init_process_group("gloo", init_method=f"file://{rendezvous}", rank=rank, world_size=world,

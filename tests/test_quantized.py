@@ -14,8 +14,9 @@ from safetensors.torch import save_file
 
 import quant_reference as ref
 import remapdsl
-from remapdsl import BindError, rules_from_text
-from remapdsl.sharding.placements import LayoutPlan, Mesh, Shard, layout_for, local_shard
+from remapdsl import BindError
+from remapdsl.language import rules_from_text
+from remapdsl.sharding import LayoutPlan, Mesh, Shard, layout_for, local_shard
 from remapdsl.quant import Part, QuantFormat, get_format, register_format, unregister_format
 
 BF16 = torch.bfloat16
@@ -252,9 +253,9 @@ experts -> experts | transpose(1, 2)
                                 mesh.coordinate(rank))
             local[key] = torch.full(shard.shape, float("nan"), dtype=BF16)
             shards[key] = shard
-        from remapdsl.runtime.execute import run_plan
+        from remapdsl.runtime.read import run_load_plan
 
-        run_plan(plan, inventory, local)
+        run_load_plan(plan, inventory, local)
         for key, shard in shards.items():
             (box,) = shard.boxes
             assert same(local[key], full[key][tuple(slice(o, o + n) for o, n in zip(box.offsets, box.sizes))])
@@ -369,7 +370,7 @@ dequantize {P:path}.qweight, {P}.scales -> {P}.weight | int8_row(to=bfloat16)
 a.weight -> a
 """, tmp_path)
     assert torch.equal(got["a"], (values.double() * scales.double()[:, None]).float().to(BF16))
-    formatted = remapdsl.format_rules(remapdsl.parse_text(
+    formatted = remapdsl.language.format_rules(remapdsl.language.parse_text(
         "remap 1\ndequantize {P:path}.qweight, {P}.scales -> {P}.weight | int8_row(to=bfloat16)\n", "t.remap"))
     assert "int8_row(to=bfloat16)" in formatted
 

@@ -19,7 +19,7 @@ from safetensors.torch import load_file, save_file
 
 import quant_reference as ref
 import remapdsl
-from remapdsl.sharding.placements import LayoutPlan, Mesh, layout_for, local_shard
+from remapdsl.sharding import LayoutPlan, Mesh, layout_for, local_shard
 
 ROOT = Path(__file__).resolve().parent.parent
 BLOCK = (3, 5)
@@ -54,9 +54,9 @@ def _worker(rank: int, world: int, rendezvous: str, folder: str, out: str) -> No
                             timeout=datetime.timedelta(seconds=60))
     failures: list[str] = []
     try:
-        rules = remapdsl.rules_from_text(RULES, "qwen3_moe_fp8.remap")
+        rules = remapdsl.language.rules_from_text(RULES, "qwen3_moe_fp8.remap")
         compiled = remapdsl.compile_rules(rules, remapdsl.open_checkpoint(folder), {})
-        expected = {d.runtime_key: torch.empty(d.shape, dtype=getattr(torch, d.dtype)) for d in compiled.runtime_tensors}
+        expected = compiled.empty_state_dict()
         remapdsl.load(expected, folder, rules)
         for name, plan_map, mesh_dim in (("tp", TP, "tp"), ("ep", EP, "ep")):
             try:

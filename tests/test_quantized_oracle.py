@@ -80,7 +80,7 @@ def test_mxfp4_decode_equals_convert_moe_packed_tensors(tmp_path):
     scales.view(-1)[:3] = torch.tensor([0, 1, 254], dtype=torch.uint8)
     save_file({"w_blocks": blocks, "w_scales": scales}, str(tmp_path / "model.safetensors"))
     (tmp_path / "config.json").write_text("{}")
-    rules = remapdsl.rules_from_text("remap 1\ndequantize {P:path}_blocks, {P}_scales -> {P} | mxfp4(to=bfloat16)\n"
+    rules = remapdsl.language.rules_from_text("remap 1\ndequantize {P:path}_blocks, {P}_scales -> {P} | mxfp4(to=bfloat16)\n"
                                      "w -> w | transpose(1, 2)\n", "t.remap")
     target = {"w": torch.empty(3, 128, 40, dtype=torch.bfloat16)}
     remapdsl.load(target, str(tmp_path), rules)

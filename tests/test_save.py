@@ -16,7 +16,8 @@ import torch
 from safetensors.torch import load_file, save_file
 
 import remapdsl
-from remapdsl import RemapError, rules_from_text
+from remapdsl import RemapError
+from remapdsl.language import rules_from_text
 
 ROOT = Path(__file__).resolve().parent.parent
 EXAMPLE = ROOT / "examples" / "tiny-qwen3-moe"
@@ -24,10 +25,10 @@ QWEN = str(ROOT / "rules" / "qwen3_moe.remap")
 
 
 def loaded(checkpoint, rules, **kwargs) -> dict[str, torch.Tensor]:
-    ruleset = rules if isinstance(rules, remapdsl.RuleSet) else remapdsl.load_rules(rules)
+    ruleset = rules if isinstance(rules, remapdsl.language.RuleSet) else remapdsl.load_rules(rules)
     inventory = remapdsl.open_checkpoint(checkpoint)
-    compiled = remapdsl.compile_rules(ruleset, inventory, remapdsl.read_config(inventory), **kwargs)
-    state = {d.runtime_key: torch.empty(d.shape, dtype=getattr(torch, d.dtype)) for d in compiled.runtime_tensors}
+    compiled = remapdsl.compile_rules(ruleset, inventory, **kwargs)
+    state = compiled.empty_state_dict()
     remapdsl.load(state, checkpoint, ruleset, **kwargs)
     return state
 

@@ -17,7 +17,7 @@ import torch.multiprocessing as mp
 from gloo import distributed_like, shut_down
 
 import remapdsl
-from remapdsl.sharding.placements import LayoutPlan, Mesh, Replicate, Shard, layout_for, local_shard
+from remapdsl.sharding import LayoutPlan, Mesh, Replicate, Shard, layout_for, local_shard
 
 ROOT = Path(__file__).resolve().parent.parent
 CHECKPOINT = ROOT / "examples" / "tiny-qwen3-moe"
@@ -43,8 +43,8 @@ def _worker(rank: int, world: int, rendezvous: str, out: str) -> None:
     failures: list[str] = []
     try:
         inventory = remapdsl.open_checkpoint(CHECKPOINT)
-        compiled = remapdsl.compile_rules(remapdsl.load_rules(RULES), inventory, remapdsl.read_config(inventory))
-        full = {d.runtime_key: torch.empty(d.shape, dtype=getattr(torch, d.dtype)) for d in compiled.runtime_tensors}
+        compiled = remapdsl.compile_rules(remapdsl.load_rules(RULES), inventory)
+        full = compiled.empty_state_dict()
         remapdsl.load(full, str(CHECKPOINT), RULES)
         for name in CASES[world]:
             mesh, plan = _layout(name, world)
@@ -135,7 +135,7 @@ def _hf_worker(rank: int, world: int, rendezvous: str, folders: dict, out: str) 
     try:
         for name, (folder, rules) in folders.items():
             inventory = remapdsl.open_checkpoint(folder)
-            compiled = remapdsl.compile_rules(remapdsl.load_rules(rules), inventory, remapdsl.read_config(inventory))
+            compiled = remapdsl.compile_rules(remapdsl.load_rules(rules), inventory)
             for case, dims, plan_map, mesh_dim in HF_LAYOUTS[world]:
                 try:
                     mesh, plan = Mesh.of(dims), LayoutPlan.from_mapping(plan_map, mesh_dim=mesh_dim)

@@ -24,8 +24,9 @@ import remapdsl
 from remapdsl import RemapError
 from remapdsl.checkpoint.writer import FileWriter, create_files
 from remapdsl.compile.inverse import writers
-from remapdsl.runtime.execute import owned_tensors, run_write_plan
-from remapdsl.sharding.placements import LayoutPlan, Mesh, Replicate, Shard, layout_for, local_shard
+from remapdsl.runtime.write import run_write_plan
+from remapdsl.sharding.holdings import hold, owned
+from remapdsl.sharding import LayoutPlan, Mesh, Replicate, Shard, layout_for, local_shard
 from remapdsl.sharding.plans import make_write_plan
 
 
@@ -43,14 +44,14 @@ def _placements(draw, mesh: Mesh, ndim: int):
 @examples(200)
 @given(list_axis_cases(), meshes(), st.data())
 def test_save_of_load_writes_the_checkpoint_back(case, mesh, data):
-    rules = remapdsl.rules_from_text(case.text)
+    rules = remapdsl.language.rules_from_text(case.text)
     with tempfile.TemporaryDirectory() as tmp:
         source = Path(tmp) / "src"
         source.mkdir()
         save_file(case.sources, str(source / "model.safetensors"))
         inventory = remapdsl.open_checkpoint(source)
         compiled = remapdsl.compile_rules(rules, inventory, {})
-        full = {d.runtime_key: torch.empty(d.shape, dtype=getattr(torch, d.dtype)) for d in compiled.runtime_tensors}
+        full = compiled.empty_state_dict()
         remapdsl.load(full, source, rules, config={})
         try:
             chosen = writers(compiled)
@@ -77,9 +78,9 @@ def test_save_of_load_writes_the_checkpoint_back(case, mesh, data):
                 for box, at in zip(shard.boxes, shard.local_offsets):
                     local[key][tuple(slice(a, a + n) for a, n in zip(at, box.sizes))] = \
                         tensor[tuple(slice(o, o + n) for o, n in zip(box.offsets, box.sizes))]
-            owned, local = owned_tensors(compiled, local, plan, mesh, rank)
-            rank_plan = make_write_plan(chosen, inventory, owned, rank)
-            run_write_plan(rank_plan, writer, local)
+            holding = hold(compiled, local, plan, mesh, rank)
+            rank_plan = make_write_plan(chosen, inventory, owned(holding, rank), rank)
+            run_write_plan(rank_plan, writer, holding.local)
             written += rank_plan.bytes_written
         writer.close(sync=False)
         assert written == sum(t.nbytes for t in inventory.tensors.values())  # each byte written once

@@ -4,7 +4,8 @@ from pathlib import Path
 
 import pytest
 
-from remapdsl import format_rules, load_rules, parse_file
+from remapdsl import load_rules
+from remapdsl.language import format_rules, parse_file
 
 RULES = sorted((Path(__file__).resolve().parent.parent / "rules").glob("*.remap"))
 

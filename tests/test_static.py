@@ -2,7 +2,8 @@
 
 import pytest
 
-from remapdsl import RuleCheckError, rules_from_text
+from remapdsl import RuleCheckError
+from remapdsl.language import rules_from_text
 
 
 def check_error(text: str) -> RuleCheckError:

@@ -5,7 +5,7 @@ Entry points: `open_inventory(folder)`, `read_header(path)`, `Inventory.from_sha
 """
 
 from remapdsl.checkpoint.header import FileInfo, Header, TensorInfo, read_header, tensor_nbytes
-from remapdsl.checkpoint.inventory import Inventory, open_inventory
+from remapdsl.checkpoint.inventory import Inventory, open_inventory, read_config
 from remapdsl.checkpoint.reader import CheckpointReader, as_byte_view, read_tensor_bytes
 
 __all__ = [
@@ -16,6 +16,7 @@ __all__ = [
     "TensorInfo",
     "as_byte_view",
     "open_inventory",
+    "read_config",
     "read_header",
     "read_tensor_bytes",
     "tensor_nbytes",

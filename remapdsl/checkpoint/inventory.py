@@ -9,8 +9,11 @@ Only headers are read. All problems of all files are collected and raised once.
 
 from __future__ import annotations
 
+import json
 import os
 from collections.abc import Iterable, Mapping, Sequence
+from pathlib import Path
+from typing import Any
 
 from pydantic import BaseModel, ConfigDict, field_validator, model_validator
 
@@ -26,7 +29,7 @@ from remapdsl.checkpoint.header import (
     tensor_nbytes,
 )
 from remapdsl.dtypes import BY_NAME, BY_SAFETENSORS
-from remapdsl.errors import MAX_SHOWN, CheckpointError, Diagnostic, did_you_mean
+from remapdsl.errors import MAX_SHOWN, CheckpointError, Diagnostic, RemapError, did_you_mean
 
 SUFFIX = ".safetensors"
 INDEX_SUFFIX = ".safetensors.index.json"
@@ -356,3 +359,15 @@ def _assemble(
         ignored_files=ignored,
         index_file=index_file,
     )
+
+
+def read_config(inventory: Inventory) -> dict[str, Any]:
+    """The model config next to a checkpoint (config.json), or {} when there is none."""
+    path = Path(inventory.root) / "config.json"
+    if not path.is_file():
+        return {}
+    try:
+        return json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as exc:
+        raise RemapError(Diagnostic(code="E212", message=f"cannot read the model config: {exc}",
+                                    path=str(path))) from None

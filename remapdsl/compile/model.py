@@ -7,7 +7,9 @@ captures that made it, so the save direction can read the same blocks backwards.
 
 from __future__ import annotations
 
+import bisect
 import hashlib
+from collections.abc import Iterable
 from typing import NamedTuple
 
 from pydantic import BaseModel, ConfigDict
@@ -110,10 +112,19 @@ class Compiled(_Frozen):
     keep: tuple[str, ...] = ()  # regular expressions of runtime keys that take nothing
 
     def runtime_tensor(self, runtime_key: str) -> RuntimeTensor:
-        for d in self.runtime_tensors:
-            if d.runtime_key == runtime_key:
-                return d
+        """The runtime tensor of a key (a binary search: `runtime_tensors` is sorted by key)."""
+        at = bisect.bisect_left(self.runtime_tensors, runtime_key, key=lambda d: d.runtime_key)
+        if at < len(self.runtime_tensors) and self.runtime_tensors[at].runtime_key == runtime_key:
+            return self.runtime_tensors[at]
         raise KeyError(runtime_key)
+
+    def empty_state_dict(self, keys: Iterable[str] | None = None, device=None) -> dict:
+        """An uninitialized torch tensor of the compiled shape and dtype for each runtime tensor (or
+        those of `keys`): a state dict to load into. Imports torch."""
+        import torch
+
+        chosen = self.runtime_tensors if keys is None else [self.runtime_tensor(k) for k in keys]
+        return {d.runtime_key: torch.empty(d.shape, dtype=getattr(torch, d.dtype), device=device) for d in chosen}
 
     def logical_by_key(self) -> dict[str, LogicalTensor]:
         return {s.logical_key: s for s in self.logical}

@@ -50,7 +50,6 @@ def convert(src, dst, rules, *, reverse: bool = False, like=None, max_shard_byte
 
 
 def _convert(src, dst: Path, rules, reverse, like, max_shard_bytes, budget_bytes, overwrite, progress):
-    import torch
 
     from . import dist
     from .prepare import compile_everywhere
@@ -59,9 +58,10 @@ def _convert(src, dst: Path, rules, reverse, like, max_shard_bytes, budget_bytes
     from ..checkpoint.writer import new_layout
     from ..compile.inverse import copied_parts
     from ..compile.inverse import writers as derive_writers
-    from .execute import run_plan, run_write_plan
-    from ..sharding.placements import Box, LocalShard
+    from ..sharding.holdings import whole_shard
     from ..sharding.plans import make_load_plan, make_write_plan
+    from .read import run_load_plan
+    from .write import run_write_plan
     from .save import copy_tensors, write_output
 
     start = time.perf_counter()
@@ -92,10 +92,8 @@ def _convert(src, dst: Path, rules, reverse, like, max_shard_bytes, budget_bytes
             if reverse and rank == 0:
                 copy_tensors(copied_parts(compiled), scales, writer)
             for batch in _batches(mine, lambda k: _nbytes(destinations[k]), budget_bytes):
-                tensors = {k: torch.empty(destinations[k].shape, dtype=getattr(torch, destinations[k].dtype))
-                           for k in batch}
-                whole = {k: LocalShard(t.shape, (Box((0,) * t.dim(), tuple(t.shape)),), ((0,) * t.dim(),))
-                         for k, t in tensors.items()}
+                tensors = compiled.empty_state_dict(batch)
+                whole = {k: whole_shard(tuple(t.shape)) for k, t in tensors.items()}
                 if reverse:  # runtime tensors read whole from src, written through the save direction
                     for k, t in tensors.items():
                         info = runtime_source.tensors[k]
@@ -104,7 +102,7 @@ def _convert(src, dst: Path, rules, reverse, like, max_shard_bytes, budget_bytes
                     run_write_plan(plan, writer, tensors, reader=scales)
                     written += plan.bytes_written
                 else:  # runtime tensors made by the rules, written whole at their offsets
-                    run_plan(make_load_plan(compiled, checkpoint, whole, rank), checkpoint, tensors)
+                    run_load_plan(make_load_plan(compiled, checkpoint, whole, rank), checkpoint, tensors)
                     for k, t in tensors.items():
                         info = out_inventory.tensors[k]
                         writer.write_at(info.file, info.byte_offset, as_byte_view(t))

@@ -9,25 +9,11 @@ from __future__ import annotations
 
 import json
 from collections.abc import Mapping
-from pathlib import Path
 from typing import Any
 
-from ..checkpoint import Inventory
+from ..checkpoint import Inventory, read_config
 from ..compile import Compiled, compile_rules
-from ..errors import Diagnostic, RemapError
 from ..language.includes import RuleSet, load_rules
-
-
-def read_config(inventory: Inventory) -> dict[str, Any]:
-    """The model config next to a checkpoint (config.json), or {} when there is none."""
-    path = Path(inventory.root) / "config.json"
-    if not path.is_file():
-        return {}
-    try:
-        return json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, ValueError) as exc:
-        raise RemapError(Diagnostic(code="E212", message=f"cannot read the model config: {exc}",
-                                    path=str(path))) from None
 
 
 def compile_digest(ruleset: RuleSet, config: Mapping[str, Any], strict: bool, checkpoint=None) -> str:

@@ -34,15 +34,15 @@ class SaveReport(BaseModel):
     sync_seconds: float = 0.0  # of `seconds`, in fsync: making the files durable before the rename
 
 
-def save(source, folder, rules, *, like=None, config: Mapping[str, Any] | None = None, layout=None, mesh=None,
+def save(state_dict, folder, rules, *, like=None, config: Mapping[str, Any] | None = None, layout=None, mesh=None,
          overwrite: bool = False, allow_lossy: bool = False, requantize: bool = False) -> SaveReport:
     """Write runtime tensors back to the checkpoint layout `like` through the rules that load it.
 
     Args:
-        source: a state dict (runtime key -> tensor) or a torch.nn.Module; DTensors are written per
+        state_dict: a state dict (runtime key -> tensor) or a torch.nn.Module; DTensors are written per
             their placements, plain tensors are whole or this rank's shard under `layout`.
         folder: the output checkpoint folder (created; it must not exist unless `overwrite`).
-        rules: a .remap file path (or a RuleSet): the rules that load `like` into `source`'s layout.
+        rules: a .remap file path (or a RuleSet): the rules that load `like` into `state_dict`'s layout.
         like: the checkpoint (folder or Inventory) whose keys, files, headers and index the output
             takes: an unchanged model saves to byte-identical files.
         config: the model config; by default `like`'s config.json.
@@ -60,30 +60,32 @@ def save(source, folder, rules, *, like=None, config: Mapping[str, Any] | None =
                                     "alone do not give the sizes of every tensor",
                                     hint="or write the runtime layout itself with `remapdsl convert`"))
     with paused_gc():
-        return _save(source, Path(folder).absolute(), rules, like, config, layout, mesh, overwrite, allow_lossy,
+        return _save(state_dict, Path(folder).absolute(), rules, like, config, layout, mesh, overwrite, allow_lossy,
                      requantize)
 
 
-def _save(source, folder: Path, rules, like, config, layout, mesh, overwrite, allow_lossy,
+def _save(state_dict, folder: Path, rules, like, config, layout, mesh, overwrite, allow_lossy,
           requantize) -> SaveReport:
-    from . import dist  # torch is imported only here
-    from .prepare import compile_everywhere
     from ..checkpoint import CheckpointReader
     from ..compile.inverse import copied_parts
     from ..compile.inverse import writers as derive_writers
-    from .execute import owned_tensors, run_write_plan
+    from ..sharding.holdings import hold, owned
     from ..sharding.plans import make_write_plan
+    from . import dist  # torch is imported only here
+    from .prepare import compile_everywhere
+    from .write import run_write_plan
 
     start = time.perf_counter()
     # not strict: a checkpoint tensor no rule reads is the save's own error (E501, below)
     inventory, compiled = compile_everywhere(rules, like, config, strict=False)
-    tensors = source.state_dict(keep_vars=True) if hasattr(source, "state_dict") else source
+    tensors = state_dict.state_dict(keep_vars=True) if hasattr(state_dict, "state_dict") else state_dict
     rank = dist.rank()
 
     def prepare():
         chosen = derive_writers(compiled, allow_lossy=allow_lossy, requantize=requantize)
-        owned, local = owned_tensors(compiled, tensors, layout, mesh, rank)
-        return make_write_plan(chosen, inventory, owned, rank, compiled.logical_by_key(), requantize), local
+        holding = hold(compiled, tensors, layout, mesh, rank)
+        return (make_write_plan(chosen, inventory, owned(holding, rank), rank, compiled.logical_by_key(), requantize),
+                holding.local)
 
     plan, local = dist.together(prepare)
     copies = copied_parts(compiled) if rank == 0 and not requantize else []  # stored scales, as they are

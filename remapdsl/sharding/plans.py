@@ -18,7 +18,7 @@ from pydantic import BaseModel, ConfigDict
 from ..checkpoint import Inventory
 from ..compile.model import Block, Compiled
 from ..dtypes import BY_NAME
-from .placements import Box, LayoutPlan, LocalShard, Mesh, layout_for, local_shard
+from .placements import LocalShard
 
 
 class ReadItem(NamedTuple):
@@ -92,20 +92,6 @@ class LoadPlan(BaseModel):
 
     def digest(self) -> str:
         return hashlib.sha256(self.model_dump_json().encode()).hexdigest()
-
-
-def whole(compiled: Compiled) -> dict[str, LocalShard]:
-    """Every destination held whole (a single process)."""
-    return {d.runtime_key: LocalShard(d.shape, (Box((0,) * len(d.shape), d.shape),), ((0,) * len(d.shape),))
-            for d in compiled.runtime_tensors}
-
-
-def held_by_layout(compiled: Compiled, layout: LayoutPlan, mesh: Mesh, rank: int) -> dict[str, LocalShard]:
-    """What `rank` holds of every destination when `layout` places the tensors on `mesh`."""
-    coordinate = mesh.coordinate(rank)
-    return {d.runtime_key: local_shard(d.shape, mesh.sizes, layout_for(d.runtime_key, d.shape, layout, mesh),
-                                       coordinate, runtime_key=d.runtime_key)
-            for d in compiled.runtime_tensors}
 
 
 def make_load_plan(compiled: Compiled, inventory: Inventory, held: Mapping[str, LocalShard],

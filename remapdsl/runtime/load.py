@@ -1,0 +1,72 @@
+"""`remapdsl.load`: fill a state dict in place from a checkpoint through a rule file, every rank its own bytes.
+
+The phases, on every rank: the shared compile (remapdsl/runtime/prepare.py), this rank's holdings
+(remapdsl/sharding/holdings.py), its plan (remapdsl/sharding/plans.py), the reads
+(remapdsl/runtime/read.py); tensors every rank holds whole may be read once and broadcast. Each
+phase fails on every rank together.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Mapping
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict
+
+from ..gcpause import paused_gc
+
+
+class LoadReport(BaseModel):
+    """What a load did: the runtime tensors it filled, from which checkpoint tensors, bytes read."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    loaded: tuple[str, ...]
+    ckpt_keys: tuple[str, ...]
+    bytes_read: int
+    seconds: float
+    bytes_owned: int = 0  # checkpoint bytes behind the elements this rank holds
+    scale_bytes_read: int = 0  # of bytes_read, bytes of quantization scales (covering tiles)
+    rank: int = 0
+
+
+def load(state_dict, checkpoint, rules, *, config: Mapping[str, Any] | None = None, strict: bool = True,
+         layout=None, mesh=None, read_replicated_once: bool = False) -> LoadReport:
+    """Fill existing tensors in place from a checkpoint, through a rule file; see `remapdsl.load`."""
+    with paused_gc():
+        return _load(state_dict, checkpoint, rules, config, strict, layout, mesh, read_replicated_once)
+
+
+def _load(state_dict, checkpoint, rules, config, strict, layout, mesh, read_replicated_once) -> LoadReport:
+    from ..sharding.holdings import hold
+    from ..sharding.plans import make_load_plan
+    from . import dist
+    from .prepare import compile_everywhere
+    from .read import run_load_plan
+
+    inventory, compiled = compile_everywhere(rules, checkpoint, config, strict)
+    tensors = state_dict.state_dict(keep_vars=True) if hasattr(state_dict, "state_dict") else state_dict
+    rank = dist.rank()
+
+    def read():
+        start = time.perf_counter()
+        holding = hold(compiled, tensors, layout, mesh, rank)
+        held = holding.held()
+        shared = holding.everywhere() if read_replicated_once and dist.active() else []
+        if rank != 0:  # rank 0 reads what every rank holds whole, and broadcasts it
+            for key in shared:
+                del held[key]
+        plan = make_load_plan(compiled, inventory, held, rank)
+        run_load_plan(plan, inventory, holding.local)
+        report = LoadReport(loaded=tuple(d.runtime_key for d in compiled.runtime_tensors),
+                            ckpt_keys=tuple(sorted({i.ckpt_key for i in plan.items if i.ckpt_key}
+                                                   | {p.ckpt_key for i in plan.decodes for p in i.parts})),
+                            bytes_read=plan.bytes_read, bytes_owned=plan.bytes_owned,
+                            scale_bytes_read=plan.scale_bytes_read, rank=rank,
+                            seconds=time.perf_counter() - start)
+        return report, [holding.local[k] for k in shared]
+
+    report, shared = dist.together(read)
+    dist.broadcast_from_first(shared)  # after every rank's reads succeeded, so none waits in vain
+    return report

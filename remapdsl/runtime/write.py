@@ -1,0 +1,90 @@
+"""A rank's WritePlan + its local tensors -> their bytes written at their offsets in the output files.
+
+Each piece is gathered into checkpoint order in a staging buffer (or written straight from tensor
+memory when it already is), its value steps undone, then written run by run; a piece of a
+dequantized tensor is encoded back in its format. Writes run on two threads, no two on one byte.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Mapping
+from concurrent.futures import ThreadPoolExecutor
+
+import torch
+
+from ..checkpoint import CheckpointReader
+from ..checkpoint.reader import as_byte_view
+from ..errors import Diagnostic, RemapError
+from ..sharding.plans import DecodeItem, WritePlan
+from .pieces import apply_steps, dense, read_part, region, torch_dtype
+
+
+def run_write_plan(plan: WritePlan, writer, tensors: Mapping[str, torch.Tensor], threads: int = 2,
+                   reader: CheckpointReader | None = None) -> None:
+    """Write one rank's pieces: each gathered into source order in a staging buffer, undone by the
+    inverse value steps into the checkpoint's dtype, then written run by run. A piece of a
+    dequantized tensor is encoded with the scales `reader` reads from the checkpoint it came from."""
+    with torch.no_grad():
+        work = [(item, region(tensors[item.runtime_key], item)) for item in plan.items]
+        work += [(item, region(tensors[item.runtime_key], item)) for item in plan.encodes]
+
+        def write(i: int) -> None:
+            item, view = work[i]
+            if isinstance(item, DecodeItem):
+                _write_encoded(item, view, writer, reader, plan.requantize)
+                return
+            dtype = torch_dtype(item.dtype)
+            if (len(item.runs) == 1 and not item.steps and view.dtype == dtype and view.device.type == "cpu"
+                    and view.is_contiguous() and dense(item.strides, item.sizes)):  # straight from memory
+                writer.write_at(item.file, item.runs[0][0], as_byte_view(view))
+                return
+            nbytes = sum(n for _, n in item.runs)
+            staging = torch.empty(nbytes, dtype=torch.uint8)
+            values = apply_steps(view.detach().cpu() if view.device.type != "cpu" else view, item.steps)
+            staging.view(torch_dtype(item.dtype)).as_strided(item.sizes, item.strides).copy_(values)
+            data, at = memoryview(staging.numpy()), 0
+            for byte_offset, n in item.runs:
+                writer.write_at(item.file, byte_offset, data[at:at + n])
+                at += n
+
+        taken = itertools.count()
+
+        def drain() -> None:
+            while (i := next(taken)) < len(work):
+                write(i)
+
+        if threads <= 1 or len(work) < 2:
+            drain()
+        else:
+            with ThreadPoolExecutor(threads) as pool:
+                for f in [pool.submit(drain) for _ in range(threads)]:
+                    f.result()
+
+
+def _write_encoded(item: DecodeItem, view: torch.Tensor, writer, reader: CheckpointReader,
+                   requantize: bool) -> None:
+    """A piece of a dequantized tensor back in its format: with the stored scales of its box, or,
+    re-quantizing, with new scales that are written too."""
+    from ..quant import FormatError, Part, get_format
+
+    box = torch.empty(item.box[1], dtype=torch.float32)
+    box.view(-1).as_strided(item.sizes, item.strides, item.offset).copy_(apply_steps(view, item.steps))
+    fmt = get_format(item.format)
+    try:
+        if requantize:
+            shapes = [Part(p.ckpt_key, p.dtype, reader.inventory.tensors[p.ckpt_key].shape) for p in item.parts]
+            codes, scales = fmt.requantize(box, item.box, shapes, dict(item.params))
+            written = [codes, scales]
+        else:
+            scales = [read_part(p, reader) for p in item.parts[1:]]
+            covers = tuple((p.offsets, p.sizes) for p in item.parts)
+            written = [fmt.encode(box, item.box, covers, scales, dict(item.params))]
+    except FormatError as exc:
+        raise RemapError(Diagnostic(code="E503", message=f"`{item.runtime_key}` cannot be written back to "
+                                    f"`{item.logical}`: {exc}")) from None
+    for part, tensor in zip(item.parts, written):
+        data, at = memoryview(tensor.contiguous().view(torch.uint8).numpy()).cast("B"), 0
+        for byte_offset, n in part.runs:
+            writer.write_at(part.file, byte_offset, data[at:at + n])
+            at += n

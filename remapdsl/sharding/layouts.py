@@ -1,0 +1,214 @@
+"""An explicit, Hugging Face tp_plan-style layout plan: globs over runtime keys -> placements per mesh dim.
+
+For tools, tests and plain (non-DTensor) tensors: `layout_for` gives a runtime tensor's placements
+under a plan, `read_layout` reads a plan from JSON, `parse_mesh` a mesh from `dp=2,tp=4`.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import json
+import os
+import re
+from collections.abc import Mapping, Sequence
+from functools import cached_property
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import model_validator
+
+from ..errors import Diagnostic, RemapError, did_you_mean
+from .placements import REPLICATE, Mesh, Placement, Replicate, Shard, StridedShard, _fail, _Frozen, _normal_dim
+
+
+Style = Literal[
+    "colwise",
+    "rowwise",
+    "packed_colwise",
+    "packed_rowwise",
+    "embedding_rowwise",
+    "embedding_colwise",
+    "grouped_gemm",
+    "replicate",
+]
+STYLES: tuple[str, ...] = Style.__args__  # type: ignore[attr-defined]
+
+
+class PlanRule(_Frozen):
+    """One entry of a layout plan: a glob over runtime keys and either a style (on `mesh_dim`, or the
+    plan's) or an explicit placement per mesh dim."""
+
+    pattern: str
+    style: Style | None = None
+    placements: tuple[Placement, ...] | None = None
+    mesh_dim: str | None = None
+
+    @model_validator(mode="before")
+    @classmethod
+    def _check_style(cls, data: Any) -> Any:
+        style = data.get("style") if isinstance(data, dict) else None
+        if isinstance(style, str) and style not in STYLES:
+            raise _fail(
+                "E407", f"unknown layout style `{style}`", did_you_mean(style, STYLES), data.get("pattern")
+            )
+        return data
+
+    @model_validator(mode="after")
+    def _check(self) -> PlanRule:
+        if (self.style is None) == (self.placements is None):
+            raise _fail("E407", "a plan rule needs exactly one of a style or placements", path=self.pattern)
+        if self.placements is not None and self.mesh_dim is not None:
+            raise _fail(
+                "E407", "explicit placements cover every mesh dim; drop `mesh_dim`", path=self.pattern
+            )
+        return self
+
+
+class LayoutPlan(_Frozen):
+    """Runtime-key globs -> layout, in the style of a transformers tp_plan. The first matching rule wins;
+    a key no rule matches is replicated. Styles shard over `mesh_dim` and replicate on every other dim."""
+
+    rules: tuple[PlanRule, ...]
+    mesh_dim: str = "tp"
+
+    @classmethod
+    def from_mapping(
+        cls, plan: Mapping[str, str | Sequence[Placement]], *, mesh_dim: str = "tp", prefix: str = ""
+    ) -> LayoutPlan:
+        """`{"layers.*.self_attn.q_proj": "colwise", ...}` in order; `prefix` is put before every pattern
+        (`"model."` for a transformers `base_model_tp_plan`). A value may be a list of placements."""
+        rules = []
+        for pattern, value in plan.items():
+            if isinstance(value, str):
+                rules.append(PlanRule(pattern=prefix + pattern, style=value))
+            else:
+                rules.append(PlanRule(pattern=prefix + pattern, placements=tuple(value)))
+        return cls(rules=tuple(rules), mesh_dim=mesh_dim)
+
+    @cached_property
+    def _matcher(self) -> re.Pattern[str]:
+        return re.compile("|".join(f"(?P<r{i}>{_glob_regex(r.pattern)})" for i, r in enumerate(self.rules)))
+
+    def match(self, runtime_key: str) -> PlanRule | None:
+        """The first rule whose glob matches the key or the key's parent module (the key without its
+        last `.segment`), or None."""
+        if not self.rules:
+            return None
+        found = [m for m in (self._matcher.fullmatch(runtime_key),) if m]
+        if "." in runtime_key:
+            found += [m for m in (self._matcher.fullmatch(runtime_key.rpartition(".")[0]),) if m]
+        if not found:
+            return None
+        return self.rules[min(int(m.lastgroup[1:]) for m in found)]  # type: ignore[index]
+
+
+def _glob_regex(pattern: str) -> str:
+    """fnmatch syntax as a regex without groups, to join many patterns in one alternation: `*` any run
+    of characters (dots included), `?` one, `[seq]` / `[!seq]` a class (fnmatch's own translation,
+    so its quirks hold: `[]]`, `[!]]`, empty ranges); everything else literal."""
+    out, i = [], 0
+    while i < len(pattern):
+        ch = pattern[i]
+        i += 1
+        if ch == "*":
+            out.append(".*")
+        elif ch == "?":
+            out.append(".")
+        elif ch == "[":
+            end = i + (pattern[i : i + 1] == "!")
+            end += pattern[end : end + 1] == "]"
+            end = pattern.find("]", end)
+            if end == -1:
+                out.append(re.escape(ch))
+                continue
+            translated = fnmatch.translate(pattern[i - 1 : end + 1])  # "(?s:<class>)\\Z"
+            out.append(translated[translated.index(":") + 1 : translated.rindex(")")])
+            i = end + 1
+        else:
+            out.append(re.escape(ch))
+    return "".join(out)
+
+
+def _style_placement(style: str, shape: Sequence[int], runtime_key: str) -> Shard | Replicate | StridedShard:
+    """The placement a transformers style gives a parameter of `shape` on its mesh dim."""
+    ndim = len(shape)
+    if style == "replicate" or (style in ("rowwise", "packed_rowwise") and ndim <= 1):
+        return REPLICATE
+    if style == "packed_colwise" and ndim == 1:
+        return Shard(dim=0)  # transformers shards a packed 1-D bias plainly
+    need = {"colwise": 1, "embedding_colwise": 2}.get(style, 1)
+    if ndim < need:
+        raise _fail("E405", f"style `{style}` cannot shard a {ndim}-d tensor", path=runtime_key)
+    if style == "colwise":
+        return Shard(dim=max(ndim - 2, 0))
+    if style == "rowwise":
+        return Shard(dim=ndim - 1)
+    if style == "packed_colwise":
+        return StridedShard(dim=ndim - 2, split_factor=2)
+    if style == "packed_rowwise":
+        return StridedShard(dim=ndim - 1, split_factor=2)
+    return Shard(dim=1 if style == "embedding_colwise" else 0)  # embedding_rowwise, grouped_gemm
+
+
+def layout_for(
+    runtime_key: str, shape: Sequence[int], plan: LayoutPlan, mesh: Mesh
+) -> tuple[Shard | Replicate | StridedShard, ...]:
+    """The placements (one per mesh dim) `plan` gives the runtime tensor `runtime_key` of `shape`.
+
+    Args:
+        runtime_key: the tensor's runtime name; matched against the plan's globs.
+        shape: its global shape (styles pick dims by rank, as transformers does).
+        plan: the layout plan; the first matching rule wins, no match replicates.
+        mesh: the device mesh the tensor lives on.
+    """
+    rule = plan.match(runtime_key)
+    if rule is None:
+        return (REPLICATE,) * len(mesh.sizes)
+    if rule.placements is not None:
+        if len(rule.placements) != len(mesh.sizes):
+            raise _fail(
+                "E403",
+                f"rule `{rule.pattern}` gives {len(rule.placements)} placements for a {len(mesh.sizes)}-d mesh",
+                "give one placement per mesh dim",
+                runtime_key,
+            )
+        ndim = len(shape)
+        for p in rule.placements:
+            if type(p) is not Replicate:
+                _normal_dim(p.dim, ndim, p, runtime_key)
+        return tuple(
+            p if type(p) is Replicate or p.dim >= 0 else p.model_copy(update={"dim": p.dim + ndim})
+            for p in rule.placements
+        )
+    on = mesh.index(rule.mesh_dim or plan.mesh_dim)
+    placement = _style_placement(rule.style, shape, runtime_key)  # type: ignore[arg-type]
+    return tuple(placement if i == on else REPLICATE for i in range(len(mesh.sizes)))
+
+
+def parse_mesh(text: str) -> Mesh:
+    """`dp=2,tp=4` -> a Mesh (outermost dim first); a malformed text is a RemapError (E409)."""
+    dims = {}
+    for part in text.split(","):
+        name, _, size = part.partition("=")
+        if not name.strip().isidentifier() or not size.strip().isdigit() or int(size) < 1:
+            raise RemapError(Diagnostic(code="E409", message=f"bad mesh `{text}`: write dims as "
+                                        "`name=size` separated by commas, e.g. `dp=2,tp=4`"))
+        dims[name.strip()] = int(size)
+    return Mesh.of(dims)
+
+
+def read_layout(path: str | os.PathLike) -> LayoutPlan:
+    """A layout plan from JSON: {"mesh_dim": "tp", "plan": {glob: style or [placements]}}."""
+    from pydantic import ValidationError
+
+    kinds = {"shard": Shard, "replicate": Replicate, "strided_shard": StridedShard}
+    try:
+        data = json.loads(Path(path).read_text(encoding="utf-8"))
+        plan = {glob: value if isinstance(value, str) else
+                [kinds[p.pop("kind")](**p) for p in value] for glob, value in data["plan"].items()}
+        return LayoutPlan.from_mapping(plan, mesh_dim=data.get("mesh_dim", "tp"))
+    except (OSError, ValueError, KeyError, TypeError, AttributeError, ValidationError) as exc:
+        if isinstance(exc, RemapError):
+            raise
+        raise RemapError(Diagnostic(code="E409", path=str(path), message=f"cannot read the layout: {exc}",
+                                    hint='expected {"mesh_dim": "tp", "plan": {"*.q_proj": "colwise"}}')) from None
