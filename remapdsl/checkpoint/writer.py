@@ -22,6 +22,7 @@ from collections.abc import Mapping
 from typing import NamedTuple
 
 from ..dtypes import BY_NAME
+from ..indexmap import nbytes
 from ..errors import CheckpointError, Diagnostic
 from .header import FileInfo, TensorInfo
 from .inventory import Inventory
@@ -66,12 +67,12 @@ def new_layout(root: str, tensors: Mapping[str, tuple[str, tuple[int, ...]]], ma
     groups: list[list[str]] = [[]]
     size = 0
     for key in sorted(tensors):
-        nbytes = _nbytes(*tensors[key])
-        if groups[-1] and size + nbytes > max_shard_bytes:
+        n = nbytes(*tensors[key])
+        if groups[-1] and size + n > max_shard_bytes:
             groups.append([])
             size = 0
         groups[-1].append(key)
-        size += nbytes
+        size += n
     names = (["model.safetensors"] if len(groups) == 1 else
              [f"model-{i + 1:05d}-of-{len(groups):05d}.safetensors" for i in range(len(groups))])
     infos, files, headers = {}, {}, {}
@@ -81,7 +82,7 @@ def new_layout(root: str, tensors: Mapping[str, tuple[str, tuple[int, ...]]], ma
         entries, at = {}, 0
         for key in keys:
             dtype, shape = tensors[key]
-            n = _nbytes(dtype, shape)
+            n = nbytes(dtype, shape)
             entries[key] = {"dtype": BY_NAME[dtype].safetensors, "shape": list(shape), "data_offsets": [at, at + n]}
             at += n
         text = json.dumps({"__metadata__": meta, **entries}, separators=(",", ":")).encode()
@@ -99,13 +100,6 @@ def new_layout(root: str, tensors: Mapping[str, tuple[str, tuple[int, ...]]], ma
     inventory = Inventory(root=root, tensors=infos, files=files,
                           index_file=None if index is None else "model.safetensors.index.json")
     return NewLayout(inventory, headers, index)
-
-
-def _nbytes(dtype: str, shape) -> int:
-    count = 1
-    for n in shape:
-        count *= n
-    return count * BY_NAME[dtype].bits // 8
 
 
 def create_files(staging: Path, like: Inventory, headers: Mapping[str, bytes] | None = None) -> None:

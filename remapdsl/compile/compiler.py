@@ -18,6 +18,7 @@ from ..checkpoint import Inventory
 from ..errors import BindError, Diagnostic, Span, suggest
 from ..gcpause import paused_gc
 from ..language.includes import RuleSet
+from ..indexmap import volume
 from . import symbolic as sym
 from .bind import Binding, bind, compile_pattern, list_axis, match_keys
 from .evaluate import Evaluator, evaluate_lets
@@ -277,7 +278,7 @@ class _Compiler:
         ev = Evaluator(self.evaluator.config, self.lets | env, self.rules.line_text)
         try:
             return _apply(op, ev, state, self.target_count(rule))
-        except sym.LayoutError as exc:
+        except sym.OpError as exc:
             self.error("E207", f"`{op.op_name()}`: {exc}", op.span or rule.span,
                        f"while binding {', '.join(f'`{k}`' for k in keys[:3])}"
                        + (" ..." if len(keys) > 3 else ""))
@@ -320,8 +321,8 @@ class _Compiler:
     def check_tiling(self) -> None:
         """Every destination is covered exactly once (an invariant of the construction)."""
         for d in self.runtime_tensors.values():
-            total = _prod(d.shape)
-            covered = sum(_prod(b.sizes) for b in d.blocks)
+            total = volume(d.shape)
+            covered = sum(volume(b.sizes) for b in d.blocks)
             inside = all(0 <= o and o + s <= n for b in d.blocks
                          for o, s, n in zip(b.offsets, b.sizes, d.shape))
             if covered != total or not inside or not _disjoint(d.blocks):
@@ -423,7 +424,7 @@ def _one(op: ir.Op, ev: Evaluator, t: sym.Sym) -> sym.Sym:
         return sym.value_step(t, ("scale", float(ev.number(op.factor, "factor"))))
     if isinstance(op, ir.Add):
         return sym.value_step(t, ("add", float(ev.number(op.value, "value"))))
-    raise sym.LayoutError(f"`{op.op_name()}` cannot stand in a mapping rule")
+    raise sym.OpError(f"`{op.op_name()}` cannot stand in a mapping rule")
 
 
 def _names(expr: ir.Node):
@@ -438,13 +439,6 @@ def _names(expr: ir.Node):
 
 def _regex(pattern: ir.Pattern) -> re.Pattern:
     return compile_pattern(pattern).regex
-
-
-def _prod(values) -> int:
-    out = 1
-    for v in values:
-        out *= v
-    return out
 
 
 def _disjoint(blocks: tuple[Block, ...]) -> bool:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import fnmatch
 
+from ..indexmap import nbytes
 from .model import Block, Compiled, RuntimeTensor
 
 
@@ -20,7 +21,7 @@ def explain(compiled: Compiled, key: str | None = None, max_blocks: int = 8) -> 
     for d in shown:
         lines.extend(_destination(d, sources, max_blocks))
     stored = {p for d in shown for k in d.ckpt_keys for p in (logical[k].parts if k in logical else (k,))}
-    read = sum(_nbytes(sources[k].dtype, sources[k].shape) for k in stored)
+    read = sum(nbytes(sources[k].dtype, sources[k].shape) for k in stored)
     used = [logical[k] for k in sorted({k for d in shown for k in d.ckpt_keys}) if k in logical]
     for source in used[:max_blocks]:
         params = ", ".join(f"{k}={list(v) if isinstance(v, tuple) else v}" for k, v in source.params)
@@ -78,12 +79,3 @@ def _dim_order(b: Block) -> list[int]:
         if len(walking) == 1:
             order.append(walking[0])
     return order
-
-
-def _nbytes(dtype: str, shape) -> int:
-    from ..dtypes import BY_NAME
-
-    count = 1
-    for n in shape:
-        count *= n
-    return count * BY_NAME[dtype].bits // 8

@@ -14,10 +14,10 @@ import bisect
 from typing import NamedTuple
 
 from ..dtypes import BY_NAME
+from ..indexmap import cut, flat_map, source_runs, volume
 from ..quant import get_format
 from ..errors import Diagnostic, RemapError
 from .model import Block, Compiled
-from .symbolic import cut
 
 # (exponent bits, mantissa bits) of the float types: a cast keeps every value iff neither shrinks
 _FLOAT_BITS = {"float64": (11, 52), "float32": (8, 23), "bfloat16": (8, 7), "float16": (5, 10),
@@ -75,14 +75,14 @@ def writers(compiled: Compiled, *, allow_lossy: bool = False, requantize: bool =
     for key, source in checked:  # the parts of a dequantized tensor: its values through it, scales copied
         if key in refused:
             continue  # E502 or E503 above
-        held = sum(_volume(w.block.sizes) for w in chosen.get(key, []))
+        held = sum(volume(w.block.sizes) for w in chosen.get(key, []))
         if key in compiled.dropped or not held:
             why = "is dropped by the rules" if key in compiled.dropped else "is read by no rule"
             problems.append(Diagnostic(code="E501", message=f"checkpoint tensor `{key}` {why}: no runtime "
                                        "tensor holds it", hint="the save writes back only what the load read"))
-        elif held != _volume(source.shape):
+        elif held != volume(source.shape):
             problems.append(Diagnostic(code="E501", message=f"checkpoint tensor `{key}` {list(source.shape)}: "
-                                       f"the runtime tensors hold {held} of its {_volume(source.shape)} "
+                                       f"the runtime tensors hold {held} of its {volume(source.shape)} "
                                        "elements (a `slice` left the rest out)",
                                        hint="the save writes back only what the load read"))
     if problems:
@@ -134,7 +134,7 @@ def _new_parts(block: Block, shape: tuple[int, ...], cover: _Covered) -> list[Bl
     the whole block, nothing (a tied embedding's second reader, a `repeat` copy), or, where it
     overlaps earlier blocks in part, its pieces cut in halves along its largest dim until each is
     all new or all covered."""
-    runs = _runs(block, shape)
+    runs, _ = source_runs(*flat_map(block, shape), block.sizes)
     size = sum(n for _, n in runs)
     seen = sum(cover.overlap(first, first + n) for first, n in runs)
     if seen == size:
@@ -151,24 +151,6 @@ def _new_parts(block: Block, shape: tuple[int, ...], cover: _Covered) -> list[Bl
         piece = cut(block, dim, offsets, offsets + n)
         parts.extend(_new_parts(piece, shape, cover))
     return parts
-
-
-def _runs(block: Block, shape: tuple[int, ...]) -> list[tuple[int, int]]:
-    """The block's source elements as (first, length) runs of the row-major flat index, merged."""
-    strides = [1] * len(shape)
-    for k in range(len(shape) - 2, -1, -1):
-        strides[k] = strides[k + 1] * shape[k + 1]
-    start = sum(t * b for t, b in zip(strides, block.base))
-    flat = [sum(strides[k] * block.coeff[k][j] for k in range(len(shape))) for j in range(len(block.sizes))]
-    moving = sorted((abs(t), j) for j, t in enumerate(flat) if block.sizes[j] > 1)
-    length, k = 1, 0
-    while k < len(moving) and moving[k][0] == length:
-        length *= block.sizes[moving[k][1]]
-        k += 1
-    firsts = [start + sum(min(0, flat[j]) * (block.sizes[j] - 1) for _, j in moving[:k])]
-    for t, j in reversed(moving[k:]):
-        firsts = [f + flat[j] * i for f in firsts for i in range(block.sizes[j])]
-    return [(f, length) for f in firsts]
 
 
 def _inverse_steps(steps, source_dtype: str) -> tuple[tuple, str | None]:
@@ -198,10 +180,3 @@ def _lossless(a: str, b: str) -> bool:
         return all(x <= y for x, y in zip(_FLOAT_BITS[a], _FLOAT_BITS[b]))
     kind_a, kind_b = BY_NAME[a], BY_NAME[b]
     return kind_a.kind == kind_b.kind and kind_a.kind in ("int", "uint") and kind_a.bits <= kind_b.bits
-
-
-def _volume(shape) -> int:
-    out = 1
-    for n in shape:
-        out *= n
-    return out

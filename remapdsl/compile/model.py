@@ -15,30 +15,11 @@ from typing import NamedTuple
 from pydantic import BaseModel, ConfigDict
 
 from ..errors import SpanField
+from ..indexmap import Block
 
 
 class _Frozen(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid")
-
-
-class Block(NamedTuple):
-    """The destination box [offsets, offsets + sizes) takes, at index x, element
-    `base + coeff . (x - offsets)` of tensor `source_key` (coeff: [source dim][dest dim]): a
-    checkpoint key, or the logical key of a tensor a `dequantize` made (`Compiled.logical`),
-    then its value `steps`: ("cast", dtype), ("scale", x) or ("add", x). A block without a key is
-    a fill with `fill`, never read.
-
-    A named tuple, not a model: a DeepSeek-V3-sized checkpoint compiles to ~10^5 blocks, and the
-    compiler's own ops build them; pydantic still checks and writes them as fields of RuntimeTensor.
-    """
-
-    offsets: tuple[int, ...]
-    sizes: tuple[int, ...]
-    source_key: str | None
-    base: tuple[int, ...] = ()
-    coeff: tuple[tuple[int, ...], ...] = ()
-    steps: tuple[tuple[str, str | float], ...] = ()
-    fill: float | None = None
 
 
 class RuntimeTensor(_Frozen):

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
-from .model import Block
+from ..indexmap import Block, advance, column, cut, volume
 
 
 _new = tuple.__new__  # a named tuple from a plain tuple, without its Python-level argument handling
@@ -23,7 +23,7 @@ class Sym(NamedTuple):
     blocks: tuple[Block, ...]
 
 
-class LayoutError(Exception):
+class OpError(Exception):
     """An op that does not fit the shapes it meets; the compiler locates it at the op."""
 
 
@@ -42,34 +42,13 @@ def source(ckpt_key: str, shape: tuple[int, ...], dtype: str) -> Sym:
 
 def _dim(dim: int, ndim: int, what: str = "dim") -> int:
     if not -ndim <= dim < ndim:
-        raise LayoutError(f"{what}={dim} is out of range for a {ndim}-d tensor")
+        raise OpError(f"{what}={dim} is out of range for a {ndim}-d tensor")
     return dim % ndim
 
 
 def _shift(b: Block, dim: int, delta: int) -> Block:
     offsets = b[0]
     return _new(Block, (offsets[:dim] + (offsets[dim] + delta,) + offsets[dim + 1:],) + b[1:])
-
-
-def _column(b: Block, dim: int) -> tuple[int, ...]:
-    return tuple(row[dim] for row in b.coeff)
-
-
-def _advance(base: tuple[int, ...], column: tuple[int, ...], by: int) -> tuple[int, ...]:
-    return tuple(x + c * by for x, c in zip(base, column))
-
-
-def cut(b: Block, dim: int, start: int, stop: int) -> Block | None:
-    """The part of a block inside [start, stop) along one destination dim, or None."""
-    lo, hi = max(b.offsets[dim], start), min(b.offsets[dim] + b.sizes[dim], stop)
-    if lo >= hi:
-        return None
-    offsets, sizes = list(b.offsets), list(b.sizes)
-    base = b.base
-    if b.source_key is not None:
-        base = _advance(b.base, _column(b, dim), lo - b.offsets[dim])
-    offsets[dim], sizes[dim] = lo, hi - lo
-    return b._replace(offsets=tuple(offsets), sizes=tuple(sizes), base=base)
 
 
 def narrow(t: Sym, dim: int, start: int, stop: int) -> Sym:
@@ -130,7 +109,7 @@ def unstack(t: Sym, dim: int) -> list[Sym]:
 def split(t: Sym, dim: int, sizes: tuple[int, ...]) -> list[Sym]:
     dim = _dim(dim, len(t.shape))
     if sum(sizes) != t.shape[dim]:
-        raise LayoutError(f"split sizes {list(sizes)} add up to {sum(sizes)}, but dim {dim} has "
+        raise OpError(f"split sizes {list(sizes)} add up to {sum(sizes)}, but dim {dim} has "
                           f"{t.shape[dim]}")
     out, at = [], 0
     for size in sizes:
@@ -142,7 +121,7 @@ def split(t: Sym, dim: int, sizes: tuple[int, ...]) -> list[Sym]:
 def chunk(t: Sym, dim: int, n: int) -> list[Sym]:
     dim = _dim(dim, len(t.shape))
     if t.shape[dim] % n:
-        raise LayoutError(f"dim {dim} of size {t.shape[dim]} does not divide into {n} equal parts")
+        raise OpError(f"dim {dim} of size {t.shape[dim]} does not divide into {n} equal parts")
     return split(t, dim, (t.shape[dim] // n,) * n)
 
 
@@ -152,7 +131,7 @@ def interleave(parts: list[Sym], dim: int, groups: int) -> Sym:
     _same_except(parts, dim, "interleave")
     for p in parts:
         if p.shape[dim] % groups:
-            raise LayoutError(f"dim {dim} of size {p.shape[dim]} does not divide into "
+            raise OpError(f"dim {dim} of size {p.shape[dim]} does not divide into "
                               f"{groups} groups")
     pieces = []
     for g in range(groups):
@@ -166,7 +145,7 @@ def deinterleave(t: Sym, dim: int, groups: int, parts: int) -> list[Sym]:
     """The inverse of interleave for parts of equal size."""
     dim = _dim(dim, len(t.shape))
     if t.shape[dim] % (groups * parts):
-        raise LayoutError(f"dim {dim} of size {t.shape[dim]} does not divide into {groups} groups "
+        raise OpError(f"dim {dim} of size {t.shape[dim]} does not divide into {groups} groups "
                           f"of {parts} parts")
     step = t.shape[dim] // (groups * parts)
     out = []
@@ -180,10 +159,10 @@ def deinterleave(t: Sym, dim: int, groups: int, parts: int) -> list[Sym]:
 def permute(t: Sym, dims: tuple[int, ...]) -> Sym:
     n = len(t.shape)
     if len(dims) != n:
-        raise LayoutError(f"permute needs {n} dims for a {n}-d tensor, got {len(dims)}")
+        raise OpError(f"permute needs {n} dims for a {n}-d tensor, got {len(dims)}")
     order = tuple(_dim(d, n) for d in dims)
     if sorted(order) != list(range(n)):
-        raise LayoutError(f"{list(dims)} is not a permutation of the {n} dims")
+        raise OpError(f"{list(dims)} is not a permutation of the {n} dims")
     blocks = tuple(b._replace(offsets=tuple(b.offsets[d] for d in order),
                               sizes=tuple(b.sizes[d] for d in order),
                               coeff=tuple(tuple(row[d] for d in order) for row in b.coeff))
@@ -205,7 +184,7 @@ def slice_(t: Sym, dim: int, start: int | None, stop: int | None) -> Sym:
     start = 0 if start is None else start
     stop = size if stop is None else stop
     if not 0 <= start < stop <= size:
-        raise LayoutError(f"slice [{start}, {stop}) is not inside dim {dim} of size {size}")
+        raise OpError(f"slice [{start}, {stop}) is not inside dim {dim} of size {size}")
     return narrow(t, dim, start, stop)
 
 
@@ -213,7 +192,7 @@ def pad(t: Sym, dim: int, to: int, value: float) -> Sym:
     dim = _dim(dim, len(t.shape))
     size = t.shape[dim]
     if to < size:
-        raise LayoutError(f"pad to {to} would shrink dim {dim} of size {size}")
+        raise OpError(f"pad to {to} would shrink dim {dim} of size {size}")
     shape = list(t.shape)
     shape[dim] = to
     blocks = list(t.blocks)
@@ -241,17 +220,17 @@ def value_step(t: Sym, step: tuple) -> Sym:
 def reshape(t: Sym, shape: tuple[int, ...]) -> Sym:
     """Any reshape of a contiguous tensor, as merges and splits of adjacent dims."""
     old = t.shape
-    numel = _prod(old)
+    numel = volume(old)
     if shape.count(-1) > 1:
-        raise LayoutError("a reshape may infer one size (-1), not several")
+        raise OpError("a reshape may infer one size (-1), not several")
     if -1 in shape:
-        known = _prod(s for s in shape if s != -1)
+        known = volume(s for s in shape if s != -1)
         if known == 0 or numel % known:
-            raise LayoutError(f"cannot reshape {list(old)} into {list(shape)}")
+            raise OpError(f"cannot reshape {list(old)} into {list(shape)}")
         shape = tuple(numel // known if s == -1 else s for s in shape)
-    if _prod(shape) != numel:
-        raise LayoutError(f"cannot reshape {list(old)} ({numel} elements) into {list(shape)} "
-                          f"({_prod(shape)} elements)")
+    if volume(shape) != numel:
+        raise OpError(f"cannot reshape {list(old)} ({numel} elements) into {list(shape)} "
+                          f"({volume(shape)} elements)")
     # Group old and new dims into runs of equal products; within a run, merge then split.
     result = t
     i = j = 0
@@ -288,7 +267,7 @@ def rope_permute(t: Sym, heads: int) -> Sym:
     """Per head, rows seen as [rows/2, 2] transposed to [2, rows/2] (Meta -> rotate-half)."""
     rows = t.shape[0]
     if rows % (2 * heads):
-        raise LayoutError(f"{rows} rows do not divide into {heads} heads of pairs")
+        raise OpError(f"{rows} rows do not divide into {heads} heads of pairs")
     rest = t.shape[1:]
     viewed = reshape(t, (heads, rows // heads // 2, 2) + rest)
     return reshape(transpose(viewed, 1, 2), (rows,) + rest)
@@ -297,22 +276,15 @@ def rope_permute(t: Sym, heads: int) -> Sym:
 # ---- helpers -------------------------------------------------------------------------------
 
 
-def _prod(values) -> int:
-    out = 1
-    for v in values:
-        out *= v
-    return out
-
-
 def _same_except(parts: list[Sym], dim: int | None, op: str) -> None:
     first = parts[0]
     for p in parts[1:]:
         if len(p.shape) != len(first.shape) or any(
                 a != b for k, (a, b) in enumerate(zip(p.shape, first.shape)) if k != dim):
-            raise LayoutError(f"{op} needs matching shapes{' outside dim ' + str(dim) if dim is not None else ''}: "
+            raise OpError(f"{op} needs matching shapes{' outside dim ' + str(dim) if dim is not None else ''}: "
                               f"{list(first.shape)} and {list(p.shape)}")
         if p.dtype != first.dtype:
-            raise LayoutError(f"{op} needs one dtype: {first.dtype} and {p.dtype}")
+            raise OpError(f"{op} needs one dtype: {first.dtype} and {p.dtype}")
 
 
 def _insert_unit(t: Sym, dim: int) -> Sym:
@@ -338,7 +310,7 @@ def _merge(t: Sym, dim: int) -> Sym:
     for b in t.blocks:
         a_off, a_size = b.offsets[dim], b.sizes[dim]
         b_off, b_size = b.offsets[dim + 1], b.sizes[dim + 1]
-        col_a, col_b = _column(b, dim), _column(b, dim + 1)
+        col_a, col_b = column(b, dim), column(b, dim + 1)
         whole_rows = b_off == 0 and b_size == inner
         affine = b.source_key is None or all(x == inner * y for x, y in zip(col_a, col_b))
         if whole_rows and affine:
@@ -346,7 +318,7 @@ def _merge(t: Sym, dim: int) -> Sym:
         else:  # one piece per row of the outer dim
             pieces = []
             for r in range(a_size):
-                base = _advance(b.base, col_a, r) if b.source_key is not None else b.base
+                base = advance(b.base, col_a, r) if b.source_key is not None else b.base
                 pieces.append(((a_off + r) * inner + b_off, b_size, base))
         for offset, size, base in pieces:
             blocks.append(b._replace(
@@ -360,7 +332,7 @@ def _merge(t: Sym, dim: int) -> Sym:
 def _split(t: Sym, dim: int, sizes: tuple[int, ...]) -> Sym:
     """Split dim into several dims of the given sizes (their product is the dim's size)."""
     if len(sizes) > 2:
-        return _split(_split(t, dim, (sizes[0], _prod(sizes[1:]))), dim + 1, sizes[1:])
+        return _split(_split(t, dim, (sizes[0], volume(sizes[1:]))), dim + 1, sizes[1:])
     outer, inner = sizes
     blocks: list[Block] = []
     for b in t.blocks:
@@ -371,15 +343,15 @@ def _split(t: Sym, dim: int, sizes: tuple[int, ...]) -> Sym:
             if lo >= hi:
                 continue
             piece = cut(b, dim, lo, hi)
-            column = _column(piece, dim)
+            col = column(piece, dim)
             if lo % inner == 0 and hi % inner == 0:
                 offsets = (lo // inner, 0)
                 psizes = ((hi - lo) // inner, inner)
-                new_cols = (tuple(c * inner for c in column), column)
+                new_cols = (tuple(c * inner for c in col), col)
             else:  # inside one row
                 offsets = (lo // inner, lo % inner)
                 psizes = (1, hi - lo)
-                new_cols = (tuple(0 for _ in column), column)
+                new_cols = (tuple(0 for _ in col), col)
             coeff = tuple(r[:dim] + (new_cols[0][k], new_cols[1][k]) + r[dim + 1:]
                           for k, r in enumerate(piece.coeff))
             blocks.append(piece._replace(

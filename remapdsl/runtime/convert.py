@@ -20,6 +20,7 @@ from pydantic import BaseModel, ConfigDict
 
 from ..errors import Diagnostic, RemapError
 from ..gcpause import paused_gc
+from ..indexmap import nbytes
 
 
 class ConvertReport(BaseModel):
@@ -80,8 +81,8 @@ def _convert(src, dst: Path, rules, reverse, like, max_shard_bytes, budget_bytes
     else:
         layout = new_layout(str(dst), {k: (d.dtype, d.shape) for k, d in destinations.items()}, max_shard_bytes)
         out_inventory, headers, index, copy_from = layout.inventory, layout.headers, layout.index, checkpoint.root
-    mine = _share(sorted(destinations), lambda k: _nbytes(destinations[k]), rank, world)
-    total, done, written = sum(_nbytes(destinations[k]) for k in mine), 0, 0
+    mine = _share(sorted(destinations), lambda k: _size(destinations[k]), rank, world)
+    total, done, written = sum(_size(destinations[k]) for k in mine), 0, 0
     logical = compiled.logical_by_key()
 
     def work(writer) -> None:
@@ -91,7 +92,7 @@ def _convert(src, dst: Path, rules, reverse, like, max_shard_bytes, budget_bytes
         try:
             if reverse and rank == 0:
                 copy_tensors(copied_parts(compiled), scales, writer)
-            for batch in _batches(mine, lambda k: _nbytes(destinations[k]), budget_bytes):
+            for batch in _batches(mine, lambda k: _size(destinations[k]), budget_bytes):
                 tensors = compiled.empty_state_dict(batch)
                 whole = {k: whole_shard(tuple(t.shape)) for k, t in tensors.items()}
                 if reverse:  # runtime tensors read whole from src, written through the save direction
@@ -159,10 +160,5 @@ def _batches(keys: list[str], size, budget: int) -> list[list[str]]:
     return [b for b in out if b]
 
 
-def _nbytes(d) -> int:
-    from ..dtypes import BY_NAME
-
-    count = 1
-    for n in d.shape:
-        count *= n
-    return count * BY_NAME[d.dtype].bits // 8
+def _size(t) -> int:
+    return nbytes(t.dtype, t.shape)

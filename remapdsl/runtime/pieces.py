@@ -51,13 +51,3 @@ def apply_steps(values: torch.Tensor, steps) -> torch.Tensor:
         else:
             values = (values.float() + value).to(values.dtype)
     return values
-
-
-def dense(strides: list[int], sizes: tuple[int, ...]) -> bool:
-    """Whether element strides describe one contiguous row-major run of the given sizes."""
-    expected = 1
-    for t, n in zip(reversed(strides), reversed(sizes)):
-        if n != 1 and t != expected:
-            return False
-        expected *= n
-    return True

@@ -20,7 +20,8 @@ import torch
 from ..checkpoint import CheckpointReader, Inventory
 from ..sharding.plans import DecodeItem, LoadPlan, ReadItem
 from . import pieces
-from .pieces import apply_steps, dense, read_part, region, torch_dtype
+from ..indexmap import is_row_major
+from .pieces import apply_steps, read_part, region, torch_dtype
 
 
 def run_load_plan(plan: LoadPlan, inventory: Inventory, tensors: Mapping[str, torch.Tensor],
@@ -59,7 +60,7 @@ def _batches(items, tensors) -> list[list[tuple[ReadItem, torch.Tensor, bool]]]:
         view = tensor[tuple(slice(o, o + s) for o, s in zip(item.local_offsets, item.sizes))]
         direct = (item.ckpt_key is not None and len(item.runs) == 1 and not item.steps
                   and view.dtype == torch_dtype(item.dtype) and view.is_contiguous()
-                  and view.device.type == "cpu" and dense(item.strides, item.sizes))
+                  and view.device.type == "cpu" and is_row_major(item.strides, item.sizes))
         if direct and end_of == (item.file, item.runs[0][0], view.data_ptr()):
             out[-1].append((item, view, True))
         else:
@@ -113,7 +114,7 @@ def _run_decode(unit: _Decode, reader: CheckpointReader) -> torch.Tensor | None:
     dtype = torch_dtype(item.dtype)
     covers = tuple((p.offsets, p.sizes) for p in item.parts)
     in_place = (view.device.type == "cpu" and view.dtype == dtype and not item.steps and item.offset == 0
-                and tuple(item.box[1]) == tuple(item.sizes) and dense(item.strides, item.sizes))
+                and tuple(item.box[1]) == tuple(item.sizes) and is_row_major(item.strides, item.sizes))
     out = view if in_place else torch.empty(item.box[1], dtype=dtype)
     get_format(item.format).decode(parts, item.box, covers, dict(item.params), out)
     if in_place:

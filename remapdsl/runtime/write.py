@@ -17,7 +17,8 @@ from ..checkpoint import CheckpointReader
 from ..checkpoint.reader import as_byte_view
 from ..errors import Diagnostic, RemapError
 from ..sharding.plans import DecodeItem, WritePlan
-from .pieces import apply_steps, dense, read_part, region, torch_dtype
+from ..indexmap import is_row_major
+from .pieces import apply_steps, read_part, region, torch_dtype
 
 
 def run_write_plan(plan: WritePlan, writer, tensors: Mapping[str, torch.Tensor], threads: int = 2,
@@ -36,7 +37,7 @@ def run_write_plan(plan: WritePlan, writer, tensors: Mapping[str, torch.Tensor],
                 return
             dtype = torch_dtype(item.dtype)
             if (len(item.runs) == 1 and not item.steps and view.dtype == dtype and view.device.type == "cpu"
-                    and view.is_contiguous() and dense(item.strides, item.sizes)):  # straight from memory
+                    and view.is_contiguous() and is_row_major(item.strides, item.sizes)):  # straight from memory
                 writer.write_at(item.file, item.runs[0][0], as_byte_view(view))
                 return
             nbytes = sum(n for _, n in item.runs)

@@ -20,6 +20,7 @@ from typing import Annotated, Any, Literal, NamedTuple
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from ..errors import Diagnostic, RemapError, did_you_mean
+from ..indexmap import Box
 
 
 class LayoutError(RemapError):
@@ -131,13 +132,6 @@ class Mesh(_Frozen):
 
 
 # --------------------------------------------------------------------------------------- the arithmetic
-
-
-class Box(NamedTuple):
-    """A region of a tensor, [offsets, offsets + sizes), in plain ints."""
-
-    offsets: tuple[int, ...]
-    sizes: tuple[int, ...]
 
 
 class LocalShard(NamedTuple):

@@ -16,8 +16,9 @@ from typing import NamedTuple
 from pydantic import BaseModel, ConfigDict
 
 from ..checkpoint import Inventory
-from ..compile.model import Block, Compiled
+from ..compile.model import Compiled
 from ..dtypes import BY_NAME
+from ..indexmap import Block, flat_map, intersect, row_major_strides, source_runs, volume
 from .placements import LocalShard
 
 
@@ -109,7 +110,7 @@ def make_load_plan(compiled: Compiled, inventory: Inventory, held: Mapping[str, 
             if d.grid:
                 _check_grid(d, box, rank)
             for block in d.blocks:
-                piece = _intersect(block, box.offsets, box.sizes)
+                piece = intersect(block, box.offsets, box.sizes)
                 if piece is None:
                     continue
                 local = tuple(lo + o - bo for lo, o, bo in zip(local_offsets, piece.offsets, box.offsets))
@@ -121,7 +122,7 @@ def make_load_plan(compiled: Compiled, inventory: Inventory, held: Mapping[str, 
     decodes.sort(key=lambda i: (i.parts[0].file, i.parts[0].runs[0][0] if i.parts[0].runs else -1,
                                 i.runtime_key, i.local_offsets))
     nbytes = sum(n for i in items for _, n in i.runs)
-    owned = sum(_volume(i.sizes) * BY_NAME[i.dtype].bits // 8 for i in items if i.ckpt_key)
+    owned = sum(volume(i.sizes) * BY_NAME[i.dtype].bits // 8 for i in items if i.ckpt_key)
     values = sum(n for i in decodes for _, n in i.parts[0].runs)
     scales = sum(n for i in decodes for p in i.parts[1:] for _, n in p.runs)
     owned += sum(_owned_values(i, logical[i.logical], inventory) for i in decodes)
@@ -144,7 +145,7 @@ def _decode_item(runtime_key: str, local: tuple[int, ...], piece: Block, source,
             c = piece.coeff[k][j]
             low[k] += min(0, c * (n - 1))
             size[k] += abs(c) * (n - 1)
-    row_major = _row_major(size)
+    row_major = row_major_strides(size)
     strides = tuple(sum(piece.coeff[k][j] * row_major[k] for k in range(rank)) for j in range(len(piece.sizes)))
     offset = sum((b - lo) * t for b, lo, t in zip(piece.base, low, row_major))
     fmt = get_format(source.format)
@@ -155,9 +156,9 @@ def _decode_item(runtime_key: str, local: tuple[int, ...], piece: Block, source,
     reads = []
     for info, view, (offsets, sizes) in zip(infos, fmt.views(parts, params), fmt.cover(box, parts, params)):
         itemsize = BY_NAME[info.dtype].bits // 8
-        view_major = _row_major(view)
+        view_major = row_major_strides(view)
         start = sum(o * t for o, t in zip(offsets, view_major))
-        runs, _ = _source_runs(start, list(view_major), tuple(sizes))
+        runs, _ = source_runs(start, list(view_major), tuple(sizes))
         reads.append(PartRead(info.ckpt_key, info.file, info.dtype, tuple(offsets), tuple(sizes),
                               tuple((info.byte_offset + first * itemsize, length * itemsize)
                                     for first, length in runs),
@@ -185,31 +186,7 @@ def _check_grid(d, box, rank: int) -> None:
 def _owned_values(item: DecodeItem, source, inventory: Inventory) -> int:
     """Bytes of packed values behind the piece's elements (a 4-bit format: half a byte each)."""
     values = inventory.tensors[source.parts[0]]
-    return -(-_volume(item.sizes) * values.nbytes // max(1, _volume(source.shape)))
-
-
-def _row_major(shape) -> list[int]:
-    strides = [1] * len(shape)
-    for k in range(len(shape) - 2, -1, -1):
-        strides[k] = strides[k + 1] * shape[k + 1]
-    return strides
-
-
-def _intersect(block: Block, offsets, sizes) -> Block | None:
-    """The part of a block inside the box [offsets, offsets + sizes), re-based: one pass over the
-    dims (the compiler's `cut`, all dims at once)."""
-    low, size = [], []
-    for o, n, start, extent in zip(block.offsets, block.sizes, offsets, sizes):
-        lo, hi = max(o, start), min(o + n, start + extent)
-        if lo >= hi:
-            return None
-        low.append(lo)
-        size.append(hi - lo)
-    moved = [lo - o for lo, o in zip(low, block.offsets)]
-    base = block.base
-    if block.source_key is not None and any(moved):
-        base = tuple(b + sum(c * m for c, m in zip(row, moved)) for b, row in zip(block.base, block.coeff))
-    return Block(tuple(low), tuple(size), block.source_key, base, block.coeff, block.steps, block.fill)
+    return -(-volume(item.sizes) * values.nbytes // max(1, volume(source.shape)))
 
 
 def _item(runtime_key: str, local: tuple[int, ...], piece: Block, inventory: Inventory) -> ReadItem:
@@ -217,48 +194,28 @@ def _item(runtime_key: str, local: tuple[int, ...], piece: Block, inventory: Inv
         return ReadItem(runtime_key, local, piece.sizes, None, None, None, (), (), piece.steps, piece.fill)
     info = inventory.tensors[piece.source_key]
     itemsize = BY_NAME[info.dtype].bits // 8
-    shape = tuple(info.shape)
-    row_major = [1] * len(shape)
-    for k in range(len(shape) - 2, -1, -1):
-        row_major[k] = row_major[k + 1] * shape[k + 1]
-    start = sum(s * b for s, b in zip(row_major, piece.base))
-    flat = [sum(row_major[k] * piece.coeff[k][j] for k in range(len(shape))) for j in range(len(piece.sizes))]
-    runs, strides = _source_runs(start, flat, piece.sizes)
+    start, flat = flat_map(piece, tuple(info.shape))
+    runs, strides = source_runs(start, flat, piece.sizes)
     return ReadItem(runtime_key, local, piece.sizes, piece.source_key, info.file, info.dtype,
                     tuple((info.byte_offset + first * itemsize, length * itemsize) for first, length in runs),
                     strides, piece.steps, None, info.byte_offset + start * itemsize, tuple(flat))
 
 
-def _source_runs(start: int, flat: list[int], sizes: tuple[int, ...]):
-    """Contiguous runs of source elements (first, length) in ascending order, and each destination
-    dim's stride into their concatenation. Dims are taken by ascending source stride: the inner
-    ones that continue a contiguous run merge into it; each remaining dim multiplies the runs."""
-    moving = sorted((abs(t), j) for j, t in enumerate(flat) if sizes[j] > 1)
-    if any(flat[j] < 0 for _, j in moving):  # no op of the language reverses a dim today
-        raise NotImplementedError("negative source strides")
-    length, k = 1, 0
-    while k < len(moving) and moving[k][0] == length:
-        length *= sizes[moving[k][1]]
-        k += 1
-    outer = moving[k:]  # ascending stride: the last is the outermost
-    strides = [0] * len(sizes)
-    for t, j in moving[:k]:
-        strides[j] = t
-    step = length
-    for t, j in outer:
-        strides[j] = step
-        step *= sizes[j]
-    firsts = [start]
-    for t, j in reversed(outer):  # outermost first, so runs come out in ascending source order
-        firsts = [f + t * i for f in firsts for i in range(sizes[j])]
-    return [(f, length) for f in firsts], tuple(strides)
+class WriteItem(NamedTuple):
+    """One piece of a runtime tensor written back: the local region [local_offsets, local_offsets +
+    sizes) of `runtime_key`, through `steps` (the load's value steps undone) into `dtype`, laid out
+    by `strides` (element strides into the concatenation of `runs`) over the byte `runs` of `file`
+    where checkpoint tensor `ckpt_key` keeps those elements."""
 
-
-def _volume(sizes) -> int:
-    out = 1
-    for s in sizes:
-        out *= s
-    return out
+    runtime_key: str
+    local_offsets: tuple[int, ...]
+    sizes: tuple[int, ...]
+    ckpt_key: str
+    file: str
+    dtype: str
+    runs: tuple[tuple[int, int], ...]
+    strides: tuple[int, ...]
+    steps: tuple[tuple[str, str | float], ...]
 
 
 class WritePlan(BaseModel):
@@ -269,8 +226,8 @@ class WritePlan(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid")
 
     rank: int
-    items: tuple[ReadItem, ...]
-    encodes: tuple[DecodeItem, ...] = ()  # pieces of dequantized tensors, written back with their scales
+    items: tuple[WriteItem, ...]
+    encodes: tuple[DecodeItem, ...] = ()  # pieces of dequantized tensors (as a load decodes them), encoded back
     requantize: bool = False  # the encodes compute new scales (and write them) instead of the stored ones
     bytes_written: int
     files: tuple[str, ...]
@@ -283,7 +240,7 @@ def make_write_plan(writers, inventory: Inventory, owned: Mapping[str, LocalShar
     values part's runs are where it is written, its scales' runs where the stored scales are read."""
     from ..errors import Diagnostic, RemapError
 
-    items: list[ReadItem] = []
+    items: list[WriteItem] = []
     encodes: list[DecodeItem] = []
     logical = logical or {}
     for w in writers:
@@ -291,16 +248,17 @@ def make_write_plan(writers, inventory: Inventory, owned: Mapping[str, LocalShar
         if shard is None:
             continue
         for box, local_offsets in zip(shard.boxes, shard.local_offsets):
-            piece = _intersect(w.block, box.offsets, box.sizes)
+            piece = intersect(w.block, box.offsets, box.sizes)
             if piece is None:
                 continue
             local = tuple(lo + o - bo for lo, o, bo in zip(local_offsets, piece.offsets, box.offsets))
             piece = piece._replace(steps=w.steps)
             if piece.source_key not in logical:
-                items.append(_item(w.runtime_key, local, piece, inventory))
+                read = _item(w.runtime_key, local, piece, inventory)
+                items.append(WriteItem(*read[:7], read.strides, read.steps))
                 continue
             item = _decode_item(w.runtime_key, local, piece, logical[piece.source_key], inventory)
-            if item.offset or _volume(item.box[1]) != _volume(item.sizes):
+            if item.offset or volume(item.box[1]) != volume(item.sizes):
                 raise RemapError(Diagnostic(code="E503", message=f"`{w.runtime_key}` holds a strided part of "
                                             f"`{piece.source_key}`: it cannot be written back in its format"))
             encodes.append(item)
