@@ -2,7 +2,7 @@
 
 Three measurements, each alone with its flag (none given: all three). Every figure is set beside a
 baseline timed in the same run; timed modes run in fresh processes, interleaved, 5 rounds (median),
-and each child warms the checkpoint files with `cat` right before each timing (FIELD_NOTES §5).
+and each child warms the checkpoint files with `cat` right before each timing (a cold page cache on these VMs reads at a fraction of memory speed).
 Each remapdsl (and DCP) child loads twice: the process's first call is the figure, and it includes
 remapdsl's one-off costs (building the rule grammar's parser, mostly); the second call, into the
 same destinations after warming the files again, is shown beside it.
@@ -374,7 +374,7 @@ def shard_range(length: int, world: int, rank: int) -> tuple[int, int]:
 
 
 def evict(files: list[str]) -> None:
-    """Drop these files' pages from the page cache (never a global drop_caches: FIELD_NOTES §5)."""
+    """Drop these files' pages from the page cache (never a global drop_caches: other jobs share the machine)."""
     for path in files:
         fd = os.open(path, os.O_RDONLY)
         try:

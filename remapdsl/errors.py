@@ -108,13 +108,6 @@ class CheckpointError(RemapError):
     """A checkpoint folder, index or safetensors header is malformed (E3xx)."""
 
 
-def raise_all(diagnostics: Iterable[Diagnostic], kind: type[RemapError] = RemapError) -> None:
-    """Raise one error carrying every diagnostic, if there are any."""
-    found = tuple(diagnostics)
-    if found:
-        raise kind(found)
-
-
 def suggest(word: str, choices: Iterable[str]) -> str | None:
     """The closest of choices to a misspelled word, or None when nothing is close."""
     match = difflib.get_close_matches(word, list(choices), n=1, cutoff=0.6)

@@ -46,7 +46,7 @@ def held(shape, mesh, placements, rank):
     return local_boxes(shape, mesh.sizes, placements, mesh.coordinate(rank))
 
 
-# ------------------------------------------------------------------------------ FIELD_NOTES §4 examples
+# ------------------------------------------------------------------- worked examples of DTensor placements
 
 
 @pytest.mark.parametrize(("length", "n", "sizes"), [(5, 4, [2, 2, 1, 0]), (4, 3, [2, 2, 0]), (8, 2, [4, 4])])
@@ -269,7 +269,7 @@ def _chunks(indices, n):
 
 
 def oracle_indices(shape, mesh_shape, placements, coordinate):
-    """Per tensor dim, the held global indices as a Python list (FIELD_NOTES §4's recipe), and whether
+    """Per tensor dim, the held global indices as a Python list (the recipe of torch's placement docs, index by index), and whether
     every _StridedShard split was even across its mesh dim (torch 2.13 asserts otherwise)."""
     held, even = [list(range(n)) for n in shape], True
     for p, n, c in zip(placements, mesh_shape, coordinate):
@@ -361,7 +361,7 @@ def _length(rng):
 
 def dtensor_cases(world, count, seed):
     """Random (shape, mesh shape, placements) with every _StridedShard even enough for torch 2.13, plus
-    the FIELD_NOTES examples."""
+    the worked examples above."""
     rng = random.Random(seed)
     cases = [((8, 3), (2, 2), (SS(0, 2), S(0))), ((8, 3), (2, 2), (SS(0, 2), R))] if world == 4 else []
     cases += [((5, 3), (world,), (S(0),)), ((2, 8), (world,), (SS(1, 2),))]

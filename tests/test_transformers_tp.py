@@ -8,7 +8,7 @@ transformers' bit for bit. The same shards are also checked against the single-p
 sliced by torch's ``distribute_tensor``, so a disagreement says which side is wrong.
 
 transformers is wrong for converters that split or permute a fused tensor along the sharded dim
-(FIELD_NOTES §6), so the fused Llama layout (rules/llama_fused.remap: grouped qkv, gate/up block
+(transformers' TP loading shards the fused checkpoint tensor, not each part), so the fused Llama layout (rules/llama_fused.remap: grouped qkv, gate/up block
 interleave) is checked against expectations computed independently with torch ops instead.
 
 One spawn runs every case (importing transformers in each rank is most of the cost); each case's
@@ -58,7 +58,7 @@ LLAMA_FUSED = "llama_fused_tp2"
 def _worker(rank: int, port: int, jobs: dict, out: str) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), LOCAL_RANK=str(rank),
                       WORLD_SIZE=str(WORLD))
-    torch.manual_seed(0)  # identical on every rank (FIELD_NOTES §6)
+    torch.manual_seed(0)  # identical on every rank: each builds the same random model
     dist.init_process_group("gloo", rank=rank, world_size=WORLD, timeout=datetime.timedelta(seconds=60))
     try:
         _allow_tp_without_accelerate()

@@ -87,11 +87,6 @@ class TensorInfo(BaseModel):
             )
 
     @property
-    def dtype_info(self) -> DType:
-        """The dtype's table row (safetensors code, bits, kind)."""
-        return BY_NAME[self.dtype]
-
-    @property
     def numel(self) -> int:
         return math.prod(self.shape)
 

@@ -1,6 +1,7 @@
 """A tensor's placement on a device mesh -> the boxes of the global tensor this rank holds.
 
-Placements follow torch DTensor exactly (FIELD_NOTES §4): per tensor dim, start from every index,
+Placements follow torch DTensor exactly (torch.distributed.tensor's placement docs and
+`_StridedShard`): per tensor dim, start from every index,
 narrow the held set by each mesh dim's placement left to right (`Shard`: torch.chunk, uneven and
 empty shards included; `StridedShard`: torch's `_StridedShard`), take the Cartesian product over
 dims and split it into maximal contiguous runs, one box per run product. A non-contiguous set is
