@@ -14,6 +14,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 import remapdsl
+from remapdsl import language, sharding
 
 EXIT_OK, EXIT_DIFFERS, EXIT_USER_ERROR, EXIT_BUG = 0, 1, 2, 3
 
@@ -168,8 +169,8 @@ def _against_checkpoint(rules, folder: str) -> str:
 def _fmt(args: argparse.Namespace) -> int:
     differs = False
     for name in args.files:
-        rules = remapdsl.language.parse_file(name)
-        canonical = remapdsl.language.format_rules(rules)
+        rules = language.parse_file(name)
+        canonical = language.format_rules(rules)
         if canonical == rules.source:
             continue
         differs = True
@@ -201,8 +202,8 @@ def _plan(args: argparse.Namespace) -> int:
     rules = remapdsl.load_rules(args.rules)
     inventory = remapdsl.open_checkpoint(args.checkpoint)
     compiled = remapdsl.compile_rules(rules, inventory)
-    mesh = remapdsl.sharding.parse_mesh(args.mesh)
-    layout = remapdsl.sharding.read_layout(args.layout)
+    mesh = sharding.parse_mesh(args.mesh)
+    layout = sharding.read_layout(args.layout)
     ranks = [args.rank] if args.rank is not None else range(mesh.size)
     total_read = total_owned = total_scales = 0
     for rank in ranks:
@@ -253,8 +254,6 @@ def _size(text: str, option: str) -> int:
 def _convert(args: argparse.Namespace) -> int:
     import os
 
-    from .runtime.convert import convert
-
     started = _join_torchrun()
     try:
         rank = int(os.environ.get("RANK", "0"))
@@ -264,9 +263,9 @@ def _convert(args: argparse.Namespace) -> int:
             if tty:
                 print(f"\rconverting: {done / 1e9:.2f} of {total / 1e9:.2f} GB", end="", file=sys.stderr, flush=True)
 
-        report = convert(args.src, args.dst, args.rules, reverse=args.reverse, like=args.like,
-                         max_shard_bytes=_size(args.max_shard_size, "--max-shard-size"),
-                         budget_bytes=_size(args.memory, "--memory"), overwrite=args.overwrite, progress=progress)
+        report = remapdsl.convert(args.src, args.dst, args.rules, reverse=args.reverse, like=args.like,
+                                  max_shard_bytes=_size(args.max_shard_size, "--max-shard-size"),
+                                  budget_bytes=_size(args.memory, "--memory"), overwrite=args.overwrite, progress=progress)
         if tty:
             print(file=sys.stderr)
         if rank == 0:
@@ -307,7 +306,7 @@ def _ir(args: argparse.Namespace) -> int:
         statements = rules.statements
         payload = rules.model_dump_json(indent=2) if args.json else None
     else:
-        parsed = remapdsl.language.parse_file(args.file)
+        parsed = language.parse_file(args.file)
         statements = parsed.statements
         payload = parsed.model_dump_json(indent=2) if args.json else None
     if payload is not None:

@@ -1,0 +1,106 @@
+"""The package's layers stay true: every module imports only from its own layer or the ones below it,
+nothing imports the command line, and no module grows past the size the style allows.
+
+Read from the source with `ast` (every import, lazy ones inside functions included), so a layer
+violation fails here even when no test happens to execute the import.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+PACKAGE = Path(__file__).resolve().parent.parent / "remapdsl"
+
+# Lowest first. A module may import from its own layer and from the layers before it.
+LAYERS = (
+    ("base", ("remapdsl.errors", "remapdsl.dtypes", "remapdsl.params", "remapdsl.gcpause", "remapdsl.indexmap")),
+    ("quant", ("remapdsl.quant",)),
+    ("language", ("remapdsl.language",)),
+    ("checkpoint", ("remapdsl.checkpoint",)),
+    ("compile", ("remapdsl.compile",)),
+    ("sharding", ("remapdsl.sharding",)),
+    ("runtime", ("remapdsl.runtime",)),
+    ("api", ("remapdsl",)),
+    ("cli", ("remapdsl.cli", "remapdsl.__main__")),
+)
+MAX_LINES = 500
+
+
+def _modules() -> dict[str, Path]:
+    out = {}
+    for path in sorted(PACKAGE.rglob("*.py")):
+        parts = path.relative_to(PACKAGE.parent).with_suffix("").parts
+        name = ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+        out[name] = path
+    return out
+
+
+def _layer(module: str) -> int:
+    """The index of the layer a module belongs to: the longest prefix that names it."""
+    best, found = -1, None
+    for index, (_, prefixes) in enumerate(LAYERS):
+        for prefix in prefixes:
+            if (module == prefix or module.startswith(prefix + ".")) and len(prefix) > best:
+                best, found = len(prefix), index
+    assert found is not None, f"{module} belongs to no layer: add it to LAYERS"
+    return found
+
+
+def _imports(module: str, path: Path) -> list[tuple[str, int]]:
+    """Every remapdsl module this module imports, with the line: absolute, relative, `from x import y`
+    where y is a module."""
+    package = module if path.name == "__init__.py" else module.rpartition(".")[0]
+    known = _modules()
+    found = []
+    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+        if isinstance(node, ast.Import):
+            found += [(a.name, node.lineno) for a in node.names if a.name.split(".")[0] == "remapdsl"]
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = package.split(".")[: len(package.split(".")) - node.level + 1]
+                target = ".".join(base + ([node.module] if node.module else []))
+            else:
+                target = node.module or ""
+            if target.split(".")[0] != "remapdsl":
+                continue
+            subs = [f"{target}.{a.name}" for a in node.names if f"{target}.{a.name}" in known]
+            found += [(t, node.lineno) for t in subs] or [(target, node.lineno)]
+    return found
+
+
+def test_every_import_flows_down_the_layers():
+    problems = []
+    for module, path in _modules().items():
+        mine = _layer(module)
+        for target, line in _imports(module, path):
+            theirs = _layer(target)
+            if theirs > mine:
+                problems.append(f"{path.relative_to(PACKAGE.parent)}:{line}: {module} ({LAYERS[mine][0]}) "
+                                f"imports {target} ({LAYERS[theirs][0]}), a layer above it")
+    assert not problems, "\n".join(problems)
+
+
+def test_nothing_imports_the_command_line():
+    users = [f"{module} imports {target}" for module, path in _modules().items()
+             if _layer(module) != len(LAYERS) - 1
+             for target, _ in _imports(module, path) if _layer(target) == len(LAYERS) - 1]
+    assert not users
+
+
+def test_the_checker_sees_a_violation(tmp_path):
+    """The walk above reads relative imports the way Python resolves them (so it can fail)."""
+    path = tmp_path / "probe.py"
+    path.write_text("def f():\n    from ..runtime import dist\n    from . import ir\n", encoding="utf-8")
+    found = dict(_imports("remapdsl.language.probe", path))
+    assert "remapdsl.runtime.dist" in found and "remapdsl.language.ir" in found
+    assert _layer("remapdsl.runtime.dist") > _layer("remapdsl.language.probe")
+
+
+@pytest.mark.parametrize("module", sorted(_modules()))
+def test_modules_stay_small(module):
+    path = _modules()[module]
+    lines = path.read_text(encoding="utf-8").count("\n")
+    assert lines <= MAX_LINES, f"{path.relative_to(PACKAGE.parent)} has {lines} lines: split it by job"
