@@ -37,14 +37,7 @@ class ConvertReport(BaseModel):
 def convert(src, dst, rules, *, reverse: bool = False, like=None, max_shard_bytes: int = 5 * 10**9,
             budget_bytes: int = 1 << 30, overwrite: bool = False,
             progress: Callable[[int, int], None] | None = None) -> ConvertReport:
-    """Convert checkpoint `src` into `dst` through `rules` (see the module docstring).
-
-    Args:
-        reverse: `src` is in the runtime layout; write `like`'s layout (required then).
-        max_shard_bytes: forward only: start a new output file past this size.
-        budget_bytes: runtime tensors held at once by a rank (a larger tensor is held alone).
-        progress: called with (bytes done, bytes in all) on this rank after each batch.
-    """
+    """Convert checkpoint `src` into `dst` through `rules`; the arguments are `remapdsl.convert`'s."""
     with paused_gc():
         return _convert(src, Path(dst).absolute(), rules, reverse, like, max_shard_bytes, budget_bytes,
                         overwrite, progress)

@@ -36,22 +36,7 @@ class SaveReport(BaseModel):
 
 def save(state_dict, folder, rules, *, like=None, config: Mapping[str, Any] | None = None, layout=None, mesh=None,
          overwrite: bool = False, allow_lossy: bool = False, requantize: bool = False) -> SaveReport:
-    """Write runtime tensors back to the checkpoint layout `like` through the rules that load it.
-
-    Args:
-        state_dict: a state dict (runtime key -> tensor) or a torch.nn.Module; DTensors are written per
-            their placements, plain tensors are whole or this rank's shard under `layout`.
-        folder: the output checkpoint folder (created; it must not exist unless `overwrite`).
-        rules: a .remap file path (or a RuleSet): the rules that load `like` into `state_dict`'s layout.
-        like: the checkpoint (folder or Inventory) whose keys, files, headers and index the output
-            takes: an unchanged model saves to byte-identical files.
-        config: the model config; by default `like`'s config.json.
-        layout, mesh: as for `remapdsl.load`.
-        overwrite: replace an existing folder (only once the new one is complete).
-        allow_lossy: write back tensors that the rules read through a cast that loses values.
-        requantize: write dequantized tensors with new scales computed from their values (fp8_block:
-            amax / 448 per block), not the stored ones; each block must be whole on one rank.
-    """
+    """Write runtime tensors back to the checkpoint layout `like`; the arguments are `remapdsl.save`'s."""
     if like is None:
         from ..errors import Diagnostic, RemapError
 
