@@ -1,5 +1,10 @@
-"""Quantized formats decoded with numpy, written from the formats' definitions (FIELD_NOTES §2),
-independently of remapdsl/quant: the oracle of tests/test_quantized.py.
+"""Quantized formats decoded with numpy, written from the formats' public definitions, independently
+of remapdsl/quant: the oracle of tests/test_quantized.py.
+
+The definitions: E4M3 as OCP's 8-bit floating point gives it; E8M0 scales and E2M1 elements as the
+OCP Microscaling (MX) Formats Specification v1.0 gives them (MXFP4: 32 elements a scale); NVFP4 as
+NVIDIA describes it (16 E2M1 elements an E4M3 scale, one F32 scale a tensor); block FP8 as the
+DeepSeek-V3 release stores it (an F32 scale per `weight_block_size` block, multiplied).
 
 Products are taken in float64 (exact for every format here: at most 4 + 4 + 24 significant bits),
 rounded once to float32, then cast to the logical dtype by torch (round to nearest even). Random

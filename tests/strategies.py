@@ -19,6 +19,7 @@ import re
 from hypothesis import strategies as st
 
 from remapdsl.language import ir
+from remapdsl.quant.builtin import BUILTIN_FORMATS
 
 STATEMENT_KEYWORDS = ("remap", "let", "drop", "keep", "dequantize", "include", "macro",
                       "optional", "otherwise")
@@ -57,7 +58,8 @@ identifiers = st.one_of(
 ).filter(lambda name: ir.identifier_problem(name) is None
          and name not in AVOIDED["statement_keyword_names"])
 
-macro_names = identifiers.filter(lambda name: name not in ir.OPS_BY_NAME)
+macro_names = identifiers.filter(lambda name: name not in ir.RESERVED_NAMES)
+format_names = identifiers.filter(lambda name: name not in ir.OPS_BY_NAME)  # the parser takes any other
 
 # One segment of key text: letters, digits, `_`.
 _INTERESTING_WORDS = (
@@ -240,14 +242,13 @@ capture_types = st.dictionaries(
 
 
 @st.composite
-def builtin_ops(draw, cls: type[ir.Op], trivia: st.SearchStrategy = st.just(ir.NO_TRIVIA),
-                need: tuple[str, ...] = ()) -> ir.Op:
+def builtin_ops(draw, cls: type[ir.Op], trivia: st.SearchStrategy = st.just(ir.NO_TRIVIA)) -> ir.Op:
     """An op of class `cls`, every declared parameter filled with a value of the right shape
-    (optional ones sometimes left out, except those named in `need`)."""
+    (optional ones sometimes left out)."""
     fields = {}
     for param in cls.params:
         value = identifiers if param.kind == "capture" else small_exprs
-        if not param.required and param.name not in need:
+        if not param.required:
             value = st.none() | value
         fields[param.name] = draw(value)
     return cls(**{k: v for k, v in fields.items() if v is not None}, trivia=draw(trivia))
@@ -260,18 +261,35 @@ def macro_calls(draw, trivia: st.SearchStrategy = st.just(ir.NO_TRIVIA)) -> ir.M
     return ir.MacroCall(name=draw(macro_names), args=tuple(args), trivia=draw(trivia))
 
 
+@st.composite
+def format_calls(draw, trivia: st.SearchStrategy = st.just(ir.NO_TRIVIA), to: bool = False) -> ir.FormatCall:
+    """A built-in format with its declared parameters filled (optional ones sometimes left out),
+    or any other name with arbitrary arguments: the parser takes both alike. With `to`, the call
+    has `to=` (a `dequantize` needs it)."""
+    if draw(st.booleans()):
+        fmt = draw(st.sampled_from(BUILTIN_FORMATS))
+        name = fmt.name
+        args = [ir.Arg(name=p.name, value=draw(small_exprs)) for p in fmt.params
+                if p.required or draw(st.booleans()) or (to and p.name == "to")]
+    else:
+        name = draw(format_names)
+        args = draw(st.lists(st.builds(ir.Arg, name=st.none() | identifiers, value=small_exprs), max_size=3))
+        if to and not any(a.name == "to" for a in args):
+            args.append(ir.Arg(name="to", value=draw(small_exprs)))
+    return ir.FormatCall(name=name, args=tuple(args), trivia=draw(trivia))
+
+
 def ops(roles: tuple[str, ...] = ("layout", "value"), macro: bool = True,
-        trivia: st.SearchStrategy = st.just(ir.NO_TRIVIA), need: tuple[str, ...] = ()) -> st.SearchStrategy:
-    choices = [builtin_ops(cls, trivia, need) for cls in ir.BUILTIN_OPS if cls.role in roles]
+        trivia: st.SearchStrategy = st.just(ir.NO_TRIVIA)) -> st.SearchStrategy:
+    choices = [builtin_ops(cls, trivia) for cls in ir.BUILTIN_OPS if cls.role in roles]
     if macro:
         choices.append(macro_calls(trivia))
     return st.one_of(choices)
 
 
-pipe_ops = ops(("layout", "value"), trivia=op_trivia)  # what a mapping rule may hold
-format_ops = ops(("format",), macro=False, trivia=op_trivia)  # what a `quantized` names
-dequantize_formats = ops(("format",), macro=False, trivia=op_trivia, need=("to",))  # `to=` required
-any_ops = ops(("layout", "value", "format"), trivia=op_trivia)  # a macro body takes anything
+pipe_ops = ops(("layout", "value"), trivia=op_trivia)  # what a mapping rule or a macro body may hold
+format_ops = format_calls(op_trivia)  # what a `quantized` names
+dequantize_formats = format_calls(op_trivia, to=True)  # `to=` required
 
 # ---- statements ----------------------------------------------------------------------------
 
@@ -334,8 +352,8 @@ includes = st.builds(ir.Include, path=include_paths, trivia=statement_trivia)
 
 @st.composite
 def macros(draw) -> ir.Macro:
-    first = draw(ops(("layout", "value", "format")))  # on the head line: it has no comments
-    rest = draw(st.lists(any_ops, max_size=3))
+    first = draw(ops())  # on the head line: it has no comments
+    rest = draw(st.lists(pipe_ops, max_size=3))
     return ir.Macro(name=draw(macro_names),
                     params=tuple(draw(st.lists(identifiers, max_size=3, unique=True))),
                     ops=(first, *rest), trivia=draw(statement_trivia))

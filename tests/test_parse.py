@@ -50,8 +50,9 @@ def test_capture_type_declared_once_applies_to_every_use():
               " | fp8_block(block=[128, 128], to=bfloat16)\n")
     assert isinstance(deq, ir.Dequantize)
     assert [p.parts[0] for p in deq.sources] == [ir.Capture(name="P", type="path")] * 2
-    assert isinstance(deq.format, ir.Fp8Block)
-    assert deq.format.block == ir.List(items=(ir.Int(value=128), ir.Int(value=128)))
+    assert deq.format == ir.FormatCall(name="fp8_block", args=(
+        ir.Arg(name="block", value=ir.List(items=(ir.Int(value=128), ir.Int(value=128)))),
+        ir.Arg(name="to", value=ir.Name(id="bfloat16"))))
 
 
 def test_path_capture_may_end_inside_a_segment():
@@ -171,6 +172,9 @@ def test_ir_round_trips_through_json():
     ("dequantize a -> b\n", "E034"),
     ("dequantize a -> b | concat(dim=0)\n", "E035"),
     ("a -> b | fp8_tensor(to=bfloat16)\n", "E037"),
+    ("macro m() = fp8_tensor(to=bfloat16)\n", "E037"),
+    ("macro mxfp4() = transpose(0, 1)\n", "E033"),
+    ("dequantize a, s -> b | fp8_tensor(bfloat16)\n", "E036"),
     ("let X = 12abc\n", "E038"),
 ])
 def test_syntax_errors_have_codes_and_locations(text, code):
@@ -193,3 +197,33 @@ def test_all_errors_of_a_pass_are_reported_together():
     with pytest.raises(RemapError) as info:
         parse_text("a -> b | transpose(0)\nc -> d | cast(dim=1)\n", "t.remap")
     assert [d.code for d in info.value.diagnostics] == ["E020", "E021", "E020"]
+
+
+def test_a_format_is_parsed_by_name_without_asking_the_registry():
+    """Which formats exist is the static checks' question: any name that is not a built-in op
+    parses as a FormatCall, its arguments as written."""
+    deq = one("dequantize a, s -> b | no_such_format([1, 2], x=1, to=bfloat16)\n")
+    assert deq.format == ir.FormatCall(name="no_such_format", args=(
+        ir.Arg(value=ir.List(items=(ir.Int(value=1), ir.Int(value=2)))),
+        ir.Arg(name="x", value=ir.Int(value=1)), ir.Arg(name="to", value=ir.Name(id="bfloat16"))))
+    quantized = one("quantized a, s | fp8_block([128, 128])\n")
+    assert quantized.format.args == (ir.Arg(value=ir.List(items=(ir.Int(value=128), ir.Int(value=128)))),)
+
+
+def test_a_bad_op_as_a_format_is_reported_once():
+    with pytest.raises(RemapError) as info:
+        parse_text("dequantize a -> b | transpose(0)\n", "t.remap")
+    assert [d.code for d in info.value.diagnostics] == ["E020"]
+
+
+def test_an_expression_nested_too_deeply_is_reported_and_parsing_goes_on():
+    with pytest.raises(RemapError) as info:
+        parse_text("let x = " + "not " * 100 + "a\nlet y = 1x\n", "t.remap")
+    assert [(d.code, d.span.line, d.span.column) for d in info.value.diagnostics] == [
+        ("E039", 1, 9), ("E038", 2, 9)]
+    assert info.value.diagnostic.message == "expression nested too deeply"
+    with pytest.raises(RemapError) as info:  # through parentheses: found in the built statement
+        parse_text("let x = " + "(" * 100 + "a" + " + 1)" * 100 + "\n", "t.remap")
+    assert [d.code for d in info.value.diagnostics] == ["E039"]
+    parse_text("let x = " + "not " * 60 + "a\n", "t.remap")  # within the limit
+

@@ -388,6 +388,47 @@ def test_an_unknown_format_names_the_registered_ones(int8_row):
     assert info.value.diagnostics[0].code == "E035" and "int8_row" in str(info.value)
 
 
+def test_rules_naming_a_format_parse_before_it_is_registered(int8_row):
+    """Parsing does not ask the registry; loading the rules (the static checks) does."""
+    text = "remap 1\ndequantize {P:path}.q, {P}.s -> {P} | int8_row(to=bfloat16)\n"
+    unregister_format("int8_row")
+    parsed = remapdsl.language.parse_text(text, "t.remap")
+    with pytest.raises(remapdsl.RemapError) as info:
+        rules_from_text(text, "t.remap")
+    assert info.value.diagnostic.code == "E035"
+    register_format(int8_row)
+    assert rules_from_text(text, "t.remap").files[0] == parsed
+
+
+def test_a_format_parameter_of_fixed_sizes_is_checked_like_block(int8_row):
+    """`Param(sizes=...)` fixes the length of a literal list (E125) and each size's least value (E122)."""
+    from remapdsl.params import Param
+
+    class Tiled(Int8Row):
+        name = "int8_tiled"
+        params = (Param("tile", "ints", sizes=("rows", "cols")), *Int8Row.params)
+
+    register_format(Tiled())
+    try:
+        with pytest.raises(remapdsl.RemapError) as info:
+            rules_from_text("quantized a, s | int8_tiled(tile=[4])\nquantized b, t | int8_tiled(tile=[4, 0])\n")
+        assert [(d.code, d.message) for d in info.value.diagnostics] == [
+            ("E125", "`tile` takes two sizes, [rows, cols]; got 1"), ("E122", "tile sizes must be at least 1, not 0")]
+    finally:
+        unregister_format("int8_tiled")
+
+
+@pytest.mark.parametrize("first, second", [("builtin", "registry"), ("registry", "builtin"), ("format", "builtin")])
+def test_the_quant_modules_import_in_any_order(first, second):
+    """quant/ has no import cycle: its modules import in any order, and Param is the shared one."""
+    import subprocess
+    import sys
+
+    code = (f"import remapdsl.quant.{first}, remapdsl.quant.{second}, remapdsl.quant as q; "
+            "assert q.get_format('nvfp4').params[0].__class__.__module__ == 'remapdsl.params'")
+    subprocess.run([sys.executable, "-c", code], check=True)
+
+
 # --------------------------------------------------------------------- stored as they are
 
 

@@ -76,11 +76,7 @@ def test_expression_roundtrip(expr):
 def test_every_op_roundtrips(cls, data):
     op = data.draw(S.macro_calls() if cls is ir.MacroCall else S.builtin_ops(cls))
     source = ir.Pattern(parts=(ir.Text(text="a"),))
-    if cls.role == "format":
-        statement = (ir.Dequantize(sources=(source,), target=source, format=op) if getattr(op, "to", None)
-                     else ir.Quantized(sources=(source,), format=op))
-    else:
-        statement = ir.Rule(sources=(source,), targets=(source,), ops=(op, op))
+    statement = ir.Rule(sources=(source,), targets=(source,), ops=(op, op))
     macro = ir.Macro(name="m", ops=(op, op))
     rules = ir.RuleFile(path=PATH, statements=(statement, macro))
     assert roundtrip(rules) == rules, format_rules(rules)
@@ -219,7 +215,8 @@ _UNWRITABLE = {
     "include path with a newline": lambda: ir.Include(path="a\nb"),
     "blank include path": lambda: ir.Include(path=" "),
     "unknown version": lambda: ir.Version(number=2),
-    "format op in a rule": lambda: _rule(ops=(ir.Fp8Tensor(to=ir.Name(id="bfloat16")),)),
+    "format op in a rule": lambda: _rule(ops=(ir.FormatCall(
+        name="fp8_tensor", args=(ir.Arg(name="to", value=ir.Name(id="bfloat16")),)),)),
     "layout op as a dequantize format": lambda: ir.Dequantize(
         sources=(_text("a"),), target=_text("b"), format=ir.Cast(dtype=ir.Name(id="x"))),
     "subst in a source": lambda: _rule(sources=(ir.Pattern(parts=(ir.Subst(expr=ir.Name(id="L")),)),)),

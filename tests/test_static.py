@@ -39,6 +39,14 @@ def check_error(text: str) -> RuleCheckError:
     ("a -> b | reshape([-1, 4, -1])\n", "E123", 1, 26),
     ("a -> b | permute([0, 0, 1])\n", "E124", 1, 18),
     ("dequantize a, s -> b | fp8_block(block=[128], to=bfloat16)\n", "E125", 1, 40),
+    ("dequantize a, s -> b | fp8_block(block=[0, 128], to=bfloat16)\n", "E122", 1, 41),
+    ("dequantize a, s -> b | fp8_block(to=bfloat16)\n", "E128", 1, 24),
+    ("dequantize a, s -> b | fp8_block(blok=[1, 1], to=bfloat16)\n", "E128", 1, 34),
+    ("dequantize a, s -> b | fp8_block(block=[1, 1], block=[2, 2], to=bfloat16)\n", "E128", 1, 48),
+    ("quantized a, s | fp8_block(block=[1, 1], float32)\n", "E128", 1, 42),
+    ("dequantize a, s -> b | fp8_blok(block=[1, 1], to=bfloat16)\n", "E035", 1, 24),
+    ("quantized a, s | fp8_block(block=[1, 1], scale=1)\n", "E121", 1, 48),
+    ("quantized a, s | fp8_block(block=1)\n", "E120", 1, 34),
     ("let X = Y + 1\n", "E130", 1, 9),
     ("let X = 1\nlet X = 2\n", "E131", 2, 1),
     ("let L = 1\na.{L} -> b.{L}\n", "E132", 2, 3),
@@ -109,3 +117,16 @@ def test_valid_programs_pass():
 def test_every_error_of_the_program_is_reported_at_once():
     error = check_error("let A = B\na -> c.{L}\nx.{q,k} -> y\n")
     assert [d.code for d in error.diagnostics] == ["E130", "E101", "E111"]
+
+
+def test_an_unknown_format_suggests_a_known_one():
+    error = check_error("dequantize a, s -> b | fp8_blok(block=[1, 1], to=bfloat16)\n")
+    assert error.diagnostic.hint == "did you mean `fp8_block`?"
+    error = check_error("quantized a, s | int8(to=bfloat16)\n")
+    assert error.diagnostic.hint.startswith("formats: fp8_block, fp8_channel, fp8_tensor, mxfp4, nvfp4")
+
+
+def test_a_block_of_the_wrong_length_names_its_sizes():
+    error = check_error("dequantize a, s -> b | fp8_block(block=[1, 2, 3], to=bfloat16)\n")
+    assert error.diagnostic.message == "`block` takes two sizes, [rows, cols]; got 3"
+

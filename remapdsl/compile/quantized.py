@@ -20,16 +20,11 @@ from .evaluate import Evaluator
 from .model import LogicalTensor, StoredQuantized
 
 
-def format_of(op: ir.Op, ev: Evaluator) -> tuple[QuantFormat, dict[str, Any]]:
-    """The registered format a dequantize statement names, with its arguments evaluated."""
-    if isinstance(op, ir.FormatCall):
-        fmt = get_format(op.name)
-        given = {}
-        for position, arg in enumerate(op.args):
-            given[arg.name or fmt.params[position].name] = arg.value
-    else:
-        fmt = get_format(op.op_name())
-        given = {p.name: getattr(op, p.name) for p in op.params if getattr(op, p.name) is not None}
+def format_of(op: ir.FormatCall, ev: Evaluator) -> tuple[QuantFormat, dict[str, Any]]:
+    """The registered format a `dequantize` or `quantized` statement names, with its arguments
+    evaluated (the static checks have found the format and matched the arguments to its params)."""
+    fmt = get_format(op.name)
+    given = {arg.name or fmt.params[position].name: arg.value for position, arg in enumerate(op.args)}
     params: dict[str, Any] = {}
     for p in fmt.params:
         if p.name not in given:

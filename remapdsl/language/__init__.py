@@ -1,5 +1,9 @@
 """The rule language: text -> frozen IR (lexer, builder, IR, checks, formatter, comments, includes).
 
+The IR is ir.py (statements, re-exporting nodes.py and ops.py); the parser (parser.py) runs the
+builder's callbacks (builder.py, pattern_builder.py, expr_builder.py, context.py); the static
+checks are check.py and literals.py. Quantized formats are named here, defined in quant/.
+
 Entry points: `load_rules(path)` and `rules_from_text(text)` (a rule file and its includes, checked:
 a RuleSet), `parse_file` / `parse_text` (one file's IR, includes not followed), `format_rules`
 (IR -> canonical text). Text in, IR out: nothing here knows checkpoints or tensors.

@@ -1,8 +1,10 @@
 """Static checks of a whole rule program, before any checkpoint is seen (codes E1xx).
 
-Names resolve (lets, captures, macros, dtypes); every capture used in a target is bound in the
-sources; every capture only in the sources is consumed by an op; the list axis of alternatives is
-combined or paired; op arguments have the right types and signs. All problems are reported at once.
+Names resolve (lets, captures, macros, dtypes, formats); every capture used in a target is bound
+in the sources; every capture only in the sources is consumed by an op; the list axis of
+alternatives is combined or paired; op arguments have the right types and signs, and a format's
+arguments fit the parameters it declares (looked up in the registry, remapdsl.quant). All
+problems are reported at once.
 """
 
 from __future__ import annotations
@@ -12,13 +14,13 @@ from dataclasses import dataclass, field
 
 from . import ir
 from ..dtypes import RULE_DTYPE_NAMES as DTYPE_NAMES
-from .formatter import format_expr
-from ..quant import get_format
 from ..errors import Diagnostic, RuleCheckError, Span, did_you_mean, suggest
+from ..quant import format_names, get_format
+from .formatter import format_expr
+from .literals import op_problems, size_problems
 
 SCALE_DTYPES = ("float32", "e8m0")
 _COMBINE = (ir.Concat, ir.Interleave, ir.Stack)  # list axis -> one tensor (without a capture)
-_POSITIVE = {"groups", "n", "times", "to", "heads"}
 
 
 @dataclass
@@ -297,12 +299,21 @@ class _Checker:
         for missing in [p for p in macro.params if p not in given]:
             self.error("E135", f"macro `{macro.name}` needs argument `{missing}`", call.span)
 
-    def format_args(self, call: ir.FormatCall, params, captures) -> None:
-        """A registered format's arguments: known names, each once, the required ones given."""
+    def format_call(self, call: ir.FormatCall, params, captures) -> None:
+        """A format: registered by that name, its arguments known, each once, the required ones given,
+        each of the kind its parameter declares."""
+        known = format_names()
+        if call.name not in known:
+            self.error("E035", f"`{call.name}` is not a quantized format", call.span,
+                       did_you_mean(call.name, known) or f"formats: {', '.join(known)}")
+            return
         declared = get_format(call.name).params
         names = [p.name for p in declared]
-        given: set[str] = set()
+        given: dict[str, ir.Node] = {}
         for position, arg in enumerate(call.args):
+            if arg.name is None and any(a.name for a in call.args[:position]):
+                self.error("E128", "a positional argument cannot follow a keyword argument", arg.span)
+                continue
             name = arg.name or (names[position] if position < len(names) else None)
             if name is None or name not in names:
                 self.error("E128", f"format `{call.name}` has no parameter `{arg.name or position + 1}`",
@@ -311,26 +322,32 @@ class _Checker:
                 continue
             if name in given:
                 self.error("E128", f"argument `{name}` is given twice", arg.span)
-            given.add(name)
+            given.setdefault(name, arg.value)
             kind = declared[names.index(name)].kind
             if kind != "capture":
                 self.typed(arg.value, kind, params, name, captures)
         for missing in [p.name for p in declared if p.required and p.name not in given and p.name != "to"]:
             self.error("E128", f"format `{call.name}` needs argument `{missing}`", call.span)
+        for param in declared:
+            if param.sizes and isinstance(given.get(param.name), ir.List):
+                for problem in size_problems(param, given[param.name]):
+                    self.error(*problem)
 
     def op(self, op: ir.Op, params, captures) -> None:
+        """One op's arguments: a macro call's, a format's, or a built-in op's declared ones."""
         if isinstance(op, ir.MacroCall):
             list(self.expand((op,), params))
             return
         if isinstance(op, ir.FormatCall):
-            self.format_args(op, params, captures)
+            self.format_call(op, params, captures)
             return
         for param in op.params:
             value = getattr(op, param.name)
             if value is None or param.kind == "capture":
                 continue
             self.typed(value, param.kind, params, param.name, captures)
-        self.op_values(op)
+        for problem in op_problems(op):
+            self.error(*problem)
 
     def typed(self, value: ir.Node, kind: str, params, name: str, captures) -> None:
         """Check one argument against the kind its parameter declares."""
@@ -365,39 +382,6 @@ class _Checker:
             for item in value.items:
                 if self.expr(item, captures, extra=params) not in ("int", "unknown"):
                     self.error("E120", f"`{name}` takes a list of integers", item.span)
-
-    def op_values(self, op: ir.Op) -> None:
-        """Literal sizes that can never be right (counts below 1, a reshape with two -1)."""
-        for param in op.params:
-            value = getattr(op, param.name)
-            if param.name in _POSITIVE and isinstance(value, ir.Int) and value.value < 1:
-                self.error("E122", f"`{param.name}` must be at least 1, not {value.value}", value.span)
-        if isinstance(op, ir.Split) and isinstance(op.sizes, ir.List):
-            for item in op.sizes.items:
-                if isinstance(item, ir.Int) and item.value < 1:
-                    self.error("E122", f"split sizes must be at least 1, not {item.value}", item.span)
-        if isinstance(op, ir.Reshape) and isinstance(op.shape, ir.List):
-            ints = [i for i in op.shape.items if isinstance(i, ir.Int)]
-            inferred = [i for i in ints if i.value == -1]
-            if len(inferred) > 1:
-                self.error("E123", "a reshape may infer one size (`-1`), not several", inferred[1].span,
-                           "give every size but one")
-            for item in ints:
-                if item.value < -1 or item.value == 0:
-                    self.error("E122", f"reshape sizes must be at least 1 (or one -1), not {item.value}",
-                               item.span)
-        if isinstance(op, ir.Permute) and isinstance(op.dims, ir.List):
-            ints = [i.value for i in op.dims.items if isinstance(i, ir.Int)]
-            if len(ints) == len(op.dims.items) and sorted(d % len(ints) for d in ints) != list(range(len(ints))):
-                self.error("E124", f"`permute` needs each dim once; {ints} is not a permutation",
-                           op.dims.span)
-        if isinstance(op, ir.Fp8Block) and isinstance(op.block, ir.List):
-            if len(op.block.items) != 2:
-                self.error("E125", f"`block` takes two sizes, [rows, cols]; got {len(op.block.items)}",
-                           op.block.span)
-            for item in op.block.items:
-                if isinstance(item, ir.Int) and item.value < 1:
-                    self.error("E122", f"block sizes must be at least 1, not {item.value}", item.span)
 
     def expr(self, expr: ir.Node, captures, allow_dtype: bool = False, extra=None) -> str:
         """Resolve the names of an expression and infer its type (or 'unknown' for config reads)."""

@@ -1,9 +1,10 @@
 """IR -> canonical rule-file text, with comments kept; `parse(format(ir)) == ir`.
 
 Canonical form: one statement per line; a rule's ops inline when there is one op, no op comment
-and the line fits in 100 columns, else one `| op` per line indented by four spaces; op arguments
-in declared order (captures and the op's positional parameters bare, the rest as `name=value`);
-the fewest parentheses that keep the meaning; a capture's type written at its first use only.
+and the line fits in 100 columns, else one `| op` per line indented by four spaces; a built-in
+op's arguments in declared order (captures and the op's positional parameters bare, the rest as
+`name=value`), a macro's or a format's as written; the fewest parentheses that keep the meaning;
+a capture's type written at its first use only.
 """
 
 from __future__ import annotations

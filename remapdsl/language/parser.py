@@ -1,9 +1,10 @@
 """Rule-file text -> IR (remapdsl.language.ir) with source spans, comments kept as trivia.
 
-Lark's LALR parser runs with the grammar's terminals scanned by remapdsl/lexer.py and the IR built
-by the callbacks of remapdsl/build.py during parsing (no parse tree). Syntax errors become
-diagnostics in remapdsl/syntax.py. Checks that need the whole program (names, captures, includes)
-live in remapdsl/static.py.
+Lark's LALR parser runs with the grammar's terminals scanned by lexer.py and the IR built by the
+callbacks of builder.py during parsing (no parse tree); every problem the callbacks find (the
+nesting limit included) is in the parse Context when it ends. Syntax errors become diagnostics in
+syntax.py. Checks that need the whole program (names, captures, formats) live in check.py, includes
+in includes.py.
 """
 
 from __future__ import annotations
@@ -14,11 +15,12 @@ from pathlib import Path
 from lark import Lark, UnexpectedInput
 
 from . import ir
-from .builder import CONTEXT, Builder, Context, TooDeep, depth_problem, span_of
 from ..errors import Diagnostic, RemapError, RuleSyntaxError, Span
+from .builder import Builder
+from .comments import attach_trivia
+from .context import CONTEXT, Context
 from .lexer import RuleLexer
 from .syntax import syntax_diagnostic
-from .comments import attach_trivia
 
 _GRAMMAR_LOCATIONS = (
     Path(__file__).parent.parent / "grammars" / "remap.lark",  # installed wheel
@@ -54,15 +56,8 @@ def parse_text(text: str, path: str = "<text>") -> ir.RuleFile:
         if context.diagnostics:  # an error the callbacks found first, on an earlier line
             raise RuleSyntaxError(context.diagnostics) from None
         raise RuleSyntaxError(syntax_diagnostic(exc, text, path, lark_parser())) from None
-    except TooDeep as exc:
-        context.diagnostics.append(_too_deep(span_of(exc.at), context))
-        raise RuleSyntaxError(context.diagnostics) from None
     finally:
         CONTEXT.reset(token)
-    for statement in statements:
-        deep = depth_problem(statement)
-        if deep is not None:
-            context.diagnostics.append(_too_deep(deep, context))
     if context.diagnostics:
         raise RuleSyntaxError(context.diagnostics)
     statements, trailing = attach_trivia(statements, text)
@@ -83,7 +78,6 @@ def parse_file(path: str | Path) -> ir.RuleFile:
     except UnicodeDecodeError as exc:
         good = data[: exc.start].decode("utf-8")
         line = good.count("\n") + 1
-        column = exc.start - (good.rfind("\n") + 1 if "\n" in good else 0) + 1
         column = len(good) - (good.rfind("\n") + 1) + 1
         line_text = data.split(b"\n")[line - 1].decode("utf-8", errors="replace")
         raise RuleSyntaxError(Diagnostic(
@@ -92,12 +86,6 @@ def parse_file(path: str | Path) -> ir.RuleFile:
             line_text=line_text, hint="save the file as UTF-8",
         )) from None
     return parse_text(text, str(path))
-
-
-def _too_deep(span: Span, context: Context) -> Diagnostic:
-    return Diagnostic(code="E039", message="expression nested too deeply", span=span,
-                      line_text=context.lines[span.line - 1],
-                      hint="split it into several `let` statements")
 
 
 def _normalize(text: str, path: str) -> str:

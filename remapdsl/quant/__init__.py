@@ -1,10 +1,12 @@
 """Quantized formats: logical tensors stored as packed values plus scales (docs/quantized.md).
 
 `get_format(name)` finds a format, `register_format(fmt)` adds one written in Python (a subclass of
-`QuantFormat`). Importing this package does not import torch.
+`QuantFormat`). The protocol is in format.py, the built-in formats in builtin.py, the registry in
+registry.py. Importing this package does not import torch.
 """
 
-from .registry import FormatError, Part, QuantFormat, format_names, get_format, register_format, unregister_format
+from .format import FormatError, Part, QuantFormat
+from .registry import format_names, get_format, register_format, unregister_format
 
 __all__ = ["FormatError", "Part", "QuantFormat", "format_names", "get_format", "register_format",
            "unregister_format"]

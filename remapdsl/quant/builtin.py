@@ -1,13 +1,23 @@
-"""The built-in formats: fp8_block, fp8_tensor, fp8_channel, mxfp4, nvfp4 (docs/quantized.md).
+"""The built-in formats fp8_block, fp8_tensor, fp8_channel, mxfp4, nvfp4: parts -> logical shape, covers, values.
 
-Definitions (FIELD_NOTES §2, the formats' own specifications):
-- F8_E4M3 values decode exactly to any float of 16 bits or more; E8M0 scale bytes are 2^(b-127),
-  with 255 NaN; E2M1 codes are 0, 0.5, 1, 1.5, 2, 3, 4, 6 and their negatives (bit 3 the sign),
-  two per byte, the element with the even index in the low nibble.
-- Every product is computed in float32 and rounded once to `to` (as transformers' Fp8Dequantize
-  does); NVFP4 multiplies value by block scale (exact), then by the global scale.
+Each class here is the one definition of its format: its parts, its parameters, the shapes its
+parts must have, and how to decode and encode them. What the codes mean, from the public specs:
+- F8_E4M3 (OCP's 8-bit float, also an MX element type): 4 exponent bits with bias 7, subnormals,
+  no infinities, NaN at 0x7F and 0xFF; every value is exact in any float of 16 bits or more.
+- E8M0 (the OCP Microscaling (MX) Formats Specification v1.0, its shared scale): a byte b is
+  2^(b-127), and 255 is NaN.
+- E2M1 (the same MX spec, the FP4 element): codes 0, 0.5, 1, 1.5, 2, 3, 4, 6 and their negatives,
+  bit 3 the sign; checkpoints pack two a byte, the element with the even index in the low nibble.
+  MXFP4 gives 32 of them one E8M0 scale; NVIDIA's NVFP4 gives 16 of them one F8_E4M3 scale and
+  the tensor one F32.
+- Block FP8 as the DeepSeek-V3 release stores it: F8_E4M3 values and one F32 scale per block of
+  `weight_block_size` (its quantization config, [128, 128]), multiplied despite the name
+  `weight_scale_inv`.
+Every product is computed in float32 and rounded once to `to` (as transformers' Fp8Dequantize
+does); NVFP4 multiplies value by block scale (exact), then by the global scale.
 
-Shapes and covers are integer arithmetic (no torch); `decode` imports torch when it runs.
+Shapes and covers are integer arithmetic (no torch); `decode` imports torch when it runs. This
+module defines the formats; quant/registry.py registers them.
 """
 
 from __future__ import annotations
@@ -15,11 +25,11 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from ..language import ir
-from .registry import Box, FormatError, Part, QuantFormat, register_format
+from ..params import Param
+from .format import Box, FormatError, Part, QuantFormat
 
 FLOAT_TARGETS = ("float32", "bfloat16", "float16", "float64")  # every decoded value is exact in these
-E2M1 = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
+_TO = Param("to", "dtype", False)  # required in a `dequantize` (E036), not in `quantized`
 
 
 def _ceil(a: int, b: int) -> int:
@@ -55,8 +65,8 @@ def _last_dim_cover(box: Box, per: int) -> tuple[int, int]:
 class Fp8Block(QuantFormat):
     name = "fp8_block"
     parts = ("values", "scales")
-    params = ir.Fp8Block.params
-    summary = ir.Fp8Block.summary
+    params = (Param("block", "ints", sizes=("rows", "cols")), Param("scale", "scale_dtype", False), _TO)
+    summary = "F8_E4M3 values times a scale per [rows, cols] block (DeepSeek-V3)"
 
     @staticmethod
     def block(params) -> tuple[int, int]:
@@ -205,8 +215,8 @@ class Fp8Tensor(QuantFormat):
     name = "fp8_tensor"
     parts = ("values", "scale")
     one_scale = True
-    params = ir.Fp8Tensor.params
-    summary = ir.Fp8Tensor.summary
+    params = (_TO,)
+    summary = "F8_E4M3 values times one scalar scale"
 
     def logical_shape(self, parts, params):
         values, scale = parts
@@ -239,8 +249,8 @@ class Fp8Tensor(QuantFormat):
 class Fp8Channel(QuantFormat):
     name = "fp8_channel"
     parts = ("values", "scales")
-    params = ir.Fp8Channel.params
-    summary = ir.Fp8Channel.summary
+    params = (_TO,)
+    summary = "F8_E4M3 values times a scale per output row"
 
     def logical_shape(self, parts, params):
         values, scales = parts
@@ -312,8 +322,8 @@ def _e2m1_bytes(scaled, box, what: str):
 class Mxfp4(QuantFormat):
     name = "mxfp4"
     parts = ("blocks", "scales")
-    params = ir.Mxfp4.params
-    summary = ir.Mxfp4.summary
+    params = (_TO,)
+    summary = "packed E2M1 pairs with an E8M0 scale per 32 values (gpt-oss)"
 
     def logical_shape(self, parts, params):
         blocks, scales = parts
@@ -360,8 +370,8 @@ class Mxfp4(QuantFormat):
 class Nvfp4(QuantFormat):
     name = "nvfp4"
     parts = ("values", "scales", "global_scale")
-    params = ir.Nvfp4.params
-    summary = ir.Nvfp4.summary
+    params = (_TO,)
+    summary = "packed E2M1 pairs, an F8_E4M3 scale per 16 values and a global F32 scale"
 
     def logical_shape(self, parts, params):
         values, scales, global_scale = parts
@@ -409,5 +419,4 @@ class Nvfp4(QuantFormat):
         return _e2m1_bytes(values / scales[1].to(torch.float32).reshape(-1)[0] / per_value, box, self.name)
 
 
-for _format in (Fp8Block(), Fp8Tensor(), Fp8Channel(), Mxfp4(), Nvfp4()):
-    register_format(_format)
+BUILTIN_FORMATS: tuple[QuantFormat, ...] = (Fp8Block(), Fp8Tensor(), Fp8Channel(), Mxfp4(), Nvfp4())

@@ -1,0 +1,57 @@
+"""The state of one parse (Context: path, lines, diagnostics), and the helpers the builder callbacks share:
+tokens and nodes -> spans, problems -> located diagnostics.
+
+The Lark callbacks are stateless; what one parse collects lives in a Context set around
+`Lark.parse` through a context variable (parser.py sets it).
+"""
+
+from __future__ import annotations
+
+import contextvars
+from dataclasses import dataclass, field
+from typing import Any
+
+from lark import Token
+
+from . import ir
+from ..errors import Diagnostic, Span
+
+new = ir.construct  # the callbacks build nodes without validating them again (see builder.py)
+tuple_new = tuple.__new__  # Span(...) without the named tuple's argument handling
+
+
+@dataclass
+class Context:
+    """What one parse call collects; set around `Lark.parse` through a context variable."""
+
+    path: str
+    lines: list[str]
+    diagnostics: list[Diagnostic] = field(default_factory=list)
+    reported: set[tuple[int, int]] = field(default_factory=set)  # (line, column) already reported
+
+
+CONTEXT: contextvars.ContextVar[Context] = contextvars.ContextVar("remapdsl_parse_context")
+
+
+def span_of(first: Any, last: Any = None) -> Span:
+    """The span from the start of `first` to the end of `last` (tokens or nodes with spans)."""
+    last = first if last is None else last
+    a = first.span if not isinstance(first, Token) else first
+    b = last.span if not isinstance(last, Token) else last
+    return tuple_new(Span, (CONTEXT.get().path, a.line, a.column, b.end_line, b.end_column))
+
+
+def error(code: str, message: str, span: Span, hint: str | None = None) -> None:
+    """Record a located problem of this parse; all of them are raised together when it ends."""
+    ctx = CONTEXT.get()
+    ctx.diagnostics.append(Diagnostic(code=code, message=message, span=span, hint=hint,
+                                      line_text=ctx.lines[span.line - 1]))
+
+
+def identifier(token: Token, what: str) -> str | None:
+    """The token as a name, or None (reported) when it cannot be one."""
+    problem = ir.identifier_problem(str(token))
+    if problem:
+        error("E017", f"`{token}` is not a valid {what}: {problem}", span_of(token))
+        return None
+    return str(token)

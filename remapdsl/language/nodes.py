@@ -1,0 +1,339 @@
+"""IR building blocks: Node (frozen, compared without spans), Trivia, construct, names, expressions and key patterns.
+
+Every node carries the span it was parsed from (None for IR built in code). Equality and hashing
+ignore spans and trivia (comments, blank lines): two IRs are equal when they say the same thing,
+so `parse(format(ir)) == ir` holds. The ops are in ops.py, the statements in ir.py (which
+re-exports everything here).
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, ClassVar, Literal, Union
+
+import functools
+import math
+import re
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+from ..errors import SpanField
+
+LANGUAGE_VERSIONS = (1,)
+CAPTURE_TYPES = ("int", "seg", "path")
+STATEMENT_KEYWORDS = frozenset({"remap", "let", "drop", "keep", "dequantize", "quantized", "include",
+                                "macro", "optional", "otherwise"})
+KEYWORDS = frozenset({"when", "and", "or", "not", "true", "false", "config"}) | STATEMENT_KEYWORDS
+_LEXER_KEYWORDS = frozenset({"when", "and", "or", "not", "true", "false"})  # read as such anywhere
+_NUMBER_LIKE = re.compile(r"[0-9]+(\.[0-9]+)?[eE][+-]?[0-9]+")
+IDENTIFIER = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
+KEY_TEXT = re.compile(r"[A-Za-z0-9_.]+")
+OPTION_TEXT = re.compile(r"[A-Za-z0-9_]+(\.[A-Za-z0-9_]+)*")
+
+
+@functools.lru_cache(maxsize=4096)  # a pure function, called for every name the parser meets
+def identifier_problem(name: str) -> str | None:
+    """Why a name cannot be a let name, capture or macro parameter, or None when it can."""
+    if not IDENTIFIER.fullmatch(name):
+        return "names start with a letter or `_` and hold only letters, digits and `_`"
+    if name in KEYWORDS:
+        return f"`{name}` is a keyword"
+    return None
+
+
+def checked_identifier(name: str) -> str:
+    """The name itself, or ValueError when it cannot be one (a pydantic validator of names)."""
+    problem = identifier_problem(name)
+    if problem:
+        raise ValueError(f"{name!r}: {problem}")
+    return name
+
+
+_NOT_COMPARED = frozenset({"span", "trivia", "source"})
+
+
+@functools.cache
+def _field_defaults(cls: type[BaseModel]) -> dict[str, Any]:
+    return {name: info.default for name, info in cls.model_fields.items()}
+
+
+def construct(cls: type[BaseModel], **values: Any) -> Any:
+    """Build a frozen model without validating it, for the parser, which has already checked
+    every invariant the validators check (with the same functions). Defaults here are immutable,
+    so they are shared rather than deep-copied as pydantic's model_construct does."""
+    obj = cls.__new__(cls)
+    data = _field_defaults(cls).copy()
+    data.update(values)
+    object.__setattr__(obj, "__dict__", data)
+    object.__setattr__(obj, "__pydantic_fields_set__", set(values))
+    object.__setattr__(obj, "__pydantic_extra__", None)
+    object.__setattr__(obj, "__pydantic_private__", None)
+    return obj
+
+
+class Node(BaseModel):
+    """Base of all IR nodes: frozen, strict, compared without spans and trivia."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    span: SpanField | None = Field(default=None, repr=False)
+    _compared: ClassVar[tuple[str, ...]] = ()
+
+    @classmethod
+    def __pydantic_init_subclass__(cls, **kwargs: Any) -> None:
+        super().__pydantic_init_subclass__(**kwargs)
+        cls._compared = tuple(f for f in cls.model_fields if f not in _NOT_COMPARED)
+
+    def _semantic(self) -> tuple:
+        return tuple(getattr(self, f) for f in self._compared)
+
+    def __eq__(self, other: object) -> bool:
+        if type(other) is not type(self):
+            return NotImplemented
+        return self._semantic() == other._semantic()  # type: ignore[attr-defined]
+
+    def __hash__(self) -> int:
+        return hash((type(self).__name__, self._semantic()))
+
+
+class Trivia(BaseModel):
+    """Comments and blank lines around a statement or op line, kept so `fmt` never drops them.
+
+    `leading` holds the lines above, each a comment (starting with `#`) or "" for a blank line.
+    """
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    leading: tuple[str, ...] = ()
+    trailing: str | None = None
+
+
+NO_TRIVIA = Trivia()
+
+# ---- expressions ---------------------------------------------------------------------------
+
+
+class Int(Node):
+    kind: Literal["int"] = "int"
+    value: int
+
+
+class Float(Node):
+    kind: Literal["float"] = "float"
+    value: float
+
+    @field_validator("value")
+    @classmethod
+    def _finite(cls, value: float) -> float:
+        if not math.isfinite(value):
+            raise ValueError("a number in a rule file is finite")
+        return value
+
+
+class Bool(Node):
+    kind: Literal["bool"] = "bool"
+    value: bool
+
+
+class Name(Node):
+    """A `let` name, a capture, a macro parameter or a dtype, resolved by the static checks."""
+
+    kind: Literal["name"] = "name"
+    id: str
+
+    _check_id = field_validator("id")(checked_identifier)
+
+
+class Config(Node):
+    """`config.a.b`: a value read from the model config (config.json)."""
+
+    kind: Literal["config"] = "config"
+    path: tuple[str, ...] = Field(min_length=1)
+
+    @field_validator("path")
+    @classmethod
+    def _segments(cls, path: tuple[str, ...]) -> tuple[str, ...]:
+        for segment in path:
+            if not re.fullmatch(r"[A-Za-z0-9_]+", segment):
+                raise ValueError(f"config key segment {segment!r}")
+        return path
+
+
+class List(Node):
+    kind: Literal["list"] = "list"
+    items: tuple[Expr, ...]
+
+
+class Neg(Node):
+    """Unary minus of a non-literal; `-3` is the literal Int(-3), never Neg(Int(3))."""
+
+    kind: Literal["neg"] = "neg"
+    operand: Expr
+
+    @field_validator("operand")
+    @classmethod
+    def _not_literal(cls, operand: Node) -> Node:
+        if isinstance(operand, (Int, Float)):
+            raise ValueError("write a negative number as a literal, not Neg(literal)")
+        return operand
+
+
+class Not(Node):
+    kind: Literal["not"] = "not"
+    operand: Expr
+
+
+class BinOp(Node):
+    kind: Literal["binop"] = "binop"
+    op: Literal["+", "-", "*", "//", "%"]
+    left: Expr
+    right: Expr
+
+
+class Compare(Node):
+    kind: Literal["compare"] = "compare"
+    op: Literal["==", "!=", "<", "<=", ">", ">="]
+    left: Expr
+    right: Expr
+
+
+class BoolOp(Node):
+    kind: Literal["boolop"] = "boolop"
+    op: Literal["and", "or"]
+    left: Expr
+    right: Expr
+
+
+class Coalesce(Node):
+    """`a ?? b`: b when a reads a config key that is missing or null."""
+
+    kind: Literal["coalesce"] = "coalesce"
+    left: Expr
+    right: Expr
+
+
+Expr = Annotated[
+    Union[Int, Float, Bool, Name, Config, List, Neg, Not, BinOp, Compare, BoolOp, Coalesce],
+    Field(discriminator="kind"),
+]
+
+# ---- key patterns --------------------------------------------------------------------------
+
+
+class Text(Node):
+    """Literal key text, dots included (`model.layers.`)."""
+
+    kind: Literal["text"] = "text"
+    text: str = Field(pattern=KEY_TEXT.pattern)
+
+
+class Capture(Node):
+    """`{L}`, `{m:seg}`, `{P:path}` on the matching side: binds a name to part of a key."""
+
+    kind: Literal["capture"] = "capture"
+    name: str
+    type: Literal["int", "seg", "path"] = "int"
+
+    _check_name = field_validator("name")(checked_identifier)
+
+
+class Subst(Node):
+    """`{L}`, `{L - 1}` on the producing side: the value of a capture expression."""
+
+    kind: Literal["subst"] = "subst"
+    expr: Expr
+
+
+class Alternatives(Node):
+    """`{q,k,v}`: an ordered list of literal choices; the rule's list axis."""
+
+    kind: Literal["alternatives"] = "alternatives"
+    options: tuple[str, ...] = Field(min_length=2)
+
+    @field_validator("options")
+    @classmethod
+    def _options(cls, options: tuple[str, ...]) -> tuple[str, ...]:
+        for option in options:
+            if not OPTION_TEXT.fullmatch(option):
+                raise ValueError(f"alternative {option!r} is not key text")
+        if len(set(options)) != len(options):
+            raise ValueError(f"alternatives repeat a choice: {options}")
+        return options
+
+
+class Star(Node):
+    """`*`: one or more characters inside one segment."""
+
+    kind: Literal["star"] = "star"
+
+
+class DoubleStar(Node):
+    """`**`: one or more whole segments."""
+
+    kind: Literal["double_star"] = "double_star"
+
+
+PatternPart = Annotated[Union[Text, Capture, Subst, Alternatives, Star, DoubleStar], Field(discriminator="kind")]
+
+
+_MATCHERS = (Capture, Star, DoubleStar)
+
+
+def pattern_problems(parts: tuple[Node, ...]) -> list[tuple[int, str]]:
+    """Structural problems of a pattern as (index of the part, message); empty when well formed.
+
+    Shared by the Pattern validator and the parser, which turns each into a located error.
+    """
+    if not parts:
+        return [(0, "a key pattern cannot be empty")]
+    problems: list[tuple[int, str]] = []
+    for i, part in enumerate(parts):
+        if isinstance(part, Text) and (part.text in _LEXER_KEYWORDS or _NUMBER_LIKE.fullmatch(part.text)
+                                       or part.text in STATEMENT_KEYWORDS and i == len(parts) - 1):
+            problems.append((i, f"`{part.text}` cannot stand alone as key text: it reads as a "
+                                + ("number" if part.text[0].isdigit() else "keyword")))
+        if isinstance(part, Subst) and isinstance(part.expr, (Bool, List, Float)):
+            problems.append((i, "a key part is an integer or text, not a boolean, list or fraction"))
+    for i in range(1, len(parts)):
+        a, b = parts[i - 1], parts[i]
+        if isinstance(a, Text) and isinstance(b, Text):
+            problems.append((i, "two literal parts side by side; merge them"))
+        elif isinstance(a, _MATCHERS) and isinstance(b, _MATCHERS):
+            problems.append((i, "two wildcards or captures side by side cannot be told apart; "
+                                "put literal text between them"))
+    # Segment structure: stand-ins for non-literal parts, then split on dots.
+    index_of_char: list[int] = []
+    flat = ""
+    for i, part in enumerate(parts):
+        if isinstance(part, Text):
+            piece = part.text
+        elif isinstance(part, DoubleStar):
+            piece = "#"
+        else:
+            piece = "x"
+        flat += piece
+        index_of_char.extend([i] * len(piece))
+    position = 0
+    for segment in flat.split("."):
+        owner = index_of_char[min(position, len(flat) - 1)] if flat else 0
+        if not segment:
+            problems.append((owner, "empty segment: a key has no `..` and no dot at either end"))
+        elif "#" in segment and segment != "#":
+            problems.append((index_of_char[position + segment.index("#")],
+                             "`**` stands for whole segments: put dots around it"))
+        position += len(segment) + 1
+    return problems
+
+
+class Pattern(Node):
+    parts: tuple[PatternPart, ...]
+
+    @model_validator(mode="after")
+    def _well_formed(self) -> Pattern:
+        problems = pattern_problems(self.parts)
+        if problems:
+            raise ValueError("; ".join(message for _, message in problems))
+        return self
+
+
+for _model in (List, Neg, Not, BinOp, Compare, BoolOp, Coalesce, Subst, Pattern):
+    _model.model_rebuild()
