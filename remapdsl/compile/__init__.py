@@ -1,4 +1,4 @@
-"""Rules + checkpoint inventory + config -> Compiled: blocks that tile every destination.
+"""Rules + checkpoint inventory + config -> Compiled: blocks that tile every runtime tensor.
 
 Entry point: `compile_rules(rules, inventory, config)`. Shapes only; no tensor data is read.
 """

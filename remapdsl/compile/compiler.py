@@ -1,4 +1,4 @@
-"""RuleSet + checkpoint inventory + model config -> Compiled (blocks for every destination).
+"""RuleSet + checkpoint inventory + model config -> Compiled (blocks for every runtime tensor).
 
 Order: lets are evaluated; `drop` removes keys; each mapping rule binds against what is left
 (fan-out allowed); `otherwise` binds what no rule consumed; anything still unconsumed is an error.
@@ -113,7 +113,7 @@ class _Compiler:
             self.errors.extend(exc.diagnostics)
 
     def check_cuts(self) -> None:
-        """Stored quantized values: no cut inside a block; each destination learns its grid."""
+        """Stored quantized values: no cut inside a block; each runtime tensor learns its grid."""
         def shape_of(key: str) -> tuple[int, ...]:
             return tuple(self.inventory.tensors[key].shape)
 
@@ -150,7 +150,7 @@ class _Compiler:
         return dropped, tuple(unused)
 
     def rule(self, rule: ir.Rule, pool: set[str]) -> set[str]:
-        """Bind one rule, build its destinations; return the checkpoint keys it consumed."""
+        """Bind one rule, build its runtime tensors; return the checkpoint keys it consumed."""
         bindings, partial, unmatched, ambiguous = bind(rule.sources, pool)
         if ambiguous:
             first, second = ambiguous[0]
@@ -219,7 +219,7 @@ class _Compiler:
                 out.append("*")
         return "".join(out)
 
-    # -- building destinations --
+    # -- building runtime tensors --
 
     def build(self, rule: ir.Rule, bindings: list[Binding]) -> None:
         target_names = {n.id for p in rule.targets for part in p.parts if isinstance(part, ir.Subst)
@@ -249,7 +249,7 @@ class _Compiler:
                                rule.span)
                     raise _RuleFailed
                 for name, tensor in zip(names, tensors):
-                    self.destination(rule, name, tensor, keys)
+                    self.runtime_tensor(rule, name, tensor, keys)
                 self.bindings.append(ir.construct(BoundRule, rule=rule.span,
                                                   captures=tuple(sorted(captures.items())),
                                                   ckpt_keys=keys, runtime_keys=tuple(names)))
@@ -307,7 +307,7 @@ class _Compiler:
                 names.append("".join(out))
         return names
 
-    def destination(self, rule: ir.Rule, name: str, tensor: sym.Sym, keys: tuple) -> None:
+    def runtime_tensor(self, rule: ir.Rule, name: str, tensor: sym.Sym, keys: tuple) -> None:
         if name in self.runtime_tensors:
             first = self.runtime_tensors[name].rule
             self.error("E203", f"runtime tensor `{name}` is produced twice", rule.span,
@@ -319,7 +319,7 @@ class _Compiler:
             rule=rule.span, ckpt_keys=tuple(dict.fromkeys(b.source_key for b in tensor.blocks if b.source_key)))
 
     def check_tiling(self) -> None:
-        """Every destination is covered exactly once (an invariant of the construction)."""
+        """Every runtime tensor is covered exactly once (an invariant of the construction)."""
         for d in self.runtime_tensors.values():
             total = volume(d.shape)
             covered = sum(volume(b.sizes) for b in d.blocks)
@@ -442,7 +442,7 @@ def _regex(pattern: ir.Pattern) -> re.Pattern:
 
 
 def _disjoint(blocks: tuple[Block, ...]) -> bool:
-    """No two blocks overlap (sweep on the first dim; blocks are few per destination)."""
+    """No two blocks overlap (sweep on the first dim; blocks are few per runtime tensor)."""
     if not blocks or not blocks[0].offsets:
         return len(blocks) <= 1
     ordered = sorted(blocks, key=lambda b: b.offsets[0])

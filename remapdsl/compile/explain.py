@@ -1,4 +1,4 @@
-"""Compiled -> text for people: each destination's shape and dtype, and which region of which
+"""Compiled -> text for people: each runtime tensor's shape and dtype, and which region of which
 checkpoint tensor fills each region of it, through which rule. Reads no tensor data."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ from .model import Block, Compiled, RuntimeTensor
 
 
 def explain(compiled: Compiled, key: str | None = None, max_blocks: int = 8) -> str:
-    """The destinations (those whose runtime key, or one of whose checkpoint keys, matches the
+    """The runtime tensors (those whose runtime key, or one of whose checkpoint keys, matches the
     glob `key`), each with up to `max_blocks` blocks, then a summary line."""
     shown = [d for d in compiled.runtime_tensors
              if key is None or fnmatch.fnmatchcase(d.runtime_key, key)
@@ -54,7 +54,7 @@ def _source(b: Block) -> str:
     if b.source_key is None:
         return f"fill {b.fill:g}"
     steps = "".join(f" | {kind}({value if kind == 'cast' else f'{value:g}'})" for kind, value in b.steps)
-    # When each destination dim moves one source dim by +-1, the source region is a box.
+    # When each runtime dim moves one source dim by +-1, the source region is a box.
     region = []
     for k, row in enumerate(b.coeff):
         moving = [(j, c) for j, c in enumerate(row) if c]
@@ -72,7 +72,7 @@ def _source(b: Block) -> str:
 
 
 def _dim_order(b: Block) -> list[int]:
-    """For each destination dim, the source dim it walks (a transpose shows as a permutation)."""
+    """For each runtime dim, the source dim it walks (a transpose shows as a permutation)."""
     order = []
     for j in range(len(b.sizes)):
         walking = [k for k, row in enumerate(b.coeff) if row[j]]

@@ -1,7 +1,7 @@
 """The compiled form every executor runs: runtime tensors tiled by blocks, and the bindings behind them.
 
 Frozen data: it serializes to JSON, and `digest()` is stable across processes for the same inputs.
-It keeps every checkpoint tensor a destination came from (key, file, dtype, shape) and the rule and
+It keeps every checkpoint tensor a runtime tensor came from (key, file, dtype, shape) and the rule and
 captures that made it, so the save direction can read the same blocks backwards.
 """
 

@@ -118,20 +118,20 @@ def bind_quantized(s: ir.Quantized, available: set[str], inventory_tensors, ev: 
                                          parts=tuple(b.keys), grid=tuple(grid), rule=s.span)
 
 
-def check_cuts(destination, stored: dict[str, StoredQuantized], shape_of, error: Callable[..., None]):
-    """Every block of `destination` that moves stored quantized values must take whole blocks of
-    its source and put them at block offsets of the destination (a cut inside a block would pair
-    values with another tensor's scales); returns the destination's grid per dim, () if none."""
-    grid = [1] * len(destination.shape)
-    sources_one_scale = {b.source_key for b in destination.blocks if b.source_key in stored
+def check_cuts(tensor, stored: dict[str, StoredQuantized], shape_of, error: Callable[..., None]):
+    """Every block of `runtime tensor` that moves stored quantized values must take whole blocks of
+    its source and put them at block offsets of the runtime tensor (a cut inside a block would pair
+    values with another tensor's scales); returns the runtime tensor's grid per dim, () if none."""
+    grid = [1] * len(tensor.shape)
+    sources_one_scale = {b.source_key for b in tensor.blocks if b.source_key in stored
                          and get_format(stored[b.source_key].format).one_scale}
     if len(sources_one_scale) > 1:
         first, second = sorted(sources_one_scale)[:2]
-        error("E224", f"`{destination.runtime_key}` joins `{first}` and `{second}`, stored with one scale "
-              "each: one tensor cannot keep both scales", destination.rule,
+        error("E224", f"`{tensor.runtime_key}` joins `{first}` and `{second}`, stored with one scale "
+              "each: one tensor cannot keep both scales", tensor.rule,
               "dequantize them first (`dequantize`), or keep them as separate tensors")
         return ()
-    for block in destination.blocks:
+    for block in tensor.blocks:
         declared = stored.get(block.source_key) if block.source_key else None
         if declared is None:
             continue
@@ -144,29 +144,29 @@ def check_cuts(destination, stored: dict[str, StoredQuantized], shape_of, error:
             if len(moving) > 1 or any(abs(block.coeff[k][j]) != 1 for j in moving):
                 error("E224", f"`{block.source_key}` is stored quantized in blocks of {g} along dim {k} "
                       f"(declared at {declared.rule}); this rule reshapes or strides that dim into "
-                      f"`{destination.runtime_key}`", destination.rule, "dequantize it first")
+                      f"`{tensor.runtime_key}`", tensor.rule, "dequantize it first")
                 return ()
             if not moving:  # one index of this dim: a cut on both sides unless the dim is one block
                 if extent[k] > 1:
-                    _cut(error, declared, destination, k, g, low, "source", low)
+                    _cut(error, declared, tensor, k, g, low, "source", low)
                     return ()
                 continue
             (j,) = moving
             n, at = block.sizes[j], block.offsets[j]
-            for offset, end, where in ((low, extent[k], "source"), (at, destination.shape[j], "destination")):
+            for offset, end, where in ((low, extent[k], "source"), (at, tensor.shape[j], "runtime tensor")):
                 for edge in (offset, offset + n):
                     if edge % g and edge != end:
-                        _cut(error, declared, destination, k, g, edge, where, low, j, at, n)
+                        _cut(error, declared, tensor, k, g, edge, where, low, j, at, n)
                         return ()
             grid[j] = max(grid[j], g)
     return tuple(grid) if any(g > 1 for g in grid) else ()
 
 
-def _cut(error, declared, destination, k, g, edge, where, low, j=None, at=None, n=1) -> None:
+def _cut(error, declared, tensor, k, g, edge, where, low, j=None, at=None, n=1) -> None:
     placed = (f"; the rule puts its dim-{k} range {low}:{low + n} at {at}:{at + n} of dim {j} of "
-              f"`{destination.runtime_key}`" if j is not None else "")
+              f"`{tensor.runtime_key}`" if j is not None else "")
     error("E224", f"`{declared.values}` is stored quantized in blocks of {g} along dim {k} (declared at "
-          f"{declared.rule}){placed}: {where} offset {edge} falls inside a block", destination.rule,
+          f"{declared.rule}){placed}: {where} offset {edge} falls inside a block", tensor.rule,
           f"a cut of block-scaled values must fall on a multiple of {g}; dequantize first to cut anywhere")
 
 

@@ -1,8 +1,8 @@
 """Layout ops on symbolic tensors: shapes and blocks only, never data.
 
-A symbolic tensor is a shape, a dtype and blocks that tile it: block b says that the destination
+A symbolic tensor is a shape, a dtype and blocks that tile it: block b says that the runtime tensor
 box [offsets, offsets + sizes) holds, at index x, element `base + coeff . (x - offsets)` of one
-checkpoint tensor (coeff has one row per source dim and one column per destination dim), then its
+checkpoint tensor (coeff has one row per source dim and one column per runtime dim), then its
 value steps. Every layout op of the language is an exact index map, so it maps blocks to blocks;
 where a map is affine only piecewise (reshape across a partial row), blocks are cut into pieces.
 """

@@ -64,7 +64,7 @@ def _convert(src, dst: Path, rules, reverse, like, max_shard_bytes, budget_bytes
                                     "checkpoint: give it with `like` (`--like DIR`)"))
     checkpoint, compiled = compile_everywhere(rules, like if reverse else src)  # the layout the rules read
     runtime_source = dist.share_inventory(src) if reverse else None
-    destinations = {d.runtime_key: d for d in compiled.runtime_tensors}
+    runtime = {d.runtime_key: d for d in compiled.runtime_tensors}
     rank, world = dist.rank(), dist.world_size()
 
     if reverse:
@@ -72,10 +72,10 @@ def _convert(src, dst: Path, rules, reverse, like, max_shard_bytes, budget_bytes
         chosen = dist.together(lambda: derive_writers(compiled))
         out_inventory, headers, index, copy_from = checkpoint, None, None, checkpoint.root
     else:
-        layout = new_layout(str(dst), {k: (d.dtype, d.shape) for k, d in destinations.items()}, max_shard_bytes)
+        layout = new_layout(str(dst), {k: (d.dtype, d.shape) for k, d in runtime.items()}, max_shard_bytes)
         out_inventory, headers, index, copy_from = layout.inventory, layout.headers, layout.index, checkpoint.root
-    mine = _share(sorted(destinations), lambda k: _size(destinations[k]), rank, world)
-    total, done, written = sum(_size(destinations[k]) for k in mine), 0, 0
+    mine = _share(sorted(runtime), lambda k: _size(runtime[k]), rank, world)
+    total, done, written = sum(_size(runtime[k]) for k in mine), 0, 0
     logical = compiled.logical_by_key()
 
     def work(writer) -> None:
@@ -85,7 +85,7 @@ def _convert(src, dst: Path, rules, reverse, like, max_shard_bytes, budget_bytes
         try:
             if reverse and rank == 0:
                 copy_tensors(copied_parts(compiled), scales, writer)
-            for batch in _batches(mine, lambda k: _size(destinations[k]), budget_bytes):
+            for batch in _batches(mine, lambda k: _size(runtime[k]), budget_bytes):
                 tensors = compiled.empty_state_dict(batch)
                 whole = {k: whole_shard(tuple(t.shape)) for k, t in tensors.items()}
                 if reverse:  # runtime tensors read whole from src, written through the save direction

@@ -1,6 +1,6 @@
 """A rank's LoadPlan + its local tensors -> the tensors filled from the checkpoint files.
 
-Each read item reads exactly its byte runs: straight into the destination's memory when they are
+Each read item reads exactly its byte runs: straight into the runtime tensor's memory when they are
 one contiguous run into a contiguous region with no value step, else into one staging buffer that
 is copied through a strided view with its value steps. A piece of a logical tensor reads each part's
 covering box and decodes it. Reads run on two threads. The executor only runs the plan it is given.
@@ -27,7 +27,7 @@ from .pieces import apply_steps, read_part, region, torch_dtype
 def run_load_plan(plan: LoadPlan, inventory: Inventory, tensors: Mapping[str, torch.Tensor],
              threads: int = 2) -> None:
     """Execute one rank's plan into its local tensors. Items that continue each other both in the
-    file and in destination memory (a layer's gate and up slabs, consecutive experts) are read with
+    file and in runtime tensor memory (a layer's gate and up slabs, consecutive experts) are read with
     one call; reads run on `threads` threads (positioned reads release the GIL), each into its own
     region, so no two threads write one byte."""
     with CheckpointReader(inventory) as reader, torch.no_grad():
@@ -52,7 +52,7 @@ def _drain(work: list, taken: Iterator[int], reader: CheckpointReader, in_flight
 
 
 def _batches(items, tensors) -> list[list[tuple[ReadItem, torch.Tensor, bool]]]:
-    """Items with their destination views, merged where file bytes and memory are contiguous."""
+    """Items with their runtime tensor views, merged where file bytes and memory are contiguous."""
     out: list[list[tuple[ReadItem, torch.Tensor, bool]]] = []
     end_of = None  # (file, next byte offset, next data pointer) of the last direct batch
     for item in items:
@@ -74,7 +74,7 @@ CHUNK = 32 << 20  # direct reads are cut to this size, so both threads stay busy
 
 
 class _Direct(NamedTuple):
-    """A byte range of a file read straight into consecutive destination memory."""
+    """A byte range of a file read straight into consecutive runtime tensor memory."""
 
     file: str
     byte_offset: int
@@ -98,7 +98,7 @@ def _split(batches) -> list:
 
 
 class _Decode(NamedTuple):
-    """A piece of a logical source and the destination region it fills."""
+    """A piece of a logical source and the runtime tensor region it fills."""
 
     item: DecodeItem
     view: torch.Tensor
@@ -106,7 +106,7 @@ class _Decode(NamedTuple):
 
 def _run_decode(unit: _Decode, reader: CheckpointReader) -> torch.Tensor | None:
     """Read each part's covering box, decode the logical box, place the piece: straight into the
-    destination when the piece is the box in its own order, else through the decoded box."""
+    runtime tensor when the piece is the box in its own order, else through the decoded box."""
     from ..quant import get_format
 
     item, view = unit
@@ -124,10 +124,10 @@ def _run_decode(unit: _Decode, reader: CheckpointReader) -> torch.Tensor | None:
 
 
 def _run_batch(batch, reader: CheckpointReader) -> torch.Tensor | None:
-    """Run one unit of work; for a device destination, return the pinned buffer still being copied."""
+    """Run one unit of work; for a device runtime tensor, return the pinned buffer still being copied."""
     if isinstance(batch, _Decode):
         return _run_decode(batch, reader)
-    if isinstance(batch, _Direct):  # straight into the destination's memory
+    if isinstance(batch, _Direct):  # straight into the runtime tensor's memory
         memory = (ctypes.c_ubyte * batch.nbytes).from_address(batch.address)
         reader.read_into(batch.file, batch.byte_offset, memoryview(memory).cast("B"))
         return None
@@ -135,7 +135,7 @@ def _run_batch(batch, reader: CheckpointReader) -> torch.Tensor | None:
     if item.ckpt_key is None:  # a pad region: made in its dtype, then the later value steps
         view.copy_(apply_steps(torch.full(item.sizes, item.fill, dtype=torch.float64), item.steps))
         return None
-    device = view.device.type != "cpu"  # a CUDA destination: pinned staging, asynchronous copy
+    device = view.device.type != "cpu"  # a CUDA runtime tensor: pinned staging, asynchronous copy
     dtype = torch_dtype(item.dtype)
     if len(item.runs) > pieces.MANY_RUNS and not device and item.origin % dtype.itemsize == 0:
         # many short runs (a column shard: one a row): copy them from the mapped file in one strided

@@ -1,6 +1,6 @@
 """Compiled + what one rank holds of each tensor -> that rank's frozen LoadPlan: what to read, where.
 
-Each held box of a destination is intersected with the destination's blocks; each piece becomes a
+Each held box of a runtime tensor is intersected with the runtime tensor's blocks; each piece becomes a
 read item: the byte runs of its checkpoint tensor that hold exactly its source elements (in source
 order: a transposed block reads whole source rows, a column shard one run per row), and the region
 of the rank's local tensor it fills. So a layout-only load reads exactly the bytes the rank owns.
@@ -27,7 +27,7 @@ class ReadItem(NamedTuple):
 
     The local region [local_offsets, local_offsets + sizes) of `runtime_key` takes the elements of
     `ckpt_key` held by `runs` ((byte_offset, nbytes) pairs of `file`, concatenated), laid out by
-    `strides` (element strides into that concatenation, one per destination dim), then `steps`.
+    `strides` (element strides into that concatenation, one per runtime dim), then `steps`.
     An item without a key fills its region with `fill` (a `pad`).
     """
 
@@ -42,7 +42,7 @@ class ReadItem(NamedTuple):
     steps: tuple[tuple[str, str | float], ...]
     fill: float | None
     origin: int = 0  # byte offset in `file` of the piece's first element
-    source_strides: tuple[int, ...] = ()  # element strides of each destination dim in the file
+    source_strides: tuple[int, ...] = ()  # element strides of each runtime dim in the file
 
 
 class PartRead(NamedTuple):
@@ -97,7 +97,7 @@ class LoadPlan(BaseModel):
 
 def make_load_plan(compiled: Compiled, inventory: Inventory, held: Mapping[str, LocalShard],
                    rank: int = 0) -> LoadPlan:
-    """The plan of one rank. `held` maps a runtime key to what the rank holds of it; a destination
+    """The plan of one rank. `held` maps a runtime key to what the rank holds of it; a runtime tensor
     missing from `held` is not loaded by this rank."""
     items: list[ReadItem] = []
     decodes: list[DecodeItem] = []
