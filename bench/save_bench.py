@@ -130,6 +130,7 @@ def child_rank(rank: int, world: int, port: int) -> dict:
         out = OUT / "ranks"
         if rank == 0:
             shutil.rmtree(out, ignore_errors=True)
+            out.parent.mkdir(parents=True, exist_ok=True)  # --ranks alone: no speed run made it
         dist.barrier()
         rss_before, peak_before = rss_now(), maxrss()
         start = time.perf_counter()
