@@ -58,7 +58,7 @@ def child_speed(mode: str, verify: bool) -> dict:
     from safetensors.torch import save_file
 
     import remapdsl
-    import remapdsl.runtime.read  # noqa: F401
+    import remapdsl.runtime.load  # noqa: F401
     import remapdsl.runtime.save  # noqa: F401
 
     folder = FOLDERS["1gb"]
@@ -106,7 +106,7 @@ def child_rank(rank: int, world: int, port: int) -> dict:
     import torch.distributed as dist
 
     import remapdsl
-    import remapdsl.runtime.read  # noqa: F401
+    import remapdsl.runtime.load  # noqa: F401
     import remapdsl.runtime.save  # noqa: F401
     from remapdsl.sharding import LayoutPlan, Mesh, Shard, layout_for, local_shard
 

@@ -8,6 +8,9 @@ original checkpoint (`like`), through the save direction of the same rules. Each
 of the runtime tensors (balanced by bytes), fills them a batch at a time within `budget_bytes`, and
 writes their bytes into the output files at their offsets; rank 0 creates the files in a staging
 folder first and renames it into place last (remapdsl/checkpoint/writer.py).
+
+The driver imports what it runs at module level (torch among it): the api imports this module
+only when the call is made, so `import remapdsl` stays free of torch.
 """
 
 from __future__ import annotations
@@ -18,9 +21,21 @@ from pathlib import Path
 
 from pydantic import BaseModel, ConfigDict
 
+from ..checkpoint import CheckpointReader
+from ..checkpoint.reader import as_byte_view
+from ..checkpoint.writer import new_layout
+from ..compile.inverse import copied_parts
+from ..compile.inverse import writers as derive_writers
 from ..errors import Diagnostic, RemapError
 from ..gcpause import paused_gc
 from ..indexmap import nbytes
+from ..sharding.holdings import whole_shard
+from ..sharding.plans import make_load_plan, make_write_plan
+from . import dist
+from .prepare import compile_everywhere
+from .read import run_load_plan
+from .save import copy_tensors, write_output
+from .write import run_write_plan
 
 
 class ConvertReport(BaseModel):
@@ -45,18 +60,6 @@ def convert(src, dst, rules, *, reverse: bool = False, like=None, max_shard_byte
 
 def _convert(src, dst: Path, rules, reverse, like, max_shard_bytes, budget_bytes, overwrite, progress):
 
-    from . import dist
-    from .prepare import compile_everywhere
-    from ..checkpoint import CheckpointReader
-    from ..checkpoint.reader import as_byte_view
-    from ..checkpoint.writer import new_layout
-    from ..compile.inverse import copied_parts
-    from ..compile.inverse import writers as derive_writers
-    from ..sharding.holdings import whole_shard
-    from ..sharding.plans import make_load_plan, make_write_plan
-    from .read import run_load_plan
-    from .write import run_write_plan
-    from .save import copy_tensors, write_output
 
     start = time.perf_counter()
     if reverse and like is None:

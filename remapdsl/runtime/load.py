@@ -4,6 +4,9 @@ The phases, on every rank: the shared compile (remapdsl/runtime/prepare.py), thi
 (remapdsl/sharding/holdings.py), its plan (remapdsl/sharding/plans.py), the reads
 (remapdsl/runtime/read.py); tensors every rank holds whole may be read once and broadcast. Each
 phase fails on every rank together.
+
+The driver imports what it runs at module level (torch among it): the api imports this module
+only when the call is made, so `import remapdsl` stays free of torch.
 """
 
 from __future__ import annotations
@@ -15,6 +18,11 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict
 
 from ..gcpause import paused_gc
+from ..sharding.holdings import hold
+from ..sharding.plans import make_load_plan
+from . import dist
+from .prepare import compile_everywhere
+from .read import run_load_plan
 
 
 class LoadReport(BaseModel):
@@ -39,11 +47,6 @@ def load(state_dict, checkpoint, rules, *, config: Mapping[str, Any] | None = No
 
 
 def _load(state_dict, checkpoint, rules, config, strict, layout, mesh, read_replicated_once) -> LoadReport:
-    from ..sharding.holdings import hold
-    from ..sharding.plans import make_load_plan
-    from . import dist
-    from .prepare import compile_everywhere
-    from .read import run_load_plan
 
     inventory, compiled = compile_everywhere(rules, checkpoint, config, strict)
     tensors = state_dict.state_dict(keep_vars=True) if hasattr(state_dict, "state_dict") else state_dict

@@ -6,6 +6,9 @@ boxes it writes: those it holds that no lower rank holds. Rank 0 creates the out
 size in a hidden staging folder; each rank writes its own bytes; rank 0 writes the index and
 renames the folder into place (remapdsl/checkpoint/writer.py). Each phase fails on every rank
 together; a failed save removes its staging folder and leaves the destination as it was.
+
+The driver imports what it runs at module level (torch among it): the api imports this module
+only when the call is made, so `import remapdsl` stays free of torch.
 """
 
 from __future__ import annotations
@@ -18,7 +21,17 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict
 
+from ..checkpoint import CheckpointReader
+from ..checkpoint.writer import FileWriter, check_destination, commit, create_files, discard, staging_path
+from ..compile.inverse import copied_parts
+from ..compile.inverse import writers as derive_writers
+from ..errors import Diagnostic, RemapError
 from ..gcpause import paused_gc
+from ..sharding.holdings import hold, owned
+from ..sharding.plans import make_write_plan
+from . import dist
+from .prepare import compile_everywhere
+from .write import run_write_plan
 
 
 class SaveReport(BaseModel):
@@ -38,7 +51,6 @@ def save(state_dict, folder, rules, *, like=None, config: Mapping[str, Any] | No
          overwrite: bool = False, allow_lossy: bool = False, requantize: bool = False) -> SaveReport:
     """Write runtime tensors back to the checkpoint layout `like`; the arguments are `remapdsl.save`'s."""
     if like is None:
-        from ..errors import Diagnostic, RemapError
 
         raise RemapError(Diagnostic(code="E520", message="a save writes the checkpoint layout the rules read: "
                                     "give that checkpoint with `like` (its keys, files and headers); rules "
@@ -51,14 +63,6 @@ def save(state_dict, folder, rules, *, like=None, config: Mapping[str, Any] | No
 
 def _save(state_dict, folder: Path, rules, like, config, layout, mesh, overwrite, allow_lossy,
           requantize) -> SaveReport:
-    from ..checkpoint import CheckpointReader
-    from ..compile.inverse import copied_parts
-    from ..compile.inverse import writers as derive_writers
-    from ..sharding.holdings import hold, owned
-    from ..sharding.plans import make_write_plan
-    from . import dist  # torch is imported only here
-    from .prepare import compile_everywhere
-    from .write import run_write_plan
 
     start = time.perf_counter()
     # not strict: a checkpoint tensor no rule reads is the save's own error (E501, below)
@@ -91,8 +95,6 @@ def write_output(folder: Path, layout, *, headers=None, index=None, copy_from=No
     creates the staging files of `layout` (an Inventory: `like`'s, or a new one with `headers` and
     `index`), every rank runs `write(writer)`, rank 0 commits. An error on any rank, in any phase,
     is raised on every rank and the staging folder is removed. Returns this rank's fsync seconds."""
-    from . import dist
-    from ..checkpoint.writer import FileWriter, check_destination, commit, create_files, discard, staging_path
 
     rank = dist.rank()
     token = dist.from_first(lambda: (check_destination(folder, overwrite), secrets.token_hex(6))[1])
