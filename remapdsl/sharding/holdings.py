@@ -79,6 +79,7 @@ def hold(compiled: Compiled, tensors: Mapping[str, Any], layout: LayoutPlan | No
                 grid = tensor.device_mesh.mesh  # the global rank at each mesh coordinate
                 by_spec[spec] = Placed(dt.local_shard(), dt.mesh.sizes, dt.placements,
                                        lambda index, grid=grid: int(grid[index]), spec)
+            p = by_spec[spec]
             local[d.runtime_key] = _local_tensor(tensor)
         elif layout is not None:
             placements = layout_for(d.runtime_key, d.shape, layout, mesh)
@@ -87,12 +88,12 @@ def hold(compiled: Compiled, tensors: Mapping[str, Any], layout: LayoutPlan | No
                 by_spec[spec] = Placed(local_shard(d.shape, mesh.sizes, placements, coordinate,
                                                    runtime_key=d.runtime_key),
                                        mesh.sizes, placements, mesh.rank, spec)
+            p = by_spec[spec]
             local[d.runtime_key] = tensor
         else:
-            spec = None
+            p = Placed(whole_shard(d.shape), (), (), None, None)
             local[d.runtime_key] = tensor
-        p = placed[d.runtime_key] = by_spec[spec] if spec is not None else Placed(
-            whole_shard(d.shape), (), (), None, None)
+        placed[d.runtime_key] = p
         if tuple(local[d.runtime_key].shape) != p.shard.shape:
             problems.append(Diagnostic(code="E233", span=d.rule, message=f"`{d.runtime_key}` is "
                             f"{list(local[d.runtime_key].shape)} on rank {rank}, but its layout gives "
