@@ -5,8 +5,10 @@ The inventory is synthetic, built from shapes alone (`Inventory.from_shapes`, no
 DeepSeek-V3 layout with BF16 weights (61 decoder layers, the first 3 dense, 256 routed experts and
 1 shared expert per MoE layer, multi-head latent attention, the score-correction bias in F32) plus
 the multi-token-prediction layer 61 that the rules drop. That is 46,183 tensors. The FP8 release has
-about twice as many (a `weight_scale_inv` beside each quantized weight, ~91,000); `--experts 512`
-gives a BF16 inventory of that size for the same rule file.
+about twice as many (a `weight_scale_inv` beside each quantized weight, ~91,000): `--fp8` builds that
+layout (E4M3 weights of every linear projection, float32 scales per 128 x 128 block; the embedding,
+lm_head, norms and router stay BF16/F32, as released) and compiles `rules/deepseek_v3_fp8.remap`,
+which dequantizes on read. `--experts 512` gives a BF16 inventory of that size instead.
 
 One process: the first call (cold: the parser is built, caches are empty) is reported on its own,
 then the median of 5 further calls. Memory is measured on one more call under tracemalloc (Python
@@ -14,7 +16,7 @@ allocations made during the call, the result included) and as the process's peak
 shown before and after the compile calls so that the inventory's own share is visible. A yardstick
 for machine speed is printed beside it: the time to build the inventory itself.
 
-    python bench/compile_bench.py [--experts 256] [--repeat 5]
+    python bench/compile_bench.py [--experts 256] [--fp8] [--repeat 5]
 """
 
 from __future__ import annotations
@@ -32,6 +34,9 @@ import remapdsl
 from remapdsl.checkpoint.inventory import Inventory
 
 RULES = Path(__file__).resolve().parent.parent / "rules" / "deepseek_v3.remap"
+RULES_FP8 = RULES.with_name("deepseek_v3_fp8.remap")
+FP8_BLOCK = [128, 128]
+NOT_QUANTIZED = ("embed_tokens.weight", "lm_head.weight", "norm.weight", "mlp.gate.weight", "bias")
 GIB = 1 << 30
 
 
@@ -126,8 +131,25 @@ def deepseek_v3_shapes(config: dict) -> dict[str, tuple[str, tuple[int, ...]]]:
     return out
 
 
+def fp8_release(config: dict, shapes: dict) -> tuple[dict, dict]:
+    """The FP8 release of a BF16 layout: each linear projection's weight in E4M3 beside its
+    float32 `weight_scale_inv` of one scale per 128 x 128 block, and the config's
+    `quantization_config` saying so."""
+    out = {}
+    for key, (dtype, shape) in shapes.items():
+        if dtype != "BF16" or len(shape) != 2 or key.endswith(NOT_QUANTIZED):
+            out[key] = (dtype, shape)
+            continue
+        out[key] = ("F8_E4M3", shape)
+        out[key + "_scale_inv"] = ("F32", tuple(-(-n // b) for n, b in zip(shape, FP8_BLOCK)))
+    quantized = dict(config, quantization_config={"quant_method": "fp8", "fmt": "e4m3",
+                                                  "activation_scheme": "dynamic",
+                                                  "weight_block_size": FP8_BLOCK})
+    return quantized, out
+
+
 def compile_once(inventory: Inventory, config: dict):
-    rules = remapdsl.load_rules(RULES)
+    rules = remapdsl.load_rules(RULES_FP8 if "quantization_config" in config else RULES)
     return remapdsl.compile_rules(rules, inventory, config)
 
 
@@ -144,12 +166,15 @@ def maxrss_bytes() -> int:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--experts", type=int, default=256, help="routed experts per MoE layer (256)")
+    parser.add_argument("--fp8", action="store_true", help="the FP8 release layout and its rules")
     parser.add_argument("--repeat", type=int, default=5, help="warm calls for the median (5)")
     args = parser.parse_args()
 
     load_before = os.getloadavg()[0]
     config = deepseek_v3_config(args.experts)
     shapes = deepseek_v3_shapes(config)
+    if args.fp8:
+        config, shapes = fp8_release(config, shapes)
     inventory_s, inventory = timed(lambda: Inventory.from_shapes(shapes))
     payload = sum(t.nbytes for t in inventory.tensors.values())
     rss_before = maxrss_bytes()
@@ -179,7 +204,7 @@ def main() -> None:
     del compiled
     rss_after = maxrss_bytes()
 
-    print(f"DeepSeek-V3 BF16 inventory: {len(inventory.tensors)} tensors "
+    print(f"DeepSeek-V3 {'FP8' if args.fp8 else 'BF16'} inventory: {len(inventory.tensors)} tensors "
           f"({args.experts} routed experts), {payload / 1e9:.0f} GB of weights, "
           f"{destinations} destinations; digest {str(digest)[:16]}")
     print(f"  load average {load_before:.1f} before, {os.getloadavg()[0]:.1f} after, "

@@ -22,7 +22,7 @@ peak-RSS growth (ru_maxrss after minus before, the plan included; the peak is re
 RSS just before, through /proc/self/clear_refs, so the compile's own peak does not hide it); the tracemalloc peak is taken on a
 second, untimed call (tracemalloc slows allocation-heavy code several-fold), skipped ("skipped")
 where 8x the timed call would not fit in what is left of the timeout. Plan size: items (read
-or write items, plus decode/encode items), byte runs (sum of len(item.runs), parts included), and
+or write items, plus decode/encode items), byte runs described (sum of item.runs.count, parts included; each item holds one strided run set), and
 bytes_read / bytes_owned (load) or bytes_written (save, beside the bytes of the boxes the rank owns).
 A child that runs past `--timeout` is killed and its figures shown as "> T s"; one whose RSS passes
 `--max-rss` is killed too.
@@ -135,8 +135,8 @@ def child(spec: dict) -> None:
 
         def describe(plan):
             return {"items": len(plan.items) + len(plan.decodes),
-                        "runs": sum(len(i.runs) for i in plan.items)
-                        + sum(len(p.runs) for i in plan.decodes for p in i.parts),
+                        "runs": sum(i.runs.count for i in plan.items if i.runs)
+                        + sum(p.runs.count for i in plan.decodes for p in i.parts),
                         "bytes_read": plan.bytes_read, "bytes_owned": plan.bytes_owned}
     else:
         import torch
@@ -167,8 +167,8 @@ def child(spec: dict) -> None:
             owned_bytes = sum(volume(b.sizes) * BY_NAME[dtypes[k]].bits // 8
                               for k, s in mine.items() for b in s.boxes)
             return dict(items=len(plan.items) + len(plan.encodes),
-                        runs=sum(len(i.runs) for i in plan.items)
-                        + sum(len(p.runs) for i in plan.encodes for p in i.parts),
+                        runs=sum(i.runs.count for i in plan.items)
+                        + sum(p.runs.count for i in plan.encodes for p in i.parts),
                         bytes_written=plan.bytes_written, bytes_owned=owned_bytes, **parts)
 
     gc.collect()

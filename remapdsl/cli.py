@@ -220,20 +220,32 @@ def _plan(args: argparse.Namespace) -> int:
         if args.rank is not None:
             for item in plan.items:
                 where = ", ".join(f"{o}:{o + n}" for o, n in zip(item.local_offsets, item.sizes))
-                runs = f"{len(item.runs)} run{'s' if len(item.runs) != 1 else ''}"
-                source = f"{item.ckpt_key} ({runs})" if item.ckpt_key else f"fill {item.fill:g}"
+                source = f"{item.ckpt_key} ({_runs(item.runs)})" if item.ckpt_key else f"fill {item.fill:g}"
                 print(f"    {item.runtime_key}[{where}] <- {source}")
             for item in plan.decodes:
                 where = ", ".join(f"{o}:{o + n}" for o, n in zip(item.local_offsets, item.sizes))
                 box = ", ".join(f"{o}:{o + n}" for o, n in zip(*item.box))
-                parts = ", ".join(f"{p.ckpt_key} ({len(p.runs)} run{'s' if len(p.runs) != 1 else ''})"
-                                  for p in item.parts)
+                parts = ", ".join(f"{p.ckpt_key} ({_runs(p.runs)})" for p in item.parts)
                 print(f"    {item.runtime_key}[{where}] <- {item.format} {item.logical}[{box}] of {parts}")
     ratio = (f" ({total_read / total_owned:.2f}x owned"
              + (f"; {total_read / (total_owned + total_scales):.2f}x owned values + covering scales"
                 if total_scales else "") + ")") if total_owned else ""
     print(f"total: {total_read / 1e6:.2f} MB read{ratio} over {len(ranks)} rank{'s' if len(ranks) != 1 else ''}")
     return EXIT_OK
+
+
+def _runs(runs) -> str:
+    """A strided run set in a few words: `1 run of 4.19 MB`, `2048 runs of 1792 B, 14336 B apart`,
+    `8 x 2048 runs of 1792 B, 29360128 B / 14336 B apart` (outermost first)."""
+    if runs.count == 1:
+        return f"1 run of {_bytes(runs.length)}"
+    counts = " x ".join(str(n) for n in runs.counts)
+    apart = " / ".join(f"{t} B" for t in runs.strides)
+    return f"{counts} runs of {_bytes(runs.length)}, {apart} apart"
+
+
+def _bytes(n: int) -> str:
+    return f"{n / 1e6:.2f} MB" if n >= 10**6 else f"{n} B"
 
 
 def _size(text: str, option: str) -> int:

@@ -8,7 +8,9 @@ ints: no torch, no tensor data, no per-element loop.
 
 from __future__ import annotations
 
-from math import prod
+from bisect import bisect_left, bisect_right
+from functools import lru_cache
+from math import gcd, prod
 from typing import NamedTuple
 
 from .dtypes import BY_NAME
@@ -93,18 +95,21 @@ def cut(b: Block, dim: int, start: int, stop: int) -> Block | None:
 
 def intersect(block: Block, offsets, sizes) -> Block | None:
     """The part of a block inside the box [offsets, offsets + sizes), re-based: `cut` on every dim
-    at once, in one pass."""
+    at once, in one pass (the plans call it once a piece: plain comparisons, no min/max calls)."""
     low, size = [], []
+    moved = False
     for o, n, start, extent in zip(block.offsets, block.sizes, offsets, sizes):
-        lo, hi = max(o, start), min(o + n, start + extent)
+        lo = o if o > start else start
+        hi = o + n if o + n < start + extent else start + extent
         if lo >= hi:
             return None
         low.append(lo)
         size.append(hi - lo)
-    moved = [lo - o for lo, o in zip(low, block.offsets)]
+        moved = moved or lo != o
     base = block.base
-    if block.source_key is not None and any(moved):
-        base = tuple(b + sum(c * m for c, m in zip(row, moved)) for b, row in zip(block.base, block.coeff))
+    if moved and block.source_key is not None:
+        shift = [lo - o for lo, o in zip(low, block.offsets)]
+        base = tuple(b + sum(c * m for c, m in zip(row, shift)) for b, row in zip(block.base, block.coeff))
     return Block(tuple(low), tuple(size), block.source_key, base, block.coeff, block.steps, block.fill)
 
 
@@ -117,10 +122,70 @@ def flat_map(block: Block, shape) -> tuple[int, list[int]]:
     return start, flat
 
 
-def source_runs(start: int, flat: list[int], sizes: tuple[int, ...]):
-    """Contiguous runs of source elements (first, length) in ascending order, and each runtime
-    dim's stride into their concatenation. Dims are taken by ascending source stride: the inner
-    ones that continue a contiguous run merge into it; each remaining dim multiplies the runs."""
+class Runs(NamedTuple):
+    """Runs of a file or a flat index that repeat with constant strides: one run of `length` units
+    at `first`, repeated along each dim (outermost first) `counts[d]` times, `strides[d]` apart.
+    Units are elements or bytes (`in_bytes`). With non-negative strides, outermost first, the runs
+    come in ascending order. Plans hold this description, never one Python object a run: a column
+    shard of a tall matrix is one `Runs`, whatever its number of rows."""
+
+    first: int
+    length: int
+    counts: tuple[int, ...] = ()
+    strides: tuple[int, ...] = ()
+
+    @property
+    def count(self) -> int:
+        """How many runs."""
+        return prod(self.counts)
+
+    @property
+    def total(self) -> int:
+        """Units over all runs (bytes, for a byte run set)."""
+        return self.length * self.count
+
+    @property
+    def end(self) -> int:
+        """One past the last unit of the last run."""
+        return self.first + self.length + sum((n - 1) * t for n, t in zip(self.counts, self.strides)) \
+            if self.count else self.first
+
+    def starts(self):
+        """Each run's first unit, in order: for a few runs, or a bounded chunk of them (`chunks`)."""
+        firsts = [self.first]
+        for n, t in zip(self.counts, self.strides):
+            firsts = [f + t * i for f in firsts for i in range(n)]
+        return firsts
+
+    def chunks(self, most: int):
+        """The runs, in order, as `Runs` of at most `most` runs each: the inner dims that fit are
+        kept whole and the next one is cut in pieces, so no chunk lists the runs it holds."""
+        inner, kept = 1, len(self.counts)
+        while kept > 0 and inner * self.counts[kept - 1] <= most:
+            kept -= 1
+            inner *= self.counts[kept]
+        if kept == 0:
+            yield self
+            return
+        n, t = self.counts[kept - 1], self.strides[kept - 1]
+        step = max(1, most // inner)
+        outer = Runs(self.first, self.length, self.counts[:kept - 1], self.strides[:kept - 1])
+        for f in outer.starts():
+            for i in range(0, n, step):
+                yield Runs(f + i * t, self.length, (min(step, n - i),) + self.counts[kept:],
+                           (t,) + self.strides[kept:])
+
+    def in_bytes(self, byte_offset: int, itemsize: int) -> Runs:
+        """These element runs as byte runs of a tensor whose data starts at `byte_offset`."""
+        return Runs(byte_offset + self.first * itemsize, self.length * itemsize, self.counts,
+                    tuple(t * itemsize for t in self.strides))
+
+
+def source_runs(start: int, flat: list[int], sizes: tuple[int, ...]) -> tuple[Runs, tuple[int, ...]]:
+    """The contiguous runs of source elements a block covers (flat map `start`, `flat`, runtime
+    `sizes`), and each runtime dim's stride into their concatenation. Dims are taken by ascending
+    source stride: the inner ones that continue a contiguous run merge into it; each remaining dim
+    repeats the runs, and an outer dim that continues the one inside it merges with it."""
     moving = sorted((abs(t), j) for j, t in enumerate(flat) if sizes[j] > 1)
     if any(flat[j] < 0 for _, j in moving):  # no op of the language reverses a dim today
         raise NotImplementedError("negative source strides")
@@ -128,15 +193,120 @@ def source_runs(start: int, flat: list[int], sizes: tuple[int, ...]):
     while k < len(moving) and moving[k][0] == length:
         length *= sizes[moving[k][1]]
         k += 1
-    outer = moving[k:]  # ascending stride: the last is the outermost
     strides = [0] * len(sizes)
     for t, j in moving[:k]:
         strides[j] = t
     step = length
-    for t, j in outer:
+    counts: list[int] = []  # innermost first, while building
+    steps: list[int] = []
+    for t, j in moving[k:]:
         strides[j] = step
         step *= sizes[j]
-    firsts = [start]
-    for t, j in reversed(outer):  # outermost first, so runs come out in ascending source order
-        firsts = [f + t * i for f in firsts for i in range(sizes[j])]
-    return [(f, length) for f in firsts], tuple(strides)
+        if counts and t == steps[-1] * counts[-1]:
+            counts[-1] *= sizes[j]
+        else:
+            counts.append(sizes[j])
+            steps.append(t)
+    if not all(sizes):
+        return Runs(start, length, (0,), (0,)), tuple(strides)
+    return Runs(start, length, tuple(reversed(counts)), tuple(reversed(steps))), tuple(strides)
+
+
+@lru_cache(maxsize=4096)
+def run_layout(shape: tuple[int, ...], coeff: tuple[tuple[int, ...], ...], sizes: tuple[int, ...]
+               ) -> tuple[tuple[int, ...], tuple[int, ...], Runs, tuple[int, ...]]:
+    """What `flat_map` and `source_runs` give for every block of one map and size, whatever its base:
+    the source's row-major strides, the flat stride per runtime dim, the runs starting at 0, and the
+    strides into their concatenation. Cached: the pieces of a tensor's many blocks share a few."""
+    major = row_major_strides(shape)
+    flat = tuple(sum(major[k] * coeff[k][j] for k in range(len(shape))) for j in range(len(sizes)))
+    runs, strides = source_runs(0, list(flat), sizes)
+    return tuple(major), flat, runs, strides
+
+
+def block_runs(block: Block, shape) -> tuple[Runs, tuple[int, ...], tuple[int, ...]]:
+    """A block's element runs in its source (row-major `shape`), the strides into their
+    concatenation, and each runtime dim's flat stride in the source."""
+    major, flat, runs, strides = run_layout(tuple(shape), block.coeff, block.sizes)
+    return runs._replace(first=sum(t * b for t, b in zip(major, block.base))), strides, flat
+
+
+class FirstDimIndex:
+    """Entries with blocks of one tensor, ordered by the blocks' first offset, so that the few
+    meeting a box are found by bisection instead of trying every block (a tensor stacked from
+    hundreds of experts has one or two blocks an expert)."""
+
+    __slots__ = ("entries", "starts", "reach")
+
+    def __init__(self, entries, blocks) -> None:
+        pairs = sorted(zip((b.offsets[0] for b in blocks), range(len(entries)), entries))
+        self.entries = [e for _, _, e in pairs]
+        self.starts = [s for s, _, _ in pairs]
+        self.reach = max((b.sizes[0] for b in blocks), default=0)
+
+    def meeting(self, offsets, sizes) -> list:
+        """The entries whose block may meet the box [offsets, offsets + sizes) (along dim 0)."""
+        lo = bisect_right(self.starts, offsets[0] - self.reach)
+        return self.entries[lo:bisect_left(self.starts, offsets[0] + sizes[0])]
+
+
+Progression = tuple[int, int, int]  # (first, count, step) of indices along one source dim
+
+
+def source_box(block: Block, shape) -> tuple[Progression, ...] | None:
+    """The source elements a block reads, as a strided box: per source dim, the progression of
+    indices it takes. None where its map is not one box (a runtime dim that moves two source dims
+    or none, runtime dims that move one source dim other than as one progression, a negative step):
+    cut such a block along its dims until each piece is one."""
+    moves: list[list[tuple[int, int]]] = [[] for _ in shape]
+    for j, n in enumerate(block.sizes):
+        if n <= 1:
+            continue
+        dims = [k for k in range(len(shape)) if block.coeff[k][j]]
+        if len(dims) != 1 or block.coeff[dims[0]][j] < 0:
+            return None
+        moves[dims[0]].append((block.coeff[dims[0]][j], n))
+    box = []
+    for k, moving in enumerate(moves):
+        step, count = 1, 1
+        for c, n in sorted(moving):
+            if count > 1 and c != step * count:
+                return None
+            if count == 1:
+                step = c
+            count *= n
+        box.append((block.base[k], count, step))
+    return tuple(box)
+
+
+def box_volume(box: tuple[Progression, ...]) -> int:
+    return prod(count for _, count, _ in box)
+
+
+def common(a: Progression, b: Progression) -> int:
+    """How many indices two progressions share (by the Chinese remainder theorem: no listing)."""
+    (a0, na, sa), (b0, nb, sb) = a, b
+    if not na or not nb:
+        return 0
+    sa, sb = (sa if na > 1 else 1), (sb if nb > 1 else 1)
+    lo, hi = max(a0, b0), min(a0 + (na - 1) * sa, b0 + (nb - 1) * sb)
+    if lo > hi:
+        return 0
+    g = gcd(sa, sb)
+    if (b0 - a0) % g:
+        return 0
+    m = sb // g
+    x = a0 + sa * ((b0 - a0) // g * pow(sa // g, -1, m) % m if m > 1 else 0)  # x = a0 (sa), = b0 (sb)
+    period = sa * m
+    x += -(-(lo - x) // period) * period  # the first shared index >= lo
+    return (hi - x) // period + 1 if x <= hi else 0
+
+
+def box_overlap(a: tuple[Progression, ...], b: tuple[Progression, ...]) -> int:
+    """How many source elements two strided boxes share."""
+    count = 1
+    for pa, pb in zip(a, b):
+        count *= common(pa, pb)
+        if not count:
+            return 0
+    return count

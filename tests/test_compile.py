@@ -243,24 +243,27 @@ def test_digest_is_the_same_in_another_process(tmp_path):
 
 
 def test_many_short_runs_are_copied_from_the_mapped_file(tmp_path, monkeypatch):
-    import remapdsl.runtime.pieces as pieces
+    import remapdsl.checkpoint.reader as files
     from remapdsl.runtime.read import run_load_plan
     from remapdsl.sharding import LayoutPlan, Mesh
 
     source, other = randn(64, 48), randn(48, 64)
     folder = write_checkpoint(tmp_path, {"w": source, "o": other})
-    rules = rules_from_text("w -> a\no -> b | transpose(0, 1)\n", "t.remap")
-    plan = LayoutPlan.from_mapping({"a": "rowwise", "b": "rowwise"}, mesh_dim="tp")
+    # a: a column shard (read straight into the tensor); b: one run, transposed; c: value steps
+    rules = rules_from_text("w -> a\no -> b | transpose(0, 1)\nw -> c | scale(2) | add(1)\n", "t.remap")
+    plan = LayoutPlan.from_mapping({"a": "rowwise", "b": "rowwise", "c": "rowwise"}, mesh_dim="tp")
     for many in (10**9, 0):  # per-run reads, then the mapped-file copy for every item
-        monkeypatch.setattr(pieces, "MANY_RUNS", many)
+        monkeypatch.setattr(files, "MANY_RUNS", many)
         for rank in range(3):
             mesh = Mesh.of({"tp": 3})
-            local = {"a": torch.full((64, 16), float("nan")), "b": torch.full((64, 16), float("nan"))}
+            local = {k: torch.full((64, 16), float("nan")) for k in "abc"}
             compiled = remapdsl.compile_rules(rules, remapdsl.open_checkpoint(folder), {})
             inventory = remapdsl.open_checkpoint(folder)
             report = remapdsl.plan_rank(compiled, inventory, plan, mesh, rank)  # a rank of 3, one process
+            assert {i.runtime_key: i.runs.count for i in report.items} == {"a": 64, "b": 1, "c": 64}
             run_load_plan(report, inventory, local)
             cols = slice(16 * rank, 16 * rank + 16)
             assert torch.equal(local["a"], source[:, cols])
             assert torch.equal(local["b"], other.T[:, cols])
-            assert report.bytes_read == report.bytes_owned == 2 * 64 * 16 * 4
+            assert torch.equal(local["c"], (source[:, cols] * 2 + 1))
+            assert report.bytes_read == report.bytes_owned == 3 * 64 * 16 * 4

@@ -263,9 +263,9 @@ experts -> experts | transpose(1, 2)
         # the values read are the rank's elements; the scale rows read are those its rows touch
         q_rows = shards["q"].boxes[0]
         q_item = next(i for i in plan.decodes if i.runtime_key == "q")
-        assert sum(n for _, n in q_item.parts[0].runs) == q_rows.sizes[0] * 96
+        assert q_item.parts[0].runs.total == q_rows.sizes[0] * 96
         first, last = q_rows.offsets[0] // 32, -(-(q_rows.offsets[0] + q_rows.sizes[0]) // 32)
-        assert sum(n for _, n in q_item.parts[1].runs) == (last - first) * 3 * 4
+        assert q_item.parts[1].runs.total == (last - first) * 3 * 4
     assert total_values == qv.numel() + ov.numel() + ev.numel()
 
 

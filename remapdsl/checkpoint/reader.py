@@ -1,7 +1,9 @@
 """Positioned byte-range reads from an inventory's files into caller-owned memory: (file, range) -> buffer.
 
-No pickle, no mmap, no whole-file reads: `os.preadv` fills the caller's buffer (a bytearray, a numpy
-array, a contiguous CPU torch tensor) in place. Every range is checked against the inventory first, so a
+No pickle, no whole-file reads: `os.preadv` fills the caller's buffer (a bytearray, a numpy array, a
+contiguous CPU torch tensor) in place; a strided run set of many short runs (a column shard: one run
+a row) is copied from the file's read-only map in one strided pass, which touches only the pages
+that hold the runs. Every range is checked against the inventory first, so a
 read never leaves the data section of a file, and a file whose size changed since its header was read is
 refused. A `CheckpointReader` may be shared by threads: `os.preadv` does not move a file position.
 """
@@ -14,8 +16,14 @@ import os
 import threading
 from types import TracebackType
 
+import numpy as np
+from numpy.lib.stride_tricks import as_strided
+
 from remapdsl.checkpoint.inventory import Inventory
 from remapdsl.errors import CheckpointError, Diagnostic, did_you_mean
+from remapdsl.indexmap import Runs
+
+MANY_RUNS = 64  # above this many runs, a run set is copied from the mapped file, not read run by run
 
 
 def as_byte_view(buffer: object) -> memoryview:
@@ -86,6 +94,13 @@ class CheckpointReader:
         The range must lie in the file's data section (it may span several adjacent tensors).
         """
         view = as_byte_view(buffer)
+        self._check_range(file, byte_offset, byte_offset + view.nbytes)
+        if view.nbytes:
+            self._pread_into(file, view, byte_offset)
+        return view.nbytes
+
+    def _check_range(self, file: str, start: int, end: int) -> None:
+        """Bytes [start, end) must lie in the data section of a file of the checkpoint."""
         info = self.inventory.files.get(file)
         path = self.inventory.path(file)
         if info is None:
@@ -95,18 +110,35 @@ class CheckpointReader:
                     code="E341", message=f"{file} is not a file of this checkpoint", path=path, hint=hint
                 )
             )
-        end = byte_offset + view.nbytes
-        if byte_offset < info.data_offset or end > info.nbytes:
+        if start < info.data_offset or end > info.nbytes:
             raise CheckpointError(
                 Diagnostic(
                     code="E340",
-                    message=f"{file}: read of bytes [{byte_offset}, {end}) leaves the data section "
+                    message=f"{file}: read of bytes [{start}, {end}) leaves the data section "
                     f"[{info.data_offset}, {info.nbytes})",
                     path=path,
                 )
             )
-        if view.nbytes:
-            self._pread_into(file, view, byte_offset)
+
+    def read_runs_into(self, file: str, runs: Runs, buffer: object) -> int:
+        """Fill buffer with the concatenated bytes of a strided run set of `file`; returns how many.
+        A few runs are positioned reads; many are one strided copy from the mapped file."""
+        view = as_byte_view(buffer)
+        if view.nbytes != runs.total:
+            raise ValueError(f"the buffer has {view.nbytes} bytes, the runs {runs.total}")
+        if runs.count <= 1:
+            return self.read_into(file, runs.first, view)
+        self._check_range(file, runs.first, runs.end)
+        if runs.count <= MANY_RUNS:
+            at = 0
+            for start in runs.starts():
+                self._pread_into(file, view[at:at + runs.length], start)
+                at += runs.length
+            return view.nbytes
+        shape = runs.counts + (runs.length,)
+        source = np.frombuffer(self.mapped(file), dtype=np.uint8)[runs.first:]
+        np.copyto(np.frombuffer(view, dtype=np.uint8).reshape(shape),
+                  as_strided(source, shape, runs.strides + (1,), writeable=False))
         return view.nbytes
 
     def read_tensor_into(self, ckpt_key: str, buffer: object, *, start: int = 0) -> int:

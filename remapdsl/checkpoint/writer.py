@@ -22,7 +22,7 @@ from collections.abc import Mapping
 from typing import NamedTuple
 
 from ..dtypes import BY_NAME
-from ..indexmap import nbytes
+from ..indexmap import Runs, nbytes
 from ..errors import CheckpointError, Diagnostic
 from .header import FileInfo, TensorInfo
 from .inventory import Inventory
@@ -136,6 +136,15 @@ class FileWriter:
             if fd is None:
                 fd = self._fds[file] = os.open(self.staging / file, os.O_WRONLY)
         _write_all(fd, data, offset)
+
+    def write_runs(self, file: str, runs: Runs, data: memoryview) -> None:
+        """`data` (the concatenation of the runs) written run by run, the runs listed a bounded
+        chunk at a time."""
+        at = 0
+        for chunk in runs.chunks(4096):
+            for start in chunk.starts():
+                self.write_at(file, start, data[at:at + runs.length])
+                at += runs.length
 
     def close(self, sync: bool = True) -> None:
         for fd in self._fds.values():

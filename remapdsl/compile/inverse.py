@@ -10,11 +10,10 @@ cannot be undone: both fail the save before any byte is written (E501-E503).
 
 from __future__ import annotations
 
-import bisect
 from typing import NamedTuple
 
 from ..dtypes import BY_NAME
-from ..indexmap import cut, flat_map, source_runs, volume
+from ..indexmap import box_overlap, box_volume, cut, source_box, volume
 from ..quant import get_format
 from ..errors import Diagnostic, RemapError
 from .model import Block, Compiled
@@ -44,50 +43,69 @@ def writers(compiled: Compiled, *, allow_lossy: bool = False, requantize: bool =
     covered: dict[str, _Covered] = {}
     problems: list[Diagnostic] = []
     refused: set[str] = set()  # reported already (E502, E503): one error per tensor
+    undone: dict[tuple, tuple] = {}  # (load steps, checkpoint dtype) -> (inverse steps, lossy cast)
     for d in order:
         for block in d.blocks:
-            if block.source_key is None or block.source_key in refused:
+            key = block.source_key
+            if key is None or key in refused:
                 continue  # a pad region (not in the checkpoint), or a tensor already reported
-            source = logical.get(block.source_key) or sources[block.source_key]
-            fmt = get_format(source.format) if block.source_key in logical else None
-            if fmt is not None and not (fmt.requantizes if requantize else fmt.encodes):
-                refused.add(block.source_key)
-                problems.append(Diagnostic(
-                    code="E503", span=d.rule, message=f"`{d.runtime_key}` holds `{block.source_key}` dequantized "
-                    f"({source.format}); writing it back in that format"
-                    + (" with new scales" if requantize else "") + " is not supported yet",
-                    hint="move the stored values as they are (`quantized`), or save a dequantized checkpoint"))
-                continue
-            steps, lossy = _inverse_steps(block.steps, source.dtype)
+            cover = covered.get(key)
+            source = logical.get(key) or sources[key]
+            if cover is None:
+                problem = _unwritable(d, source, key in logical, requantize)
+                if problem is not None:
+                    refused.add(key)
+                    problems.append(problem)
+                    continue
+            found = undone.get((block.steps, source.dtype))
+            if found is None:
+                found = undone[(block.steps, source.dtype)] = _inverse_steps(block.steps, source.dtype)
+            steps, lossy = found
             if lossy and not allow_lossy:
-                refused.add(block.source_key)
+                refused.add(key)
                 problems.append(Diagnostic(
-                    code="E502", span=d.rule, message=f"`{d.runtime_key}` reads `{block.source_key}` through "
+                    code="E502", span=d.rule, message=f"`{d.runtime_key}` reads `{key}` through "
                     f"`{lossy}`, which loses values: the checkpoint cannot be written back exactly",
                     hint="pass allow_lossy=True to write the rounded values"))
                 continue
-            shape = source.shape
-            cover = covered.setdefault(block.source_key, _Covered())
-            for piece in _new_parts(block, shape, cover):  # what earlier rules left: first rule wins
-                chosen.setdefault(block.source_key, []).append(Writer(d.runtime_key, piece, steps))
-    dequantized = {part: source.logical_key for source in logical.values() for part in source.parts}
+            if cover is None:  # the tensor's first writer: all of its block is new
+                covered[key] = _ALL if volume(block.sizes) == volume(source.shape) else _Covered(source.shape, block)
+                chosen[key] = [Writer(d.runtime_key, block, steps)]
+                continue
+            for piece in _new_parts(block, source.shape, cover):  # what earlier rules left: first rule wins
+                chosen[key].append(Writer(d.runtime_key, piece, steps))
+    dequantized = {part for source in logical.values() for part in source.parts}
+    dropped = set(compiled.dropped)
     checked = [(k, s) for k, s in sources.items() if k not in dequantized] + list(logical.items())
     for key, source in checked:  # the parts of a dequantized tensor: its values through it, scales copied
         if key in refused:
             continue  # E502 or E503 above
-        held = sum(volume(w.block.sizes) for w in chosen.get(key, []))
-        if key in compiled.dropped or not held:
-            why = "is dropped by the rules" if key in compiled.dropped else "is read by no rule"
+        total = volume(source.shape)
+        held = total - covered[key].left if key in chosen else 0  # blocks stay inside their source
+        if key in dropped or not held:
+            why = "is dropped by the rules" if key in dropped else "is read by no rule"
             problems.append(Diagnostic(code="E501", message=f"checkpoint tensor `{key}` {why}: no runtime "
                                        "tensor holds it", hint="the save writes back only what the load read"))
-        elif held != volume(source.shape):
+        elif held != total:
             problems.append(Diagnostic(code="E501", message=f"checkpoint tensor `{key}` {list(source.shape)}: "
-                                       f"the runtime tensors hold {held} of its {volume(source.shape)} "
+                                       f"the runtime tensors hold {held} of its {total} "
                                        "elements (a `slice` left the rest out)",
                                        hint="the save writes back only what the load read"))
     if problems:
         raise RemapError(tuple(problems))
     return [w for pieces in chosen.values() for w in pieces]
+
+
+def _unwritable(d, source, dequantized: bool, requantize: bool) -> Diagnostic | None:
+    """E503 where a tensor is held dequantized in a format that cannot write it back (as asked)."""
+    fmt = get_format(source.format) if dequantized else None
+    if fmt is None or (fmt.requantizes if requantize else fmt.encodes):
+        return None
+    return Diagnostic(
+        code="E503", span=d.rule, message=f"`{d.runtime_key}` holds `{source.logical_key}` dequantized "
+        f"({source.format}); writing it back in that format" + (" with new scales" if requantize else "")
+        + " is not supported yet",
+        hint="move the stored values as they are (`quantized`), or save a dequantized checkpoint")
 
 
 def copied_parts(compiled: Compiled) -> list[str]:
@@ -97,60 +115,72 @@ def copied_parts(compiled: Compiled) -> list[str]:
 
 
 class _Covered:
-    """The elements of one checkpoint tensor already written, as sorted disjoint [start, stop)
-    intervals of its row-major flat index."""
+    """The elements of one checkpoint tensor already written, as its writers' blocks: each turned
+    into disjoint strided boxes of the tensor's index (`indexmap.source_box`) only when a later
+    block must be checked against it, so the bookkeeping grows with blocks, never with rows."""
 
-    def __init__(self) -> None:
-        self.starts: list[int] = []
-        self.stops: list[int] = []
+    def __init__(self, shape: tuple[int, ...], first: Block | None = None) -> None:
+        self.shape = shape
+        self.blocks: list[Block] = []  # writers not yet turned into boxes
+        self.boxes: list[tuple] = []
+        self.left = volume(shape)  # elements no writer covers yet
+        if first is not None:
+            self.add(first)
 
-    def overlap(self, start: int, stop: int) -> int:
-        """How many of [start, stop) are covered."""
-        i = bisect.bisect_right(self.stops, start)
-        count = 0
-        while i < len(self.starts) and self.starts[i] < stop:
-            count += min(stop, self.stops[i]) - max(start, self.starts[i])
-            i += 1
-        return count
+    def overlap(self, box: tuple) -> int:
+        """How many of the box's elements are covered."""
+        if not self.left:
+            return box_volume(box)
+        for block in self.blocks:
+            self.boxes.extend(_boxes(block, self.shape))
+        self.blocks.clear()
+        return sum(box_overlap(box, other) for other in self.boxes)
 
-    def add(self, start: int, stop: int) -> None:
-        """Cover [start, stop) (not covered yet), merged with a neighbour it touches: runs taken in
-        order stay one interval, so the lists stay short."""
-        i = bisect.bisect_left(self.starts, start)
-        if i > 0 and self.stops[i - 1] == start:
-            self.stops[i - 1] = stop
-            if i < len(self.starts) and self.starts[i] == stop:  # now touches the next one too
-                self.stops[i - 1] = self.stops.pop(i)
-                self.starts.pop(i)
-        elif i < len(self.starts) and self.starts[i] == stop:
-            self.starts[i] = start
+    def add(self, block: Block, box: tuple | None = None) -> None:
+        """Cover a block none of whose source elements is covered yet (its box, if known)."""
+        self.left -= volume(block.sizes)
+        if box is None:
+            self.blocks.append(block)
         else:
-            self.starts.insert(i, start)
-            self.stops.insert(i, stop)
+            self.boxes.append(box)
+
+
+_ALL = _Covered(())  # a tensor its first writer covers whole (left == 0)
+_ALL.left = 0
 
 
 def _new_parts(block: Block, shape: tuple[int, ...], cover: _Covered) -> list[Block]:
     """The parts of a block whose source elements no earlier block covers (then marked covered):
     the whole block, nothing (a tied embedding's second reader, a `repeat` copy), or, where it
     overlaps earlier blocks in part, its pieces cut in halves along its largest dim until each is
-    all new or all covered."""
-    runs, _ = source_runs(*flat_map(block, shape), block.sizes)
-    size = sum(n for _, n in runs)
-    seen = sum(cover.overlap(first, first + n) for first, n in runs)
-    if seen == size:
+    all new or all covered. A block reads each of its source elements once (no op broadcasts)."""
+    n = volume(block.sizes)
+    if not n or not cover.left:
         return []
-    if seen == 0:
-        for first, n in runs:
-            cover.add(first, first + n)
-        return [block]
+    box = source_box(block, shape)
+    if box is not None:
+        seen = cover.overlap(box)
+        if seen == n:
+            return []
+        if seen == 0:
+            cover.add(block, box)
+            return [block]
+    return [part for piece in _halves(block) for part in _new_parts(piece, shape, cover)]
+
+
+def _boxes(block: Block, shape: tuple[int, ...]) -> list[tuple]:
+    """A block's source elements as strided boxes: its own, or its halves' where it is not one."""
+    box = source_box(block, shape)
+    if box is not None:
+        return [box]
+    return [b for piece in _halves(block) for b in _boxes(piece, shape)]
+
+
+def _halves(block: Block) -> tuple[Block, Block]:
+    """A block cut in two along its largest dim."""
     dim = max(range(len(block.sizes)), key=lambda j: block.sizes[j])
-    half = block.sizes[dim] // 2
-    parts = []
-    for lo, n in ((0, half), (half, block.sizes[dim] - half)):
-        offsets = block.offsets[dim] + lo
-        piece = cut(block, dim, offsets, offsets + n)
-        parts.extend(_new_parts(piece, shape, cover))
-    return parts
+    start, size = block.offsets[dim], block.sizes[dim]
+    return cut(block, dim, start, start + size // 2), cut(block, dim, start + size // 2, start + size)
 
 
 def _inverse_steps(steps, source_dtype: str) -> tuple[tuple, str | None]:

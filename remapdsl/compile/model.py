@@ -12,10 +12,12 @@ import hashlib
 from collections.abc import Iterable
 from typing import NamedTuple
 
-from pydantic import BaseModel, ConfigDict
+from pydantic import BaseModel, ConfigDict, PrivateAttr
 
 from ..errors import SpanField
-from ..indexmap import Block
+from ..indexmap import Block, FirstDimIndex
+
+FEW_BLOCKS = 16  # a runtime tensor with more blocks finds those meeting a box by bisection
 
 
 class _Frozen(BaseModel):
@@ -32,6 +34,16 @@ class RuntimeTensor(_Frozen):
     rule: SpanField | None = None
     ckpt_keys: tuple[str, ...] = ()
     grid: tuple[int, ...] = ()  # per dim, the block a shard edge must respect (stored quantized values)
+    _index: FirstDimIndex | None = PrivateAttr(default=None)
+
+    def blocks_meeting(self, offsets, sizes) -> tuple[Block, ...] | list[Block]:
+        """The blocks that may meet the box [offsets, offsets + sizes): all of a few, else those
+        whose first dim reaches it (an index built on first use, kept with the tensor)."""
+        if len(self.blocks) <= FEW_BLOCKS or not self.shape:
+            return self.blocks
+        if self._index is None:
+            self._index = FirstDimIndex(self.blocks, self.blocks)
+        return self._index.meeting(offsets, sizes)
 
 
 class CkptTensor(NamedTuple):

@@ -66,7 +66,8 @@ def construct(cls: type[BaseModel], **values: Any) -> Any:
     object.__setattr__(obj, "__dict__", data)
     object.__setattr__(obj, "__pydantic_fields_set__", set(values))
     object.__setattr__(obj, "__pydantic_extra__", None)
-    object.__setattr__(obj, "__pydantic_private__", None)
+    private = {name: attr.get_default() for name, attr in cls.__private_attributes__.items()}
+    object.__setattr__(obj, "__pydantic_private__", private or None)
     return obj
 
 

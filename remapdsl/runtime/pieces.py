@@ -1,5 +1,5 @@
 """What the read and write executors share: dtypes by name, a piece's local region, value steps,
-and one part's covering box read from the files."""
+an item's elements viewed in the mapped file, and one part's covering box read from the files."""
 
 from __future__ import annotations
 
@@ -9,8 +9,6 @@ import torch
 
 from ..checkpoint import CheckpointReader
 from ..dtypes import BY_NAME
-
-MANY_RUNS = 64  # above this many byte runs, an item is copied from the mapped file
 
 
 def torch_dtype(name: str) -> torch.dtype:
@@ -22,22 +20,26 @@ def region(tensor: torch.Tensor, item) -> torch.Tensor:
     return tensor[tuple(slice(o, o + s) for o, s in zip(item.local_offsets, item.sizes))]
 
 
+def mapped_values(reader: CheckpointReader, item) -> torch.Tensor | None:
+    """A read item's elements as a strided view of the mapped file, in runtime order (many short
+    runs: one copy from the map, not a read call each; only their pages are touched), or None
+    where the item's first byte is not aligned to its dtype."""
+    dtype = torch_dtype(item.dtype)
+    if item.runs.first % dtype.itemsize:
+        return None
+    span = 1 + sum((n - 1) * t for n, t in zip(item.sizes, item.source_strides))
+    with warnings.catch_warnings():  # the map is read-only, and only ever read
+        warnings.simplefilter("ignore", UserWarning)
+        flat = torch.frombuffer(reader.mapped(item.file), dtype=dtype, offset=item.runs.first, count=span)
+    return flat.as_strided(item.sizes, item.source_strides)
+
+
 def read_part(part, reader: CheckpointReader) -> torch.Tensor:
     """One part's covering box as a tensor of its sizes, in the part's dtype where torch has it."""
     kind = BY_NAME[part.dtype]
     dtype = torch_dtype(part.dtype) if kind.in_torch else torch.uint8
-    if len(part.runs) > MANY_RUNS and part.origin % dtype.itemsize == 0 and part.strides:
-        # many short runs (a column shard): one strided copy from the mapped file, the same bytes
-        span = 1 + sum((n - 1) * t for n, t in zip(part.sizes, part.strides))
-        with warnings.catch_warnings():  # the map is read-only, and only ever read
-            warnings.simplefilter("ignore", UserWarning)
-            flat = torch.frombuffer(reader.mapped(part.file), dtype=dtype, offset=part.origin, count=span)
-        return flat.as_strided(part.sizes, part.strides).contiguous()
-    staging = torch.empty(sum(n for _, n in part.runs), dtype=torch.uint8)
-    at = 0
-    for byte_offset, nbytes in part.runs:
-        reader.read_into(part.file, byte_offset, staging[at:at + nbytes])
-        at += nbytes
+    staging = torch.empty(part.runs.total, dtype=torch.uint8)
+    reader.read_runs_into(part.file, part.runs, staging)
     return staging.view(dtype).view(part.sizes)
 
 

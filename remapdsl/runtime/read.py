@@ -1,8 +1,9 @@
 """A rank's LoadPlan + its local tensors -> the tensors filled from the checkpoint files.
 
-Each read item reads exactly its byte runs: straight into the runtime tensor's memory when they are
-one contiguous run into a contiguous region with no value step, else into one staging buffer that
-is copied through a strided view with its value steps. A piece of a logical tensor reads each part's
+Each read item reads exactly its byte runs: straight into the runtime tensor's memory when, concatenated,
+they are its region as it is (no value step, a contiguous region in source order: a row shard, a
+column shard); else many short runs are copied in runtime order from the mapped file, a few are read
+into one staging buffer, each then through a strided view with its value steps. A piece of a logical tensor reads each part's
 covering box and decodes it. Reads run on two threads. The executor only runs the plan it is given.
 """
 
@@ -10,7 +11,6 @@ from __future__ import annotations
 
 import ctypes
 import itertools
-import warnings
 from collections.abc import Iterator, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from typing import NamedTuple
@@ -18,10 +18,10 @@ from typing import NamedTuple
 import torch
 
 from ..checkpoint import CheckpointReader, Inventory
+from ..checkpoint import reader as files
+from ..indexmap import Runs, is_row_major
 from ..sharding.plans import DecodeItem, LoadPlan, ReadItem
-from . import pieces
-from ..indexmap import is_row_major
-from .pieces import apply_steps, read_part, region, torch_dtype
+from .pieces import apply_steps, mapped_values, read_part, region, torch_dtype
 
 
 def run_load_plan(plan: LoadPlan, inventory: Inventory, tensors: Mapping[str, torch.Tensor],
@@ -52,51 +52,58 @@ def _drain(work: list, taken: Iterator[int], reader: CheckpointReader, in_flight
 
 
 def _batches(items, tensors) -> list[list[tuple[ReadItem, torch.Tensor, bool]]]:
-    """Items with their runtime tensor views, merged where file bytes and memory are contiguous."""
+    """Items with their runtime tensor views, merged where file bytes and memory are contiguous. An
+    item is direct when its runs, concatenated, are its region's memory as it is (no value step,
+    same dtype, a contiguous CPU region in source order): it is read straight into the tensor."""
     out: list[list[tuple[ReadItem, torch.Tensor, bool]]] = []
-    end_of = None  # (file, next byte offset, next data pointer) of the last direct batch
+    end_of = None  # (file, next byte offset, next data pointer) of the last single-run direct batch
     for item in items:
         tensor = tensors[item.runtime_key]
         view = tensor[tuple(slice(o, o + s) for o, s in zip(item.local_offsets, item.sizes))]
-        direct = (item.ckpt_key is not None and len(item.runs) == 1 and not item.steps
+        direct = (item.ckpt_key is not None and not item.steps
                   and view.dtype == torch_dtype(item.dtype) and view.is_contiguous()
                   and view.device.type == "cpu" and is_row_major(item.strides, item.sizes))
-        if direct and end_of == (item.file, item.runs[0][0], view.data_ptr()):
+        single = direct and item.runs.count == 1
+        if single and end_of == (item.file, item.runs.first, view.data_ptr()):
             out[-1].append((item, view, True))
         else:
             out.append([(item, view, direct)])
-        end_of = ((item.file, item.runs[0][0] + item.runs[0][1], view.data_ptr() + item.runs[0][1])
-                  if direct else None)
+        end_of = (item.file, item.runs.first + item.runs.length, view.data_ptr() + item.runs.length) \
+            if single else None
     return out
 
 
-CHUNK = 32 << 20  # direct reads are cut to this size, so both threads stay busy to the end
+CHUNK = 32 << 20  # direct reads are cut to about this size, so both threads stay busy to the end
 
 
 class _Direct(NamedTuple):
-    """A byte range of a file read straight into consecutive runtime tensor memory."""
+    """Byte runs of a file read straight into consecutive runtime tensor memory."""
 
     file: str
-    byte_offset: int
+    runs: Runs
     address: int
-    nbytes: int
 
 
 def _split(batches) -> list:
-    """Direct batches as chunked byte ranges; other items as they are."""
+    """Direct batches as chunked run sets (one run, or whole runs of a strided set); other items
+    as they are."""
     work: list = []
     for batch in batches:
         first, view, direct = batch[0]
         if not direct:
             work.append(batch)
             continue
-        nbytes = sum(item.runs[0][1] for item, _, _ in batch)
-        for at in range(0, nbytes, CHUNK):
-            work.append(_Direct(first.file, first.runs[0][0] + at, view.data_ptr() + at,
-                                min(CHUNK, nbytes - at)))
+        runs = first.runs
+        if len(batch) > 1 or runs.count == 1:  # one byte range, cut anywhere
+            nbytes = sum(item.runs.length for item, _, _ in batch)
+            for at in range(0, nbytes, CHUNK):
+                work.append(_Direct(first.file, Runs(runs.first + at, min(CHUNK, nbytes - at)), view.data_ptr() + at))
+            continue
+        at = view.data_ptr()
+        for chunk in runs.chunks(max(1, CHUNK // max(1, runs.length))):
+            work.append(_Direct(first.file, chunk, at))
+            at += chunk.total
     return work
-
-
 class _Decode(NamedTuple):
     """A piece of a logical source and the runtime tensor region it fills."""
 
@@ -128,34 +135,24 @@ def _run_batch(batch, reader: CheckpointReader) -> torch.Tensor | None:
     if isinstance(batch, _Decode):
         return _run_decode(batch, reader)
     if isinstance(batch, _Direct):  # straight into the runtime tensor's memory
-        memory = (ctypes.c_ubyte * batch.nbytes).from_address(batch.address)
-        reader.read_into(batch.file, batch.byte_offset, memoryview(memory).cast("B"))
+        memory = (ctypes.c_ubyte * batch.runs.total).from_address(batch.address)
+        reader.read_runs_into(batch.file, batch.runs, memoryview(memory).cast("B"))
         return None
     item, view, direct = batch[0]
     if item.ckpt_key is None:  # a pad region: made in its dtype, then the later value steps
         view.copy_(apply_steps(torch.full(item.sizes, item.fill, dtype=torch.float64), item.steps))
         return None
     device = view.device.type != "cpu"  # a CUDA runtime tensor: pinned staging, asynchronous copy
-    dtype = torch_dtype(item.dtype)
-    if len(item.runs) > pieces.MANY_RUNS and not device and item.origin % dtype.itemsize == 0:
-        # many short runs (a column shard: one a row): copy them from the mapped file in one strided
-        # pass instead of a read call each; the same bytes are touched, nothing more
-        span = 1 + sum((n - 1) * t for n, t in zip(item.sizes, item.source_strides))
-        with warnings.catch_warnings():  # the map is read-only, and only ever read
-            warnings.simplefilter("ignore", UserWarning)
-            flat = torch.frombuffer(reader.mapped(item.file), dtype=dtype, offset=item.origin, count=span)
-        view.copy_(apply_steps(flat.as_strided(item.sizes, item.source_strides), item.steps))
-        return None
-    staging = torch.empty(sum(n for _, n in item.runs), dtype=torch.uint8, pin_memory=device)
-    at = 0
-    for byte_offset, nbytes in item.runs:
-        reader.read_into(item.file, byte_offset, staging[at:at + nbytes])
-        at += nbytes
-    values = apply_steps(staging.view(dtype).as_strided(item.sizes, item.strides), item.steps)
+    values = mapped_values(reader, item) if item.runs.count > files.MANY_RUNS else None
+    if values is None:  # a few runs (or an unaligned first byte): read into staging, in source order
+        staging = torch.empty(item.runs.total, dtype=torch.uint8, pin_memory=device)
+        reader.read_runs_into(item.file, item.runs, staging)
+        values = staging.view(torch_dtype(item.dtype)).as_strided(item.sizes, item.strides)
+    values = apply_steps(values, item.steps)
     if not device:
         view.copy_(values)
         return None
-    if not values.is_contiguous() or values.data_ptr() != staging.data_ptr():
+    if not values.is_contiguous() or not values.is_pinned():
         values = values.contiguous().pin_memory()
     view.copy_(values, non_blocking=True)
     return values

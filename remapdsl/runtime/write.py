@@ -1,7 +1,7 @@
 """A rank's WritePlan + its local tensors -> their bytes written at their offsets in the output files.
 
 Each piece is gathered into checkpoint order in a staging buffer (or written straight from tensor
-memory when it already is), its value steps undone, then written run by run; a piece of a
+memory when it already is), its value steps undone, then written to its byte runs; a piece of a
 dequantized tensor is encoded back in its format. Writes run on two threads, no two on one byte.
 """
 
@@ -36,18 +36,14 @@ def run_write_plan(plan: WritePlan, writer, tensors: Mapping[str, torch.Tensor],
                 _write_encoded(item, view, writer, reader, plan.requantize)
                 return
             dtype = torch_dtype(item.dtype)
-            if (len(item.runs) == 1 and not item.steps and view.dtype == dtype and view.device.type == "cpu"
+            if (not item.steps and view.dtype == dtype and view.device.type == "cpu"
                     and view.is_contiguous() and is_row_major(item.strides, item.sizes)):  # straight from memory
-                writer.write_at(item.file, item.runs[0][0], as_byte_view(view))
+                writer.write_runs(item.file, item.runs, as_byte_view(view))
                 return
-            nbytes = sum(n for _, n in item.runs)
-            staging = torch.empty(nbytes, dtype=torch.uint8)
+            staging = torch.empty(item.runs.total, dtype=torch.uint8)
             values = apply_steps(view.detach().cpu() if view.device.type != "cpu" else view, item.steps)
             staging.view(torch_dtype(item.dtype)).as_strided(item.sizes, item.strides).copy_(values)
-            data, at = memoryview(staging.numpy()), 0
-            for byte_offset, n in item.runs:
-                writer.write_at(item.file, byte_offset, data[at:at + n])
-                at += n
+            writer.write_runs(item.file, item.runs, memoryview(staging.numpy()))
 
         taken = itertools.count()
 
@@ -85,7 +81,4 @@ def _write_encoded(item: DecodeItem, view: torch.Tensor, writer, reader: Checkpo
         raise RemapError(Diagnostic(code="E503", message=f"`{item.runtime_key}` cannot be written back to "
                                     f"`{item.logical}`: {exc}")) from None
     for part, tensor in zip(item.parts, written):
-        data, at = memoryview(tensor.contiguous().view(torch.uint8).numpy()).cast("B"), 0
-        for byte_offset, n in part.runs:
-            writer.write_at(part.file, byte_offset, data[at:at + n])
-            at += n
+        writer.write_runs(part.file, part.runs, memoryview(tensor.contiguous().view(torch.uint8).numpy()).cast("B"))

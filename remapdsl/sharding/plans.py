@@ -4,7 +4,9 @@ Each held box of a runtime tensor is intersected with the runtime tensor's block
 read item: the byte runs of its checkpoint tensor that hold exactly its source elements (in source
 order: a transposed block reads whole source rows, a column shard one run per row), and the region
 of the rank's local tensor it fills. So a layout-only load reads exactly the bytes the rank owns.
-The plan is plain data: it prints, compares and hashes without a process group.
+The runs are one strided description (`indexmap.Runs`) an item, never listed: a plan grows with its
+items, not with the rows they cover. It is plain data: it prints, compares and hashes without a
+process group.
 """
 
 from __future__ import annotations
@@ -16,9 +18,10 @@ from typing import NamedTuple
 from pydantic import BaseModel, ConfigDict
 
 from ..checkpoint import Inventory
-from ..compile.model import Compiled
+from ..compile.model import FEW_BLOCKS, Compiled
 from ..dtypes import BY_NAME
-from ..indexmap import Block, flat_map, intersect, row_major_strides, source_runs, volume
+from ..errors import Diagnostic, RemapError
+from ..indexmap import Block, FirstDimIndex, Runs, block_runs, intersect, row_major_strides, source_runs, volume
 from .placements import LocalShard
 
 
@@ -26,9 +29,10 @@ class ReadItem(NamedTuple):
     """One piece of one block, for one rank.
 
     The local region [local_offsets, local_offsets + sizes) of `runtime_key` takes the elements of
-    `ckpt_key` held by `runs` ((byte_offset, nbytes) pairs of `file`, concatenated), laid out by
-    `strides` (element strides into that concatenation, one per runtime dim), then `steps`.
-    An item without a key fills its region with `fill` (a `pad`).
+    `ckpt_key` held by the byte `runs` of `file` (concatenated), laid out by `strides` (element
+    strides into that concatenation, one per runtime dim), then `steps`; `source_strides` are
+    each runtime dim's element strides in the file from `runs.first`. An item without a key fills
+    its region with `fill` (a `pad`).
     """
 
     runtime_key: str
@@ -37,26 +41,25 @@ class ReadItem(NamedTuple):
     ckpt_key: str | None
     file: str | None
     dtype: str | None  # the checkpoint tensor's element type
-    runs: tuple[tuple[int, int], ...]
+    runs: Runs | None
     strides: tuple[int, ...]
     steps: tuple[tuple[str, str | float], ...]
     fill: float | None
-    origin: int = 0  # byte offset in `file` of the piece's first element
-    source_strides: tuple[int, ...] = ()  # element strides of each runtime dim in the file
+    source_strides: tuple[int, ...] = ()
 
 
 class PartRead(NamedTuple):
-    """The covering box of one physical part of a logical source: `runs` of `file` fill, in order,
-    a row-major tensor of `sizes`, the box at `offsets` of the part's view (the format's `views`)."""
+    """The covering box of one physical part of a logical source: the byte `runs` of `file` fill,
+    in order, a row-major tensor of `sizes`, the box at `offsets` of the part's view (the format's
+    `views`, whose row-major element strides are `strides`)."""
 
     ckpt_key: str
     file: str
     dtype: str
     offsets: tuple[int, ...]
     sizes: tuple[int, ...]
-    runs: tuple[tuple[int, int], ...]
-    origin: int = 0  # byte offset in `file` of the box's first element
-    strides: tuple[int, ...] = ()  # element strides of the view (row-major), one per dim
+    runs: Runs
+    strides: tuple[int, ...] = ()
 
 
 class DecodeItem(NamedTuple):
@@ -109,7 +112,7 @@ def make_load_plan(compiled: Compiled, inventory: Inventory, held: Mapping[str, 
         for box, local_offsets in zip(shard.boxes, shard.local_offsets):
             if d.grid:
                 _check_grid(d, box, rank)
-            for block in d.blocks:
+            for block in d.blocks_meeting(box.offsets, box.sizes):
                 piece = intersect(block, box.offsets, box.sizes)
                 if piece is None:
                     continue
@@ -118,13 +121,12 @@ def make_load_plan(compiled: Compiled, inventory: Inventory, held: Mapping[str, 
                     decodes.append(_decode_item(d.runtime_key, local, piece, logical[piece.source_key], inventory))
                 else:
                     items.append(_item(d.runtime_key, local, piece, inventory))
-    items.sort(key=lambda i: (i.file or "", i.runs[0][0] if i.runs else -1, i.runtime_key, i.local_offsets))
-    decodes.sort(key=lambda i: (i.parts[0].file, i.parts[0].runs[0][0] if i.parts[0].runs else -1,
-                                i.runtime_key, i.local_offsets))
-    nbytes = sum(n for i in items for _, n in i.runs)
+    items.sort(key=lambda i: (i.file or "", i.runs.first if i.runs else -1, i.runtime_key, i.local_offsets))
+    decodes.sort(key=lambda i: (i.parts[0].file, i.parts[0].runs.first, i.runtime_key, i.local_offsets))
+    nbytes = sum(i.runs.total for i in items if i.runs)
     owned = sum(volume(i.sizes) * BY_NAME[i.dtype].bits // 8 for i in items if i.ckpt_key)
-    values = sum(n for i in decodes for _, n in i.parts[0].runs)
-    scales = sum(n for i in decodes for p in i.parts[1:] for _, n in p.runs)
+    values = sum(i.parts[0].runs.total for i in decodes)
+    scales = sum(p.runs.total for i in decodes for p in i.parts[1:])
     owned += sum(_owned_values(i, logical[i.logical], inventory) for i in decodes)
     files = {i.file for i in items if i.file} | {p.file for i in decodes for p in i.parts}
     return LoadPlan(rank=rank, items=tuple(items), decodes=tuple(decodes), bytes_owned=owned,
@@ -160,17 +162,13 @@ def _decode_item(runtime_key: str, local: tuple[int, ...], piece: Block, source,
         start = sum(o * t for o, t in zip(offsets, view_major))
         runs, _ = source_runs(start, list(view_major), tuple(sizes))
         reads.append(PartRead(info.ckpt_key, info.file, info.dtype, tuple(offsets), tuple(sizes),
-                              tuple((info.byte_offset + first * itemsize, length * itemsize)
-                                    for first, length in runs),
-                              info.byte_offset + start * itemsize, tuple(view_major)))
+                              runs.in_bytes(info.byte_offset, itemsize), tuple(view_major)))
     return DecodeItem(runtime_key, local, piece.sizes, source.logical_key, source.format, source.params, box,
                       tuple(reads), strides, offset, source.dtype, piece.steps)
 
 
 def _check_grid(d, box, rank: int) -> None:
     """A shard of stored quantized values must hold whole blocks: its edges on the grid."""
-    from ..errors import Diagnostic, RemapError
-
     for dim, (g, start, size, extent) in enumerate(zip(d.grid, box.offsets, box.sizes, d.shape)):
         for edge in (start, start + size):
             if g > 1 and size and edge % g and edge != extent:
@@ -191,21 +189,19 @@ def _owned_values(item: DecodeItem, source, inventory: Inventory) -> int:
 
 def _item(runtime_key: str, local: tuple[int, ...], piece: Block, inventory: Inventory) -> ReadItem:
     if piece.source_key is None:
-        return ReadItem(runtime_key, local, piece.sizes, None, None, None, (), (), piece.steps, piece.fill)
+        return ReadItem(runtime_key, local, piece.sizes, None, None, None, None, (), piece.steps, piece.fill)
     info = inventory.tensors[piece.source_key]
-    itemsize = BY_NAME[info.dtype].bits // 8
-    start, flat = flat_map(piece, tuple(info.shape))
-    runs, strides = source_runs(start, flat, piece.sizes)
+    runs, strides, flat = block_runs(piece, info.shape)
     return ReadItem(runtime_key, local, piece.sizes, piece.source_key, info.file, info.dtype,
-                    tuple((info.byte_offset + first * itemsize, length * itemsize) for first, length in runs),
-                    strides, piece.steps, None, info.byte_offset + start * itemsize, tuple(flat))
+                    runs.in_bytes(info.byte_offset, BY_NAME[info.dtype].bits // 8), strides, piece.steps, None, flat)
 
 
 class WriteItem(NamedTuple):
     """One piece of a runtime tensor written back: the local region [local_offsets, local_offsets +
     sizes) of `runtime_key`, through `steps` (the load's value steps undone) into `dtype`, laid out
     by `strides` (element strides into the concatenation of `runs`) over the byte `runs` of `file`
-    where checkpoint tensor `ckpt_key` keeps those elements."""
+    where checkpoint tensor `ckpt_key` keeps those elements (`source_strides`: each runtime dim's
+    element strides in the file from `runs.first`)."""
 
     runtime_key: str
     local_offsets: tuple[int, ...]
@@ -213,9 +209,10 @@ class WriteItem(NamedTuple):
     ckpt_key: str
     file: str
     dtype: str
-    runs: tuple[tuple[int, int], ...]
+    runs: Runs
     strides: tuple[int, ...]
     steps: tuple[tuple[str, str | float], ...]
+    source_strides: tuple[int, ...] = ()
 
 
 class WritePlan(BaseModel):
@@ -238,34 +235,45 @@ def make_write_plan(writers, inventory: Inventory, owned: Mapping[str, LocalShar
     """The plan of one rank: `writers` (remapdsl.compile.inverse) cut to the boxes this rank owns.
     A piece of a dequantized tensor (`logical`: key -> LogicalTensor) becomes an encode item: its
     values part's runs are where it is written, its scales' runs where the stored scales are read."""
-    from ..errors import Diagnostic, RemapError
-
     items: list[WriteItem] = []
     encodes: list[DecodeItem] = []
     logical = logical or {}
+    by_tensor: dict[str, list] = {}
     for w in writers:
-        shard = owned.get(w.runtime_key)
-        if shard is None:
-            continue
+        if w.runtime_key in owned:
+            by_tensor.setdefault(w.runtime_key, []).append(w)
+    for runtime_key, mine in by_tensor.items():
+        shard = owned[runtime_key]
+        index = FirstDimIndex(mine, [w.block for w in mine]) \
+            if len(mine) > FEW_BLOCKS and mine[0].block.offsets else None
         for box, local_offsets in zip(shard.boxes, shard.local_offsets):
-            piece = intersect(w.block, box.offsets, box.sizes)
-            if piece is None:
-                continue
-            local = tuple(lo + o - bo for lo, o, bo in zip(local_offsets, piece.offsets, box.offsets))
-            piece = piece._replace(steps=w.steps)
-            if piece.source_key not in logical:
-                read = _item(w.runtime_key, local, piece, inventory)
-                items.append(WriteItem(*read[:7], read.strides, read.steps))
-                continue
-            item = _decode_item(w.runtime_key, local, piece, logical[piece.source_key], inventory)
-            if item.offset or volume(item.box[1]) != volume(item.sizes):
-                raise RemapError(Diagnostic(code="E503", message=f"`{w.runtime_key}` holds a strided part of "
-                                            f"`{piece.source_key}`: it cannot be written back in its format"))
-            encodes.append(item)
-    items.sort(key=lambda i: (i.file, i.runs[0][0] if i.runs else -1))
-    written = sum(n for i in items for _, n in i.runs) + sum(n for i in encodes for _, n in i.parts[0].runs)
+            for w in index.meeting(box.offsets, box.sizes) if index else mine:
+                _write_piece(w, box, local_offsets, inventory, logical, items, encodes)
+    items.sort(key=lambda i: (i.file, i.runs.first))
+    written = sum(i.runs.total for i in items) + sum(i.parts[0].runs.total for i in encodes)
     if requantize:
-        written += sum(n for i in encodes for p in i.parts[1:] for _, n in p.runs)
+        written += sum(p.runs.total for i in encodes for p in i.parts[1:])
     return WritePlan(rank=rank, items=tuple(items), encodes=tuple(encodes), requantize=requantize,
                      bytes_written=written,
                      files=tuple(sorted({i.file for i in items} | {i.parts[0].file for i in encodes})))
+
+
+def _write_piece(w, box, local_offsets, inventory: Inventory, logical: Mapping, items: list, encodes: list) -> None:
+    """The piece of writer `w` inside an owned box, as a write item or an encode item."""
+    piece = intersect(w.block, box.offsets, box.sizes)
+    if piece is None:
+        return
+    local = tuple(lo + o - bo for lo, o, bo in zip(local_offsets, piece.offsets, box.offsets))
+    if piece.source_key not in logical:
+        info = inventory.tensors[piece.source_key]
+        runs, strides, flat = block_runs(piece, info.shape)
+        items.append(WriteItem(w.runtime_key, local, piece.sizes, piece.source_key, info.file, info.dtype,
+                               runs.in_bytes(info.byte_offset, BY_NAME[info.dtype].bits // 8), strides,
+                               w.steps, flat))
+        return
+    piece = piece._replace(steps=w.steps)
+    item = _decode_item(w.runtime_key, local, piece, logical[piece.source_key], inventory)
+    if item.offset or volume(item.box[1]) != volume(item.sizes):
+        raise RemapError(Diagnostic(code="E503", message=f"`{w.runtime_key}` holds a strided part of "
+                                    f"`{piece.source_key}`: it cannot be written back in its format"))
+    encodes.append(item)
