@@ -1,7 +1,11 @@
 """Per-rank load and save plans at DeepSeek-V3 scale, from headers alone; report time, memory and plan size.
 
 The inventory is `compile_bench.py`'s synthetic BF16 DeepSeek-V3 (`Inventory.from_shapes`, 46,183
-tensors, no files; `--experts 512` gives ~91,000), compiled with `rules/deepseek_v3.remap`. The layout
+tensors, no files; `--experts 512` gives ~91,000), compiled with `rules/deepseek_v3.remap`; `--fp8`
+takes the FP8 release layout instead (91,993 tensors: E4M3 weights and their block scales),
+compiled with `rules/deepseek_v3_fp8.remap`, which dequantizes every weight on read (so the load
+plan holds decode items, and the save plan encode items that write the values back with the
+stored scales). The layout
 is an expert-parallel x tensor-parallel one, placements per mesh dim (`Replicate()` where a dim is not
 named; a `dp` dim replicates everything):
 - routed experts `...mlp.experts.gate_up_proj`: ep `Shard(0)`, tp `StridedShard(dim=1, split_factor=2)`;
@@ -31,7 +35,7 @@ Goals (the compact-plans issue): load plan under 0.3 s and under 64 MB extra; sa
 0.5 s and under 64 MB extra; compile under 1.5 s ("extra": the larger of the tracemalloc peak and
 the RSS growth; MB = 10^6 bytes). Today's code takes ~7-12 s and ~3 GB for one 64-rank case.
 
-    python bench/plan_bench.py [--meshes 8,64,512,4096] [--ranks first,last] [--experts 256]
+    python bench/plan_bench.py [--meshes 8,64,512,4096] [--ranks first,last] [--experts 256] [--fp8]
                                [--plans load,save] [--timeout 60] [--no-trace]
 
 (`--meshes 8`: about 1 min; the four meshes with the default timeout: up to ~16 min.)
@@ -102,7 +106,7 @@ def emit(**figures) -> None:
 
 
 def child(spec: dict) -> None:
-    from compile_bench import compile_once, deepseek_v3_config, deepseek_v3_shapes
+    from compile_bench import compile_once, deepseek_v3_config, deepseek_v3_shapes, fp8_release
 
     import remapdsl
     from remapdsl.checkpoint.inventory import Inventory
@@ -119,7 +123,10 @@ def child(spec: dict) -> None:
     config = deepseek_v3_config(spec["experts"])
     if kind == "save":  # the checkpoint a save can write is the one the model holds: no MTP layer 61
         config["num_nextn_predict_layers"] = 0
-    inventory = Inventory.from_shapes(deepseek_v3_shapes(config))
+    shapes = deepseek_v3_shapes(config)
+    if spec["fp8"]:  # the FP8 release: compile_once then takes rules/deepseek_v3_fp8.remap
+        config, shapes = fp8_release(config, shapes)
+    inventory = Inventory.from_shapes(shapes)
     mesh = parse_mesh(spec["mesh"])
     layout = layout_plan(mesh)
     gc.collect()
@@ -274,6 +281,8 @@ def main() -> None:
                              "by `;` (`ep=8,tp=8;dp=2,ep=8,tp=8`)")
     parser.add_argument("--ranks", default="first,last", help="ranks per mesh: first, last or numbers")
     parser.add_argument("--experts", type=int, default=256, help="routed experts per MoE layer (256)")
+    parser.add_argument("--fp8", action="store_true",
+                        help="the FP8 release layout (~92k tensors), dequantized on read by deepseek_v3_fp8.remap")
     parser.add_argument("--plans", default="load,save", help="load, save or both")
     parser.add_argument("--timeout", type=float, default=60.0, help="seconds per child (60)")
     parser.add_argument("--max-rss", type=float, default=8.0, help="GiB of RSS a child may reach (8)")
@@ -294,11 +303,11 @@ def main() -> None:
         for rank in parse_ranks(args.ranks, mesh.size):
             for kind in plans:
                 cases.append({"mesh": text, "size": mesh.size, "rank": rank, "plan": kind, "experts": args.experts,
-                                  "trace": args.trace, "timeout": args.timeout})
+                              "fp8": args.fp8, "trace": args.trace, "timeout": args.timeout})
 
     load_before = os.getloadavg()[0]
     T = args.timeout
-    print(f"DeepSeek-V3 BF16, {args.experts} routed experts; {len(cases)} child process(es), one at a time, "
+    print(f"DeepSeek-V3 {'FP8' if args.fp8 else 'BF16'}, {args.experts} routed experts; {len(cases)} child process(es), one at a time, "
           f"timeout {T:.0f} s each")
     header = (f"{'mesh':<16} {'ranks':>5} {'rank':>5} {'plan':<5} {'compile':>8} {'plan s':>8} "
               f"{'tracemalloc':>11} {'RSS +':>8} {'items':>9} {'runs':>10} {'bytes':>24}  goal")

@@ -99,7 +99,11 @@ def _parser() -> argparse.ArgumentParser:
     plan.add_argument("--layout", required=True, metavar="FILE",
                       help="JSON: {\"mesh_dim\": \"tp\", \"plan\": {glob: style or [placements]}} "
                       "(styles as in a transformers tp_plan; docs/layout.md)")
-    plan.add_argument("--rank", type=int, metavar="R", help="show one rank in detail")
+    plan.add_argument("--rank", type=int, metavar="R", help="show one rank in detail: every piece it reads")
+    plan.add_argument("--ranks", metavar="LIST",
+                      help="the ranks to summarize: `all`, or numbers, `first` and `last` separated by commas "
+                      f"(default: all on a mesh of up to {ALL_RANKS} ranks, else first,last)")
+    plan.add_argument("--tensors", action="store_true", help="one line per runtime tensor under each rank")
     plan.set_defaults(run=_plan)
 
     convert = commands.add_parser(
@@ -198,25 +202,33 @@ def _explain(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+ALL_RANKS = 16  # `plan` summarizes every rank of a mesh up to this size by default
+
+
 def _plan(args: argparse.Namespace) -> int:
     rules = remapdsl.load_rules(args.rules)
     inventory = remapdsl.open_checkpoint(args.checkpoint)
     compiled = remapdsl.compile_rules(rules, inventory)
     mesh = sharding.parse_mesh(args.mesh)
     layout = sharding.read_layout(args.layout)
-    ranks = [args.rank] if args.rank is not None else range(mesh.size)
+    ranks = [args.rank] if args.rank is not None else _ranks(args.ranks, mesh.size)
     total_read = total_owned = total_scales = 0
     for rank in ranks:
         plan = remapdsl.plan_rank(compiled, inventory, layout, mesh, rank)
         total_read += plan.bytes_read
         total_owned += plan.bytes_owned
         total_scales += plan.scale_bytes_read
-        tensors = {i.runtime_key for i in plan.items} | {i.runtime_key for i in plan.decodes}
+        tensors = _per_tensor(plan)
         decoded = (f" ({len(plan.decodes)} dequantized, {plan.scale_bytes_read / 1e6:.2f} MB of scales)"
                    if plan.decodes else "")
+        files = ", ".join(plan.files) if len(plan.files) <= 4 else f"{len(plan.files)} files"
         print(f"rank {rank} {dict(zip(mesh.names, mesh.coordinate(rank)))}: {len(tensors)} tensors, "
               f"{len(plan.items) + len(plan.decodes)} reads{decoded}, {plan.bytes_read / 1e6:.2f} MB read of "
-              f"{plan.bytes_owned / 1e6:.2f} MB owned, files {', '.join(plan.files) or '-'}")
+              f"{plan.bytes_owned / 1e6:.2f} MB owned, files {files or '-'}")
+        if args.tensors:
+            for key, (pieces, runs, nbytes) in tensors.items():
+                print(f"    {key}: {pieces} piece{'s' if pieces != 1 else ''}, {runs} run{'s' if runs != 1 else ''}, "
+                      f"{nbytes / 1e6:.2f} MB")
         if args.rank is not None:
             for item in plan.items:
                 where = ", ".join(f"{o}:{o + n}" for o, n in zip(item.local_offsets, item.sizes))
@@ -230,22 +242,56 @@ def _plan(args: argparse.Namespace) -> int:
     ratio = (f" ({total_read / total_owned:.2f}x owned"
              + (f"; {total_read / (total_owned + total_scales):.2f}x owned values + covering scales"
                 if total_scales else "") + ")") if total_owned else ""
-    print(f"total: {total_read / 1e6:.2f} MB read{ratio} over {len(ranks)} rank{'s' if len(ranks) != 1 else ''}")
+    shown = f" of {mesh.size} (--ranks all for every rank)" if len(ranks) < mesh.size and args.rank is None else ""
+    print(f"total: {total_read / 1e6:.2f} MB read{ratio} over {len(ranks)} rank{'s' if len(ranks) != 1 else ''}"
+          f"{shown}")
     return EXIT_OK
 
 
+def _ranks(text: str | None, size: int) -> list[int]:
+    """The ranks `--ranks` names, in order, each once."""
+    if text is None:
+        text = "all" if size <= ALL_RANKS else "first,last"
+    if text.strip() == "all":
+        return list(range(size))
+    ranks: list[int] = []
+    for part in text.split(","):
+        word = part.strip()
+        rank = 0 if word == "first" else size - 1 if word == "last" else int(word) if word.isdigit() else -1
+        if not 0 <= rank < size:
+            raise remapdsl.RemapError(remapdsl.Diagnostic(
+                code="E409", message=f"`--ranks {text}`: `{word}` is not a rank of a mesh of {size}",
+                hint=f"give `all`, or ranks 0 to {size - 1} (`first`, `last`) separated by commas"))
+        if rank not in ranks:
+            ranks.append(rank)
+    return ranks
+
+
+def _per_tensor(plan) -> dict[str, tuple[int, int, int]]:
+    """Runtime key -> (pieces, byte runs, bytes read) of one rank's plan, in key order."""
+    out: dict[str, list[int]] = {}
+    for item in plan.items:
+        row = out.setdefault(item.runtime_key, [0, 0, 0])
+        row[0] += 1
+        if item.runs is not None:
+            row[1] += item.runs.count
+            row[2] += item.runs.total
+    for item in plan.decodes:
+        row = out.setdefault(item.runtime_key, [0, 0, 0])
+        row[0] += 1
+        row[1] += sum(p.runs.count for p in item.parts)
+        row[2] += sum(p.runs.total for p in item.parts)
+    return {k: tuple(out[k]) for k in sorted(out)}
+
+
 def _runs(runs) -> str:
-    """A strided run set in a few words: `1 run of 4.19 MB`, `2048 runs of 1792 B, 14336 B apart`,
-    `8 x 2048 runs of 1792 B, 29360128 B / 14336 B apart` (outermost first)."""
+    """A strided run set in a few words: `1 run of 4.19 MB`, `2048 runs of 1.8 kB, 14336 B apart`,
+    `8 x 2048 runs of 1.8 kB, 29360128 B / 14336 B apart` (outermost first)."""
     if runs.count == 1:
         return f"1 run of {_bytes(runs.length)}"
     counts = " x ".join(str(n) for n in runs.counts)
     apart = " / ".join(f"{t} B" for t in runs.strides)
     return f"{counts} runs of {_bytes(runs.length)}, {apart} apart"
-
-
-def _bytes(n: int) -> str:
-    return f"{n / 1e6:.2f} MB" if n >= 10**6 else f"{n} B"
 
 
 def _size(text: str, option: str) -> int:
@@ -295,7 +341,8 @@ def _convert(args: argparse.Namespace) -> int:
 
 
 def _bytes(n: int) -> str:
-    return f"{n / 1e9:.2f} GB" if n >= 1e9 else f"{n / 1e6:.2f} MB" if n >= 1e6 else f"{n / 1e3:.1f} kB"
+    return (f"{n / 1e9:.2f} GB" if n >= 1e9 else f"{n / 1e6:.2f} MB" if n >= 1e6 else f"{n / 1e3:.1f} kB"
+            if n >= 1e3 else f"{n} B")
 
 
 def _join_torchrun() -> bool:

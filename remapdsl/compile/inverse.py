@@ -13,9 +13,9 @@ from __future__ import annotations
 from typing import NamedTuple
 
 from ..dtypes import BY_NAME
+from ..errors import Diagnostic, RemapError
 from ..indexmap import box_overlap, box_volume, cut, source_box, volume
 from ..quant import get_format
-from ..errors import Diagnostic, RemapError
 from .model import Block, Compiled
 
 # (exponent bits, mantissa bits) of the float types: a cast keeps every value iff neither shrinks
@@ -51,8 +51,8 @@ def writers(compiled: Compiled, *, allow_lossy: bool = False, requantize: bool =
                 continue  # a pad region (not in the checkpoint), or a tensor already reported
             cover = covered.get(key)
             source = logical.get(key) or sources[key]
-            if cover is None:
-                problem = _unwritable(d, source, key in logical, requantize)
+            if cover is None and key in logical:
+                problem = _unwritable(d, source, requantize)
                 if problem is not None:
                     refused.add(key)
                     problems.append(problem)
@@ -77,9 +77,10 @@ def writers(compiled: Compiled, *, allow_lossy: bool = False, requantize: bool =
     dequantized = {part for source in logical.values() for part in source.parts}
     dropped = set(compiled.dropped)
     checked = [(k, s) for k, s in sources.items() if k not in dequantized] + list(logical.items())
+    incomplete = {k for k, c in covered.items() if c.left}
     for key, source in checked:  # the parts of a dequantized tensor: its values through it, scales copied
-        if key in refused:
-            continue  # E502 or E503 above
+        if key in refused or (key in chosen and key not in incomplete):
+            continue  # E502 or E503 above, or written whole
         total = volume(source.shape)
         held = total - covered[key].left if key in chosen else 0  # blocks stay inside their source
         if key in dropped or not held:
@@ -96,10 +97,10 @@ def writers(compiled: Compiled, *, allow_lossy: bool = False, requantize: bool =
     return [w for pieces in chosen.values() for w in pieces]
 
 
-def _unwritable(d, source, dequantized: bool, requantize: bool) -> Diagnostic | None:
+def _unwritable(d, source, requantize: bool) -> Diagnostic | None:
     """E503 where a tensor is held dequantized in a format that cannot write it back (as asked)."""
-    fmt = get_format(source.format) if dequantized else None
-    if fmt is None or (fmt.requantizes if requantize else fmt.encodes):
+    fmt = get_format(source.format)
+    if fmt.requantizes if requantize else fmt.encodes:
         return None
     return Diagnostic(
         code="E503", span=d.rule, message=f"`{d.runtime_key}` holds `{source.logical_key}` dequantized "

@@ -16,8 +16,8 @@ import torch
 from ..checkpoint import CheckpointReader
 from ..checkpoint.reader import as_byte_view
 from ..errors import Diagnostic, RemapError
-from ..sharding.plans import DecodeItem, WritePlan
 from ..indexmap import is_row_major
+from ..sharding.plans import DecodeItem, WritePlan
 from .pieces import apply_steps, read_part, region, torch_dtype
 
 

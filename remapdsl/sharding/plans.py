@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import hashlib
 from collections.abc import Mapping
+from functools import lru_cache
 from typing import NamedTuple
 
 from pydantic import BaseModel, ConfigDict
@@ -21,7 +22,17 @@ from ..checkpoint import Inventory
 from ..compile.model import FEW_BLOCKS, Compiled
 from ..dtypes import BY_NAME
 from ..errors import Diagnostic, RemapError
-from ..indexmap import Block, FirstDimIndex, Runs, block_runs, intersect, row_major_strides, source_runs, volume
+from ..indexmap import (
+    Block,
+    FirstDimIndex,
+    Runs,
+    block_runs,
+    intersect,
+    row_major_strides,
+    run_layout,
+    volume,
+)
+from ..quant import Part, get_format
 from .placements import LocalShard
 
 
@@ -129,42 +140,52 @@ def make_load_plan(compiled: Compiled, inventory: Inventory, held: Mapping[str, 
     scales = sum(p.runs.total for i in decodes for p in i.parts[1:])
     owned += sum(_owned_values(i, logical[i.logical], inventory) for i in decodes)
     files = {i.file for i in items if i.file} | {p.file for i in decodes for p in i.parts}
-    return LoadPlan(rank=rank, items=tuple(items), decodes=tuple(decodes), bytes_owned=owned,
-                    bytes_read=nbytes + values + scales, scale_bytes_read=scales, files=tuple(sorted(files)))
+    return LoadPlan.model_construct(  # built here from checked parts: no validation pass over every item
+        rank=rank, items=tuple(items), decodes=tuple(decodes), bytes_owned=owned,
+        bytes_read=nbytes + values + scales, scale_bytes_read=scales, files=tuple(sorted(files)))
 
 
 def _decode_item(runtime_key: str, local: tuple[int, ...], piece: Block, source, inventory: Inventory
                  ) -> DecodeItem:
     """The logical box a piece reads (its bounding box: the piece itself for every layout op but a
     strided one), the covering box of each part, and where the piece sits in the decoded box."""
-    from ..quant import Part, get_format
-
-    rank = len(source.shape)
-    low = list(piece.base)
-    size = [1] * rank
-    for k in range(rank):
-        for j, n in enumerate(piece.sizes):
-            c = piece.coeff[k][j]
-            low[k] += min(0, c * (n - 1))
-            size[k] += abs(c) * (n - 1)
-    row_major = row_major_strides(size)
-    strides = tuple(sum(piece.coeff[k][j] * row_major[k] for k in range(rank)) for j in range(len(piece.sizes)))
-    offset = sum((b - lo) * t for b, lo, t in zip(piece.base, low, row_major))
+    shift, size, strides, offset = _box_geometry(piece.coeff, piece.sizes)
+    low = tuple(b + d for b, d in zip(piece.base, shift))
     fmt = get_format(source.format)
     params = source.param_dict()
     infos = [inventory.tensors[k] for k in source.parts]
-    parts = [Part(k, info.dtype, tuple(info.shape)) for k, info in zip(source.parts, infos)]
-    box = (tuple(low), tuple(size))
+    parts = [Part(k, info.dtype, info.shape) for k, info in zip(source.parts, infos)]
+    box = (low, size)
     reads = []
     for info, view, (offsets, sizes) in zip(infos, fmt.views(parts, params), fmt.cover(box, parts, params)):
-        itemsize = BY_NAME[info.dtype].bits // 8
-        view_major = row_major_strides(view)
-        start = sum(o * t for o, t in zip(offsets, view_major))
-        runs, _ = source_runs(start, list(view_major), tuple(sizes))
+        major, _, runs, _ = run_layout(tuple(view), _identity(len(view)), tuple(sizes))
+        start = sum(o * t for o, t in zip(offsets, major))
         reads.append(PartRead(info.ckpt_key, info.file, info.dtype, tuple(offsets), tuple(sizes),
-                              runs.in_bytes(info.byte_offset, itemsize), tuple(view_major)))
+                              runs._replace(first=start).in_bytes(info.byte_offset, BY_NAME[info.dtype].bits // 8),
+                              major))
     return DecodeItem(runtime_key, local, piece.sizes, source.logical_key, source.format, source.params, box,
                       tuple(reads), strides, offset, source.dtype, piece.steps)
+
+
+@lru_cache(maxsize=4096)
+def _box_geometry(coeff: tuple[tuple[int, ...], ...], sizes: tuple[int, ...]):
+    """Where a piece of this map and size sits in its bounding box of the source: the box's low
+    corner less the piece's base, the box's sizes, the piece's strides and offset in the box
+    (row-major). The same for every piece of a map, whatever its base: cached."""
+    shift, size = [0] * len(coeff), [1] * len(coeff)
+    for k, row in enumerate(coeff):
+        for c, n in zip(row, sizes):
+            if c and n > 1:
+                shift[k] += c * (n - 1) if c < 0 else 0
+                size[k] += abs(c) * (n - 1)
+    row_major = row_major_strides(size)
+    strides = tuple(sum(row[j] * t for row, t in zip(coeff, row_major)) for j in range(len(sizes)))
+    return tuple(shift), tuple(size), strides, -sum(d * t for d, t in zip(shift, row_major))
+
+
+@lru_cache(maxsize=16)
+def _identity(rank: int) -> tuple[tuple[int, ...], ...]:
+    return tuple(tuple(int(k == j) for j in range(rank)) for k in range(rank))
 
 
 def _check_grid(d, box, rank: int) -> None:
@@ -253,9 +274,9 @@ def make_write_plan(writers, inventory: Inventory, owned: Mapping[str, LocalShar
     written = sum(i.runs.total for i in items) + sum(i.parts[0].runs.total for i in encodes)
     if requantize:
         written += sum(p.runs.total for i in encodes for p in i.parts[1:])
-    return WritePlan(rank=rank, items=tuple(items), encodes=tuple(encodes), requantize=requantize,
-                     bytes_written=written,
-                     files=tuple(sorted({i.file for i in items} | {i.parts[0].file for i in encodes})))
+    return WritePlan.model_construct(  # built here from checked parts: no validation pass over every item
+        rank=rank, items=tuple(items), encodes=tuple(encodes), requantize=requantize, bytes_written=written,
+        files=tuple(sorted({i.file for i in items} | {i.parts[0].file for i in encodes})))
 
 
 def _write_piece(w, box, local_offsets, inventory: Inventory, logical: Mapping, items: list, encodes: list) -> None:
