@@ -462,3 +462,20 @@ def test_boxes_match_dtensor_to_local(world, count, seed, tmp_path):
                 count_held[tuple(slice(o, o + s) for o, s in zip(offsets, sizes))] += 1
         copies = math.prod(n for n, p in zip(mesh_shape, placements) if isinstance(p, Replicate))
         assert (count_held == copies).all(), (number, shape, mesh_shape, placements)
+
+
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(placed_tensors())
+def test_each_rank_owns_what_no_lower_rank_holds(case):
+    """`owned` decides from the replicated mesh dims alone; the definition lists every lower rank."""
+    from remapdsl.sharding.holdings import Holding, Placed, owned
+
+    shape, mesh_shape, placements = case
+    mesh = Mesh.of({f"m{i}": n for i, n in enumerate(mesh_shape)})
+    for rank in range(mesh.size):
+        shard = local_shard(shape, mesh.sizes, placements, mesh.coordinate(rank))
+        holding = Holding({"t": Placed(shard, mesh.sizes, placements, mesh.rank, "spec", mesh.coordinate(rank))}, {})
+        lower = {b for r in range(rank) for b in local_shard(shape, mesh.sizes, placements, mesh.coordinate(r)).boxes}
+        expected = [b for b in shard.boxes if b not in lower]
+        got = owned(holding, rank).get("t")
+        assert (list(got.boxes) if got else []) == expected

@@ -42,6 +42,7 @@ class Placed(NamedTuple):
     placements: tuple  # one per mesh dim
     rank_of: Callable[[tuple[int, ...]], int] | None  # mesh coordinate -> global rank
     spec: Hashable  # equal for tensors of one mesh, placement and shape
+    coordinate: tuple[int, ...] = ()  # this rank's mesh coordinate
 
 
 class Holding(NamedTuple):
@@ -78,7 +79,7 @@ def hold(compiled: Compiled, tensors: Mapping[str, Any], layout: LayoutPlan | No
                 dt = placements_from_dtensor(tensor, d.runtime_key)
                 grid = tensor.device_mesh.mesh  # the global rank at each mesh coordinate
                 by_spec[spec] = Placed(dt.local_shard(), dt.mesh.sizes, dt.placements,
-                                       lambda index, grid=grid: int(grid[index]), spec)
+                                       lambda index, grid=grid: int(grid[index]), spec, dt.coordinate or ())
             p = by_spec[spec]
             local[d.runtime_key] = _local_tensor(tensor)
         elif layout is not None:
@@ -87,7 +88,7 @@ def hold(compiled: Compiled, tensors: Mapping[str, Any], layout: LayoutPlan | No
             if spec not in by_spec:
                 by_spec[spec] = Placed(local_shard(d.shape, mesh.sizes, placements, coordinate,
                                                    runtime_key=d.runtime_key),
-                                       mesh.sizes, placements, mesh.rank, spec)
+                                       mesh.sizes, placements, mesh.rank, spec, coordinate)
             p = by_spec[spec]
             local[d.runtime_key] = tensor
         else:
@@ -104,25 +105,33 @@ def hold(compiled: Compiled, tensors: Mapping[str, Any], layout: LayoutPlan | No
 
 
 def owned(holding: Holding, rank: int) -> dict[str, LocalShard]:
-    """What this rank writes of each runtime tensor on save: the boxes it holds that no lower rank
-    holds. For every placement two ranks' boxes are identical or disjoint (per dim, their index sets
-    are), so a replicated region is written once, by its lowest holder. A tensor whole on every rank
-    is written by rank 0. The boxes of the lower ranks are computed once per spec, not per tensor."""
+    """What this rank writes of each runtime tensor on save: what it holds, if no lower rank holds
+    the same. For every placement two ranks' boxes are identical or disjoint, and identical exactly
+    when their coordinates differ only on mesh dims that replicate the tensor (a `Shard` of any kind
+    gives each coordinate other indices, or none); so a region is written once, by the lowest rank
+    of its replicas, found among those coordinates alone, once per spec. A tensor whole on every
+    rank is written by rank 0."""
     out: dict[str, LocalShard] = {}
-    lower: dict = {}
+    lowest: dict = {}
     for key, p in holding.placed.items():
         if p.rank_of is None:
             if rank == 0:
                 out[key] = p.shard
             continue
-        if p.spec not in lower:
-            shape = p.spec[-1]
-            lower[p.spec] = {box for index in product(*(range(n) for n in p.sizes)) if p.rank_of(index) < rank
-                             for box in local_shard(shape, p.sizes, p.placements, index).boxes}
-        keep = [(b, at) for b, at in zip(p.shard.boxes, p.shard.local_offsets) if b not in lower[p.spec]]
-        if keep:
-            out[key] = LocalShard(p.shard.shape, tuple(b for b, _ in keep), tuple(a for _, a in keep))
+        if not p.shard.boxes:
+            continue
+        if p.spec not in lowest:
+            lowest[p.spec] = _lowest_replica(p) == rank
+        if lowest[p.spec]:
+            out[key] = p.shard
     return out
+
+
+def _lowest_replica(p: Placed) -> int:
+    """The lowest rank among the coordinates that hold what this rank holds (its replicas)."""
+    axes = [range(n) if isinstance(pl, Replicate) else (c,)
+            for pl, n, c in zip(p.placements, p.sizes, p.coordinate)]
+    return min(p.rank_of(index) for index in product(*axes))
 
 
 def check_state_dict(compiled: Compiled, tensors: Mapping[str, Any]) -> None:
