@@ -213,22 +213,25 @@ def source_runs(start: int, flat: list[int], sizes: tuple[int, ...]) -> tuple[Ru
 
 
 @lru_cache(maxsize=4096)
-def run_layout(shape: tuple[int, ...], coeff: tuple[tuple[int, ...], ...], sizes: tuple[int, ...]
-               ) -> tuple[tuple[int, ...], tuple[int, ...], Runs, tuple[int, ...]]:
+def run_layout(shape: tuple[int, ...], coeff: tuple[tuple[int, ...], ...], sizes: tuple[int, ...],
+               itemsize: int) -> tuple[tuple[int, ...], tuple[int, ...], Runs, tuple[int, ...]]:
     """What `flat_map` and `source_runs` give for every block of one map and size, whatever its base:
-    the source's row-major strides, the flat stride per runtime dim, the runs starting at 0, and the
-    strides into their concatenation. Cached: the pieces of a tensor's many blocks share a few."""
+    the source's row-major strides, the flat stride per runtime dim, the byte runs of items of
+    `itemsize` bytes starting at byte 0, and the element strides into their concatenation. Cached:
+    the pieces of a checkpoint's many blocks share a few."""
     major = row_major_strides(shape)
     flat = tuple(sum(major[k] * coeff[k][j] for k in range(len(shape))) for j in range(len(sizes)))
     runs, strides = source_runs(0, list(flat), sizes)
-    return tuple(major), flat, runs, strides
+    return tuple(major), flat, runs.in_bytes(0, itemsize), strides
 
 
-def block_runs(block: Block, shape) -> tuple[Runs, tuple[int, ...], tuple[int, ...]]:
-    """A block's element runs in its source (row-major `shape`), the strides into their
-    concatenation, and each runtime dim's flat stride in the source."""
-    major, flat, runs, strides = run_layout(tuple(shape), block.coeff, block.sizes)
-    return runs._replace(first=sum(t * b for t, b in zip(major, block.base))), strides, flat
+def block_runs(block: Block, shape, byte_offset: int, itemsize: int
+               ) -> tuple[Runs, tuple[int, ...], tuple[int, ...]]:
+    """A block's byte runs in its source (row-major `shape`, data at `byte_offset`), the element
+    strides into their concatenation, and each runtime dim's flat stride in the source."""
+    major, flat, runs, strides = run_layout(tuple(shape), block.coeff, block.sizes, itemsize)
+    first = byte_offset + itemsize * sum(t * b for t, b in zip(major, block.base))
+    return Runs(first, runs.length, runs.counts, runs.strides), strides, flat
 
 
 class FirstDimIndex:

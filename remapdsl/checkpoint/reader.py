@@ -102,12 +102,12 @@ class CheckpointReader:
     def _check_range(self, file: str, start: int, end: int) -> None:
         """Bytes [start, end) must lie in the data section of a file of the checkpoint."""
         info = self.inventory.files.get(file)
-        path = self.inventory.path(file)
         if info is None:
             hint = did_you_mean(file, self.inventory.files)
             raise CheckpointError(
                 Diagnostic(
-                    code="E341", message=f"{file} is not a file of this checkpoint", path=path, hint=hint
+                    code="E341", message=f"{file} is not a file of this checkpoint",
+                    path=self.inventory.path(file), hint=hint
                 )
             )
         if start < info.data_offset or end > info.nbytes:
@@ -116,7 +116,7 @@ class CheckpointReader:
                     code="E340",
                     message=f"{file}: read of bytes [{start}, {end}) leaves the data section "
                     f"[{info.data_offset}, {info.nbytes})",
-                    path=path,
+                    path=self.inventory.path(file),
                 )
             )
 
@@ -124,11 +124,14 @@ class CheckpointReader:
         """Fill buffer with the concatenated bytes of a strided run set of `file`; returns how many.
         A few runs are positioned reads; many are one strided copy from the mapped file."""
         view = as_byte_view(buffer)
-        if view.nbytes != runs.total:
+        single = not runs.counts  # one run: no counts to multiply out
+        if view.nbytes != (runs.length if single else runs.total):
             raise ValueError(f"the buffer has {view.nbytes} bytes, the runs {runs.total}")
-        if runs.count <= 1:
-            return self.read_into(file, runs.first, view)
-        self._check_range(file, runs.first, runs.end)
+        self._check_range(file, runs.first, runs.first + runs.length if single else runs.end)
+        if single or runs.count <= 1:
+            if view.nbytes:
+                self._pread_into(file, view, runs.first)
+            return view.nbytes
         if runs.count <= MANY_RUNS:
             at = 0
             for start in runs.starts():

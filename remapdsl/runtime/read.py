@@ -31,7 +31,7 @@ def run_load_plan(plan: LoadPlan, inventory: Inventory, tensors: Mapping[str, to
     one call; reads run on `threads` threads (positioned reads release the GIL), each into its own
     region, so no two threads write one byte."""
     with CheckpointReader(inventory) as reader, torch.no_grad():
-        work = _split(_batches(plan.items, tensors))
+        work = _work(plan.items, tensors)
         work += [_Decode(item, region(tensors[item.runtime_key], item)) for item in plan.decodes]
         in_flight: list = [None] * len(work)
         if threads <= 1 or len(work) < 2:
@@ -51,26 +51,36 @@ def _drain(work: list, taken: Iterator[int], reader: CheckpointReader, in_flight
         in_flight[i] = _run_batch(work[i], reader)
 
 
-def _batches(items, tensors) -> list[list[tuple[ReadItem, torch.Tensor, bool]]]:
-    """Items with their runtime tensor views, merged where file bytes and memory are contiguous. An
-    item is direct when its runs, concatenated, are its region's memory as it is (no value step,
-    same dtype, a contiguous CPU region in source order): it is read straight into the tensor."""
-    out: list[list[tuple[ReadItem, torch.Tensor, bool]]] = []
-    end_of = None  # (file, next byte offset, next data pointer) of the last single-run direct batch
-    for item in items:
-        tensor = tensors[item.runtime_key]
-        view = tensor[tuple(slice(o, o + s) for o, s in zip(item.local_offsets, item.sizes))]
-        direct = (item.ckpt_key is not None and not item.steps
-                  and view.dtype == torch_dtype(item.dtype) and view.is_contiguous()
-                  and view.device.type == "cpu" and is_row_major(item.strides, item.sizes))
-        single = direct and item.runs.count == 1
-        if single and end_of == (item.file, item.runs.first, view.data_ptr()):
-            out[-1].append((item, view, True))
-        else:
-            out.append([(item, view, direct)])
-        end_of = (item.file, item.runs.first + item.runs.length, view.data_ptr() + item.runs.length) \
-            if single else None
-    return out
+class _Memory(NamedTuple):
+    """What the work list needs of a runtime tensor, read once per tensor: its first byte's address
+    (None unless a contiguous CPU tensor), element size, dtype, shape and element strides."""
+
+    address: int | None
+    itemsize: int
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+    strides: tuple[int, ...]
+
+
+def _memory(tensor: torch.Tensor) -> _Memory:
+    direct = tensor.device.type == "cpu" and tensor.is_contiguous()
+    return _Memory(tensor.data_ptr() if direct else None, tensor.element_size(), tensor.dtype,
+                   tuple(tensor.shape), tuple(tensor.stride()))
+
+
+def _address(memory: _Memory, item: ReadItem) -> int | None:
+    """Where an item's region starts in its tensor's memory, if the region is one contiguous range
+    that its runs fill in order (no value step, the same dtype, source order); else None."""
+    if memory.address is None or item.ckpt_key is None or item.steps or memory.dtype != torch_dtype(item.dtype) \
+            or not is_row_major(item.strides, item.sizes):
+        return None
+    outer = True  # a contiguous region: size 1 on the leading dims, then one partial dim, then whole dims
+    for n, extent in zip(item.sizes, memory.shape):
+        if not outer and n != extent:
+            return None
+        if n != 1:
+            outer = False
+    return memory.address + memory.itemsize * sum(o * t for o, t in zip(item.local_offsets, memory.strides))
 
 
 CHUNK = 32 << 20  # direct reads are cut to about this size, so both threads stay busy to the end
@@ -84,26 +94,53 @@ class _Direct(NamedTuple):
     address: int
 
 
-def _split(batches) -> list:
-    """Direct batches as chunked run sets (one run, or whole runs of a strided set); other items
-    as they are."""
+class _Item(NamedTuple):
+    """An item read through staging or the mapped file (or a pad fill), with its runtime tensor."""
+
+    item: ReadItem
+    tensor: torch.Tensor
+
+
+def _work(items, tensors) -> list:
+    """The units of work of the plain items, in file order: direct reads (consecutive items that
+    continue each other in the file and in memory merged into one, then cut into chunks), and the
+    other items as they are. No tensor view is made here: addresses are computed from offsets."""
     work: list = []
-    for batch in batches:
-        first, view, direct = batch[0]
-        if not direct:
-            work.append(batch)
+    memories: dict[str, _Memory] = {}
+    merged: list | None = None  # [file, first byte, length, address] of the open single-run read
+    for item in items:
+        memory = memories.get(item.runtime_key)
+        if memory is None:
+            memory = memories[item.runtime_key] = _memory(tensors[item.runtime_key])
+        address = _address(memory, item)
+        if address is None:
+            work.append(_Item(item, tensors[item.runtime_key]))
             continue
-        runs = first.runs
-        if len(batch) > 1 or runs.count == 1:  # one byte range, cut anywhere
-            nbytes = sum(item.runs.length for item, _, _ in batch)
-            for at in range(0, nbytes, CHUNK):
-                work.append(_Direct(first.file, Runs(runs.first + at, min(CHUNK, nbytes - at)), view.data_ptr() + at))
+        runs = item.runs
+        if runs.counts and runs.count != 1:
+            for chunk in runs.chunks(max(1, CHUNK // max(1, runs.length))):
+                work.append(_Direct(item.file, chunk, address))
+                address += chunk.total
             continue
-        at = view.data_ptr()
-        for chunk in runs.chunks(max(1, CHUNK // max(1, runs.length))):
-            work.append(_Direct(first.file, chunk, at))
-            at += chunk.total
+        if merged is not None and merged[0] == item.file and merged[1] + merged[2] == runs.first \
+                and merged[3] + merged[2] == address:
+            merged[2] += runs.length
+            continue
+        if merged is not None:
+            _cut(merged, work)
+        merged = [item.file, runs.first, runs.length, address]
+    if merged is not None:
+        _cut(merged, work)
     return work
+
+
+def _cut(merged: list, work: list) -> None:
+    """One contiguous read as chunks of at most CHUNK bytes."""
+    file, first, nbytes, address = merged
+    for at in range(0, nbytes, CHUNK):
+        work.append(_Direct(file, Runs(first + at, min(CHUNK, nbytes - at)), address + at))
+
+
 class _Decode(NamedTuple):
     """A piece of a logical source and the runtime tensor region it fills."""
 
@@ -138,7 +175,8 @@ def _run_batch(batch, reader: CheckpointReader) -> torch.Tensor | None:
         memory = (ctypes.c_ubyte * batch.runs.total).from_address(batch.address)
         reader.read_runs_into(batch.file, batch.runs, memoryview(memory).cast("B"))
         return None
-    item, view, direct = batch[0]
+    item, tensor = batch
+    view = region(tensor, item)
     if item.ckpt_key is None:  # a pad region: made in its dtype, then the later value steps
         view.copy_(apply_steps(torch.full(item.sizes, item.fill, dtype=torch.float64), item.steps))
         return None

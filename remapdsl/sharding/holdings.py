@@ -65,7 +65,12 @@ def hold(compiled: Compiled, tensors: Mapping[str, Any], layout: LayoutPlan | No
     """Resolve every runtime tensor's placement on this rank; all problems reported at once."""
     # no DTensor exists unless its module was imported: do not pay that import (~0.5 s) otherwise
     dtensor_type = getattr(sys.modules.get("torch.distributed.tensor"), "DTensor", None)
-    check_state_dict(compiled, {k: _global(v, compiled, k, layout) for k, v in tensors.items()})
+    if layout is None:
+        check_state_dict(compiled, tensors)
+    else:  # plain local shards: the checks see the global shape, with the local tensor's dtype
+        shapes = {d.runtime_key: d.shape for d in compiled.runtime_tensors}
+        check_state_dict(compiled, {k: _Global(shapes[k] if k in shapes else tuple(v.shape), v.dtype)
+                                   for k, v in tensors.items()})
     coordinate = mesh.coordinate(rank) if layout is not None else None
     by_spec: dict = {}
     placed: dict[str, Placed] = {}
@@ -169,14 +174,8 @@ def _local_tensor(tensor) -> Any:
     return inner if isinstance(inner, torch.Tensor) else tensor.to_local()
 
 
-def _global(tensor, compiled: Compiled, key: str, layout):
-    """A stand-in with the global shape, for the shape and dtype checks of sharded plain tensors."""
-    if layout is None:
-        return tensor
-    try:
-        shape = compiled.runtime_tensor(key).shape
-    except KeyError:
-        return tensor
-    import torch
+class _Global(NamedTuple):
+    """A stand-in with a sharded plain tensor's global shape, for the shape and dtype checks."""
 
-    return torch.empty(shape, dtype=tensor.dtype, device="meta")
+    shape: tuple[int, ...]
+    dtype: Any

@@ -158,11 +158,11 @@ def _decode_item(runtime_key: str, local: tuple[int, ...], piece: Block, source,
     box = (low, size)
     reads = []
     for info, view, (offsets, sizes) in zip(infos, fmt.views(parts, params), fmt.cover(box, parts, params)):
-        major, _, runs, _ = run_layout(tuple(view), _identity(len(view)), tuple(sizes))
-        start = sum(o * t for o, t in zip(offsets, major))
+        itemsize = BY_NAME[info.dtype].bits // 8
+        major, _, runs, _ = run_layout(tuple(view), _identity(len(view)), tuple(sizes), itemsize)
+        first = info.byte_offset + itemsize * sum(o * t for o, t in zip(offsets, major))
         reads.append(PartRead(info.ckpt_key, info.file, info.dtype, tuple(offsets), tuple(sizes),
-                              runs._replace(first=start).in_bytes(info.byte_offset, BY_NAME[info.dtype].bits // 8),
-                              major))
+                              Runs(first, runs.length, runs.counts, runs.strides), major))
     return DecodeItem(runtime_key, local, piece.sizes, source.logical_key, source.format, source.params, box,
                       tuple(reads), strides, offset, source.dtype, piece.steps)
 
@@ -212,9 +212,9 @@ def _item(runtime_key: str, local: tuple[int, ...], piece: Block, inventory: Inv
     if piece.source_key is None:
         return ReadItem(runtime_key, local, piece.sizes, None, None, None, None, (), piece.steps, piece.fill)
     info = inventory.tensors[piece.source_key]
-    runs, strides, flat = block_runs(piece, info.shape)
-    return ReadItem(runtime_key, local, piece.sizes, piece.source_key, info.file, info.dtype,
-                    runs.in_bytes(info.byte_offset, BY_NAME[info.dtype].bits // 8), strides, piece.steps, None, flat)
+    runs, strides, flat = block_runs(piece, info.shape, info.byte_offset, BY_NAME[info.dtype].bits // 8)
+    return ReadItem(runtime_key, local, piece.sizes, piece.source_key, info.file, info.dtype, runs, strides,
+                    piece.steps, None, flat)
 
 
 class WriteItem(NamedTuple):
@@ -287,10 +287,9 @@ def _write_piece(w, box, local_offsets, inventory: Inventory, logical: Mapping, 
     local = tuple(lo + o - bo for lo, o, bo in zip(local_offsets, piece.offsets, box.offsets))
     if piece.source_key not in logical:
         info = inventory.tensors[piece.source_key]
-        runs, strides, flat = block_runs(piece, info.shape)
+        runs, strides, flat = block_runs(piece, info.shape, info.byte_offset, BY_NAME[info.dtype].bits // 8)
         items.append(WriteItem(w.runtime_key, local, piece.sizes, piece.source_key, info.file, info.dtype,
-                               runs.in_bytes(info.byte_offset, BY_NAME[info.dtype].bits // 8), strides,
-                               w.steps, flat))
+                               runs, strides, w.steps, flat))
         return
     piece = piece._replace(steps=w.steps)
     item = _decode_item(w.runtime_key, local, piece, logical[piece.source_key], inventory)
