@@ -21,6 +21,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 
 from remapdsl.dtypes import BY_NAME, BY_SAFETENSORS, DType
 from remapdsl.errors import CheckpointError, Diagnostic, did_you_mean
+from remapdsl.trusted import construct
 
 MAX_HEADER_NBYTES = 100_000_000  # the safetensors library's own cap
 PREFIX_NBYTES = 8
@@ -262,8 +263,9 @@ def parse_header_object(obj: dict, *, info: FileInfo, path: str | None = None) -
         if found is not None:
             dtype, shape, begin, end = found
             ranges.append((begin, end, ckpt_key))
-            # Fields are checked above; model_construct skips pydantic's second look, not model_post_init.
-            tensors[ckpt_key] = TensorInfo.model_construct(
+            # Fields are checked above (what model_post_init checks too): no second look.
+            tensors[ckpt_key] = construct(
+                TensorInfo,
                 ckpt_key=ckpt_key,
                 file=info.file,
                 dtype=dtype.name,
