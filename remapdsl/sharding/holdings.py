@@ -79,7 +79,8 @@ def hold(compiled: Compiled, tensors: Mapping[str, Any], layout: LayoutPlan | No
     for d in compiled.runtime_tensors:
         tensor = tensors[d.runtime_key]
         if dtensor_type is not None and isinstance(tensor, dtensor_type):
-            spec = (tensor.device_mesh, tensor.placements, d.shape)
+            # the mesh by identity: hashing a DeviceMesh costs more than the rest of this loop
+            spec = (id(tensor.device_mesh), tensor.placements, d.shape)
             if spec not in by_spec:
                 dt = placements_from_dtensor(tensor, d.runtime_key)
                 grid = tensor.device_mesh.mesh  # the global rank at each mesh coordinate
