@@ -33,7 +33,7 @@ A child that runs past `--timeout` is killed and its figures shown as "> T s"; o
 
 Goals (the compact-plans issue): load plan under 0.3 s and under 64 MB extra; save plan under
 0.5 s and under 64 MB extra; compile under 1.5 s ("extra": the larger of the tracemalloc peak and
-the RSS growth; MB = 10^6 bytes). Today's code takes ~7-12 s and ~3 GB for one 64-rank case.
+the RSS growth; MB = 10^6 bytes). Before the compact plans one 64-rank case took ~7-12 s and ~3 GB.
 
     python bench/plan_bench.py [--meshes 8,64,512,4096] [--ranks first,last] [--experts 256] [--fp8]
                                [--plans load,save] [--timeout 60] [--no-trace]
