@@ -9,16 +9,20 @@ exists; a partial binding (some sources present, others missing) is an error, ne
 from __future__ import annotations
 
 import re
-from operator import itemgetter
-from collections import defaultdict
+from itertools import chain, compress, repeat
+from operator import itemgetter, methodcaller
 from collections.abc import Iterable
 from typing import NamedTuple
 
 from ..language import ir
 
 _INT = r"(?:0|[1-9][0-9]*)"
-_SEG = r"[^.\n]+"  # keys are matched as lines of one text (see match_keys)
+_SEG = r"[^.\n]+"  # keys are matched as lines of one text (see scan)
 _PATH = r"[^.\n]+(?:\.[^.\n]+)*"
+# _PATH where the line ends after it: the same lines, told by single-character repeats alone
+# (no leading or trailing dot, no two dots together), which the regex engine runs much faster
+_PATH_TO_END = r"(?!\.)(?![^\n]*\.\.)[^\n]*[^.\n]"
+_MAX_TAILS = 64  # literal endings a pattern's trailing alternatives may expand to
 
 
 class PatternRegex(NamedTuple):
@@ -27,6 +31,10 @@ class PatternRegex(NamedTuple):
     regex: re.Pattern
     captures: tuple[tuple[str, str], ...]  # (name, type) in group order
     alternatives: tuple[tuple[str, ...], ...]  # options of each alternatives part
+    tails: tuple[str, ...]  # literal endings, one of which every matching key has; () if none
+    exact: str | None  # the one key a pattern of literal text alone matches
+    head: str | None  # the capture's type when the pattern is one capture, then literal text
+    line: re.Pattern  # the regex with one outer group, matching lines of a text (see scan)
 
 
 def compile_pattern(pattern: ir.Pattern) -> PatternRegex:
@@ -51,38 +59,129 @@ def compile_pattern(pattern: ir.Pattern) -> PatternRegex:
             out.append(_SEG)
         else:
             out.append(_PATH)
-    return PatternRegex(re.compile("".join(out)), tuple(captures), tuple(alternatives))
+    parts = pattern.parts
+    scanned = out
+    last = parts[-1]
+    if isinstance(last, ir.DoubleStar) or isinstance(last, ir.Capture) and out[-1].endswith(f">{_PATH})"):
+        scanned = out[:-1] + [out[-1].replace(_PATH, _PATH_TO_END)]
+    line = re.compile(f"^({''.join(scanned)})$", re.MULTILINE)
+    exact = parts[0].text if len(parts) == 1 and isinstance(parts[0], ir.Text) else None
+    one_capture = len(parts) == 2 and isinstance(parts[0], ir.Capture) and isinstance(parts[1], ir.Text)
+    head = parts[0].type if one_capture else None
+    return PatternRegex(re.compile("".join(out)), tuple(captures), tuple(alternatives), _tails(pattern),
+                        exact, head, line)
 
 
-def match_keys(compiled: PatternRegex, keys: Iterable[str]) -> list[tuple]:
-    """Every key the pattern matches whole, as (key, capture values, alternative choices).
+def _tails(pattern: ir.Pattern) -> tuple[str, ...]:
+    """The literal text a matching key ends with: the pattern's trailing text and alternatives."""
+    tails = ("",)
+    for part in reversed(pattern.parts):
+        if isinstance(part, ir.Text):
+            tails = tuple(part.text + t for t in tails)
+        elif isinstance(part, ir.Alternatives) and len(tails) * len(part.options) <= _MAX_TAILS:
+            tails = tuple(o + t for o in part.options for t in tails)
+        else:
+            break
+    return () if tails == ("",) else tails
+
+
+class KeyPool:
+    """Checkpoint keys that patterns match: the lines of one text, as the regexes read them.
+
+    A pattern that ends in literal text scans only the lines that end in it: found by a pass of
+    `str.endswith`, or, with `indexed` (a pool that many patterns read), among the lines grouped
+    by their last two segments, grouped on first use. Matches keep the order of the lines; the
+    keys must not change while the pool is read.
+    """
+
+    def __init__(self, keys: Iterable[str], indexed: bool = False):
+        lines = list(keys)
+        self.text = "\n".join(lines)
+        split = self.text.count("\n") != max(len(lines) - 1, 0)  # a key holding a newline
+        self.lines = self.text.split("\n") if split else lines
+        self.members = keys if isinstance(keys, (set, frozenset)) and not split else None
+        self.indexed = indexed
+        self._groups: dict[str, list[int]] | None = None
+
+    def text_for(self, compiled: PatternRegex) -> str:
+        """The lines the pattern can match, as one text (all of them when it ends in no literal)."""
+        return "\n".join(self.ending(compiled.tails)) if compiled.tails else self.text
+
+    def ending(self, tails: tuple[str, ...]) -> Iterable[str]:
+        """The lines that end in one of `tails`, in their order."""
+        lines = self.lines
+        if not self.indexed:
+            return filter(methodcaller("endswith", tails), lines)
+        if self._groups is None:  # line positions by the last two segments (the whole line if fewer)
+            self._groups = {}
+            for i, k in enumerate(lines):
+                self._groups.setdefault(k[k.rfind(".", 0, k.rfind(".")) + 1:], []).append(i)
+        hits: list[list[int]] = []
+        for end, group in self._groups.items():
+            if end.endswith(tails):  # every line of the group ends so
+                hits.append(group)
+            elif any(t.endswith("." + end) for t in tails):  # a longer tail: some lines may
+                ends = map(methodcaller("endswith", tails), map(lines.__getitem__, group))
+                hits.append(list(compress(group, ends)))
+        return [lines[i] for i in (hits[0] if len(hits) == 1 else sorted(chain.from_iterable(hits)))]
+
+
+def _all_whole(kind: str, joined: str) -> bool:
+    """Each line of a text of non-empty lines is a `path` (no empty segment) or a `seg` (no dot)."""
+    if kind == "seg":
+        return "." not in joined
+    return not (".." in joined or "\n." in joined or ".\n" in joined or joined[0] == "." or joined[-1] == ".")
+
+
+def _is_path(text: str) -> bool:
+    return text != "" and text[0] != "." and text[-1] != "." and ".." not in text
+
+
+def _is_int(text: str) -> bool:  # as _INT: canonical ASCII decimal
+    return text.isascii() and text.isdigit() and (text[0] != "0" or text == "0")
+
+
+_WHOLE = {"path": _is_path, "seg": lambda text: text != "" and "." not in text, "int": _is_int}  # of a line
+
+
+def scan(compiled: PatternRegex, pool: KeyPool, scalar: bool = False) -> tuple[list, list, list | None]:
+    """The keys the pattern matches whole, in the pool's order, with their capture values (the
+    value alone, not a tuple, with `scalar`: the pattern has one capture) and their choice of each
+    alternatives part (None for a pattern without alternatives): three lists, one entry a match.
 
     The keys are joined into one text, one key per line, and the pattern runs over it in a single
-    `finditer`: the scan stays in the regex engine instead of a Python loop over 10^5 keys.
+    `findall`: the scan stays in the regex engine instead of a Python loop over 10^5 keys.
     """
-    text = "\n".join(keys)
+    if compiled.exact is not None and pool.members is not None:  # no scan for a literal key
+        found = [compiled.exact] if compiled.exact in pool.members else []
+        return found, [()] * len(found), None
+    if compiled.head is not None:  # `{P:path}.weight`: what the text leaves is the capture, if it is one
+        kind, cut = compiled.head, -len(compiled.tails[0])
+        found = list(pool.ending(compiled.tails))
+        values = [k[:cut] for k in found]
+        if values and (kind == "int" or "" in values or not _all_whole(kind, "\n".join(values))):  # each
+            whole = _WHOLE[kind]
+            found = [k for k, v in zip(found, values) if whole(v)]
+            values = [int(k[:cut]) for k in found] if kind == "int" else [k[:cut] for k in found]
+        return found, values if scalar else list(zip(values)), None
     # one outer group for the whole key; findall then yields (key, *groups) tuples from C
-    line = re.compile(f"^({compiled.regex.pattern})$", re.MULTILINE)
+    line = compiled.line
     order = sorted(line.groupindex.items(), key=lambda kv: kv[1])
     captures = [(group - 1, kind == "int") for name, group in order if name[0] == "c"
                 for kind in [compiled.captures[int(name[1:])][1]]]
     choices = [(group - 1, {o: k for k, o in enumerate(compiled.alternatives[int(name[1:])])})
                for name, group in order if name[0] == "a"]
-    rows = line.findall(text)
+    rows = line.findall(pool.text_for(compiled))
     if not captures and not choices:
-        return [(row if isinstance(row, str) else row[0], (), ()) for row in rows]
-    if choices or not all(is_int for _, is_int in captures):
-        found = []
-        for g in rows:
-            values = tuple(int(g[i]) if is_int else g[i] for i, is_int in captures)
-            choice = tuple(index[g[i]] for i, index in choices)
-            found.append((g[0], values, choice))
-        return found
-    # the common case, integer captures only: extract and convert in C
-    get = itemgetter(*(i for i, _ in captures))
-    if len(captures) == 1:
-        return [(g[0], (int(get(g)),), ()) for g in rows]
-    return [(g[0], tuple(map(int, get(g))), ()) for g in rows]
+        return rows, [()] * len(rows), None
+    if not rows:
+        return [], [], [] if choices else None
+    # column by column, in C: the keys, the captures (ints converted), the choices' positions
+    columns = list(zip(*rows))
+    values = [map(int, columns[i]) if is_int else columns[i] for i, is_int in captures]
+    values = (list(values[0]) if scalar else list(zip(*values))) if values else [()] * len(rows)
+    chosen = list(zip(*[map(index.__getitem__, columns[i]) for i, index in choices])) if choices else None
+    return list(columns[0]), values, chosen
 
 
 def list_axis(patterns: tuple[ir.Pattern, ...]) -> list[tuple[int, tuple[int, ...]]]:
@@ -119,46 +218,71 @@ class Bound(NamedTuple):
     ambiguous: list[tuple[str, str]]  # two keys for one binding and one source (wildcards)
 
 
-def bind(patterns: tuple[ir.Pattern, ...], keys: Iterable[str]) -> Bound:
+def bind(patterns: tuple[ir.Pattern, ...], keys: Iterable[str] | KeyPool) -> Bound:
     """Bindings of a statement's source patterns against checkpoint keys."""
-    keys = list(keys)
+    pool = keys if isinstance(keys, KeyPool) else KeyPool(keys)
     compiled = [compile_pattern(p) for p in patterns]
     axis = list_axis(patterns)
-    position = {entry: i for i, entry in enumerate(axis)}
     names: list[str] = []
     for c in compiled:
         for name, _ in c.captures:
             if name not in names:
                 names.append(name)
-    slots: dict[tuple, list[str | None]] = defaultdict(lambda: [None] * len(axis))
+    every = all(len(c.captures) == len(names) for c in compiled)  # no pattern lacks a capture
+    scalar = every and len(names) == 1  # bindings keyed by the one capture's value, not a 1-tuple
+    taken: list[tuple[dict, bool]] = []  # per pattern: capture values (and choice) -> key; has alternatives
+    seen: dict[tuple, None] = {}  # capture values in the order first found, where some lack a capture
+    everything: list[Iterable] = []  # per pattern, its capture values, where none lacks a capture
     unmatched, ambiguous = [], []
     for index, c in enumerate(compiled):
-        matches = match_keys(c, keys)
-        if not matches:
+        matched, values, choices = scan(c, pool, scalar)
+        if not matched:
             unmatched.append(index)
         own = tuple(n for n, _ in c.captures)
         same = own == tuple(names)
-        for ckpt_key, captured, choice in matches:
-            if same:
-                key = captured
-            else:  # a pattern lacking some captures of the statement fills every binding that agrees
-                values = dict(zip(own, captured))
-                key = tuple(values.get(n, _ANY) for n in names)
-            row, at = slots[key], position[(index, choice)]
-            if row[at] is not None and row[at] != ckpt_key:
-                ambiguous.append((row[at], ckpt_key))
-            row[at] = ckpt_key
+        found: dict = {}
+        if same:  # filled in C, unless two keys share a binding and a source
+            found.update(zip(values if choices is None else zip(values, choices), matched))
+        if len(found) != len(matched):
+            found.clear()
+            for ckpt_key, captured, choice in zip(matched, values, choices or repeat(())):
+                if same:
+                    key = captured
+                else:  # a pattern lacking some captures of the statement fills every binding that agrees
+                    given = dict(zip(own, captured))
+                    key = tuple(given.get(n, _ANY) for n in names)
+                slot = key if choices is None else (key, choice)
+                old = found.get(slot)
+                if old is not None and old != ckpt_key:
+                    ambiguous.append((old, ckpt_key))
+                found[slot] = ckpt_key
+        bare = found if choices is None else map(itemgetter(0), found)  # the capture values alone
+        if every:
+            everything.append(bare)
+        else:
+            seen.update(dict.fromkeys(bare))
+        taken.append((found, choices is not None))
+    if every:  # each position holds one type (ints, or text): values sort directly
+        ordered = sorted(set().union(*everything))
+        joined = zip(ordered, zip(*[_entries(*taken[p], choice, ordered) for p, choice in axis]))
+    else:
+        ordered = list(seen)
+        joined = _join(dict(zip(ordered, zip(*[_entries(*taken[p], choice, ordered) for p, choice in axis]))))
     bindings, partial = [], []
-    complete_keys = _join(slots, len(axis))
     new = tuple.__new__  # named tuples without their Python-level argument handling
-    for values, entries in complete_keys:
-        captures = dict(zip(names, values))
+    for values, entries in joined:
+        captures = {names[0]: values} if scalar else dict(zip(names, values))
         if None not in entries:
             bindings.append(new(Binding, (captures, tuple(entries))))
         else:
             partial.append(Partial(captures, tuple(e for e in entries if e is not None),
                                    tuple(i for i, e in enumerate(entries) if e is None)))
     return Bound(bindings, partial, unmatched, ambiguous)
+
+
+def _entries(found: dict, alternatives: bool, choice: tuple, values: list) -> Iterable[str | None]:
+    """The key a pattern found for each of `values` at one list-axis entry (None where none)."""
+    return map(found.get, zip(values, repeat(choice)) if alternatives else values)
 
 
 class _AnyValue:
@@ -169,11 +293,11 @@ class _AnyValue:
 _ANY = _AnyValue()
 
 
-def _join(slots: dict[tuple, list], width: int) -> list[tuple[tuple, list]]:
+def _join(slots: dict[tuple, list]) -> list[tuple[tuple, list]]:
     """Merge slot rows where some patterns bind fewer captures (their `_ANY` values)."""
     full = {k: v for k, v in slots.items() if _ANY not in k}
     loose = {k: v for k, v in slots.items() if _ANY in k}
-    if not loose:  # each position holds one type (ints, or text): tuples sort directly
+    if not loose:
         return sorted(full.items(), key=itemgetter(0))
     if not full:  # no pattern binds every capture: not a sensible statement, keep as is
         return sorted(((tuple(None if v is _ANY else v for v in k), e) for k, e in loose.items()),

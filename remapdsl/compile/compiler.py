@@ -10,7 +10,9 @@ from __future__ import annotations
 
 import re
 from collections import defaultdict
-from collections.abc import Mapping
+from operator import attrgetter, itemgetter
+from collections.abc import Callable, Mapping
+from itertools import chain, compress, repeat
 from typing import Any
 
 from ..language import ir
@@ -20,10 +22,10 @@ from ..gcpause import paused_gc
 from ..language.includes import RuleSet
 from ..indexmap import volume
 from . import symbolic as sym
-from .bind import Binding, bind, compile_pattern, list_axis, match_keys
+from .bind import Binding, KeyPool, bind, compile_pattern, list_axis, scan
 from .evaluate import Evaluator, evaluate_lets
 from .quantized import bind_dequantize, bind_quantized, check_cuts
-from .model import Block, BoundRule, Compiled, RuntimeTensor, LogicalTensor, CkptTensor, StoredQuantized
+from .model import BoundRule, Compiled, RuntimeTensor, LogicalTensor, CkptTensor, StoredQuantized
 
 
 def compile_rules(rules: RuleSet, inventory: Inventory, config: Mapping[str, Any] | None = None,
@@ -71,9 +73,10 @@ class _Compiler:
         available -= dropped
         consumed: set[str] = set()
         rules = [s for s in statements if isinstance(s, ir.Rule)]
+        shared = KeyPool(available, indexed=True)  # what every rule but `otherwise` binds against
         for rule in [r for r in rules if not r.otherwise] + [r for r in rules if r.otherwise]:
             pool = available - consumed if rule.otherwise else available
-            consumed |= self.rule(rule, pool)
+            consumed |= self.rule(rule, pool, KeyPool(pool) if rule.otherwise else shared)
         leftover = sorted(available - consumed)
         if leftover and self.strict:
             shown = ", ".join(f"`{k}`" for k in leftover[:8])
@@ -88,11 +91,15 @@ class _Compiler:
         self.check_tiling()
         keep = tuple(_regex(p).pattern for s in statements if isinstance(s, ir.Keep)
                      for p in s.patterns)
-        ckpt_tensors = tuple(tuple.__new__(CkptTensor, (k, t.file, t.dtype, tuple(t.shape)))
-                        for k, t in sorted(self.inventory.tensors.items()))
+        keys = sorted(self.inventory.tensors)
+        infos = list(map(self.inventory.tensors.__getitem__, keys))
+        fields = zip(keys, map(attrgetter("file"), infos), map(attrgetter("dtype"), infos),
+                     map(tuple, map(_SHAPE, infos)))
+        ckpt_tensors = tuple(map(tuple.__new__, repeat(CkptTensor), fields))  # named tuples, built in C
         return ir.construct(Compiled,
                             runtime_tensors=tuple(self.runtime_tensors[k] for k in sorted(self.runtime_tensors)),
-                            ckpt_tensors=ckpt_tensors, logical=tuple(self.logical[k] for k in sorted(self.logical)),
+                            ckpt_tensors=ckpt_tensors,
+                            logical=tuple(map(self.logical.__getitem__, sorted(self.logical))),
                             quantized=tuple(self.stored[k] for k in sorted(self.stored)),
                             bindings=tuple(self.bindings), dropped=tuple(sorted(dropped)),
                             unused_drops=unused, keep=keep)
@@ -101,7 +108,7 @@ class _Compiler:
 
     def dequantize(self, s: ir.Dequantize, available: set[str]) -> None:
         try:
-            bind_dequantize(s, available, self.inventory.tensors, self.evaluator, self.pattern_name,
+            bind_dequantize(s, available, self.inventory.tensors, self.evaluator,
                             self.error, self.logical)
         except BindError as exc:
             self.errors.extend(exc.diagnostics)
@@ -124,13 +131,10 @@ class _Compiler:
             if grid:
                 self.runtime_tensors[name] = d.model_copy(update={"grid": grid})
 
-    def pattern_name(self, pattern: ir.Pattern, captures: dict) -> str:
-        return "".join(part.text if isinstance(part, ir.Text) else str(self.evaluator.value(part.expr, captures))
-                       for part in pattern.parts)
-
     def drops(self, statements, available: set[str]) -> tuple[set[str], tuple[Span, ...]]:
         dropped: set[str] = set()
         unused: list[Span] = []
+        pool = KeyPool(available)
         for s in statements:
             if not isinstance(s, ir.Drop):
                 continue
@@ -138,20 +142,21 @@ class _Compiler:
             for pattern in s.patterns:
                 regex = compile_pattern(pattern)
                 names = [name for name, _ in regex.captures]
-                verdicts: dict[tuple, bool] = {}  # the guard per capture values, not per key
-                for ckpt_key, values, _ in match_keys(regex, available):
-                    if s.guard is not None and values not in verdicts:
-                        verdicts[values] = self.evaluator.boolean(s.guard, dict(zip(names, values)))
-                    if s.guard is None or verdicts[values]:
-                        dropped.add(ckpt_key)
-                        hit = True
+                taken, captured, _ = scan(regex, pool)
+                if s.guard is not None:  # the guard per capture values (in the order first met), not per key
+                    verdicts = {values: self.evaluator.boolean(s.guard, dict(zip(names, values)))
+                                for values in dict.fromkeys(captured)}
+                    taken = list(compress(taken, map(verdicts.__getitem__, captured)))
+                dropped.update(taken)
+                hit = hit or bool(taken)
             if not hit and s.span is not None:
                 unused.append(s.span)
         return dropped, tuple(unused)
 
-    def rule(self, rule: ir.Rule, pool: set[str]) -> set[str]:
-        """Bind one rule, build its runtime tensors; return the checkpoint keys it consumed."""
-        bindings, partial, unmatched, ambiguous = bind(rule.sources, pool)
+    def rule(self, rule: ir.Rule, pool: set[str], keys: KeyPool) -> set[str]:
+        """Bind one rule against `keys` (the pool's), build its runtime tensors; return the
+        checkpoint keys it consumed."""
+        bindings, partial, unmatched, ambiguous = bind(rule.sources, keys)
         if ambiguous:
             first, second = ambiguous[0]
             self.error("E208", f"one binding takes several checkpoint keys: `{first}` and `{second}`"
@@ -174,9 +179,7 @@ class _Compiler:
             return _taken(bindings, partial)
         if rule.guard is not None:
             bindings = [b for b in bindings if self.evaluator.boolean(rule.guard, b.captures)]
-        consumed: set[str] = set()
-        for b in bindings:
-            consumed.update(b.keys)
+        consumed = set(chain.from_iterable(map(attrgetter("keys"), bindings)))
         try:
             self.build(rule, bindings)
         except _RuleFailed:
@@ -231,14 +234,12 @@ class _Compiler:
         names = sorted(bindings[0].captures) if bindings else []
         outer_names = [n for n in names if n not in reduced]
         inner_names = [n for n in names if n in reduced]
-        for b in bindings:
-            c = b.captures
-            outer = tuple((n, c[n]) for n in outer_names)
-            inner = tuple((n, c[n]) for n in inner_names)
-            groups[outer][inner] = ([self.source(k) for k in b.keys], b.keys)
+        outer_of, inner_of, source = _pairs(outer_names), _pairs(inner_names), self.sources()
+        for captures, keys in bindings:
+            groups[outer_of(captures)][inner_of(captures)] = (list(map(source, keys)), keys)
         for outer, items in groups.items():
             state = {inner: tensors for inner, (tensors, _) in items.items()}
-            keys = tuple(k for _, ks in items.values() for k in ks)
+            keys = tuple(chain.from_iterable(map(itemgetter(1), items.values())))
             for op, env in ops:
                 state = self.apply(rule, op, env, state, keys)
             for produced, tensors in state.items():
@@ -254,9 +255,14 @@ class _Compiler:
                                                   captures=tuple(sorted(captures.items())),
                                                   ckpt_keys=keys, runtime_keys=tuple(names)))
 
-    def source(self, ckpt_key: str) -> sym.Sym:
-        info = self.logical.get(ckpt_key) or self.inventory.tensors[ckpt_key]
-        return sym.source(ckpt_key, tuple(info.shape), info.dtype)
+    def sources(self) -> Callable[[str], sym.Sym]:
+        """The function from a key (a logical tensor's or a checkpoint tensor's) to its symbolic tensor."""
+        logical, stored, make = self.logical.get, self.inventory.tensors, sym.source
+
+        def source(ckpt_key: str) -> sym.Sym:
+            info = logical(ckpt_key) or stored[ckpt_key]
+            return make(ckpt_key, tuple(info.shape), info.dtype)
+        return source
 
     def expand(self, ops, env: dict) -> list[tuple[ir.Op, dict]]:
         """Ops with macro calls replaced by their bodies, each with its parameter values."""
@@ -316,21 +322,33 @@ class _Compiler:
         blocks = tensor.blocks
         self.runtime_tensors[name] = ir.construct(
             RuntimeTensor, runtime_key=name, shape=tensor.shape, dtype=tensor.dtype, blocks=blocks,
-            rule=rule.span, ckpt_keys=tuple(dict.fromkeys(b.source_key for b in tensor.blocks if b.source_key)))
+            rule=rule.span, ckpt_keys=tuple(dict.fromkeys(filter(None, map(_SOURCE_KEY, tensor.blocks)))))
 
     def check_tiling(self) -> None:
         """Every runtime tensor is covered exactly once (an invariant of the construction)."""
         for d in self.runtime_tensors.values():
             total = volume(d.shape)
-            covered = sum(volume(b.sizes) for b in d.blocks)
-            inside = all(0 <= o and o + s <= n for b in d.blocks
-                         for o, s, n in zip(b.offsets, b.sizes, d.shape))
-            if covered != total or not inside or not _disjoint(d.blocks):
+            covered = sum(map(volume, map(_SIZES, d.blocks)))
+            if covered != total or not sym.tiles(d.blocks, d.shape):
                 raise BindError(Diagnostic(
                     code="E206", message=f"blocks of `{d.runtime_key}` do not tile it exactly once "
                     f"({covered} of {total} elements)", span=d.rule,
                     line_text=self.rules.line_text(d.rule),
                     hint="this is a bug in remapdsl; please report it with the rule file"))
+
+
+_SOURCE_KEY, _SIZES, _SHAPE = attrgetter("source_key"), attrgetter("sizes"), attrgetter("shape")
+
+
+def _pairs(names: list[str]) -> Callable[[dict], tuple]:
+    """The function from captures to their ((name, value), ...) for `names`, in that order."""
+    if not names:
+        return lambda captures: ()
+    if len(names) == 1:
+        (only,) = names
+        return lambda captures: ((only, captures[only]),)
+    get = itemgetter(*names)
+    return lambda captures: tuple(zip(names, get(captures)))
 
 
 def _taken(bindings, partial) -> set[str]:
@@ -366,10 +384,9 @@ def _combine_capture(op, ev: Evaluator, state: dict) -> dict:
     start = ev.integer(op.start, "start") if op.start is not None else 0
     dim = ev.integer(op.dim, "dim")
     grouped: dict[tuple, dict[int, list]] = defaultdict(dict)
+    capture = op.capture
     for key, tensors in state.items():
-        rest = tuple(kv for kv in key if kv[0] != op.capture)
-        value = dict(key)[op.capture]
-        grouped[rest][value] = tensors
+        grouped[tuple([kv for kv in key if kv[0] != capture])][dict(key)[capture]] = tensors
     out = {}
     for rest, by_value in grouped.items():
         values = sorted(by_value)
@@ -439,22 +456,6 @@ def _names(expr: ir.Node):
 
 def _regex(pattern: ir.Pattern) -> re.Pattern:
     return compile_pattern(pattern).regex
-
-
-def _disjoint(blocks: tuple[Block, ...]) -> bool:
-    """No two blocks overlap (sweep on the first dim; blocks are few per runtime tensor)."""
-    if not blocks or not blocks[0].offsets:
-        return len(blocks) <= 1
-    ordered = sorted(blocks, key=lambda b: b.offsets[0])
-    active: list[Block] = []
-    for b in ordered:
-        active = [a for a in active if a.offsets[0] + a.sizes[0] > b.offsets[0]]
-        for a in active:
-            if all(ao < bo + bs and bo < ao + as_ for ao, as_, bo, bs
-                   in zip(a.offsets, a.sizes, b.offsets, b.sizes)):
-                return False
-        active.append(b)
-    return True
 
 
 def _captures(captures: dict) -> str:

@@ -6,7 +6,8 @@ a config key that is missing or null. Every failure is a BindError at the expres
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
+from operator import itemgetter
 from typing import Any
 
 from ..language import ir
@@ -78,6 +79,33 @@ class Evaluator:
         if value not in RULE_DTYPE_NAMES:
             raise self.fail(f"expected a dtype name, got {value!r}", expr.span)
         return value
+
+    def namer(self, pattern: ir.Pattern) -> Callable[[dict], str]:
+        """The function from a binding's captures to the key a target pattern names: each part's
+        text, or `str` of its value (a capture's own value read directly)."""
+        value = self.value
+        pieces = [(part.text if isinstance(part, ir.Text) else None,
+                   part.expr.id if isinstance(part, ir.Subst) and isinstance(part.expr, ir.Name) else None,
+                   part) for part in pattern.parts]
+
+        def name(captures: dict) -> str:
+            return "".join([text if text is not None
+                            else str(captures[capture]) if capture is not None and capture in captures
+                            else str(value(part.expr, captures)) for text, capture, part in pieces])
+        wanted = [capture for text, capture, _ in pieces if text is None]
+        if not wanted or None in wanted:
+            return name
+        # text and captures alone: one `%` format (`%s` is `str`), `name` when a capture is missing
+        template = "".join("%s" if text is None else text.replace("%", "%%") for text, _, _ in pieces)
+        get = itemgetter(*wanted)
+
+        def formatted(captures: dict) -> str:
+            try:
+                found = get(captures)
+            except KeyError:
+                return name(captures)
+            return template % (found if len(wanted) > 1 else (found,))
+        return formatted
 
     def _eval(self, expr: ir.Node, captures: Mapping[str, Value]) -> Value:
         if isinstance(expr, (ir.Int, ir.Float, ir.Bool)):

@@ -11,10 +11,12 @@ values but no scale is not quantized and passes through; scales without their va
 from __future__ import annotations
 
 from collections.abc import Callable
+from operator import attrgetter
 from typing import Any
 
 from ..language import ir
 from ..quant import FormatError, Part, QuantFormat, get_format
+from ..trusted import construct_rows
 from .bind import bind
 from .evaluate import Evaluator
 from .model import LogicalTensor, StoredQuantized
@@ -44,32 +46,64 @@ def format_of(op: ir.FormatCall, ev: Evaluator) -> tuple[QuantFormat, dict[str, 
 
 
 def bind_dequantize(s: ir.Dequantize, available: set[str], inventory_tensors, ev: Evaluator,
-                    name: Callable[[ir.Pattern, dict], str], error: Callable[..., None],
-                    logical: dict[str, LogicalTensor]) -> None:
+                    error: Callable[..., None], logical: dict[str, LogicalTensor]) -> None:
     """Bind one statement: add its logical sources to `logical` and to `available`, take its parts
     out of `available`; report problems through `error(code, message, span, hint)`."""
     fmt, params, bindings = _bound(s, available, ev, error)
-    for b in bindings:
-        key = name(s.target, b.captures)
-        parts = _parts(b.keys, inventory_tensors)
+    name = ev.namer(s.target)
+    shape_of = _memo(lambda parts: tuple(fmt.logical_shape(parts, params)), inventory_tensors)
+    plain = _plain_params(params)
+    made: dict[str, tuple] = {}  # logical key -> the fields of its LogicalTensor, all built at the end
+    try:
+        for captures, keys in bindings:
+            key = name(captures)
+            try:
+                shape = shape_of(keys)
+            except FormatError as exc:
+                error("E221", f"`{fmt.name}` does not fit the tensors of `{key}`: {exc}",
+                      s.format.span or s.span)
+                continue
+            if key in logical or key in made:
+                error("E223", f"logical tensor `{key}` is made twice (also by the statement at "
+                      f"{logical[key].rule if key in logical else s.span})", s.span)
+                continue
+            available.difference_update(keys)
+            if key in available:
+                error("E223", f"logical tensor `{key}` has the name of a checkpoint tensor it does not "
+                      "consume", s.span,
+                      "name the logical tensor after its values part, or after a free key")
+                continue
+            available.add(key)
+            made[key] = (key, fmt.name, plain, tuple(keys), shape, params["to"], s.span)
+    finally:  # what was made before an error stays made
+        logical.update(zip(made, construct_rows(LogicalTensor, _LOGICAL_FIELDS, made.values())))
+
+
+_LOGICAL_FIELDS = ("logical_key", "format", "params", "parts", "shape", "dtype", "rule")
+
+
+def _memo(compute: Callable[[list[Part]], Any], inventory_tensors) -> Callable[[tuple[str, ...]], Any]:
+    """`compute(parts)` of a binding's keys, remembered by the parts' dtypes and shapes: a format
+    decides from those alone (quant/format.py), and the weights of a model repeat a few of them.
+    A failure is not remembered, so each error names the keys that raised it."""
+    known: dict[tuple, Any] = {}
+
+    def of(keys: tuple[str, ...]) -> Any:
+        infos = list(map(inventory_tensors.__getitem__, keys))
+        signature = tuple(map(_DTYPE_SHAPE, infos))
         try:
-            shape = fmt.logical_shape(parts, params)
-        except FormatError as exc:
-            error("E221", f"`{fmt.name}` does not fit the tensors of `{key}`: {exc}", s.format.span or s.span)
-            continue
-        if key in logical:
-            error("E223", f"logical tensor `{key}` is made twice (also by the statement at "
-                  f"{logical[key].rule})", s.span)
-            continue
-        available.difference_update(b.keys)
-        if key in available:
-            error("E223", f"logical tensor `{key}` has the name of a checkpoint tensor it does not "
-                  "consume", s.span, "name the logical tensor after its values part, or after a free key")
-            continue
-        available.add(key)
-        logical[key] = ir.construct(LogicalTensor, logical_key=key, format=fmt.name,
-                                    params=tuple(sorted((k, _plain(v)) for k, v in params.items())),
-                                    parts=tuple(b.keys), shape=tuple(shape), dtype=params["to"], rule=s.span)
+            found = known.get(signature)
+        except TypeError:  # a shape held as a list: not remembered
+            signature, found = None, None
+        if found is None:
+            found = compute([Part(k, t.dtype, tuple(t.shape)) for k, t in zip(keys, infos)])
+            if signature is not None:
+                known[signature] = found
+        return found
+    return of
+
+
+_DTYPE_SHAPE = attrgetter("dtype", "shape")
 
 
 def _bound(s: ir.Dequantize | ir.Quantized, available: set[str], ev: Evaluator, error: Callable[..., None]):
@@ -88,12 +122,9 @@ def _bound(s: ir.Dequantize | ir.Quantized, available: set[str], ev: Evaluator, 
     return fmt, params, bindings
 
 
-def _parts(keys, inventory_tensors) -> list[Part]:
-    return [Part(k, inventory_tensors[k].dtype, tuple(inventory_tensors[k].shape)) for k in keys]
-
-
-def _plain(value: Any) -> Any:
-    return tuple(value) if isinstance(value, (list, tuple)) else value
+def _plain_params(params: dict[str, Any]) -> tuple:
+    """A statement's evaluated arguments as the sorted (name, value) pairs a Compiled holds."""
+    return tuple(sorted((k, tuple(v) if isinstance(v, (list, tuple)) else v) for k, v in params.items()))
 
 
 def _captures(captures: dict) -> str:
@@ -105,17 +136,21 @@ def bind_quantized(s: ir.Quantized, available: set[str], inventory_tensors, ev: 
     """Bind one `quantized` statement: its parts stay checkpoint tensors for the rules to move; the
     values' block grid is recorded for the cut checks."""
     fmt, params, bindings = _bound(s, available, ev, error)
+
+    def checked_grid(parts: list[Part]) -> tuple[int, ...]:
+        fmt.logical_shape(parts, params)  # raises when the parts do not fit
+        return tuple(fmt.value_grid(parts, params))
+
+    grid_of = _memo(checked_grid, inventory_tensors)
+    plain = _plain_params(params)
     for b in bindings:
-        parts = _parts(b.keys, inventory_tensors)
         try:
-            fmt.logical_shape(parts, params)
-            grid = fmt.value_grid(parts, params)
+            grid = grid_of(b.keys)
         except FormatError as exc:
             error("E221", f"`{fmt.name}` does not fit the tensors of `{b.keys[0]}`: {exc}", s.format.span or s.span)
             continue
-        stored[b.keys[0]] = ir.construct(StoredQuantized, values=b.keys[0], format=fmt.name,
-                                         params=tuple(sorted((k, _plain(v)) for k, v in params.items())),
-                                         parts=tuple(b.keys), grid=tuple(grid), rule=s.span)
+        stored[b.keys[0]] = ir.construct(StoredQuantized, values=b.keys[0], format=fmt.name, params=plain,
+                                         parts=tuple(b.keys), grid=grid, rule=s.span)
 
 
 def check_cuts(tensor, stored: dict[str, StoredQuantized], shape_of, error: Callable[..., None]):

@@ -9,6 +9,8 @@ where a map is affine only piecewise (reshape across a partial row), blocks are 
 
 from __future__ import annotations
 
+import itertools
+from operator import add, attrgetter, itemgetter, lt, mod
 from typing import NamedTuple
 
 from ..indexmap import Block, advance, column, cut, volume
@@ -28,6 +30,7 @@ class OpError(Exception):
 
 
 _IDENTITY = {n: tuple(tuple(1 if i == j else 0 for j in range(n)) for i in range(n)) for n in range(9)}
+_ZEROS = {n: (0,) * n for n in range(9)}
 
 
 def source(ckpt_key: str, shape: tuple[int, ...], dtype: str) -> Sym:
@@ -36,7 +39,7 @@ def source(ckpt_key: str, shape: tuple[int, ...], dtype: str) -> Sym:
     if 0 in shape:
         return Sym(shape, dtype, ())
     identity = _IDENTITY.get(n) or tuple(tuple(1 if i == j else 0 for j in range(n)) for i in range(n))
-    zeros = (0,) * n
+    zeros = _ZEROS.get(n) or (0,) * n
     return _new(Sym, (shape, dtype, (_new(Block, (zeros, shape, ckpt_key, zeros, identity, (), None)),)))
 
 
@@ -47,8 +50,9 @@ def _dim(dim: int, ndim: int, what: str = "dim") -> int:
 
 
 def _shift(b: Block, dim: int, delta: int) -> Block:
-    offsets = b[0]
-    return _new(Block, (offsets[:dim] + (offsets[dim] + delta,) + offsets[dim + 1:],) + b[1:])
+    offsets, sizes, key, base, coeff, steps, fill = b
+    return _new(Block, (offsets[:dim] + (offsets[dim] + delta,) + offsets[dim + 1:], sizes, key, base, coeff,
+                        steps, fill))
 
 
 def narrow(t: Sym, dim: int, start: int, stop: int) -> Sym:
@@ -69,7 +73,7 @@ def concat(parts: list[Sym], dim: int) -> Sym:
     _same_except(parts, dim, "concat")
     blocks, at = [], 0
     for p in parts:
-        blocks.extend(_shift(b, dim, at) for b in p.blocks)
+        blocks.extend((_shift(b, dim, at) for b in p.blocks) if at else p.blocks)  # the first part stays put
         at += p.shape[dim]
     shape = list(first.shape)
     shape[dim] = at
@@ -81,15 +85,18 @@ def stack(parts: list[Sym], dim: int) -> Sym:
     dim = _dim(dim, len(first.shape) + 1)
     _same_except(parts, None, "stack")
     blocks = []
-    widened: dict[tuple, tuple] = {}  # parts usually share one coeff: widen it once
+    widened: dict[tuple, tuple] = {}  # parts usually share one coeff and one shape: widen them once
+    grown: dict[tuple, tuple] = {}
     for i, p in enumerate(parts):
         for offsets, sizes, key, base, coeff, steps, fill in p.blocks:
             wide = widened.get(coeff)
             if wide is None:
                 wide = widened[coeff] = tuple(row[:dim] + (0,) + row[dim:] for row in coeff)
-            blocks.append(_new(Block, (
-                offsets[:dim] + (i,) + offsets[dim:], sizes[:dim] + (1,) + sizes[dim:],
-                key, base, wide, steps, fill)))
+            size = grown.get(sizes)
+            if size is None:
+                size = grown[sizes] = sizes[:dim] + (1,) + sizes[dim:]
+            at = offsets[:dim] + (i,) + offsets[dim:]
+            blocks.append(_new(Block, (at, size, key, base, wide, steps, fill)))
     shape = first.shape[:dim] + (len(parts),) + first.shape[dim:]
     return Sym(shape, first.dtype, tuple(blocks))
 
@@ -273,12 +280,58 @@ def rope_permute(t: Sym, heads: int) -> Sym:
     return reshape(transpose(viewed, 1, 2), (rows,) + rest)
 
 
+def tiles(blocks: tuple[Block, ...], shape: tuple[int, ...]) -> bool:
+    """The blocks lie within `shape` and none overlaps another (blocks have its rank). Blocks of
+    one size at distinct multiples of it (what `stack` makes) are told in a few passes in C."""
+    if len(blocks) > 1 and len(sizes := set(map(_SIZES, blocks))) == 1:
+        (size,) = sizes
+        offsets = list(map(_OFFSETS, blocks))
+        if 0 not in size and len(size) == len(shape) and len(set(offsets)) == len(offsets):
+            columns = list(zip(*offsets))  # per dim, every block's offset
+            aligned = not any(any(map(mod, c, itertools.repeat(n))) for c, n in zip(columns, size))
+            if len(columns) == len(size) and aligned:
+                return all(min(c) >= 0 and max(c) + n <= extent for c, n, extent in zip(columns, size, shape))
+    return _inside(blocks, shape) and _disjoint(blocks)
+
+
+def _inside(blocks: tuple[Block, ...], shape: tuple[int, ...]) -> bool:
+    """Every block lies within `shape` (blocks have its rank): one pass a dim, in C."""
+    for k, n in enumerate(shape):
+        starts = list(map(itemgetter(k), map(_OFFSETS, blocks)))
+        if starts and (min(starts) < 0 or max(map(add, starts, map(itemgetter(k), map(_SIZES, blocks)))) > n):
+            return False
+    return True
+
+
+def _disjoint(blocks: tuple[Block, ...]) -> bool:
+    """No two blocks overlap (sweep on the first dim; blocks are few per runtime tensor)."""
+    if not blocks or not blocks[0].offsets:
+        return len(blocks) <= 1
+    ordered = sorted(blocks, key=lambda b: b.offsets[0])
+    active: list[tuple[int, Block]] = []  # (end on the first dim, block) of those the sweep is in
+    for b in ordered:
+        start = b.offsets[0]
+        active = [(end, a) for end, a in active if end > start]
+        if active:
+            ends = tuple(map(add, b.offsets, b.sizes))
+            for _, a in active:
+                if all(map(lt, a.offsets, ends)) and all(map(lt, b.offsets, map(add, a.offsets, a.sizes))):
+                    return False
+        active.append((start + b.sizes[0], b))
+    return True
+
+
+_OFFSETS, _SIZES = attrgetter("offsets"), attrgetter("sizes")
+
+
 # ---- helpers -------------------------------------------------------------------------------
 
 
 def _same_except(parts: list[Sym], dim: int | None, op: str) -> None:
     first = parts[0]
     for p in parts[1:]:
+        if p.shape == first.shape and p.dtype == first.dtype:  # the usual case, told at once
+            continue
         if len(p.shape) != len(first.shape) or any(
                 a != b for k, (a, b) in enumerate(zip(p.shape, first.shape)) if k != dim):
             raise OpError(f"{op} needs matching shapes{' outside dim ' + str(dim) if dim is not None else ''}: "

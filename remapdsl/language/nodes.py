@@ -17,6 +17,7 @@ import re
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from ..errors import SpanField
+from ..trusted import construct  # noqa: F401  (the IR's builder, re-exported by ir.py)
 
 LANGUAGE_VERSIONS = (1,)
 CAPTURE_TYPES = ("int", "seg", "path")
@@ -49,26 +50,6 @@ def checked_identifier(name: str) -> str:
 
 
 _NOT_COMPARED = frozenset({"span", "trivia", "source"})
-
-
-@functools.cache
-def _field_defaults(cls: type[BaseModel]) -> dict[str, Any]:
-    return {name: info.default for name, info in cls.model_fields.items()}
-
-
-def construct(cls: type[BaseModel], **values: Any) -> Any:
-    """Build a frozen model without validating it, for the parser, which has already checked
-    every invariant the validators check (with the same functions). Defaults here are immutable,
-    so they are shared rather than deep-copied as pydantic's model_construct does."""
-    obj = cls.__new__(cls)
-    data = _field_defaults(cls).copy()
-    data.update(values)
-    object.__setattr__(obj, "__dict__", data)
-    object.__setattr__(obj, "__pydantic_fields_set__", set(values))
-    object.__setattr__(obj, "__pydantic_extra__", None)
-    private = {name: attr.get_default() for name, attr in cls.__private_attributes__.items()}
-    object.__setattr__(obj, "__pydantic_private__", private or None)
-    return obj
 
 
 class Node(BaseModel):
