@@ -113,15 +113,6 @@ def intersect(block: Block, offsets, sizes) -> Block | None:
     return Block(tuple(low), tuple(size), block.source_key, base, block.coeff, block.steps, block.fill)
 
 
-def flat_map(block: Block, shape) -> tuple[int, list[int]]:
-    """The block's map in the source's row-major flat index: its first element and, per runtime
-    dim, the flat stride."""
-    strides = row_major_strides(shape)
-    start = sum(t * b for t, b in zip(strides, block.base))
-    flat = [sum(strides[k] * block.coeff[k][j] for k in range(len(shape))) for j in range(len(block.sizes))]
-    return start, flat
-
-
 class Runs(NamedTuple):
     """Runs of a file or a flat index that repeat with constant strides: one run of `length` units
     at `first`, repeated along each dim (outermost first) `counts[d]` times, `strides[d]` apart.
@@ -215,7 +206,8 @@ def source_runs(start: int, flat: list[int], sizes: tuple[int, ...]) -> tuple[Ru
 @lru_cache(maxsize=4096)
 def run_layout(shape: tuple[int, ...], coeff: tuple[tuple[int, ...], ...], sizes: tuple[int, ...],
                itemsize: int) -> tuple[tuple[int, ...], tuple[int, ...], Runs, tuple[int, ...]]:
-    """What `flat_map` and `source_runs` give for every block of one map and size, whatever its base:
+    """A block map's layout in its source's row-major flat index, for every block of one map and size,
+    whatever its base:
     the source's row-major strides, the flat stride per runtime dim, the byte runs of items of
     `itemsize` bytes starting at byte 0, and the element strides into their concatenation. Cached:
     the pieces of a checkpoint's many blocks share a few."""
