@@ -12,16 +12,18 @@ from typing import Any
 
 from pydantic import BaseModel
 
-_LAYOUTS: dict[type, tuple[dict[str, Any], bool]] = {}
+_LAYOUTS: dict[type, tuple[dict[str, Any], dict[str, Any] | None]] = {}
 _put = object.__setattr__
 
 
-def _layout(cls: type[BaseModel]) -> tuple[dict[str, Any], bool]:
-    """A model class's field defaults, and whether it declares private attributes: read once a class."""
+def _layout(cls: type[BaseModel]) -> tuple[dict[str, Any], dict[str, Any] | None]:
+    """A model class's field defaults and its private attributes' defaults (None without any),
+    read once a class; both immutable (a private cache starts as None), so they are shared."""
     layout = _LAYOUTS.get(cls)
     if layout is None:
         defaults = {name: info.default for name, info in cls.model_fields.items()}
-        layout = _LAYOUTS[cls] = defaults, bool(cls.__private_attributes__)
+        private = {name: attr.get_default() for name, attr in cls.__private_attributes__.items()}
+        layout = _LAYOUTS[cls] = defaults, private or None
     return layout
 
 
@@ -32,8 +34,7 @@ def construct(cls: type[BaseModel], **values: Any) -> Any:
     _put(obj, "__dict__", {**defaults, **values})
     _put(obj, "__pydantic_fields_set__", set(values))
     _put(obj, "__pydantic_extra__", None)
-    _put(obj, "__pydantic_private__", {name: attr.get_default() for name, attr in cls.__private_attributes__.items()}
-         if private else None)
+    _put(obj, "__pydantic_private__", dict(private) if private else None)
     return obj
 
 

@@ -282,7 +282,12 @@ def rope_permute(t: Sym, heads: int) -> Sym:
 
 def tiles(blocks: tuple[Block, ...], shape: tuple[int, ...]) -> bool:
     """The blocks lie within `shape` and none overlaps another (blocks have its rank). Blocks of
-    one size at distinct multiples of it (what `stack` makes) are told in a few passes in C."""
+    one size at distinct multiples of it (what `stack` makes) are told in a few passes in C; one
+    block at the origin with the tensor's sizes (a rule that renames) at once."""
+    if len(blocks) == 1:
+        b = blocks[0]
+        if b.sizes == shape and not any(b.offsets):
+            return True
     if len(blocks) > 1 and len(sizes := set(map(_SIZES, blocks))) == 1:
         (size,) = sizes
         offsets = list(map(_OFFSETS, blocks))
