@@ -235,6 +235,8 @@ class _Compiler:
         outer_names = [n for n in names if n not in reduced]
         inner_names = [n for n in names if n in reduced]
         outer_of, inner_of, source = _pairs(outer_names), _pairs(inner_names), self.sources()
+        namers = None if any(isinstance(part, ir.Alternatives) for p in rule.targets for part in p.parts) \
+            else [self.evaluator.namer(p) for p in rule.targets]  # one name a pattern: made once a rule
         for captures, keys in bindings:
             groups[outer_of(captures)][inner_of(captures)] = (list(map(source, keys)), keys)
         for outer, items in groups.items():
@@ -244,7 +246,8 @@ class _Compiler:
                 state = self.apply(rule, op, env, state, keys)
             for produced, tensors in state.items():
                 captures = dict(outer) | dict(produced)
-                names = self.targets(rule, captures, target_names)
+                names = [name(captures) for name in namers] if namers is not None \
+                    else self.targets(rule, captures, target_names)
                 if len(names) != len(tensors):
                     self.error("E111", f"the ops leave {len(tensors)} tensors for {len(names)} targets",
                                rule.span)
