@@ -29,12 +29,13 @@ def run_load_plan(plan: LoadPlan, inventory: Inventory, tensors: Mapping[str, to
     """Execute one rank's plan into its local tensors. Items that continue each other both in the
     file and in runtime tensor memory (a layer's gate and up slabs, consecutive experts) are read with
     one call; reads run on `threads` threads (positioned reads release the GIL), each into its own
-    region, so no two threads write one byte."""
+    region, so no two threads write one byte; on one thread where the units are small on average
+    (thousands of kB-sized tensors: the per-unit Python work dominates, and threads contend for it)."""
     with CheckpointReader(inventory) as reader, torch.no_grad():
         work = _work(plan.items, tensors)
         work += [_Decode(item, region(tensors[item.runtime_key], item)) for item in plan.decodes]
         in_flight: list = [None] * len(work)
-        if threads <= 1 or len(work) < 2:
+        if threads <= 1 or len(work) < 2 or plan.bytes_read < SMALL_UNIT * len(work):
             _drain(work, itertools.count(), reader, in_flight)
         else:  # each thread takes the next unit in file order; no future per unit
             taken = itertools.count()
@@ -84,6 +85,7 @@ def _address(memory: _Memory, item: ReadItem) -> int | None:
 
 
 CHUNK = 32 << 20  # direct reads are cut to about this size, so both threads stay busy to the end
+SMALL_UNIT = 256 << 10  # units this small on average are Python-bound: a second thread only contends for the GIL
 
 
 class _Direct(NamedTuple):
