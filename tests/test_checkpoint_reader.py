@@ -93,6 +93,40 @@ def test_one_read_may_span_adjacent_tensors(ckpt):
     )
 
 
+@pytest.mark.parametrize("sizes", [[70, 32, 4], [1] * 106, [3, 0, 50, 0, 53], [106]])
+def test_one_file_range_scattered_over_many_buffers(ckpt, sizes):
+    """A file range read with one call into consecutive buffers of any sizes, more than IOV_MAX
+    of them included, lands byte for byte where a plain read of the range puts it."""
+    inv, _ = ckpt
+    name = "model-00001-of-00002.safetensors"
+    info = inv.files[name]
+    with open(inv.path(name), "rb") as f:
+        blob = f.read()[info.data_offset:]
+    assert sum(sizes) == len(blob) == 106
+    with CheckpointReader(inv) as reader:
+        buffers = [bytearray(n) for n in sizes]
+        assert reader.scatter_into(name, info.data_offset, [memoryview(b) for b in buffers]) == 106
+        assert b"".join(buffers) == blob
+        many = [bytearray(1) for _ in range(107)]
+        with pytest.raises(CheckpointError) as err:  # past the data section: refused before reading
+            reader.scatter_into(name, info.data_offset, [memoryview(b) for b in many])
+        assert err.value.diagnostic.code == "E340"
+        offset = info.data_offset + 1
+        pieces = [bytearray(1) for _ in range(105)]
+        reader.scatter_into(name, offset, [memoryview(b) for b in pieces])
+        assert b"".join(pieces) == blob[1:]
+
+
+def test_scattered_reads_past_iov_max(tmp_path):
+    save_file({"w": torch.arange(3000, dtype=torch.uint8)}, str(tmp_path / "model.safetensors"))
+    inv = open_inventory(tmp_path)
+    t = inv.tensors["w"]
+    buffers = [bytearray(1) for _ in range(3000)]
+    with CheckpointReader(inv) as reader:
+        reader.scatter_into(t.file, t.byte_offset, [memoryview(b) for b in buffers])
+    assert b"".join(buffers) == bytes(i % 256 for i in range(3000))
+
+
 @pytest.mark.parametrize("start, nbytes", [(0, 71), (-1, 1), (70, 1), (71, 0)])
 def test_reads_outside_the_tensor_are_refused(ckpt, start, nbytes):
     inv, _ = ckpt
@@ -176,3 +210,24 @@ def test_synthetic_inventory_has_no_files_to_read():
     with CheckpointReader(inv) as reader, pytest.raises(CheckpointError) as err:
         reader.read_tensor("w")
     assert err.value.diagnostic.code == "E301"
+
+
+def test_scattered_reads_resume_after_short_reads(ckpt, monkeypatch):
+    """preadv may return fewer bytes than asked (a signal, a slow device): the rest is read after,
+    from where the short read stopped, in the middle of a buffer included."""
+    from remapdsl.checkpoint import reader as module
+
+    def at_most_5_bytes(fd, buffers, offset):
+        first = buffers[0]
+        return os.preadv(fd, [first[: min(5, first.nbytes)]], offset)
+
+    monkeypatch.setattr(module, "_preadv_many", at_most_5_bytes)
+    inv, _ = ckpt
+    name = "model-00001-of-00002.safetensors"
+    info = inv.files[name]
+    with open(inv.path(name), "rb") as f:
+        blob = f.read()[info.data_offset:]
+    buffers = [bytearray(n) for n in (12, 0, 3, 91)]
+    with CheckpointReader(inv) as reader:
+        reader.scatter_into(name, info.data_offset, [memoryview(b) for b in buffers])
+    assert b"".join(buffers) == blob

@@ -21,7 +21,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 
 from remapdsl.dtypes import BY_NAME, BY_SAFETENSORS, DType
 from remapdsl.errors import CheckpointError, Diagnostic, did_you_mean
-from remapdsl.trusted import construct
+from remapdsl.trusted import construct_rows
 
 MAX_HEADER_NBYTES = 100_000_000  # the safetensors library's own cap
 PREFIX_NBYTES = 8
@@ -257,22 +257,17 @@ def parse_header_object(obj: dict, *, info: FileInfo, path: str | None = None) -
         report("E313", f"`{METADATA_KEY}` must map strings to strings, found {json.dumps(metadata)[:200]}")
         metadata = {}
     ranges: list[tuple[int, int, str]] = []
-    tensors: dict[str, TensorInfo] = {}
+    rows: list[tuple] = []
+    file, data_offset = info.file, info.data_offset
     for ckpt_key in sorted(k for k in obj if k != METADATA_KEY):
-        found = _check_entry(ckpt_key, obj[ckpt_key], data_nbytes, report)
+        entry = obj[ckpt_key]
+        found = _valid_entry(entry, data_nbytes) or _check_entry(ckpt_key, entry, data_nbytes, report)
         if found is not None:
             dtype, shape, begin, end = found
             ranges.append((begin, end, ckpt_key))
-            # Fields are checked above (what model_post_init checks too): no second look.
-            tensors[ckpt_key] = construct(
-                TensorInfo,
-                ckpt_key=ckpt_key,
-                file=info.file,
-                dtype=dtype.name,
-                shape=shape,
-                byte_offset=info.data_offset + begin,
-                nbytes=end - begin,
-            )
+            rows.append((ckpt_key, file, dtype.name, shape, data_offset + begin, end - begin))
+    # Fields are checked above (what model_post_init checks too): no second look.
+    tensors = {t.ckpt_key: t for t in construct_rows(TensorInfo, _INFO_FIELDS, rows)}
     all_valid = len(tensors) == len(obj) - (METADATA_KEY in obj)
     for code, message in _coverage_problems(ranges, data_nbytes, check_holes=all_valid):
         report(code, message, "safetensors requires the tensors to tile the data section exactly")
@@ -284,6 +279,31 @@ def parse_header_object(obj: dict, *, info: FileInfo, path: str | None = None) -
 
 def _is_count(value: object) -> bool:
     return type(value) is int and value >= 0  # not `isinstance`: JSON `true` is a bool, and bool is an int
+
+
+_INFO_FIELDS = ("ckpt_key", "file", "dtype", "shape", "byte_offset", "nbytes")
+
+
+def _valid_entry(entry: object, data_nbytes: int) -> tuple | None:
+    """(dtype, shape, begin, end) of a header entry that is valid, checked as `_check_entry` does
+    but without building messages; None for any entry that is not (`_check_entry` says why)."""
+    if type(entry) is not dict or len(entry) != 3:
+        return None
+    code, shape, offsets = entry.get("dtype"), entry.get("shape"), entry.get("data_offsets")
+    dtype = BY_SAFETENSORS.get(code) if type(code) is str else None
+    if dtype is None or type(shape) is not list or type(offsets) is not list or len(offsets) != 2:
+        return None
+    begin, end = offsets
+    if type(begin) is not int or type(end) is not int or not 0 <= begin <= end <= data_nbytes:
+        return None
+    bits = dtype.bits
+    for n in shape:
+        if type(n) is not int or n < 0:
+            return None
+        bits *= n
+    if bits != 8 * (end - begin):
+        return None
+    return dtype, tuple(shape), begin, end
 
 
 def _check_entry(ckpt_key: str, entry: object, data_nbytes: int, report) -> tuple | None:

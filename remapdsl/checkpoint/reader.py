@@ -144,6 +144,24 @@ class CheckpointReader:
                   as_strided(source, shape, runs.strides + (1,), writeable=False))
         return view.nbytes
 
+    def scatter_into(self, file: str, first: int, buffers: list[memoryview]) -> int:
+        """Fill `buffers` in order with the bytes of `file` from `first` on (one file range spread over
+        several destinations: one positioned read for all of them); returns how many bytes."""
+        total = sum(b.nbytes for b in buffers)
+        self._check_range(file, first, first + total)
+        fd, done, at = self._fd(file), 0, 0
+        while done < total:
+            got = _preadv_many(fd, buffers[at:], first + done)
+            if got == 0:
+                self._short(file, first + done, first + total)
+            done += got
+            while at < len(buffers) and got >= buffers[at].nbytes:  # drop the buffers filled whole
+                got -= buffers[at].nbytes
+                at += 1
+            if got:  # a buffer filled in part: its rest first
+                buffers = buffers[:at] + [buffers[at][got:]] + buffers[at + 1:]
+        return total
+
     def read_tensor_into(self, ckpt_key: str, buffer: object, *, start: int = 0) -> int:
         """Fill buffer with len(buffer) bytes of tensor `ckpt_key`, from `start` bytes into the tensor."""
         tensor = self.inventory.tensors.get(ckpt_key)
@@ -210,16 +228,18 @@ class CheckpointReader:
         while done < view.nbytes:
             got = _preadv(fd, view[done:], byte_offset + done)
             if got == 0:
-                raise CheckpointError(
-                    Diagnostic(
-                        code="E342",
-                        message=f"{file}: file ended at byte {byte_offset + done}, "
-                        f"wanted bytes up to {byte_offset + view.nbytes}",
-                        path=self.inventory.path(file),
-                        hint="the file was truncated after the checkpoint was opened",
-                    )
-                )
+                self._short(file, byte_offset + done, byte_offset + view.nbytes)
             done += got
+
+    def _short(self, file: str, at: int, wanted: int) -> None:
+        raise CheckpointError(
+            Diagnostic(
+                code="E342",
+                message=f"{file}: file ended at byte {at}, wanted bytes up to {wanted}",
+                path=self.inventory.path(file),
+                hint="the file was truncated after the checkpoint was opened",
+            )
+        )
 
 
 def _preadv(fd: int, view: memoryview, offset: int) -> int:
@@ -229,6 +249,16 @@ def _preadv(fd: int, view: memoryview, offset: int) -> int:
     chunk = os.pread(fd, view.nbytes, offset)
     view[: len(chunk)] = chunk
     return len(chunk)
+
+
+IOV_MAX = 1024  # the most buffers one preadv takes (POSIX IOV_MAX on Linux)
+
+
+def _preadv_many(fd: int, buffers: list[memoryview], offset: int) -> int:
+    """One positioned read into consecutive buffers (at most IOV_MAX of them)."""
+    if hasattr(os, "preadv"):
+        return os.preadv(fd, buffers[:IOV_MAX], offset)
+    return _preadv(fd, buffers[0], offset)
 
 
 def read_tensor_bytes(inventory: Inventory, ckpt_key: str) -> bytearray:

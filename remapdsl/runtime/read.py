@@ -96,6 +96,15 @@ class _Direct(NamedTuple):
     address: int
 
 
+class _Scatter(NamedTuple):
+    """One range of a file read with one call into several places of runtime tensor memory (items
+    that continue each other in the file: a layer's experts, in the file's key order)."""
+
+    file: str
+    first: int
+    places: tuple[tuple[int, int], ...]  # (address, bytes), in file order
+
+
 class _Item(NamedTuple):
     """An item read through staging or the mapped file (or a pad fill), with its runtime tensor."""
 
@@ -105,11 +114,11 @@ class _Item(NamedTuple):
 
 def _work(items, tensors) -> list:
     """The units of work of the plain items, in file order: direct reads (consecutive items that
-    continue each other in the file and in memory merged into one, then cut into chunks), and the
-    other items as they are. No tensor view is made here: addresses are computed from offsets."""
+    continue each other in the file merged into one read, cut into chunks), and the other items as
+    they are. No tensor view is made here: addresses are computed from offsets."""
     work: list = []
     memories: dict[str, _Memory] = {}
-    merged: list | None = None  # [file, first byte, length, address] of the open single-run read
+    merged: list | None = None  # [file, first byte, bytes, places] of the open single-range read
     for item in items:
         memory = memories.get(item.runtime_key)
         if memory is None:
@@ -124,23 +133,38 @@ def _work(items, tensors) -> list:
                 work.append(_Direct(item.file, chunk, address))
                 address += chunk.total
             continue
-        if merged is not None and merged[0] == item.file and merged[1] + merged[2] == runs.first \
-                and merged[3] + merged[2] == address:
+        if merged is not None and merged[0] == item.file and merged[1] + merged[2] == runs.first:
+            places = merged[3]
+            last, size = places[-1]
+            if last + size == address:  # continues in memory too
+                places[-1] = (last, size + runs.length)
+            else:
+                places.append((address, runs.length))
             merged[2] += runs.length
             continue
         if merged is not None:
             _cut(merged, work)
-        merged = [item.file, runs.first, runs.length, address]
+        merged = [item.file, runs.first, runs.length, [(address, runs.length)]]
     if merged is not None:
         _cut(merged, work)
     return work
 
 
 def _cut(merged: list, work: list) -> None:
-    """One contiguous read as chunks of at most CHUNK bytes."""
-    file, first, nbytes, address = merged
-    for at in range(0, nbytes, CHUNK):
-        work.append(_Direct(file, Runs(first + at, min(CHUNK, nbytes - at)), address + at))
+    """One file range read as chunks of at most CHUNK bytes and IOV_MAX places each."""
+    file, first, _, places = merged
+    chunk: list[tuple[int, int]] = []
+    size = 0
+    for address, nbytes in places:
+        while nbytes:
+            take = min(nbytes, CHUNK - size)
+            chunk.append((address, take))
+            size, address, nbytes = size + take, address + take, nbytes - take
+            if size == CHUNK or len(chunk) == files.IOV_MAX:
+                work.append(_Scatter(file, first, tuple(chunk)))
+                first, chunk, size = first + size, [], 0
+    if chunk:
+        work.append(_Scatter(file, first, tuple(chunk)))
 
 
 class _Decode(NamedTuple):
@@ -169,13 +193,20 @@ def _run_decode(unit: _Decode, reader: CheckpointReader) -> torch.Tensor | None:
     return None
 
 
+def _bytes_at(address: int, nbytes: int) -> memoryview:
+    """A writable byte view of `nbytes` of memory at `address` (runtime tensor memory)."""
+    return memoryview((ctypes.c_ubyte * nbytes).from_address(address)).cast("B")
+
+
 def _run_batch(batch, reader: CheckpointReader) -> torch.Tensor | None:
     """Run one unit of work; for a device runtime tensor, return the pinned buffer still being copied."""
     if isinstance(batch, _Decode):
         return _run_decode(batch, reader)
+    if isinstance(batch, _Scatter):  # straight into the runtime tensor's memory, one call
+        reader.scatter_into(batch.file, batch.first, [_bytes_at(a, n) for a, n in batch.places])
+        return None
     if isinstance(batch, _Direct):  # straight into the runtime tensor's memory
-        memory = (ctypes.c_ubyte * batch.runs.total).from_address(batch.address)
-        reader.read_runs_into(batch.file, batch.runs, memoryview(memory).cast("B"))
+        reader.read_runs_into(batch.file, batch.runs, _bytes_at(batch.address, batch.runs.total))
         return None
     item, tensor = batch
     view = region(tensor, item)
