@@ -8,13 +8,22 @@ collected per pass and raised once, so a user fixes a file in one round instead 
 from __future__ import annotations
 
 import difflib
+import re
 import unicodedata
 from collections.abc import Iterable, Sequence
 from typing import Annotated, Any, NamedTuple
 
-from pydantic import BaseModel, BeforeValidator, ConfigDict, PlainSerializer
+from pydantic import BaseModel, BeforeValidator, ConfigDict, PlainSerializer, field_validator
 
+# What one error may show, so a hostile file or checkpoint cannot make a message unreadable
+# (docs/errors.md, "Limits"): the first MAX_SHOWN diagnostics of an error; a message or hint of at
+# most MAX_TEXT characters; a quoted `...` key, name or value of at most MAX_QUOTED; and of a
+# long source line, a window of at most MAX_WINDOW characters around the span.
 MAX_SHOWN = 20
+MAX_TEXT = 2000
+MAX_QUOTED = 200
+MAX_WINDOW = 240
+ELLIPSIS = "\u2026"
 
 
 class Span(NamedTuple):
@@ -58,6 +67,16 @@ class Diagnostic(BaseModel):
     hint: str | None = None
     path: str | None = None  # for errors about a file or key that have no line (a checkpoint)
 
+    @field_validator("message", "hint")
+    @classmethod
+    def _bounded(cls, text: str | None) -> str | None:
+        return None if text is None else bound_text(text)
+
+    @field_validator("path")
+    @classmethod
+    def _bounded_path(cls, path: str | None) -> str | None:
+        return None if path is None else shorten(path, MAX_QUOTED)
+
     def render(self) -> str:
         where = str(self.span) if self.span else (self.path or "remapdsl")
         out = [f"{where}: error[{self.code}]: {self.message}"]
@@ -88,7 +107,7 @@ class RemapError(Exception):
         shown = [d.render() for d in self.diagnostics[:MAX_SHOWN]]
         rest = len(self.diagnostics) - MAX_SHOWN
         if rest > 0:
-            shown.append(f"... and {rest} more error{'s' if rest > 1 else ''}")
+            shown.append(f"{ELLIPSIS} and {rest} more error{'s' if rest > 1 else ''}")
         return "\n\n".join(shown)
 
 
@@ -106,6 +125,24 @@ class BindError(RemapError):
 
 class CheckpointError(RemapError):
     """A checkpoint folder, index or safetensors header is malformed (E3xx)."""
+
+
+def shorten(text: str, limit: int) -> str:
+    """Text of at most `limit` characters: its head and tail around an ellipsis when longer."""
+    if len(text) <= limit:
+        return text
+    head = (limit - 1) // 2
+    return text[:head] + ELLIPSIS + text[len(text) - (limit - 1 - head):]
+
+
+_QUOTED = re.compile(r"`([^`]*)`")
+
+
+def bound_text(text: str) -> str:
+    """A message or hint with each quoted run (`...`) and the whole text within their limits."""
+    if len(text) > MAX_QUOTED + 2:
+        text = _QUOTED.sub(lambda m: f"`{shorten(m.group(1), MAX_QUOTED)}`", text)
+    return shorten(text, MAX_TEXT)
 
 
 def suggest(word: str, choices: Iterable[str]) -> str | None:
@@ -136,7 +173,9 @@ def _width(text: str) -> int:
 
 
 def _excerpt(span: Span, line_text: str) -> list[str]:
-    """The numbered source line and a caret run under the span (to the line's end if it spans lines)."""
+    """The numbered source line and a caret run under the span (to the line's end if it spans
+    lines); of a line longer than MAX_WINDOW characters, a window around the span's start, its
+    cut ends shown as an ellipsis."""
     text = line_text.rstrip("\r\n")
     number = str(span.line)
     pad = " " * len(number)
@@ -145,9 +184,24 @@ def _excerpt(span: Span, line_text: str) -> list[str]:
         stop = max(span.end_column - 1, start + 1)
     else:
         stop = max(len(text), start + 1)
+    if len(text) > MAX_WINDOW:
+        text, start, stop = _window(text, start, stop)
     lead = _width(text[:start])
     carets = max(_width(text[start:stop]), 1)
     return [
         f"  {number} | {text.expandtabs(4)}",
         f"  {pad} | {' ' * lead}{'^' * carets}",
     ]
+
+
+def _window(text: str, start: int, stop: int) -> tuple[str, int, int]:
+    """At most MAX_WINDOW characters of a long line, from a little before the span's start, with
+    an ellipsis for each cut end; the span's start and stop within it."""
+    first = min(max(start - MAX_WINDOW // 3, 0), max(len(text) - MAX_WINDOW, 0))
+    last = min(first + MAX_WINDOW, len(text))
+    left = ELLIPSIS if first > 0 else ""
+    right = ELLIPSIS if last < len(text) else ""
+    shift = len(left) - first
+    start = min(start, len(text)) + shift
+    stop = min(stop, last) + shift
+    return left + text[first:last] + right, start, max(stop, start + 1)

@@ -19,9 +19,11 @@ from ..language import ir
 from ..checkpoint import Inventory
 from ..errors import BindError, Diagnostic, Span, suggest
 from ..gcpause import paused_gc
+from ..language.formatter import format_expr
 from ..language.includes import RuleSet
 from ..indexmap import volume
 from . import symbolic as sym
+from .apply import GapError, apply_op
 from .bind import Binding, KeyPool, bind, compile_pattern, list_axis, scan
 from .evaluate import Evaluator, evaluate_lets
 from .quantized import bind_dequantize, bind_quantized, check_cuts
@@ -155,7 +157,16 @@ class _Compiler:
 
     def rule(self, rule: ir.Rule, pool: set[str], keys: KeyPool) -> set[str]:
         """Bind one rule against `keys` (the pool's), build its runtime tensors; return the
-        checkpoint keys it consumed."""
+        checkpoint keys it consumed.
+
+        A guard that reads no capture is evaluated once: false switches the rule off (its patterns
+        need not match). A guard over captures filters the bindings, complete or partial; where a
+        pattern matched nothing, the rule is off when no binding the others found satisfies it."""
+        guard, note = rule.guard, None
+        if guard is not None and not _captures_read(guard, rule):
+            if not self.evaluator.boolean(guard, {}):
+                return set()
+            guard, note = None, f"its guard `{self.source_text(guard)}` holds for this config"
         bindings, partial, unmatched, ambiguous = bind(rule.sources, keys)
         if ambiguous:
             first, second = ambiguous[0]
@@ -164,9 +175,19 @@ class _Compiler:
                        rule.span, "a wildcard (`*`, `**`) in a rule's sources must not match two keys "
                        "for one target; capture the varying part instead")
             return _taken(bindings, partial)
+        if guard is not None and (partial or unmatched):
+            candidates = bool(bindings or partial)
+            partial = [p for p in partial if self.may_hold(guard, p.captures)]
+            if unmatched:
+                holding = next((b.captures for b in bindings if self.may_hold(guard, b.captures)),
+                               partial[0].captures if partial else None)
+                if holding is None and candidates:
+                    return set()  # no binding the other patterns found satisfies the guard: off
+                note = (f"its guard `{self.source_text(guard)}` holds for {_captures(holding)}" if holding
+                        else f"no key matched to decide its guard `{self.source_text(guard)}`")
         if unmatched and not rule.optional:
             for index in unmatched:
-                self.no_match(rule, rule.sources[index], pool)
+                self.no_match(rule, rule.sources[index], pool, note)
             return _taken(bindings, partial)
         for p in partial[:5]:
             axis = list_axis(rule.sources)
@@ -177,8 +198,8 @@ class _Compiler:
                        "`optional` only if the whole binding may be absent")
         if partial:
             return _taken(bindings, partial)
-        if rule.guard is not None:
-            bindings = [b for b in bindings if self.evaluator.boolean(rule.guard, b.captures)]
+        if guard is not None:
+            bindings = [b for b in bindings if self.evaluator.boolean(guard, b.captures)]
         consumed = set(chain.from_iterable(map(attrgetter("keys"), bindings)))
         try:
             self.build(rule, bindings)
@@ -186,7 +207,24 @@ class _Compiler:
             pass
         return consumed
 
-    def no_match(self, rule: ir.Rule, pattern: ir.Pattern, pool: set[str]) -> None:
+    def source_text(self, expr: ir.Node) -> str:
+        """An expression as the file writes it (canonical form where it spans lines)."""
+        span, line = expr.span, self.rules.line_text(expr.span)
+        if span is None or line is None or span.end_line != span.line:
+            return format_expr(expr)
+        text, rest = line[span.column - 1:span.end_column - 1], line[span.end_column - 1:]
+        while text.count("(") > text.count(")") and ")" in rest:  # a span ends inside `not (...)`
+            cut = rest.index(")") + 1
+            text, rest = text + rest[:cut], rest[cut:]
+        return text
+
+    def may_hold(self, guard: ir.Node, captures: dict) -> bool:
+        """Whether a guard holds for a binding; True where a capture has no value (it may)."""
+        if None in captures.values():
+            return True
+        return self.evaluator.boolean(guard, captures)
+
+    def no_match(self, rule: ir.Rule, pattern: ir.Pattern, pool: set[str], note: str | None) -> None:
         literal = "".join(p.text for p in pattern.parts if isinstance(p, ir.Text))
         hint = None
         prefix = ""
@@ -205,6 +243,9 @@ class _Compiler:
             similar = sorted(k for k in pool if k.startswith(prefix))[:3]
             if similar:
                 hint = "checkpoint keys that start like this: " + ", ".join(f"`{k}`" for k in similar)
+        if note is not None:  # a guard was involved: say why the pattern still had to match
+            note += ", so the rule is on; mark it `optional` if this key may be absent"
+            hint = f"{hint}; {note}" if hint else note[0].upper() + note[1:]
         self.error("E201", "pattern matches no checkpoint key", pattern.span or rule.span, hint)
 
     def name_of(self, pattern: ir.Pattern, choice: tuple[int, ...], captures: dict) -> str:
@@ -286,13 +327,17 @@ class _Compiler:
     def apply(self, rule: ir.Rule, op: ir.Op, env: dict, state: dict, keys: tuple) -> dict:
         ev = Evaluator(self.evaluator.config, self.lets | env, self.rules.line_text)
         try:
-            return _apply(op, ev, state, self.target_count(rule))
+            return apply_op(op, ev, state, self.target_count(rule))
+        except sym.LimitError as exc:
+            self.error("E209", f"`{op.op_name()}`: {exc}", op.span or rule.span,
+                       "sizes and counts this large cannot be a model's tensors (limits: docs/errors.md)")
+            raise _RuleFailed from None
         except sym.OpError as exc:
             self.error("E207", f"`{op.op_name()}`: {exc}", op.span or rule.span,
                        f"while binding {', '.join(f'`{k}`' for k in keys[:3])}"
                        + (" ..." if len(keys) > 3 else ""))
             raise _RuleFailed from None
-        except _GapError as exc:
+        except GapError as exc:
             self.error("E205", str(exc), op.span or rule.span,
                        "a checkpoint that holds a slice says `start=`; never re-slotted silently")
             raise _RuleFailed from None
@@ -312,7 +357,7 @@ class _Compiler:
                         out.append(part.options[choice[alt]])
                         alt += 1
                     else:
-                        out.append(str(self.evaluator.value(part.expr, captures)))
+                        out.append(self.evaluator.key_part(part.expr, captures))
                 names.append("".join(out))
         return names
 
@@ -354,6 +399,12 @@ def _pairs(names: list[str]) -> Callable[[dict], tuple]:
     return lambda captures: tuple(zip(names, get(captures)))
 
 
+def _captures_read(guard: ir.Node, rule: ir.Rule) -> bool:
+    """Whether a guard reads a capture of the rule's sources."""
+    bound = {part.name for p in rule.sources for part in p.parts if isinstance(part, ir.Capture)}
+    return any(name.id in bound for name in _names(guard))
+
+
 def _taken(bindings, partial) -> set[str]:
     """The keys a failed rule matched: counted as taken, so its error is not repeated as E202."""
     return {k for b in bindings for k in b.keys} | {k for p in partial for k in p.present}
@@ -361,90 +412,6 @@ def _taken(bindings, partial) -> set[str]:
 
 class _RuleFailed(Exception):
     """A rule's error was recorded; skip the rest of that rule."""
-
-
-class _GapError(Exception):
-    pass
-
-
-def _apply(op: ir.Op, ev: Evaluator, state: dict, targets: int) -> dict:
-    """Apply one op to every entry of a rule's state (reduced capture values -> list axis)."""
-    if isinstance(op, (ir.Stack, ir.Concat)) and op.capture is not None:
-        return _combine_capture(op, ev, state)
-    if isinstance(op, ir.Unstack):
-        start = ev.integer(op.start, "start") if op.start is not None else 0
-        dim = ev.integer(op.dim, "dim")
-        out: dict = {}
-        for key, tensors in state.items():
-            pieces = [sym.unstack(t, dim) for t in tensors]
-            for i in range(len(pieces[0])):
-                out[key + ((op.capture, start + i),)] = [p[i] for p in pieces]
-        return out
-    return {key: _list_op(op, ev, tensors, targets) for key, tensors in state.items()}
-
-
-def _combine_capture(op, ev: Evaluator, state: dict) -> dict:
-    start = ev.integer(op.start, "start") if op.start is not None else 0
-    dim = ev.integer(op.dim, "dim")
-    grouped: dict[tuple, dict[int, list]] = defaultdict(dict)
-    capture = op.capture
-    for key, tensors in state.items():
-        grouped[tuple([kv for kv in key if kv[0] != capture])][dict(key)[capture]] = tensors
-    out = {}
-    for rest, by_value in grouped.items():
-        values = sorted(by_value)
-        if values != list(range(start, start + len(values))):
-            gaps = sorted(set(range(start, max(values) + 1)) - set(values))
-            raise _GapError(f"`{op.op_name()}({op.capture}, ...)` needs {op.capture} to run from {start} "
-                            f"without a gap; found {_ranges(values)}"
-                            + (f", missing {_ranges(gaps)}" if gaps else ""))
-        combine = sym.stack if isinstance(op, ir.Stack) else sym.concat
-        width = len(by_value[values[0]])
-        out[rest] = [combine([by_value[v][i] for v in values], dim) for i in range(width)]
-    return out
-
-
-def _list_op(op: ir.Op, ev: Evaluator, tensors: list, targets: int) -> list:
-    if isinstance(op, (ir.Stack, ir.Concat)):
-        combine = sym.stack if isinstance(op, ir.Stack) else sym.concat
-        return [combine(tensors, ev.integer(op.dim, "dim"))]
-    if isinstance(op, ir.Interleave):
-        return [sym.interleave(tensors, ev.integer(op.dim, "dim"), ev.integer(op.groups, "groups"))]
-    if isinstance(op, ir.Split):
-        return sym.split(tensors[0], ev.integer(op.dim, "dim"), ev.integers(op.sizes, "sizes"))
-    if isinstance(op, ir.Chunk):
-        return sym.chunk(tensors[0], ev.integer(op.dim, "dim"), ev.integer(op.n, "n"))
-    if isinstance(op, ir.Deinterleave):
-        return sym.deinterleave(tensors[0], ev.integer(op.dim, "dim"), ev.integer(op.groups, "groups"),
-                                targets)
-    return [_one(op, ev, t) for t in tensors]
-
-
-def _one(op: ir.Op, ev: Evaluator, t: sym.Sym) -> sym.Sym:
-    if isinstance(op, ir.Transpose):
-        return sym.transpose(t, ev.integer(op.a, "a"), ev.integer(op.b, "b"))
-    if isinstance(op, ir.Permute):
-        return sym.permute(t, ev.integers(op.dims, "dims"))
-    if isinstance(op, ir.Reshape):
-        return sym.reshape(t, ev.integers(op.shape, "shape"))
-    if isinstance(op, ir.Slice):
-        start = ev.integer(op.start, "start") if op.start is not None else None
-        stop = ev.integer(op.stop, "stop") if op.stop is not None else None
-        return sym.slice_(t, ev.integer(op.dim, "dim"), start, stop)
-    if isinstance(op, ir.Pad):
-        value = ev.number(op.value, "value") if op.value is not None else 0.0
-        return sym.pad(t, ev.integer(op.dim, "dim"), ev.integer(op.to, "to"), value)
-    if isinstance(op, ir.Repeat):
-        return sym.repeat(t, ev.integer(op.dim, "dim"), ev.integer(op.times, "times"))
-    if isinstance(op, ir.RopePermute):
-        return sym.rope_permute(t, ev.integer(op.heads, "heads"))
-    if isinstance(op, ir.Cast):
-        return sym.value_step(t, ("cast", ev.dtype(op.dtype)))
-    if isinstance(op, ir.Scale):
-        return sym.value_step(t, ("scale", float(ev.number(op.factor, "factor"))))
-    if isinstance(op, ir.Add):
-        return sym.value_step(t, ("add", float(ev.number(op.value, "value"))))
-    raise sym.OpError(f"`{op.op_name()}` cannot stand in a mapping rule")
 
 
 def _names(expr: ir.Node):
@@ -463,15 +430,3 @@ def _regex(pattern: ir.Pattern) -> re.Pattern:
 
 def _captures(captures: dict) -> str:
     return "(" + ", ".join(f"{k}={v}" for k, v in captures.items()) + ")" if captures else ""
-
-
-def _ranges(values: list[int]) -> str:
-    """{0,1,2,5} -> `0-2, 5`."""
-    out, start = [], None
-    for i, v in enumerate(values):
-        if start is None:
-            start = v
-        if i + 1 == len(values) or values[i + 1] != v + 1:
-            out.append(f"{start}" if start == v else f"{start}-{v}")
-            start = None
-    return "{" + ", ".join(out) + "}"

@@ -11,8 +11,10 @@ from operator import itemgetter
 from typing import Any
 
 from ..language import ir
+from ..language.formatter import format_expr as _text
 from ..dtypes import RULE_DTYPE_NAMES
 from ..errors import BindError, Diagnostic, Span
+from ..language.limits import MAX_INT, MIN_INT
 
 Value = Any  # int | float | bool | str (a dtype) | list[Value]
 
@@ -33,9 +35,20 @@ class Evaluator:
         self.lets = lets
         self.line_text = line_text
 
-    def fail(self, message: str, span: Span | None, hint: str | None = None) -> BindError:
-        return BindError(Diagnostic(code="E210", message=message, span=span, hint=hint,
+    def fail(self, message: str, span: Span | None, hint: str | None = None, code: str = "E210") -> BindError:
+        return BindError(Diagnostic(code=code, message=message, span=span, hint=hint,
                                     line_text=self.line_text(span) if span else None))
+
+    def key_part(self, expr: ir.Node, captures: Mapping[str, Value]) -> str:
+        """The text a target pattern's `{expr}` stands for: never a negative index (E213)."""
+        value = self.value(expr, captures)
+        if isinstance(value, int) and not isinstance(value, bool) and value < 0:
+            shown = ", ".join(f"{k}={v}" for k, v in captures.items() if k in _names(expr))
+            raise self.fail(f"a target key with a negative index: `{{{_text(expr)}}}` is {value}"
+                            + (f" for {shown}" if shown else ""), expr.span,
+                            "keys count from 0; guard the rule so that it binds only where the index "
+                            "is 0 or more (`when ...`)", code="E213")
+        return str(value)
 
     def value(self, expr: ir.Node, captures: Mapping[str, Value] | None = None) -> Value:
         try:
@@ -83,7 +96,7 @@ class Evaluator:
     def namer(self, pattern: ir.Pattern) -> Callable[[dict], str]:
         """The function from a binding's captures to the key a target pattern names: each part's
         text, or `str` of its value (a capture's own value read directly)."""
-        value = self.value
+        key_part = self.key_part
         pieces = [(part.text if isinstance(part, ir.Text) else None,
                    part.expr.id if isinstance(part, ir.Subst) and isinstance(part.expr, ir.Name) else None,
                    part) for part in pattern.parts]
@@ -91,7 +104,7 @@ class Evaluator:
         def name(captures: dict) -> str:
             return "".join([text if text is not None
                             else str(captures[capture]) if capture is not None and capture in captures
-                            else str(value(part.expr, captures)) for text, capture, part in pieces])
+                            else key_part(part.expr, captures) for text, capture, part in pieces])
         wanted = [capture for text, capture, _ in pieces if text is None]
         if not wanted or None in wanted:
             return name
@@ -131,6 +144,9 @@ class Evaluator:
             if isinstance(node, (Mapping, str)):
                 raise self.fail(f"`config.{'.'.join(expr.path)}` is {type(node).__name__}, not a "
                                 "number, a boolean, a list or a dtype name", expr.span)
+            if type(node) is int and not MIN_INT <= node <= MAX_INT:
+                raise self.fail(f"`config.{'.'.join(expr.path)}` is {_digits(node)}, outside the 64-bit "
+                                "integer range", expr.span, _INT_HINT, code="E209")
             return list(node) if isinstance(node, (list, tuple)) else node
         if isinstance(expr, ir.List):
             return [self._eval(item, captures) for item in expr.items]
@@ -159,8 +175,12 @@ class Evaluator:
             right = self._number(expr.right, captures)
             if expr.op in ("//", "%") and right == 0:
                 raise self.fail("division by zero", expr.span)
-            return {"+": lambda: left + right, "-": lambda: left - right, "*": lambda: left * right,
-                    "//": lambda: left // right, "%": lambda: left % right}[expr.op]()
+            result = {"+": lambda: left + right, "-": lambda: left - right, "*": lambda: left * right,
+                      "//": lambda: left // right, "%": lambda: left % right}[expr.op]()
+            if type(result) is int and not MIN_INT <= result <= MAX_INT:
+                raise self.fail(f"`{_text(expr)}` is {_digits(result)}, outside the 64-bit integer range",
+                                expr.span, _INT_HINT, code="E209")
+            return result
         raise TypeError(f"not an expression: {expr!r}")
 
     def _number(self, expr: ir.Node, captures, value: Value = None) -> int | float:
@@ -174,6 +194,27 @@ class Evaluator:
         if not isinstance(value, bool):
             raise self.fail(f"expected true or false, got {value!r}", expr.span)
         return value
+
+
+_INT_HINT = "integers are 64-bit, from -2^63 to 2^63 - 1; check the config values it reads"
+
+
+def _digits(value: int) -> str:
+    text = str(value)
+    return text if len(text) <= 24 else f"{text[:8]}\u2026 ({len(text)} digits)"
+
+
+def _names(expr: ir.Node) -> set[str]:
+    """The names an expression reads."""
+    found, stack = set(), [expr]
+    while stack:
+        node = stack.pop()
+        if isinstance(node, ir.Name):
+            found.add(node.id)
+        for field in node._compared:
+            child = getattr(node, field)
+            stack.extend(c for c in (child if isinstance(child, tuple) else (child,)) if isinstance(c, ir.Node))
+    return found
 
 
 def evaluate_lets(statements, config: Mapping[str, Any], line_text) -> dict[str, Value]:

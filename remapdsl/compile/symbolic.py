@@ -14,6 +14,7 @@ from operator import add, attrgetter, itemgetter, lt, mod
 from typing import NamedTuple
 
 from ..indexmap import Block, advance, column, cut, volume
+from ..language.limits import MAX_PIECES, MAX_SIZE
 
 
 _new = tuple.__new__  # a named tuple from a plain tuple, without its Python-level argument handling
@@ -27,6 +28,28 @@ class Sym(NamedTuple):
 
 class OpError(Exception):
     """An op that does not fit the shapes it meets; the compiler locates it at the op."""
+
+
+class LimitError(OpError):
+    """An op asked for more than remapdsl's limits allow (language/limits.py): too many pieces, or
+    a dim or an element count beyond MAX_SIZE."""
+
+
+def _count(value: int, what: str) -> int:
+    """A count an op cuts or copies by (`groups`, `n`, `times`, `heads`): from 1 to MAX_PIECES."""
+    if value < 1:
+        raise OpError(f"`{what}` must be at least 1, not {value}")
+    if value > MAX_PIECES:
+        raise LimitError(f"`{what}={value}` is more than 2^16 = {MAX_PIECES}, the most pieces one op makes")
+    return value
+
+
+def _bounded(shape: tuple[int, ...], what: str) -> tuple[int, ...]:
+    """A shape an op grows a tensor to, within MAX_SIZE elements."""
+    if volume(shape) > MAX_SIZE or max(shape, default=0) > MAX_SIZE:
+        raise LimitError(f"{what} makes a tensor of shape {list(shape)}, {volume(shape)} elements: more "
+                         f"than 2^48 = {MAX_SIZE}, the largest size")
+    return shape
 
 
 _IDENTITY = {n: tuple(tuple(1 if i == j else 0 for j in range(n)) for i in range(n)) for n in range(9)}
@@ -103,6 +126,9 @@ def stack(parts: list[Sym], dim: int) -> Sym:
 
 def unstack(t: Sym, dim: int) -> list[Sym]:
     dim = _dim(dim, len(t.shape))
+    if t.shape[dim] > MAX_PIECES:
+        raise LimitError(f"unstacking dim {dim} of size {t.shape[dim]} makes more than 2^16 = "
+                         f"{MAX_PIECES} tensors, the most pieces one op makes")
     out = []
     for i in range(t.shape[dim]):
         piece = narrow(t, dim, i, i + 1)
@@ -127,6 +153,7 @@ def split(t: Sym, dim: int, sizes: tuple[int, ...]) -> list[Sym]:
 
 def chunk(t: Sym, dim: int, n: int) -> list[Sym]:
     dim = _dim(dim, len(t.shape))
+    _count(n, "n")
     if t.shape[dim] % n:
         raise OpError(f"dim {dim} of size {t.shape[dim]} does not divide into {n} equal parts")
     return split(t, dim, (t.shape[dim] // n,) * n)
@@ -135,6 +162,7 @@ def chunk(t: Sym, dim: int, n: int) -> list[Sym]:
 def interleave(parts: list[Sym], dim: int, groups: int) -> Sym:
     """Group g of every part, in part order, then group g + 1 (GQA qkv, blocked gate/up)."""
     dim = _dim(dim, len(parts[0].shape))
+    _count(groups, "groups")
     _same_except(parts, dim, "interleave")
     for p in parts:
         if p.shape[dim] % groups:
@@ -151,6 +179,7 @@ def interleave(parts: list[Sym], dim: int, groups: int) -> Sym:
 def deinterleave(t: Sym, dim: int, groups: int, parts: int) -> list[Sym]:
     """The inverse of interleave for parts of equal size."""
     dim = _dim(dim, len(t.shape))
+    _count(groups, "groups")
     if t.shape[dim] % (groups * parts):
         raise OpError(f"dim {dim} of size {t.shape[dim]} does not divide into {groups} groups "
                           f"of {parts} parts")
@@ -202,6 +231,7 @@ def pad(t: Sym, dim: int, to: int, value: float) -> Sym:
         raise OpError(f"pad to {to} would shrink dim {dim} of size {size}")
     shape = list(t.shape)
     shape[dim] = to
+    _bounded(tuple(shape), f"pad to {to}")
     blocks = list(t.blocks)
     if to > size:
         offsets = [0] * len(shape)
@@ -215,6 +245,8 @@ def pad(t: Sym, dim: int, to: int, value: float) -> Sym:
 
 def repeat(t: Sym, dim: int, times: int) -> Sym:
     dim = _dim(dim, len(t.shape))
+    _count(times, "times")
+    _bounded(t.shape[:dim] + (t.shape[dim] * times,) + t.shape[dim + 1:], f"repeat {times} times")
     return concat([t] * times, dim)
 
 
@@ -272,6 +304,7 @@ def reshape(t: Sym, shape: tuple[int, ...]) -> Sym:
 
 def rope_permute(t: Sym, heads: int) -> Sym:
     """Per head, rows seen as [rows/2, 2] transposed to [2, rows/2] (Meta -> rotate-half)."""
+    _count(heads, "heads")
     rows = t.shape[0]
     if rows % (2 * heads):
         raise OpError(f"{rows} rows do not divide into {heads} heads of pairs")

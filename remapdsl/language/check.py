@@ -17,6 +17,7 @@ from ..dtypes import RULE_DTYPE_NAMES as DTYPE_NAMES
 from ..errors import Diagnostic, RuleCheckError, Span, did_you_mean, suggest
 from ..quant import format_names, get_format
 from .formatter import format_expr
+from .limits import limit_problems
 from .literals import op_problems, size_problems
 
 SCALE_DTYPES = ("float32", "e8m0")
@@ -40,6 +41,8 @@ def check_program(statements: tuple[ir.Statement, ...], line_text) -> None:
     checker.all_lets = {s.name: s.span for s in statements if isinstance(s, ir.Let)}
     for statement in statements:
         checker.statement(statement)
+    for problem in limit_problems(statements):  # constants, sizes, macro expansion (limits.py)
+        checker.error(*problem)
     if checker.diagnostics:
         raise RuleCheckError(checker.diagnostics)
 

@@ -2,7 +2,8 @@
 
 Includes resolve relative to the including file and may not leave the root folder (by default the
 top-level file's folder), so a hostile file cannot pull arbitrary files into error messages. Each
-file is included once; a cycle or a second include of the same file is an error.
+file is included once; a cycle, a second include of the same file, or a chain of includes more than
+MAX_INCLUDE_DEPTH files deep is an error.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from . import ir
 from ..errors import Diagnostic, RemapError, RuleCheckError, Span
 from .parser import parse_file, parse_text
 from .check import check_program
+from .limits import MAX_INCLUDE_DEPTH
 
 
 class RuleSet(BaseModel):
@@ -95,7 +97,7 @@ class _Includes:
         self.diagnostics.append(Diagnostic(code=code, message=message, span=span, hint=hint,
                                            line_text=file.line_text(span.line) if span else None))
 
-    def flatten(self, file: ir.RuleFile, location: Path | None, chain: tuple[Path, ...]):
+    def flatten(self, file: ir.RuleFile, location: Path | None, chain: tuple[Path, ...], depth: int = 0):
         if location is not None:
             self.seen.setdefault(location, None)
         base = location.parent if location is not None else self.root
@@ -122,6 +124,11 @@ class _Includes:
                 names = " -> ".join(p.name for p in (*chain, location, target) if p is not None)
                 self.error("E140", f"include cycle: {names}", statement, file)
                 continue
+            if depth + 1 > MAX_INCLUDE_DEPTH:
+                self.error("E145", f"`{statement.path}` would be included {depth + 1} files deep; includes "
+                           f"nest at most {MAX_INCLUDE_DEPTH} deep below the top-level file", statement,
+                           file, "include the files from fewer levels")
+                continue
             if target in self.seen:
                 first = self.seen[target]
                 self.error("E143", f"`{statement.path}` is included twice"
@@ -142,4 +149,4 @@ class _Includes:
             if None not in (included.version, file.version) and included.version != file.version:
                 self.error("E144", f"`{statement.path}` is written for version {included.version}, "
                            f"this file for version {file.version}", statement, file)
-            yield from self.flatten(included, target, (*chain, location) if location else chain)
+            yield from self.flatten(included, target, (*chain, location) if location else chain, depth + 1)
