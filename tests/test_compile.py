@@ -267,3 +267,72 @@ def test_many_short_runs_are_copied_from_the_mapped_file(tmp_path, monkeypatch):
             assert torch.equal(local["b"], other.T[:, cols])
             assert torch.equal(local["c"], (source[:, cols] * 2 + 1))
             assert report.bytes_read == report.bytes_owned == 3 * 64 * 16 * 4
+
+
+README_TIED = ("model.embed_tokens.weight -> embed.weight\n"
+               "lm_head.weight -> output.weight when not (config.tie_word_embeddings ?? false)\n")
+
+
+def test_a_guard_that_is_false_switches_its_rule_off(tmp_path):
+    """The README's example on the tied checkpoint it is written for: no lm_head.weight, no E201."""
+    folder = write_checkpoint(tmp_path, {"model.embed_tokens.weight": randn(8, 4)})
+    compiled = compile_text(README_TIED, folder, {"tie_word_embeddings": True})
+    assert [d.runtime_key for d in compiled.runtime_tensors] == ["embed.weight"]
+    error = bind_error(README_TIED, folder, {"tie_word_embeddings": False})
+    d = error.diagnostic
+    assert (d.code, d.span.line, d.span.column) == ("E201", 2, 1)
+    assert "its guard `not (config.tie_word_embeddings ?? false)` holds for this config" in d.hint
+    assert "`optional`" in d.hint
+
+
+def test_a_switched_off_rule_consumes_nothing(tmp_path):
+    """A tied checkpoint that still stores lm_head.weight: the rule is off, so the key is left over."""
+    folder = write_checkpoint(tmp_path, {"model.embed_tokens.weight": randn(8, 4), "lm_head.weight": randn(8, 4)})
+    assert bind_error(README_TIED, folder, {"tie_word_embeddings": True}).diagnostic.code == "E202"
+
+
+def test_a_guard_over_captures_that_no_binding_satisfies_switches_the_rule_off(tmp_path):
+    folder = write_checkpoint(tmp_path, {f"m.{L}.w": randn(2) for L in range(3)} | {"m.2.v": randn(2)})
+    rules = "m.{L}.w -> w.{L}\nm.{L}.w, m.{L}.x -> x.{L} when L >= 5 | concat(dim=0)\nm.2.v -> v\n"
+    assert len(compile_text(rules, folder).runtime_tensors) == 4
+    error = bind_error(rules.replace("L >= 5", "L >= 1"), folder)
+    assert error.diagnostic.code == "E201"
+    assert "its guard `L >= 1` holds for (L=1)" in error.diagnostic.hint
+    # the guard also excludes incomplete bindings: layer 2 has v, layers 0 and 1 do not
+    rules = "m.{L}.w -> w.{L}\nm.{L}.w, m.{L}.v -> x.{L} when L < 2 | concat(dim=0)\nm.2.v -> v\n"
+    with pytest.raises(BindError) as info:
+        compile_text(rules, folder)
+    assert {d.code for d in info.value.diagnostics} == {"E204"}  # L=0 and L=1 lack v
+    rules = "m.{L}.w -> w.{L}\nm.{L}.w, m.{L}.v -> x.{L} when L == 2 | concat(dim=0)\n"
+    assert "x.2" in {d.runtime_key for d in compile_text(rules, folder).runtime_tensors}
+
+
+def test_an_optional_rule_whose_pattern_matches_nothing_is_no_error(tmp_path):
+    folder = write_checkpoint(tmp_path, {"a.w": randn(2)})
+    assert len(compile_text("a.w -> b\noptional lm_head.weight -> out when 1 < 2\n", folder).runtime_tensors) == 1
+
+
+@pytest.mark.parametrize("rule, code", [
+    ("m.{L}.w -> layers.{L - 1}.w\n", "E213"),
+    ("let OFF = 0 - 3\nm.{L}.w -> layers.{L + OFF}.w\n", "E213"),
+    ("m.{L}.w -> layers.{L - 1}.{a,b} | chunk(dim=0, n=2)\n", "E213"),
+    ("m.{L}.w -> layers.{L}.e.{E} | unstack(E, dim=0, start=-1)\n", "E213"),
+    ("let N = config.n\nm.{L}.w -> layers.{L} | pad(dim=0, to=N)\n", "E209"),
+    ("let N = config.n\nm.{L}.w -> layers.{L} | repeat(dim=0, times=N // 1000)\n", "E209"),
+    ("let N = config.n * config.n\nm.{L}.w -> layers.{L}\n", "E209"),
+    ("let N = config.zero\nm.{L}.w -> layers.{L} | repeat(dim=0, times=N)\n", "E207"),
+    ("let N = config.zero\nm.{L}.w -> layers.{L}.{a,b} | chunk(dim=0, n=N)\n", "E207"),
+])
+def test_impossible_keys_and_values_are_errors_at_the_rule(tmp_path, rule, code):
+    folder = write_checkpoint(tmp_path, {"m.0.w": randn(2), "m.1.w": randn(2)})
+    error = bind_error(rule, folder, {"n": 10**15, "zero": 0})
+    d = error.diagnostic
+    assert d.code == code, str(error)
+    at_let = code == "E209" and "*" in rule  # the arithmetic that overflows is the `let`'s
+    assert d.span is not None and d.span.line == (1 if at_let else rule.count("\n"))
+
+
+def test_the_guard_guarding_a_negative_index_is_enough(tmp_path):
+    folder = write_checkpoint(tmp_path, {"m.0.w": randn(2), "m.1.w": randn(2)})
+    compiled = compile_text("m.{L}.w -> layers.{L - 1}.w when L >= 1\ndrop m.0.w\n", folder)
+    assert [d.runtime_key for d in compiled.runtime_tensors] == ["layers.0.w"]

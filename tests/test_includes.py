@@ -82,3 +82,15 @@ def test_syntax_error_in_included_file_names_that_file(tmp_path):
     with pytest.raises(RemapError) as info:
         load_rules(top)
     assert info.value.diagnostic.span.path.endswith("bad.remap")
+
+
+def test_includes_nest_at_most_16_files_deep(tmp_path):
+    for depth in range(1, 18):
+        write(tmp_path, f"d{depth}.remap", f'include "d{depth + 1}.remap"\n' if depth < 17 else "a -> b\n")
+    top = write(tmp_path, "top.remap", 'include "d1.remap"\n')
+    with pytest.raises(RemapError) as info:
+        load_rules(top)
+    assert codes(info) == ["E145"]
+    assert info.value.diagnostic.span.path.endswith("d16.remap")  # d17 would be 17 deep
+    write(tmp_path, "d16.remap", "a -> b\n")
+    assert len(load_rules(top).files) == 17  # the top and 16 levels below it

@@ -245,7 +245,8 @@ class _Compiler:
                 hint = "checkpoint keys that start like this: " + ", ".join(f"`{k}`" for k in similar)
         if note is not None:  # a guard was involved: say why the pattern still had to match
             note += ", so the rule is on; mark it `optional` if this key may be absent"
-            hint = f"{hint}; {note}" if hint else note[0].upper() + note[1:]
+            sentence = note[0].upper() + note[1:]
+            hint = sentence if not hint else f"{hint} {sentence}" if hint.endswith("?") else f"{hint}; {note}"
         self.error("E201", "pattern matches no checkpoint key", pattern.span or rule.span, hint)
 
     def name_of(self, pattern: ir.Pattern, choice: tuple[int, ...], captures: dict) -> str:

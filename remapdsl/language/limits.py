@@ -158,11 +158,12 @@ class _Pass:
                     continue
                 folded = self.fold(value, env, call)
                 items = folded if isinstance(folded, list) else [folded]
-                for item in items:
+                nodes = value.items if isinstance(value, ir.List) and isinstance(folded, list) else [value]
+                for item, node in zip(items, nodes):
                     if isinstance(item, int) and not isinstance(item, bool):
                         problem = arg_problem(param.name, item)
                         if problem:
-                            self.at(call, "E129", problem, value.span,
+                            self.at(call, "E129", problem, node.span,
                                     "sizes and counts this large cannot be a model's tensors")
 
     def at(self, call: ir.MacroCall | None, code: str, message: str, span, hint=None) -> None:
