@@ -11,6 +11,7 @@ from __future__ import annotations
 from bisect import bisect_left, bisect_right
 from functools import lru_cache
 from math import gcd, prod
+from operator import mul
 from typing import NamedTuple
 
 from .dtypes import BY_NAME
@@ -96,6 +97,8 @@ def cut(b: Block, dim: int, start: int, stop: int) -> Block | None:
 def intersect(block: Block, offsets, sizes) -> Block | None:
     """The part of a block inside the box [offsets, offsets + sizes), re-based: `cut` on every dim
     at once, in one pass (the plans call it once a piece: plain comparisons, no min/max calls)."""
+    if block.offsets == offsets and block.sizes == sizes:  # the box is the block: nothing to cut
+        return block
     low, size = [], []
     moved = False
     for o, n, start, extent in zip(block.offsets, block.sizes, offsets, sizes):
@@ -222,7 +225,7 @@ def block_runs(block: Block, shape, byte_offset: int, itemsize: int
     """A block's byte runs in its source (row-major `shape`, data at `byte_offset`), the element
     strides into their concatenation, and each runtime dim's flat stride in the source."""
     major, flat, runs, strides = run_layout(tuple(shape), block.coeff, block.sizes, itemsize)
-    first = byte_offset + itemsize * sum(t * b for t, b in zip(major, block.base))
+    first = byte_offset + itemsize * sum(map(mul, major, block.base))
     return Runs(first, runs.length, runs.counts, runs.strides), strides, flat
 
 

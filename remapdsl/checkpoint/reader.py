@@ -28,6 +28,9 @@ MANY_RUNS = 64  # above this many runs, a run set is copied from the mapped file
 
 def as_byte_view(buffer: object) -> memoryview:
     """A writable, flat byte view of buffer's memory (a contiguous CPU torch tensor or a buffer object)."""
+    if type(buffer) is memoryview and buffer.format == "B" and buffer.ndim == 1 and buffer.c_contiguous \
+            and not buffer.readonly:
+        return buffer  # already one
     if hasattr(buffer, "data_ptr") and hasattr(
         buffer, "is_contiguous"
     ):  # a torch tensor, without importing torch
@@ -195,6 +198,9 @@ class CheckpointReader:
 
     def _fd(self, file: str) -> int:
         """The open descriptor of file, opened now if needed, after checking its size is still the same."""
+        fd = self._fds.get(file)  # opened before: no lock (a dict read is atomic)
+        if fd is not None:
+            return fd
         with self._lock:
             fd = self._fds.get(file)
             if fd is not None:
@@ -242,9 +248,12 @@ class CheckpointReader:
         )
 
 
+_HAVE_PREADV = hasattr(os, "preadv")
+
+
 def _preadv(fd: int, view: memoryview, offset: int) -> int:
     """One positioned read into view; os.pread plus a copy where the platform lacks preadv."""
-    if hasattr(os, "preadv"):
+    if _HAVE_PREADV:
         return os.preadv(fd, [view], offset)
     chunk = os.pread(fd, view.nbytes, offset)
     view[: len(chunk)] = chunk
@@ -256,7 +265,7 @@ IOV_MAX = 1024  # the most buffers one preadv takes (POSIX IOV_MAX on Linux)
 
 def _preadv_many(fd: int, buffers: list[memoryview], offset: int) -> int:
     """One positioned read into consecutive buffers (at most IOV_MAX of them)."""
-    if hasattr(os, "preadv"):
+    if _HAVE_PREADV:
         return os.preadv(fd, buffers[:IOV_MAX], offset)
     return _preadv(fd, buffers[0], offset)
 

@@ -13,13 +13,14 @@ import ctypes
 import itertools
 from collections.abc import Iterator, Mapping
 from concurrent.futures import ThreadPoolExecutor
+from operator import mul
 from typing import NamedTuple
 
 import torch
 
 from ..checkpoint import CheckpointReader, Inventory
 from ..checkpoint import reader as files
-from ..indexmap import Runs, is_row_major
+from ..indexmap import Runs, is_row_major, row_major_strides
 from ..sharding.plans import DecodeItem, LoadPlan, ReadItem
 from .pieces import apply_steps, mapped_values, read_part, region, torch_dtype
 
@@ -54,34 +55,42 @@ def _drain(work: list, taken: Iterator[int], reader: CheckpointReader, in_flight
 
 class _Memory(NamedTuple):
     """What the work list needs of a runtime tensor, read once per tensor: its first byte's address
-    (None unless a contiguous CPU tensor), element size, dtype, shape and element strides."""
+    (None unless a contiguous CPU tensor), element size, dtype name and shape."""
 
     address: int | None
     itemsize: int
-    dtype: torch.dtype
+    dtype: str
     shape: tuple[int, ...]
-    strides: tuple[int, ...]
 
 
-def _memory(tensor: torch.Tensor) -> _Memory:
-    direct = tensor.device.type == "cpu" and tensor.is_contiguous()
-    return _Memory(tensor.data_ptr() if direct else None, tensor.element_size(), tensor.dtype,
-                   tuple(tensor.shape), tuple(tensor.stride()))
+def _memory(tensor: torch.Tensor, names: dict) -> _Memory:
+    dtype = tensor.dtype
+    name = names.get(dtype)
+    if name is None:  # torch.bfloat16 -> bfloat16, once a dtype
+        name = names[dtype] = str(dtype).removeprefix("torch.")
+    direct = tensor.is_cpu and tensor.is_contiguous()
+    return _Memory(tensor.data_ptr() if direct else None, tensor.element_size(), name, tuple(tensor.shape))
 
 
 def _address(memory: _Memory, item: ReadItem) -> int | None:
     """Where an item's region starts in its tensor's memory, if the region is one contiguous range
     that its runs fill in order (no value step, the same dtype, source order); else None."""
-    if memory.address is None or item.ckpt_key is None or item.steps or memory.dtype != torch_dtype(item.dtype) \
-            or not is_row_major(item.strides, item.sizes):
+    if memory.address is None or item.ckpt_key is None or item.steps or memory.dtype != item.dtype:
         return None
-    outer = True  # a contiguous region: size 1 on the leading dims, then one partial dim, then whole dims
-    for n, extent in zip(item.sizes, memory.shape):
-        if not outer and n != extent:
-            return None
-        if n != 1:
-            outer = False
-    return memory.address + memory.itemsize * sum(o * t for o, t in zip(item.local_offsets, memory.strides))
+    sizes = item.sizes
+    if sizes != memory.shape:  # a part of the tensor: contiguous if size 1 on the leading dims, then
+        outer = True           # one partial dim, then whole dims
+        for n, extent in zip(sizes, memory.shape):
+            if not outer and n != extent:
+                return None
+            if n != 1:
+                outer = False
+    if not is_row_major(item.strides, sizes):
+        return None
+    offsets = item.local_offsets
+    if not any(offsets):
+        return memory.address
+    return memory.address + memory.itemsize * sum(map(mul, offsets, row_major_strides(memory.shape)))
 
 
 CHUNK = 32 << 20  # direct reads are cut to about this size, so both threads stay busy to the end
@@ -94,6 +103,15 @@ class _Direct(NamedTuple):
     file: str
     runs: Runs
     address: int
+
+
+class _Span(NamedTuple):
+    """One range of a file read straight into consecutive runtime tensor memory."""
+
+    file: str
+    first: int
+    address: int
+    nbytes: int
 
 
 class _Scatter(NamedTuple):
@@ -118,11 +136,12 @@ def _work(items, tensors) -> list:
     they are. No tensor view is made here: addresses are computed from offsets."""
     work: list = []
     memories: dict[str, _Memory] = {}
+    names: dict = {}
     merged: list | None = None  # [file, first byte, bytes, places] of the open single-range read
     for item in items:
         memory = memories.get(item.runtime_key)
         if memory is None:
-            memory = memories[item.runtime_key] = _memory(tensors[item.runtime_key])
+            memory = memories[item.runtime_key] = _memory(tensors[item.runtime_key], names)
         address = _address(memory, item)
         if address is None:
             work.append(_Item(item, tensors[item.runtime_key]))
@@ -152,7 +171,10 @@ def _work(items, tensors) -> list:
 
 def _cut(merged: list, work: list) -> None:
     """One file range read as chunks of at most CHUNK bytes and IOV_MAX places each."""
-    file, first, _, places = merged
+    file, first, nbytes, places = merged
+    if len(places) == 1 and nbytes <= CHUNK:
+        work.append(_Span(file, first, places[0][0], nbytes))
+        return
     chunk: list[tuple[int, int]] = []
     size = 0
     for address, nbytes in places:
@@ -202,6 +224,9 @@ def _run_batch(batch, reader: CheckpointReader) -> torch.Tensor | None:
     """Run one unit of work; for a device runtime tensor, return the pinned buffer still being copied."""
     if isinstance(batch, _Decode):
         return _run_decode(batch, reader)
+    if isinstance(batch, _Span):  # straight into the runtime tensor's memory
+        reader.read_into(batch.file, batch.first, _bytes_at(batch.address, batch.nbytes))
+        return None
     if isinstance(batch, _Scatter):  # straight into the runtime tensor's memory, one call
         reader.scatter_into(batch.file, batch.first, [_bytes_at(a, n) for a, n in batch.places])
         return None

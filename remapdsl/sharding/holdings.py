@@ -101,7 +101,7 @@ def hold(compiled: Compiled, tensors: Mapping[str, Any], layout: LayoutPlan | No
             p = Placed(whole_shard(d.shape), (), (), None, None)
             local[d.runtime_key] = tensor
         placed[d.runtime_key] = p
-        if tuple(local[d.runtime_key].shape) != p.shard.shape:
+        if local[d.runtime_key].shape != p.shard.shape:
             problems.append(Diagnostic(code="E233", span=d.rule, message=f"`{d.runtime_key}` is "
                             f"{list(local[d.runtime_key].shape)} on rank {rank}, but its layout gives "
                             f"this rank {list(p.shard.shape)} of {list(d.shape)}"))
@@ -146,14 +146,22 @@ def check_state_dict(compiled: Compiled, tensors: Mapping[str, Any]) -> None:
     problems = []
     keep = [re.compile(p) for p in compiled.keep]
     produced = {d.runtime_key for d in compiled.runtime_tensors}
+    names: dict = {}  # torch dtype -> its name in the rules (`bfloat16`), found once a dtype
     for d in compiled.runtime_tensors:
         tensor = tensors.get(d.runtime_key)
+        if tensor is not None:
+            dtype = tensor.dtype
+            name = names.get(dtype)
+            if name is None:
+                name = names[dtype] = str(dtype).removeprefix("torch.")
+            if name == d.dtype and tensor.shape == d.shape:  # torch.Size is a tuple
+                continue
         if tensor is None:
             close = suggest(d.runtime_key, list(tensors))
             problems.append(Diagnostic(code="E230", span=d.rule, message=f"the rules produce "
                             f"`{d.runtime_key}`, but the model has no such tensor",
                             hint=f"did you mean `{close}`?" if close else None))
-        elif tuple(tensor.shape) != d.shape or str(tensor.dtype) != f"torch.{d.dtype}":
+        else:
             problems.append(Diagnostic(code="E232", span=d.rule, message=f"`{d.runtime_key}` is "
                             f"{list(tensor.shape)} {str(tensor.dtype).removeprefix('torch.')} in the "
                             f"model, but the rules make it {list(d.shape)} {d.dtype}",

@@ -116,26 +116,37 @@ def make_load_plan(compiled: Compiled, inventory: Inventory, held: Mapping[str, 
     items: list[ReadItem] = []
     decodes: list[DecodeItem] = []
     logical = compiled.logical_by_key()
+    infos = inventory.tensors
+    nbytes = owned = 0
     for d in compiled.runtime_tensors:
         shard = held.get(d.runtime_key)
         if shard is None:
             continue
+        key = d.runtime_key
         for box, local_offsets in zip(shard.boxes, shard.local_offsets):
             if d.grid:
                 _check_grid(d, box, rank)
-            for block in d.blocks_meeting(box.offsets, box.sizes):
-                piece = intersect(block, box.offsets, box.sizes)
+            at, extent = box
+            for block in d.blocks_meeting(at, extent):
+                piece = intersect(block, at, extent)
                 if piece is None:
                     continue
-                local = tuple(lo + o - bo for lo, o, bo in zip(local_offsets, piece.offsets, box.offsets))
-                if piece.source_key in logical:
-                    decodes.append(_decode_item(d.runtime_key, local, piece, logical[piece.source_key], inventory))
+                local = piece.offsets if local_offsets == at else \
+                    tuple(lo + o - bo for lo, o, bo in zip(local_offsets, piece.offsets, at))
+                source = piece.source_key
+                if source is None:
+                    items.append(ReadItem(key, local, piece.sizes, None, None, None, None, (), piece.steps,
+                                          piece.fill))
+                elif source in logical:
+                    decodes.append(_decode_item(key, local, piece, logical[source], inventory))
                 else:
-                    items.append(_item(d.runtime_key, local, piece, inventory))
-    items.sort(key=lambda i: (i.file or "", i.runs.first if i.runs else -1, i.runtime_key, i.local_offsets))
+                    info = infos[source]
+                    item = _item(key, local, piece, info)
+                    nbytes += item.runs.total
+                    owned += volume(piece.sizes) * BY_NAME[info.dtype].bits // 8
+                    items.append(item)
+    items.sort(key=_file_order)
     decodes.sort(key=lambda i: (i.parts[0].file, i.parts[0].runs.first, i.runtime_key, i.local_offsets))
-    nbytes = sum(i.runs.total for i in items if i.runs)
-    owned = sum(volume(i.sizes) * BY_NAME[i.dtype].bits // 8 for i in items if i.ckpt_key)
     values = sum(i.parts[0].runs.total for i in decodes)
     scales = sum(p.runs.total for i in decodes for p in i.parts[1:])
     owned += sum(_owned_values(i, logical[i.logical], inventory) for i in decodes)
@@ -143,6 +154,11 @@ def make_load_plan(compiled: Compiled, inventory: Inventory, held: Mapping[str, 
     return LoadPlan.model_construct(  # built here from checked parts: no validation pass over every item
         rank=rank, items=tuple(items), decodes=tuple(decodes), bytes_owned=owned,
         bytes_read=nbytes + values + scales, scale_bytes_read=scales, files=tuple(sorted(files)))
+
+
+def _file_order(item: ReadItem) -> tuple:
+    """Plain items in file order (fills first), then by where they go."""
+    return (item.file or "", item.runs.first if item.runs else -1, item.runtime_key, item.local_offsets)
 
 
 def _decode_item(runtime_key: str, local: tuple[int, ...], piece: Block, source, inventory: Inventory
@@ -208,10 +224,8 @@ def _owned_values(item: DecodeItem, source, inventory: Inventory) -> int:
     return -(-volume(item.sizes) * values.nbytes // max(1, volume(source.shape)))
 
 
-def _item(runtime_key: str, local: tuple[int, ...], piece: Block, inventory: Inventory) -> ReadItem:
-    if piece.source_key is None:
-        return ReadItem(runtime_key, local, piece.sizes, None, None, None, None, (), piece.steps, piece.fill)
-    info = inventory.tensors[piece.source_key]
+def _item(runtime_key: str, local: tuple[int, ...], piece: Block, info) -> ReadItem:
+    """The read of a piece of checkpoint tensor `info` (a TensorInfo)."""
     runs, strides, flat = block_runs(piece, info.shape, info.byte_offset, BY_NAME[info.dtype].bits // 8)
     return ReadItem(runtime_key, local, piece.sizes, piece.source_key, info.file, info.dtype, runs, strides,
                     piece.steps, None, flat)
