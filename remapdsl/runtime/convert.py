@@ -59,13 +59,15 @@ def convert(src, dst, rules, *, reverse: bool = False, like=None, max_shard_byte
 
 
 def _convert(src, dst: Path, rules, reverse, like, max_shard_bytes, budget_bytes, overwrite, progress):
-
-
     start = time.perf_counter()
-    if reverse and like is None:
-        raise RemapError(Diagnostic(code="E520", message="a reverse conversion writes the layout of the original "
-                                    "checkpoint: give it with `like` (`--like DIR`)"))
-    checkpoint, compiled = compile_everywhere(rules, like if reverse else src)  # the layout the rules read
+
+    def check_like() -> None:
+        if reverse and like is None:
+            raise RemapError(Diagnostic(code="E520", message="a reverse conversion writes the layout of the "
+                                        "original checkpoint: give it with `like` (`--like DIR`)"))
+
+    # the layout the rules read
+    checkpoint, compiled = compile_everywhere(rules, like if reverse else src, check=check_like)
     runtime_source = dist.share_inventory(src) if reverse else None
     runtime = {d.runtime_key: d for d in compiled.runtime_tensors}
     rank, world = dist.rank(), dist.world_size()

@@ -3,21 +3,40 @@
 Interface (every rank calls each function, in this order, as DCP's planners do):
 `share_inventory` (rank 0 reads the headers, the others receive them), `together(fn[, agree_on])`
 (run a phase; an error on any rank becomes the same error, naming every failing rank, on all ranks,
-instead of a hang; with `agree_on`, the ranks also compare the digest of what they compiled).
-Each is one collective.
+instead of a hang; with `agree_on`, the ranks also compare digests of what they were given, and on
+a difference say what differs), `broadcast_from_first` (tensors every rank holds whole). Each
+exchange is one collective (two for objects: their sizes, then their bytes).
+
+Every collective here is issued by this module on buffers it keeps referenced until the backend has
+released them: gloo's worker threads hold each finished work (its tensors) for a moment after the
+caller wakes, and a tensor whose last reference is dropped on such a thread needs the interpreter's
+lock; during interpreter shutdown that aborts the process ("terminate called without an active
+exception"). So when a call returns, no thread of the backend holds anything of it
+(docs/distributed.md, "Leaving the group clean").
 """
 
 from __future__ import annotations
 
+import pickle
+import sys
+import time
 from collections.abc import Callable
-from typing import TypeVar
+from typing import Any, NamedTuple, TypeVar
 
+import torch
 import torch.distributed as dist
 
+from .. import errors
 from ..checkpoint import Inventory, open_inventory
 from ..errors import Diagnostic, RemapError
 
 T = TypeVar("T")
+
+# How long a finished collective may wait for the backend's threads to let go of its buffers (in
+# practice microseconds; the bound only keeps a backend that never lets go from hanging a call).
+SETTLE_SECONDS = 5.0
+# On a disagreement, how many distinct versions of one aspect are described (the first rank of each).
+MAX_VERSIONS = 4
 
 
 def active() -> bool:
@@ -42,54 +61,115 @@ def share_inventory(checkpoint) -> Inventory:
 
 def from_first(fn: Callable[[], T]) -> T:
     """Rank 0's `fn()`, on every rank (one broadcast); an error there is raised on every rank."""
+    return from_rank(0, fn)
+
+
+def from_rank(source: int, fn: Callable[[], T]) -> T:
+    """Rank `source`'s `fn()`, on every rank; an error there is raised on every rank, naming it."""
     if not active():
         return fn()
-    box: list = [None]
-    if dist.get_rank() == 0:
+    payload = None
+    if dist.get_rank() == source:
         try:
-            box[0] = (None, fn())
+            payload = _dumps((None, fn()))
         except Exception as exc:  # noqa: BLE001 - sent to the other ranks, then raised
-            box[0] = (_report(exc), None)
-    dist.broadcast_object_list(box, src=0)
-    report, value = box[0]
+            payload = _dumps((_report(exc), None))
+    report, value = pickle.loads(_broadcast_bytes(payload, source))
     if report is not None:
-        _raise([(0, report)], dist.get_world_size())
+        _raise([(source, report)], dist.get_world_size())
     return value
 
 
-def together(fn: Callable[[], T], agree_on: tuple[str, Callable[[T], str]] | None = None) -> T:
+class Agreement(NamedTuple):
+    """What the ranks must have been given alike, for `together(..., agree_on=...)`.
+
+    `digests(result)` maps each aspect (the rules, the config, ...) to a digest of this rank's; all
+    ranks exchange those. Where an aspect differs, the first rank of each version sends
+    `detail(result, aspect)` and `explain(aspect, {rank: detail})` says, in sentences, what differs.
+    """
+
+    what: str
+    digests: Callable[[Any], dict[str, str]]
+    detail: Callable[[Any, str], Any] | None = None
+    explain: Callable[[str, dict[int, Any]], list[str]] | None = None
+    hint: str = "every rank must load the same rules from the same checkpoint"
+
+
+def together(fn: Callable[[], T], agree_on: Agreement | tuple[str, Callable[[T], str]] | None = None) -> T:
     """Run one phase on every rank; if any rank fails, all raise the same error naming the ranks.
 
-    With `agree_on=(what, digest)`, the ranks also compare `digest(result)` in the same exchange:
-    a rank that compiled something else (other rules, other checkpoint) makes every rank fail
-    with a message naming the difference, not hang.
+    With `agree_on` (an Agreement, or `(what, digest)`), the ranks also compare digests of their
+    results in the same exchange: a rank given something else (other rules, another checkpoint or
+    config, another layout) makes every rank fail with E410 saying what differs, instead of a hang
+    or a silently different result.
     """
+    if agree_on is not None and not isinstance(agree_on, Agreement):
+        what, digest = agree_on
+        agree_on = Agreement(what, lambda result: {what: digest(result)})
     error: BaseException | None = None
-    result = None
+    result = digests = None
     try:
         result = fn()
+        digests = agree_on.digests(result) if agree_on is not None and active() else None
     except Exception as exc:  # noqa: BLE001 - shared with the other ranks, then raised
         error = exc
     if not active():
         if error is not None:
             raise error
         return result
-    mine = (_report(error), None) if error is not None else (
-        None, agree_on[1](result) if agree_on is not None else None)
-    gathered: list = [None] * dist.get_world_size()
-    dist.all_gather_object(gathered, mine)
+    mine = (_report(error), None) if error is not None else (None, digests)
+    gathered = [pickle.loads(b) for b in _all_gather_bytes(_dumps(mine))]
     failed = [(r, report) for r, (report, _) in enumerate(gathered) if report is not None]
     if failed:
         _raise(failed, len(gathered))
-    digests = [digest for _, digest in gathered]
-    if agree_on is not None and len(set(digests)) > 1:
-        groups: dict[str, list[int]] = {}
-        for r, d in enumerate(digests):
-            groups.setdefault(d, []).append(r)
-        detail = "; ".join(f"ranks {v} have {k[:12]}" for k, v in groups.items())
-        raise RemapError(Diagnostic(code="E410", message=f"ranks disagree on the {agree_on[0]}: {detail}",
-                                    hint="every rank must load the same rules from the same checkpoint"))
+    if agree_on is not None:
+        _agree(agree_on, result, [d for _, d in gathered])
     return result
+
+
+def _agree(agreement: Agreement, result, digests: list[dict[str, str]]) -> None:
+    """E410 on every rank when the ranks' digests differ: per aspect, which ranks have which
+    version, and (from the first rank of each version) what the difference is."""
+    lines: list[str] = []
+    for aspect in sorted({a for d in digests for a in d}):
+        versions: dict[str | None, list[int]] = {}
+        for r, d in enumerate(digests):
+            versions.setdefault(d.get(aspect), []).append(r)
+        if len(versions) < 2:
+            continue
+        groups = list(versions.values())
+        lines.append(f"{aspect}: " + "; ".join(f"{_ranks(g)} {'has' if len(g) == 1 else 'have'} {str(v)[:12]}"
+                                             for v, g in versions.items()))
+        if agreement.detail is None or agreement.explain is None:
+            continue
+        details = {g[0]: from_rank(g[0], lambda: _safely(agreement.detail, result, aspect))
+                   for g in groups[:MAX_VERSIONS]}
+        try:
+            lines.extend(f"  {s}" for s in agreement.explain(aspect, details))
+        except Exception as exc:  # noqa: BLE001 - the digests above still say who differs
+            lines.append(f"  (the difference could not be described: {type(exc).__name__}: {exc})")
+    if lines:
+        raise RemapError(Diagnostic(code="E410", message=f"ranks disagree on the {agreement.what}:\n"
+                                    + "\n".join(lines), hint=agreement.hint))
+
+
+def _safely(fn, *args):
+    try:
+        return fn(*args)
+    except Exception as exc:  # noqa: BLE001 - described as text instead
+        return f"<{type(exc).__name__}: {exc}>"
+
+
+def _ranks(ranks: list[int]) -> str:
+    """`rank 3`, `ranks 0-2, 5`: a list of ranks, runs collapsed."""
+    runs: list[list[int]] = []
+    for r in ranks:
+        if runs and runs[-1][1] == r - 1:
+            runs[-1][1] = r
+        else:
+            runs.append([r, r])
+    text = ", ".join(str(a) if a == b else f"{a}-{b}" for a, b in runs)
+    return f"rank {text}" if len(ranks) == 1 else f"ranks {text}"
 
 
 def _report(error: BaseException) -> tuple:
@@ -98,15 +178,34 @@ def _report(error: BaseException) -> tuple:
 
 
 def _raise(failed: list[tuple[int, tuple]], world: int) -> None:
+    """The one error every rank raises for the failures of `failed` (rank, report): user errors
+    keep their diagnostics and class, each message naming the ranks it came from unless every rank
+    raised it; anything else is E411, naming each rank with its error."""
     if all(rep[2] is not None for _, rep in failed):  # user errors: the same diagnostics everywhere
-        seen: dict[str, Diagnostic] = {}
-        for _, rep in failed:
+        seen: dict[str, tuple[Diagnostic, list[int]]] = {}
+        for r, rep in failed:
             for d in rep[2]:
-                seen.setdefault(d.render(), d)
-        raise RemapError(tuple(seen.values()))
-    lines = [f"rank {r}: {kind}: {text}" for r, (kind, text, _) in failed]
-    raise RemapError(Diagnostic(code="E411", message=f"{len(failed)} of {world} ranks failed:\n"
-                                + "\n".join(lines)))
+                seen.setdefault(d.render(), (d, []))[1].append(r)
+        shown = tuple(d if len(ranks) == world else d.model_copy(update={"message": f"{d.message} (on {_ranks(ranks)})"})
+                      for d, ranks in seen.values())
+        kinds = {rep[0] for _, rep in failed}
+        error = _error_class(kinds.pop() if len(kinds) == 1 else "RemapError")(shown)
+    else:
+        lines = [f"{_ranks([r])}: {kind}: {errors.shorten(text, 500)}" for r, (kind, text, _) in failed]
+        error = RemapError(Diagnostic(code="E411", message=f"{len(failed)} of {world} ranks failed:\n"
+                                      + "\n".join(lines)))
+    error.failed_ranks = tuple(r for r, _ in failed)
+    raise error
+
+
+def _error_class(name: str) -> type[RemapError]:
+    """The RemapError subclass of that name (so `except BindError` holds on every rank)."""
+    todo, found = [RemapError], {}
+    while todo:
+        cls = todo.pop()
+        found[cls.__name__] = cls
+        todo.extend(cls.__subclasses__())
+    return found.get(name, RemapError)
 
 
 def broadcast_from_first(tensors: list) -> None:
@@ -114,11 +213,64 @@ def broadcast_from_first(tensors: list) -> None:
     backend cannot carry (FP8 on gloo) pass unchanged."""
     if not active():
         return
-    import torch
-
     for tensor in tensors:
         buffer = tensor if tensor.is_contiguous() else tensor.contiguous()
-        dist.broadcast(buffer.view(torch.uint8) if buffer.dim() else buffer.reshape(1).view(torch.uint8), src=0)
+        flat = buffer.view(torch.uint8) if buffer.dim() else buffer.reshape(1).view(torch.uint8)
+        _settled(lambda: dist.broadcast(flat, src=0, async_op=True), [flat])
         if buffer is not tensor:
             tensor.copy_(buffer)
 
+
+def _dumps(value) -> bytes:
+    return pickle.dumps(value, protocol=pickle.HIGHEST_PROTOCOL)
+
+
+def _broadcast_bytes(payload: bytes | None, source: int) -> bytes:
+    """`payload` of rank `source` on every rank: its size, then its bytes (two broadcasts)."""
+    size = torch.tensor([len(payload) if payload is not None else 0], dtype=torch.int64)
+    _settled(lambda: dist.broadcast(size, src=source, async_op=True), [size])
+    data = torch.frombuffer(bytearray(payload), dtype=torch.uint8) if payload is not None \
+        else torch.empty(int(size.item()), dtype=torch.uint8)
+    _settled(lambda: dist.broadcast(data, src=source, async_op=True), [data])
+    return payload if payload is not None else data.numpy().tobytes()
+
+
+def _all_gather_bytes(payload: bytes) -> list[bytes]:
+    """Every rank's `payload`, in rank order: the sizes, then the bytes padded to the longest."""
+    world = dist.get_world_size()
+    size = torch.tensor([len(payload)], dtype=torch.int64)
+    sizes = [torch.zeros(1, dtype=torch.int64) for _ in range(world)]
+    _settled(lambda: dist.all_gather(sizes, size, async_op=True), [size, *sizes])
+    lengths = [int(s.item()) for s in sizes]
+    data = torch.zeros(max(lengths), dtype=torch.uint8)
+    data[:len(payload)] = torch.frombuffer(bytearray(payload), dtype=torch.uint8)
+    out = [torch.empty(max(lengths), dtype=torch.uint8) for _ in range(world)]
+    _settled(lambda: dist.all_gather(out, data, async_op=True), [data, *out])
+    return [o[:n].numpy().tobytes() for o, n in zip(out, lengths)]
+
+
+def _settled(start: Callable[[], Any], buffers: list[torch.Tensor]) -> None:
+    """Run one collective to completion and return only once the backend holds none of `buffers`.
+
+    A finished work stays referenced by the backend's worker thread for a moment after `wait()`
+    returns; the tensors it holds keep a reference to their Python objects, so each buffer's
+    reference count is above what it was before the collective until the backend lets go. Waiting
+    for that here (the interpreter lock released, so the thread can finish) means no buffer of
+    this module is ever freed on a backend thread, and none is left for interpreter shutdown.
+    """
+    before = _references(buffers)
+    work = start()
+    work.wait()
+    del work
+    deadline, pause = time.monotonic() + SETTLE_SECONDS, 1e-5
+    while _references(buffers) > before and time.monotonic() < deadline:
+        time.sleep(pause)
+        pause = min(pause * 2, 1e-2)
+
+
+def _references(buffers: list[torch.Tensor]) -> int:
+    """The references to all of `buffers` together (counted the same way before and after)."""
+    total = 0
+    for buffer in buffers:
+        total += sys.getrefcount(buffer)
+    return total

@@ -21,7 +21,7 @@ from ..gcpause import paused_gc
 from ..sharding.holdings import hold
 from ..sharding.plans import make_load_plan
 from . import dist
-from .prepare import compile_everywhere
+from .prepare import compile_everywhere, layout_agreement
 from .read import run_load_plan
 
 
@@ -68,8 +68,8 @@ def _load(state_dict, checkpoint, rules, config, strict, layout, mesh, read_repl
                             bytes_read=plan.bytes_read, bytes_owned=plan.bytes_owned,
                             scale_bytes_read=plan.scale_bytes_read, rank=rank,
                             seconds=time.perf_counter() - start)
-        return report, [holding.local[k] for k in shared]
+        return report, [holding.local[k] for k in shared], holding
 
-    report, shared = dist.together(read)
+    report, shared, _ = dist.together(read, agree_on=layout_agreement("tensor layouts", lambda r: r[2]))
     dist.broadcast_from_first(shared)  # after every rank's reads succeeded, so none waits in vain
     return report

@@ -3,17 +3,27 @@ the model config, and the rules compiled identically on every rank, the ranks ag
 
 `load`, `save` and `convert` all start here. torch is imported only in a distributed job's path
 (`remapdsl.runtime.dist`), when `compile_everywhere` runs.
+
+Every failure of these steps on any rank (a rule file that does not parse, a config that cannot be
+read, a checkpoint that cannot be opened, rules that do not fit it) goes through the ranks' error
+exchange, so every rank raises the same error naming the rank it came from; none is left waiting
+in a collective its peer never joins.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
-from collections.abc import Mapping
-from typing import Any
+import os
+from collections.abc import Callable, Mapping
+from typing import Any, NamedTuple
 
 from ..checkpoint import Inventory, read_config
 from ..compile import Compiled, compile_rules
+from ..errors import shorten
 from ..language.includes import RuleSet, load_rules
+
+MAX_LISTED = 5  # differences listed per aspect when ranks disagree; the rest counted
 
 
 def compile_digest(ruleset: RuleSet, config: Mapping[str, Any], strict: bool, checkpoint=None) -> str:
@@ -21,30 +31,194 @@ def compile_digest(ruleset: RuleSet, config: Mapping[str, Any], strict: bool, ch
     checkpoint this process was given (an Inventory: all of it; a path: its name and the names and
     sizes of its safetensors files, listed without opening them, so a rank given another checkpoint
     than rank 0 is caught even though it reads rank 0's headers). Equal inputs, equal digests."""
-    import hashlib
-
-    from ..checkpoint.inventory import listing
-
-    text = json.dumps([[f.source for f in ruleset.files], config, strict], sort_keys=True, default=str)
-    digest = hashlib.sha256(text.encode())
-    if isinstance(checkpoint, Inventory):
-        digest.update(checkpoint.model_dump_json().encode())
-    elif checkpoint is not None:
-        digest.update(json.dumps(listing(checkpoint)).encode())
+    digest = hashlib.sha256()
+    for value in _inputs(ruleset, config, strict, checkpoint).digests().values():
+        digest.update(value.encode())
     return digest.hexdigest()
 
 
-def compile_everywhere(rules, checkpoint, config=None, strict: bool = True) -> tuple[Inventory, Compiled]:
+class _Inputs(NamedTuple):
+    """What one rank compiled from, by aspect: what the ranks compare, and describe when they differ."""
+
+    rules: list[tuple[str, str]]  # (path, text) of each rule file, the top-level one first
+    config: Mapping[str, Any]
+    strict: bool
+    checkpoint: Any  # the checkpoint's listing (a path), or its inventory as JSON
+
+    def digests(self) -> dict[str, str]:
+        return {"rule files": _sha([text for _, text in self.rules]), "config": _sha(self.config),
+                "strict mode": _sha(self.strict), "checkpoint": _sha(self.checkpoint)}
+
+    def detail(self, aspect: str) -> Any:
+        return {"rule files": self.rules, "config": self.config, "strict mode": self.strict,
+                "checkpoint": self.checkpoint}[aspect]
+
+
+def _inputs(ruleset: RuleSet, config, strict: bool, checkpoint) -> _Inputs:
+    from ..checkpoint.inventory import listing
+
+    if isinstance(checkpoint, Inventory):
+        seen = checkpoint.model_dump_json()
+    elif checkpoint is None or not os.path.exists(checkpoint):  # listed as the folder above it otherwise
+        seen = None if checkpoint is None else [f"{os.path.basename(os.path.abspath(checkpoint))} (missing)", []]
+    else:
+        seen = listing(checkpoint)
+    return _Inputs([(f.path, f.source) for f in ruleset.files], config, strict, seen)
+
+
+def _sha(value) -> str:
+    return hashlib.sha256(json.dumps(value, sort_keys=True, default=str).encode()).hexdigest()
+
+
+class _Prepared(NamedTuple):
+    inputs: _Inputs
+    compiled: Compiled
+
+
+def compile_everywhere(rules, checkpoint, config=None, strict: bool = True,
+                       check: Callable[[], None] | None = None) -> tuple[Inventory, Compiled]:
     """Every rank: the rules, rank 0's headers of `checkpoint` shared, the config, compiled
     identically, before any data is read. Compiling is a pure function of its inputs, so the ranks
-    compare a digest of those (cheaper than hashing what they compiled): other rules, another config
-    or another checkpoint on any rank fails every rank (E410)."""
+    compare digests of those (cheaper than hashing what they compiled): other rules, another config
+    or another checkpoint on any rank fails every rank (E410), naming the file, line, key or size
+    that differs. `check` (the caller's own checks of its arguments) runs first, on every rank.
+
+    Two exchanges: rank 0's headers (a broadcast carrying them or rank 0's error), then every
+    rank's rules, config and compile (one exchange carrying each rank's error or digests)."""
     from . import dist  # torch is imported only here
 
-    ruleset = rules if isinstance(rules, RuleSet) else load_rules(rules)
-    inventory = dist.share_inventory(checkpoint)
-    config = read_config(inventory) if config is None else config
-    digest = compile_digest(ruleset, config, strict, checkpoint)
-    compiled = dist.together(lambda: compile_rules(ruleset, inventory, config, strict=strict),
-                             agree_on=("compiled rules and checkpoint", lambda _: digest))
-    return inventory, compiled
+    def first() -> Inventory:
+        if check is not None:
+            check()
+        return checkpoint if isinstance(checkpoint, Inventory) else _open(checkpoint)
+
+    inventory = dist.from_first(first)  # always one broadcast: every rank makes the same collectives
+
+    def prepare() -> _Prepared:
+        if check is not None:
+            check()
+        ruleset = rules if isinstance(rules, RuleSet) else load_rules(rules)
+        given = read_config(inventory) if config is None else config
+        return _Prepared(_inputs(ruleset, given, strict, checkpoint),
+                         compile_rules(ruleset, inventory, given, strict=strict))
+
+    agreement = dist.Agreement("compiled rules and checkpoint", lambda p: p.inputs.digests(),
+                               lambda p, aspect: p.inputs.detail(aspect), explain_difference)
+    return inventory, dist.together(prepare, agree_on=agreement).compiled
+
+
+def _open(checkpoint) -> Inventory:
+    from ..checkpoint import open_inventory
+
+    return open_inventory(checkpoint)
+
+
+def explain_difference(aspect: str, details: dict[int, Any]) -> list[str]:
+    """Sentences saying how each rank's `aspect` differs from the first rank's (`details`: the
+    first rank of each version -> its detail)."""
+    (base, ours), *others = details.items()
+    out: list[str] = []
+    for r, theirs in others:
+        if aspect == "rule files":
+            found = _rules_difference(ours, theirs)
+        elif aspect == "config":
+            found = _mapping_difference(ours, theirs, "config key")
+        elif aspect == "checkpoint":
+            found = _checkpoint_difference(ours, theirs)
+        else:
+            found = [f"{_show(ours)} vs {_show(theirs)}"]
+        more = len(found) - MAX_LISTED
+        out.extend(f"rank {base} vs rank {r}: {s}" for s in found[:MAX_LISTED])
+        if more > 0:
+            out.append(f"rank {base} vs rank {r}: and {more} more difference{'s' if more > 1 else ''}")
+    return out
+
+
+def _show(value, limit: int = 60) -> str:
+    return f"`{shorten(json.dumps(value, default=str) if not isinstance(value, str) else value, limit)}`"
+
+
+def _rules_difference(ours: list, theirs: list) -> list[str]:
+    """The first line that differs in each rule file, by position (the top-level file first)."""
+    out = []
+    for (path, text), (other_path, other_text) in zip(ours, theirs):
+        if path != other_path and text != other_text:
+            out.append(f"rule file {_show(path)} vs {_show(other_path)}")
+        if text == other_text:
+            continue
+        a, b = text.splitlines(), other_text.splitlines()
+        line = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+        left = _show(a[line].strip()) if line < len(a) else "no such line"
+        right = _show(b[line].strip()) if line < len(b) else "no such line"
+        out.append(f"{_show(path)} line {line + 1}: {left} vs {right}")
+    for path, _ in ours[len(theirs):]:
+        out.append(f"rule file {_show(path)} only on the first")
+    for path, _ in theirs[len(ours):]:
+        out.append(f"rule file {_show(path)} only on the second")
+    return out
+
+
+def _mapping_difference(ours: Mapping, theirs: Mapping, what: str) -> list[str]:
+    out = []
+    for key in sorted(set(ours) | set(theirs), key=str):
+        if key not in theirs:
+            out.append(f"{what} {_show(str(key))}: {_show(ours[key])} vs missing")
+        elif key not in ours:
+            out.append(f"{what} {_show(str(key))}: missing vs {_show(theirs[key])}")
+        elif _sha(ours[key]) != _sha(theirs[key]):
+            out.append(f"{what} {_show(str(key))}: {_show(ours[key])} vs {_show(theirs[key])}")
+    return out
+
+
+def _checkpoint_difference(ours, theirs) -> list[str]:
+    """Folder names, then each safetensors file missing on one side or of another size."""
+    if not (isinstance(ours, list) and isinstance(theirs, list)):
+        return [f"checkpoint {_show(ours)} vs {_show(theirs)}"]
+    out = []
+    if ours[0] != theirs[0]:
+        out.append(f"checkpoint folder {_show(ours[0])} vs {_show(theirs[0])}")
+    sizes, other_sizes = dict(map(tuple, ours[1])), dict(map(tuple, theirs[1]))
+    for name in sorted(set(sizes) | set(other_sizes)):
+        a, b = sizes.get(name), other_sizes.get(name)
+        if a != b:
+            out.append(f"file {_show(name)}: " + (f"{a} B" if a is not None else "missing") + " vs "
+                       + (f"{b} B" if b is not None else "missing"))
+    return out
+
+
+def layout_agreement(what: str, holding_of: Callable[[Any], Any]):
+    """The ranks' agreement on where each runtime tensor lives: its mesh sizes and placements, as
+    each rank's own holding says (a DTensor's, or its layout plan's). A rank given another layout
+    or mesh fails every rank (E410), naming the tensors that differ, before its plan is used."""
+    from . import dist
+
+    def describe(result) -> dict[str, str]:
+        shown: dict[int, str] = {}  # tensors of one spec share their Placed: described once
+        out = {}
+        for runtime_key, p in holding_of(result).placed.items():
+            text = shown.get(id(p))
+            if text is None:
+                text = shown[id(p)] = f"mesh {list(p.sizes)} {', '.join(map(_placement, p.placements)) or 'whole'}"
+            out[runtime_key] = text
+        return out
+
+    def explain(aspect: str, details: dict[int, Any]) -> list[str]:
+        (base, ours), *others = details.items()
+        out = []
+        for r, theirs in others:
+            found = _mapping_difference(ours, theirs, "tensor")
+            out.extend(f"rank {base} vs rank {r}: {s}" for s in found[:MAX_LISTED])
+            if len(found) > MAX_LISTED:
+                out.append(f"rank {base} vs rank {r}: and {len(found) - MAX_LISTED} more tensors")
+        return out
+
+    return dist.Agreement(what, lambda result: {"layout": _sha(describe(result))},
+                          lambda result, aspect: describe(result), explain,
+                          hint="every rank must place each tensor alike (the same layout plan and mesh, or "
+                               "DTensors of one mesh and the same placements)")
+
+
+def _placement(placement) -> str:
+    """`Shard(0)`, `Replicate()`, `StridedShard(0, 2)`: a placement with its values, for a message."""
+    values = [str(v) for k, v in placement if k != "kind"] if hasattr(placement, "model_fields") else [repr(placement)]
+    return f"{type(placement).__name__}({', '.join(values)})"

@@ -30,7 +30,7 @@ from ..gcpause import paused_gc
 from ..sharding.holdings import hold, owned
 from ..sharding.plans import make_write_plan
 from . import dist
-from .prepare import compile_everywhere
+from .prepare import compile_everywhere, layout_agreement
 from .write import run_write_plan
 
 
@@ -50,12 +50,6 @@ class SaveReport(BaseModel):
 def save(state_dict, folder, rules, *, like=None, config: Mapping[str, Any] | None = None, layout=None, mesh=None,
          overwrite: bool = False, allow_lossy: bool = False, requantize: bool = False) -> SaveReport:
     """Write runtime tensors back to the checkpoint layout `like`; the arguments are `remapdsl.save`'s."""
-    if like is None:
-
-        raise RemapError(Diagnostic(code="E520", message="a save writes the checkpoint layout the rules read: "
-                                    "give that checkpoint with `like` (its keys, files and headers); rules "
-                                    "alone do not give the sizes of every tensor",
-                                    hint="or write the runtime layout itself with `remapdsl convert`"))
     with paused_gc():
         return _save(state_dict, Path(folder).absolute(), rules, like, config, layout, mesh, overwrite, allow_lossy,
                      requantize)
@@ -63,10 +57,9 @@ def save(state_dict, folder, rules, *, like=None, config: Mapping[str, Any] | No
 
 def _save(state_dict, folder: Path, rules, like, config, layout, mesh, overwrite, allow_lossy,
           requantize) -> SaveReport:
-
     start = time.perf_counter()
     # not strict: a checkpoint tensor no rule reads is the save's own error (E501, below)
-    inventory, compiled = compile_everywhere(rules, like, config, strict=False)
+    inventory, compiled = compile_everywhere(rules, like, config, strict=False, check=lambda: _check_like(like))
     tensors = state_dict.state_dict(keep_vars=True) if hasattr(state_dict, "state_dict") else state_dict
     rank = dist.rank()
 
@@ -74,9 +67,10 @@ def _save(state_dict, folder: Path, rules, like, config, layout, mesh, overwrite
         chosen = derive_writers(compiled, allow_lossy=allow_lossy, requantize=requantize)
         holding = hold(compiled, tensors, layout, mesh, rank)
         return (make_write_plan(chosen, inventory, owned(holding, rank), rank, compiled.logical_by_key(), requantize),
-                holding.local)
+                holding)
 
-    plan, local = dist.together(prepare)
+    plan, holding = dist.together(prepare, agree_on=layout_agreement("tensor layouts", lambda r: r[1]))
+    local = holding.local
     copies = copied_parts(compiled) if rank == 0 and not requantize else []  # stored scales, as they are
     reader = CheckpointReader(inventory)
     try:
@@ -87,6 +81,14 @@ def _save(state_dict, folder: Path, rules, like, config, layout, mesh, overwrite
     copied = sum(inventory.tensors[k].nbytes for k in copies)
     return SaveReport(folder=str(folder), rank=rank, bytes_written=plan.bytes_written + copied, files=plan.files,
                       seconds=time.perf_counter() - start, sync_seconds=sync_seconds)
+
+
+def _check_like(like) -> None:
+    if like is None:
+        raise RemapError(Diagnostic(code="E520", message="a save writes the checkpoint layout the rules read: "
+                                    "give that checkpoint with `like` (its keys, files and headers); rules "
+                                    "alone do not give the sizes of every tensor",
+                                    hint="or write the runtime layout itself with `remapdsl convert`"))
 
 
 def write_output(folder: Path, layout, *, headers=None, index=None, copy_from=None, overwrite: bool,

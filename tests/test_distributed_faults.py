@@ -1,0 +1,139 @@
+"""Failures on one rank of a real gloo group (3 processes, CPU) end in one error on every rank.
+
+Before any tensor byte moves, each failure (a rule file that does not parse, a checkpoint that
+cannot be opened, rules that do not fit) and each disagreement (other rules, another checkpoint,
+config or layout) must surface on every rank as the same RemapError, naming the rank it came from
+and, for a disagreement (E410), what differs; and the group must stay usable for the next call.
+Each rank writes what it raised per case; the parent compares the ranks.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import traceback
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from gloo import shut_down
+
+import remapdsl
+from remapdsl.sharding import LayoutPlan, Mesh, layout_for, local_shard
+
+ROOT = Path(__file__).resolve().parent.parent
+CHECKPOINT = str(ROOT / "examples" / "tiny-qwen3-moe")
+RULES = str(ROOT / "rules" / "qwen3_moe.remap")
+WORLD = 3
+TP = {"*.self_attn.q_proj": "colwise", "*.self_attn.o_proj": "rowwise"}
+
+
+def _state() -> dict[str, torch.Tensor]:
+    return remapdsl.compile_rules(remapdsl.load_rules(RULES), CHECKPOINT).empty_state_dict()
+
+
+def _broken_rules(tmp: Path) -> str:
+    path = tmp / "broken.remap"
+    path.write_text(Path(RULES).read_text().replace("concat(dim=", "concatt(dim=", 1))
+    return str(path)
+
+
+def _edited_rules(tmp: Path) -> str:
+    """The shipped rules with one comment line more at line 3: the same program, another text."""
+    lines = Path(RULES).read_text().splitlines(keepends=True)
+    path = tmp / "qwen3_moe.remap"
+    path.write_text("".join(lines[:2] + ["# edited on one rank\n"] + lines[2:]))
+    return str(path)
+
+
+def _local(expected, plan, mesh, rank):
+    return {k: torch.zeros(local_shard(t.shape, mesh.sizes, layout_for(k, t.shape, plan, mesh),
+                                       mesh.coordinate(rank)).shape, dtype=t.dtype) for k, t in expected.items()}
+
+
+def _cases(rank: int, tmp: Path) -> dict:
+    """Each case: what this rank calls (raising, on every rank, the error the parent checks)."""
+    mesh = Mesh.of({"tp": WORLD})
+    colwise = LayoutPlan.from_mapping(TP, mesh_dim="tp")
+    rowwise = LayoutPlan.from_mapping({**TP, "*.self_attn.q_proj": "rowwise"}, mesh_dim="tp")
+    plan = rowwise if rank == 1 else colwise
+    return {
+        "rules_do_not_parse": lambda: remapdsl.load(_state(), CHECKPOINT, _broken_rules(tmp) if rank == 2 else RULES),
+        "checkpoint_missing_on_rank_0": lambda: remapdsl.load(
+            _state(), str(tmp / "nowhere") if rank == 0 else CHECKPOINT, RULES),
+        "checkpoint_missing_on_rank_1": lambda: remapdsl.load(
+            _state(), str(tmp / "nowhere") if rank == 1 else CHECKPOINT, RULES),
+        "config_differs": lambda: remapdsl.load(_state(), CHECKPOINT, RULES, config={
+            **json.loads((Path(CHECKPOINT) / "config.json").read_text()), **({"rope_theta": 1.0} if rank == 1 else {})}),
+        "config_breaks_the_compile": lambda: remapdsl.load(_state(), CHECKPOINT, RULES, config={
+            **json.loads((Path(CHECKPOINT) / "config.json").read_text()), **({"tie_word_embeddings": "yes"} if rank == 2 else {})}),
+        "rules_differ_by_a_line": lambda: remapdsl.load(_state(), CHECKPOINT, _edited_rules(tmp) if rank == 1 else RULES),
+        "layouts_differ_on_load": lambda: remapdsl.load(_local(_state(), plan, mesh, rank), CHECKPOINT, RULES,
+                                                        layout=plan, mesh=mesh),
+        "layouts_differ_on_save": lambda: remapdsl.save(_local(_state(), plan, mesh, rank), tmp.parent / "saved", RULES,
+                                                        like=CHECKPOINT, layout=plan, mesh=mesh),
+        "save_without_like_on_one_rank": lambda: remapdsl.save(_state(), tmp.parent / "saved2", RULES,
+                                                               like=None if rank == 1 else CHECKPOINT),
+        "the_group_still_works": lambda: remapdsl.load(_state(), CHECKPOINT, RULES),
+    }
+
+
+def _worker(rank: int, rendezvous: str, out: str) -> None:
+    dist.init_process_group("gloo", init_method=f"file://{rendezvous}", rank=rank, world_size=WORLD,
+                            timeout=datetime.timedelta(seconds=60))
+    seen = {}
+    try:
+        (Path(out) / f"rank{rank}").mkdir()
+        for name, call in _cases(rank, Path(out) / f"rank{rank}").items():
+            try:
+                call()
+                seen[name] = None
+            except remapdsl.RemapError as exc:
+                seen[name] = {"type": type(exc).__name__, "codes": [d.code for d in exc.diagnostics],
+                              "text": str(exc), "failed_ranks": list(getattr(exc, "failed_ranks", ()))}
+            except Exception:  # noqa: BLE001 - a non-RemapError escaping is itself a failure
+                seen[name] = {"type": "escaped", "text": traceback.format_exc()}
+    finally:
+        Path(out, f"rank{rank}.json").write_text(json.dumps(seen))
+        shut_down()
+
+
+def test_failures_on_one_rank_raise_one_error_on_every_rank(tmp_path):
+    mp.spawn(_worker, args=(str(tmp_path / "rendezvous"), str(tmp_path)), nprocs=WORLD, join=True)
+    seen = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(WORLD)]
+    for name in seen[0]:
+        first = seen[0][name]
+        # one error, the same text on every rank
+        texts = {json.dumps(s[name]) for s in seen}
+        assert len(texts) == 1, (name, [s[name] for s in seen])
+        if name == "the_group_still_works":
+            assert first is None
+            continue
+        assert first is not None and first["type"] != "escaped", (name, first)
+        text = first["text"]
+        if name == "rules_do_not_parse":
+            assert first["codes"] == ["E134"] and first["type"] == "RuleCheckError", first
+            assert "unknown op `concatt`" in text and "(on rank 2)" in text and first["failed_ranks"] == [2]
+        elif name == "checkpoint_missing_on_rank_0":
+            assert first["type"] == "CheckpointError" and "(on rank 0)" in text and first["failed_ranks"] == [0]
+        elif name == "checkpoint_missing_on_rank_1":  # rank 0 read the headers: only the agreement can tell
+            assert first["codes"] == ["E410"], first
+            assert "checkpoint: ranks 0, 2 have" in text and "rank 1 has" in text, text
+            assert "checkpoint folder `tiny-qwen3-moe` vs `nowhere (missing)`" in text, text
+            size = (Path(CHECKPOINT) / "model.safetensors").stat().st_size
+            assert f"file `model.safetensors`: {size} B vs missing" in text, text
+        elif name == "config_differs":
+            assert first["codes"] == ["E410"] and "config key `rope_theta`: missing vs `1.0`" in text, text
+        elif name == "config_breaks_the_compile":
+            assert first["type"] == "BindError" and first["codes"] == ["E210"], first
+            assert "(on rank 2)" in text and first["failed_ranks"] == [2], text
+        elif name == "rules_differ_by_a_line":
+            assert first["codes"] == ["E410"], first
+            assert "rule files: ranks 0, 2 have" in text and "line 3: " in text and "`# edited on one rank`" in text
+        elif name.startswith("layouts_differ"):
+            assert first["codes"] == ["E410"] and "tensor layouts" in text, text
+            assert "tensor `model.layers.0.self_attn.q_proj.weight`: `mesh [3] Shard(0)` vs `mesh [3] Shard(1)`" in text, text
+        elif name == "save_without_like_on_one_rank":
+            assert first["codes"] == ["E520"] and "(on rank 1)" in text, text
+    assert not (tmp_path / "saved").exists() and not (tmp_path / "saved2").exists()  # no failed save left one
