@@ -58,17 +58,20 @@ def _cases(rank: int, tmp: Path) -> dict:
     colwise = LayoutPlan.from_mapping(TP, mesh_dim="tp")
     rowwise = LayoutPlan.from_mapping({**TP, "*.self_attn.q_proj": "rowwise"}, mesh_dim="tp")
     plan = rowwise if rank == 1 else colwise
+    config = json.loads((Path(CHECKPOINT) / "config.json").read_text())
     return {
-        "rules_do_not_parse": lambda: remapdsl.load(_state(), CHECKPOINT, _broken_rules(tmp) if rank == 2 else RULES),
+        "rules_do_not_parse": lambda: remapdsl.load(_state(), CHECKPOINT,
+                                                    _broken_rules(tmp) if rank == 2 else RULES),
         "checkpoint_missing_on_rank_0": lambda: remapdsl.load(
             _state(), str(tmp / "nowhere") if rank == 0 else CHECKPOINT, RULES),
         "checkpoint_missing_on_rank_1": lambda: remapdsl.load(
             _state(), str(tmp / "nowhere") if rank == 1 else CHECKPOINT, RULES),
         "config_differs": lambda: remapdsl.load(_state(), CHECKPOINT, RULES, config={
-            **json.loads((Path(CHECKPOINT) / "config.json").read_text()), **({"rope_theta": 1.0} if rank == 1 else {})}),
+            **config, **({"rope_theta": 1.0} if rank == 1 else {})}),
         "config_breaks_the_compile": lambda: remapdsl.load(_state(), CHECKPOINT, RULES, config={
-            **json.loads((Path(CHECKPOINT) / "config.json").read_text()), **({"tie_word_embeddings": "yes"} if rank == 2 else {})}),
-        "rules_differ_by_a_line": lambda: remapdsl.load(_state(), CHECKPOINT, _edited_rules(tmp) if rank == 1 else RULES),
+            **config, **({"tie_word_embeddings": "yes"} if rank == 2 else {})}),
+        "rules_differ_by_a_line": lambda: remapdsl.load(_state(), CHECKPOINT,
+                                                        _edited_rules(tmp) if rank == 1 else RULES),
         "layouts_differ_on_load": lambda: remapdsl.load(_local(_state(), plan, mesh, rank), CHECKPOINT, RULES,
                                                         layout=plan, mesh=mesh),
         "layouts_differ_on_save": lambda: remapdsl.save(_local(_state(), plan, mesh, rank), tmp.parent / "saved", RULES,
@@ -133,7 +136,66 @@ def test_failures_on_one_rank_raise_one_error_on_every_rank(tmp_path):
             assert "rule files: ranks 0, 2 have" in text and "line 3: " in text and "`# edited on one rank`" in text
         elif name.startswith("layouts_differ"):
             assert first["codes"] == ["E410"] and "tensor layouts" in text, text
-            assert "tensor `model.layers.0.self_attn.q_proj.weight`: `mesh [3] Shard(0)` vs `mesh [3] Shard(1)`" in text, text
+            assert "tensor `model.layers.0.self_attn.q_proj.weight`: `mesh [3] Shard(0)` vs " \
+                   "`mesh [3] Shard(1)`" in text, text
         elif name == "save_without_like_on_one_rank":
             assert first["codes"] == ["E520"] and "(on rank 1)" in text, text
     assert not (tmp_path / "saved").exists() and not (tmp_path / "saved2").exists()  # no failed save left one
+
+
+LOST_TIMEOUT = 60  # the group's timeout in the lost-rank test: the bound on any wait
+
+
+def _loses_a_rank(rank: int, rendezvous: str, out: str) -> None:
+    """Rank 2 dies (SIGKILL) as it opens a checkpoint file to read tensor bytes; the others must
+    fail, not hang.
+    Each survivor then exits as a job's rank does on an uncaught error, without leaving the group."""
+    import os
+    import signal
+    import time
+
+    dist.init_process_group("gloo", init_method=f"file://{rendezvous}", rank=rank, world_size=WORLD,
+                            timeout=datetime.timedelta(seconds=LOST_TIMEOUT))
+    state = _state()
+    if rank == 2:
+        from remapdsl.checkpoint.reader import CheckpointReader
+
+        def die(*args, **kwargs):
+            os.kill(os.getpid(), signal.SIGKILL)
+
+        CheckpointReader._fd = CheckpointReader.mapped = die  # every read opens or maps its file first
+    start = time.monotonic()
+    try:
+        remapdsl.load(state, CHECKPOINT, RULES)
+        seen = {"type": None}
+    except remapdsl.RemapError as exc:
+        seen = {"type": type(exc).__name__, "codes": [d.code for d in exc.diagnostics], "text": str(exc)}
+    except Exception:  # noqa: BLE001
+        seen = {"type": "escaped", "text": traceback.format_exc()}
+    seen["seconds"] = time.monotonic() - start
+    Path(out, f"lost{rank}.json").write_text(json.dumps(seen))
+    os._exit(1)
+
+
+def test_a_rank_killed_mid_load_fails_the_others_within_the_bound(tmp_path):
+    import time
+
+    context = mp.get_context("spawn")
+    procs = [context.Process(target=_loses_a_rank, args=(r, str(tmp_path / "rendezvous"), str(tmp_path)))
+             for r in range(WORLD)]
+    for p in procs:
+        p.start()
+    deadline = time.monotonic() + 3 * LOST_TIMEOUT
+    for p in procs:
+        p.join(max(1.0, deadline - time.monotonic()))
+    alive = [r for r, p in enumerate(procs) if p.is_alive()]
+    for p in procs:
+        if p.is_alive():
+            p.kill()
+    assert not alive, f"ranks {alive} hung after rank 2 was killed"
+    assert not (tmp_path / "lost2.json").exists()  # rank 2 died before it could report anything
+    for r in (0, 1):
+        seen = json.loads((tmp_path / f"lost{r}.json").read_text())
+        assert seen["type"] == "RemapError" and seen["codes"] == ["E413"], seen
+        assert f"rank {r} lost the group while reading" in seen["text"], seen
+        assert seen["seconds"] < LOST_TIMEOUT + 10, seen

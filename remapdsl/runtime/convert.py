@@ -68,13 +68,14 @@ def _convert(src, dst: Path, rules, reverse, like, max_shard_bytes, budget_bytes
 
     # the layout the rules read
     checkpoint, compiled = compile_everywhere(rules, like if reverse else src, check=check_like)
-    runtime_source = dist.share_inventory(src) if reverse else None
+    runtime_source = dist.share_inventory(src, "reading the runtime checkpoint's headers") if reverse else None
     runtime = {d.runtime_key: d for d in compiled.runtime_tensors}
     rank, world = dist.rank(), dist.world_size()
 
     if reverse:
-        dist.together(lambda: _check_runtime_source(compiled, runtime_source, src))
-        chosen = dist.together(lambda: derive_writers(compiled))
+        dist.together(lambda: _check_runtime_source(compiled, runtime_source, src),
+                      phase="checking the runtime checkpoint")
+        chosen = dist.together(lambda: derive_writers(compiled), phase="deriving the writers")
         out_inventory, headers, index, copy_from = checkpoint, None, None, checkpoint.root
     else:
         layout = new_layout(str(dst), {k: (d.dtype, d.shape) for k, d in runtime.items()}, max_shard_bytes)

@@ -51,20 +51,20 @@ def world_size() -> int:
     return dist.get_world_size() if active() else 1
 
 
-def share_inventory(checkpoint) -> Inventory:
+def share_inventory(checkpoint, phase: str = "reading the checkpoint's headers") -> Inventory:
     """Rank 0 reads the checkpoint's headers once; every rank gets the same Inventory (one
     broadcast, carrying either the inventory or rank 0's error)."""
     if isinstance(checkpoint, Inventory):
         return checkpoint
-    return from_first(lambda: open_inventory(checkpoint))  # pickled: rank 0 validated it
+    return from_first(lambda: open_inventory(checkpoint), phase)  # pickled: rank 0 validated it
 
 
-def from_first(fn: Callable[[], T]) -> T:
+def from_first(fn: Callable[[], T], phase: str = "sharing rank 0's result") -> T:
     """Rank 0's `fn()`, on every rank (one broadcast); an error there is raised on every rank."""
-    return from_rank(0, fn)
+    return from_rank(0, fn, phase)
 
 
-def from_rank(source: int, fn: Callable[[], T]) -> T:
+def from_rank(source: int, fn: Callable[[], T], phase: str = "sharing a rank's result") -> T:
     """Rank `source`'s `fn()`, on every rank; an error there is raised on every rank, naming it."""
     if not active():
         return fn()
@@ -74,7 +74,7 @@ def from_rank(source: int, fn: Callable[[], T]) -> T:
             payload = _dumps((None, fn()))
         except Exception as exc:  # noqa: BLE001 - sent to the other ranks, then raised
             payload = _dumps((_report(exc), None))
-    report, value = pickle.loads(_broadcast_bytes(payload, source))
+    report, value = pickle.loads(_broadcast_bytes(payload, source, phase))
     if report is not None:
         _raise([(source, report)], dist.get_world_size())
     return value
@@ -95,7 +95,8 @@ class Agreement(NamedTuple):
     hint: str = "every rank must load the same rules from the same checkpoint"
 
 
-def together(fn: Callable[[], T], agree_on: Agreement | tuple[str, Callable[[T], str]] | None = None) -> T:
+def together(fn: Callable[[], T], agree_on: Agreement | tuple[str, Callable[[T], str]] | None = None,
+             phase: str = "a phase") -> T:
     """Run one phase on every rank; if any rank fails, all raise the same error naming the ranks.
 
     With `agree_on` (an Agreement, or `(what, digest)`), the ranks also compare digests of their
@@ -118,7 +119,7 @@ def together(fn: Callable[[], T], agree_on: Agreement | tuple[str, Callable[[T],
             raise error
         return result
     mine = (_report(error), None) if error is not None else (None, digests)
-    gathered = [pickle.loads(b) for b in _all_gather_bytes(_dumps(mine))]
+    gathered = [pickle.loads(b) for b in _all_gather_bytes(_dumps(mine), phase)]
     failed = [(r, report) for r, (report, _) in enumerate(gathered) if report is not None]
     if failed:
         _raise(failed, len(gathered))
@@ -142,8 +143,8 @@ def _agree(agreement: Agreement, result, digests: list[dict[str, str]]) -> None:
                                              for v, g in versions.items()))
         if agreement.detail is None or agreement.explain is None:
             continue
-        details = {g[0]: from_rank(g[0], lambda: _safely(agreement.detail, result, aspect))
-                   for g in groups[:MAX_VERSIONS]}
+        details = {g[0]: from_rank(g[0], lambda aspect=aspect: _safely(agreement.detail, result, aspect),
+                                   "describing a difference") for g in groups[:MAX_VERSIONS]}
         try:
             lines.extend(f"  {s}" for s in agreement.explain(aspect, details))
         except Exception as exc:  # noqa: BLE001 - the digests above still say who differs
@@ -186,7 +187,8 @@ def _raise(failed: list[tuple[int, tuple]], world: int) -> None:
         for r, rep in failed:
             for d in rep[2]:
                 seen.setdefault(d.render(), (d, []))[1].append(r)
-        shown = tuple(d if len(ranks) == world else d.model_copy(update={"message": f"{d.message} (on {_ranks(ranks)})"})
+        shown = tuple(d if len(ranks) == world else
+                      d.model_copy(update={"message": f"{d.message} (on {_ranks(ranks)})"})
                       for d, ranks in seen.values())
         kinds = {rep[0] for _, rep in failed}
         error = _error_class(kinds.pop() if len(kinds) == 1 else "RemapError")(shown)
@@ -216,7 +218,8 @@ def broadcast_from_first(tensors: list) -> None:
     for tensor in tensors:
         buffer = tensor if tensor.is_contiguous() else tensor.contiguous()
         flat = buffer.view(torch.uint8) if buffer.dim() else buffer.reshape(1).view(torch.uint8)
-        _settled(lambda: dist.broadcast(flat, src=0, async_op=True), [flat])
+        _settled(lambda flat=flat: dist.broadcast(flat, src=0, async_op=True), [flat],
+                 "broadcasting replicated tensors")
         if buffer is not tensor:
             tensor.copy_(buffer)
 
@@ -225,31 +228,31 @@ def _dumps(value) -> bytes:
     return pickle.dumps(value, protocol=pickle.HIGHEST_PROTOCOL)
 
 
-def _broadcast_bytes(payload: bytes | None, source: int) -> bytes:
+def _broadcast_bytes(payload: bytes | None, source: int, phase: str) -> bytes:
     """`payload` of rank `source` on every rank: its size, then its bytes (two broadcasts)."""
     size = torch.tensor([len(payload) if payload is not None else 0], dtype=torch.int64)
-    _settled(lambda: dist.broadcast(size, src=source, async_op=True), [size])
+    _settled(lambda: dist.broadcast(size, src=source, async_op=True), [size], phase)
     data = torch.frombuffer(bytearray(payload), dtype=torch.uint8) if payload is not None \
         else torch.empty(int(size.item()), dtype=torch.uint8)
-    _settled(lambda: dist.broadcast(data, src=source, async_op=True), [data])
+    _settled(lambda: dist.broadcast(data, src=source, async_op=True), [data], phase)
     return payload if payload is not None else data.numpy().tobytes()
 
 
-def _all_gather_bytes(payload: bytes) -> list[bytes]:
+def _all_gather_bytes(payload: bytes, phase: str) -> list[bytes]:
     """Every rank's `payload`, in rank order: the sizes, then the bytes padded to the longest."""
     world = dist.get_world_size()
     size = torch.tensor([len(payload)], dtype=torch.int64)
     sizes = [torch.zeros(1, dtype=torch.int64) for _ in range(world)]
-    _settled(lambda: dist.all_gather(sizes, size, async_op=True), [size, *sizes])
+    _settled(lambda: dist.all_gather(sizes, size, async_op=True), [size, *sizes], phase)
     lengths = [int(s.item()) for s in sizes]
     data = torch.zeros(max(lengths), dtype=torch.uint8)
     data[:len(payload)] = torch.frombuffer(bytearray(payload), dtype=torch.uint8)
     out = [torch.empty(max(lengths), dtype=torch.uint8) for _ in range(world)]
-    _settled(lambda: dist.all_gather(out, data, async_op=True), [data, *out])
+    _settled(lambda: dist.all_gather(out, data, async_op=True), [data, *out], phase)
     return [o[:n].numpy().tobytes() for o, n in zip(out, lengths)]
 
 
-def _settled(start: Callable[[], Any], buffers: list[torch.Tensor]) -> None:
+def _settled(start: Callable[[], Any], buffers: list[torch.Tensor], phase: str) -> None:
     """Run one collective to completion and return only once the backend holds none of `buffers`.
 
     A finished work stays referenced by the backend's worker thread for a moment after `wait()`
@@ -257,15 +260,31 @@ def _settled(start: Callable[[], Any], buffers: list[torch.Tensor]) -> None:
     reference count is above what it was before the collective until the backend lets go. Waiting
     for that here (the interpreter lock released, so the thread can finish) means no buffer of
     this module is ever freed on a backend thread, and none is left for interpreter shutdown.
+
+    A collective the backend fails (a peer process gone, the group's timeout passed) is E413 on
+    this rank, naming the phase; the waits are bounded by the process group's timeout.
     """
     before = _references(buffers)
-    work = start()
-    work.wait()
+    try:
+        work = start()
+        work.wait()
+    except Exception as exc:  # noqa: BLE001 - the backend's own error types differ by backend and version
+        raise RemapError(Diagnostic(
+            code="E413", message=f"rank {dist.get_rank()} lost the group while {phase}: "
+            f"{type(exc).__name__}: {_first_sentence(exc)}",
+            hint="another rank died, was killed or left, or did not reach this step within the process "
+                 "group's timeout (`init_process_group(timeout=...)`); its own log says why")) from None
     del work
     deadline, pause = time.monotonic() + SETTLE_SECONDS, 1e-5
     while _references(buffers) > before and time.monotonic() < deadline:
         time.sleep(pause)
         pause = min(pause * 2, 1e-2)
+
+
+def _first_sentence(exc: BaseException) -> str:
+    """The backend's message, without the advice gloo appends to every error."""
+    text = str(exc).strip().split(". This is typically caused", 1)[0]
+    return errors.shorten(text, 300)
 
 
 def _references(buffers: list[torch.Tensor]) -> int:

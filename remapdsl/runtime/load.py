@@ -70,6 +70,7 @@ def _load(state_dict, checkpoint, rules, config, strict, layout, mesh, read_repl
                             seconds=time.perf_counter() - start)
         return report, [holding.local[k] for k in shared], holding
 
-    report, shared, _ = dist.together(read, agree_on=layout_agreement("tensor layouts", lambda r: r[2]))
+    report, shared, _ = dist.together(read, agree_on=layout_agreement("tensor layouts", lambda r: r[2]),
+                                      phase="reading")
     dist.broadcast_from_first(shared)  # after every rank's reads succeeded, so none waits in vain
     return report

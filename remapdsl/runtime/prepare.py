@@ -92,7 +92,8 @@ def compile_everywhere(rules, checkpoint, config=None, strict: bool = True,
             check()
         return checkpoint if isinstance(checkpoint, Inventory) else _open(checkpoint)
 
-    inventory = dist.from_first(first)  # always one broadcast: every rank makes the same collectives
+    # always one broadcast (an Inventory given too): every rank makes the same collectives
+    inventory = dist.from_first(first, "reading the checkpoint's headers")
 
     def prepare() -> _Prepared:
         if check is not None:
@@ -104,7 +105,7 @@ def compile_everywhere(rules, checkpoint, config=None, strict: bool = True,
 
     agreement = dist.Agreement("compiled rules and checkpoint", lambda p: p.inputs.digests(),
                                lambda p, aspect: p.inputs.detail(aspect), explain_difference)
-    return inventory, dist.together(prepare, agree_on=agreement).compiled
+    return inventory, dist.together(prepare, agree_on=agreement, phase="compiling").compiled
 
 
 def _open(checkpoint) -> Inventory:

@@ -69,7 +69,8 @@ def _save(state_dict, folder: Path, rules, like, config, layout, mesh, overwrite
         return (make_write_plan(chosen, inventory, owned(holding, rank), rank, compiled.logical_by_key(), requantize),
                 holding)
 
-    plan, holding = dist.together(prepare, agree_on=layout_agreement("tensor layouts", lambda r: r[1]))
+    plan, holding = dist.together(prepare, agree_on=layout_agreement("tensor layouts", lambda r: r[1]),
+                                  phase="planning the writes")
     local = holding.local
     copies = copied_parts(compiled) if rank == 0 and not requantize else []  # stored scales, as they are
     reader = CheckpointReader(inventory)
@@ -99,19 +100,21 @@ def write_output(folder: Path, layout, *, headers=None, index=None, copy_from=No
     is raised on every rank and the staging folder is removed. Returns this rank's fsync seconds."""
 
     rank = dist.rank()
-    token = dist.from_first(lambda: (check_destination(folder, overwrite), secrets.token_hex(6))[1])
+    token = dist.from_first(lambda: (check_destination(folder, overwrite), secrets.token_hex(6))[1],
+                            "checking the destination")
     staging = staging_path(folder, token)
-    dist.together(lambda: create_files(staging, layout, headers) if rank == 0 else None)
+    dist.together(lambda: create_files(staging, layout, headers) if rank == 0 else None,
+                  phase="creating the files")
     writer = FileWriter(staging)
     try:
         try:
-            dist.together(lambda: write(writer))
+            dist.together(lambda: write(writer), phase="writing")
         finally:
             synced = time.perf_counter()
             writer.close(sync=True)
             sync_seconds = time.perf_counter() - synced
         dist.together(lambda: commit(staging, folder, layout, token, overwrite, index=index, copy_from=copy_from)
-                      if rank == 0 else None)
+                      if rank == 0 else None, phase="committing")
     except BaseException:
         if rank == 0:
             discard(staging)
