@@ -10,6 +10,7 @@ cannot be undone: both fail the save before any byte is written (E501-E503).
 
 from __future__ import annotations
 
+from math import prod
 from typing import NamedTuple
 
 from ..dtypes import BY_NAME
@@ -44,6 +45,7 @@ def writers(compiled: Compiled, *, allow_lossy: bool = False, requantize: bool =
     problems: list[Diagnostic] = []
     refused: set[str] = set()  # reported already (E502, E503): one error per tensor
     undone: dict[tuple, tuple] = {}  # (load steps, checkpoint dtype) -> (inverse steps, lossy cast)
+    writable: dict[str, bool] = {}  # format -> whether it writes back (as asked)
     for d in order:
         for block in d.blocks:
             key = block.source_key
@@ -52,10 +54,11 @@ def writers(compiled: Compiled, *, allow_lossy: bool = False, requantize: bool =
             cover = covered.get(key)
             source = logical.get(key) or sources[key]
             if cover is None and key in logical:
-                problem = _unwritable(d, source, requantize)
-                if problem is not None:
+                if source.format not in writable:
+                    writable[source.format] = _writes_back(source.format, requantize)
+                if not writable[source.format]:
                     refused.add(key)
-                    problems.append(problem)
+                    problems.append(_unwritable(d, source, requantize))
                     continue
             found = undone.get((block.steps, source.dtype))
             if found is None:
@@ -69,7 +72,7 @@ def writers(compiled: Compiled, *, allow_lossy: bool = False, requantize: bool =
                     hint="pass allow_lossy=True to write the rounded values"))
                 continue
             if cover is None:  # the tensor's first writer: all of its block is new
-                covered[key] = _ALL if volume(block.sizes) == volume(source.shape) else _Covered(source.shape, block)
+                covered[key] = _ALL if prod(block.sizes) == prod(source.shape) else _Covered(source.shape, block)
                 chosen[key] = [Writer(d.runtime_key, block, steps)]
                 continue
             for piece in _new_parts(block, source.shape, cover):  # what earlier rules left: first rule wins
@@ -97,11 +100,14 @@ def writers(compiled: Compiled, *, allow_lossy: bool = False, requantize: bool =
     return [w for pieces in chosen.values() for w in pieces]
 
 
-def _unwritable(d, source, requantize: bool) -> Diagnostic | None:
-    """E503 where a tensor is held dequantized in a format that cannot write it back (as asked)."""
-    fmt = get_format(source.format)
-    if fmt.requantizes if requantize else fmt.encodes:
-        return None
+def _writes_back(format_name: str, requantize: bool) -> bool:
+    """Whether a format writes a dequantized tensor back (with new scales, if `requantize`)."""
+    fmt = get_format(format_name)
+    return fmt.requantizes if requantize else fmt.encodes
+
+
+def _unwritable(d, source, requantize: bool) -> Diagnostic:
+    """E503: a tensor is held dequantized in a format that cannot write it back (as asked)."""
     return Diagnostic(
         code="E503", span=d.rule, message=f"`{d.runtime_key}` holds `{source.logical_key}` dequantized "
         f"({source.format}); writing it back in that format" + (" with new scales" if requantize else "")

@@ -14,6 +14,7 @@ from __future__ import annotations
 import hashlib
 from collections.abc import Mapping
 from functools import lru_cache
+from operator import add, mul
 from typing import NamedTuple
 
 from pydantic import BaseModel, ConfigDict
@@ -118,6 +119,7 @@ def make_load_plan(compiled: Compiled, inventory: Inventory, held: Mapping[str, 
     logical = compiled.logical_by_key()
     infos = inventory.tensors
     nbytes = owned = 0
+    layouts: dict = {}
     for d in compiled.runtime_tensors:
         shard = held.get(d.runtime_key)
         if shard is None:
@@ -138,7 +140,7 @@ def make_load_plan(compiled: Compiled, inventory: Inventory, held: Mapping[str, 
                     items.append(ReadItem(key, local, piece.sizes, None, None, None, None, (), piece.steps,
                                           piece.fill))
                 elif source in logical:
-                    decodes.append(_decode_item(key, local, piece, logical[source], inventory))
+                    decodes.append(_decode_item(key, local, piece, logical[source], inventory, layouts))
                 else:
                     info = infos[source]
                     item = _item(key, local, piece, info)
@@ -161,26 +163,39 @@ def _file_order(item: ReadItem) -> tuple:
     return (item.file or "", item.runs.first if item.runs else -1, item.runtime_key, item.local_offsets)
 
 
-def _decode_item(runtime_key: str, local: tuple[int, ...], piece: Block, source, inventory: Inventory
-                 ) -> DecodeItem:
+def _decode_item(runtime_key: str, local: tuple[int, ...], piece: Block, source, inventory: Inventory,
+                 layouts: dict) -> DecodeItem:
     """The logical box a piece reads (its bounding box: the piece itself for every layout op but a
-    strided one), the covering box of each part, and where the piece sits in the decoded box."""
+    strided one), the covering box of each part, and where the piece sits in the decoded box.
+    `layouts` keeps, per format, parameters, parts' dtypes and shapes and box, what a format says
+    from those alone (its views and covers) and their run layouts: a plan's thousands of experts
+    share a few."""
     shift, size, strides, offset = _box_geometry(piece.coeff, piece.sizes)
-    low = tuple(b + d for b, d in zip(piece.base, shift))
+    box = (tuple(map(add, piece.base, shift)), size)
+    infos = [inventory.tensors[k] for k in source.parts]
+    signature = (source.format, source.params, box, *((i.dtype, i.shape) for i in infos))
+    layout = layouts.get(signature)
+    if layout is None:
+        layout = layouts[signature] = _part_layouts(source, infos, box)
+    reads = tuple(PartRead(info.ckpt_key, info.file, info.dtype, offsets, sizes,
+                           Runs(info.byte_offset + itemsize * sum(map(mul, offsets, major)), *runs), major)
+                  for info, (offsets, sizes, itemsize, major, runs) in zip(infos, layout))
+    return DecodeItem(runtime_key, local, piece.sizes, source.logical_key, source.format, source.params, box,
+                      reads, strides, offset, source.dtype, piece.steps)
+
+
+def _part_layouts(source, infos, box) -> list[tuple]:
+    """Per part of a logical source: its covering box of `box` (offsets, sizes), item size, the
+    row-major strides of its view and the run layout of the box (length, counts, strides)."""
     fmt = get_format(source.format)
     params = source.param_dict()
-    infos = [inventory.tensors[k] for k in source.parts]
     parts = [Part(k, info.dtype, info.shape) for k, info in zip(source.parts, infos)]
-    box = (low, size)
-    reads = []
+    out = []
     for info, view, (offsets, sizes) in zip(infos, fmt.views(parts, params), fmt.cover(box, parts, params)):
         itemsize = BY_NAME[info.dtype].bits // 8
         major, _, runs, _ = run_layout(tuple(view), _identity(len(view)), tuple(sizes), itemsize)
-        first = info.byte_offset + itemsize * sum(o * t for o, t in zip(offsets, major))
-        reads.append(PartRead(info.ckpt_key, info.file, info.dtype, tuple(offsets), tuple(sizes),
-                              Runs(first, runs.length, runs.counts, runs.strides), major))
-    return DecodeItem(runtime_key, local, piece.sizes, source.logical_key, source.format, source.params, box,
-                      tuple(reads), strides, offset, source.dtype, piece.steps)
+        out.append((tuple(offsets), tuple(sizes), itemsize, major, (runs.length, runs.counts, runs.strides)))
+    return out
 
 
 @lru_cache(maxsize=4096)
@@ -273,6 +288,7 @@ def make_write_plan(writers, inventory: Inventory, owned: Mapping[str, LocalShar
     items: list[WriteItem] = []
     encodes: list[DecodeItem] = []
     logical = logical or {}
+    layouts: dict = {}
     by_tensor: dict[str, list] = {}
     for w in writers:
         if w.runtime_key in owned:
@@ -283,7 +299,7 @@ def make_write_plan(writers, inventory: Inventory, owned: Mapping[str, LocalShar
             if len(mine) > FEW_BLOCKS and mine[0].block.offsets else None
         for box, local_offsets in zip(shard.boxes, shard.local_offsets):
             for w in index.meeting(box.offsets, box.sizes) if index else mine:
-                _write_piece(w, box, local_offsets, inventory, logical, items, encodes)
+                _write_piece(w, box, local_offsets, inventory, logical, items, encodes, layouts)
     items.sort(key=lambda i: (i.file, i.runs.first))
     written = sum(i.runs.total for i in items) + sum(i.parts[0].runs.total for i in encodes)
     if requantize:
@@ -293,7 +309,8 @@ def make_write_plan(writers, inventory: Inventory, owned: Mapping[str, LocalShar
         files=tuple(sorted({i.file for i in items} | {i.parts[0].file for i in encodes})))
 
 
-def _write_piece(w, box, local_offsets, inventory: Inventory, logical: Mapping, items: list, encodes: list) -> None:
+def _write_piece(w, box, local_offsets, inventory: Inventory, logical: Mapping, items: list, encodes: list,
+                 layouts: dict) -> None:
     """The piece of writer `w` inside an owned box, as a write item or an encode item."""
     piece = intersect(w.block, box.offsets, box.sizes)
     if piece is None:
@@ -306,7 +323,7 @@ def _write_piece(w, box, local_offsets, inventory: Inventory, logical: Mapping, 
                                runs, strides, w.steps, flat))
         return
     piece = piece._replace(steps=w.steps)
-    item = _decode_item(w.runtime_key, local, piece, logical[piece.source_key], inventory)
+    item = _decode_item(w.runtime_key, local, piece, logical[piece.source_key], inventory, layouts)
     if item.offset or volume(item.box[1]) != volume(item.sizes):
         raise RemapError(Diagnostic(code="E503", message=f"`{w.runtime_key}` holds a strided part of "
                                     f"`{piece.source_key}`: it cannot be written back in its format"))
