@@ -240,6 +240,8 @@ def test_index_file_names_cannot_escape_the_folder(tmp_path, name):
         '{"metadata": {}}',
         '{"weight_map": {}}',
         '{"weight_map": {"a": 3}}',
+        '{"weight_map": {"a": ["model.safetensors"]}}',  # not hashable: once a bare TypeError
+        '{"weight_map": {"a": {"file": "model.safetensors"}}}',
         '{"weight_map": {"a": "x.safetensors", "a": "y.safetensors"}}',
     ],
 )

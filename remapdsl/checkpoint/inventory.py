@@ -280,7 +280,8 @@ def _read_index(root: str, index_file: str) -> dict[str, str]:
 def _first_key_per_file(weight_map: Mapping[str, object]) -> Iterable[tuple[object, str]]:
     seen: dict[object, str] = {}
     for ckpt_key, name in weight_map.items():
-        seen.setdefault(name, ckpt_key)
+        if isinstance(name, str):  # others are reported as not file names (E321)
+            seen.setdefault(name, ckpt_key)
     return seen.items()
 
 
@@ -326,6 +327,12 @@ def _assemble(
             headers[name] = read_header(path, file=name)
         except CheckpointError as exc:
             diags.extend(exc.diagnostics)
+    owner: dict[str, str] = {}  # ckpt_key -> its file, made in C: the per-key checks below run only
+    for name, header in headers.items():  # when a key is in two files or the index differs
+        owner.update(dict.fromkeys(header.tensors, name))
+    if not diags and len(owner) == sum(len(h.tensors) for h in headers.values()) \
+            and (weight_map is None or weight_map == owner):
+        return _inventory(root, headers, ignored, index_file)
     where: dict[str, list[str]] = {}
     for name, header in headers.items():
         for ckpt_key in header.tensors:
@@ -369,14 +376,17 @@ def _assemble(
                 )
     if diags:
         raise CheckpointError(diags)
+    return _inventory(root, headers, ignored, index_file)
+
+
+def _inventory(root: str, headers: dict[str, Header], ignored: tuple[str, ...], index_file: str | None
+               ) -> Inventory:
+    """The inventory of checked headers whose keys are in one file each: built without a second
+    validation pass (`parse_header_object` checked every entry against its file)."""
     tensors = {k: t for header in headers.values() for k, t in header.tensors.items()}
-    return Inventory(
-        root=root,
-        tensors=tensors,
-        files={name: header.info for name, header in headers.items()},
-        ignored_files=ignored,
-        index_file=index_file,
-    )
+    return construct(Inventory, root=root, tensors=FrozenDict(sorted(tensors.items())),
+                     files=FrozenDict(sorted((name, header.info) for name, header in headers.items())),
+                     ignored_files=ignored, index_file=index_file)
 
 
 def read_config(inventory: Inventory) -> dict[str, Any]:
