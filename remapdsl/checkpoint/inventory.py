@@ -257,7 +257,7 @@ def _read_index(root: str, index_file: str) -> dict[str, str]:
             )
         )
     diags = []
-    for ckpt_key, name in weight_map.items():
+    for ckpt_key, name in weight_map.items() if set(map(type, weight_map.values())) != {str} else ():
         if not isinstance(name, str):
             diags.append(
                 _diag("E321", f"{index_file}: tensor `{ckpt_key}` maps to {name!r}, not a file name", path)
@@ -278,11 +278,15 @@ def _read_index(root: str, index_file: str) -> dict[str, str]:
 
 
 def _first_key_per_file(weight_map: Mapping[str, object]) -> Iterable[tuple[object, str]]:
+    names = list(weight_map.values())
+    if set(map(type, names)) == {str}:  # in C: the last pair wins, so reversed, the first does
+        first = dict(zip(reversed(names), reversed(list(weight_map))))
+        return [(name, first[name]) for name in dict.fromkeys(names)]
     seen: dict[object, str] = {}
     for ckpt_key, name in weight_map.items():
         if isinstance(name, str):  # others are reported as not file names (E321)
             seen.setdefault(name, ckpt_key)
-    return seen.items()
+    return list(seen.items())
 
 
 def _unsafe_name(name: str) -> str | None:
