@@ -221,10 +221,10 @@ def _plan(args: argparse.Namespace) -> int:
         tensors = _per_tensor(plan)
         decoded = (f" ({len(plan.decodes)} dequantized, {plan.scale_bytes_read / 1e6:.2f} MB of scales)"
                    if plan.decodes else "")
-        files = ", ".join(plan.files) if len(plan.files) <= 4 else f"{len(plan.files)} files"
+        files = "files " + ", ".join(plan.files) if len(plan.files) <= 4 else f"{len(plan.files)} files"
         print(f"rank {rank} {dict(zip(mesh.names, mesh.coordinate(rank)))}: {len(tensors)} tensors, "
               f"{len(plan.items) + len(plan.decodes)} reads{decoded}, {plan.bytes_read / 1e6:.2f} MB read of "
-              f"{plan.bytes_owned / 1e6:.2f} MB owned, files {files or '-'}")
+              f"{plan.bytes_owned / 1e6:.2f} MB owned, {files if plan.files else 'no file'}")
         if args.tensors:
             for key, (pieces, runs, nbytes) in tensors.items():
                 print(f"    {key}: {pieces} piece{'s' if pieces != 1 else ''}, {runs} run{'s' if runs != 1 else ''}, "
