@@ -138,3 +138,15 @@ def test_the_number_of_diagnostics_shown_is_capped():
     assert len(error.diagnostics) == 500
     assert str(error).count("error[E130]") == MAX_SHOWN
     assert str(error).endswith(f"\u2026 and {500 - MAX_SHOWN} more errors")
+
+
+def test_a_macro_calls_the_macros_defined_above_it_even_when_a_later_one_takes_the_name():
+    """`m30` names `m29` before it is defined (E134): a later `m29` of 2^29 ops is not what it calls,
+    so the expansion stays bounded."""
+    lines = ["macro m0() = transpose(0, 1) | transpose(0, 1)"]
+    lines += [f"macro m{i}() = m{i - 1}() | m{i - 1}()" for i in range(1, 8)]
+    lines += ["macro late() = big() | big()", "macro big() = m7() | m7() | m7()", "a -> b | late() | late()"]
+    started = time.perf_counter()
+    error = check_error("\n".join(lines) + "\n")
+    assert time.perf_counter() - started < 2
+    assert [d.code for d in error.diagnostics] == ["E134", "E134", "E136"]  # big() unknown in late; big is 768

@@ -78,6 +78,7 @@ class _Pass:
         self.lets: dict[str, object] = {}  # name -> constant value (only constant lets)
         self.macros: dict[str, ir.Macro] = {}
         self.sizes: dict[str, int] = {}  # macro -> ops it expands to
+        self.callees: dict[str, dict[str, ir.Macro]] = {}  # macro -> the macros its body calls
         self.too_big: set[str] = set()  # macros already reported as too large
         self.problems: list[Problem] = []
 
@@ -124,7 +125,9 @@ class _Pass:
                         s.span, "each call of a macro copies its ops; call the macros it uses fewer times")
         elif calls & self.too_big:
             self.too_big.add(s.name)
-        self.expand(s.ops, {p: _NOT_CONSTANT for p in s.params}, None)
+        # the macros its body calls, as defined above it (a macro defined later is not the one called)
+        self.callees[s.name] = {name: self.macros[name] for name in calls if name in self.macros}
+        self.expand(s.ops, {p: _NOT_CONSTANT for p in s.params}, None, self.callees[s.name])
         self.macros[s.name], self.sizes[s.name] = s, size  # after: a macro cannot call itself
 
     def pipe(self, ops, span: Span | None, what: str) -> None:
@@ -134,14 +137,15 @@ class _Pass:
                 self.report("E136", f"{what} expands to {size:,} ops through its macros, more than "
                             f"{MAX_OPS}", span, "split the work into several rules or smaller macros")
             return
-        self.expand(ops, {}, None)
+        self.expand(ops, {}, None, self.macros)
 
-    def expand(self, ops, env: dict, call: ir.MacroCall | None) -> None:
+    def expand(self, ops, env: dict, call: ir.MacroCall | None, scope: dict[str, ir.Macro]) -> None:
         """Fold the arguments of each op of a pipe (bounded by `size`), macros with their arguments'
-        values; a problem inside a macro's body is reported at the outermost call."""
+        values; a problem inside a macro's body is reported at the outermost call. `scope`: the
+        macros the pipe's calls name."""
         for op in ops:
             if isinstance(op, ir.MacroCall):
-                macro = self.macros.get(op.name)
+                macro = scope.get(op.name)
                 if macro is None:
                     continue  # unknown: E134
                 args = {p: _NOT_CONSTANT for p in macro.params}
@@ -150,7 +154,7 @@ class _Pass:
                     if name in args:
                         args[name] = self.fold(arg.value, env, call)
                 if call is not None or self.sizes.get(op.name, 1) <= MAX_OPS:
-                    self.expand(macro.ops, args, call or op)
+                    self.expand(macro.ops, args, call or op, self.callees[macro.name])
                 continue
             for param in op.params:
                 value = getattr(op, param.name, None)
