@@ -13,7 +13,9 @@ import os
 from collections.abc import Mapping
 from typing import Any
 
-from .checkpoint import Inventory, open_inventory, read_config
+from .checkpoint import Inventory, open_inventory
+from .checkpoint.snapshot import SnapshotInventory, checkpoint_config, is_snapshot, open_snapshot, require_data
+from .checkpoint.snapshot import write_snapshot as _write_snapshot
 from .compile import Compiled
 from .compile import compile_rules as _compile_rules
 from .compile.explain import explain
@@ -25,9 +27,24 @@ __version__ = "0.1.0"
 
 
 def open_checkpoint(checkpoint: str | os.PathLike | Inventory) -> Inventory:
-    """The inventory of a checkpoint folder (headers, index and config.json; no tensor data), or
-    the one given."""
-    return checkpoint if isinstance(checkpoint, Inventory) else open_inventory(checkpoint)
+    """The inventory of a checkpoint folder (headers, index and config.json; no tensor data), of a
+    snapshot file (`write_snapshot`; a `SnapshotInventory`, which carries its config), or the one
+    given."""
+    if isinstance(checkpoint, Inventory):
+        return checkpoint
+    return open_snapshot(checkpoint) if is_snapshot(checkpoint) else open_inventory(checkpoint)
+
+
+def write_snapshot(checkpoint: str | os.PathLike | Inventory, path: str | os.PathLike) -> str:
+    """Write a checkpoint's headers, index and config.json, without its data, as a small
+    deterministic JSON file that `open_checkpoint`, `compile_rules`, `explain` and `plan_rank`
+    accept in place of the folder; returns the text written.
+
+    Args:
+        checkpoint: a checkpoint folder (or index file, `.safetensors` file, snapshot, Inventory).
+        path: the snapshot file to write (by convention `*.headers.json`).
+    """
+    return _write_snapshot(checkpoint, path)
 
 
 def compile_rules(rules: str | os.PathLike | RuleSet, checkpoint: str | os.PathLike | Inventory,
@@ -36,13 +53,14 @@ def compile_rules(rules: str | os.PathLike | RuleSet, checkpoint: str | os.PathL
 
     Args:
         rules: a .remap file path (or a RuleSet from `load_rules`).
-        checkpoint: a checkpoint folder (or its Inventory).
+        checkpoint: a checkpoint folder, a snapshot file (or either's Inventory).
         config: the model config; by default the checkpoint's config.json ({} when there is none).
         strict: refuse checkpoint tensors that no rule takes and no `drop` names.
     """
     ruleset = rules if isinstance(rules, RuleSet) else load_rules(rules)
     inventory = open_checkpoint(checkpoint)
-    return _compile_rules(ruleset, inventory, read_config(inventory) if config is None else config, strict=strict)
+    return _compile_rules(ruleset, inventory, checkpoint_config(inventory) if config is None else config,
+                          strict=strict)
 
 
 def plan_rank(compiled: Compiled, inventory: Inventory, layout, mesh, rank: int):
@@ -77,6 +95,7 @@ def load(state_dict, checkpoint, rules, *, config: Mapping[str, Any] | None = No
     """
     from .runtime.load import load as _load
 
+    require_data(checkpoint, "a load")
     return _load(state_dict, checkpoint, rules, config=config, strict=strict, layout=layout, mesh=mesh,
                  read_replicated_once=read_replicated_once)
 
@@ -102,6 +121,7 @@ def save(state_dict, folder, rules, *, like=None, config: Mapping[str, Any] | No
     """
     from .runtime.save import save as _save
 
+    require_data(like, "a save (`like`)")
     return _save(state_dict, folder, rules, like=like, config=config, layout=layout, mesh=mesh,
                  overwrite=overwrite, allow_lossy=allow_lossy, requantize=requantize)
 
@@ -124,6 +144,8 @@ def convert(src, dst, rules, *, reverse: bool = False, like=None, max_shard_byte
     """
     from .runtime.convert import convert as _convert
 
+    require_data(src, "a conversion")
+    require_data(like, "a conversion (`like`)")
     return _convert(src, dst, rules, reverse=reverse, like=like, max_shard_bytes=max_shard_bytes,
                     budget_bytes=budget_bytes, overwrite=overwrite, progress=progress)
 
@@ -136,6 +158,7 @@ __all__ = [
     "RemapError",
     "RuleCheckError",
     "RuleSyntaxError",
+    "SnapshotInventory",
     "Span",
     "compile_rules",
     "convert",
@@ -145,4 +168,5 @@ __all__ = [
     "open_checkpoint",
     "plan_rank",
     "save",
+    "write_snapshot",
 ]

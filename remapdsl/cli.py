@@ -57,8 +57,8 @@ def _parser() -> argparse.ArgumentParser:
                                 "check that needs no checkpoint. Exit 0 when clean, 2 on errors.")
     check.add_argument("files", nargs="+", metavar="FILE", help=".remap files")
     check.add_argument("--root", help="folder that includes may not leave (default: each file's folder)")
-    check.add_argument("--checkpoint", metavar="DIR",
-                       help="also compile against this checkpoint (headers only) and report `drop` "
+    check.add_argument("--checkpoint", metavar="DIR|SNAPSHOT",
+                       help="also compile against this checkpoint or snapshot (headers only) and report `drop` "
                        "statements that matched nothing and .safetensors files the index ignores")
     check.set_defaults(run=_check)
 
@@ -76,8 +76,9 @@ def _parser() -> argparse.ArgumentParser:
         "each runtime tensor, its shape and dtype and which regions of which checkpoint tensors fill "
         "it, through which rule.")
     explain.add_argument("rules", metavar="RULES", help="a .remap file")
-    explain.add_argument("--checkpoint", required=True, metavar="DIR",
-                         help="a Hugging Face checkpoint folder (safetensors, with config.json)")
+    explain.add_argument("--checkpoint", required=True, metavar="DIR|SNAPSHOT",
+                         help="a Hugging Face checkpoint folder (safetensors, with config.json), or its "
+                         "snapshot (`remapdsl snapshot`)")
     explain.add_argument("--key", metavar="PATTERN",
                          help="only runtime tensors (or their checkpoint keys) matching this glob")
     explain.add_argument("--blocks", type=int, default=8, metavar="N",
@@ -93,7 +94,8 @@ def _parser() -> argparse.ArgumentParser:
         "per rank, the tensors it holds, its boxes, the bytes it reads and the files it touches, "
         "and totals across ranks. Reads headers only.")
     plan.add_argument("rules", metavar="RULES", help="a .remap file")
-    plan.add_argument("--checkpoint", required=True, metavar="DIR", help="a checkpoint folder")
+    plan.add_argument("--checkpoint", required=True, metavar="DIR|SNAPSHOT",
+                      help="a checkpoint folder, or its snapshot")
     plan.add_argument("--mesh", required=True, metavar="DIMS",
                       help="mesh dims and sizes, outermost first, e.g. `dp=2,tp=4`")
     plan.add_argument("--layout", required=True, metavar="FILE",
@@ -126,6 +128,16 @@ def _parser() -> argparse.ArgumentParser:
                          help="tensors a rank holds at once (default 1GB; a larger tensor alone)")
     convert.add_argument("--overwrite", action="store_true", help="replace DST once the new one is complete")
     convert.set_defaults(run=_convert)
+
+    snapshot = commands.add_parser(
+        "snapshot", help="write a checkpoint's headers, index and config as a small JSON file",
+        description="Write the inventory of a checkpoint (keys, dtypes, shapes, file grouping, index, "
+        "config.json), without tensor data, as a deterministic JSON file that check --checkpoint, "
+        "explain and plan accept in place of the folder.")
+    snapshot.add_argument("checkpoint", metavar="CKPT", help="a checkpoint folder (or index or .safetensors file)")
+    snapshot.add_argument("-o", "--output", required=True, metavar="FILE",
+                          help="the snapshot to write, e.g. model.headers.json (replaced if it exists)")
+    snapshot.set_defaults(run=_snapshot)
 
     show = commands.add_parser("ir", help="print the parsed IR of a rule file",
                                description="Print the typed IR of a rule file, for editors and tools.")
@@ -168,6 +180,14 @@ def _against_checkpoint(rules, folder: str) -> str:
     for file in inventory.ignored_files:
         print(f"{folder}: note: `{file}` is not named by the index and is ignored")
     return f", {len(compiled.runtime_tensors)} runtime tensors from {len(compiled.ckpt_tensors)} checkpoint tensors"
+
+
+def _snapshot(args: argparse.Namespace) -> int:
+    text = remapdsl.write_snapshot(args.checkpoint, args.output)
+    inventory = remapdsl.open_checkpoint(args.output)
+    print(f"wrote {args.output}: {len(inventory.tensors)} tensors in {len(inventory.files)} "
+          f"file{'s' if len(inventory.files) != 1 else ''}, {_bytes(len(text.encode()))}", file=sys.stderr)
+    return EXIT_OK
 
 
 def _fmt(args: argparse.Namespace) -> int:

@@ -1,0 +1,266 @@
+"""A checkpoint without its data: an Inventory plus config.json <-> a small, deterministic JSON file.
+
+A snapshot (`remapdsl snapshot CKPT -o model.headers.json`) records what the compiler and the
+planner read from a checkpoint (every file's header: keys, dtypes, shapes, data offsets and
+`__metadata__`; the index file used; the files the index ignores; config.json), so CI can check
+rules against a release without downloading its weights. Each file's entry is that file's own
+safetensors header, so reading one back (`open_snapshot`) validates it with the very rules headers
+are validated with (`header.parse_header_object`: dtype codes, shapes, offsets that tile the data
+section), each problem located by its path in the JSON. A snapshot holds no tensor data: what
+needs data refuses one with E331 (`require_data`).
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import os
+from collections.abc import Mapping
+from typing import Any
+
+from remapdsl.checkpoint.header import (
+    MAX_HEADER_NBYTES,
+    METADATA_KEY,
+    PREFIX_NBYTES,
+    FileInfo,
+    FrozenDict,
+    load_json_object,
+    parse_header_object,
+)
+from remapdsl.checkpoint.inventory import INDEX_SUFFIX, SUFFIX, Inventory, _unsafe_name, open_inventory, read_config
+from remapdsl.dtypes import BY_NAME
+from remapdsl.errors import CheckpointError, Diagnostic, RemapError
+from remapdsl.trusted import construct
+
+FORMAT = "remapdsl-snapshot"
+VERSION = 1
+MAX_SNAPSHOT_NBYTES = 1 << 30  # a DeepSeek-V3 release (163 files, 138k tensors) is ~15 MB
+MAX_FILE_NBYTES = 1 << 50  # one safetensors file of a snapshot: at most 1 PiB
+_FIELDS = ("config", "files", "format", "ignored_files", "index_file", "version")
+_FILE_FIELDS = ("data_offset", "header", "nbytes")
+
+
+class SnapshotInventory(Inventory):
+    """The inventory a snapshot file describes: no file of it exists, so `root` is the snapshot
+    file itself, and the config travels with it (`config`, config.json as it was)."""
+
+    config: dict[str, Any]
+
+    def __reduce__(self):
+        """Pickled as an Inventory's columns plus the config (the parent's own reduce keeps columns)."""
+        return _snapshot_from, (super().__reduce__(), self.config)
+
+
+def _snapshot_from(reduced, config) -> SnapshotInventory:
+    function, args = reduced
+    inventory = function(*args)
+    return construct(SnapshotInventory, **dict(inventory.__dict__), config=config)
+
+
+def is_snapshot(checkpoint: object) -> bool:
+    """Whether `checkpoint` is a snapshot: a SnapshotInventory, or the path of a `.json` file that is
+    not a safetensors index."""
+    if isinstance(checkpoint, SnapshotInventory):
+        return True
+    if not isinstance(checkpoint, (str, os.PathLike)):
+        return False
+    path = os.fspath(checkpoint)
+    return path.endswith(".json") and not path.endswith(INDEX_SUFFIX) and not os.path.isdir(path)
+
+
+def checkpoint_config(inventory: Inventory) -> dict[str, Any]:
+    """The model config of a checkpoint: its config.json, or the one its snapshot carries."""
+    if isinstance(inventory, SnapshotInventory):
+        return copy.deepcopy(inventory.config)
+    return read_config(inventory)
+
+
+def require_data(checkpoint: object, what: str) -> None:
+    """Refuse a snapshot where tensor data is needed (E331); anything else passes."""
+    if not is_snapshot(checkpoint):
+        return
+    path = checkpoint.root if isinstance(checkpoint, SnapshotInventory) else os.fspath(checkpoint)
+    raise RemapError(Diagnostic(
+        code="E331", path=path,
+        message=f"{what} needs tensor data, and a snapshot holds headers only",
+        hint="give the checkpoint folder itself; a snapshot serves `check --checkpoint`, `explain` and "
+             "`plan`, or write random data in its layout with remapdsl.testing.write_checkpoint"))
+
+
+# ------------------------------------------------------------------------------------------- writing
+
+
+def snapshot_of(checkpoint: str | os.PathLike | Inventory, config: Mapping[str, Any] | None = None) -> dict:
+    """The snapshot of a checkpoint (folder, index, `.safetensors` file, snapshot or Inventory) as a
+    JSON-ready dict; `config` by default the checkpoint's config.json."""
+    if isinstance(checkpoint, Inventory):
+        inventory = checkpoint
+    else:
+        inventory = open_snapshot(checkpoint) if is_snapshot(checkpoint) else open_inventory(checkpoint)
+    files: dict[str, dict] = {}
+    for name, info in inventory.files.items():
+        header: dict[str, Any] = {METADATA_KEY: dict(info.metadata)} if info.metadata else {}
+        files[name] = {"nbytes": info.nbytes, "data_offset": info.data_offset, "header": header}
+    for ckpt_key, t in inventory.tensors.items():
+        begin = t.byte_offset - inventory.files[t.file].data_offset
+        files[t.file]["header"][ckpt_key] = {"dtype": BY_NAME[t.dtype].safetensors, "shape": list(t.shape),
+                                             "data_offsets": [begin, begin + t.nbytes]}
+    return {"format": FORMAT, "version": VERSION, "index_file": inventory.index_file,
+            "ignored_files": list(inventory.ignored_files), "files": files,
+            "config": dict(checkpoint_config(inventory) if config is None else config)}
+
+
+def snapshot_text(snapshot: Mapping[str, Any]) -> str:
+    """A snapshot as text: keys sorted, one tensor a line, so equal checkpoints give equal bytes and
+    a changed tensor is a one-line diff."""
+    def dump(value) -> str:
+        return json.dumps(value, sort_keys=True, ensure_ascii=False, allow_nan=False)
+
+    lines = ["{"]
+    top = [f' "{k}": {dump(snapshot[k])}' for k in sorted(snapshot) if k != "files"]
+    files = []
+    for name in sorted(snapshot["files"]):
+        entry = snapshot["files"][name]
+        header = entry["header"]
+        rows = [f"    {dump(k)}: {dump(header[k])}" for k in sorted(header)]
+        body = "{\n" + ",\n".join(rows) + "\n   }" if rows else "{}"
+        files.append(f'  {dump(name)}: {{\n   "data_offset": {entry["data_offset"]},\n   "header": {body},\n'
+                     f'   "nbytes": {entry["nbytes"]}\n  }}')
+    top.append(' "files": {\n' + ",\n".join(files) + "\n }" if files else ' "files": {}')
+    lines.append(",\n".join(sorted(top, key=lambda line: line.split('"')[1])))
+    lines.append("}")
+    return "\n".join(lines) + "\n"
+
+
+def write_snapshot(checkpoint: str | os.PathLike | Inventory, path: str | os.PathLike,
+                   config: Mapping[str, Any] | None = None) -> str:
+    """Write the snapshot of `checkpoint` to `path` (replaced atomically); returns the text written."""
+    text = snapshot_text(snapshot_of(checkpoint, config))
+    path = os.fspath(path)
+    partial = f"{path}.partial"
+    with open(partial, "w", encoding="utf-8") as f:
+        f.write(text)
+    os.replace(partial, path)
+    return text
+
+
+# ------------------------------------------------------------------------------------------- reading
+
+
+def open_snapshot(path: str | os.PathLike) -> SnapshotInventory:
+    """Read and validate a snapshot file (untrusted input) into the inventory it describes.
+
+    Raises:
+        CheckpointError: E330 for what is not a snapshot of this version (each problem named by its
+            path in the JSON), and the header codes E305-E313 and E322 for the files it describes,
+            all problems at once.
+    """
+    path = os.path.abspath(os.fspath(path))
+    try:
+        with open(path, "rb") as f:
+            raw = f.read(MAX_SNAPSHOT_NBYTES + 1)
+    except OSError as exc:
+        raise CheckpointError(Diagnostic(code="E301", path=path,
+                                         message=f"cannot read the snapshot ({exc.strerror})")) from None
+    if len(raw) > MAX_SNAPSHOT_NBYTES:
+        raise _bad(path, "", f"the file is larger than {MAX_SNAPSHOT_NBYTES} bytes")
+    try:
+        obj = load_json_object(raw, "the snapshot")
+    except ValueError as exc:
+        raise _bad(path, "", str(exc)) from None
+    return parse_snapshot(obj, path)
+
+
+def parse_snapshot(obj: dict, path: str) -> SnapshotInventory:
+    """A decoded snapshot object -> its SnapshotInventory, every field checked."""
+    if obj.get("format") != FORMAT or obj.get("version") != VERSION:
+        found = f"{json.dumps(obj.get('format'))} version {json.dumps(obj.get('version'))}"[:200]
+        raise _bad(path, "format", f"expected `\"format\": \"{FORMAT}\"` and `\"version\": {VERSION}`, found {found}",
+                   "write it again with `remapdsl snapshot` of this remapdsl")
+    diags: list[Diagnostic] = []
+    unknown = sorted(set(obj) - set(_FIELDS))
+    missing = sorted(set(_FIELDS) - set(obj))
+    if unknown or missing:
+        diags.append(_diag(path, "", f"fields must be exactly {', '.join(_FIELDS)}"
+                           f"{'; unknown ' + ', '.join(unknown) if unknown else ''}"
+                           f"{'; missing ' + ', '.join(missing) if missing else ''}"))
+    config, files, index_file = obj.get("config"), obj.get("files"), obj.get("index_file")
+    ignored = obj.get("ignored_files", [])
+    if not isinstance(config, dict):
+        diags.append(_diag(path, "config", f"must be an object (config.json), found {_kind(config)}"))
+    if index_file is not None and not (isinstance(index_file, str) and index_file.endswith(INDEX_SUFFIX)
+                                       and "/" not in index_file and "\\" not in index_file):
+        diags.append(_diag(path, "index_file", f"must be null or a file name ending in `{INDEX_SUFFIX}`"))
+    if not (isinstance(ignored, list) and all(isinstance(n, str) and _unsafe_name(n) is None for n in ignored)):
+        diags.append(_diag(path, "ignored_files", f"must be a list of `*{SUFFIX}` file names"))
+    if not isinstance(files, dict) or not files:
+        diags.append(_diag(path, "files", f"must be a non-empty object of file name to header, found {_kind(files)}"))
+        files = {}
+    tensors: dict = {}
+    infos: dict = {}
+    for name, entry in files.items():
+        where = f"files[{json.dumps(name)}]"
+        why = _unsafe_name(name)
+        if why:
+            diags.append(Diagnostic(code="E322", path=path, message=f"snapshot {where}: file name {why}"))
+            continue
+        info = _file_info(name, entry, where, path, diags)
+        if info is None:
+            continue
+        try:
+            header = parse_header_object(entry["header"], info=info, path=path)
+        except CheckpointError as exc:
+            prefix = f"{name}: "
+            diags.extend(d.model_copy(update={"message": f"snapshot {where}.header: {d.message.removeprefix(prefix)}"})
+                         for d in exc.diagnostics)
+            continue
+        infos[name] = header.info
+        for ckpt_key, t in header.tensors.items():
+            if ckpt_key in tensors:
+                diags.append(Diagnostic(code="E324", path=path, message=f"snapshot {where}.header: tensor "
+                                        f"`{ckpt_key}` is also in files[{json.dumps(tensors[ckpt_key].file)}]"))
+            tensors[ckpt_key] = t
+    if diags:
+        raise CheckpointError(diags)
+    return construct(SnapshotInventory, root=path, tensors=FrozenDict(sorted(tensors.items())),
+                     files=FrozenDict(sorted(infos.items())), ignored_files=tuple(ignored),
+                     index_file=index_file, config=config)
+
+
+def _file_info(name: str, entry: object, where: str, path: str, diags: list[Diagnostic]) -> FileInfo | None:
+    """The FileInfo a snapshot's file entry gives (bounded sizes), or None after saying what is wrong."""
+    if not isinstance(entry, dict) or tuple(sorted(entry)) != _FILE_FIELDS:
+        diags.append(_diag(path, where, f"must be an object with exactly {', '.join(_FILE_FIELDS)}"))
+        return None
+    nbytes, data_offset, header = entry["nbytes"], entry["data_offset"], entry["header"]
+    ok = True
+    if not (type(data_offset) is int and PREFIX_NBYTES <= data_offset <= PREFIX_NBYTES + MAX_HEADER_NBYTES):
+        diags.append(_diag(path, f"{where}.data_offset", f"must be an integer from {PREFIX_NBYTES} to "
+                           f"{PREFIX_NBYTES + MAX_HEADER_NBYTES} (8 + the header length), found {_kind(data_offset)}"))
+        ok = False
+    if not (type(nbytes) is int and 0 <= nbytes <= MAX_FILE_NBYTES):
+        diags.append(_diag(path, f"{where}.nbytes", f"must be an integer from 0 to {MAX_FILE_NBYTES}, "
+                           f"found {_kind(nbytes)}"))
+        ok = False
+    elif ok and nbytes < data_offset:
+        diags.append(_diag(path, f"{where}.nbytes", f"{nbytes} bytes end before the data section at {data_offset}"))
+        ok = False
+    if not isinstance(header, dict):
+        diags.append(_diag(path, f"{where}.header", f"must be an object (the file's safetensors header), "
+                           f"found {_kind(header)}"))
+        ok = False
+    return construct(FileInfo, file=name, nbytes=nbytes, data_offset=data_offset) if ok else None
+
+
+def _kind(value: object) -> str:
+    text = json.dumps(value, default=str)
+    return f"`{text[:60]}{'…' if len(text) > 60 else ''}`"
+
+
+def _diag(path: str, where: str, message: str, hint: str | None = None) -> Diagnostic:
+    return Diagnostic(code="E330", path=path, hint=hint,
+                      message=f"snapshot {where + ': ' if where else ''}{message}")
+
+
+def _bad(path: str, where: str, message: str, hint: str | None = None) -> CheckpointError:
+    return CheckpointError(_diag(path, where, message, hint))
