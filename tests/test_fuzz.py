@@ -5,7 +5,9 @@ files (inline samples, rules/, tests/corpus/) broken by random edits (characters
 inserted, deleted, replaced, runs duplicated, lines swapped); and well-formed generated files
 (tests/strategies.py), as they are and mutated. All go through parse_text and through
 rules_from_text (parse + includes + static checks). Every RemapError must
-render, and every diagnostic with a span must point at a real line and column (1-based).
+render, every diagnostic with a span must point at a real line and column (1-based), and every
+message stays under a size bound however long the input (lines of a million characters, names of
+thousands): a window of a long line, shortened quotes, at most MAX_SHOWN diagnostics shown.
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from remapdsl.errors import RemapError
+from remapdsl.errors import MAX_SHOWN, MAX_TEXT, MAX_WINDOW, RemapError
 from remapdsl.language.formatter import format_rules
 from remapdsl.language.parser import parse_text
 from remapdsl.language.includes import rules_from_text
@@ -130,14 +132,23 @@ def mutate(draw, text: str) -> str:
 mutated_samples = st.sampled_from(ALL_SAMPLES).flatmap(mutate)
 
 
+# One rendered diagnostic: its first line (a path, the code, a message of at most MAX_TEXT), the
+# source window (at most MAX_WINDOW characters, each at most 4 columns wide: a tab) and its carets,
+# and a hint of at most MAX_TEXT. A whole error shows at most MAX_SHOWN of them and a count.
+DIAGNOSTIC_BOUND = 2 * MAX_TEXT + 8 * MAX_WINDOW + 400
+ERROR_BOUND = MAX_SHOWN * (DIAGNOSTIC_BOUND + 2) + 100
+
+
 def check_error(exc: RemapError, text: str) -> None:
-    """A RemapError renders, and each located diagnostic points at a real place of the text."""
+    """A RemapError renders within the size bound, and each located diagnostic points at a real
+    place of the text."""
     rendered = str(exc)
     assert rendered
+    assert len(rendered) <= ERROR_BOUND, (len(rendered), rendered[:2000])
     assert exc.diagnostics
     lines = text.removeprefix("\ufeff").replace("\r\n", "\n").split("\n")
     for diagnostic in exc.diagnostics:
-        assert diagnostic.render()
+        assert len(diagnostic.render()) <= DIAGNOSTIC_BOUND, diagnostic.render()[:2000]
         span = diagnostic.span
         if span is None:
             continue
@@ -187,6 +198,31 @@ def test_mutated_generated_files_raise_only_remap_errors(text):
 def test_generated_files_pass_or_fail_static_checks_cleanly(rules):
     """Well-formed IR with unbound names, odd op arguments...: the static checks report, never crash."""
     front_end(format_rules(rules))
+
+
+@st.composite
+def inflate(draw, text: str) -> str:
+    """A run of the text repeated thousands of times: huge lines, names, patterns and lists."""
+    at = draw(st.integers(0, len(text)))
+    stop = min(len(text), at + draw(st.integers(1, 12)))
+    times = draw(st.sampled_from([500, 5_000, 50_000]))
+    return text[:at] + text[at:stop] * times + text[stop:]
+
+
+@settings(_FUZZ, max_examples=60)
+@given(st.sampled_from(ALL_SAMPLES).flatmap(inflate))
+def test_inflated_rule_files_raise_bounded_remap_errors(text):
+    front_end(text)
+
+
+@pytest.mark.parametrize("text", [
+    "let A = " + "x" * 1_000_000 + "\n",
+    "a." * 500_000 + "w -> b.{L}\n",
+    "".join(f"let A{i} = B{i} + " + "C" * 5_000 + "\n" for i in range(200)),
+    "x -> y | pad(dim=0, to=" + "9" * 29 + ")\n" + "\t" * 10_000 + "| bogus(" + "1, " * 10_000 + ")\n",
+], ids=["huge_name", "huge_pattern", "many_long_errors", "tabs_and_args"])
+def test_huge_inputs_give_bounded_messages(text):
+    front_end(text)
 
 
 @pytest.mark.parametrize("text", SAMPLES, ids=["qwen3_moe", "quantized", "bom_crlf_tabs"])

@@ -150,3 +150,19 @@ def test_a_macro_calls_the_macros_defined_above_it_even_when_a_later_one_takes_t
     error = check_error("\n".join(lines) + "\n")
     assert time.perf_counter() - started < 2
     assert [d.code for d in error.diagnostics] == ["E134", "E134", "E136"]  # big() unknown in late; big is 768
+
+
+def test_check_reports_the_limits_before_any_work(capsys, monkeypatch):
+    """`remapdsl check` on the exponential macros and the int64 pad: located errors, exit 2, fast."""
+    from pathlib import Path
+
+    from remapdsl.cli import main
+
+    monkeypatch.chdir(Path(__file__).resolve().parent.parent)
+    started = time.perf_counter()
+    assert main(["check", "tests/corpus/errors/100_macro_exponential.remap",
+                 "tests/corpus/errors/101_pad_beyond_int64.remap"]) == 2
+    assert time.perf_counter() - started < 5
+    err = capsys.readouterr().err
+    assert "100_macro_exponential.remap:14:1: error[E136]" in err
+    assert "101_pad_beyond_int64.remap:6:21: error[E129]" in err
