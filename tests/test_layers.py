@@ -25,6 +25,7 @@ LAYERS = (
     ("sharding", ("remapdsl.sharding",)),
     ("runtime", ("remapdsl.runtime",)),
     ("api", ("remapdsl",)),
+    ("testing", ("remapdsl.testing",)),
     ("cli", ("remapdsl.cli", "remapdsl.__main__")),
 )
 MAX_LINES = 500

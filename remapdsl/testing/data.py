@@ -1,0 +1,188 @@
+"""Real checkpoints with random values: an inventory or snapshot (keys, dtypes, shapes, files,
+index, config) -> safetensors files on disk, optionally scaled down to the first layers and experts.
+
+What a model author's CI runs the rules against when the real weights are too large to fetch: the
+same keys, dtypes, shapes and file grouping as the release, random values. Values are chosen so
+that a wrong rule shows and a right one round-trips exactly: every float is +-(1 + m/8) * 2^k
+(k in -3..3, m in 0..7; exact in every float dtype, and its products with such scales exact in
+bfloat16), FP8 codes are finite (no NaN or infinity code), E8M0 scales between 2^-7 and 2^7, and
+each tensor's values depend only on the seed and its key (a scaled-down checkpoint holds the same
+values for the tensors it keeps).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import zlib
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from remapdsl import open_checkpoint
+from remapdsl.checkpoint import Inventory
+from remapdsl.checkpoint.header import METADATA_KEY, PREFIX_NBYTES
+from remapdsl.checkpoint.snapshot import FORMAT, VERSION, SnapshotInventory, checkpoint_config, parse_snapshot
+from remapdsl.dtypes import BY_NAME, DType
+
+LAYER_WORDS = ("layers", "h", "blocks")  # `model.layers.3.`, `transformer.h.3.`: a layer's index follows
+EXPERT_WORDS = ("experts",)  # `mlp.experts.7.`: an expert's index follows
+LAYER_CONFIG_KEYS = ("num_hidden_layers", "n_layer", "num_layers")
+EXPERT_CONFIG_KEYS = ("num_experts", "num_local_experts", "n_routed_experts")
+
+
+def write_checkpoint(source: str | os.PathLike | Inventory, folder: str | os.PathLike, *, seed: int = 0,
+                     layers: int | None = None, experts: int | None = None,
+                     config: Mapping[str, Any] | None = None) -> Path:
+    """Write a checkpoint in the layout of `source` (a snapshot, checkpoint folder or Inventory)
+    with random values: the same keys, dtypes, shapes, files and index, and its config.json.
+
+    Args:
+        source: what to imitate; a plain `Inventory.from_shapes` inventory has no config.
+        folder: the output folder (created; existing files of the same names are replaced).
+        seed: the values' seed; each tensor's values depend on the seed and its key only.
+        layers, experts: keep only the first N layers / experts (`scale_down`).
+        config: the config.json to write; by default the source's (scaled down with it).
+    """
+    inventory = source if isinstance(source, Inventory) else open_checkpoint(source)
+    given = dict(checkpoint_config(inventory) if config is None else config)
+    if layers is not None or experts is not None:
+        inventory = scale_down(inventory, layers=layers, experts=experts, config=given)
+        given = inventory.config if config is None else given
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    by_file: dict[str, list] = {name: [] for name in inventory.files}
+    for t in inventory.tensors.values():
+        by_file[t.file].append(t)
+    for name, tensors in by_file.items():
+        tensors.sort(key=lambda t: t.byte_offset)
+        header_bytes, _ = _header(tensors, inventory.files[name].metadata)
+        path = folder.joinpath(*name.split("/"))
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with open(path, "wb") as f:
+            f.write(len(header_bytes).to_bytes(8, "little"))
+            f.write(header_bytes)
+            for t in tensors:
+                f.write(random_bytes(BY_NAME[t.dtype], t.shape, _seed(seed, t.ckpt_key)))
+    if inventory.index_file is not None:
+        weight_map = {k: t.file for k, t in inventory.tensors.items()}
+        total = sum(t.nbytes for t in inventory.tensors.values())
+        (folder / inventory.index_file).write_text(
+            json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2) + "\n")
+    if given or isinstance(inventory, SnapshotInventory):
+        (folder / "config.json").write_text(json.dumps(given, indent=2) + "\n")
+    return folder
+
+
+def _header(tensors: Sequence, metadata: Mapping[str, str]) -> tuple[bytes, dict]:
+    """A safetensors header for `tensors` laid back to back in this order, padded with spaces to
+    a multiple of 8 bytes as the safetensors library pads it; and the header as an object."""
+    obj: dict[str, Any] = {METADATA_KEY: dict(metadata)} if metadata else {}
+    offset = 0
+    for t in tensors:
+        obj[t.ckpt_key] = {"dtype": BY_NAME[t.dtype].safetensors, "shape": list(t.shape),
+                           "data_offsets": [offset, offset + t.nbytes]}
+        offset += t.nbytes
+    text = json.dumps(obj, separators=(",", ":")).encode()
+    return text + b" " * (-len(text) % 8), obj
+
+
+def _seed(seed: int, ckpt_key: str) -> int:
+    return (seed * 0x9E3779B1 + zlib.crc32(ckpt_key.encode())) % 2**63
+
+
+# What `random_bytes` draws per dtype: finite codes only.
+_FP8_CODES = {
+    "float8_e4m3fn": [c for c in range(256) if c & 0x7F != 0x7F],
+    "float8_e5m2": [c for c in range(256) if c & 0x7C != 0x7C],
+    "float8_e4m3fnuz": [c for c in range(256) if c != 0x80],
+    "float8_e5m2fnuz": [c for c in range(256) if c != 0x80],
+    "float8_e8m0fnu": list(range(120, 135)),
+}
+
+
+def random_bytes(dtype: DType, shape: Sequence[int], seed: int) -> bytes:
+    """The bytes of a tensor of `dtype` (a `remapdsl.dtypes` row) and header `shape`, random but
+    finite, as described in the module docstring."""
+    rng = np.random.default_rng(seed)
+    count = int(np.prod(shape, dtype=np.int64)) if shape else 1
+    if dtype.name in _FP8_CODES:
+        return rng.choice(np.array(_FP8_CODES[dtype.name], dtype=np.uint8), size=count).tobytes()
+    if dtype.bits < 8:  # F4, F6: packed codes; every code is finite
+        return rng.integers(0, 256, size=count * dtype.bits // 8, dtype=np.uint8).tobytes()
+    if dtype.kind in ("float", "complex"):
+        n = count * (2 if dtype.kind == "complex" else 1)
+        values = (rng.choice([-1.0, 1.0], n) * (1 + rng.integers(0, 8, n) / 8)
+                  * np.exp2(rng.integers(-3, 4, n))).astype(np.float32)
+        if dtype.name == "bfloat16":
+            return (values.view(np.uint32) >> 16).astype(np.uint16).tobytes()
+        wanted = {"float64": np.float64, "float32": np.float32, "float16": np.float16, "complex64": np.float32}
+        return values.astype(wanted[dtype.name]).tobytes()
+    if dtype.kind == "bool":
+        return rng.integers(0, 2, size=count, dtype=np.uint8).tobytes()
+    numpy_dtype = np.dtype(f"{'i' if dtype.kind == 'int' else 'u'}{dtype.bits // 8}").newbyteorder("<")
+    low = -100 if dtype.kind == "int" else 0
+    return rng.integers(low, low + 200, size=count).astype(numpy_dtype).tobytes()
+
+
+# ------------------------------------------------------------------------------------ scaling down
+
+
+def layer_and_expert(ckpt_key: str) -> tuple[int | None, int | None]:
+    """The layer and expert indices a key names (`model.layers.3.mlp.experts.7.w1` -> (3, 7)), by
+    whole segments: an integer segment right after one of LAYER_WORDS / EXPERT_WORDS."""
+    parts = ckpt_key.split(".")
+    layer = expert = None
+    for word, following in zip(parts, parts[1:]):
+        if following.isdigit():
+            if word in LAYER_WORDS and layer is None:
+                layer = int(following)
+            elif word in EXPERT_WORDS and expert is None:
+                expert = int(following)
+    return layer, expert
+
+
+def scale_down(inventory: Inventory, *, layers: int | None = None, experts: int | None = None,
+               config: Mapping[str, Any] | None = None) -> SnapshotInventory:
+    """The inventory of the first `layers` layers and `experts` experts of a checkpoint, its files
+    laid out anew (files left empty dropped), with the config adjusted to match: the layer count
+    (`num_hidden_layers`, ...), the expert count (`num_experts`, ...), `num_experts_per_tok` at
+    most the experts kept, `mlp_only_layers` and `layer_types` cut to the layers kept,
+    `first_k_dense_replace` at most the layers kept. Tensors that stack all experts in one (a
+    runtime layout) keep their shape."""
+    config = dict(checkpoint_config(inventory) if config is None else config)
+    kept: dict[str, list] = {name: [] for name in inventory.files}
+    for t in sorted(inventory.tensors.values(), key=lambda t: (t.file, t.byte_offset)):
+        layer, expert = layer_and_expert(t.ckpt_key)
+        if (layers is None or layer is None or layer < layers) and (experts is None or expert is None
+                                                                    or expert < experts):
+            kept[t.file].append(t)
+    files = {}
+    for name, tensors in kept.items():
+        if not tensors:
+            continue
+        header_bytes, header = _header(tensors, inventory.files[name].metadata)
+        data_offset = PREFIX_NBYTES + len(header_bytes)
+        files[name] = {"nbytes": data_offset + sum(t.nbytes for t in tensors), "data_offset": data_offset,
+                       "header": header}
+    if layers is not None:
+        for key in LAYER_CONFIG_KEYS:
+            if isinstance(config.get(key), int):
+                config[key] = min(config[key], layers)
+        if isinstance(config.get("mlp_only_layers"), list):
+            config["mlp_only_layers"] = [n for n in config["mlp_only_layers"] if n < layers]
+        if isinstance(config.get("layer_types"), list):
+            config["layer_types"] = config["layer_types"][:layers]
+        if isinstance(config.get("first_k_dense_replace"), int):
+            config["first_k_dense_replace"] = min(config["first_k_dense_replace"], layers)
+    if experts is not None:
+        for key in EXPERT_CONFIG_KEYS:
+            if isinstance(config.get(key), int):
+                config[key] = min(config[key], experts)
+        if isinstance(config.get("num_experts_per_tok"), int):
+            config["num_experts_per_tok"] = min(config["num_experts_per_tok"], experts)
+    snapshot = {"format": FORMAT, "version": VERSION, "index_file": inventory.index_file, "ignored_files": [],
+                "files": files, "config": config}
+    return parse_snapshot(snapshot, f"{inventory.root} (scaled down)")

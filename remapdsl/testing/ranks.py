@@ -1,0 +1,179 @@
+"""Real multi-rank runs on the CPU: a function on N gloo processes this module spawns itself, and
+the sharded-load property on them (every rank's shard equals the whole load, sliced).
+
+Processes are started with `spawn` (a fresh interpreter each: forking a process that holds torch's
+threads is not safe) and meet through a file rendezvous in a temporary folder (no TCP port to race
+for with other jobs). A function run on the ranks must be importable by its module and name (a
+module-level function of a test file is). Each rank's result or failure comes back through a file;
+the caller raises one AssertionError naming every failing rank.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import pickle
+import tempfile
+import time
+import traceback
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import remapdsl
+from remapdsl.checkpoint.snapshot import require_data
+from remapdsl.sharding import LayoutPlan, Mesh, Replicate, Shard, layout_for, local_shard, parse_mesh, read_layout
+
+
+def run_ranks(fn: Callable[..., Any], world: int = 2, *args: Any, timeout: float = 120.0) -> list[Any]:
+    """Run `fn(rank, world, *args)` on `world` gloo processes in one process group; returns each
+    rank's return value, in rank order.
+
+    Raises:
+        AssertionError: every rank that raised, with its message (an AssertionError's) or traceback;
+            a rank that died; ranks still running after `timeout` seconds (then all are stopped).
+    """
+    import torch.multiprocessing as mp
+
+    with tempfile.TemporaryDirectory(prefix="remapdsl-ranks-") as folder:
+        context = mp.start_processes(_entry, args=(world, folder, fn, args, timeout), nprocs=world, join=False,
+                                     start_method="spawn")
+        deadline = time.monotonic() + timeout + 30
+        died = None
+        try:
+            while not context.join(timeout=max(0.1, deadline - time.monotonic())):
+                if time.monotonic() > deadline:
+                    raise AssertionError(f"{world} ranks still running after {timeout:.0f} s: stopped")
+        except mp.ProcessExitedException as exc:
+            died = f"rank {exc.error_index} died (exit code {exc.exit_code})"
+        except mp.ProcessRaisedException as exc:  # a failure outside `fn` (joining the group)
+            died = f"a rank failed: {exc}"
+        finally:
+            for process in context.processes:
+                if process.is_alive():
+                    process.terminate()
+        results, failures = [], [died] if died else []
+        for rank in range(world):
+            path = os.path.join(folder, f"rank{rank}.pickle")
+            if not os.path.exists(path):
+                failures.append(f"rank {rank}: no result")
+                results.append(None)
+                continue
+            with open(path, "rb") as f:
+                ok, value = pickle.load(f)
+            results.append(value if ok else None)
+            if not ok:
+                failures.append(f"rank {rank}: {value}")
+    if failures:
+        raise AssertionError("\n".join(failures))
+    return results
+
+
+def _entry(rank: int, world: int, folder: str, fn, args, timeout: float) -> None:
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{folder}/rendezvous", rank=rank, world_size=world,
+                            timeout=datetime.timedelta(seconds=timeout))
+    outcome: tuple[bool, Any]
+    try:
+        outcome = (True, fn(rank, world, *args))
+    except AssertionError as exc:
+        outcome = (False, str(exc))
+    except BaseException:  # noqa: BLE001 - reported by the parent, with the traceback
+        outcome = (False, traceback.format_exc())
+    with open(os.path.join(folder, f"rank{rank}.pickle"), "wb") as f:
+        try:
+            pickle.dump(outcome, f)
+        except Exception:  # noqa: BLE001 - an unpicklable return value
+            pickle.dump((False, f"returned an unpicklable {type(outcome[1]).__name__}"), f)
+    try:
+        dist.barrier()  # leave together: a rank tearing gloo down while a peer is in a collective can abort it
+    finally:
+        dist.destroy_process_group()
+
+
+def as_mesh(mesh: Mesh | Mapping[str, int] | str) -> Mesh:
+    """A Mesh from a Mesh, `{"tp": 2}` or `"dp=2,tp=2"`."""
+    if isinstance(mesh, Mesh):
+        return mesh
+    return parse_mesh(mesh) if isinstance(mesh, str) else Mesh.of(dict(mesh))
+
+
+def shard_everything(compiled, mesh: Mesh) -> LayoutPlan:
+    """A layout that cuts every runtime tensor on every mesh dim (mesh dim i cuts tensor dim
+    i mod ndim; a 0-dim tensor is replicated): the default of `assert_sharded_equals_whole`."""
+    import glob
+
+    plan = {}
+    for t in compiled.runtime_tensors:
+        ndim = len(t.shape)
+        plan[glob.escape(t.runtime_key)] = [Shard(dim=i % ndim) if ndim else Replicate() for i in range(len(mesh.sizes))]
+    return LayoutPlan.from_mapping(plan, mesh_dim=mesh.names[0])
+
+
+def assert_sharded_equals_whole(rules, checkpoint, layout: LayoutPlan | Mapping | str | None = None,
+                                mesh: Mesh | Mapping[str, int] | str = "tp=2", *,
+                                config: Mapping[str, Any] | None = None, timeout: float = 120.0) -> list[dict]:
+    """Assert, on real gloo processes spawned for it (one per rank of `mesh`), that every rank's
+    sharded load equals the whole load sliced to that rank, and (for rules without `dequantize`)
+    that each rank reads exactly the bytes it owns.
+
+    Args:
+        rules: a .remap path or RuleSet.
+        checkpoint: a checkpoint folder.
+        layout: a `LayoutPlan`, a mapping of glob to style or placements (tp_plan style, on the
+            mesh's first dim), a layout JSON file, or None: every tensor cut on every mesh dim.
+        mesh: the device mesh: a `Mesh`, `{"tp": 2}` or `"dp=2,tp=2"`.
+        config: the model config; by default the checkpoint's config.json.
+        timeout: seconds the ranks may take.
+
+    Returns:
+        Per rank: `{"bytes_read": ..., "bytes_owned": ...}`.
+
+    Raises:
+        AssertionError: per failing rank (with its mesh coordinate), the tensors whose shard
+            differs: the box, the first differing index and both values; or the bytes read.
+    """
+    require_data(checkpoint, "a sharded load")
+    mesh = as_mesh(mesh)
+    if layout is None:
+        layout = shard_everything(remapdsl.compile_rules(rules, checkpoint, config), mesh)
+    elif isinstance(layout, Mapping):
+        layout = LayoutPlan.from_mapping(dict(layout), mesh_dim=mesh.names[0])
+    elif not isinstance(layout, LayoutPlan):
+        layout = read_layout(layout)
+    remapdsl.compile_rules(rules, checkpoint, config)  # a user error is raised here, once, not per rank
+    return run_ranks(_sharded_rank, mesh.size, rules, os.fspath(checkpoint), layout, mesh, config, timeout=timeout)
+
+
+def _sharded_rank(rank: int, world: int, rules, checkpoint, layout, mesh, config) -> dict:
+    import torch
+
+    from remapdsl.testing.compare import tensor_difference
+
+    compiled = remapdsl.compile_rules(rules, checkpoint, config)
+    whole = compiled.empty_state_dict()
+    remapdsl.load(whole, checkpoint, rules, config=config)
+    local, shards = {}, {}
+    for key, full in whole.items():
+        shard = local_shard(full.shape, mesh.sizes, layout_for(key, full.shape, layout, mesh), mesh.coordinate(rank),
+                            runtime_key=key)
+        local[key] = torch.zeros(shard.shape, dtype=full.dtype)
+        shards[key] = shard
+    report = remapdsl.load(local, checkpoint, rules, layout=layout, mesh=mesh, config=config)
+    found = []
+    for key, shard in shards.items():
+        for box, at in zip(shard.boxes, shard.local_offsets):
+            want = whole[key][tuple(slice(o, o + s) for o, s in zip(box.offsets, box.sizes))]
+            got = local[key][tuple(slice(o, o + s) for o, s in zip(at, box.sizes))]
+            why = tensor_difference(got, want, ("shard", "whole load"))
+            if why:
+                where = ", ".join(f"{o}:{o + s}" for o, s in zip(box.offsets, box.sizes))
+                found.append(f"`{key}`[{where}]: {why} (indices within the box)")
+    if not compiled.logical and report.bytes_read != report.bytes_owned:
+        found.append(f"read {report.bytes_read} B for {report.bytes_owned} B owned")
+    if found:
+        coordinate = ", ".join(f"{n}={c}" for n, c in zip(mesh.names, mesh.coordinate(rank)))
+        raise AssertionError(f"({coordinate}) shards differ from the whole load:\n  " + "\n  ".join(found[:10]))
+    return {"bytes_read": report.bytes_read, "bytes_owned": report.bytes_owned}
