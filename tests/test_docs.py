@@ -75,3 +75,23 @@ def test_the_python_format_example_registers_and_loads(tmp_path):
         assert torch.equal(target["a"], (values.float() * scales[:, None]).to(torch.bfloat16))
     finally:
         unregister_format("int8_row")
+
+
+def test_the_testing_guide_runs_as_printed(tmp_path):
+    """docs/testing.md's pytest file, next to the rules and a snapshot it names, run by pytest with
+    the CI profile it recommends: every test in it passes (the remapdsl plugin gives its fixtures)."""
+    import subprocess
+    import sys
+
+    import remapdsl
+
+    text = (ROOT / "docs" / "testing.md").read_text()
+    (code,) = re.findall(r"```python\n(.*?)```", text, re.S)
+    assert "--hypothesis-profile=remapdsl-ci" in text
+    (tmp_path / "test_mymodel_rules.py").write_text(code)
+    (tmp_path / "qwen3_moe.remap").write_text((ROOT / "rules" / "qwen3_moe.remap").read_text())
+    remapdsl.write_snapshot(ROOT / "examples" / "tiny-qwen3-moe", tmp_path / "model.headers.json")
+    run = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "--hypothesis-profile=remapdsl-ci",
+                          "test_mymodel_rules.py"], cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-2000:]
+    assert "4 passed" in run.stdout
