@@ -193,3 +193,9 @@ def test_snapshot_of_an_inventory_needs_no_files():
     data = snapshot_of(inventory, config={"hidden_size": 2})
     assert data["files"]["model.safetensors"]["header"]["b"] == {"dtype": "F8_E4M3", "shape": [4],
                                                                  "data_offsets": [12, 16]}
+
+
+def test_the_command_reports_a_missing_checkpoint(tmp_path, capsys):
+    assert main(["snapshot", str(tmp_path / "nowhere"), "-o", str(tmp_path / "s.json")]) == 2
+    assert "error[E301]" in capsys.readouterr().err
+    assert not (tmp_path / "s.json").exists()

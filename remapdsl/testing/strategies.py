@@ -4,8 +4,10 @@ tensor. The one module of `remapdsl.testing` that imports hypothesis."""
 
 from __future__ import annotations
 
+import atexit
 import glob
 import os
+import shutil
 import tempfile
 from collections.abc import Sequence
 from pathlib import Path
@@ -27,7 +29,8 @@ def checkpoints(source, *, root: str | os.PathLike | None = None, layers=None, e
                 seeds: st.SearchStrategy[int] = st.integers(0, 2**31 - 1)) -> st.SearchStrategy[Path]:
     """Checkpoint folders written in the layout of `source` (a snapshot, checkpoint folder or
     Inventory): its keys, dtypes, shapes, files and index, random finite values (FP8 and FP4 codes
-    included), each drawn example a new folder under `root` (a fresh temporary folder by default).
+    included), each drawn example a new folder under `root` (by default a temporary folder removed
+    when the process exits).
 
     Args:
         layers, experts: keep the first N layers / experts (an int, or a strategy of ints, e.g.
@@ -35,7 +38,11 @@ def checkpoints(source, *, root: str | os.PathLike | None = None, layers=None, e
         seeds: the values' seeds.
     """
     inventory = open_checkpoint(source)  # read once; every example reuses it
-    base = Path(tempfile.mkdtemp(prefix="remapdsl-checkpoints-") if root is None else root)
+    if root is None:
+        base = Path(tempfile.mkdtemp(prefix="remapdsl-checkpoints-"))
+        atexit.register(shutil.rmtree, base, ignore_errors=True)
+    else:
+        base = Path(root)
 
     @st.composite
     def build(draw) -> Path:
