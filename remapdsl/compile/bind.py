@@ -26,15 +26,24 @@ _MAX_TAILS = 64  # literal endings a pattern's trailing alternatives may expand 
 
 
 class PatternRegex(NamedTuple):
-    """A source pattern as a regex, with the names of its groups."""
+    """A source pattern as a regex, with the names of its groups. The regexes are compiled when
+    first used: a literal key or `{P:path}.weight` is found without one (see scan)."""
 
-    regex: re.Pattern
+    source: str  # the regex, as text
     captures: tuple[tuple[str, str], ...]  # (name, type) in group order
     alternatives: tuple[tuple[str, ...], ...]  # options of each alternatives part
     tails: tuple[str, ...]  # literal endings, one of which every matching key has; () if none
     exact: str | None  # the one key a pattern of literal text alone matches
     head: str | None  # the capture's type when the pattern is one capture, then literal text
-    line: re.Pattern  # the regex with one outer group, matching lines of a text (see scan)
+    line_source: str  # the regex with one outer group, matching lines of a text, as text
+
+    @property
+    def regex(self) -> re.Pattern:
+        return re.compile(self.source)
+
+    @property
+    def line(self) -> re.Pattern:
+        return re.compile(self.line_source, re.MULTILINE)
 
 
 def compile_pattern(pattern: ir.Pattern) -> PatternRegex:
@@ -64,11 +73,11 @@ def compile_pattern(pattern: ir.Pattern) -> PatternRegex:
     last = parts[-1]
     if isinstance(last, ir.DoubleStar) or isinstance(last, ir.Capture) and out[-1].endswith(f">{_PATH})"):
         scanned = out[:-1] + [out[-1].replace(_PATH, _PATH_TO_END)]
-    line = re.compile(f"^({''.join(scanned)})$", re.MULTILINE)
+    line = f"^({''.join(scanned)})$"
     exact = parts[0].text if len(parts) == 1 and isinstance(parts[0], ir.Text) else None
     one_capture = len(parts) == 2 and isinstance(parts[0], ir.Capture) and isinstance(parts[1], ir.Text)
     head = parts[0].type if one_capture else None
-    return PatternRegex(re.compile("".join(out)), tuple(captures), tuple(alternatives), _tails(pattern),
+    return PatternRegex("".join(out), tuple(captures), tuple(alternatives), _tails(pattern),
                         exact, head, line)
 
 
