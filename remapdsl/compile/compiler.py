@@ -279,6 +279,10 @@ class _Compiler:
         outer_of, inner_of, source = _pairs(outer_names), _pairs(inner_names), self.sources()
         namers = None if any(isinstance(part, ir.Alternatives) for p in rule.targets for part in p.parts) \
             else [self.evaluator.namer(p) for p in rule.targets]  # one name a pattern: made once a rule
+        if not ops and namers is not None:  # keys renamed, one binding a group: no op state to carry
+            for captures, keys in bindings:
+                self.produce(rule, [name(captures) for name in namers], list(map(source, keys)), captures, keys)
+            return
         for captures, keys in bindings:
             groups[outer_of(captures)][inner_of(captures)] = (list(map(source, keys)), keys)
         for outer, items in groups.items():
@@ -290,15 +294,17 @@ class _Compiler:
                 captures = dict(outer) | dict(produced)
                 names = [name(captures) for name in namers] if namers is not None \
                     else self.targets(rule, captures, target_names)
-                if len(names) != len(tensors):
-                    self.error("E111", f"the ops leave {len(tensors)} tensors for {len(names)} targets",
-                               rule.span)
-                    raise _RuleFailed
-                for name, tensor in zip(names, tensors):
-                    self.runtime_tensor(rule, name, tensor, keys)
-                self.bindings.append(ir.construct(BoundRule, rule=rule.span,
-                                                  captures=tuple(sorted(captures.items())),
-                                                  ckpt_keys=keys, runtime_keys=tuple(names)))
+                self.produce(rule, names, tensors, captures, keys)
+
+    def produce(self, rule: ir.Rule, names: list[str], tensors: list, captures: dict, keys: tuple) -> None:
+        """The runtime tensors one binding's ops leave, named, and the binding recorded."""
+        if len(names) != len(tensors):
+            self.error("E111", f"the ops leave {len(tensors)} tensors for {len(names)} targets", rule.span)
+            raise _RuleFailed
+        for name, tensor in zip(names, tensors):
+            self.runtime_tensor(rule, name, tensor, keys)
+        self.bindings.append(ir.construct(BoundRule, rule=rule.span, captures=tuple(sorted(captures.items())),
+                                          ckpt_keys=keys, runtime_keys=tuple(names)))
 
     def sources(self) -> Callable[[str], sym.Sym]:
         """The function from a key (a logical tensor's or a checkpoint tensor's) to its symbolic tensor."""
