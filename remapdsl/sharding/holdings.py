@@ -65,6 +65,7 @@ def hold(compiled: Compiled, tensors: Mapping[str, Any], layout: LayoutPlan | No
     """Resolve every runtime tensor's placement on this rank; all problems reported at once."""
     # no DTensor exists unless its module was imported: do not pay that import (~0.5 s) otherwise
     dtensor_type = getattr(sys.modules.get("torch.distributed.tensor"), "DTensor", None)
+    tensor_type = sys.modules["torch"].Tensor if dtensor_type is not None else None
     if layout is None:
         check_state_dict(compiled, tensors)
     else:  # plain local shards: the checks see the global shape, with the local tensor's dtype
@@ -81,13 +82,14 @@ def hold(compiled: Compiled, tensors: Mapping[str, Any], layout: LayoutPlan | No
         if dtensor_type is not None and isinstance(tensor, dtensor_type):
             # the mesh by identity: hashing a DeviceMesh costs more than the rest of this loop
             spec = (id(tensor.device_mesh), tensor.placements, d.shape)
-            if spec not in by_spec:
+            p = by_spec.get(spec)  # one hash of the placements a tensor (torch hashes them in Python)
+            if p is None:
                 dt = placements_from_dtensor(tensor, d.runtime_key)
                 grid = tensor.device_mesh.mesh  # the global rank at each mesh coordinate
-                by_spec[spec] = Placed(dt.local_shard(), dt.mesh.sizes, dt.placements,
-                                       lambda index, grid=grid: int(grid[index]), spec, dt.coordinate or ())
-            p = by_spec[spec]
-            local[d.runtime_key] = _local_tensor(tensor)
+                p = by_spec[spec] = Placed(dt.local_shard(), dt.mesh.sizes, dt.placements,
+                                           lambda index, grid=grid: int(grid[index]), spec, dt.coordinate or ())
+            inner = getattr(tensor, "_local_tensor", None)  # the local shard, without to_local()'s
+            local[d.runtime_key] = inner if isinstance(inner, tensor_type) else tensor.to_local()  # autograd call
         elif layout is not None:
             placements = layout_for(d.runtime_key, d.shape, layout, mesh)
             spec = (placements, d.shape)
@@ -173,14 +175,6 @@ def check_state_dict(compiled: Compiled, tensors: Mapping[str, Any]) -> None:
                             "rule", hint="map it from the checkpoint, or name it in a `keep`"))
     if problems:
         raise BindError(problems)
-
-
-def _local_tensor(tensor) -> Any:
-    """A DTensor's local shard: the tensor it wraps, without `to_local()`'s autograd call (~30 µs)."""
-    import torch
-
-    inner = getattr(tensor, "_local_tensor", None)
-    return inner if isinstance(inner, torch.Tensor) else tensor.to_local()
 
 
 class _Global(NamedTuple):
