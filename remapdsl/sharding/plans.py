@@ -14,6 +14,7 @@ from __future__ import annotations
 import hashlib
 from collections.abc import Mapping
 from functools import lru_cache
+from math import prod
 from operator import add, mul
 from typing import NamedTuple
 
@@ -144,8 +145,9 @@ def make_load_plan(compiled: Compiled, inventory: Inventory, held: Mapping[str, 
                 else:
                     info = infos[source]
                     item = _item(key, local, piece, info)
-                    nbytes += item.runs.total
-                    owned += volume(piece.sizes) * BY_NAME[info.dtype].bits // 8
+                    runs = item.runs
+                    nbytes += runs.length * prod(runs.counts)
+                    owned += prod(piece.sizes) * BY_NAME[info.dtype].bits // 8
                     items.append(item)
     items.sort(key=_file_order)
     decodes.sort(key=lambda i: (i.parts[0].file, i.parts[0].runs.first, i.runtime_key, i.local_offsets))
