@@ -106,11 +106,27 @@ class FileInfo(BaseModel):
     nbytes: int  # size of the whole file
     data_offset: int  # first byte of the data section: 8 + header length
     metadata: dict[str, str] = Field(default_factory=FrozenDict)
+    # the file's modification time when its header was read (None: no file behind it, as in a
+    # synthetic inventory or a snapshot); the reader refuses the file if it changed since (E342)
+    mtime_ns: int | None = None
 
     @field_validator("metadata", mode="after")
     @classmethod
     def _freeze(cls, value: dict[str, str]) -> dict[str, str]:
         return FrozenDict(value)
+
+    def _described(self) -> tuple:
+        return self.file, self.nbytes, self.data_offset, self.metadata
+
+    def __eq__(self, other: object) -> bool:
+        """Equal when they describe the same file layout: `mtime_ns` is when one was looked at (a
+        snapshot, or another node's copy, of the same file compares equal)."""
+        if not isinstance(other, FileInfo):
+            return NotImplemented
+        return self._described() == other._described()
+
+    def __hash__(self) -> int:
+        return hash(self._described())
 
     @model_validator(mode="after")
     def _check(self) -> FileInfo:
@@ -240,7 +256,8 @@ def read_header(path: str | os.PathLike[str], *, file: str | None = None) -> Hea
         raise fail("E314", str(exc)) from None
     except ValueError as exc:
         raise fail("E304", str(exc)) from None
-    info = FileInfo.model_construct(file=name, nbytes=size, data_offset=PREFIX_NBYTES + header_nbytes)
+    info = FileInfo.model_construct(file=name, nbytes=size, data_offset=PREFIX_NBYTES + header_nbytes,
+                                    mtime_ns=st.st_mtime_ns)
     return parse_header_object(obj, info=info, path=path)
 
 
@@ -273,7 +290,8 @@ def parse_header_object(obj: dict, *, info: FileInfo, path: str | None = None) -
         report(code, message, "safetensors requires the tensors to tile the data section exactly")
     if diags:
         raise CheckpointError(diags)
-    file_info = FileInfo(file=info.file, nbytes=info.nbytes, data_offset=info.data_offset, metadata=metadata)
+    file_info = FileInfo(file=info.file, nbytes=info.nbytes, data_offset=info.data_offset, metadata=metadata,
+                         mtime_ns=info.mtime_ns)
     return Header(info=file_info, tensors=tensors)
 
 

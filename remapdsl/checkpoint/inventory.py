@@ -79,6 +79,31 @@ class Inventory(BaseModel):
         columns = tuple([getattr(t, name) for t in infos] for name in _COLUMNS)
         return _from_columns, (self.root, dict(self.files), self.ignored_files, self.index_file, columns)
 
+    def restamped(self, checkpoint: str | os.PathLike[str] | None = None) -> Inventory:
+        """This inventory read from `checkpoint` (a path as `open_inventory` takes; default its own
+        root), with each file's modification time as this process sees it now.
+
+        For a rank that received the headers another rank read (in a job whose nodes may each hold
+        their own copy, at their own path, with their own times): the files its data reads then
+        open, and the times they are checked against. A file that cannot be looked at keeps the
+        time it had (opening it for data reports why)."""
+        if checkpoint is not None:
+            path = os.path.abspath(os.fspath(checkpoint))
+            root = path if os.path.isdir(path) else os.path.dirname(path)
+            if root != self.root:
+                return self.model_copy(update={"root": root}).restamped()
+        files = {}
+        for name, info in self.files.items():
+            if info.mtime_ns is None:
+                files[name] = info
+                continue
+            try:
+                mtime_ns = os.stat(self.path(name)).st_mtime_ns
+            except OSError:
+                mtime_ns = info.mtime_ns
+            files[name] = info if mtime_ns == info.mtime_ns else info.model_copy(update={"mtime_ns": mtime_ns})
+        return self.model_copy(update={"files": FrozenDict(files)})
+
     @property
     def metadata(self) -> dict[str, dict[str, str]]:
         """Each file's `__metadata__`, by file name."""

@@ -4,13 +4,15 @@ No pickle, no whole-file reads: `os.preadv` fills the caller's buffer (a bytearr
 contiguous CPU torch tensor) in place; a strided run set of many short runs (a column shard: one run
 a row) is copied from the file's read-only map in one strided pass, which touches only the pages
 that hold the runs. Every range is checked against the inventory first, so a
-read never leaves the data section of a file, and a file whose size changed since its header was read is
-refused. A `CheckpointReader` may be shared by threads: `os.preadv` does not move a file position.
+read never leaves the data section of a file, and a file whose size or modification time changed since its
+header was read is refused (E342); an operating-system error names the file, the bytes and their tensors
+(E343). A `CheckpointReader` may be shared by threads: `os.preadv` does not move a file position.
 """
 
 from __future__ import annotations
 
 import ctypes
+import errno
 import mmap
 import os
 import threading
@@ -85,10 +87,15 @@ class CheckpointReader:
         """The whole file mapped read-only (for many small strided runs, copied without a read call
         each; only the pages holding them are touched)."""
         fd = self._fd(file)
+        self._check_unchanged(file, fd)  # each time: a map of a file truncated since would fault
         with self._lock:
             maps = self.__dict__.setdefault("_maps", {})
             if file not in maps:
-                maps[file] = mmap.mmap(fd, 0, access=mmap.ACCESS_READ)
+                try:
+                    maps[file] = mmap.mmap(fd, 0, access=mmap.ACCESS_READ)
+                except OSError as exc:
+                    raise self._failed(file, self.inventory.files[file].data_offset,
+                                       self.inventory.files[file].nbytes, exc, "mapping") from None
             return maps[file]
 
     def read_into(self, file: str, byte_offset: int, buffer: object) -> int:
@@ -154,7 +161,10 @@ class CheckpointReader:
         self._check_range(file, first, first + total)
         fd, done, at = self._fd(file), 0, 0
         while done < total:
-            got = _preadv_many(fd, buffers[at:], first + done)
+            try:
+                got = _preadv_many(fd, buffers[at:], first + done)
+            except OSError as exc:
+                raise self._failed(file, first + done, first + total, exc) from None
             if got == 0:
                 self._short(file, first + done, first + total)
             done += got
@@ -214,28 +224,55 @@ class CheckpointReader:
                         code="E301", message=f"{file}: cannot open the file ({exc.strerror})", path=path
                     )
                 ) from None
-            size, expected = os.fstat(fd).st_size, self.inventory.files[file].nbytes
-            if size != expected:
+            try:
+                self._check_unchanged(file, fd)
+            except BaseException:
                 os.close(fd)
-                raise CheckpointError(
-                    Diagnostic(
-                        code="E342",
-                        message=f"{file}: file has {size} bytes, its header said {expected}",
-                        path=path,
-                        hint="the file changed after the checkpoint was opened; open it again",
-                    )
-                )
+                raise
             self._fds[file] = fd
             return fd
+
+    def _check_unchanged(self, file: str, fd: int) -> None:
+        """E342 unless the open file has the size and modification time recorded when its header
+        was read (a file truncated, grown or rewritten in place since: its bytes are no longer what
+        the header describes)."""
+        st, info = os.fstat(fd), self.inventory.files[file]
+        if st.st_size != info.nbytes:
+            found = f"has {st.st_size} bytes, its header said {info.nbytes}"
+        elif info.mtime_ns is not None and st.st_mtime_ns != info.mtime_ns:
+            found = (f"was modified after its header was read (modification time {info.mtime_ns} ns, now "
+                     f"{st.st_mtime_ns} ns), so its bytes may no longer be the ones its header describes")
+        else:
+            return
+        raise CheckpointError(Diagnostic(
+            code="E342", message=f"{file}: file {found}", path=self.inventory.path(file),
+            hint="the file changed after the checkpoint was opened (copied over, truncated or rewritten); "
+                 "open it again once nothing writes to it"))
 
     def _pread_into(self, file: str, view: memoryview, byte_offset: int) -> None:
         fd = self._fd(file)
         done = 0
         while done < view.nbytes:
-            got = _preadv(fd, view[done:], byte_offset + done)
+            try:
+                got = _preadv(fd, view[done:], byte_offset + done)
+            except OSError as exc:
+                raise self._failed(file, byte_offset + done, byte_offset + view.nbytes, exc) from None
             if got == 0:
                 self._short(file, byte_offset + done, byte_offset + view.nbytes)
             done += got
+
+    def _failed(self, file: str, start: int, end: int, exc: OSError, verb: str = "reading") -> CheckpointError:
+        """E343: an operating-system error (EIO, ...) while reading bytes [start, end) of `file`,
+        naming the tensors those bytes belong to."""
+        keys = [t.ckpt_key for t in sorted(self.inventory.tensors.values(), key=lambda t: t.byte_offset)
+                if t.file == file and t.byte_offset < end and start < t.byte_end]  # in file order
+        of = (f"tensor `{keys[0]}`" if len(keys) == 1 else
+              f"tensors `{keys[0]}` to `{keys[-1]}` ({len(keys)})" if keys else "the data section")
+        return CheckpointError(Diagnostic(
+            code="E343", message=f"{file}: {verb} bytes [{start}, {end}) of {of} failed: {os_error(exc)}",
+            path=self.inventory.path(file),
+            hint="the operating system could not read the file (a failing disk, a network file system "
+                 "gone, a file removed under the load); its own log (dmesg) says more"))
 
     def _short(self, file: str, at: int, wanted: int) -> None:
         raise CheckpointError(
@@ -246,6 +283,12 @@ class CheckpointReader:
                 hint="the file was truncated after the checkpoint was opened",
             )
         )
+
+
+def os_error(exc: OSError) -> str:
+    """`EIO (Input/output error)`: an OSError's errno name and text, for a message."""
+    name = errno.errorcode.get(exc.errno, type(exc).__name__) if exc.errno is not None else type(exc).__name__
+    return f"{name} ({exc.strerror or exc})"
 
 
 _HAVE_PREADV = hasattr(os, "preadv")

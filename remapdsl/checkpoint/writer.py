@@ -12,9 +12,11 @@ folder that looks complete.
 
 from __future__ import annotations
 
+import errno
 import os
 import shutil
 import threading
+from contextlib import contextmanager
 from pathlib import Path
 
 import json
@@ -26,6 +28,7 @@ from ..indexmap import Runs, nbytes
 from ..errors import CheckpointError, Diagnostic
 from .header import FileInfo, TensorInfo
 from .inventory import Inventory
+from .reader import os_error
 
 COPIED = ("config.json", "generation_config.json")  # small files a loadable checkpoint carries
 
@@ -105,28 +108,36 @@ def new_layout(root: str, tensors: Mapping[str, tuple[str, tuple[int, ...]]], ma
 def create_files(staging: Path, like: Inventory, headers: Mapping[str, bytes] | None = None) -> None:
     """The staging folder with every file of `like` at its full size and its header: copied from
     `like`'s own files, or taken from `headers` (a new layout) (rank 0)."""
-    staging.mkdir()
+    with _os_errors(staging, "creating the staging folder"):
+        staging.mkdir()
     for name, info in like.files.items():
         if headers is not None:
             header = headers[name]
         else:
-            with open(os.path.join(like.root, name), "rb") as source:
-                header = source.read(info.data_offset)
+            with _os_errors(staging, f"reading the header of {name} to copy it"):
+                with open(os.path.join(like.root, name), "rb") as source:
+                    header = source.read(info.data_offset)
         target = staging / name
-        target.parent.mkdir(parents=True, exist_ok=True)
-        fd = os.open(target, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
-        try:
-            _write_all(fd, memoryview(header), 0)
-            os.ftruncate(fd, info.nbytes)
-        finally:
-            os.close(fd)
+        with _os_errors(staging, f"creating output file {name} ({info.nbytes} B)", needed=len(header)):
+            target.parent.mkdir(parents=True, exist_ok=True)
+            fd = os.open(target, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+            try:
+                _write_all(fd, memoryview(header), 0)
+                os.ftruncate(fd, info.nbytes)
+            finally:
+                os.close(fd)
 
 
 class FileWriter:
-    """Positioned writes into the staging files; shared by threads (pwrite moves no file position)."""
+    """Positioned writes into the staging files; shared by threads (pwrite moves no file position).
 
-    def __init__(self, staging: Path):
+    `planned` is the bytes this rank will write in all (0: not known): a write that finds the disk
+    full says how many are still to come (E511)."""
+
+    def __init__(self, staging: Path, planned: int = 0):
         self.staging = staging
+        self.planned = planned
+        self.written = 0
         self._fds: dict[str, int] = {}
         self._lock = threading.Lock()
 
@@ -134,8 +145,17 @@ class FileWriter:
         with self._lock:
             fd = self._fds.get(file)
             if fd is None:
-                fd = self._fds[file] = os.open(self.staging / file, os.O_WRONLY)
-        _write_all(fd, data, offset)
+                with _os_errors(self.staging, f"opening output file {file}"):
+                    fd = self._fds[file] = os.open(self.staging / file, os.O_WRONLY)
+        try:
+            _write_all(fd, data, offset)
+        except OSError as exc:
+            with self._lock:
+                left = max(self.planned - self.written, data.nbytes) if self.planned else data.nbytes
+            raise _write_error(self.staging, f"writing bytes [{offset}, {offset + data.nbytes}) of output "
+                               f"file {file}", exc, left) from None
+        with self._lock:
+            self.written += data.nbytes
 
     def write_runs(self, file: str, runs: Runs, data: memoryview) -> None:
         """`data` (the concatenation of the runs) written run by run, the runs listed a bounded
@@ -147,13 +167,50 @@ class FileWriter:
                 at += runs.length
 
     def close(self, sync: bool = True) -> None:
-        for fd in self._fds.values():
+        fds, self._fds = self._fds, {}
+        failed = None
+        for file, fd in fds.items():
             try:
-                if sync:
-                    os.fsync(fd)
+                if sync and failed is None:
+                    os.fsync(fd)  # a disk that filled up under delayed allocation fails here
+            except OSError as exc:
+                failed = _write_error(self.staging, f"syncing output file {file} to disk", exc, 0)
             finally:
                 os.close(fd)
-        self._fds.clear()
+        if failed is not None:
+            raise failed
+
+
+@contextmanager
+def _os_errors(staging: Path, operation: str, needed: int = 0):
+    """An OSError inside becomes E511 or E512 naming the operation, the folder and the bytes needed."""
+    try:
+        yield
+    except OSError as exc:
+        raise _write_error(staging, operation, exc, needed) from None
+
+
+def _write_error(staging: Path, operation: str, exc: OSError, needed: int) -> CheckpointError:
+    """E511 for a full disk or quota (ENOSPC, EDQUOT): the bytes still needed and the space free in
+    the destination's folder; E512 for any other operating-system error."""
+    folder = staging.parent
+    what = f"{operation} in {staging.name}"
+    if exc.errno in (errno.ENOSPC, getattr(errno, "EDQUOT", errno.ENOSPC)):
+        try:
+            st = os.statvfs(folder)
+            free = f"{st.f_bavail * st.f_frsize} B free"
+        except OSError:
+            free = "free space unknown"
+        still = f"; {needed} B still to write on this rank" if needed else ""
+        return CheckpointError(Diagnostic(
+            code="E511", message=f"no space left on the device while {what}: {os_error(exc)}{still}; "
+            f"{free} in {folder}", path=str(folder),
+            hint="free space on that file system or save elsewhere; nothing at the destination was changed "
+                 "and the staging folder is removed"))
+    return CheckpointError(Diagnostic(
+        code="E512", message=f"{what} failed: {os_error(exc)}", path=str(folder),
+        hint="the operating system refused the write (a failing disk, a read-only or full file system, "
+             "permissions); nothing at the destination was changed and the staging folder is removed"))
 
 
 def _write_all(fd: int, data: memoryview, offset: int) -> None:
@@ -169,6 +226,12 @@ def commit(staging: Path, folder: Path, like: Inventory, token: str, overwrite: 
            index: dict | None = None, copy_from: str | None = None) -> None:
     """Rank 0, after every rank's writes: the index (`like`'s, or a new layout's `index`), the small
     files of `copy_from` (default `like`'s folder), sync, rename into place."""
+    with _os_errors(staging, f"committing the output into {folder.name}"):
+        _commit(staging, folder, like, token, overwrite, index, copy_from)
+
+
+def _commit(staging: Path, folder: Path, like: Inventory, token: str, overwrite: bool, index: dict | None,
+            copy_from: str | None) -> None:
     if index is not None:
         (staging / like.index_file).write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
     elif like.index_file:

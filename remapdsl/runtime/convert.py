@@ -115,7 +115,7 @@ def _convert(src, dst: Path, rules, reverse, like, max_shard_bytes, budget_bytes
             scales.close()
 
     write_output(dst, out_inventory, headers=headers, index=index, copy_from=copy_from, overwrite=overwrite,
-                 write=work)
+                 write=work, planned=0 if reverse else sum(out_inventory.tensors[k].nbytes for k in mine))
     return ConvertReport(folder=str(dst), tensors=len(mine), bytes_written=written, files=len(out_inventory.files),
                          ranks=world, seconds=time.perf_counter() - start)
 

@@ -53,10 +53,12 @@ def world_size() -> int:
 
 def share_inventory(checkpoint, phase: str = "reading the checkpoint's headers") -> Inventory:
     """Rank 0 reads the checkpoint's headers once; every rank gets the same Inventory (one
-    broadcast, carrying either the inventory or rank 0's error)."""
+    broadcast, carrying either the inventory or rank 0's error), read from this rank's own
+    `checkpoint`, checked against its own files' modification times (`Inventory.restamped`)."""
     if isinstance(checkpoint, Inventory):
         return checkpoint
-    return from_first(lambda: open_inventory(checkpoint), phase)  # pickled: rank 0 validated it
+    inventory = from_first(lambda: open_inventory(checkpoint), phase)  # pickled: rank 0 validated it
+    return inventory.restamped(checkpoint) if rank() != 0 else inventory  # this rank's own copy
 
 
 def from_first(fn: Callable[[], T], phase: str = "sharing rank 0's result") -> T:

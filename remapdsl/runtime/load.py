@@ -21,7 +21,7 @@ from ..gcpause import paused_gc
 from ..sharding.holdings import hold
 from ..sharding.plans import make_load_plan
 from . import dist
-from .prepare import compile_everywhere, layout_agreement
+from .prepare import check_mesh, compile_everywhere, layout_agreement
 from .read import run_load_plan
 
 
@@ -54,6 +54,7 @@ def _load(state_dict, checkpoint, rules, config, strict, layout, mesh, read_repl
 
     def read():
         start = time.perf_counter()
+        check_mesh(mesh)
         holding = hold(compiled, tensors, layout, mesh, rank)
         held = holding.held()
         shared = holding.everywhere() if read_replicated_once and dist.active() else []
@@ -70,7 +71,7 @@ def _load(state_dict, checkpoint, rules, config, strict, layout, mesh, read_repl
                             seconds=time.perf_counter() - start)
         return report, [holding.local[k] for k in shared], holding
 
-    report, shared, _ = dist.together(read, agree_on=layout_agreement("tensor layouts", lambda r: r[2]),
+    report, shared, _ = dist.together(read, agree_on=layout_agreement("tensor layouts", lambda r: r[2], mesh),
                                       phase="reading")
     dist.broadcast_from_first(shared)  # after every rank's reads succeeded, so none waits in vain
     return report

@@ -20,7 +20,7 @@ from typing import Any, NamedTuple
 
 from ..checkpoint import Inventory, read_config
 from ..compile import Compiled, compile_rules
-from ..errors import shorten
+from ..errors import Diagnostic, RemapError, shorten
 from ..language.includes import RuleSet, load_rules
 
 MAX_LISTED = 5  # differences listed per aspect when ranks disagree; the rest counted
@@ -58,7 +58,7 @@ def _inputs(ruleset: RuleSet, config, strict: bool, checkpoint) -> _Inputs:
     from ..checkpoint.inventory import listing
 
     if isinstance(checkpoint, Inventory):
-        seen = checkpoint.model_dump_json()
+        seen = checkpoint.model_dump_json(exclude={"files": {"__all__": {"mtime_ns"}}})  # times differ by copy
     elif checkpoint is None or not os.path.exists(checkpoint):  # listed as the folder above it otherwise
         seen = None if checkpoint is None else [f"{os.path.basename(os.path.abspath(checkpoint))} (missing)", []]
     else:
@@ -73,6 +73,7 @@ def _sha(value) -> str:
 class _Prepared(NamedTuple):
     inputs: _Inputs
     compiled: Compiled
+    inventory: Inventory  # rank 0's headers, with this rank's own files' modification times
 
 
 def compile_everywhere(rules, checkpoint, config=None, strict: bool = True,
@@ -100,12 +101,15 @@ def compile_everywhere(rules, checkpoint, config=None, strict: bool = True,
             check()
         ruleset = rules if isinstance(rules, RuleSet) else load_rules(rules)
         given = read_config(inventory) if config is None else config
+        # a rank that did not read the headers reads its own copy, checked against that copy's times
+        own = inventory if dist.rank() == 0 or isinstance(checkpoint, Inventory) else inventory.restamped(checkpoint)
         return _Prepared(_inputs(ruleset, given, strict, checkpoint),
-                         compile_rules(ruleset, inventory, given, strict=strict))
+                         compile_rules(ruleset, inventory, given, strict=strict), own)
 
     agreement = dist.Agreement("compiled rules and checkpoint", lambda p: p.inputs.digests(),
                                lambda p, aspect: p.inputs.detail(aspect), explain_difference)
-    return inventory, dist.together(prepare, agree_on=agreement, phase="compiling").compiled
+    prepared = dist.together(prepare, agree_on=agreement, phase="compiling")
+    return prepared.inventory, prepared.compiled
 
 
 def _open(checkpoint) -> Inventory:
@@ -187,10 +191,28 @@ def _checkpoint_difference(ours, theirs) -> list[str]:
     return out
 
 
-def layout_agreement(what: str, holding_of: Callable[[Any], Any]):
+def check_mesh(mesh) -> None:
+    """A mesh given with a layout must be the job's: as many ranks as the group (E414), else each
+    rank would hold the shard of another job's rank. Run inside a phase, on every rank."""
+    from . import dist
+
+    if mesh is None or not dist.active() or mesh.size == dist.world_size():
+        return
+    raise RemapError(Diagnostic(
+        code="E414", message=f"the mesh {_mesh_text(mesh)} has {mesh.size} ranks; this job has "
+        f"{dist.world_size()}", hint="the product of the mesh's sizes must be the job's world size "
+        "(`torch.distributed.get_world_size()`): give the job's own mesh"))
+
+
+def _mesh_text(mesh) -> str:
+    return "`" + ", ".join(f"{n}={s}" for n, s in zip(mesh.names, mesh.sizes)) + "`"
+
+
+def layout_agreement(what: str, holding_of: Callable[[Any], Any], mesh=None):
     """The ranks' agreement on where each runtime tensor lives: its mesh sizes and placements, as
-    each rank's own holding says (a DTensor's, or its layout plan's). A rank given another layout
-    or mesh fails every rank (E410), naming the tensors that differ, before its plan is used."""
+    each rank's own holding says (a DTensor's, or its layout plan's), and the `mesh` argument
+    itself (its dim names and sizes). A rank given another layout or mesh fails every rank (E410),
+    naming the meshes and the tensors that differ, before its plan is used."""
     from . import dist
 
     def describe(result) -> dict[str, str]:
@@ -207,14 +229,20 @@ def layout_agreement(what: str, holding_of: Callable[[Any], Any]):
         (base, ours), *others = details.items()
         out = []
         for r, theirs in others:
+            if aspect == "mesh":
+                out.append(f"rank {base} vs rank {r}: mesh {ours} vs {theirs}")
+                continue
             found = _mapping_difference(ours, theirs, "tensor")
             out.extend(f"rank {base} vs rank {r}: {s}" for s in found[:MAX_LISTED])
             if len(found) > MAX_LISTED:
                 out.append(f"rank {base} vs rank {r}: and {len(found) - MAX_LISTED} more tensors")
         return out
 
-    return dist.Agreement(what, lambda result: {"layout": _sha(describe(result))},
-                          lambda result, aspect: describe(result), explain,
+    def given() -> str:  # inside the phase: a malformed mesh fails there, on every rank together
+        return "none" if mesh is None else _mesh_text(mesh)
+
+    return dist.Agreement(what, lambda result: {"layout": _sha(describe(result)), "mesh": _sha(given())},
+                          lambda result, aspect: given() if aspect == "mesh" else describe(result), explain,
                           hint="every rank must place each tensor alike (the same layout plan and mesh, or "
                                "DTensors of one mesh and the same placements)")
 

@@ -30,7 +30,7 @@ from ..gcpause import paused_gc
 from ..sharding.holdings import hold, owned
 from ..sharding.plans import make_write_plan
 from . import dist
-from .prepare import compile_everywhere, layout_agreement
+from .prepare import check_mesh, compile_everywhere, layout_agreement
 from .write import run_write_plan
 
 
@@ -64,22 +64,24 @@ def _save(state_dict, folder: Path, rules, like, config, layout, mesh, overwrite
     rank = dist.rank()
 
     def prepare():
+        check_mesh(mesh)
         chosen = derive_writers(compiled, allow_lossy=allow_lossy, requantize=requantize)
         holding = hold(compiled, tensors, layout, mesh, rank)
         return (make_write_plan(chosen, inventory, owned(holding, rank), rank, compiled.logical_by_key(), requantize),
                 holding)
 
-    plan, holding = dist.together(prepare, agree_on=layout_agreement("tensor layouts", lambda r: r[1]),
+    plan, holding = dist.together(prepare, agree_on=layout_agreement("tensor layouts", lambda r: r[1], mesh),
                                   phase="planning the writes")
     local = holding.local
     copies = copied_parts(compiled) if rank == 0 and not requantize else []  # stored scales, as they are
     reader = CheckpointReader(inventory)
+    copied = sum(inventory.tensors[k].nbytes for k in copies)
     try:
-        sync_seconds = write_output(folder, inventory, overwrite=overwrite, write=lambda writer: (
-            run_write_plan(plan, writer, local, reader=reader), copy_tensors(copies, reader, writer)))
+        sync_seconds = write_output(folder, inventory, overwrite=overwrite, planned=plan.bytes_written + copied,
+                                    write=lambda writer: (run_write_plan(plan, writer, local, reader=reader),
+                                                          copy_tensors(copies, reader, writer)))
     finally:
         reader.close()
-    copied = sum(inventory.tensors[k].nbytes for k in copies)
     return SaveReport(folder=str(folder), rank=rank, bytes_written=plan.bytes_written + copied, files=plan.files,
                       seconds=time.perf_counter() - start, sync_seconds=sync_seconds)
 
@@ -93,20 +95,21 @@ def _check_like(like) -> None:
 
 
 def write_output(folder: Path, layout, *, headers=None, index=None, copy_from=None, overwrite: bool,
-                 write) -> float:
+                 write, planned: int = 0) -> float:
     """The phases every rank runs to write a checkpoint in place: rank 0 checks the destination and
     creates the staging files of `layout` (an Inventory: `like`'s, or a new one with `headers` and
     `index`), every rank runs `write(writer)`, rank 0 commits. An error on any rank, in any phase,
-    is raised on every rank and the staging folder is removed. Returns this rank's fsync seconds."""
+    is raised on every rank and the staging folder is removed. `planned`: the bytes this rank writes
+    (named when the disk fills up). Returns this rank's fsync seconds."""
 
     rank = dist.rank()
     token = dist.from_first(lambda: (check_destination(folder, overwrite), secrets.token_hex(6))[1],
                             "checking the destination")
     staging = staging_path(folder, token)
-    dist.together(lambda: create_files(staging, layout, headers) if rank == 0 else None,
-                  phase="creating the files")
-    writer = FileWriter(staging)
+    writer = FileWriter(staging, planned)
     try:
+        dist.together(lambda: create_files(staging, layout, headers) if rank == 0 else None,
+                      phase="creating the files")
         try:
             dist.together(lambda: write(writer), phase="writing")
         finally:
