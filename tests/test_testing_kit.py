@@ -227,11 +227,15 @@ def _fails_on_rank_1(rank: int, world: int, word: str) -> int:
 
 
 @pytest.mark.remapdsl_distributed
-def test_sharded_loads_equal_the_whole_load_on_two_gloo_ranks(remapdsl_ranks):
+def test_sharded_loads_equal_the_whole_load_on_two_gloo_ranks(remapdsl_ranks, tmp_path):
     tp = {"*.self_attn.q_proj": "colwise", "*.self_attn.o_proj": "rowwise",
           "*.mlp.experts.gate_up_proj": "packed_colwise", "*.mlp.experts.down_proj": "rowwise"}
     reports = assert_sharded_equals_whole(QWEN3_RULES, TINY, tp, mesh={"tp": 2})
     assert len(reports) == 2 and all(r["bytes_read"] == r["bytes_owned"] > 0 for r in reports)
+    # the default layout (every tensor cut on every mesh dim), a 2-d mesh, a random scaled-down checkpoint
+    folder = write_checkpoint(TINY, tmp_path / "random", seed=7, experts=3)
+    reports = assert_sharded_equals_whole(QWEN3_RULES, folder, mesh="dp=1,tp=2")
+    assert sum(r["bytes_owned"] for r in reports) == sum(t.nbytes for t in remapdsl.open_checkpoint(folder).tensors.values())
     with pytest.raises(AssertionError) as info:
         remapdsl_ranks(_fails_on_rank_1, 2, "refused")
     assert str(info.value) == "rank 1: refused on rank 1"

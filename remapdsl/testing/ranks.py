@@ -137,13 +137,13 @@ def assert_sharded_equals_whole(rules, checkpoint, layout: LayoutPlan | Mapping 
     """
     require_data(checkpoint, "a sharded load")
     mesh = as_mesh(mesh)
+    compiled = remapdsl.compile_rules(rules, checkpoint, config)  # a user error is raised here, not per rank
     if layout is None:
-        layout = shard_everything(remapdsl.compile_rules(rules, checkpoint, config), mesh)
+        layout = shard_everything(compiled, mesh)
     elif isinstance(layout, Mapping):
         layout = LayoutPlan.from_mapping(dict(layout), mesh_dim=mesh.names[0])
     elif not isinstance(layout, LayoutPlan):
         layout = read_layout(layout)
-    remapdsl.compile_rules(rules, checkpoint, config)  # a user error is raised here, once, not per rank
     return run_ranks(_sharded_rank, mesh.size, rules, os.fspath(checkpoint), layout, mesh, config, timeout=timeout)
 
 
@@ -152,6 +152,7 @@ def _sharded_rank(rank: int, world: int, rules, checkpoint, layout, mesh, config
 
     from remapdsl.testing.compare import tensor_difference
 
+    nan_dtypes = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
     compiled = remapdsl.compile_rules(rules, checkpoint, config)
     whole = compiled.empty_state_dict()
     remapdsl.load(whole, checkpoint, rules, config=config)
@@ -159,7 +160,9 @@ def _sharded_rank(rank: int, world: int, rules, checkpoint, layout, mesh, config
     for key, full in whole.items():
         shard = local_shard(full.shape, mesh.sizes, layout_for(key, full.shape, layout, mesh), mesh.coordinate(rank),
                             runtime_key=key)
-        local[key] = torch.zeros(shard.shape, dtype=full.dtype)
+        # NaN where a float can hold it (random checkpoints hold no NaN): a region left unread shows
+        local[key] = (torch.full(shard.shape, float("nan"), dtype=full.dtype) if full.dtype in nan_dtypes
+                      else torch.zeros(shard.shape, dtype=full.dtype))
         shards[key] = shard
     report = remapdsl.load(local, checkpoint, rules, layout=layout, mesh=mesh, config=config)
     found = []
