@@ -269,3 +269,77 @@ def test_an_os_error_on_a_read_names_the_file_and_tensor(monkeypatch):
     assert str(caught.value).startswith(
         f"{inventory.path('model.safetensors')}: error[E343]: model.safetensors: reading bytes "
         f"[{info.byte_offset}, {info.byte_end}) of tensor `{FIRST_KEY}` failed: EIO (Input/output error)")
+
+
+KILLED_TIMEOUT = 30  # the group's timeout in the killed-save test: the bound on any wait
+
+
+def _killed_mid_save(rank: int, rendezvous: str, out: str) -> None:
+    """Rank 0 (which made the staging folder) dies (SIGKILL) at its first write into it; rank 1
+    must fail, not hang. Then each exits as a job's rank does on an uncaught error."""
+    import signal
+
+    from remapdsl.checkpoint.writer import FileWriter
+
+    dist.init_process_group("gloo", init_method=f"file://{rendezvous}", rank=rank, world_size=WORLD,
+                            timeout=datetime.timedelta(seconds=KILLED_TIMEOUT))
+    two = Mesh.of({"tp": 2})
+    state = _local(two, rank)
+    remapdsl.load(state, str(CHECKPOINT), RULES, layout=TP, mesh=two)
+    if rank == 0:
+        FileWriter.write_at = lambda *args, **kwargs: os.kill(os.getpid(), signal.SIGKILL)
+    try:
+        remapdsl.save(state, Path(out) / "previous", RULES, like=str(CHECKPOINT), layout=TP, mesh=two,
+                      overwrite=True)
+        seen = {"type": None}
+    except remapdsl.RemapError as exc:
+        seen = {"type": type(exc).__name__, "codes": [d.code for d in exc.diagnostics], "text": str(exc)}
+    except Exception:  # noqa: BLE001
+        seen = {"type": "escaped", "text": traceback.format_exc()}
+    Path(out, f"killed{rank}.json").write_text(json.dumps(seen))
+    os._exit(1)
+
+
+def test_a_save_whose_rank_0_is_killed_leaves_the_old_checkpoint_and_is_cleaned_up_next_time(tmp_path):
+    import time
+
+    from remapdsl.checkpoint.writer import OWNER
+
+    shutil.copytree(CHECKPOINT, tmp_path / "previous")
+    (tmp_path / "previous" / "model.safetensors").write_bytes(b"\0" * 8)  # an old checkpoint, unlike the new
+    before = {p.name: p.read_bytes() for p in (tmp_path / "previous").iterdir()}
+    context = mp.get_context("spawn")
+    procs = [context.Process(target=_killed_mid_save, args=(r, str(tmp_path / "rendezvous"), str(tmp_path)))
+             for r in range(WORLD)]
+    for p in procs:
+        p.start()
+    deadline = time.monotonic() + 3 * KILLED_TIMEOUT
+    for p in procs:
+        p.join(max(1.0, deadline - time.monotonic()))
+    alive = [r for r, p in enumerate(procs) if p.is_alive()]
+    for p in procs:
+        if p.is_alive():
+            p.kill()
+    assert not alive, f"ranks {alive} hung after rank 0 was killed"
+    assert not (tmp_path / "killed0.json").exists()
+    seen = json.loads((tmp_path / "killed1.json").read_text())
+    assert seen["codes"] == ["E413"] and "rank 1 lost the group while writing" in seen["text"], seen
+    # the old checkpoint untouched, and only a hidden staging folder of the dead save beside it
+    assert {p.name: p.read_bytes() for p in (tmp_path / "previous").iterdir()} == before
+    stale = list(tmp_path.glob(".previous.remapdsl-partial-*"))
+    assert len(stale) == 1 and (stale[0] / OWNER).is_file(), list(tmp_path.iterdir())
+    # staging folders it cannot prove dead stay: one of this (live) process, one without a record
+    live = tmp_path / ".previous.remapdsl-partial-live"
+    shutil.copytree(stale[0], live)
+    owner = json.loads((live / OWNER).read_text())
+    (live / OWNER).write_text(json.dumps({**owner, "pid": os.getppid(), "start": Path(
+        f"/proc/{os.getppid()}/stat").read_text().rsplit(")", 1)[1].split()[19]}))
+    unknown = tmp_path / ".previous.remapdsl-partial-unknown"
+    unknown.mkdir()
+    # the next save (one process) removes the dead one's folder and replaces the old checkpoint
+    state = _state()
+    remapdsl.load(state, str(CHECKPOINT), RULES)
+    remapdsl.save(state, tmp_path / "previous", RULES, like=str(CHECKPOINT), overwrite=True)
+    assert sorted(p.name for p in tmp_path.glob(".previous.*")) == [live.name, unknown.name]
+    assert (tmp_path / "previous" / "model.safetensors").read_bytes() == (CHECKPOINT / "model.safetensors").read_bytes()
+    assert not (tmp_path / "previous" / OWNER).exists()

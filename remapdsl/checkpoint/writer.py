@@ -7,7 +7,8 @@ byte-identical files. Rank 0 creates the staging folder (a hidden sibling of the
 its files; every rank writes its own byte ranges with `os.pwrite`; rank 0 then writes the index,
 syncs, and renames the folder into place. Until that rename nothing at the destination changes: a
 crash leaves the old checkpoint (or none) and a hidden staging folder, never a half-written
-folder that looks complete.
+folder that looks complete; the next save to the same destination removes such a folder once it
+can prove its process dead (`remove_stale_staging`).
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from __future__ import annotations
 import errno
 import os
 import shutil
+import socket
 import threading
 from contextlib import contextmanager
 from pathlib import Path
@@ -33,8 +35,50 @@ from .reader import os_error
 COPIED = ("config.json", "generation_config.json")  # small files a loadable checkpoint carries
 
 
+OWNER = ".remapdsl-owner.json"  # in a staging folder: the process that made it, until the commit
+
+
 def staging_path(folder: Path, token: str) -> Path:
     return folder.parent / f".{folder.name}.remapdsl-partial-{token}"
+
+
+def _process(pid: int) -> dict | None:
+    """What tells process `pid` apart from every other, on Linux: host, boot, pid namespace, pid
+    and start time (a pid reused later starts at another time); None where /proc cannot say."""
+    try:
+        boot = Path("/proc/sys/kernel/random/boot_id").read_text().strip()
+        namespace = os.readlink("/proc/self/ns/pid")
+        start = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[19]  # field 22: start time
+    except (OSError, IndexError):
+        return None
+    return {"host": socket.gethostname(), "boot_id": boot, "pid_namespace": namespace, "pid": pid, "start": start}
+
+
+def remove_stale_staging(folder: Path) -> list[Path]:
+    """Remove the staging folders of earlier saves to `folder` whose process is proven dead; returns
+    them (rank 0, before its own save).
+
+    Proven dead: the folder's owner record names this host, this boot and this pid namespace, and
+    its pid is gone or started at another time. Anything else (no record, another host or boot, a
+    live owner: a save under way) is left alone."""
+    removed = []
+    me = _process(os.getpid())
+    if me is None:
+        return removed
+    for staging in folder.parent.glob(f".{folder.name}.remapdsl-partial-*"):
+        try:
+            owner = json.loads((staging / OWNER).read_text())
+            same_place = all(owner[k] == me[k] for k in ("host", "boot_id", "pid_namespace"))
+            pid, start = int(owner["pid"]), owner["start"]
+        except (OSError, ValueError, KeyError, TypeError):
+            continue
+        if not same_place or pid == os.getpid():
+            continue
+        now = _process(pid)
+        if now is None or now["start"] != start:
+            shutil.rmtree(staging, ignore_errors=True)
+            removed.append(staging)
+    return removed
 
 
 def check_destination(folder: Path, overwrite: bool) -> None:
@@ -110,6 +154,9 @@ def create_files(staging: Path, like: Inventory, headers: Mapping[str, bytes] | 
     `like`'s own files, or taken from `headers` (a new layout) (rank 0)."""
     with _os_errors(staging, "creating the staging folder"):
         staging.mkdir()
+        owner = _process(os.getpid())  # so a later save can tell this one died (remove_stale_staging)
+        if owner is not None:
+            (staging / OWNER).write_text(json.dumps(owner))
     for name, info in like.files.items():
         if headers is not None:
             header = headers[name]
@@ -236,6 +283,7 @@ def _commit(staging: Path, folder: Path, like: Inventory, token: str, overwrite:
         (staging / like.index_file).write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
     elif like.index_file:
         shutil.copyfile(Path(like.root) / like.index_file, staging / like.index_file)
+    (staging / OWNER).unlink(missing_ok=True)  # not part of the checkpoint
     source = Path(copy_from or like.root)
     for name in COPIED:
         if (source / name).is_file():

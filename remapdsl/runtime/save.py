@@ -22,7 +22,8 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict
 
 from ..checkpoint import CheckpointReader
-from ..checkpoint.writer import FileWriter, check_destination, commit, create_files, discard, staging_path
+from ..checkpoint.writer import (FileWriter, check_destination, commit, create_files, discard, remove_stale_staging,
+                                 staging_path)
 from ..compile.inverse import copied_parts
 from ..compile.inverse import writers as derive_writers
 from ..errors import Diagnostic, RemapError
@@ -96,15 +97,15 @@ def _check_like(like) -> None:
 
 def write_output(folder: Path, layout, *, headers=None, index=None, copy_from=None, overwrite: bool,
                  write, planned: int = 0) -> float:
-    """The phases every rank runs to write a checkpoint in place: rank 0 checks the destination and
-    creates the staging files of `layout` (an Inventory: `like`'s, or a new one with `headers` and
+    """The phases every rank runs to write a checkpoint in place: rank 0 checks the destination,
+    removes the staging folders of earlier saves there whose process died, and creates the staging files of `layout` (an Inventory: `like`'s, or a new one with `headers` and
     `index`), every rank runs `write(writer)`, rank 0 commits. An error on any rank, in any phase,
     is raised on every rank and the staging folder is removed. `planned`: the bytes this rank writes
     (named when the disk fills up). Returns this rank's fsync seconds."""
 
     rank = dist.rank()
-    token = dist.from_first(lambda: (check_destination(folder, overwrite), secrets.token_hex(6))[1],
-                            "checking the destination")
+    token = dist.from_first(lambda: (check_destination(folder, overwrite), remove_stale_staging(folder),
+                                     secrets.token_hex(6))[2], "checking the destination")
     staging = staging_path(folder, token)
     writer = FileWriter(staging, planned)
     try:
