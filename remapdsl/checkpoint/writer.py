@@ -194,15 +194,14 @@ class FileWriter:
             if fd is None:
                 with _os_errors(self.staging, f"opening output file {file}"):
                     fd = self._fds[file] = os.open(self.staging / file, os.O_WRONLY)
+            started = self.written  # the bytes of the writes started before this one
+            self.written += data.nbytes
         try:
             _write_all(fd, data, offset)
         except OSError as exc:
-            with self._lock:
-                left = max(self.planned - self.written, data.nbytes) if self.planned else data.nbytes
+            left = max(self.planned - started, data.nbytes) if self.planned else data.nbytes
             raise _write_error(self.staging, f"writing bytes [{offset}, {offset + data.nbytes}) of output "
                                f"file {file}", exc, left) from None
-        with self._lock:
-            self.written += data.nbytes
 
     def write_runs(self, file: str, runs: Runs, data: memoryview) -> None:
         """`data` (the concatenation of the runs) written run by run, the runs listed a bounded
