@@ -1,0 +1,174 @@
+"""`remapdsl verify` as a function: a rule file and a checkpoint (or its snapshot) -> a
+Verification, one Check per property and mesh, each proven on real data by the kit's assertions.
+
+The properties, in the order they run: the rules compile against the checkpoint and cover every
+tensor (strict mode); on each mesh, every rank's sharded load (real gloo processes on the CPU)
+equals the whole load sliced, and reads exactly the bytes it owns (rules without `dequantize`);
+save(load(x)) is x byte for byte; with `against="transformers"`, the load equals transformers'
+own state dict. A snapshot has no data: a checkpoint with random values in its layout is written
+to a temporary folder first (`write_checkpoint`).
+
+User errors (rules that do not parse, a path that is not there, a malformed mesh or layout, a
+layout that does not fit the mesh) raise RemapError before any property runs; a property that
+does not hold is a failed Check, with the assertion's message (which names the tensor).
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict
+
+import remapdsl
+from remapdsl.checkpoint.snapshot import SnapshotInventory
+from remapdsl.errors import Diagnostic, RemapError
+from remapdsl.sharding import read_layout
+from remapdsl.testing.assertions import assert_matches_reference, assert_round_trip
+from remapdsl.testing.data import write_checkpoint
+from remapdsl.testing.ranks import as_mesh, assert_sharded_equals_whole, shard_everything
+
+DEFAULT_MESHES = ("tp=2",)  # one real 2-rank mesh when none is given
+REFERENCES = ("transformers",)
+
+Property = Literal["compile", "sharded load", "round trip", "transformers"]
+
+
+class Check(BaseModel):
+    """One property on one mesh (or none): whether it holds, the bytes a sharded load read and
+    owned (summed over ranks), the seconds it took, and what failed (the first differences)."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    property: Property
+    mesh: str | None = None
+    status: Literal["pass", "fail", "skipped"]
+    bytes_read: int | None = None
+    bytes_owned: int | None = None
+    seconds: float = 0.0
+    detail: str = ""
+
+
+class Verification(BaseModel):
+    """What `verify` proved: the checks in the order they ran; `ok` when every one passed."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    rules: str
+    checkpoint: str
+    synthesized: bool  # the checkpoint was a snapshot: random values in its layout were checked
+    checks: tuple[Check, ...]
+
+    @property
+    def ok(self) -> bool:
+        return all(c.status == "pass" for c in self.checks)
+
+    def as_json(self) -> dict:
+        return {"ok": self.ok, **self.model_dump()}
+
+
+def verify(rules: str | os.PathLike, checkpoint: str | os.PathLike, meshes: Sequence[str] = DEFAULT_MESHES,
+           layout: str | os.PathLike | None = None, against: str | None = None, *, seed: int = 0,
+           timeout: float = 120.0) -> Verification:
+    """Prove the properties of a rule file on a checkpoint (see the module docstring).
+
+    Args:
+        rules: a .remap file.
+        checkpoint: a checkpoint folder, or a snapshot (`remapdsl snapshot`): then random values
+            in its layout (`seed`) are written to a temporary folder and checked.
+        meshes: the meshes to shard on (`"tp=2"`, `"ep=2,tp=2"`); one sharded check each, on one
+            gloo process per rank; empty: no sharded check.
+        layout: a layout JSON file (docs/layout.md); None: every runtime tensor cut on every
+            mesh dim (`shard_everything`).
+        against: None, or `"transformers"`: also compare the load with `from_pretrained`.
+        timeout: seconds one mesh's ranks may take.
+
+    Raises:
+        RemapError: a user error, before any property runs (rules that do not parse or check, a
+            checkpoint, mesh or layout that cannot be read, a layout that does not fit a mesh,
+            transformers asked for but not installed).
+    """
+    if against is not None and against not in REFERENCES:
+        raise ValueError(f"against must be None or one of {REFERENCES}, not {against!r}")
+    rule_set = remapdsl.load_rules(rules)
+    inventory = remapdsl.open_checkpoint(checkpoint)
+    parsed = [(text, as_mesh(text)) for text in meshes]
+    plan = read_layout(layout) if layout is not None else None
+    if against == "transformers":
+        _require_transformers()
+    synthesized = isinstance(inventory, SnapshotInventory)
+    checks: list[Check] = []
+    with tempfile.TemporaryDirectory(prefix="remapdsl-verify-") as tmp:
+        folder = write_checkpoint(inventory, Path(tmp) / "synthesized", seed=seed) if synthesized else checkpoint
+        started = time.perf_counter()
+        try:
+            compiled = remapdsl.compile_rules(rule_set, folder)
+        except RemapError as exc:
+            checks.append(Check(property="compile", status="fail", seconds=time.perf_counter() - started,
+                                detail=exc.render()))
+            skipped = [("sharded load", text) for text, _ in parsed] + [("round trip", None)]
+            skipped += [("transformers", None)] if against else []
+            checks.extend(Check(property=p, mesh=m, status="skipped", detail="the rules do not compile")
+                          for p, m in skipped)
+            return Verification(rules=os.fspath(rules), checkpoint=os.fspath(checkpoint), synthesized=synthesized,
+                                checks=tuple(checks))
+        checks.append(Check(property="compile", status="pass", seconds=time.perf_counter() - started,
+                            detail=f"{len(compiled.runtime_tensors)} runtime tensors from "
+                            f"{len(compiled.ckpt_tensors)} checkpoint tensors, every one used or dropped"))
+        data = remapdsl.open_checkpoint(folder)
+        layouts = [(text, mesh, plan or shard_everything(compiled, mesh)) for text, mesh in parsed]
+        for _, mesh, mesh_layout in layouts:  # a layout that does not fit a mesh is the user's error: raise now
+            for rank in range(mesh.size):
+                remapdsl.plan_rank(compiled, data, mesh_layout, mesh, rank)
+        for text, mesh, mesh_layout in layouts:
+            checks.append(_sharded(rules, folder, mesh_layout, text, mesh, compiled.logical, timeout))
+        checks.append(_timed("round trip", lambda: assert_round_trip(rules, folder),
+                             f"{len(data.files)} file{'s' if len(data.files) != 1 else ''}"
+                             f"{' and the index' if data.index_file else ''} written back byte for byte"))
+        if against == "transformers":
+            checks.append(_timed("transformers", lambda: assert_matches_reference(rules, folder, "transformers"),
+                                 "every runtime tensor equals from_pretrained's, bit for bit"))
+    return Verification(rules=os.fspath(rules), checkpoint=os.fspath(checkpoint), synthesized=synthesized,
+                        checks=tuple(checks))
+
+
+def _sharded(rules, folder, layout, text: str, mesh, logical: bool, timeout: float) -> Check:
+    started = time.perf_counter()
+    try:
+        ranks = assert_sharded_equals_whole(rules, folder, layout, mesh, timeout=timeout)
+    except (AssertionError, RemapError) as exc:
+        return Check(property="sharded load", mesh=text, status="fail", seconds=time.perf_counter() - started,
+                     detail=_message(exc))
+    note = ("dequantized tensors read covering scale tiles, so bytes read are not compared" if logical
+            else "each rank read exactly the bytes it owns")
+    return Check(property="sharded load", mesh=text, status="pass", seconds=time.perf_counter() - started,
+                 bytes_read=sum(r["bytes_read"] for r in ranks), bytes_owned=sum(r["bytes_owned"] for r in ranks),
+                 detail=f"{mesh.size} gloo ranks: every shard equals the whole load; {note}")
+
+
+def _timed(name: Property, run, passed: str) -> Check:
+    started = time.perf_counter()
+    try:
+        run()
+    except (AssertionError, RemapError) as exc:  # a RemapError here (E501 on save, ...) is the property failing
+        return Check(property=name, status="fail", seconds=time.perf_counter() - started, detail=_message(exc))
+    return Check(property=name, status="pass", seconds=time.perf_counter() - started, detail=passed)
+
+
+def _message(exc: BaseException) -> str:
+    return exc.render() if isinstance(exc, RemapError) else str(exc)
+
+
+def _require_transformers() -> None:
+    try:
+        import transformers
+    except ImportError:
+        raise RemapError(Diagnostic(
+            code="E530", message="`--against transformers` needs transformers, which is not installed",
+            hint="pip install 'remapdsl[test]' (or transformers itself)")) from None
+    transformers.logging.set_verbosity_error()
+    transformers.utils.logging.disable_progress_bar()
