@@ -95,3 +95,51 @@ def test_the_testing_guide_runs_as_printed(tmp_path):
                           "test_mymodel_rules.py"], cwd=tmp_path, capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-2000:]
     assert "4 passed" in run.stdout
+
+
+def _sh_blocks(path: Path) -> list[str]:
+    return re.findall(r"```sh\n(.*?)```", path.read_text(), re.S)
+
+
+def _remapdsl_tail(command: str) -> str:
+    """The part of a one-line setup-and-run command from its first `remapdsl` on (the setup before
+    it, a venv and pip, is this suite's own environment)."""
+    return command[command.index("remapdsl "):].strip()
+
+
+def _run_in(folder: Path, command: str):
+    import os
+    import subprocess
+    import sys
+
+    env = dict(os.environ, PATH=f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}")
+    return subprocess.run(command, shell=True, cwd=folder, env=env, capture_output=True, text=True, timeout=300)
+
+
+def test_the_quick_start_main_job_verifies_the_bundled_example_on_two_ranks():
+    """README's first command, from a fresh clone's point of view: one line that sets up and runs
+    `remapdsl verify` on the bundled checkpoint with a real 2-rank mesh; its remapdsl part passes."""
+    quick_start = (ROOT / "README.md").read_text().split("## Quick start", 1)[1]
+    main_job = re.findall(r"```sh\n(.*?)```", quick_start, re.S)[0]
+    assert main_job.count("\n") == 1  # exactly one command
+    assert main_job.startswith("python3 -m venv .venv && . .venv/bin/activate && pip install torch==2.13.0 && ")
+    tail = _remapdsl_tail(main_job)
+    assert "remapdsl verify " in tail and "--mesh tp=2" in tail and "examples/tiny-qwen3-moe" in tail
+    run = _run_in(ROOT, tail)
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-2000:]
+    assert "sharded load  tp=2  pass" in run.stdout and run.stdout.rstrip().endswith("ok: 3 of 3 checks hold")
+
+
+def test_the_testing_guide_verify_step_runs_as_printed(tmp_path):
+    """docs/testing.md's `remapdsl verify` command, next to the rules, snapshot and layout it names."""
+    import remapdsl
+
+    pytest.importorskip("transformers")
+    (command,) = [b for b in _sh_blocks(ROOT / "docs" / "testing.md") if "remapdsl verify" in b]
+    (tmp_path / "qwen3_moe.remap").write_text((ROOT / "rules" / "qwen3_moe.remap").read_text())
+    (tmp_path / "tp2_layout.json").write_text((ROOT / "examples" / "tp2_layout.json").read_text())
+    remapdsl.write_snapshot(ROOT / "examples" / "tiny-qwen3-moe", tmp_path / "model.headers.json")
+    run = _run_in(tmp_path, command.strip())
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-2000:]
+    assert "(a snapshot: random values in its layout)" in run.stdout
+    assert "transformers  -     pass" in run.stdout and "ok: 4 of 4 checks hold" in run.stdout

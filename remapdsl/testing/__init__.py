@@ -4,7 +4,8 @@ Assertions (`assert_state_dicts_equal`, `assert_round_trip`, `assert_matches_ref
 `assert_sharded_equals_whole`), a gloo multi-rank runner (`run_ranks`), checkpoints with random
 values in a snapshot's layout (`write_checkpoint`, `scale_down`), hypothesis strategies in
 `remapdsl.testing.strategies` (the only module that needs hypothesis), and a pytest plugin
-(`remapdsl.testing.plugin`, registered through the `pytest11` entry point). See docs/testing.md.
+(`remapdsl.testing.plugin`, registered through the `pytest11` entry point), and every
+property at once in `remapdsl.testing.verify` (`remapdsl verify`). See docs/testing.md.
 """
 
 from remapdsl.testing.assertions import assert_matches_reference, assert_round_trip, load_whole, transformers_state_dict
