@@ -18,8 +18,8 @@ TINY = ROOT / "examples" / "tiny-qwen3-moe"
 TP2_LAYOUT = ROOT / "examples" / "tp2_layout.json"
 QWEN3_RULES = ROOT / "rules" / "qwen3_moe.remap"
 LLAMA_RULES = ROOT / "rules" / "llama.remap"
-LLAMA = dict(model_type="llama", vocab_size=64, hidden_size=32, num_attention_heads=4, num_key_value_heads=2,
-             num_hidden_layers=1, intermediate_size=48, max_position_embeddings=64)
+LLAMA = {"model_type": "llama", "vocab_size": 64, "hidden_size": 32, "num_attention_heads": 4,
+         "num_key_value_heads": 2, "num_hidden_layers": 1, "intermediate_size": 48, "max_position_embeddings": 64}
 
 
 def _rules(tmp_path: Path, source: Path, old: str, new: str) -> Path:
