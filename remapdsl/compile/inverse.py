@@ -46,13 +46,14 @@ def writers(compiled: Compiled, *, allow_lossy: bool = False, requantize: bool =
     refused: set[str] = set()  # reported already (E502, E503): one error per tensor
     undone: dict[tuple, tuple] = {}  # (load steps, checkpoint dtype) -> (inverse steps, lossy cast)
     writable: dict[str, bool] = {}  # format -> whether it writes back (as asked)
+    known = {**sources, **logical}  # key -> the checkpoint tensor or logical tensor it names
     for d in order:
         for block in d.blocks:
             key = block.source_key
             if key is None or key in refused:
                 continue  # a pad region (not in the checkpoint), or a tensor already reported
             cover = covered.get(key)
-            source = logical.get(key) or sources[key]
+            source = known[key]
             if cover is None and key in logical:
                 if source.format not in writable:
                     writable[source.format] = _writes_back(source.format, requantize)
@@ -60,9 +61,9 @@ def writers(compiled: Compiled, *, allow_lossy: bool = False, requantize: bool =
                     refused.add(key)
                     problems.append(_unwritable(d, source, requantize))
                     continue
-            found = undone.get((block.steps, source.dtype))
+            found = undone.get(pair := (block.steps, source.dtype))
             if found is None:
-                found = undone[(block.steps, source.dtype)] = _inverse_steps(block.steps, source.dtype)
+                found = undone[pair] = _inverse_steps(block.steps, source.dtype)
             steps, lossy = found
             if lossy and not allow_lossy:
                 refused.add(key)
