@@ -96,6 +96,17 @@ def _rewrite_in_place(path: str) -> None:
         f.write(data)
 
 
+def _swap_in_header(path: str, a: bytes, b: bytes) -> None:
+    """Same name, same size, other header: the names `a` and `b` (of two tensors of one shape and
+    dtype, names of one length) swapped in the header JSON, so each name points at the other's bytes."""
+    data = bytearray(Path(path).read_bytes())
+    start = 8 + int.from_bytes(data[:8], "little")
+    header = bytes(data[8:start])
+    assert header.count(a) == header.count(b) == 1 and len(a) == len(b)
+    data[8:start] = header.replace(a, b"\0" * len(a)).replace(b, a).replace(b"\0" * len(a), b)
+    Path(path).write_bytes(data)
+
+
 def _cases(rank: int, tmp: Path) -> dict:
     import remapdsl.checkpoint.reader as reader_module
     import remapdsl.checkpoint.writer as writer_module
@@ -103,7 +114,10 @@ def _cases(rank: int, tmp: Path) -> dict:
     four, two = Mesh.of({"tp": 4}), Mesh.of({"tp": 2})
     other = Mesh.of({"dp": 1, "tp": 2}) if rank == 1 else two
     own = {name: _own_copy(tmp, name, keep_times) for name, keep_times in
-           (("rewritten", True), ("truncated", True), ("other_times", False))}
+           (("rewritten", True), ("truncated", True), ("other_times", False), ("swapped", True))}
+    if rank == 1:  # a stale copy: two q_proj of one shape swapped in its header, before the call
+        _swap_in_header(os.path.join(own["swapped"], "model.safetensors"), b"layers.0.self_attn.q_proj",
+                        b"layers.1.self_attn.q_proj")
 
     def patched_on(which: int, *patches):
         class Both:
@@ -155,6 +169,7 @@ def _cases(rank: int, tmp: Path) -> dict:
         "eio_creating_the_files": eio_creating_files,
         "file_rewritten_on_rank_1_before_the_data_reads": rewritten,
         "file_truncated_on_rank_0_before_the_data_reads": truncated,
+        "header_of_one_ranks_copy_differs": lambda: remapdsl.load(_state(), own["swapped"], RULES),
         "copies_with_other_times_load": lambda: remapdsl.load(_state(), own["other_times"], RULES),
         "the_group_still_works": lambda: remapdsl.load(_local(two, rank), str(CHECKPOINT), RULES, layout=TP,
                                                        mesh=two),
@@ -227,6 +242,12 @@ def test_os_faults_and_meshes_raise_one_clear_error_on_every_rank(tmp_path):
         elif name == "file_truncated_on_rank_0_before_the_data_reads":
             assert first["codes"] == ["E342"] and first["failed_ranks"] == [0] and "(on rank 0)" in text, first
             assert f"model.safetensors: file has {size - 8} bytes, its header said {size}" in text, text
+        elif name == "header_of_one_ranks_copy_differs":
+            # refused in the compile exchange, before any data read: the file and both ranks named
+            assert first["codes"] == ["E410"] and first["failed_ranks"] == [], first
+            assert "ranks disagree on the compiled rules and checkpoint:\nfile headers: rank 0 has " in text, text
+            assert "rank 0 vs rank 1: file `model.safetensors`: header bytes sha256 " in text, text
+            assert "\ncheckpoint:" not in text, text  # same names and sizes: only the headers differ
     # no failed save left a folder, staged or final; the overwritten checkpoint is as it was
     left = sorted(p.name for p in tmp_path.iterdir() if p.name != "rendezvous")
     assert left == ["previous", "rank0", "rank0.json", "rank1", "rank1.json"], left

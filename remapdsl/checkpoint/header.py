@@ -10,6 +10,7 @@ fields, duplicate JSON keys), and every violation names the file and the key.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 import os
@@ -209,6 +210,21 @@ def pread_exact(fd: int, nbytes: int, offset: int) -> bytes:
         nbytes -= len(chunk)
         offset += len(chunk)
     return b"".join(chunks)
+
+
+def hash_header(path: str | os.PathLike[str], data_offset: int) -> str:
+    """sha256 of a file's first `data_offset` bytes (the 8-byte length and the header JSON) as this
+    process reads them now; never data. Ranks with their own copies compare these (E410): a copy of
+    the same size whose header says other things (tensors of one shape swapped, a stale copy) differs.
+
+    Raises:
+        OSError: the file cannot be opened or read.
+    """
+    fd = os.open(os.fspath(path), os.O_RDONLY | getattr(os, "O_NONBLOCK", 0))
+    try:
+        return hashlib.sha256(pread_exact(fd, data_offset, 0)).hexdigest()
+    finally:
+        os.close(fd)
 
 
 def read_header(path: str | os.PathLike[str], *, file: str | None = None) -> Header:

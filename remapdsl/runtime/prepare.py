@@ -74,6 +74,28 @@ class _Prepared(NamedTuple):
     inputs: _Inputs
     compiled: Compiled
     inventory: Inventory  # rank 0's headers, with this rank's own files' modification times
+    headers: dict[str, str]  # each file's header bytes as this rank reads them, hashed (a job only)
+
+    def digests(self) -> dict[str, str]:
+        return {**self.inputs.digests(), "file headers": _sha(self.headers)}
+
+    def detail(self, aspect: str) -> Any:
+        return self.headers if aspect == "file headers" else self.inputs.detail(aspect)
+
+
+def header_digests(inventory: Inventory) -> dict[str, str]:
+    """Each of the inventory's files -> sha256 of its length prefix and header as this process
+    reads them (`data_offset` bytes, never data): what a rank would read its bytes through. A file
+    that cannot be read says why instead (the ranks disagree unless all fail alike)."""
+    from ..checkpoint.header import hash_header
+
+    out = {}
+    for name, info in inventory.files.items():
+        try:
+            out[name] = hash_header(inventory.path(name), info.data_offset)
+        except OSError as exc:
+            out[name] = f"cannot be read ({exc.strerror})"
+    return out
 
 
 def compile_everywhere(rules, checkpoint, config=None, strict: bool = True,
@@ -103,11 +125,14 @@ def compile_everywhere(rules, checkpoint, config=None, strict: bool = True,
         given = read_config(inventory) if config is None else config
         # a rank that did not read the headers reads its own copy, checked against that copy's times
         own = inventory if dist.rank() == 0 or isinstance(checkpoint, Inventory) else inventory.restamped(checkpoint)
+        # hashed after the times were taken: a later change is E342 at the data reads, an earlier
+        # one is in these bytes; only in a job (one process has nothing to compare them with)
+        headers = header_digests(own) if dist.world_size() > 1 else {}
         return _Prepared(_inputs(ruleset, given, strict, checkpoint),
-                         compile_rules(ruleset, inventory, given, strict=strict), own)
+                         compile_rules(ruleset, inventory, given, strict=strict), own, headers)
 
-    agreement = dist.Agreement("compiled rules and checkpoint", lambda p: p.inputs.digests(),
-                               lambda p, aspect: p.inputs.detail(aspect), explain_difference)
+    agreement = dist.Agreement("compiled rules and checkpoint", _Prepared.digests, _Prepared.detail,
+                               explain_difference)
     prepared = dist.together(prepare, agree_on=agreement, phase="compiling")
     return prepared.inventory, prepared.compiled
 
@@ -130,6 +155,10 @@ def explain_difference(aspect: str, details: dict[int, Any]) -> list[str]:
             found = _mapping_difference(ours, theirs, "config key")
         elif aspect == "checkpoint":
             found = _checkpoint_difference(ours, theirs)
+        elif aspect == "file headers":
+            found = [f"file {_show(name)}: header bytes {_digest_text(ours.get(name))} vs "
+                     f"{_digest_text(theirs.get(name))}" for name in sorted(set(ours) | set(theirs))
+                     if ours.get(name) != theirs.get(name)]
         else:
             found = [f"{_show(ours)} vs {_show(theirs)}"]
         more = len(found) - MAX_LISTED
@@ -141,6 +170,13 @@ def explain_difference(aspect: str, details: dict[int, Any]) -> list[str]:
 
 def _show(value, limit: int = 60) -> str:
     return f"`{shorten(json.dumps(value, default=str) if not isinstance(value, str) else value, limit)}`"
+
+
+def _digest_text(digest: str | None) -> str:
+    """`sha256 1a2b3c4d5e6f`, or why the file could not be read."""
+    if digest is None:
+        return "missing"
+    return digest if digest.startswith("cannot") else f"sha256 {digest[:12]}"
 
 
 def _rules_difference(ours: list, theirs: list) -> list[str]:
