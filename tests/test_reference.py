@@ -1,4 +1,4 @@
-"""The oracle checked by hand: tests/layout_reference.py on tiny tensors whose answers are written out."""
+"""The oracle checked by hand: remapdsl.testing.reference on tiny tensors whose answers are written out."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import torch
 
 from remapdsl.language import ir
 from remapdsl.language.parser import parse_text
-from layout_reference import apply_ops, literal
+from remapdsl.testing.reference import apply_ops, literal
 
 
 def ops(text: str) -> list[ir.Op]:

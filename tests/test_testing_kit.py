@@ -26,6 +26,7 @@ from remapdsl.testing import (
     scale_down,
     write_checkpoint,
 )
+from remapdsl.quant import QuantFormat, get_format, register_format, unregister_format
 from remapdsl.testing.compare import file_differences
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -296,3 +297,58 @@ def test_importing_the_kit_does_not_need_hypothesis():
             "print(sorted(m for m in sys.modules if m.startswith('hypothesis')))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "['hypothesis']"
+
+
+class _Int8Row(QuantFormat):
+    """int8 values, one float32 scale per row: a format of a user's own (the docs' example)."""
+
+    name = "kit_int8_row"
+    parts = ("values", "scales")
+    params = get_format("fp8_channel").params
+
+    def logical_shape(self, parts, params):
+        return tuple(parts[0].shape)
+
+    def cover(self, box, parts, params):
+        offsets, sizes = box
+        return box, (offsets[:-1], sizes[:-1])
+
+    def decode(self, tensors, box, covers, params, out):
+        values, scales = tensors
+        torch.mul(values.to(torch.float32), scales.unsqueeze(-1), out=out)
+
+
+@settings(max_examples=12, deadline=None, derandomize=True)
+@given(data=st.data())
+def test_op_chains_check_a_format_of_ones_own_against_the_reference(data, tmp_path_factory):
+    """What a user who registers a format does with the kit: random op chains after the format's
+    dequantize, each load compared with the reference ops on the values decoded by hand."""
+    from safetensors.torch import save_file
+
+    from remapdsl.testing.reference import apply_ops
+    from remapdsl.testing.strategies import op_chains
+
+    register_format(_Int8Row(), replace=True)
+    try:
+        rows, cols = data.draw(st.sampled_from([(4, 6), (6, 4), (2, 12)]))
+        chain = data.draw(op_chains([(rows, cols)], max_ops=3))
+        gen = torch.Generator().manual_seed(data.draw(st.integers(0, 99)))
+        values = torch.randint(-127, 128, (rows, cols), generator=gen, dtype=torch.int8)
+        scales = torch.rand(rows, generator=gen) + 0.5
+        folder = tmp_path_factory.mktemp("own_format")
+        save_file({"w.qweight": values, "w.scales": scales}, str(folder / "model.safetensors"))
+        targets = [f"out.t{i}" for i in range(len(chain.shapes))] if len(chain.shapes) > 1 else ["out"]
+        target = f"out.{{{','.join(t.split('.')[1] for t in targets)}}}" if len(targets) > 1 else "out"
+        text = ("remap 1\ndequantize w.qweight, w.scales -> w.weight | kit_int8_row(to=float32)\n"
+                f"w.weight -> {target}\n" + "".join(f"    | {op}\n" for op in chain.ops))
+        rules = remapdsl.language.rules_from_text(text)
+        (rule,) = [s for s in rules.statements if type(s).__name__ == "Rule"]
+        expected = apply_ops(list(rule.ops), [values.to(torch.float32) * scales.unsqueeze(-1)],
+                             targets=len(targets))
+        compiled = remapdsl.compile_rules(rules, remapdsl.open_checkpoint(folder), {})
+        loaded = {d.runtime_key: torch.full(d.shape, float("nan"), dtype=getattr(torch, d.dtype))
+                  for d in compiled.runtime_tensors}
+        remapdsl.load(loaded, str(folder), rules, config={})
+        assert_state_dicts_equal(loaded, dict(zip(targets, expected)))
+    finally:
+        unregister_format("kit_int8_row")

@@ -1,9 +1,10 @@
 """The reference conversion: a rule's ops applied to whole tensors with plain torch ops.
 
-This is the oracle of the test suite: it knows nothing of blocks, index
-maps or byte ranges, and implements each op of the language directly from its definition
-(docs/language.md, "Operations"), so that the compiler's blocks can be checked against it.
-It does not import remapdsl.compile.
+An oracle for property tests (remapdsl's own, and a model author's with
+`remapdsl.testing.strategies.op_chains`): it knows nothing of blocks, index maps or byte ranges,
+and implements each op of the language directly from its definition (docs/language.md,
+"Operations"), so that the compiler's blocks can be checked against it. It does not import
+remapdsl.compile.
 
 `state` is what a rule holds between ops: a list of tensors (the list axis), or, while a capture
 is still to be reduced, a dict capture value -> list of tensors (the caller builds it from the

@@ -1,24 +1,33 @@
 """Hypothesis strategies for a rule file's properties: checkpoints with random values in a
-snapshot's layout (optionally scaled down), device meshes, and valid placements for each runtime
-tensor. The one module of `remapdsl.testing` that imports hypothesis."""
+snapshot's layout (optionally scaled down), device meshes, valid placements for each runtime
+tensor, and random valid op chains (`op_chains`, checked against `remapdsl.testing.reference`).
+The one module of `remapdsl.testing` that imports hypothesis."""
 
 from __future__ import annotations
 
 import atexit
 import glob
+import math
 import os
 import shutil
 import tempfile
 from collections.abc import Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
 
+import torch
 from hypothesis import strategies as st
 
 from remapdsl import open_checkpoint
+from remapdsl.language import ir
+from remapdsl.language.parser import parse_text
 from remapdsl.sharding import LayoutError, LayoutPlan, Mesh, Replicate, Shard, StridedShard, local_shard
 from remapdsl.testing.data import write_checkpoint
+from remapdsl.testing.reference import apply_ops
 
 MESH_NAMES = ("dp", "tp", "ep")
+MAX_DIM = 12  # no dim of a drawn op chain grows past this, so every example stays tiny
+DTYPES = ("float32", "bfloat16", "float16", "float64")
 
 
 def _strategy(value) -> st.SearchStrategy:
@@ -95,3 +104,169 @@ def layouts(draw, compiled, mesh: Mesh) -> LayoutPlan:
     (rules that move stored quantized values may still refuse a shard edge inside a block, E412)."""
     plan = {glob.escape(t.runtime_key): list(draw(placements(t.shape, mesh))) for t in compiled.runtime_tensors}
     return LayoutPlan.from_mapping(plan, mesh_dim=mesh.names[0])
+
+
+# ---- op chains ---------------------------------------------------------------------------------
+
+
+def _ops(text: str) -> list[ir.Op]:
+    return list(parse_text(f"a -> b | {text}").statements[0].ops)
+
+
+@dataclass
+class Chain:
+    """An op chain being drawn, with the shapes of the list axis it holds so far (`ops`: the ops'
+    text, in order, as a rule writes them after `|`)."""
+
+    shapes: list[tuple[int, ...]]
+    combined: bool = False  # a combining op has run (list axis -> one tensor)
+    padded: bool = False  # a `pad` has run
+    cut: int | None = None  # the pieces of a cutting op, when one has run
+    ops: list[str] = field(default_factory=list)
+
+    def push(self, text: str, targets: int | None = None) -> None:
+        out = apply_ops(_ops(text), [torch.zeros(s) for s in self.shapes], targets=targets)
+        self.shapes = [tuple(t.shape) for t in out]
+        self.ops.append(text)
+
+
+def _dim(draw, ndim: int) -> int:
+    d = draw(st.integers(0, ndim - 1))
+    return d - ndim if draw(st.booleans()) and draw(st.booleans()) else d  # sometimes negative
+
+
+def _divisors(n: int) -> list[int]:
+    return [k for k in range(1, n + 1) if n % k == 0]
+
+
+def _factorization(draw, numel: int) -> list[int]:
+    ndim = draw(st.integers(1, 4))
+    sizes, left = [], numel
+    for _ in range(ndim - 1):
+        k = draw(st.sampled_from(_divisors(left)))
+        sizes.append(k)
+        left //= k
+    sizes.append(left)
+    sizes = draw(st.permutations(sizes))
+    if draw(st.booleans()):
+        sizes[draw(st.integers(0, len(sizes) - 1))] = -1
+    return sizes
+
+
+def _combine(draw, chain: Chain) -> str | None:
+    shapes = chain.shapes
+    ndim = len(shapes[0])
+    kinds = []
+    if all(s == shapes[0] for s in shapes):
+        kinds.append("stack")
+    along = [d for d in range(ndim) if all(s[:d] + s[d + 1:] == shapes[0][:d] + shapes[0][d + 1:]
+                                           for s in shapes)]
+    if along:
+        kinds += ["concat", "interleave"]
+    if not kinds:
+        return None
+    kind = draw(st.sampled_from(kinds))
+    if kind == "stack":
+        d = draw(st.integers(0, ndim))
+        return f"stack(dim={d})"
+    d = draw(st.sampled_from(along))
+    text_d = d - ndim if draw(st.booleans()) and draw(st.booleans()) else d
+    if kind == "concat":
+        return f"concat(dim={text_d})"
+    groups = draw(st.sampled_from(_divisors(math.gcd(*(s[d] for s in shapes)))))
+    return f"interleave(dim={text_d}, groups={groups})"
+
+
+def _cut(draw, shape: tuple[int, ...]) -> tuple[str, int] | None:
+    d = draw(st.integers(0, len(shape) - 1))
+    size = shape[d]
+    kind = draw(st.sampled_from(["split", "chunk", "deinterleave"]))
+    if kind == "split":
+        if size < 2:
+            return None
+        cuts = sorted(draw(st.sets(st.integers(1, size - 1), min_size=1, max_size=min(2, size - 1))))
+        sizes = [b - a for a, b in zip([0] + cuts, cuts + [size])]
+        return f"split(dim={d}, sizes={sizes})", len(sizes)
+    if kind == "chunk":
+        n = draw(st.sampled_from([k for k in _divisors(size) if 2 <= k <= 3] or [1]))
+        return f"chunk(dim={d}, n={n})", n
+    pairs = [(g, p) for g in _divisors(size) for p in (2, 3) if size % (g * p) == 0]
+    if not pairs:
+        return None
+    groups, parts = draw(st.sampled_from(pairs))
+    return f"deinterleave(dim={d}, groups={groups})", parts
+
+
+def _per_tensor(draw, shapes: list[tuple[int, ...]]) -> str | None:
+    ndim = len(shapes[0])
+    kind = draw(st.sampled_from(["transpose", "permute", "reshape", "slice", "pad", "repeat",
+                                 "rope_permute", "cast", "scale", "add"]))
+    if kind == "transpose":
+        return f"transpose({_dim(draw, ndim)}, {_dim(draw, ndim)})"
+    if kind == "permute":
+        return f"permute({draw(st.permutations(range(ndim)))})"
+    if kind == "reshape":
+        if any(s != shapes[0] for s in shapes):
+            return None
+        return f"reshape({_factorization(draw, math.prod(shapes[0]))})"
+    if kind in ("slice", "pad", "repeat"):
+        d = _dim(draw, ndim)
+        low, high = min(s[d] for s in shapes), max(s[d] for s in shapes)
+        if kind == "slice":
+            start = draw(st.integers(0, low - 1))
+            stop = draw(st.integers(start + 1, low))
+            args = f"dim={d}" + (f", start={start}" if start or draw(st.booleans()) else "")
+            return f"slice({args}" + (f", stop={stop})" if stop < low or draw(st.booleans()) else ")")
+        if kind == "pad":
+            if high >= MAX_DIM:
+                return None
+            to = draw(st.integers(high, min(MAX_DIM, high + 3)))
+            value = draw(st.sampled_from(["", ", value=0", ", value=1.5", ", value=-2"]))
+            return f"pad(dim={d}, to={to}{value})"
+        times = draw(st.integers(1, max(1, MAX_DIM // high)))
+        return f"repeat(dim={d}, times={times})"
+    if kind == "rope_permute":
+        heads = [h for h in range(1, 5) if all(s[0] % (2 * h) == 0 for s in shapes)]
+        return f"rope_permute(heads={draw(st.sampled_from(heads))})" if heads else None
+    if kind == "cast":
+        return f"cast({draw(st.sampled_from(DTYPES))})"
+    if kind == "scale":
+        return f"scale({draw(st.sampled_from(['2', '0.5', '-1', '-0.25', '3']))})"
+    return f"add({draw(st.sampled_from(['1', '-0.5', '0.25', '-3']))})"
+
+
+def draw_ops(draw, chain: Chain, count: int, *, may_cut: bool = True) -> Chain:
+    """Add up to `count` ops valid for the chain's shapes (a combine when several sources)."""
+    def may_combine() -> bool:  # a combine after a cut would leave too few targets (E111)
+        return len(chain.shapes) > 1 and not chain.combined and chain.cut is None
+
+    while len(chain.ops) < count or (may_combine() and draw(st.booleans())):
+        choice = draw(st.integers(0, 9))
+        if may_combine() and choice < 4:
+            text = _combine(draw, chain)
+            if text is None:
+                break  # no combine fits: the sources pair with the targets by position
+            chain.combined = True
+            chain.push(text)
+        elif may_cut and len(chain.shapes) == 1 and chain.cut is None and choice == 9:
+            cut = _cut(draw, chain.shapes[0])
+            if cut is not None:
+                chain.cut = cut[1]
+                chain.push(cut[0], targets=cut[1])
+        else:
+            text = _per_tensor(draw, chain.shapes)
+            if text is not None:
+                chain.padded |= text.startswith("pad")
+                chain.push(text)
+        if len(chain.ops) > count + 2:
+            break
+    return chain
+
+
+@st.composite
+def op_chains(draw, shapes: Sequence[Sequence[int]], max_ops: int = 4, cuts: bool = True) -> Chain:
+    """A valid chain of up to `max_ops` ops (a few more where a combine is drawn) for sources of
+    `shapes` (several: a list axis, which a combining op may join): layout ops, cuts (with `cuts`),
+    pads, casts and value ops. `.ops` is the chain's text, `.shapes` the targets' shapes; apply it
+    with `remapdsl.testing.reference.apply_ops` for the expected tensors."""
+    return draw_ops(draw, Chain([tuple(s) for s in shapes]), draw(st.integers(1, max_ops)), may_cut=cuts)
