@@ -102,9 +102,11 @@ def compile_everywhere(rules, checkpoint, config=None, strict: bool = True,
                        check: Callable[[], None] | None = None) -> tuple[Inventory, Compiled]:
     """Every rank: the rules, rank 0's headers of `checkpoint` shared, the config, compiled
     identically, before any data is read. Compiling is a pure function of its inputs, so the ranks
-    compare digests of those (cheaper than hashing what they compiled): other rules, another config
-    or another checkpoint on any rank fails every rank (E410), naming the file, line, key or size
-    that differs. `check` (the caller's own checks of its arguments) runs first, on every rank.
+    compare digests of those (cheaper than hashing what they compiled), and of each file's header
+    bytes as this rank reads its own copy: other rules, another config, another checkpoint or a
+    copy with another header on any rank fails every rank (E410), naming the file, line, key, size
+    or header that differs. `check` (the caller's own checks of its arguments) runs first, on
+    every rank.
 
     Two exchanges: rank 0's headers (a broadcast carrying them or rank 0's error), then every
     rank's rules, config and compile (one exchange carrying each rank's error or digests)."""
