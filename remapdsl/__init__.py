@@ -9,8 +9,11 @@ placements, layout plans, per-rank plans), `remapdsl.runtime`. Importing it does
 
 from __future__ import annotations
 
+import json
+import logging
 import os
 from collections.abc import Mapping
+from pathlib import Path
 from typing import Any
 
 from .checkpoint import Inventory, open_inventory
@@ -21,9 +24,52 @@ from .compile import compile_rules as _compile_rules
 from .compile.explain import explain
 from .errors import BindError, CheckpointError, Diagnostic, RemapError, RuleCheckError, RuleSyntaxError, Span
 from .language import RuleSet, load_rules
+from .language.library import AUTO, ShippedRules, shipped_rules
+from .language.library import choose_rules as _choose_rules
 from .sharding.placements import LayoutError
 
 __version__ = "0.1.0"
+
+_log = logging.getLogger("remapdsl")
+
+
+def choose_rules(checkpoint: str | os.PathLike | Inventory,
+                 config: Mapping[str, Any] | None = None) -> tuple[ShippedRules, str]:
+    """The shipped rule file that fits a checkpoint (what `rules="auto"` loads), and why, in words.
+
+    Args:
+        checkpoint: a checkpoint folder (or its index or .safetensors file, a snapshot, an Inventory).
+        config: the model config; by default the checkpoint's config.json. Matched by `model_type`,
+            else `architectures`, then `quantization_config.quant_method` (E147 when none fits).
+    """
+    return _choose_rules(_config_of(checkpoint) if config is None else config)
+
+
+def _config_of(checkpoint) -> dict[str, Any]:
+    """config.json of a checkpoint, without reading its safetensors headers."""
+    if isinstance(checkpoint, Inventory) or is_snapshot(checkpoint):
+        return checkpoint_config(open_checkpoint(checkpoint))
+    folder = Path(checkpoint)
+    path = (folder if folder.is_dir() else folder.parent) / "config.json"
+    if not path.is_file():
+        return {}
+    try:
+        return json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as exc:
+        raise RemapError(Diagnostic(code="E212", message=f"cannot read the model config: {exc}",
+                                    path=str(path))) from None
+
+
+def _rules_for(rules, checkpoint, config: Mapping[str, Any] | None = None):
+    """`auto` -> the path of the shipped file that fits the checkpoint (logged); anything else as given
+    (a path, a shipped name or a RuleSet: load_rules resolves names)."""
+    if isinstance(rules, RuleSet) or os.fspath(rules) != AUTO or Path(AUTO).is_file():
+        return rules
+    if checkpoint is None:
+        return rules  # load_rules explains (E148)
+    chosen, reason = choose_rules(checkpoint, config)
+    _log.info("rules auto: chose %s (%s)", chosen.name, reason)
+    return chosen.path
 
 
 def open_checkpoint(checkpoint: str | os.PathLike | Inventory) -> Inventory:
@@ -52,13 +98,15 @@ def compile_rules(rules: str | os.PathLike | RuleSet, checkpoint: str | os.PathL
     """Compile a rule file against a checkpoint's headers: the blocks that tile every runtime tensor.
 
     Args:
-        rules: a .remap file path (or a RuleSet from `load_rules`).
+        rules: a .remap file path, a shipped name (`qwen3_moe`), `"auto"` (the shipped file that fits
+            the checkpoint's config.json: `choose_rules`) or a RuleSet from `load_rules`.
         checkpoint: a checkpoint folder, a snapshot file (or either's Inventory).
         config: the model config; by default the checkpoint's config.json ({} when there is none).
         strict: refuse checkpoint tensors that no rule takes and no `drop` names.
     """
-    ruleset = rules if isinstance(rules, RuleSet) else load_rules(rules)
     inventory = open_checkpoint(checkpoint)
+    rules = _rules_for(rules, inventory, config)
+    ruleset = rules if isinstance(rules, RuleSet) else load_rules(rules)
     return _compile_rules(ruleset, inventory, checkpoint_config(inventory) if config is None else config,
                           strict=strict)
 
@@ -85,7 +133,8 @@ def load(state_dict, checkpoint, rules, *, config: Mapping[str, Any] | None = No
             placements; plain tensors are whole, or this rank's shard under `layout`.
             `compile_rules(...).empty_state_dict()` makes one.
         checkpoint: a checkpoint folder (or its Inventory).
-        rules: a .remap file path (or a RuleSet).
+        rules: a .remap file path, a shipped name (`qwen3_moe`), `"auto"` (chosen from the
+            checkpoint's config.json and logged on the `remapdsl` logger) or a RuleSet.
         config: the model config; by default the folder's config.json.
         strict: refuse checkpoint tensors that no rule takes and no `drop` names.
         layout: a `remapdsl.sharding.LayoutPlan` placing plain tensors on `mesh` (tp_plan style).
@@ -96,6 +145,7 @@ def load(state_dict, checkpoint, rules, *, config: Mapping[str, Any] | None = No
     from .runtime.load import load as _load
 
     require_data(checkpoint, "a load")
+    rules = _rules_for(rules, checkpoint, config)
     return _load(state_dict, checkpoint, rules, config=config, strict=strict, layout=layout, mesh=mesh,
                  read_replicated_once=read_replicated_once)
 
@@ -109,7 +159,8 @@ def save(state_dict, folder, rules, *, like=None, config: Mapping[str, Any] | No
         state_dict: runtime key -> tensor (or a torch.nn.Module); DTensors are written per their
             placements, plain tensors are whole or this rank's shard under `layout`.
         folder: the output checkpoint folder (created; it must not exist unless `overwrite`).
-        rules: a .remap file path (or a RuleSet): the rules that load `like` into this layout.
+        rules: a .remap file path, a shipped name, `"auto"` (from `like`) or a RuleSet: the rules that
+            load `like` into this layout.
         like: the checkpoint (folder or Inventory) whose keys, files, headers and index the output
             takes: an unchanged model saves to byte-identical files.
         config: the model config; by default `like`'s config.json.
@@ -122,6 +173,7 @@ def save(state_dict, folder, rules, *, like=None, config: Mapping[str, Any] | No
     from .runtime.save import save as _save
 
     require_data(like, "a save (`like`)")
+    rules = _rules_for(rules, like, config)
     return _save(state_dict, folder, rules, like=like, config=config, layout=layout, mesh=mesh,
                  overwrite=overwrite, allow_lossy=allow_lossy, requantize=requantize)
 
@@ -136,6 +188,8 @@ def convert(src, dst, rules, *, reverse: bool = False, like=None, max_shard_byte
     the layout of the original checkpoint `like`.
 
     Args:
+        rules: a .remap file path, a shipped name, `"auto"` (from `src`, or `like` when reversing)
+            or a RuleSet.
         reverse: `src` is in the runtime layout; write `like`'s layout (required then).
         max_shard_bytes: forward only: start a new output file past this size.
         budget_bytes: runtime tensors held at once by a rank (a larger tensor is held alone).
@@ -146,6 +200,7 @@ def convert(src, dst, rules, *, reverse: bool = False, like=None, max_shard_byte
 
     require_data(src, "a conversion")
     require_data(like, "a conversion (`like`)")
+    rules = _rules_for(rules, like if reverse else src)
     return _convert(src, dst, rules, reverse=reverse, like=like, max_shard_bytes=max_shard_bytes,
                     budget_bytes=budget_bytes, overwrite=overwrite, progress=progress)
 
@@ -158,8 +213,10 @@ __all__ = [
     "RemapError",
     "RuleCheckError",
     "RuleSyntaxError",
+    "ShippedRules",
     "SnapshotInventory",
     "Span",
+    "choose_rules",
     "compile_rules",
     "convert",
     "explain",
@@ -168,5 +225,6 @@ __all__ = [
     "open_checkpoint",
     "plan_rank",
     "save",
+    "shipped_rules",
     "write_snapshot",
 ]

@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import difflib
 import sys
+import textwrap
 import traceback
 from collections.abc import Sequence
 from pathlib import Path
@@ -17,6 +18,9 @@ import remapdsl
 from remapdsl import language, sharding
 
 EXIT_OK, EXIT_DIFFERS, EXIT_USER_ERROR, EXIT_BUG = 0, 1, 2, 3
+RULES_HELP = ("a .remap file, the name of a shipped one (`remapdsl rules` lists them), or `auto`: the "
+              "shipped file that fits the checkpoint's config.json")
+FILE_HELP = ".remap files, or names of shipped ones (`remapdsl rules`)"
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -55,7 +59,7 @@ def _parser() -> argparse.ArgumentParser:
     check = commands.add_parser("check", help="parse and statically check rule files",
                                 description="Parse rule files, follow their includes and run every "
                                 "check that needs no checkpoint. Exit 0 when clean, 2 on errors.")
-    check.add_argument("files", nargs="+", metavar="FILE", help=".remap files")
+    check.add_argument("files", nargs="+", metavar="FILE", help=FILE_HELP + "; `auto` with --checkpoint")
     check.add_argument("--root", help="folder that includes may not leave (default: each file's folder)")
     check.add_argument("--checkpoint", metavar="DIR|SNAPSHOT",
                        help="also compile against this checkpoint or snapshot (headers only) and report `drop` "
@@ -65,7 +69,7 @@ def _parser() -> argparse.ArgumentParser:
     fmt = commands.add_parser("fmt", help="rewrite rule files in canonical form",
                               description="Rewrite rule files in canonical form, keeping comments. "
                               "With --check, change nothing and exit 1 if a file is not formatted.")
-    fmt.add_argument("files", nargs="+", metavar="FILE", help=".remap files")
+    fmt.add_argument("files", nargs="+", metavar="FILE", help=FILE_HELP)
     fmt.add_argument("--check", action="store_true", help="report files that are not formatted")
     fmt.add_argument("--diff", action="store_true", help="print what would change, as a diff")
     fmt.set_defaults(run=_fmt)
@@ -75,7 +79,7 @@ def _parser() -> argparse.ArgumentParser:
         description="Compile rules against a checkpoint (headers only, no tensor data) and print, for "
         "each runtime tensor, its shape and dtype and which regions of which checkpoint tensors fill "
         "it, through which rule.")
-    explain.add_argument("rules", metavar="RULES", help="a .remap file")
+    explain.add_argument("rules", metavar="RULES", help=RULES_HELP)
     explain.add_argument("--checkpoint", required=True, metavar="DIR|SNAPSHOT",
                          help="a Hugging Face checkpoint folder (safetensors, with config.json), or its "
                          "snapshot (`remapdsl snapshot`)")
@@ -93,7 +97,7 @@ def _parser() -> argparse.ArgumentParser:
         description="Compile rules against a checkpoint and plan a sharded load on a device mesh: "
         "per rank, the tensors it holds, its boxes, the bytes it reads and the files it touches, "
         "and totals across ranks. Reads headers only.")
-    plan.add_argument("rules", metavar="RULES", help="a .remap file")
+    plan.add_argument("rules", metavar="RULES", help=RULES_HELP)
     plan.add_argument("--checkpoint", required=True, metavar="DIR|SNAPSHOT",
                       help="a checkpoint folder, or its snapshot")
     plan.add_argument("--mesh", required=True, metavar="DIMS",
@@ -116,8 +120,9 @@ def _parser() -> argparse.ArgumentParser:
         "tensors a batch at a time; the output appears at DST only when complete.")
     convert.add_argument("src", metavar="SRC", help="the checkpoint folder to convert")
     convert.add_argument("dst", metavar="DST", help="the output folder (must not exist unless --overwrite)")
-    convert.add_argument("--rules", required=True, metavar="RULES", help="the .remap file that loads the "
-                         "original layout into the runtime layout")
+    convert.add_argument("--rules", required=True, metavar="RULES", help="the rules that load the "
+                         "original layout into the runtime layout: " + RULES_HELP + " (SRC's, or --like's "
+                         "with --reverse)")
     convert.add_argument("--reverse", action="store_true", help="SRC is in the runtime layout; write the "
                          "original layout (needs --like)")
     convert.add_argument("--like", metavar="DIR", help="with --reverse: a checkpoint in the original layout "
@@ -147,7 +152,7 @@ def _parser() -> argparse.ArgumentParser:
         "for byte; and, with --against transformers, that the load equals transformers' own. A "
         "snapshot is replaced by random values in its layout. Exit 0 when all hold, 1 when one fails, "
         "2 on a user error.")
-    verify.add_argument("rules", metavar="RULES", help="a .remap file")
+    verify.add_argument("rules", metavar="RULES", help=RULES_HELP)
     verify.add_argument("--checkpoint", required=True, metavar="DIR|SNAPSHOT",
                         help="a checkpoint folder, or its snapshot (random values in its layout are checked)")
     verify.add_argument("--mesh", action="append", metavar="DIMS",
@@ -162,19 +167,57 @@ def _parser() -> argparse.ArgumentParser:
 
     show = commands.add_parser("ir", help="print the parsed IR of a rule file",
                                description="Print the typed IR of a rule file, for editors and tools.")
-    show.add_argument("file", metavar="FILE", help="a .remap file")
+    show.add_argument("file", metavar="FILE", help="a .remap file, or the name of a shipped one")
     show.add_argument("--json", action="store_true", help="print the IR as JSON (with source spans)")
     show.add_argument("--resolved", action="store_true",
                       help="print the checked program with includes expanded")
     show.set_defaults(run=_ir)
+
+    library = commands.add_parser(
+        "rules", help="list the shipped rule files: what each converts, for which models, how verified",
+        description="List the rule files shipped with remapdsl, which any command (and remapdsl.load) "
+        "takes by name: what each converts (its header comment), the config.json model_type and "
+        "architectures `auto` matches it by, and the tests that verify it.")
+    library.add_argument("--json", action="store_true", help="print the list as JSON")
+    library.set_defaults(run=_rules)
     return parser
+
+
+def _rules_arg(rules: str, checkpoint: str | None) -> str:
+    """`auto` (with a checkpoint) -> the shipped file that fits it, said on stderr; else as given."""
+    if rules != "auto" or checkpoint is None or Path(rules).is_file():
+        return rules
+    chosen, reason = remapdsl.choose_rules(checkpoint)
+    print(f"rules: auto chose {chosen.name} ({reason}): {chosen.path}", file=sys.stderr)
+    return chosen.path
+
+
+def _rules(args: argparse.Namespace) -> int:
+    entries = remapdsl.shipped_rules()
+    if args.json:
+        import json
+
+        rows = [dict(e.model_dump(), summary=e.summary) for e in entries]
+        print(json.dumps(rows, indent=2))
+        return EXIT_OK
+    for e in entries:
+        match = ", ".join((*e.model_types, *e.architectures)) or "-"
+        quant = f", {e.quantization} quantized" if e.quantization else ""
+        auto = f"auto: {match}{quant}" if e.auto else f"by name only (converts {match}{quant})"
+        print(f"{e.name}  [{auto}]")
+        print(textwrap.fill(e.summary, 100, initial_indent="    ", subsequent_indent="    "))
+        for test in e.verified:
+            print(f"    verified: {test}")
+        print(f"    file: {e.path}")
+    print(f"{len(entries)} shipped rule files; pass a name wherever rules are taken, or `auto`")
+    return EXIT_OK
 
 
 def _check(args: argparse.Namespace) -> int:
     errors: list[remapdsl.RemapError] = []
     for name in args.files:
         try:
-            rules = remapdsl.load_rules(name, root=args.root)
+            rules = remapdsl.load_rules(_rules_arg(name, args.checkpoint), root=args.root)
         except remapdsl.RemapError as exc:
             errors.append(exc)
             continue
@@ -214,6 +257,7 @@ def _snapshot(args: argparse.Namespace) -> int:
 def _fmt(args: argparse.Namespace) -> int:
     differs = False
     for name in args.files:
+        name = str(language.resolve_rules_path(name))  # a shipped name: its file
         rules = language.parse_file(name)
         canonical = language.format_rules(rules)
         if canonical == rules.source:
@@ -232,7 +276,7 @@ def _fmt(args: argparse.Namespace) -> int:
 
 
 def _explain(args: argparse.Namespace) -> int:
-    rules = remapdsl.load_rules(args.rules)
+    rules = remapdsl.load_rules(_rules_arg(args.rules, args.checkpoint))
     inventory = remapdsl.open_checkpoint(args.checkpoint)
     compiled = remapdsl.compile_rules(rules, inventory,
                                       strict=not args.lenient)
@@ -247,7 +291,7 @@ ALL_RANKS = 16  # `plan` summarizes every rank of a mesh up to this size by defa
 
 
 def _plan(args: argparse.Namespace) -> int:
-    rules = remapdsl.load_rules(args.rules)
+    rules = remapdsl.load_rules(_rules_arg(args.rules, args.checkpoint))
     inventory = remapdsl.open_checkpoint(args.checkpoint)
     compiled = remapdsl.compile_rules(rules, inventory)
     mesh = sharding.parse_mesh(args.mesh)
@@ -362,7 +406,8 @@ def _convert(args: argparse.Namespace) -> int:
             if tty:
                 print(f"\rconverting: {done / 1e9:.2f} of {total / 1e9:.2f} GB", end="", file=sys.stderr, flush=True)
 
-        report = remapdsl.convert(args.src, args.dst, args.rules, reverse=args.reverse, like=args.like,
+        rules = _rules_arg(args.rules, args.like if args.reverse else args.src)
+        report = remapdsl.convert(args.src, args.dst, rules, reverse=args.reverse, like=args.like,
                                   max_shard_bytes=_size(args.max_shard_size, "--max-shard-size"),
                                   budget_bytes=_size(args.memory, "--memory"), overwrite=args.overwrite, progress=progress)
         if tty:
@@ -406,7 +451,7 @@ def _ir(args: argparse.Namespace) -> int:
         statements = rules.statements
         payload = rules.model_dump_json(indent=2) if args.json else None
     else:
-        parsed = language.parse_file(args.file)
+        parsed = language.parse_file(language.resolve_rules_path(args.file))
         statements = parsed.statements
         payload = parsed.model_dump_json(indent=2) if args.json else None
     if payload is not None:
@@ -420,7 +465,7 @@ def _ir(args: argparse.Namespace) -> int:
 def _verify(args: argparse.Namespace) -> int:
     from remapdsl.testing.verify import DEFAULT_MESHES, verify
 
-    result = verify(args.rules, args.checkpoint, args.mesh or DEFAULT_MESHES, args.layout, args.against)
+    result = verify(_rules_arg(args.rules, args.checkpoint), args.checkpoint, args.mesh or DEFAULT_MESHES, args.layout, args.against)
     if args.json:
         import json
 

@@ -149,7 +149,7 @@ def test_check_against_a_checkpoint_reports_unused_drops(tmp_path, capsys):
 
 def test_check_against_the_wrong_checkpoint_is_a_located_error(capsys):
     assert main(["check", "rules/mixtral.remap", "--checkpoint", "examples/tiny-qwen3-moe"]) == 2
-    assert "rules/mixtral.remap:16:1: error[E201]" in capsys.readouterr().err
+    assert "rules/mixtral.remap:19:1: error[E201]" in capsys.readouterr().err
 
 
 def test_plan_and_explain_show_dequantized_tensors(tmp_path, capsys):

@@ -6,11 +6,14 @@ checks are check.py and literals.py. Quantized formats are named here, defined i
 
 Entry points: `load_rules(path)` and `rules_from_text(text)` (a rule file and its includes, checked:
 a RuleSet), `parse_file` / `parse_text` (one file's IR, includes not followed), `format_rules`
-(IR -> canonical text). Text in, IR out: nothing here knows checkpoints or tensors.
+(IR -> canonical text), `resolve_rules_path` / `shipped_rules` (the shipped rule library, by name:
+library.py). Text in, IR out: nothing here knows checkpoints or tensors.
 """
 
 from .formatter import format_rules
 from .includes import RuleSet, load_rules, rules_from_text
+from .library import resolve_rules_path, shipped_rules
 from .parser import parse_file, parse_text
 
-__all__ = ["RuleSet", "format_rules", "load_rules", "parse_file", "parse_text", "rules_from_text"]
+__all__ = ["RuleSet", "format_rules", "load_rules", "parse_file", "parse_text", "resolve_rules_path",
+           "rules_from_text", "shipped_rules"]

@@ -1,7 +1,8 @@
 """A rule file and its includes -> one checked RuleSet: the flat program the compiler reads.
 
 Includes resolve relative to the including file and may not leave the root folder (by default the
-top-level file's folder), so a hostile file cannot pull arbitrary files into error messages. Each
+top-level file's folder), so a hostile file cannot pull arbitrary files into error messages; a bare
+name (`include "deepseek_v3"`) that is no file there names a shipped rule file (library.py). Each
 file is included once; a cycle, a second include of the same file, or a chain of includes more than
 MAX_INCLUDE_DEPTH files deep is an error.
 """
@@ -17,6 +18,7 @@ from . import ir
 from ..errors import Diagnostic, RemapError, RuleCheckError, Span
 from .parser import parse_file, parse_text
 from .check import check_program
+from .library import display_path, is_name, names_hint, resolve_rules_path, shipped_path
 from .limits import MAX_INCLUDE_DEPTH
 
 
@@ -43,7 +45,13 @@ class RuleSet(BaseModel):
 
 
 def load_rules(path: str | os.PathLike, root: str | os.PathLike | None = None) -> RuleSet:
-    """Read, parse and statically check a rule file and everything it includes."""
+    """Read, parse and statically check a rule file and everything it includes.
+
+    Args:
+        path: a .remap file, or the name of a shipped one (`qwen3_moe`; `remapdsl rules` lists them).
+        root: the folder includes may not leave (default: the file's folder).
+    """
+    path = resolve_rules_path(path)  # a shipped name: its file
     top = parse_file(path)
     return _resolve(top, Path(root) if root is not None else Path(path).resolve().parent)
 
@@ -67,15 +75,6 @@ def _resolve(top: ir.RuleFile, root: Path) -> RuleSet:
         raise RuleCheckError(loader.diagnostics)
     check_program(statements, line_text)
     return RuleSet(files=files, statements=statements)
-
-
-def _display(path: Path) -> str:
-    """A path as people read it in messages: relative to the working folder when inside it."""
-    try:
-        relative = os.path.relpath(path)
-    except ValueError:
-        return str(path)
-    return relative if not relative.startswith("..") else str(path)
 
 
 def _location(path: str) -> Path | None:
@@ -110,13 +109,16 @@ class _Includes:
             try:
                 target = (base / statement.path).resolve()
                 exists = target.is_file()
+                shipped = shipped_path(statement.path) if not exists else None
             except (OSError, ValueError, RuntimeError) as exc:  # NUL byte, name too long, link loop
                 self.error("E141", f"cannot resolve included path `{statement.path}`: {exc}",
                            statement, file)
                 continue
-            if not target.is_relative_to(self.root):
+            if shipped is not None:  # package data: outside any user's root, and trusted
+                target, exists = shipped.resolve(), True
+            elif not target.is_relative_to(self.root):
                 self.error("E142", f"`{statement.path}` is outside the rules folder "
-                           f"{_display(self.root)}", statement, file,
+                           f"{display_path(self.root)}", statement, file,
                            "to allow it, name a wider root: `remapdsl check --root DIR`, or "
                            "`load_rules(path, root=DIR)`")
                 continue
@@ -137,11 +139,12 @@ class _Includes:
                 continue
             if not exists:
                 self.error("E141", f"included file `{statement.path}` not found (looked at "
-                           f"{_display(target)})", statement, file)
+                           f"{display_path(target)})", statement, file,
+                           names_hint(statement.path) if is_name(statement.path) else None)
                 continue
             self.seen[target] = statement.span
             try:
-                included = parse_file(_display(target))
+                included = parse_file(display_path(target))
             except RemapError as exc:  # reported with the other problems of the program
                 self.diagnostics.extend(exc.diagnostics)
                 continue
