@@ -189,7 +189,7 @@ def test_rules_command_lists_names_what_and_how_verified(capsys):
     assert main(["rules"]) == 0
     out = capsys.readouterr().out
     for name in shipped_names():
-        assert re.search(rf"^{name}  \[", out, re.M)
+        assert re.search(rf"^{name}  \[", out, re.MULTILINE)
     assert "verified: tests/test_transformers_oracle.py (qwen3_moe, qwen3_moe_dense0" in out
     assert "llama_fused  [by name only" in out
     assert main(["rules", "--json"]) == 0
