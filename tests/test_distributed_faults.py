@@ -198,4 +198,5 @@ def test_a_rank_killed_mid_load_fails_the_others_within_the_bound(tmp_path):
         seen = json.loads((tmp_path / f"lost{r}.json").read_text())
         assert seen["type"] == "RemapError" and seen["codes"] == ["E413"], seen
         assert f"rank {r} lost the group while reading" in seen["text"], seen
+        assert "rank 2 did not answer a roll call" in seen["text"], seen  # the lost rank, named
         assert seen["seconds"] < LOST_TIMEOUT + 10, seen

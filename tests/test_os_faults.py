@@ -345,6 +345,7 @@ def test_a_save_whose_rank_0_is_killed_leaves_the_old_checkpoint_and_is_cleaned_
     assert not (tmp_path / "killed0.json").exists()
     seen = json.loads((tmp_path / "killed1.json").read_text())
     assert seen["codes"] == ["E413"] and "rank 1 lost the group while writing" in seen["text"], seen
+    assert "rank 0 did not answer a roll call" in seen["text"], seen
     # the old checkpoint untouched, and only a hidden staging folder of the dead save beside it
     assert {p.name: p.read_bytes() for p in (tmp_path / "previous").iterdir()} == before
     stale = list(tmp_path.glob(".previous.remapdsl-partial-*"))

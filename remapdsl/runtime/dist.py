@@ -35,6 +35,8 @@ T = TypeVar("T")
 # How long a finished collective may wait for the backend's threads to let go of its buffers (in
 # practice microseconds; the bound only keeps a backend that never lets go from hanging a call).
 SETTLE_SECONDS = 5.0
+ROLL_CALL_SECONDS = 2.0  # after a failed collective: how long survivors wait to hear from the others
+_COLLECTIVES = 0  # collectives this process has made through this module (a roll call's name)
 # On a disagreement, how many distinct versions of one aspect are described (the first rank of each).
 MAX_VERSIONS = 4
 
@@ -266,6 +268,8 @@ def _settled(start: Callable[[], Any], buffers: list[torch.Tensor], phase: str) 
     A collective the backend fails (a peer process gone, the group's timeout passed) is E413 on
     this rank, naming the phase; the waits are bounded by the process group's timeout.
     """
+    global _COLLECTIVES
+    _COLLECTIVES += 1
     before = _references(buffers)
     try:
         work = start()
@@ -273,14 +277,41 @@ def _settled(start: Callable[[], Any], buffers: list[torch.Tensor], phase: str) 
     except Exception as exc:  # noqa: BLE001 - the backend's own error types differ by backend and version
         raise RemapError(Diagnostic(
             code="E413", message=f"rank {dist.get_rank()} lost the group while {phase}: "
-            f"{type(exc).__name__}: {_first_sentence(exc)}",
-            hint="another rank died, was killed or left, or did not reach this step within the process "
+            f"{_roll_call(_COLLECTIVES)}; {type(exc).__name__}: {_first_sentence(exc)}",
+            hint="a rank died, was killed or left, or did not reach this step within the process "
                  "group's timeout (`init_process_group(timeout=...)`); its own log says why")) from None
     del work
     deadline, pause = time.monotonic() + SETTLE_SECONDS, 1e-5
     while _references(buffers) > before and time.monotonic() < deadline:
         time.sleep(pause)
         pause = min(pause * 2, 1e-2)
+
+
+def _roll_call(collective: int) -> str:
+    """Which ranks are gone, after a collective failed: every survivor writes its rank under this
+    collective's number (the same on every rank: each makes the same collectives in the same order)
+    into the process group's store, then waits up to ROLL_CALL_SECONDS for the others' entries.
+    The store is the one the group was made with; if it is gone too (rank 0 hosts a TCPStore), so
+    is rank 0, most likely."""
+    world, me = dist.get_world_size(), dist.get_rank()
+    try:
+        store = dist.distributed_c10d._get_default_store()
+        prefix = f"remapdsl/roll-call/{collective}/"
+        store.set(prefix + str(me), b"1")
+        missing = [r for r in range(world) if r != me]
+        deadline = time.monotonic() + ROLL_CALL_SECONDS
+        while missing and time.monotonic() < deadline:
+            missing = [r for r in missing if not store.check([prefix + str(r)])]
+            if missing:
+                time.sleep(0.05)
+    except Exception as exc:  # noqa: BLE001 - a store that is gone fails with the backend's own errors
+        return (f"the group's store cannot be reached either ({type(exc).__name__}): rank 0, which "
+                "usually hosts it, may be the one lost")
+    if not missing:
+        return "every rank answered a roll call afterwards (a rank left the group, or a network fault)"
+    named = ", ".join(map(str, missing))
+    return (f"rank{'s' if len(missing) > 1 else ''} {named} did not answer a roll call within "
+            f"{ROLL_CALL_SECONDS:g} s (lost or stuck)")
 
 
 def _first_sentence(exc: BaseException) -> str:
