@@ -9,7 +9,6 @@ placements, layout plans, per-rank plans), `remapdsl.runtime`. Importing it does
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 from collections.abc import Mapping
@@ -17,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from .checkpoint import Inventory, open_inventory
+from .checkpoint.inventory import read_config_file
 from .checkpoint.snapshot import SnapshotInventory, checkpoint_config, is_snapshot, open_snapshot, require_data
 from .checkpoint.snapshot import write_snapshot as _write_snapshot
 from .compile import Compiled
@@ -50,14 +50,7 @@ def _config_of(checkpoint) -> dict[str, Any]:
     if isinstance(checkpoint, Inventory) or is_snapshot(checkpoint):
         return checkpoint_config(open_checkpoint(checkpoint))
     folder = Path(checkpoint)
-    path = (folder if folder.is_dir() else folder.parent) / "config.json"
-    if not path.is_file():
-        return {}
-    try:
-        return json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, ValueError) as exc:
-        raise RemapError(Diagnostic(code="E212", message=f"cannot read the model config: {exc}",
-                                    path=str(path))) from None
+    return read_config_file((folder if folder.is_dir() else folder.parent) / "config.json")
 
 
 def _rules_for(rules, checkpoint, config: Mapping[str, Any] | None = None):

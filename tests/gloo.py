@@ -42,3 +42,36 @@ def distributed_like(expected: dict, mesh, plan) -> tuple[dict, dict]:
         targets[key] = distribute_tensor(torch.zeros_like(full), device_mesh, placements)
         wanted[key] = distribute_tensor(full, device_mesh, placements).to_local()
     return targets, wanted
+
+
+def record_cases(rank: int, world: int, rendezvous: str, out: str, cases) -> None:
+    """On one gloo rank: run each of `cases(rank, folder)` (name -> call) in turn and write what
+    each raised to `out/rank{rank}.json` (None, a RemapError's class, codes, text and failing
+    ranks, or any other exception's traceback as `escaped`), then leave the group."""
+    import datetime
+    import json
+    import traceback
+    from pathlib import Path
+
+    import torch.distributed as dist
+
+    import remapdsl
+
+    dist.init_process_group("gloo", init_method=f"file://{rendezvous}", rank=rank, world_size=world,
+                            timeout=datetime.timedelta(seconds=60))
+    seen = {}
+    try:
+        folder = Path(out) / f"rank{rank}"
+        folder.mkdir()
+        for name, call in cases(rank, folder).items():
+            try:
+                call()
+                seen[name] = None
+            except remapdsl.RemapError as exc:
+                seen[name] = {"type": type(exc).__name__, "codes": [d.code for d in exc.diagnostics],
+                              "text": str(exc), "failed_ranks": list(getattr(exc, "failed_ranks", ()))}
+            except Exception:  # noqa: BLE001 - a non-RemapError escaping is itself a failure
+                seen[name] = {"type": "escaped", "text": traceback.format_exc()}
+    finally:
+        Path(out, f"rank{rank}.json").write_text(json.dumps(seen))
+        shut_down()

@@ -291,9 +291,8 @@ GPT_OSS = dict(vocab_size=128, hidden_size=64, intermediate_size=64, num_hidden_
 def gpt_oss_mxfp4_release(folder: Path, seed: int = 0) -> Path:
     """A tiny random gpt-oss saved as the MXFP4 release is: experts as `*_blocks` / `*_scales`,
     output dim first; everything else bf16 in the in-memory layout."""
-    from safetensors.torch import save_file
-
     from quant_reference import quantize_mxfp4
+    from safetensors.torch import save_file
 
     _quiet_transformers()
     from transformers import AutoConfig, AutoModelForCausalLM
@@ -327,3 +326,13 @@ def transformers_state_dict(folder: Path, dtype: torch.dtype) -> dict[str, torch
     model, info = AutoModelForCausalLM.from_pretrained(str(folder), dtype=dtype, output_loading_info=True)
     assert not any(info[k] for k in ("missing_keys", "unexpected_keys", "mismatched_keys")), info
     return model.state_dict()
+
+
+def wrong_rules(tmp_path, source, old: str, new: str):
+    """A copy of rule file `source` under tmp_path with `old` (which it must contain) made `new`:
+    a deliberately wrong rule file for tests that must see it fail."""
+    text = source.read_text()
+    assert old in text
+    out = tmp_path / f"wrong_{source.name}"
+    out.write_text(text.replace(old, new))
+    return out

@@ -22,7 +22,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-from gloo import shut_down
+from gloo import record_cases
 
 import remapdsl
 from remapdsl.checkpoint import CheckpointReader, Inventory, open_inventory
@@ -177,24 +177,7 @@ def _cases(rank: int, tmp: Path) -> dict:
 
 
 def _worker(rank: int, rendezvous: str, out: str) -> None:
-    dist.init_process_group("gloo", init_method=f"file://{rendezvous}", rank=rank, world_size=WORLD,
-                            timeout=datetime.timedelta(seconds=60))
-    seen = {}
-    try:
-        tmp = Path(out) / f"rank{rank}"
-        tmp.mkdir()
-        for name, call in _cases(rank, tmp).items():
-            try:
-                call()
-                seen[name] = None
-            except remapdsl.RemapError as exc:
-                seen[name] = {"type": type(exc).__name__, "codes": [d.code for d in exc.diagnostics],
-                              "text": str(exc), "failed_ranks": list(getattr(exc, "failed_ranks", ()))}
-            except Exception:  # noqa: BLE001 - a non-RemapError escaping is itself a failure
-                seen[name] = {"type": "escaped", "text": traceback.format_exc()}
-    finally:
-        Path(out, f"rank{rank}.json").write_text(json.dumps(seen))
-        shut_down()
+    record_cases(rank, WORLD, rendezvous, out, _cases)
 
 
 def test_os_faults_and_meshes_raise_one_clear_error_on_every_rank(tmp_path):

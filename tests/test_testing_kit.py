@@ -11,12 +11,14 @@ from pathlib import Path
 
 import pytest
 import torch
+from hf_models import wrong_rules
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import remapdsl
 from remapdsl.checkpoint import Inventory
 from remapdsl.dtypes import DTYPES
+from remapdsl.quant import QuantFormat, get_format, register_format, unregister_format
 from remapdsl.testing import (
     assert_matches_reference,
     assert_round_trip,
@@ -26,7 +28,6 @@ from remapdsl.testing import (
     scale_down,
     write_checkpoint,
 )
-from remapdsl.quant import QuantFormat, get_format, register_format, unregister_format
 from remapdsl.testing.compare import file_differences
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -39,13 +40,6 @@ QWEN3_MOE = dict(model_type="qwen3_moe", vocab_size=64, hidden_size=32, num_atte
 LLAMA = dict(model_type="llama", vocab_size=64, hidden_size=32, num_attention_heads=4, num_key_value_heads=2,
              num_hidden_layers=1, intermediate_size=48, max_position_embeddings=64)
 
-
-def _rules(tmp_path: Path, source: Path, old: str, new: str) -> Path:
-    text = source.read_text()
-    assert old in text
-    out = tmp_path / f"wrong_{source.name}"
-    out.write_text(text.replace(old, new))
-    return out
 
 
 # -- state dicts ---------------------------------------------------------------------------------
@@ -159,7 +153,7 @@ def test_a_differing_file_names_the_tensor_and_element(tmp_path):
 def test_a_reference_catches_gate_and_up_swapped_which_round_trips_fine(remapdsl_checkpoint, tmp_path):
     folder = remapdsl_checkpoint(QWEN3_MOE)
     assert_matches_reference(QWEN3_RULES, folder, "transformers")
-    swapped = _rules(tmp_path, QWEN3_RULES, "experts.{E}.{gate,up}_proj.weight", "experts.{E}.{up,gate}_proj.weight")
+    swapped = wrong_rules(tmp_path, QWEN3_RULES, "experts.{E}.{gate,up}_proj.weight", "experts.{E}.{up,gate}_proj.weight")
     assert_round_trip(swapped, folder)  # consistent, so a round trip cannot see it
     with pytest.raises(AssertionError) as info:
         assert_matches_reference(swapped, folder, "transformers")
@@ -170,7 +164,7 @@ def test_a_reference_catches_gate_and_up_swapped_which_round_trips_fine(remapdsl
 
 def test_a_reference_catches_experts_stacked_in_the_wrong_order(remapdsl_checkpoint, tmp_path):
     folder = remapdsl_checkpoint(QWEN3_MOE, seed=1)
-    wrong = _rules(tmp_path, QWEN3_RULES, "model.layers.{L}.mlp.experts.{E}.down_proj.weight -> "
+    wrong = wrong_rules(tmp_path, QWEN3_RULES, "model.layers.{L}.mlp.experts.{E}.down_proj.weight -> "
                    "model.layers.{L}.mlp.experts.down_proj\n    | stack(E, dim=0)",
                    "model.layers.{L}.mlp.experts.{1,0,2,3}.down_proj.weight -> "
                    "model.layers.{L}.mlp.experts.down_proj\n    | stack(dim=0)")
@@ -197,9 +191,9 @@ def test_a_reference_catches_qkv_split_at_the_wrong_sizes(remapdsl_checkpoint, t
     split = ("model.layers.{L}.self_attn.qkv_proj.weight -> model.layers.{L}.self_attn.{q,k,v}_proj.weight\n"
              "    | split(dim=0, sizes=[%s])\nmodel.layers.{L}.self_attn.o_proj.weight -> model.layers.{L}.self_attn.o_proj.weight")
     old = "model.layers.{L}.self_attn.{q,k,v,o}_proj.weight -> model.layers.{L}.self_attn.{q,k,v,o}_proj.weight"
-    assert_matches_reference(_rules(tmp_path, LLAMA_RULES, old, split % "32, 16, 16"), fused, reference)
+    assert_matches_reference(wrong_rules(tmp_path, LLAMA_RULES, old, split % "32, 16, 16"), fused, reference)
     with pytest.raises(AssertionError) as info:
-        assert_matches_reference(_rules(tmp_path, LLAMA_RULES, old, split % "16, 32, 16"), fused, reference)
+        assert_matches_reference(wrong_rules(tmp_path, LLAMA_RULES, old, split % "16, 32, 16"), fused, reference)
     message = str(info.value)
     assert "`model.layers.0.self_attn.q_proj.weight`: the rules make float32 [16, 32], reference has float32 [32, 32]" in message
     assert "`model.layers.0.self_attn.k_proj.weight`: the rules make float32 [32, 32]" in message

@@ -8,6 +8,7 @@ import json
 from pathlib import Path
 
 import pytest
+from hf_models import wrong_rules
 
 import remapdsl
 from remapdsl.cli import main
@@ -21,13 +22,6 @@ LLAMA_RULES = ROOT / "rules" / "llama.remap"
 LLAMA = {"model_type": "llama", "vocab_size": 64, "hidden_size": 32, "num_attention_heads": 4,
          "num_key_value_heads": 2, "num_hidden_layers": 1, "intermediate_size": 48, "max_position_embeddings": 64}
 
-
-def _rules(tmp_path: Path, source: Path, old: str, new: str) -> Path:
-    text = source.read_text()
-    assert old in text
-    out = tmp_path / f"wrong_{source.name}"
-    out.write_text(text.replace(old, new))
-    return out
 
 
 def _statuses(result) -> list[tuple[str, str | None, str]]:
@@ -69,7 +63,7 @@ def test_a_snapshot_is_verified_on_random_values_in_its_layout_as_json(tmp_path,
 
 def test_gate_and_up_swapped_fail_only_against_transformers(tmp_path, capsys):
     pytest.importorskip("transformers")
-    swapped = _rules(tmp_path, QWEN3_RULES, "experts.{E}.{gate,up}_proj.weight", "experts.{E}.{up,gate}_proj.weight")
+    swapped = wrong_rules(tmp_path, QWEN3_RULES, "experts.{E}.{gate,up}_proj.weight", "experts.{E}.{up,gate}_proj.weight")
     status = main(["verify", str(swapped), "--checkpoint", str(TINY), "--against", "transformers"])
     out = capsys.readouterr().out
     assert status == 1, out
@@ -83,7 +77,7 @@ def test_gate_and_up_swapped_fail_only_against_transformers(tmp_path, capsys):
 
 def test_experts_stacked_in_the_wrong_order_fail_against_transformers(tmp_path):
     pytest.importorskip("transformers")
-    wrong = _rules(tmp_path, QWEN3_RULES, "model.layers.{L}.mlp.experts.{E}.down_proj.weight -> "
+    wrong = wrong_rules(tmp_path, QWEN3_RULES, "model.layers.{L}.mlp.experts.{E}.down_proj.weight -> "
                    "model.layers.{L}.mlp.experts.down_proj\n    | stack(E, dim=0)",
                    "model.layers.{L}.mlp.experts.{1,0,2,3}.down_proj.weight -> "
                    "model.layers.{L}.mlp.experts.down_proj\n    | stack(dim=0)")
@@ -102,16 +96,16 @@ def test_qkv_split_at_the_wrong_sizes_fails_on_the_shapes(remapdsl_checkpoint, t
     fused = ("model.layers.{L}.self_attn.{q,k,v}_proj.weight -> model.layers.{L}.self_attn.{q,k,v}_proj.weight\n"
              "    | concat(dim=0)\n    | split(dim=0, sizes=[%s])\n"
              "model.layers.{L}.self_attn.o_proj.weight -> model.layers.{L}.self_attn.o_proj.weight")
-    right = verify(_rules(tmp_path, LLAMA_RULES, old, fused % "32, 16, 16"), folder, meshes=(), against="transformers")
+    right = verify(wrong_rules(tmp_path, LLAMA_RULES, old, fused % "32, 16, 16"), folder, meshes=(), against="transformers")
     assert right.ok, right.checks
-    wrong = verify(_rules(tmp_path, LLAMA_RULES, old, fused % "16, 16, 32"), folder, meshes=(), against="transformers")
+    wrong = verify(wrong_rules(tmp_path, LLAMA_RULES, old, fused % "16, 16, 32"), folder, meshes=(), against="transformers")
     assert _statuses(wrong)[-1] == ("transformers", None, "fail")
     assert ("`model.layers.0.self_attn.q_proj.weight`: the rules make float32 [16, 32], transformers has "
             "float32 [32, 32]") in wrong.checks[-1].detail
 
 
 def test_rules_that_do_not_cover_the_checkpoint_fail_the_compile_check(tmp_path, capsys):
-    wrong = _rules(tmp_path, QWEN3_RULES, "model.norm.weight -> model.norm.weight\n", "")
+    wrong = wrong_rules(tmp_path, QWEN3_RULES, "model.norm.weight -> model.norm.weight\n", "")
     status = main(["verify", str(wrong), "--checkpoint", str(TINY)])
     out = capsys.readouterr().out
     assert status == 1, out

@@ -420,7 +420,11 @@ def _inventory(root: str, headers: dict[str, Header], ignored: tuple[str, ...], 
 
 def read_config(inventory: Inventory) -> dict[str, Any]:
     """The model config next to a checkpoint (config.json), or {} when there is none."""
-    path = Path(inventory.root) / "config.json"
+    return read_config_file(Path(inventory.root) / "config.json")
+
+
+def read_config_file(path: Path) -> dict[str, Any]:
+    """A config.json as a dict, or {} when there is no such file (E212 when it cannot be read)."""
     if not path.is_file():
         return {}
     try:
