@@ -75,3 +75,24 @@ def record_cases(rank: int, world: int, rendezvous: str, out: str, cases) -> Non
     finally:
         Path(out, f"rank{rank}.json").write_text(json.dumps(seen))
         shut_down()
+
+
+def run_with_bound(target, world: int, args: tuple, bound: float) -> list[int]:
+    """Start `target(rank, *args)` in `world` spawned processes and wait up to `bound` seconds for
+    all of them; kill any still running then and return their ranks (those that hung)."""
+    import time
+
+    import torch.multiprocessing as mp
+
+    context = mp.get_context("spawn")
+    procs = [context.Process(target=target, args=(r, *args)) for r in range(world)]
+    for p in procs:
+        p.start()
+    deadline = time.monotonic() + bound
+    for p in procs:
+        p.join(max(1.0, deadline - time.monotonic()))
+    alive = [r for r, p in enumerate(procs) if p.is_alive()]
+    for p in procs:
+        if p.is_alive():
+            p.kill()
+    return alive

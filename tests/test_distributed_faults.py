@@ -17,7 +17,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-from gloo import record_cases
+from gloo import record_cases, run_with_bound
 
 import remapdsl
 from remapdsl.sharding import LayoutPlan, Mesh, layout_for, local_shard
@@ -162,20 +162,8 @@ def _loses_a_rank(rank: int, rendezvous: str, out: str) -> None:
 
 
 def test_a_rank_killed_mid_load_fails_the_others_within_the_bound(tmp_path):
-    import time
 
-    context = mp.get_context("spawn")
-    procs = [context.Process(target=_loses_a_rank, args=(r, str(tmp_path / "rendezvous"), str(tmp_path)))
-             for r in range(WORLD)]
-    for p in procs:
-        p.start()
-    deadline = time.monotonic() + 3 * LOST_TIMEOUT
-    for p in procs:
-        p.join(max(1.0, deadline - time.monotonic()))
-    alive = [r for r, p in enumerate(procs) if p.is_alive()]
-    for p in procs:
-        if p.is_alive():
-            p.kill()
+    alive = run_with_bound(_loses_a_rank, WORLD, (str(tmp_path / "rendezvous"), str(tmp_path)), 3 * LOST_TIMEOUT)
     assert not alive, f"ranks {alive} hung after rank 2 was killed"
     assert not (tmp_path / "lost2.json").exists()  # rank 2 died before it could report anything
     for r in (0, 1):

@@ -22,7 +22,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-from gloo import record_cases
+from gloo import record_cases, run_with_bound
 
 import remapdsl
 from remapdsl.checkpoint import CheckpointReader, Inventory, open_inventory
@@ -305,25 +305,14 @@ def _killed_mid_save(rank: int, rendezvous: str, out: str) -> None:
 
 
 def test_a_save_whose_rank_0_is_killed_leaves_the_old_checkpoint_and_is_cleaned_up_next_time(tmp_path):
-    import time
 
     from remapdsl.checkpoint.writer import OWNER
 
     shutil.copytree(CHECKPOINT, tmp_path / "previous")
     (tmp_path / "previous" / "model.safetensors").write_bytes(b"\0" * 8)  # an old checkpoint, unlike the new
     before = {p.name: p.read_bytes() for p in (tmp_path / "previous").iterdir()}
-    context = mp.get_context("spawn")
-    procs = [context.Process(target=_killed_mid_save, args=(r, str(tmp_path / "rendezvous"), str(tmp_path)))
-             for r in range(WORLD)]
-    for p in procs:
-        p.start()
-    deadline = time.monotonic() + 3 * KILLED_TIMEOUT
-    for p in procs:
-        p.join(max(1.0, deadline - time.monotonic()))
-    alive = [r for r, p in enumerate(procs) if p.is_alive()]
-    for p in procs:
-        if p.is_alive():
-            p.kill()
+    alive = run_with_bound(_killed_mid_save, WORLD, (str(tmp_path / "rendezvous"), str(tmp_path)),
+                           3 * KILLED_TIMEOUT)
     assert not alive, f"ranks {alive} hung after rank 0 was killed"
     assert not (tmp_path / "killed0.json").exists()
     seen = json.loads((tmp_path / "killed1.json").read_text())
