@@ -346,3 +346,19 @@ def test_op_chains_check_a_format_of_ones_own_against_the_reference(data, tmp_pa
         assert_state_dicts_equal(loaded, dict(zip(targets, expected)))
     finally:
         unregister_format("kit_int8_row")
+
+
+@settings(max_examples=2, deadline=None, derandomize=True)
+@given(data=st.data())
+def test_random_checkpoints_from_a_transformers_config_load_through_the_rules(data):
+    from remapdsl.testing.strategies import checkpoints
+
+    config = {"model_type": "llama", "vocab_size": 64, "hidden_size": 32, "num_attention_heads": 4,
+              "num_key_value_heads": 2, "num_hidden_layers": 1, "intermediate_size": 48,
+              "max_position_embeddings": 64}
+    folder = data.draw(checkpoints(config))
+    state = load_whole(LLAMA_RULES, folder)
+    assert "model.layers.0.self_attn.q_proj.weight" in state
+    assert_matches_reference(LLAMA_RULES, folder, "transformers")
+    with pytest.raises(ValueError, match="its own numbers of layers"):
+        checkpoints(config, layers=1)

@@ -10,7 +10,7 @@ property at once in `remapdsl.testing.verify` (`remapdsl verify`). See docs/test
 
 from remapdsl.testing.assertions import assert_matches_reference, assert_round_trip, load_whole, transformers_state_dict
 from remapdsl.testing.compare import assert_state_dicts_equal, state_dict_differences, tensor_difference
-from remapdsl.testing.data import layer_and_expert, random_bytes, scale_down, write_checkpoint
+from remapdsl.testing.data import layer_and_expert, random_bytes, scale_down, write_checkpoint, write_pretrained
 from remapdsl.testing.ranks import as_mesh, assert_sharded_equals_whole, run_ranks, shard_everything
 
 __all__ = [
@@ -29,4 +29,5 @@ __all__ = [
     "tensor_difference",
     "transformers_state_dict",
     "write_checkpoint",
+    "write_pretrained",
 ]

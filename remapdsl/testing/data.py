@@ -186,3 +186,25 @@ def scale_down(inventory: Inventory, *, layers: int | None = None, experts: int 
     snapshot = {"format": FORMAT, "version": VERSION, "index_file": inventory.index_file, "ignored_files": [],
                 "files": files, "config": config}
     return parse_snapshot(snapshot, f"{inventory.root} (scaled down)")
+
+
+def write_pretrained(config: Mapping, folder: Path, seed: int = 0) -> Path:
+    """A tiny transformers model of `config` (with `model_type`), every floating tensor random
+    (from_config leaves norms at 1 and biases at 0, which would hide a swapped mapping), saved
+    with `save_pretrained`."""
+    import torch
+    import transformers
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    transformers.logging.set_verbosity_error()
+    values = dict(config)
+    model_config = AutoConfig.for_model(values.pop("model_type"), **values)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = AutoModelForCausalLM.from_config(model_config)
+        with torch.no_grad():
+            for value in model.state_dict(keep_vars=True).values():
+                if value.is_floating_point():
+                    value.copy_(torch.randn(value.shape, dtype=torch.float32).to(value.dtype))
+    model.save_pretrained(folder)
+    return Path(folder)

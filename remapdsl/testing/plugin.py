@@ -34,35 +34,13 @@ def pytest_configure(config) -> None:
     config.addinivalue_line("markers", f"{MARKER}: a test that runs real gloo processes (remapdsl.testing)")
 
 
-def write_pretrained(config: Mapping, folder: Path, seed: int = 0) -> Path:
-    """A tiny transformers model of `config` (with `model_type`), every floating tensor random
-    (from_config leaves norms at 1 and biases at 0, which would hide a swapped mapping), saved
-    with `save_pretrained`."""
-    import torch
-    import transformers
-    from transformers import AutoConfig, AutoModelForCausalLM
-
-    transformers.logging.set_verbosity_error()
-    values = dict(config)
-    model_config = AutoConfig.for_model(values.pop("model_type"), **values)
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(seed)
-        model = AutoModelForCausalLM.from_config(model_config)
-        with torch.no_grad():
-            for value in model.state_dict(keep_vars=True).values():
-                if value.is_floating_point():
-                    value.copy_(torch.randn(value.shape, dtype=torch.float32).to(value.dtype))
-    model.save_pretrained(folder)
-    return Path(folder)
-
-
 @pytest.fixture
 def remapdsl_checkpoint(tmp_path):
     """`make(source, *, layers=None, experts=None, seed=0) -> Path`: a tiny real checkpoint folder
     under tmp_path. `source`: a snapshot file, checkpoint folder or Inventory (random values in its
     layout; `layers`/`experts` keep the first N), or a transformers config dict with `model_type`
     (or a config.json path holding one)."""
-    from remapdsl.testing.data import write_checkpoint
+    from remapdsl.testing.data import write_checkpoint, write_pretrained
 
     made = 0
 

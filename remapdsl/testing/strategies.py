@@ -11,7 +11,7 @@ import math
 import os
 import shutil
 import tempfile
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -22,7 +22,7 @@ from remapdsl import open_checkpoint
 from remapdsl.language import ir
 from remapdsl.language.parser import parse_text
 from remapdsl.sharding import LayoutError, LayoutPlan, Mesh, Replicate, Shard, StridedShard, local_shard
-from remapdsl.testing.data import write_checkpoint
+from remapdsl.testing.data import write_checkpoint, write_pretrained
 from remapdsl.testing.reference import apply_ops
 
 MESH_NAMES = ("dp", "tp", "ep")
@@ -38,15 +38,20 @@ def checkpoints(source, *, root: str | os.PathLike | None = None, layers=None, e
                 seeds: st.SearchStrategy[int] = st.integers(0, 2**31 - 1)) -> st.SearchStrategy[Path]:
     """Checkpoint folders written in the layout of `source` (a snapshot, checkpoint folder or
     Inventory): its keys, dtypes, shapes, files and index, random finite values (FP8 and FP4 codes
-    included), each drawn example a new folder under `root` (by default a temporary folder removed
-    when the process exits).
+    included); or, for a transformers config dict with `model_type`, a tiny model of it with random
+    values, written by `save_pretrained` (`write_pretrained`). Each drawn example is a new folder
+    under `root` (by default a temporary folder removed when the process exits).
 
     Args:
         layers, experts: keep the first N layers / experts (an int, or a strategy of ints, e.g.
             `st.integers(1, 2)`), config adjusted (`remapdsl.testing.scale_down`); None keeps all.
+            A config says its own sizes: give neither with one.
         seeds: the values' seeds.
     """
-    inventory = open_checkpoint(source)  # read once; every example reuses it
+    pretrained = isinstance(source, Mapping)
+    if pretrained and (layers is not None or experts is not None):
+        raise ValueError("a config says its own numbers of layers and experts: set them in it")
+    inventory = None if pretrained else open_checkpoint(source)  # read once; every example reuses it
     if root is None:
         base = Path(tempfile.mkdtemp(prefix="remapdsl-checkpoints-"))
         atexit.register(shutil.rmtree, base, ignore_errors=True)
@@ -58,6 +63,8 @@ def checkpoints(source, *, root: str | os.PathLike | None = None, layers=None, e
         seed = draw(seeds)
         n_layers, n_experts = draw(_strategy(layers)), draw(_strategy(experts))
         folder = Path(tempfile.mkdtemp(prefix=f"seed{seed}-", dir=base))
+        if pretrained:
+            return write_pretrained(source, folder, seed)
         return write_checkpoint(inventory, folder, seed=seed, layers=n_layers, experts=n_experts)
 
     return build()
