@@ -128,7 +128,7 @@ def test_the_quick_start_main_job_verifies_the_bundled_example_on_two_ranks():
     assert "remapdsl verify " in tail and "--mesh tp=2" in tail and "examples/tiny-qwen3-moe" in tail
     run = _run_in(ROOT, tail)
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-2000:]
-    assert "sharded load  tp=2  pass" in run.stdout and run.stdout.rstrip().endswith("ok: 3 of 3 checks hold")
+    assert "sharded load  tp=2  pass" in run.stdout and run.stdout.rstrip().endswith("ok: 4 of 4 checks hold")
 
 
 def test_the_testing_guide_verify_step_runs_as_printed(tmp_path):
@@ -143,4 +143,4 @@ def test_the_testing_guide_verify_step_runs_as_printed(tmp_path):
     run = _run_in(tmp_path, command.strip())
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-2000:]
     assert "(a snapshot: random values in its layout)" in run.stdout
-    assert "transformers  -     pass" in run.stdout and "ok: 4 of 4 checks hold" in run.stdout
+    assert "transformers  -     pass" in run.stdout and "ok: 5 of 5 checks hold" in run.stdout

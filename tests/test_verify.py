@@ -42,7 +42,10 @@ def test_the_shipped_rules_pass_on_the_bundled_checkpoint_on_two_real_ranks(caps
     assert "2 gloo ranks: every shard equals the whole load; each rank read exactly the bytes it owns" in out
     assert [r[:3] for r in rows if r and r[0] in ("compile", "round")] == [["compile", "-", "pass"],
                                                                           ["round", "trip", "-"]]
-    assert out.rstrip().endswith("ok: 3 of 3 checks hold")
+    save = next(r for r in rows if r[:2] == ["sharded", "save"])
+    assert save[2:4] == ["tp=2", "pass"]
+    assert "each wrote the bytes it owns" in out and "none gathered: the checkpoint back byte for byte" in out
+    assert out.rstrip().endswith("ok: 4 of 4 checks hold")
 
 
 def test_a_snapshot_is_verified_on_random_values_in_its_layout_as_json(tmp_path, capsys):
@@ -53,7 +56,8 @@ def test_a_snapshot_is_verified_on_random_values_in_its_layout_as_json(tmp_path,
     assert status == 0, report
     assert report["ok"] is True and report["synthesized"] is True
     assert [(c["property"], c["mesh"], c["status"]) for c in report["checks"]] == [
-        ("compile", None, "pass"), ("sharded load", "tp=2", "pass"), ("round trip", None, "pass")]
+        ("compile", None, "pass"), ("sharded load", "tp=2", "pass"), ("sharded save", "tp=2", "pass"),
+        ("round trip", None, "pass")]
     sharded = report["checks"][1]
     assert sharded["bytes_read"] == sharded["bytes_owned"] > 0
 
@@ -68,11 +72,12 @@ def test_gate_and_up_swapped_fail_only_against_transformers(tmp_path, capsys):
     out = capsys.readouterr().out
     assert status == 1, out
     statuses = {tuple(line.split()[:3]) for line in out.splitlines() if line.split()}
-    # consistent, so the sharded load and the round trip cannot see it; the reference does
-    assert {("sharded", "load", "tp=2"), ("round", "trip", "-"), ("transformers", "-", "fail")} <= statuses
+    # consistent, so the sharded load and the round trips cannot see it; the reference does
+    assert {("sharded", "load", "tp=2"), ("sharded", "save", "tp=2"), ("round", "trip", "-"),
+            ("transformers", "-", "fail")} <= statuses
     assert "FAIL transformers:" in out
     assert "`model.layers.0.mlp.experts.gate_up_proj`: " in out and "first at [0, 0, 0]" in out
-    assert out.rstrip().endswith("FAILED: 3 of 4 checks hold")
+    assert out.rstrip().endswith("FAILED: 4 of 5 checks hold")
 
 
 def test_experts_stacked_in_the_wrong_order_fail_against_transformers(tmp_path):
@@ -139,3 +144,17 @@ def test_user_errors_exit_2_with_one_message(case, tmp_path, capsys):
     code = {"no rules": "E009", "broken rules": "E002", "no checkpoint": "E301", "bad mesh": "E409"}.get(case)
     if code:
         assert f"error[{code}]" in captured.err
+
+
+def test_a_cast_that_loses_values_fails_both_saves_naming_the_tensor(tmp_path):
+    """A rule whose load cannot be undone (bfloat16 read into float16 loses range): the loads
+    pass, the sharded save and the one-process round trip fail, each naming the tensor (E502)."""
+    wrong = wrong_rules(tmp_path, QWEN3_RULES, "model.norm.weight -> model.norm.weight",
+                        "model.norm.weight -> model.norm.weight | cast(float16)")
+    result = verify(wrong, TINY, layout=TP2_LAYOUT)
+    statuses = {(c.property, c.mesh): c for c in result.checks}
+    assert statuses[("sharded load", "tp=2")].status == "pass"
+    for key in (("sharded save", "tp=2"), ("round trip", None)):
+        assert statuses[key].status == "fail" and "E502" in statuses[key].detail, statuses[key]
+        assert "model.norm.weight" in statuses[key].detail
+    assert not result.ok

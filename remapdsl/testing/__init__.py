@@ -1,7 +1,7 @@
 """remapdsl.testing: a kit for proving a rule file right in a model's own CI.
 
 Assertions (`assert_state_dicts_equal`, `assert_round_trip`, `assert_matches_reference`,
-`assert_sharded_equals_whole`), a gloo multi-rank runner (`run_ranks`), checkpoints with random
+`assert_sharded_equals_whole`, `assert_sharded_round_trip`), a gloo multi-rank runner (`run_ranks`), checkpoints with random
 values in a snapshot's layout (`write_checkpoint`, `scale_down`), hypothesis strategies in
 `remapdsl.testing.strategies` (the only module that needs hypothesis), and a pytest plugin
 (`remapdsl.testing.plugin`, registered through the `pytest11` entry point), and every
@@ -11,13 +11,20 @@ property at once in `remapdsl.testing.verify` (`remapdsl verify`). See docs/test
 from remapdsl.testing.assertions import assert_matches_reference, assert_round_trip, load_whole, transformers_state_dict
 from remapdsl.testing.compare import assert_state_dicts_equal, state_dict_differences, tensor_difference
 from remapdsl.testing.data import layer_and_expert, random_bytes, scale_down, write_checkpoint, write_pretrained
-from remapdsl.testing.ranks import as_mesh, assert_sharded_equals_whole, run_ranks, shard_everything
+from remapdsl.testing.ranks import (
+    as_mesh,
+    assert_sharded_equals_whole,
+    assert_sharded_round_trip,
+    run_ranks,
+    shard_everything,
+)
 
 __all__ = [
     "as_mesh",
     "assert_matches_reference",
     "assert_round_trip",
     "assert_sharded_equals_whole",
+    "assert_sharded_round_trip",
     "assert_state_dicts_equal",
     "layer_and_expert",
     "load_whole",

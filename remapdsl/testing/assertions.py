@@ -47,11 +47,18 @@ def assert_round_trip(rules, checkpoint, *, config: Mapping[str, Any] | None = N
     with tempfile.TemporaryDirectory(prefix="remapdsl-round-trip-") as tmp:
         out = Path(tmp) / "copy"
         remapdsl.save(state, out, rules, like=checkpoint, config=config, **save_options)
-        found = file_differences(inventory, out)
-        if inventory.index_file is not None:
-            found.extend(_index_differences(Path(inventory.path(inventory.index_file)), out / inventory.index_file))
+        found = round_trip_differences(inventory, out)
     if found:
         raise AssertionError(f"save(load(checkpoint)) differs from {os.fspath(checkpoint)}:\n  " + "\n  ".join(found))
+
+
+def round_trip_differences(inventory, out: Path) -> list[str]:
+    """How a saved folder differs from the checkpoint it should reproduce: its files (tensor by
+    tensor), then its index."""
+    found = file_differences(inventory, out)
+    if inventory.index_file is not None:
+        found.extend(_index_differences(Path(inventory.path(inventory.index_file)), out / inventory.index_file))
+    return found
 
 
 def _index_differences(original: Path, written: Path) -> list[str]:

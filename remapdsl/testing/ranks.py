@@ -17,6 +17,7 @@ import tempfile
 import time
 import traceback
 from collections.abc import Callable, Mapping
+from pathlib import Path
 from typing import Any
 
 import remapdsl
@@ -137,17 +138,49 @@ def assert_sharded_equals_whole(rules, checkpoint, layout: LayoutPlan | Mapping 
     """
     require_data(checkpoint, "a sharded load")
     mesh = as_mesh(mesh)
-    compiled = remapdsl.compile_rules(rules, checkpoint, config)  # a user error is raised here, not per rank
+    remapdsl.compile_rules(rules, checkpoint, config)  # a user error is raised here, not per rank
+    layout = _layout(rules, checkpoint, layout, mesh, config)
+    return run_ranks(_sharded_rank, mesh.size, rules, os.fspath(checkpoint), layout, mesh, config, None,
+                     timeout=timeout)
+
+
+def assert_sharded_round_trip(rules, checkpoint, layout: LayoutPlan | Mapping | str | None = None,
+                              mesh: Mesh | Mapping[str, int] | str = "tp=2", *,
+                              config: Mapping[str, Any] | None = None, timeout: float = 120.0) -> list[dict]:
+    """Assert, on real gloo processes spawned for it, that a sharded load saved back by the same
+    ranks (`remapdsl.save` with the layout: every rank writes the bytes it owns in place, none
+    gathers) gives the checkpoint back byte for byte, with the same index. Arguments as
+    `assert_sharded_equals_whole`, whose checks of the load run too.
+
+    Returns:
+        Per rank: `{"bytes_read": ..., "bytes_owned": ..., "bytes_written": ...}`.
+    """
+    from remapdsl.testing.assertions import round_trip_differences
+
+    require_data(checkpoint, "a sharded round trip")
+    mesh = as_mesh(mesh)
+    layout = _layout(rules, checkpoint, layout, mesh, config)
+    with tempfile.TemporaryDirectory(prefix="remapdsl-sharded-round-trip-") as tmp:
+        out = os.path.join(tmp, "copy")
+        ranks = run_ranks(_sharded_rank, mesh.size, rules, os.fspath(checkpoint), layout, mesh, config, out,
+                          timeout=timeout)
+        found = round_trip_differences(remapdsl.open_checkpoint(checkpoint), Path(out))
+    if found:
+        raise AssertionError(f"the sharded save of the sharded load differs from {os.fspath(checkpoint)}:\n  "
+                             + "\n  ".join(found))
+    return ranks
+
+
+def _layout(rules, checkpoint, layout, mesh: Mesh, config) -> LayoutPlan:
+    """The layout plan an assertion was given, or every tensor cut on every mesh dim."""
     if layout is None:
-        layout = shard_everything(compiled, mesh)
-    elif isinstance(layout, Mapping):
-        layout = LayoutPlan.from_mapping(dict(layout), mesh_dim=mesh.names[0])
-    elif not isinstance(layout, LayoutPlan):
-        layout = read_layout(layout)
-    return run_ranks(_sharded_rank, mesh.size, rules, os.fspath(checkpoint), layout, mesh, config, timeout=timeout)
+        return shard_everything(remapdsl.compile_rules(rules, checkpoint, config), mesh)
+    if isinstance(layout, Mapping):
+        return LayoutPlan.from_mapping(dict(layout), mesh_dim=mesh.names[0])
+    return layout if isinstance(layout, LayoutPlan) else read_layout(layout)
 
 
-def _sharded_rank(rank: int, world: int, rules, checkpoint, layout, mesh, config) -> dict:
+def _sharded_rank(rank: int, world: int, rules, checkpoint, layout, mesh, config, save_to) -> dict:
     import torch
 
     from remapdsl.testing.compare import tensor_difference
@@ -179,4 +212,8 @@ def _sharded_rank(rank: int, world: int, rules, checkpoint, layout, mesh, config
     if found:
         coordinate = ", ".join(f"{n}={c}" for n, c in zip(mesh.names, mesh.coordinate(rank)))
         raise AssertionError(f"({coordinate}) shards differ from the whole load:\n  " + "\n  ".join(found[:10]))
-    return {"bytes_read": report.bytes_read, "bytes_owned": report.bytes_owned}
+    out = {"bytes_read": report.bytes_read, "bytes_owned": report.bytes_owned}
+    if save_to is not None:
+        saved = remapdsl.save(local, save_to, rules, like=checkpoint, layout=layout, mesh=mesh, config=config)
+        out["bytes_written"] = saved.bytes_written
+    return out

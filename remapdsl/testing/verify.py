@@ -3,8 +3,9 @@ Verification, one Check per property and mesh, each proven on real data by the k
 
 The properties, in the order they run: the rules compile against the checkpoint and cover every
 tensor (strict mode); on each mesh, every rank's sharded load (real gloo processes on the CPU)
-equals the whole load sliced, and reads exactly the bytes it owns (rules without `dequantize`);
-save(load(x)) is x byte for byte; with `against="transformers"`, the load equals transformers'
+equals the whole load sliced, and reads exactly the bytes it owns (rules without `dequantize`),
+and the same ranks saving their shards (each writing its own bytes, none gathering) give the
+checkpoint back byte for byte; save(load(x)) in one process is x byte for byte; with `against="transformers"`, the load equals transformers'
 own state dict. A snapshot has no data: a checkpoint with random values in its layout is written
 to a temporary folder first (`write_checkpoint`).
 
@@ -30,12 +31,12 @@ from remapdsl.errors import Diagnostic, RemapError
 from remapdsl.sharding import read_layout
 from remapdsl.testing.assertions import assert_matches_reference, assert_round_trip
 from remapdsl.testing.data import write_checkpoint
-from remapdsl.testing.ranks import as_mesh, assert_sharded_equals_whole, shard_everything
+from remapdsl.testing.ranks import as_mesh, assert_sharded_equals_whole, assert_sharded_round_trip, shard_everything
 
 DEFAULT_MESHES = ("tp=2",)  # one real 2-rank mesh when none is given
 REFERENCES = ("transformers",)
 
-Property = Literal["compile", "sharded load", "round trip", "transformers"]
+Property = Literal["compile", "sharded load", "sharded save", "round trip", "transformers"]
 
 
 class Check(BaseModel):
@@ -110,7 +111,8 @@ def verify(rules: str | os.PathLike, checkpoint: str | os.PathLike, meshes: Sequ
         except RemapError as exc:
             checks.append(Check(property="compile", status="fail", seconds=time.perf_counter() - started,
                                 detail=exc.render()))
-            skipped = [("sharded load", text) for text, _ in parsed] + [("round trip", None)]
+            skipped = [(p, text) for text, _ in parsed for p in ("sharded load", "sharded save")]
+            skipped += [("round trip", None)]
             skipped += [("transformers", None)] if against else []
             checks.extend(Check(property=p, mesh=m, status="skipped", detail="the rules do not compile")
                           for p, m in skipped)
@@ -126,6 +128,7 @@ def verify(rules: str | os.PathLike, checkpoint: str | os.PathLike, meshes: Sequ
                 remapdsl.plan_rank(compiled, data, mesh_layout, mesh, rank)
         for text, mesh, mesh_layout in layouts:
             checks.append(_sharded(rules, folder, mesh_layout, text, mesh, compiled.logical, timeout))
+            checks.append(_sharded_save(rules, folder, mesh_layout, text, mesh, timeout))
         checks.append(_timed("round trip", lambda: assert_round_trip(rules, folder),
                              f"{len(data.files)} file{'s' if len(data.files) != 1 else ''}"
                              f"{' and the index' if data.index_file else ''} written back byte for byte"))
@@ -148,6 +151,19 @@ def _sharded(rules, folder, layout, text: str, mesh, logical: bool, timeout: flo
     return Check(property="sharded load", mesh=text, status="pass", seconds=time.perf_counter() - started,
                  bytes_read=sum(r["bytes_read"] for r in ranks), bytes_owned=sum(r["bytes_owned"] for r in ranks),
                  detail=f"{mesh.size} gloo ranks: every shard equals the whole load; {note}")
+
+
+def _sharded_save(rules, folder, layout, text: str, mesh, timeout: float) -> Check:
+    started = time.perf_counter()
+    try:
+        ranks = assert_sharded_round_trip(rules, folder, layout, mesh, timeout=timeout)
+    except (AssertionError, RemapError) as exc:
+        return Check(property="sharded save", mesh=text, status="fail", seconds=time.perf_counter() - started,
+                     detail=_message(exc))
+    return Check(property="sharded save", mesh=text, status="pass", seconds=time.perf_counter() - started,
+                 detail=f"{mesh.size} gloo ranks each wrote the bytes it owns ("
+                 + ", ".join(f"{r['bytes_written'] / 1e3:.1f} kB" for r in ranks)
+                 + "), none gathered: the checkpoint back byte for byte")
 
 
 def _timed(name: Property, run, passed: str) -> Check:
