@@ -23,6 +23,7 @@ from remapdsl.testing import (
     assert_matches_reference,
     assert_round_trip,
     assert_sharded_equals_whole,
+    assert_sharded_round_trip,
     assert_state_dicts_equal,
     load_whole,
     scale_down,
@@ -234,6 +235,18 @@ def test_sharded_loads_equal_the_whole_load_on_two_gloo_ranks(remapdsl_ranks, tm
     with pytest.raises(AssertionError) as info:
         remapdsl_ranks(_fails_on_rank_1, 2, "refused")
     assert str(info.value) == "rank 1: refused on rank 1"
+
+
+def test_a_sharded_save_of_the_sharded_load_gives_the_checkpoint_back_and_names_a_lossy_cast(tmp_path):
+    tp = {"*.self_attn.q_proj": "colwise", "*.mlp.experts.gate_up_proj": "packed_colwise"}
+    reports = assert_sharded_round_trip(QWEN3_RULES, TINY, tp, mesh={"tp": 2})
+    assert len(reports) == 2 and sum(r["bytes_written"] for r in reports) > 0
+    lossy = wrong_rules(tmp_path, QWEN3_RULES, "model.norm.weight -> model.norm.weight",
+                        "model.norm.weight -> model.norm.weight | cast(float16)")
+    with pytest.raises(AssertionError) as info:
+        assert_sharded_round_trip(lossy, TINY, tp, mesh={"tp": 2})
+    assert "the sharded save failed" in str(info.value) and "E502" in str(info.value)
+    assert "model.norm.weight" in str(info.value)
 
 
 # -- strategies ------------------------------------------------------------------------------------------

@@ -136,10 +136,7 @@ def assert_sharded_equals_whole(rules, checkpoint, layout: LayoutPlan | Mapping 
         AssertionError: per failing rank (with its mesh coordinate), the tensors whose shard
             differs: the box, the first differing index and both values; or the bytes read.
     """
-    require_data(checkpoint, "a sharded load")
-    mesh = as_mesh(mesh)
-    remapdsl.compile_rules(rules, checkpoint, config)  # a user error is raised here, not per rank
-    layout = _layout(rules, checkpoint, layout, mesh, config)
+    mesh, layout = _prepared(rules, checkpoint, layout, mesh, config, "a sharded load")
     return run_ranks(_sharded_rank, mesh.size, rules, os.fspath(checkpoint), layout, mesh, config, None,
                      timeout=timeout)
 
@@ -153,31 +150,53 @@ def assert_sharded_round_trip(rules, checkpoint, layout: LayoutPlan | Mapping | 
     `assert_sharded_equals_whole`, whose checks of the load run too.
 
     Returns:
-        Per rank: `{"bytes_read": ..., "bytes_owned": ..., "bytes_written": ...}`.
+        Per rank: `{"bytes_read": ..., "bytes_owned": ..., "bytes_written": ..., "save_seconds": ...}`.
     """
-    from remapdsl.testing.assertions import round_trip_differences
-
-    require_data(checkpoint, "a sharded round trip")
-    mesh = as_mesh(mesh)
-    layout = _layout(rules, checkpoint, layout, mesh, config)
+    mesh, layout = _prepared(rules, checkpoint, layout, mesh, config, "a sharded round trip")
     with tempfile.TemporaryDirectory(prefix="remapdsl-sharded-round-trip-") as tmp:
         out = os.path.join(tmp, "copy")
-        ranks = run_ranks(_sharded_rank, mesh.size, rules, os.fspath(checkpoint), layout, mesh, config, out,
-                          timeout=timeout)
-        found = round_trip_differences(remapdsl.open_checkpoint(checkpoint), Path(out))
+        ranks = sharded_load_and_save(rules, checkpoint, layout, mesh, out, config=config, timeout=timeout)
+        found = sharded_save_problems(ranks, checkpoint, out)
     if found:
         raise AssertionError(f"the sharded save of the sharded load differs from {os.fspath(checkpoint)}:\n  "
                              + "\n  ".join(found))
     return ranks
 
 
-def _layout(rules, checkpoint, layout, mesh: Mesh, config) -> LayoutPlan:
-    """The layout plan an assertion was given, or every tensor cut on every mesh dim."""
+def sharded_load_and_save(rules, checkpoint, layout: LayoutPlan, mesh: Mesh, save_to: str, *,
+                          config: Mapping[str, Any] | None = None, timeout: float = 120.0) -> list[dict]:
+    """The ranks of `mesh` load their shards, checked as `assert_sharded_equals_whole` does (an
+    AssertionError if they differ), then save them to `save_to` with the layout. A save's own
+    error is kept in each rank's result (`save_error`) for `sharded_save_problems`, so that a load
+    that holds is told apart from a save that fails."""
+    return run_ranks(_sharded_rank, mesh.size, rules, os.fspath(checkpoint), layout, mesh, config, save_to,
+                     timeout=timeout)
+
+
+def sharded_save_problems(ranks: list[dict], checkpoint, save_to) -> list[str]:
+    """What is wrong with what `sharded_load_and_save` wrote: the save's error, or how the folder
+    differs from the checkpoint (files tensor by tensor, then the index)."""
+    from remapdsl.testing.assertions import round_trip_differences
+
+    failed = [r["save_error"] for r in ranks if "save_error" in r]
+    if failed:
+        return [f"the sharded save failed: {failed[0]}"]
+    return round_trip_differences(remapdsl.open_checkpoint(checkpoint), Path(save_to))
+
+
+def _prepared(rules, checkpoint, layout, mesh, config, what: str) -> tuple[Mesh, LayoutPlan]:
+    """The mesh and the layout plan an assertion was given (every tensor cut on every mesh dim
+    when None), after the checks that raise a user's error here rather than on every rank."""
+    require_data(checkpoint, what)
+    mesh = as_mesh(mesh)
+    compiled = remapdsl.compile_rules(rules, checkpoint, config)
     if layout is None:
-        return shard_everything(remapdsl.compile_rules(rules, checkpoint, config), mesh)
-    if isinstance(layout, Mapping):
-        return LayoutPlan.from_mapping(dict(layout), mesh_dim=mesh.names[0])
-    return layout if isinstance(layout, LayoutPlan) else read_layout(layout)
+        layout = shard_everything(compiled, mesh)
+    elif isinstance(layout, Mapping):
+        layout = LayoutPlan.from_mapping(dict(layout), mesh_dim=mesh.names[0])
+    elif not isinstance(layout, LayoutPlan):
+        layout = read_layout(layout)
+    return mesh, layout
 
 
 def _sharded_rank(rank: int, world: int, rules, checkpoint, layout, mesh, config, save_to) -> dict:
@@ -214,6 +233,11 @@ def _sharded_rank(rank: int, world: int, rules, checkpoint, layout, mesh, config
         raise AssertionError(f"({coordinate}) shards differ from the whole load:\n  " + "\n  ".join(found[:10]))
     out = {"bytes_read": report.bytes_read, "bytes_owned": report.bytes_owned}
     if save_to is not None:
-        saved = remapdsl.save(local, save_to, rules, like=checkpoint, layout=layout, mesh=mesh, config=config)
-        out["bytes_written"] = saved.bytes_written
+        started = time.perf_counter()
+        try:
+            out["bytes_written"] = remapdsl.save(local, save_to, rules, like=checkpoint, layout=layout, mesh=mesh,
+                                                 config=config).bytes_written
+        except remapdsl.RemapError as exc:  # the same error on every rank: the save's property, not the load's
+            out["save_error"] = exc.render()
+        out["save_seconds"] = time.perf_counter() - started
     return out
