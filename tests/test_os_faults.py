@@ -131,8 +131,7 @@ def _cases(rank: int, tmp: Path) -> dict:
         return Both()
 
     def eio_on_read():
-        with patched_on(1, _Patched(reader_module, "_preadv", _raising(errno.EIO)),
-                        _Patched(reader_module, "_preadv_many", _raising(errno.EIO))):
+        with patched_on(1, _Patched(reader_module, "_preadv_many", _raising(errno.EIO))):
             remapdsl.load(_state(), str(CHECKPOINT), RULES)
 
     def full_disk_on_save(folder, overwrite=False):
@@ -265,7 +264,7 @@ def test_an_os_error_on_a_read_names_the_file_and_tensor(monkeypatch):
     import remapdsl.checkpoint.reader as reader_module
 
     inventory = open_inventory(CHECKPOINT)
-    monkeypatch.setattr(reader_module, "_preadv", _raising(errno.EIO))
+    monkeypatch.setattr(reader_module, "_preadv_many", _raising(errno.EIO))
     with CheckpointReader(inventory) as reader, pytest.raises(remapdsl.RemapError) as caught:
         reader.read_tensor(FIRST_KEY)
     info = inventory.tensors[FIRST_KEY]

@@ -159,6 +159,12 @@ class CheckpointReader:
         several destinations: one positioned read for all of them); returns how many bytes."""
         total = sum(b.nbytes for b in buffers)
         self._check_range(file, first, first + total)
+        self._read_fully(file, buffers, first, total)
+        return total
+
+    def _read_fully(self, file: str, buffers: list[memoryview], first: int, total: int) -> None:
+        """Positioned reads of `file` from `first` into `buffers` in order until all `total` bytes
+        are in, resuming after a short read (in the middle of a buffer included)."""
         fd, done, at = self._fd(file), 0, 0
         while done < total:
             try:
@@ -173,7 +179,6 @@ class CheckpointReader:
                 at += 1
             if got:  # a buffer filled in part: its rest first
                 buffers = buffers[:at] + [buffers[at][got:]] + buffers[at + 1:]
-        return total
 
     def read_tensor_into(self, ckpt_key: str, buffer: object, *, start: int = 0) -> int:
         """Fill buffer with len(buffer) bytes of tensor `ckpt_key`, from `start` bytes into the tensor."""
@@ -250,16 +255,7 @@ class CheckpointReader:
                  "open it again once nothing writes to it"))
 
     def _pread_into(self, file: str, view: memoryview, byte_offset: int) -> None:
-        fd = self._fd(file)
-        done = 0
-        while done < view.nbytes:
-            try:
-                got = _preadv(fd, view[done:], byte_offset + done)
-            except OSError as exc:
-                raise self._failed(file, byte_offset + done, byte_offset + view.nbytes, exc) from None
-            if got == 0:
-                self._short(file, byte_offset + done, byte_offset + view.nbytes)
-            done += got
+        self._read_fully(file, [view], byte_offset, view.nbytes)
 
     def _failed(self, file: str, start: int, end: int, exc: OSError, verb: str = "reading") -> CheckpointError:
         """E343: an operating-system error (EIO, ...) while reading bytes [start, end) of `file`,
@@ -294,23 +290,17 @@ def os_error(exc: OSError) -> str:
 _HAVE_PREADV = hasattr(os, "preadv")
 
 
-def _preadv(fd: int, view: memoryview, offset: int) -> int:
-    """One positioned read into view; os.pread plus a copy where the platform lacks preadv."""
-    if _HAVE_PREADV:
-        return os.preadv(fd, [view], offset)
-    chunk = os.pread(fd, view.nbytes, offset)
-    view[: len(chunk)] = chunk
-    return len(chunk)
-
-
 IOV_MAX = 1024  # the most buffers one preadv takes (POSIX IOV_MAX on Linux)
 
 
 def _preadv_many(fd: int, buffers: list[memoryview], offset: int) -> int:
-    """One positioned read into consecutive buffers (at most IOV_MAX of them)."""
+    """One positioned read into consecutive buffers (at most IOV_MAX of them); where the platform
+    lacks preadv, os.pread into the first one plus a copy. The reader's one positioned read."""
     if _HAVE_PREADV:
         return os.preadv(fd, buffers[:IOV_MAX], offset)
-    return _preadv(fd, buffers[0], offset)
+    chunk = os.pread(fd, buffers[0].nbytes, offset)
+    buffers[0][: len(chunk)] = chunk
+    return len(chunk)
 
 
 def read_tensor_bytes(inventory: Inventory, ckpt_key: str) -> bytearray:
