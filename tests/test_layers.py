@@ -25,6 +25,7 @@ LAYERS = (
     ("sharding", ("remapdsl.sharding",)),
     ("runtime", ("remapdsl.runtime",)),
     ("api", ("remapdsl",)),
+    ("integrations", ("remapdsl.dcp", "remapdsl.torchtitan")),
     ("testing", ("remapdsl.testing",)),
     ("cli", ("remapdsl.cli", "remapdsl.__main__")),
 )
