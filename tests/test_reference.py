@@ -54,6 +54,17 @@ def test_rope_permute_one_head():
     assert out.tolist() == [0, 2, 4, 6, 1, 3, 5, 7]
 
 
+def test_rope_unpermute_is_the_inverse_of_rope_permute():
+    # per head of 4 rows in rotate-half order r0 r2 | r1 r3 -> pairs (r0 r1)(r2 r3) again
+    w = torch.tensor([0.0, 2, 1, 3, 4, 6, 5, 7]).reshape(8, 1)
+    (out,) = apply_ops(ops("rope_unpermute(heads=2)"), [w])
+    assert out[:, 0].tolist() == [0, 1, 2, 3, 4, 5, 6, 7]
+    x = torch.randn(24, 5)
+    for heads in (1, 2, 3, 6):
+        (back,) = apply_ops(ops(f"rope_permute(heads={heads}) | rope_unpermute(heads={heads})"), [x])
+        assert torch.equal(back, x)
+
+
 def test_concat_and_stack_of_the_list_axis():
     a, b = torch.tensor([[1.0, 2.0]]), torch.tensor([[3.0, 4.0]])
     assert apply_ops(ops("concat(dim=1)"), [a, b])[0].tolist() == [[1, 2, 3, 4]]

@@ -90,6 +90,8 @@ def _one(op: ir.Op, ev: Evaluator, t: sym.Sym) -> sym.Sym:
         return sym.repeat(t, ev.integer(op.dim, "dim"), ev.integer(op.times, "times"))
     if isinstance(op, ir.RopePermute):
         return sym.rope_permute(t, ev.integer(op.heads, "heads"))
+    if isinstance(op, ir.RopeUnpermute):
+        return sym.rope_unpermute(t, ev.integer(op.heads, "heads"))
     if isinstance(op, ir.Cast):
         return sym.value_step(t, ("cast", ev.dtype(op.dtype)))
     if isinstance(op, ir.Scale):

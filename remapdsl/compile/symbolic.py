@@ -313,6 +313,18 @@ def rope_permute(t: Sym, heads: int) -> Sym:
     return reshape(transpose(viewed, 1, 2), (rows,) + rest)
 
 
+def rope_unpermute(t: Sym, heads: int) -> Sym:
+    """The inverse of `rope_permute`: per head, rows seen as [2, rows/2] transposed to [rows/2, 2]
+    (rotate-half -> Meta's pair-interleaved order)."""
+    _count(heads, "heads")
+    rows = t.shape[0]
+    if rows % (2 * heads):
+        raise OpError(f"{rows} rows do not divide into {heads} heads of pairs")
+    rest = t.shape[1:]
+    viewed = reshape(t, (heads, 2, rows // heads // 2) + rest)
+    return reshape(transpose(viewed, 1, 2), (rows,) + rest)
+
+
 def tiles(blocks: tuple[Block, ...], shape: tuple[int, ...]) -> bool:
     """The blocks lie within `shape` and none overlaps another (blocks have its rank). Blocks of
     one size at distinct multiples of it (what `stack` makes) are told in a few passes in C; one

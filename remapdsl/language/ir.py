@@ -21,7 +21,7 @@ from .nodes import (
 )
 from .ops import (
     Op, Concat, Stack, Unstack, Interleave, Deinterleave, Split, Chunk, Transpose, Permute,
-    Reshape, Slice, Pad, Repeat, RopePermute, Cast, Scale, Add, Arg, MacroCall, FormatCall,
+    Reshape, Slice, Pad, Repeat, RopePermute, RopeUnpermute, Cast, Scale, Add, Arg, MacroCall, FormatCall,
     BUILTIN_OPS, OPS_BY_NAME, BUILTIN_FORMAT_NAMES, RESERVED_NAMES, AnyOp,
 )
 
@@ -32,7 +32,7 @@ __all__ = [
     "Compare", "BoolOp", "Coalesce", "Expr", "Text", "Capture", "Subst", "Alternatives", "Star",
     "DoubleStar", "PatternPart", "pattern_problems", "Pattern", "Param", "Op", "Concat", "Stack",
     "Unstack", "Interleave", "Deinterleave", "Split", "Chunk", "Transpose", "Permute", "Reshape",
-    "Slice", "Pad", "Repeat", "RopePermute", "Cast", "Scale", "Add", "Arg", "MacroCall",
+    "Slice", "Pad", "Repeat", "RopePermute", "RopeUnpermute", "Cast", "Scale", "Add", "Arg", "MacroCall",
     "FormatCall", "BUILTIN_OPS", "OPS_BY_NAME", "BUILTIN_FORMAT_NAMES", "RESERVED_NAMES", "AnyOp",
     "Statement", "Version", "Let", "Rule", "Drop", "Keep", "Dequantize", "Quantized", "Include",
     "Macro", "AnyStatement", "RuleFile",

@@ -174,6 +174,14 @@ class RopePermute(Op):
     heads: Expr
 
 
+class RopeUnpermute(Op):
+    kind: Literal["rope_unpermute"] = "rope_unpermute"
+    example = "rope_unpermute(heads=NH)"
+    params = (Param("heads", "int"),)
+    summary = "rotate-half rotary rows back to Meta's pair-interleaved order, per head"
+    heads: Expr
+
+
 class Cast(Op):
     kind: Literal["cast"] = "cast"
     example = "cast(bfloat16)"
@@ -249,7 +257,7 @@ class FormatCall(_NamedCall):
 
 BUILTIN_OPS: tuple[type[Op], ...] = (
     Concat, Stack, Unstack, Interleave, Deinterleave, Split, Chunk, Transpose, Permute, Reshape,
-    Slice, Pad, Repeat, RopePermute, Cast, Scale, Add,
+    Slice, Pad, Repeat, RopePermute, RopeUnpermute, Cast, Scale, Add,
 )  # fmt: skip
 OPS_BY_NAME: dict[str, type[Op]] = {cls.op_name(): cls for cls in BUILTIN_OPS}
 # The formats every remapdsl has (quant/builtin.py): a rule's pipe or a macro cannot name them.
@@ -259,7 +267,8 @@ RESERVED_NAMES = frozenset(OPS_BY_NAME) | frozenset(BUILTIN_FORMAT_NAMES)  # no 
 AnyOp = Annotated[
     Union[
         Concat, Stack, Unstack, Interleave, Deinterleave, Split, Chunk, Transpose, Permute,
-        Reshape, Slice, Pad, Repeat, RopePermute, Cast, Scale, Add, MacroCall, FormatCall,
+        Reshape, Slice, Pad, Repeat, RopePermute, RopeUnpermute, Cast, Scale, Add, MacroCall,
+        FormatCall,
     ],
     Field(discriminator="kind"),
 ]  # fmt: skip

@@ -122,6 +122,10 @@ def _one(op: ir.Op, t: torch.Tensor, arg: Callable) -> torch.Tensor:
         heads, rows, rest = arg("heads"), t.shape[0], t.shape[1:]
         assert rows % (2 * heads) == 0
         return t.reshape(heads, rows // heads // 2, 2, *rest).transpose(1, 2).reshape(rows, *rest)
+    if isinstance(op, ir.RopeUnpermute):
+        heads, rows, rest = arg("heads"), t.shape[0], t.shape[1:]
+        assert rows % (2 * heads) == 0
+        return t.reshape(heads, 2, rows // heads // 2, *rest).transpose(1, 2).reshape(rows, *rest)
     if isinstance(op, ir.Cast):
         return t.to(getattr(torch, arg("dtype")))
     if isinstance(op, ir.Scale):

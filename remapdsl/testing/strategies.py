@@ -207,7 +207,7 @@ def _cut(draw, shape: tuple[int, ...]) -> tuple[str, int] | None:
 def _per_tensor(draw, shapes: list[tuple[int, ...]]) -> str | None:
     ndim = len(shapes[0])
     kind = draw(st.sampled_from(["transpose", "permute", "reshape", "slice", "pad", "repeat",
-                                 "rope_permute", "cast", "scale", "add"]))
+                                 "rope_permute", "rope_unpermute", "cast", "scale", "add"]))
     if kind == "transpose":
         return f"transpose({_dim(draw, ndim)}, {_dim(draw, ndim)})"
     if kind == "permute":
@@ -232,9 +232,9 @@ def _per_tensor(draw, shapes: list[tuple[int, ...]]) -> str | None:
             return f"pad(dim={d}, to={to}{value})"
         times = draw(st.integers(1, max(1, MAX_DIM // high)))
         return f"repeat(dim={d}, times={times})"
-    if kind == "rope_permute":
+    if kind in ("rope_permute", "rope_unpermute"):
         heads = [h for h in range(1, 5) if all(s[0] % (2 * h) == 0 for s in shapes)]
-        return f"rope_permute(heads={draw(st.sampled_from(heads))})" if heads else None
+        return f"{kind}(heads={draw(st.sampled_from(heads))})" if heads else None
     if kind == "cast":
         return f"cast({draw(st.sampled_from(DTYPES))})"
     if kind == "scale":
