@@ -3,8 +3,9 @@
 Three layouts are read: a single `model.safetensors`; `model.safetensors.index.json` plus the shards it
 names; a folder of `*.safetensors` without an index. Where an index exists it is authoritative: the
 `.safetensors` files it does not name are ignored and listed in `Inventory.ignored_files`, and every key
-must sit in exactly the file the index assigns it to. Without an index, a key in two files is an error.
-Only headers are read. All problems of all files are collected and raised once.
+must sit in exactly the file the index assigns it to. Without an index, a key in two files is an error,
+unless the files were written by torch.distributed.checkpoint's distributed safetensors writer: then a key
+is one tensor made of chunks (remapdsl/checkpoint/chunks.py, `Inventory.chunks`). Only headers are read. All problems of all files are collected and raised once.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, field_validator, model_validator
 
+from remapdsl.checkpoint.chunks import Chunk, assemble_chunked, has_sharding_info
 from remapdsl.checkpoint.header import (
     MAX_HEADER_NBYTES,
     PREFIX_NBYTES,
@@ -51,8 +53,11 @@ class Inventory(BaseModel):
     files: dict[str, FileInfo]  # the files read, with each one's `__metadata__`
     ignored_files: tuple[str, ...] = ()  # `.safetensors` files in root that the index does not name
     index_file: str | None = None  # the index used, relative to root
+    # keys stored in pieces over several files (DCP-sharded), key -> chunks sorted by offsets; their
+    # `tensors` entry has the whole shape and bytes and names the first chunk. Empty for most checkpoints.
+    chunks: dict[str, tuple[Chunk, ...]] = {}
 
-    @field_validator("tensors", "files", mode="after")
+    @field_validator("tensors", "files", "chunks", mode="after")
     @classmethod
     def _freeze(cls, value: dict) -> dict:
         return FrozenDict(sorted(value.items()))
@@ -68,8 +73,11 @@ class Inventory(BaseModel):
                 raise ValueError(
                     f"tensor entry `{ckpt_key}` ({t.ckpt_key} in {t.file}) does not fit the files"
                 )
-            if t.byte_offset < info.data_offset or t.byte_end > info.nbytes:
+            if ckpt_key not in self.chunks and (t.byte_offset < info.data_offset or t.byte_end > info.nbytes):
                 raise ValueError(f"tensor `{ckpt_key}` lies outside the data section of {t.file}")
+        for ckpt_key, chunks in self.chunks.items():
+            if ckpt_key not in self.tensors or any(c.file not in self.files for c in chunks):
+                raise ValueError(f"chunks of `{ckpt_key}` do not fit the tensors and files")
         return self
 
     def __reduce__(self):
@@ -77,7 +85,8 @@ class Inventory(BaseModel):
         pickles and unpickles several times faster than a model per tensor."""
         infos = list(self.tensors.values())
         columns = tuple([getattr(t, name) for t in infos] for name in _COLUMNS)
-        return _from_columns, (self.root, dict(self.files), self.ignored_files, self.index_file, columns)
+        return _from_columns, (self.root, dict(self.files), self.ignored_files, self.index_file, columns,
+                               dict(self.chunks))
 
     def restamped(self, checkpoint: str | os.PathLike[str] | None = None) -> Inventory:
         """This inventory read from `checkpoint` (a path as `open_inventory` takes; default its own
@@ -164,11 +173,11 @@ class Inventory(BaseModel):
 _COLUMNS = ("ckpt_key", "file", "dtype", "shape", "byte_offset", "nbytes")
 
 
-def _from_columns(root, files, ignored_files, index_file, columns) -> Inventory:
+def _from_columns(root, files, ignored_files, index_file, columns, chunks=None) -> Inventory:
     """An inventory unpickled (`Inventory.__reduce__`): the values are those of a checked inventory."""
     tensors = FrozenDict(zip(columns[0], construct_rows(TensorInfo, _COLUMNS, zip(*columns))))
     return construct(Inventory, root=root, tensors=tensors, files=FrozenDict(files),
-                     ignored_files=ignored_files, index_file=index_file)
+                     ignored_files=ignored_files, index_file=index_file, chunks=FrozenDict(chunks or {}))
 
 
 def _diag(code: str, message: str, path: str | None, hint: str | None = None) -> Diagnostic:
@@ -356,6 +365,8 @@ def _assemble(
             headers[name] = read_header(path, file=name)
         except CheckpointError as exc:
             diags.extend(exc.diagnostics)
+    if not diags and weight_map is None and has_sharding_info(headers):
+        return _assemble_chunked(root, headers, ignored)
     owner: dict[str, str] = {}  # ckpt_key -> its file, made in C: the per-key checks below run only
     for name, header in headers.items():  # when a key is in two files or the index differs
         owner.update(dict.fromkeys(header.tensors, name))
@@ -408,14 +419,32 @@ def _assemble(
     return _inventory(root, headers, ignored, index_file)
 
 
-def _inventory(root: str, headers: dict[str, Header], ignored: tuple[str, ...], index_file: str | None
-               ) -> Inventory:
-    """The inventory of checked headers whose keys are in one file each: built without a second
-    validation pass (`parse_header_object` checked every entry against its file)."""
-    tensors = {k: t for header in headers.values() for k, t in header.tensors.items()}
+def _assemble_chunked(root: str, headers: dict[str, Header], ignored: tuple[str, ...]) -> Inventory:
+    """A folder written by DCP's distributed safetensors writer: each key one tensor of chunks; a
+    key both in a file without sharding info and elsewhere is still in two files (E324)."""
+    tensors, chunks, diags = assemble_chunked(root, headers, lambda name: os.path.join(root, *name.split("/")))
+    seen = set(tensors)
+    for ckpt_key in sorted({k for h in headers.values() for k in h.tensors} - seen) if len(seen) < sum(
+            len(h.tensors) for h in headers.values()) else ():
+        names = [n for n, h in headers.items() if ckpt_key in h.tensors]
+        if not any(d.message.startswith(f"tensor `{ckpt_key}`") or f"`{ckpt_key}`" in d.message for d in diags):
+            diags.append(_diag("E324", f"tensor `{ckpt_key}` is in {len(names)} files: {', '.join(names)}, "
+                               "not all of them DCP-sharded", os.path.join(root, names[-1])))
+    if diags:
+        raise CheckpointError(diags)
+    return _inventory(root, headers, ignored, None, tensors, chunks)
+
+
+def _inventory(root: str, headers: dict[str, Header], ignored: tuple[str, ...], index_file: str | None,
+               tensors: dict[str, TensorInfo] | None = None, chunks: dict | None = None) -> Inventory:
+    """The inventory of checked headers whose keys are in one file each (or `tensors` and their
+    `chunks`, checked by remapdsl/checkpoint/chunks.py): built without a second validation pass
+    (`parse_header_object` checked every entry against its file)."""
+    if tensors is None:
+        tensors = {k: t for header in headers.values() for k, t in header.tensors.items()}
     return construct(Inventory, root=root, tensors=FrozenDict(sorted(tensors.items())),
                      files=FrozenDict(sorted((name, header.info) for name, header in headers.items())),
-                     ignored_files=ignored, index_file=index_file)
+                     ignored_files=ignored, index_file=index_file, chunks=FrozenDict(sorted((chunks or {}).items())))
 
 
 def read_config(inventory: Inventory) -> dict[str, Any]:

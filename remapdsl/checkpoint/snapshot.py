@@ -16,8 +16,10 @@ import copy
 import json
 import os
 from collections.abc import Mapping
+from math import prod
 from typing import Any
 
+from remapdsl.checkpoint.chunks import assemble_chunked, has_sharding_info
 from remapdsl.checkpoint.header import (
     MAX_HEADER_NBYTES,
     METADATA_KEY,
@@ -102,12 +104,23 @@ def snapshot_of(checkpoint: str | os.PathLike | Inventory, config: Mapping[str, 
         header: dict[str, Any] = {METADATA_KEY: dict(info.metadata)} if info.metadata else {}
         files[name] = {"nbytes": info.nbytes, "data_offset": info.data_offset, "header": header}
     for ckpt_key, t in inventory.tensors.items():
-        begin = t.byte_offset - inventory.files[t.file].data_offset
-        files[t.file]["header"][ckpt_key] = {"dtype": BY_NAME[t.dtype].safetensors, "shape": list(t.shape),
-                                             "data_offsets": [begin, begin + t.nbytes]}
+        code = BY_NAME[t.dtype].safetensors
+        for file, offset, shape, nbytes in _pieces(inventory, t):  # a chunked tensor: each chunk in its file
+            begin = offset - inventory.files[file].data_offset
+            files[file]["header"][ckpt_key] = {"dtype": code, "shape": list(shape),
+                                               "data_offsets": [begin, begin + nbytes]}
     return {"format": FORMAT, "version": VERSION, "index_file": inventory.index_file,
             "ignored_files": list(inventory.ignored_files), "files": files,
             "config": dict(checkpoint_config(inventory) if config is None else config)}
+
+
+def _pieces(inventory: Inventory, t) -> list[tuple[str, int, tuple[int, ...], int]]:
+    """Where a tensor's bytes are stored: (file, byte offset, shape, bytes), one a chunk."""
+    chunks = inventory.chunks.get(t.ckpt_key)
+    if chunks is None:
+        return [(t.file, t.byte_offset, t.shape, t.nbytes)]
+    itemsize = BY_NAME[t.dtype].bits
+    return [(c.file, c.byte_offset, c.sizes, prod(c.sizes) * itemsize // 8) for c in chunks]
 
 
 def snapshot_text(snapshot: Mapping[str, Any]) -> str:
@@ -198,6 +211,7 @@ def parse_snapshot(obj: dict, path: str) -> SnapshotInventory:
         files = {}
     tensors: dict = {}
     infos: dict = {}
+    headers: dict = {}
     for name, entry in files.items():
         where = f"files[{json.dumps(name)}]"
         why = _unsafe_name(name)
@@ -215,6 +229,15 @@ def parse_snapshot(obj: dict, path: str) -> SnapshotInventory:
                          for d in exc.diagnostics)
             continue
         infos[name] = header.info
+        headers[name] = header
+    chunks: dict = {}
+    if not diags and has_sharding_info(headers):  # a DCP-sharded folder: its keys are in several files
+        tensors, chunks, found = assemble_chunked(path, headers, lambda name: path)
+        diags.extend(d.model_copy(update={"message": f"snapshot: {d.message}"}) for d in found)
+        headers = {n: h.model_copy(update={"tensors": {k: t for k, t in h.tensors.items() if k not in tensors}})
+                   for n, h in headers.items()}
+    for name, header in headers.items():
+        where = f"files[{json.dumps(name)}]"
         for ckpt_key, t in header.tensors.items():
             if ckpt_key in tensors:
                 diags.append(Diagnostic(code="E324", path=path, message=f"snapshot {where}.header: tensor "
@@ -224,7 +247,7 @@ def parse_snapshot(obj: dict, path: str) -> SnapshotInventory:
         raise CheckpointError(diags)
     return construct(SnapshotInventory, root=path, tensors=FrozenDict(sorted(tensors.items())),
                      files=FrozenDict(sorted(infos.items())), ignored_files=tuple(ignored),
-                     index_file=index_file, config=config)
+                     index_file=index_file, config=config, chunks=FrozenDict(sorted(chunks.items())))
 
 
 def _file_info(name: str, entry: object, where: str, path: str, diags: list[Diagnostic]) -> FileInfo | None:

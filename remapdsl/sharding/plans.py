@@ -35,6 +35,7 @@ from ..indexmap import (
     volume,
 )
 from ..quant import Part, get_format
+from .chunked import split_by_chunks
 from .placements import LocalShard
 
 
@@ -119,6 +120,7 @@ def make_load_plan(compiled: Compiled, inventory: Inventory, held: Mapping[str, 
     decodes: list[DecodeItem] = []
     logical = compiled.logical_by_key()
     infos = inventory.tensors
+    chunked = inventory.chunks
     nbytes = owned = 0
     layouts: dict = {}
     for d in compiled.runtime_tensors:
@@ -142,6 +144,13 @@ def make_load_plan(compiled: Compiled, inventory: Inventory, held: Mapping[str, 
                                           piece.fill))
                 elif source in logical:
                     decodes.append(_decode_item(key, local, piece, logical[source], inventory, layouts))
+                elif source in chunked:  # one item per chunk the piece touches
+                    info = infos[source]
+                    for part, local_part in _chunk_parts(piece, local, chunked[source]):
+                        item = _item(key, local_part, part[0], info, part[1])
+                        nbytes += item.runs.total
+                        items.append(item)
+                    owned += prod(piece.sizes) * BY_NAME[info.dtype].bits // 8
                 else:
                     info = infos[source]
                     item = _item(key, local, piece, info)
@@ -174,6 +183,8 @@ def _decode_item(runtime_key: str, local: tuple[int, ...], piece: Block, source,
     share a few."""
     shift, size, strides, offset = _box_geometry(piece.coeff, piece.sizes)
     box = (tuple(map(add, piece.base, shift)), size)
+    if inventory.chunks:
+        _refuse_chunked_parts(source, inventory)
     infos = [inventory.tensors[k] for k in source.parts]
     signature = (source.format, source.params, box, *((i.dtype, i.shape) for i in infos))
     layout = layouts.get(signature)
@@ -241,11 +252,31 @@ def _owned_values(item: DecodeItem, source, inventory: Inventory) -> int:
     return -(-volume(item.sizes) * values.nbytes // max(1, volume(source.shape)))
 
 
-def _item(runtime_key: str, local: tuple[int, ...], piece: Block, info) -> ReadItem:
-    """The read of a piece of checkpoint tensor `info` (a TensorInfo)."""
-    runs, strides, flat = block_runs(piece, info.shape, info.byte_offset, BY_NAME[info.dtype].bits // 8)
-    return ReadItem(runtime_key, local, piece.sizes, piece.source_key, info.file, info.dtype, runs, strides,
+def _item(runtime_key: str, local: tuple[int, ...], piece: Block, info, chunk=None) -> ReadItem:
+    """The read of a piece of checkpoint tensor `info` (a TensorInfo), or of one of its chunks (the
+    piece then re-based into the chunk)."""
+    shape, at, file = (info.shape, info.byte_offset, info.file) if chunk is None else \
+        (chunk.sizes, chunk.byte_offset, chunk.file)
+    runs, strides, flat = block_runs(piece, shape, at, BY_NAME[info.dtype].bits // 8)
+    return ReadItem(runtime_key, local, piece.sizes, piece.source_key, file, info.dtype, runs, strides,
                     piece.steps, None, flat)
+
+
+def _chunk_parts(piece: Block, local: tuple[int, ...], chunks) -> list[tuple[tuple[Block, object], tuple]]:
+    """The parts of a piece of a chunked tensor, each with its chunk, and where each goes locally."""
+    return [((part, chunk), tuple(lo + o - po for lo, o, po in zip(local, part.offsets, piece.offsets)))
+            for part, chunk in split_by_chunks(piece, chunks)]
+
+
+def _refuse_chunked_parts(source, inventory: Inventory) -> None:
+    """A format's parts are read (and written) as boxes of one stored tensor: not from chunks."""
+    chunked = [k for k in source.parts if k in inventory.chunks]
+    if chunked:
+        raise RemapError(Diagnostic(
+            code="E356", path=inventory.root,
+            message=f"`{source.logical_key}` ({source.format}) is made from `{chunked[0]}`, which is stored in "
+                    f"{len(inventory.chunks[chunked[0]])} DCP chunks: quantized parts are read from whole tensors only",
+            hint="consolidate the checkpoint first (`remapdsl convert CKPT OUT --rules identity`), then load that"))
 
 
 class WriteItem(NamedTuple):
@@ -320,9 +351,16 @@ def _write_piece(w, box, local_offsets, inventory: Inventory, logical: Mapping, 
     local = tuple(lo + o - bo for lo, o, bo in zip(local_offsets, piece.offsets, box.offsets))
     if piece.source_key not in logical:
         info = inventory.tensors[piece.source_key]
-        runs, strides, flat = block_runs(piece, info.shape, info.byte_offset, BY_NAME[info.dtype].bits // 8)
-        items.append(WriteItem(w.runtime_key, local, piece.sizes, piece.source_key, info.file, info.dtype,
-                               runs, strides, w.steps, flat))
+        chunks = inventory.chunks.get(piece.source_key)
+        if chunks is None:
+            runs, strides, flat = block_runs(piece, info.shape, info.byte_offset, BY_NAME[info.dtype].bits // 8)
+            items.append(WriteItem(w.runtime_key, local, piece.sizes, piece.source_key, info.file, info.dtype,
+                                   runs, strides, w.steps, flat))
+            return
+        for (part, chunk), at in _chunk_parts(piece, local, chunks):  # one item per chunk it touches
+            item = _item(w.runtime_key, at, part, info, chunk)
+            items.append(WriteItem(w.runtime_key, at, part.sizes, piece.source_key, item.file, info.dtype,
+                                   item.runs, item.strides, w.steps, item.source_strides))
         return
     piece = piece._replace(steps=w.steps)
     item = _decode_item(w.runtime_key, local, piece, logical[piece.source_key], inventory, layouts)

@@ -1,0 +1,197 @@
+"""Tensors split over files by torch.distributed.checkpoint: each file's pieces -> one logical tensor of chunks.
+
+`HuggingFaceStorageWriter(save_distributed=True)` (torchtitan's `last_save_in_hf` before
+consolidation) has every rank write its own pieces into `shard-0000i-model-0000j-of-0000N.safetensors`,
+each under the tensor's own key; the file's `__metadata__["DCP_SHARDING_INFO"]` (JSON) gives each
+piece's `saved_offsets` in the whole tensor, whose shape is where the pieces end (as torch's
+consolidation computes it). Here those pieces become `Chunk`s of one tensor that must tile it exactly;
+every problem names the key and the files (E350-E354). A key held whole by one file stays an ordinary
+tensor: a checkpoint without chunked keys carries no chunk table at all.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from math import prod
+from typing import NamedTuple
+
+from remapdsl.checkpoint.header import Header, TensorInfo, tensor_nbytes
+from remapdsl.dtypes import BY_NAME
+from remapdsl.errors import CheckpointError, Diagnostic
+
+SHARDING_INFO = "DCP_SHARDING_INFO"  # the `__metadata__` entry torch's writer puts in each file
+SAVED_OFFSETS = "saved_offsets"
+
+
+class Chunk(NamedTuple):
+    """One stored piece of a chunked tensor: the box [offsets, offsets + sizes) of the whole tensor,
+    row-major at absolute `byte_offset` of `file`."""
+
+    file: str
+    byte_offset: int
+    offsets: tuple[int, ...]
+    sizes: tuple[int, ...]
+
+    @property
+    def end(self) -> tuple[int, ...]:
+        return tuple(o + n for o, n in zip(self.offsets, self.sizes))
+
+
+def has_sharding_info(headers: Mapping[str, Header]) -> bool:
+    """Whether any of the files was written by DCP's distributed safetensors writer."""
+    return any(SHARDING_INFO in h.info.metadata for h in headers.values())
+
+
+def assemble_chunked(root: str, headers: Mapping[str, Header], path_of
+                     ) -> tuple[dict[str, TensorInfo], dict[str, tuple[Chunk, ...]], list[Diagnostic]]:
+    """The tensors of headers some of which carry DCP_SHARDING_INFO: key -> TensorInfo (a chunked
+    key's info has the whole shape and bytes and names its first chunk's file and offset), the chunk
+    table of the chunked keys, and every problem found. `path_of(file)` is a file's path for messages.
+
+    A key in two files of which one has no sharding info is left to the caller's duplicate check."""
+    diags: list[Diagnostic] = []
+    pieces: dict[str, list[tuple[TensorInfo, tuple[int, ...]]]] = {}
+    plain: dict[str, list[TensorInfo]] = {}
+    for name, header in headers.items():
+        info = _sharding_info(name, header, path_of(name), diags)
+        if info is None:
+            for key, t in header.tensors.items():
+                plain.setdefault(key, []).append(t)
+            continue
+        for key, t in header.tensors.items():
+            offsets = _offsets(info.get(key), t, path_of(name), diags)
+            if offsets is not None:
+                pieces.setdefault(key, []).append((t, offsets))
+    tensors: dict[str, TensorInfo] = {}
+    chunks: dict[str, tuple[Chunk, ...]] = {}
+    for key, found in plain.items():
+        if key in pieces or len(found) > 1:
+            continue  # in two files: the caller reports it (E324)
+        tensors[key] = found[0]
+    for key, found in pieces.items():
+        if key in plain:
+            continue
+        if len(found) == 1 and not any(found[0][1]):
+            tensors[key] = found[0][0]  # held whole by one file: an ordinary tensor
+            continue
+        made = _chunked(key, found, path_of, diags)
+        if made is not None:
+            tensors[key], chunks[key] = made
+    return tensors, chunks, diags
+
+
+def _sharding_info(name: str, header: Header, path: str, diags: list[Diagnostic]) -> dict | None:
+    """A file's DCP_SHARDING_INFO as an object of key -> entry, None where it has none (or it is
+    malformed: then E354 is added and its tensors are left out)."""
+    text = header.info.metadata.get(SHARDING_INFO)
+    if text is None:
+        return None
+    try:
+        info = json.loads(text)
+    except ValueError as exc:
+        info, why = None, f"is not JSON ({exc})"
+    else:
+        why = "is not a JSON object of tensor key to {\"saved_offsets\": [...]}"
+    if not isinstance(info, dict):
+        diags.append(_diag("E354", f"{name}: `__metadata__[\"{SHARDING_INFO}\"]` {why}", path))
+        return {}
+    stray = sorted(set(info) - set(header.tensors))
+    if stray:
+        diags.append(_diag("E354", f"{name}: `{SHARDING_INFO}` names tensor `{stray[0]}`"
+                           f"{f' and {len(stray) - 1} more' if len(stray) > 1 else ''}, which the file does not hold",
+                           path))
+    return info
+
+
+def _offsets(entry: object, t: TensorInfo, path: str, diags: list[Diagnostic]) -> tuple[int, ...] | None:
+    """A piece's saved_offsets, checked to be one non-negative int per dim of its shape (E354)."""
+    offsets = entry.get(SAVED_OFFSETS) if isinstance(entry, dict) else None
+    if not (isinstance(offsets, list) and len(offsets) == len(t.shape)
+            and all(type(o) is int and o >= 0 for o in offsets)):
+        found = "no entry" if entry is None else f"{json.dumps(entry)[:80]}"
+        diags.append(_diag("E354", f"{t.file}: `{SHARDING_INFO}` for tensor `{t.ckpt_key}` {list(t.shape)} must be "
+                           f"{{\"{SAVED_OFFSETS}\": [{len(t.shape)} non-negative ints]}}, found {found}", path,
+                           "the file was not written whole by torch.distributed.checkpoint's "
+                           "HuggingFaceStorageWriter; write the checkpoint again"))
+        return None
+    return tuple(offsets)
+
+
+def _chunked(key: str, found: list, path_of, diags: list[Diagnostic]) -> tuple[TensorInfo, tuple[Chunk, ...]] | None:
+    """One tensor from its pieces: same dtype and rank, boxes that tile the box where they end."""
+    first = found[0][0]
+    files = sorted({t.file for t, _ in found})
+    dtypes = {t.dtype for t, _ in found}
+    if len(dtypes) > 1:
+        shown = ", ".join(f"{t.file}: {t.dtype}" for t, _ in found[:6])
+        diags.append(_diag("E353", f"tensor `{key}`: its chunks disagree on the dtype ({shown})",
+                           path_of(first.file), "every rank must save the tensor in one dtype"))
+        return None
+    ranks = {len(t.shape) for t, _ in found}
+    if len(ranks) > 1:
+        shown = ", ".join(f"{t.file}: {list(t.shape)}" for t, _ in found[:6])
+        diags.append(_diag("E352", f"tensor `{key}`: its chunks have different numbers of dims ({shown})",
+                           path_of(first.file)))
+        return None
+    shape = tuple(max(o + n for o, n in dims) for dims in
+                  zip(*[tuple(zip(offsets, t.shape)) for t, offsets in found])) if first.shape else ()
+    chunks = sorted((Chunk(t.file, t.byte_offset, offsets, tuple(t.shape)) for t, offsets in found
+                     if prod(t.shape)), key=lambda c: (c.offsets, c.file))
+    covered = sum(prod(c.sizes) for c in chunks)
+    overlap = _first_overlap(chunks)
+    if overlap is not None:
+        a, b = overlap
+        diags.append(_diag("E351", f"tensor `{key}`: chunks overlap: {_box(a)} in {a.file} and {_box(b)} in {b.file}",
+                           path_of(b.file), "each element of a tensor must be saved by exactly one rank"))
+        return None
+    total = prod(shape)
+    if covered != total:
+        diags.append(_diag("E350", f"tensor `{key}` {list(shape)}: its chunks in {', '.join(files[:6])}"
+                           f"{' …' if len(files) > 6 else ''} cover {covered} of its {total} elements: a gap"
+                           f"{_gap(chunks, shape)}", path_of(first.file),
+                           "a rank's shard file is missing, or it was written by another save"))
+        return None
+    nbytes = tensor_nbytes(BY_NAME[first.dtype], shape)
+    head = chunks[0]
+    return (TensorInfo.model_construct(ckpt_key=key, file=head.file, dtype=first.dtype, shape=shape,
+                                       byte_offset=head.byte_offset, nbytes=nbytes), tuple(chunks))
+
+
+def _first_overlap(chunks: list[Chunk]) -> tuple[Chunk, Chunk] | None:
+    """Two chunks sharing an element, or None: a sweep along dim 0 (chunks sorted by offsets), so
+    each chunk is compared only with those still open at its start, not with all."""
+    if not chunks or not chunks[0].sizes:
+        return (chunks[0], chunks[1]) if len(chunks) > 1 else None
+    open_: list[Chunk] = []
+    for c in chunks:
+        open_ = [o for o in open_ if o.offsets[0] + o.sizes[0] > c.offsets[0]]
+        for o in open_:
+            if all(a < f and b < e for a, e, b, f in zip(o.offsets, o.end, c.offsets, c.end)):
+                return o, c
+        open_.append(c)
+    return None
+
+
+def _gap(chunks: list[Chunk], shape: tuple[int, ...]) -> str:
+    """Where the first uncovered element along dim 0 is, when the chunks leave a whole slab open."""
+    if not shape:
+        return ""
+    reach = 0
+    for c in sorted(chunks, key=lambda c: c.offsets[0]):
+        if c.offsets[0] > reach:
+            break
+        reach = max(reach, c.offsets[0] + c.sizes[0])
+    return f" (no chunk holds dim-0 index {reach})" if reach < shape[0] else ""
+
+
+def _box(c: Chunk) -> str:
+    return "[" + ", ".join(f"{o}:{o + n}" for o, n in zip(c.offsets, c.sizes)) + "]"
+
+
+def _diag(code: str, message: str, path: str | None, hint: str | None = None) -> Diagnostic:
+    return Diagnostic(code=code, message=message, path=path, hint=hint)
+
+
+def chunk_error(code: str, message: str, path: str | None = None, hint: str | None = None) -> CheckpointError:
+    return CheckpointError(_diag(code, message, path, hint))

@@ -1,0 +1,79 @@
+"""A piece of a block over a chunked checkpoint tensor (DCP-sharded) -> one piece per chunk it touches.
+
+A piece reads source elements `base + coeff . x` over its runtime box. Where that source range
+crosses chunk boundaries, the piece is cut along the runtime dim that moves the crossing source
+dim, at the exact index where the source index crosses, until each piece lies in one chunk; then
+its base is re-based into that chunk (a row-major tensor of the chunk's sizes at its own offset in
+its own file). So every rank reads only its own bytes, whatever the writer's sharding: the cuts
+grow with the chunks a piece touches, never with its rows.
+"""
+
+from __future__ import annotations
+
+from ..checkpoint.chunks import Chunk
+from ..errors import Diagnostic, RemapError
+from ..indexmap import Block, cut
+
+
+def split_by_chunks(piece: Block, chunks: tuple[Chunk, ...]) -> list[tuple[Block, Chunk]]:
+    """The parts of `piece` (a block reading a chunked tensor) each inside one chunk, with their
+    base re-based into it, in the piece's own order."""
+    out: list[tuple[Block, Chunk]] = []
+    stack = [piece]
+    while stack:
+        p = stack.pop()
+        lo, hi = _source_range(p)
+        meeting = [c for c in chunks if all(o <= h and l < o + n for o, n, l, h in zip(c.offsets, c.sizes, lo, hi))]
+        crossing = None
+        for k in range(len(lo)):
+            bounds = sorted({b for c in meeting for b in (c.offsets[k], c.offsets[k] + c.sizes[k]) if lo[k] < b <= hi[k]})
+            if bounds:
+                crossing = (k, bounds)
+                break
+        if crossing is None:
+            if len(meeting) != 1:
+                raise RemapError(Diagnostic(
+                    code="E355", message=f"`{p.source_key}`: elements {list(lo)}..{list(hi)} lie in "
+                    f"{len(meeting)} chunks, not one (the chunks do not tile the tensor)"))
+            c = meeting[0]
+            out.append((p._replace(base=tuple(b - o for b, o in zip(p.base, c.offsets))), c))
+            continue
+        stack.extend(reversed(_cut_at(p, *crossing)))
+    return out
+
+
+def _source_range(p: Block) -> tuple[list[int], list[int]]:
+    """The lowest and highest source index, per source dim, the piece reads."""
+    lo, hi = list(p.base), list(p.base)
+    for k, row in enumerate(p.coeff):
+        for c, n in zip(row, p.sizes):
+            if c > 0:
+                hi[k] += c * (n - 1)
+            elif c < 0:
+                lo[k] += c * (n - 1)
+    return lo, hi
+
+
+def _cut_at(p: Block, k: int, bounds: list[int]) -> list[Block]:
+    """`p` cut along the runtime dim moving source dim `k` (of several, the one of largest step) at
+    the rows where the source index crosses one of `bounds`: with other dims moving `k` too, the
+    rows that straddle a bound apart from those that do not (rows that all straddle, one by one)."""
+    movers = [j for j, (c, n) in enumerate(zip(p.coeff[k], p.sizes)) if c and n > 1]
+    j = max(movers, key=lambda m: abs(p.coeff[k][m]))
+    c, n, start = p.coeff[k][j], p.sizes[j], p.offsets[j]
+    rest = sum(abs(p.coeff[k][m]) * (p.sizes[m] - 1) for m in movers if m != j)
+    low = p.base[k] + sum(p.coeff[k][m] * (p.sizes[m] - 1) for m in movers if m != j and p.coeff[k][m] < 0)
+    points: set[int] = set()
+    if c > 0:  # row t holds source indices [low + c t, low + c t + rest]
+        for b in bounds:
+            points.add(-(-(b - rest - low) // c))  # the first row reaching b
+            points.add(-(-(b - low) // c))  # the first row wholly at or past b
+    else:  # row t holds [low + c t, low + c t + rest], moving down
+        for b in bounds:
+            points.add((low - b) // -c + 1)  # the first row reaching below b
+            points.add((low + rest - b) // -c + 1)  # the first row wholly below b
+    inner = sorted(t for t in points if 0 < t < n)
+    if not inner:  # every row straddles a bound: one row at a time
+        inner = list(range(1, n))
+    edges = [0, *inner, n]
+    return [q for a, b in zip(edges, edges[1:]) if (q := cut(p, j, start + a, start + b)) is not None]
