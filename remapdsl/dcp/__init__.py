@@ -1,0 +1,13 @@
+"""remapdsl for torch.distributed.checkpoint: `dcp.load` through a rule file (docs/dcp.md).
+
+`RuleStorageReader(path, rules)` presents a checkpoint folder in the runtime layout its rules make,
+so DCP's default planner fills DTensors or plain tensors from it, each rank reading its own bytes.
+Importing this package imports torch.
+"""
+
+from __future__ import annotations
+
+from .errors import ReaderError, remap_errors
+from .reader import ReadReport, RuleStorageReader
+
+__all__ = ["ReadReport", "ReaderError", "RuleStorageReader", "remap_errors"]

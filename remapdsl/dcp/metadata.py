@@ -1,0 +1,61 @@
+"""Compiled rules -> the DCP `Metadata` of the checkpoint as the runtime sees it.
+
+Each runtime tensor the rules make is presented with its runtime key, shape and dtype, stored as
+one chunk: the whole tensor at the origin. DCP's default planner then makes one read request per
+destination shard, whose (storage_offsets, lengths) is exactly the box of the runtime tensor the
+shard holds; the reader serves it through remapdsl's plans, whatever files and blocks lie behind it.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch.distributed.checkpoint.metadata import (
+    ChunkStorageMetadata,
+    Metadata,
+    TensorProperties,
+    TensorStorageMetadata,
+)
+
+from ..compile.model import Compiled
+from ..errors import suggest
+from .errors import fail
+
+
+class RuntimeTensors(dict):
+    """runtime key -> TensorStorageMetadata; asking whether it holds a key the rules do not make
+    raises E600 naming the key (DCP's default planner asks that of every state-dict key before it
+    plans, and would otherwise say only "Missing key in checkpoint state_dict")."""
+
+    def __init__(self, entries, checkpoint: str, rules: str):
+        super().__init__(entries)
+        self.checkpoint, self.rules = checkpoint, rules
+
+    def __contains__(self, runtime_key) -> bool:
+        if dict.__contains__(self, runtime_key):
+            return True
+        close = suggest(str(runtime_key), self.keys())
+        raise fail("E600", f"the state dict asks for `{runtime_key}`, but {self.rules} make no such tensor "
+                   "from this checkpoint", path=self.checkpoint, hint=f"did you mean `{close}`?" if close else
+                   "add a rule that makes it, or leave it out of the state dict given to dcp.load")
+
+    def __reduce__(self):
+        return type(self), (dict(self), self.checkpoint, self.rules)
+
+
+def runtime_metadata(compiled: Compiled, checkpoint: str, rules: str) -> Metadata:
+    """The Metadata of every runtime tensor of `compiled`, each one whole chunk (`checkpoint`, the
+    folder, and `rules`, the rules in words, are named by its messages)."""
+    entries = {}
+    properties: dict[str, TensorProperties] = {}  # one per dtype
+    for d in compiled.runtime_tensors:
+        props = properties.get(d.dtype)
+        if props is None:
+            dtype = getattr(torch, d.dtype, None)
+            if not isinstance(dtype, torch.dtype):
+                raise fail("E602", f"`{d.runtime_key}` is made as {d.dtype}, which torch has no dtype for",
+                           path=checkpoint, hint="add `| cast(...)` to the rule that makes it")
+            props = properties[d.dtype] = TensorProperties(dtype=dtype)
+        entries[d.runtime_key] = TensorStorageMetadata(
+            properties=props, size=torch.Size(d.shape),
+            chunks=[ChunkStorageMetadata(offsets=torch.Size((0,) * len(d.shape)), sizes=torch.Size(d.shape))])
+    return Metadata(state_dict_metadata=RuntimeTensors(entries, checkpoint, rules))

@@ -1,0 +1,197 @@
+"""`RuleStorageReader`: a torch.distributed.checkpoint StorageReader that serves `dcp.load` from a
+checkpoint folder through a rule file, every rank reading only its own bytes.
+
+Call order (torch.distributed.checkpoint.storage.StorageReader, every rank unless said):
+construction (collective: rank 0 reads the headers, every rank compiles the rules, the ranks agree;
+any error is a RemapError on every rank, before DCP starts), then inside `dcp.load`: `reset`
+(with a `checkpoint_id` only: re-opens, collectively, if it names another checkpoint),
+`read_metadata` (the runtime layout, docs/dcp.md), `set_up_storage_reader`, `prepare_local_plan`,
+`prepare_global_plan` (coordinator), `read_data`. `read_data` turns the planner's requests into
+the `LocalShard`s of each runtime tensor (the box of the tensor each request asks for, at offset 0
+of the view the planner resolves), makes one remapdsl load plan of them and runs it: planning
+grows with the tensors, not with the requests' rows.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Mapping
+from typing import Any, NamedTuple
+
+import torch
+from torch.distributed.checkpoint.metadata import Metadata
+from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner, ReadItem
+from torch.distributed.checkpoint.storage import StorageReader
+from torch.futures import Future
+
+from ..checkpoint.snapshot import require_data
+from ..errors import RemapError
+from ..gcpause import paused_gc
+from ..indexmap import Box
+from ..language.includes import RuleSet
+from ..language.library import AUTO
+from ..runtime.prepare import compile_everywhere
+from ..runtime.read import run_load_plan
+from ..sharding.placements import LocalShard
+from ..sharding.plans import make_load_plan
+from . import errors
+from .metadata import runtime_metadata
+
+
+class ReadReport(NamedTuple):
+    """What the last `read_data` of a rank did: requests served, runtime tensors, bytes read."""
+
+    requests: int
+    tensors: int
+    bytes_read: int  # every byte this rank read from the files (quantization scale tiles included)
+    bytes_owned: int  # checkpoint bytes behind the elements this rank's requests cover
+    seconds: float
+
+
+class RuleStorageReader(StorageReader):
+    """Serves `dcp.load` from `path` through `rules`, with the checkpoint presented in the runtime
+    layout (the runtime keys, shapes and dtypes the rules make).
+
+    Every rank constructs it (a collective when torch.distributed is initialized).
+
+    Args:
+        path: a checkpoint folder (or its index or .safetensors file).
+        rules: a .remap file path, a shipped name (`qwen3_moe`), `"auto"` or a RuleSet, as for
+            `remapdsl.load`.
+        config: the model config; by default the folder's config.json.
+        strict: refuse checkpoint tensors that no rule takes and no `drop` names.
+    """
+
+    def __init__(self, path: str | os.PathLike, rules: str | os.PathLike | RuleSet, *,
+                 config: Mapping[str, Any] | None = None, strict: bool = True):
+        super().__init__()
+        self._rules, self._config, self._strict = rules, config, strict
+        self.report: ReadReport | None = None
+        self._open(path)
+
+    def _open(self, path) -> None:
+        """Compile the rules against `path` on every rank together (errors: RemapError, every rank)."""
+        require_data(path, "dcp.load")
+        path = os.fspath(path)
+        rules = self._rules
+        if not isinstance(rules, RuleSet) and os.fspath(rules) == AUTO and not os.path.isfile(AUTO):
+            from .. import choose_rules  # from the checkpoint's config.json, or the config given
+
+            rules = choose_rules(path, self._config)[0].path
+        self._inventory, self._compiled = compile_everywhere(rules, path, self._config, self._strict)
+        self.checkpoint_id: str | os.PathLike = path
+        named = "the rules" if isinstance(rules, RuleSet) else f"the rules of `{os.path.basename(os.fspath(rules))}`"
+        self._metadata = runtime_metadata(self._compiled, path, named)
+
+    # ------------------------------------------------------------------ StorageReader, in call order
+
+    def reset(self, checkpoint_id: str | os.PathLike | None = None) -> None:
+        """A new read: with a `checkpoint_id` naming another checkpoint, every rank re-opens and
+        re-compiles against it (DCP calls this on every rank before its own collectives)."""
+        self.report = None
+        if checkpoint_id is not None and os.path.abspath(checkpoint_id) != os.path.abspath(self.checkpoint_id):
+            self._open(checkpoint_id)
+
+    def read_metadata(self) -> Metadata:
+        """The runtime tensors the rules make, each one whole chunk (remapdsl/dcp/metadata.py)."""
+        return self._metadata
+
+    def set_up_storage_reader(self, metadata: Metadata, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
+        self.is_coordinator = is_coordinator
+
+    def prepare_local_plan(self, plan: LoadPlan) -> LoadPlan:
+        return plan
+
+    def prepare_global_plan(self, plans: list[LoadPlan]) -> list[LoadPlan]:
+        return plans
+
+    def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
+        """Read every request of `plan` into the tensors `planner` resolves, then commit them."""
+        try:
+            with paused_gc():
+                self.report = self._read(plan, planner)
+        except RemapError as exc:  # crosses DCP's exchange: must survive pickling
+            raise errors.portable(exc) from None
+        done: Future[None] = Future()
+        done.set_result(None)
+        return done
+
+    @classmethod
+    def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike) -> bool:
+        """A folder holding .safetensors files, a .safetensors file, or a safetensors index."""
+        path = os.fspath(checkpoint_id)
+        if os.path.isdir(path):
+            return any(name.endswith(".safetensors") for name in os.listdir(path))
+        return os.path.isfile(path) and path.endswith((".safetensors", ".safetensors.index.json"))
+
+    # ------------------------------------------------------------------------------------ the reads
+
+    def _read(self, plan: LoadPlan, planner: LoadPlanner) -> ReadReport:
+        start = time.perf_counter()
+        rounds = _rounds(plan.items, self._compiled)
+        read = owned = 0
+        for requests in rounds:  # one round unless a key is asked for in several pieces
+            views = {key: planner.resolve_tensor(item) for key, item in requests.items()}
+            held = {key: _shard(item) for key, item in requests.items()}
+            _check_views(views, held, self._compiled)
+            load_plan = make_load_plan(self._compiled, self._inventory, held, _rank())
+            run_load_plan(load_plan, self._inventory, views)
+            for key, item in requests.items():
+                planner.commit_tensor(item, views[key])
+            read, owned = read + load_plan.bytes_read, owned + load_plan.bytes_owned
+        return ReadReport(len(plan.items), len({k for r in rounds for k in r}), read, owned,
+                          time.perf_counter() - start)
+
+
+def _rounds(items: list[ReadItem], compiled) -> list[dict[str, ReadItem]]:
+    """The requests grouped into rounds holding at most one request per runtime key, the first
+    request of every key in the first round (DCP's default planner asks once per local shard)."""
+    rounds: list[dict[str, ReadItem]] = []
+    for item in items:
+        if item.type != LoadItemType.TENSOR:
+            raise errors.fail("E603", f"`{item.dest_index.fqn}` is asked for as bytes, but the rules make "
+                              "only tensors", hint="leave non-tensor values out of the state dict given to "
+                              "dcp.load through this reader")
+        key = item.dest_index.fqn
+        at = next((i for i, r in enumerate(rounds) if key not in r), None) if rounds else None
+        if at is None:
+            rounds.append({})
+            at = len(rounds) - 1
+        rounds[at][key] = item
+    return rounds
+
+
+def _shard(item: ReadItem) -> LocalShard:
+    """The box of the runtime tensor a request asks for, filling its resolved view from the origin."""
+    offsets = tuple(a + b for a, b in zip(item.storage_index.offset or (0,) * len(item.lengths),
+                                          item.storage_offsets))
+    sizes = tuple(item.lengths)
+    return LocalShard(sizes, (Box(offsets, sizes),), ((0,) * len(sizes),))
+
+
+def _check_views(views: dict, held: dict[str, LocalShard], compiled) -> None:
+    """Every resolved view has the request's shape and the dtype the rules make, its box inside the
+    runtime tensor; all problems at once (E601, E604)."""
+    problems = []
+    for key, view in views.items():
+        d = compiled.runtime_tensor(key)
+        box = held[key].boxes[0]
+        name = str(view.dtype).removeprefix("torch.")
+        if name != d.dtype:
+            problems.append(errors.fail(
+                "E601", f"`{key}` is {name} in the state dict, but the rules make it {d.dtype}",
+                hint="give the state dict the dtype the rules make, or add `| cast(...)` to the rule").diagnostic)
+        if tuple(view.shape) != box.sizes or len(box.offsets) != len(d.shape) or any(
+                o < 0 or o + s > n for o, s, n in zip(box.offsets, box.sizes, d.shape)):
+            problems.append(errors.fail(
+                "E604", f"`{key}` is asked for as the box at {list(box.offsets)} of size {list(box.sizes)} "
+                f"into a view of {list(view.shape)}, but the rules make it {list(d.shape)}",
+                hint="the planner's request does not fit the tensor; DCP's default planner makes requests "
+                "that do").diagnostic)
+    if problems:
+        raise errors.ReaderError(problems)
+
+
+def _rank() -> int:
+    return torch.distributed.get_rank() if torch.distributed.is_available() and torch.distributed.is_initialized() else 0
