@@ -336,3 +336,32 @@ def wrong_rules(tmp_path, source, old: str, new: str):
     out = tmp_path / f"wrong_{source.name}"
     out.write_text(text.replace(old, new))
     return out
+
+
+# -- more model families (tests/test_families.py) ----------------------------------------------------
+
+_DENSE = dict(_COMMON, num_hidden_layers=2, intermediate_size=32)
+_LLAMA4 = dict(_DENSE, head_dim=16, intermediate_size_mlp=48, num_local_experts=4, num_experts_per_tok=1)
+
+# Checkpoints of the families that tests/test_families.py verifies, keyed by case name; kept apart
+# from CASES because some are loaded by several rule files (a plain layout and a `*_split` one).
+FAMILY_CASES: dict[str, Case] = {
+    c.name: c
+    for c in [
+        Case("qwen3", "qwen3", dict(_DENSE, head_dim=16), "rules/llama.remap"),
+        Case("qwen3_tied", "qwen3", dict(_DENSE, head_dim=16, tie_word_embeddings=True), "rules/llama.remap"),
+        Case("qwen2", "qwen2", dict(_DENSE), "rules/llama.remap"),  # q/k/v biases
+        Case("mistral", "mistral", dict(_DENSE), "rules/llama.remap"),
+        # Gemma ties lm_head to the embedding (the default, said here so that Case.tied knows).
+        Case("gemma2", "gemma2", dict(_DENSE, head_dim=16, tie_word_embeddings=True), "rules/gemma2.remap"),
+        Case("gemma3_text", "gemma3_text", dict(_DENSE, head_dim=16, tie_word_embeddings=True),
+             "rules/gemma2.remap"),
+        Case("phi3", "phi3", dict(_DENSE, pad_token_id=0), "rules/phi3.remap"),  # fused qkv_proj, gate_up_proj
+        Case("gpt_neox", "gpt_neox", dict(vocab_size=128, hidden_size=64, num_attention_heads=4, num_hidden_layers=2,
+                                          intermediate_size=32, max_position_embeddings=128), "rules/gpt_neox.remap"),
+        Case("llama4_text", "llama4_text", dict(_LLAMA4), "rules/llama4_text.remap"),  # every layer MoE
+        # interleave_moe_layer_step=2: layer 0 dense (feed_forward.{gate,up,down}_proj), layer 1 MoE.
+        Case("llama4_text_interleaved", "llama4_text", dict(_LLAMA4, interleave_moe_layer_step=2),
+             "rules/llama4_text.remap"),
+    ]
+}
