@@ -165,3 +165,160 @@ def test_identity_load_across_chunks_equals_the_original(folders, rules):
                     box = shard.boxes[0]
                     want_part = expected[key][tuple(slice(o, o + n) for o, n in zip(box.offsets, box.sizes))]
                     assert torch.equal(local[key], want_part), (how, key, world, dim, rank)
+
+
+def test_a_sharded_load_on_the_writers_group_reads_only_its_bytes(folders):
+    """Written sharded on dim 0, loaded on the same 2 ranks sharded on dim 1 (remapdsl.load, DTensors)."""
+    _, results = folders
+    for r in results:
+        assert r["same"] and r["bytes_read"] == r["bytes_owned"] > 0
+
+
+# -- saves into the chunked layout ----------------------------------------------------------------
+
+
+def test_a_save_like_a_chunked_folder_writes_the_same_chunked_files(folders, tmp_path):
+    """From 2 ranks holding other shards than the writer's (in `folders`), and from one process
+    holding whole tensors: byte for byte the files DCP wrote."""
+    root, _ = folders
+    original = _tensors(root / "original")
+    remapdsl.save(original, tmp_path / "whole", IDENTITY, like=root / "dim1")
+    for saved, like in ((root / "saved", root / "dim0"), (tmp_path / "whole", root / "dim1")):
+        names = sorted(p.name for p in like.glob("*.safetensors"))
+        assert sorted(p.name for p in saved.glob("*.safetensors")) == names
+        for name in names:
+            assert (saved / name).read_bytes() == (like / name).read_bytes(), (saved, name)
+
+
+# -- consolidation ---------------------------------------------------------------------------------
+
+
+def _torch_consolidated(source: Path, out: Path) -> dict[str, torch.Tensor]:
+    from torch.distributed.checkpoint._consolidate_hf_safetensors import consolidate_safetensors_files
+
+    keys = sorted(open_inventory(source).tensors)
+    out.mkdir()
+    consolidate_safetensors_files(str(source), str(out), {k: 1 + (i * 2 // len(keys)) for i, k in enumerate(keys)})
+    return _tensors(out)
+
+
+def test_convert_consolidates_as_torch_does(folders, tmp_path, capsys):
+    """`remapdsl convert SRC DST --rules identity` on one process, and remapdsl.convert on 2 ranks
+    (in `folders`, in batches of 20 kB): torch's consolidation tensor for tensor, in the hub layout."""
+    from remapdsl.cli import main
+
+    root, _ = folders
+    assert main(["convert", str(root / "dim0"), str(tmp_path / "one"), "--rules", "identity",
+                 "--max-shard-size", "40kB"]) == 0
+    for source, ours in ((root / "dim0", tmp_path / "one"), (root / "dim1", root / "converted2")):
+        theirs = _torch_consolidated(source, tmp_path / f"torch-{source.name}")
+        got = _tensors(ours)  # read back by safetensors' own safe_open
+        assert sorted(got) == sorted(theirs)
+        for k, t in theirs.items():
+            assert got[k].dtype == t.dtype and torch.equal(got[k], t), k
+        files = sorted(p.name for p in ours.glob("*.safetensors"))
+        assert len(files) > 1 and all(n.startswith("model-0000") and "-of-0000" in n for n in files)
+        index = json.loads((ours / "model.safetensors.index.json").read_text())
+        assert sorted(index["weight_map"]) == sorted(theirs)
+        assert open_inventory(ours).chunks == {}
+
+
+def test_a_chunked_runtime_layout_converts_back(folders, tmp_path):
+    """--reverse from a DCP-sharded runtime-layout folder (what a trainer saves): whole tensors
+    assembled from their chunks, written in the layout of `like`."""
+    root, _ = folders
+    remapdsl.convert(root / "dim1", tmp_path / "back", IDENTITY, reverse=True, like=root / "original")
+    assert (tmp_path / "back" / "model.safetensors").read_bytes() == \
+        (root / "original" / "model.safetensors").read_bytes()
+
+
+# -- what does not tile is refused -----------------------------------------------------------------
+
+
+def _shard(path: Path, tensors: dict, offsets: dict | str) -> None:
+    info = offsets if isinstance(offsets, str) else json.dumps({k: {"saved_offsets": o} for k, o in offsets.items()})
+    save_file(tensors, str(path), metadata={INFO: info, "DCP_VERSION": "1.0", "format": "pt"})
+
+
+def _codes(folder: Path) -> list[tuple[str, str]]:
+    with pytest.raises(RemapError) as caught:
+        open_inventory(folder)
+    return [(d.code, d.message) for d in caught.value.diagnostics]
+
+
+def test_a_missing_shard_file_is_a_gap(folders, tmp_path):
+    """Rank 0's file gone: each of its tensors starts at row 32. (A missing last file cannot be told
+    from smaller tensors: DCP records no whole shape; the rules' shapes catch that.)"""
+    root, _ = folders
+    shutil.copytree(root / "dim0", tmp_path / "c")
+    (tmp_path / "c" / "shard-00001-model-00001-of-00002.safetensors").unlink()
+    found = _codes(tmp_path / "c")
+    assert found and {c for c, _ in found} == {"E350"}
+    code, message = found[0]
+    assert "shard-00002-model-00001-of-00002.safetensors" in message and "no chunk holds dim-0 index 0" in message
+
+
+def test_a_shard_written_twice_overlaps(folders, tmp_path):
+    root, _ = folders
+    shutil.copytree(root / "dim1", tmp_path / "c")
+    shutil.copyfile(tmp_path / "c" / "shard-00001-model-00002-of-00002.safetensors",
+                    tmp_path / "c" / "shard-00003-model-00002-of-00002.safetensors")
+    found = _codes(tmp_path / "c")
+    assert found and {c for c, _ in found} == {"E351"}
+    assert "shard-00003-model-00002-of-00002.safetensors" in found[0][1] and "[0:" in found[0][1]
+
+
+def test_chunks_outside_the_shape_and_of_other_dtypes_and_ranks(tmp_path):
+    """A chunk with dims other than its tensor's other chunks (E352), dtypes that disagree (E353),
+    and a gap in two dims that no dim-0 slab shows (E350), each naming the key and files."""
+    z = torch.zeros
+    _shard(tmp_path / "shard-00001-model-00001-of-00001.safetensors",
+           {"w": z(2, 4), "v": z(4, dtype=torch.bfloat16), "g": z(2, 2)},
+           {"w": [0, 0], "v": [0], "g": [0, 0]})
+    _shard(tmp_path / "shard-00002-model-00001-of-00001.safetensors",
+           {"w": z(2, 4, 1), "v": z(4), "g": z(2, 2)},
+           {"w": [2, 0, 0], "v": [4], "g": [2, 2]})
+    found = dict(_codes(tmp_path))
+    assert set(found) == {"E350", "E352", "E353"}
+    assert "`w`" in found["E352"] and "shard-00002-model-00001-of-00001.safetensors: [2, 4, 1]" in found["E352"]
+    assert "`v`" in found["E353"] and "bfloat16" in found["E353"] and "float32" in found["E353"]
+    assert "`g` [4, 4]" in found["E350"] and "cover 8 of its 16 elements" in found["E350"]
+
+
+@pytest.mark.parametrize("info, says", [
+    ("{not json", "is not JSON"),
+    ('["w"]', "is not a JSON object"),
+    ('{"w": {"saved_offsets": [0]}}', "must be {\"saved_offsets\": [2 non-negative ints]}"),
+    ('{"w": {"saved_offsets": [0, -1]}}', "must be {\"saved_offsets\""),
+    ('{"w": {"saved_offsets": [0, 0]}, "x": {"saved_offsets": [0]}}', "names tensor `x`, which the file does not hold"),
+    ("{}", "no entry"),
+])
+def test_malformed_sharding_info(tmp_path, info, says):
+    _shard(tmp_path / "shard-00001-model-00001-of-00001.safetensors", {"w": torch.zeros(2, 2)}, info)
+    found = _codes(tmp_path)
+    assert [c for c, _ in found] == ["E354"] and says in found[0][1], found
+
+
+def test_a_key_both_chunked_and_whole_is_in_two_files(tmp_path):
+    _shard(tmp_path / "shard-00001-model-00001-of-00001.safetensors", {"w": torch.zeros(2, 2)}, {"w": [2, 0]})
+    save_file({"w": torch.zeros(4, 2)}, str(tmp_path / "model.safetensors"))
+    found = _codes(tmp_path)
+    assert [c for c, _ in found] == ["E324"] and "not all of them DCP-sharded" in found[0][1]
+
+
+def test_quantized_parts_in_chunks_are_refused(tmp_path):
+    """A dequantize over a chunked part: refused, saying to consolidate first (E356)."""
+    from remapdsl.sharding.holdings import whole_shard
+
+    _shard(tmp_path / "shard-00001-model-00001-of-00001.safetensors",
+           {"w": torch.zeros(128, 128, dtype=torch.float8_e4m3fn), "w_scale_inv": torch.ones(2, 1)},
+           {"w": [0, 0], "w_scale_inv": [0, 0]})
+    _shard(tmp_path / "shard-00002-model-00001-of-00001.safetensors",
+           {"w": torch.zeros(128, 128, dtype=torch.float8_e4m3fn)}, {"w": [128, 0]})
+    (tmp_path / "r.remap").write_text("remap 1\n\ndequantize w, w_scale_inv -> w | fp8_block(block=[128, 128], to=bfloat16)\nw -> w\n")
+    inv = open_inventory(tmp_path)
+    assert set(inv.chunks) == {"w"}
+    compiled = remapdsl.compile_rules(tmp_path / "r.remap", inv, config={})
+    with pytest.raises(RemapError) as caught:
+        make_load_plan(compiled, inv, {d.runtime_key: whole_shard(d.shape) for d in compiled.runtime_tensors})
+    assert caught.value.diagnostics[0].code == "E356" and "consolidate" in caught.value.diagnostics[0].hint

@@ -18,7 +18,7 @@ from typing import NamedTuple
 
 from remapdsl.checkpoint.header import Header, TensorInfo, tensor_nbytes
 from remapdsl.dtypes import BY_NAME
-from remapdsl.errors import CheckpointError, Diagnostic
+from remapdsl.errors import Diagnostic
 
 SHARDING_INFO = "DCP_SHARDING_INFO"  # the `__metadata__` entry torch's writer puts in each file
 SAVED_OFFSETS = "saved_offsets"
@@ -43,25 +43,38 @@ def has_sharding_info(headers: Mapping[str, Header]) -> bool:
     return any(SHARDING_INFO in h.info.metadata for h in headers.values())
 
 
-def assemble_chunked(root: str, headers: Mapping[str, Header], path_of
-                     ) -> tuple[dict[str, TensorInfo], dict[str, tuple[Chunk, ...]], list[Diagnostic]]:
-    """The tensors of headers some of which carry DCP_SHARDING_INFO: key -> TensorInfo (a chunked
-    key's info has the whole shape and bytes and names its first chunk's file and offset), the chunk
-    table of the chunked keys, and every problem found. `path_of(file)` is a file's path for messages.
+class Assembled(NamedTuple):
+    """Headers made into tensors: key -> TensorInfo (a chunked key's has the whole shape and bytes
+    and names its first chunk's file and offset), the chunked keys' chunks, the problems found and
+    the keys they are about. A key in none of these is in two files, not all DCP-sharded."""
 
-    A key in two files of which one has no sharding info is left to the caller's duplicate check."""
+    tensors: dict[str, TensorInfo]
+    chunks: dict[str, tuple[Chunk, ...]]
+    diagnostics: list[Diagnostic]
+    reported: set[str]
+
+
+def assemble_chunked(headers: Mapping[str, Header], path_of) -> Assembled:
+    """The tensors of headers some of which carry DCP_SHARDING_INFO, every problem found
+    (`path_of(file)`: a file's path for messages)."""
     diags: list[Diagnostic] = []
+    reported: set[str] = set()
     pieces: dict[str, list[tuple[TensorInfo, tuple[int, ...]]]] = {}
     plain: dict[str, list[TensorInfo]] = {}
     for name, header in headers.items():
         info = _sharding_info(name, header, path_of(name), diags)
+        if info is False:
+            reported.update(header.tensors)
+            continue
         if info is None:
             for key, t in header.tensors.items():
                 plain.setdefault(key, []).append(t)
             continue
         for key, t in header.tensors.items():
             offsets = _offsets(info.get(key), t, path_of(name), diags)
-            if offsets is not None:
+            if offsets is None:
+                reported.add(key)
+            else:
                 pieces.setdefault(key, []).append((t, offsets))
     tensors: dict[str, TensorInfo] = {}
     chunks: dict[str, tuple[Chunk, ...]] = {}
@@ -70,20 +83,22 @@ def assemble_chunked(root: str, headers: Mapping[str, Header], path_of
             continue  # in two files: the caller reports it (E324)
         tensors[key] = found[0]
     for key, found in pieces.items():
-        if key in plain:
+        if key in plain or key in reported:
             continue
         if len(found) == 1 and not any(found[0][1]):
             tensors[key] = found[0][0]  # held whole by one file: an ordinary tensor
             continue
         made = _chunked(key, found, path_of, diags)
-        if made is not None:
+        if made is None:
+            reported.add(key)
+        else:
             tensors[key], chunks[key] = made
-    return tensors, chunks, diags
+    return Assembled(tensors, chunks, diags, reported)
 
 
-def _sharding_info(name: str, header: Header, path: str, diags: list[Diagnostic]) -> dict | None:
-    """A file's DCP_SHARDING_INFO as an object of key -> entry, None where it has none (or it is
-    malformed: then E354 is added and its tensors are left out)."""
+def _sharding_info(name: str, header: Header, path: str, diags: list[Diagnostic]) -> dict | None | bool:
+    """A file's DCP_SHARDING_INFO as an object of key -> entry, None where it has none, False where
+    it is no such object (E354 added)."""
     text = header.info.metadata.get(SHARDING_INFO)
     if text is None:
         return None
@@ -95,7 +110,7 @@ def _sharding_info(name: str, header: Header, path: str, diags: list[Diagnostic]
         why = "is not a JSON object of tensor key to {\"saved_offsets\": [...]}"
     if not isinstance(info, dict):
         diags.append(_diag("E354", f"{name}: `__metadata__[\"{SHARDING_INFO}\"]` {why}", path))
-        return {}
+        return False
     stray = sorted(set(info) - set(header.tensors))
     if stray:
         diags.append(_diag("E354", f"{name}: `{SHARDING_INFO}` names tensor `{stray[0]}`"
@@ -192,6 +207,3 @@ def _box(c: Chunk) -> str:
 def _diag(code: str, message: str, path: str | None, hint: str | None = None) -> Diagnostic:
     return Diagnostic(code=code, message=message, path=path, hint=hint)
 
-
-def chunk_error(code: str, message: str, path: str | None = None, hint: str | None = None) -> CheckpointError:
-    return CheckpointError(_diag(code, message, path, hint))

@@ -422,17 +422,15 @@ def _assemble(
 def _assemble_chunked(root: str, headers: dict[str, Header], ignored: tuple[str, ...]) -> Inventory:
     """A folder written by DCP's distributed safetensors writer: each key one tensor of chunks; a
     key both in a file without sharding info and elsewhere is still in two files (E324)."""
-    tensors, chunks, diags = assemble_chunked(root, headers, lambda name: os.path.join(root, *name.split("/")))
-    seen = set(tensors)
-    for ckpt_key in sorted({k for h in headers.values() for k in h.tensors} - seen) if len(seen) < sum(
-            len(h.tensors) for h in headers.values()) else ():
+    made = assemble_chunked(headers, lambda name: os.path.join(root, *name.split("/")))
+    diags = made.diagnostics
+    for ckpt_key in sorted({k for h in headers.values() for k in h.tensors} - set(made.tensors) - made.reported):
         names = [n for n, h in headers.items() if ckpt_key in h.tensors]
-        if not any(d.message.startswith(f"tensor `{ckpt_key}`") or f"`{ckpt_key}`" in d.message for d in diags):
-            diags.append(_diag("E324", f"tensor `{ckpt_key}` is in {len(names)} files: {', '.join(names)}, "
-                               "not all of them DCP-sharded", os.path.join(root, names[-1])))
+        diags.append(_diag("E324", f"tensor `{ckpt_key}` is in {len(names)} files: {', '.join(names)}, "
+                           "not all of them DCP-sharded", os.path.join(root, names[-1])))
     if diags:
         raise CheckpointError(diags)
-    return _inventory(root, headers, ignored, None, tensors, chunks)
+    return _inventory(root, headers, ignored, None, made.tensors, made.chunks)
 
 
 def _inventory(root: str, headers: dict[str, Header], ignored: tuple[str, ...], index_file: str | None,

@@ -232,9 +232,11 @@ def parse_snapshot(obj: dict, path: str) -> SnapshotInventory:
         headers[name] = header
     chunks: dict = {}
     if not diags and has_sharding_info(headers):  # a DCP-sharded folder: its keys are in several files
-        tensors, chunks, found = assemble_chunked(path, headers, lambda name: path)
-        diags.extend(d.model_copy(update={"message": f"snapshot: {d.message}"}) for d in found)
-        headers = {n: h.model_copy(update={"tensors": {k: t for k, t in h.tensors.items() if k not in tensors}})
+        made = assemble_chunked(headers, lambda name: path)
+        tensors, chunks = dict(made.tensors), made.chunks
+        diags.extend(d.model_copy(update={"message": f"snapshot: {d.message}"}) for d in made.diagnostics)
+        headers = {n: h.model_copy(update={"tensors": {k: t for k, t in h.tensors.items()
+                                                       if k not in tensors and k not in made.reported}})
                    for n, h in headers.items()}
     for name, header in headers.items():
         where = f"files[{json.dumps(name)}]"

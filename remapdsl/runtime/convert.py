@@ -96,8 +96,7 @@ def _convert(src, dst: Path, rules, reverse, like, max_shard_bytes, budget_bytes
                 whole = {k: whole_shard(tuple(t.shape)) for k, t in tensors.items()}
                 if reverse:  # runtime tensors read whole from src, written through the save direction
                     for k, t in tensors.items():
-                        info = runtime_source.tensors[k]
-                        reader.read_into(info.file, info.byte_offset, as_byte_view(t))
+                        read_whole(reader, k, t)
                     plan = make_write_plan(chosen, out_inventory, whole, rank, logical)
                     run_write_plan(plan, writer, tensors, reader=scales)
                     written += plan.bytes_written
@@ -118,6 +117,21 @@ def _convert(src, dst: Path, rules, reverse, like, max_shard_bytes, budget_bytes
                  write=work, planned=0 if reverse else sum(out_inventory.tensors[k].nbytes for k in mine))
     return ConvertReport(folder=str(dst), tensors=len(mine), bytes_written=written, files=len(out_inventory.files),
                          ranks=world, seconds=time.perf_counter() - start)
+
+
+def read_whole(reader: CheckpointReader, key: str, tensor) -> None:
+    """Checkpoint tensor `key` read whole into `tensor` (of its shape and dtype): its bytes at once,
+    or, for a DCP-sharded one, each chunk into its box."""
+    inventory = reader.inventory
+    chunks = inventory.chunks.get(key)
+    if chunks is None:
+        info = inventory.tensors[key]
+        reader.read_into(info.file, info.byte_offset, as_byte_view(tensor))
+        return
+    for c in chunks:
+        part = tensor.new_empty(c.sizes)
+        reader.read_into(c.file, c.byte_offset, as_byte_view(part))
+        tensor[tuple(slice(o, o + n) for o, n in zip(c.offsets, c.sizes))] = part
 
 
 def _check_runtime_source(compiled, source, src) -> None:

@@ -16,6 +16,7 @@ from __future__ import annotations
 import secrets
 import time
 from collections.abc import Mapping
+from math import prod
 from pathlib import Path
 from typing import Any
 
@@ -76,7 +77,7 @@ def _save(state_dict, folder: Path, rules, like, config, layout, mesh, overwrite
     local = holding.local
     copies = copied_parts(compiled) if rank == 0 and not requantize else []  # stored scales, as they are
     reader = CheckpointReader(inventory)
-    copied = sum(inventory.tensors[k].nbytes for k in copies)
+    copied = sum(inventory.tensors[k].nbytes for k in copies)  # chunks included: they tile the tensor
     try:
         sync_seconds = write_output(folder, inventory, overwrite=overwrite, planned=plan.bytes_written + copied,
                                     write=lambda writer: (run_write_plan(plan, writer, local, reader=reader),
@@ -129,8 +130,13 @@ def write_output(folder: Path, layout, *, headers=None, index=None, copy_from=No
 def copy_tensors(keys, reader, writer) -> None:
     """Checkpoint tensors copied byte for byte into the output (the stored scales of dequantized
     tensors written back with them)."""
+    inventory = reader.inventory
     for key in keys:
-        info = reader.inventory.tensors[key]
-        data = bytearray(info.nbytes)
-        reader.read_into(info.file, info.byte_offset, data)
-        writer.write_at(info.file, info.byte_offset, memoryview(data))
+        info = inventory.tensors[key]
+        chunks = inventory.chunks.get(key)
+        places = [(info.file, info.byte_offset, info.nbytes)] if chunks is None else \
+            [(c.file, c.byte_offset, info.nbytes * prod(c.sizes) // max(1, prod(info.shape))) for c in chunks]
+        for file, offset, size in places:  # a DCP-sharded tensor: each chunk where it is
+            data = bytearray(size)
+            reader.read_into(file, offset, data)
+            writer.write_at(file, offset, memoryview(data))
