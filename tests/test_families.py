@@ -12,6 +12,7 @@ test checkpoint. Skipped where transformers is not installed.
 from __future__ import annotations
 
 import filecmp
+import re
 from pathlib import Path
 
 import pytest
@@ -391,3 +392,18 @@ def test_check_passes_on_the_fp8_release(models, capsys, tmp_path):
     assert main(["check", "qwen3_moe_fp8", "--checkpoint", str(folder)]) == 0, capsys.readouterr().err
     assert main(["check", "auto", "--checkpoint", str(folder)]) == 0
     assert "auto chose qwen3_moe_fp8" in capsys.readouterr().err
+
+
+# -- the cookbook shows the shipped files -------------------------------------------------------------
+
+
+def test_cookbook_snippets_are_the_shipped_files():
+    """Each `remap` block of docs/cookbook.md that names a shipped file (`# rules/NAME.remap`) is
+    that file's body, from `remap 1` on, so the page cannot drift from what ships."""
+    blocks = re.findall(
+        r"```remap\n# (rules/\w+\.remap)\n(.*?)```", (REPO / "docs/cookbook.md").read_text(), re.DOTALL
+    )
+    assert len(blocks) >= 5
+    for path, block in blocks:
+        text = (REPO / path).read_text()
+        assert block == text[text.index("remap 1\n") :], path
