@@ -407,3 +407,17 @@ def test_cookbook_snippets_are_the_shipped_files():
     for path, block in blocks:
         text = (REPO / path).read_text()
         assert block == text[text.index("remap 1\n") :], path
+
+
+# -- the fused and split layouts shard -----------------------------------------------------------------
+
+
+def test_gpt_neox_split_shards_on_two_gloo_ranks(models):
+    """Every runtime tensor cut in two (tp=2, dim 0): each rank's shard of q, k and v (one in
+    three rows of the fused tensor, per head) equals the whole load sliced to it and reads only its
+    bytes, and the two ranks' save writes the checkpoint back byte for byte, interleaving again.
+    One case only: each spawns two processes (the expert stacking is covered by test_distributed)."""
+    from remapdsl.testing import assert_sharded_round_trip
+
+    ranks = assert_sharded_round_trip(rules_path("gpt_neox_split"), models("gpt_neox").folder, mesh="tp=2")
+    assert len(ranks) == 2 and all(r["bytes_read"] > 0 for r in ranks)
