@@ -421,3 +421,19 @@ def test_gpt_neox_split_shards_on_two_gloo_ranks(models):
 
     ranks = assert_sharded_round_trip(rules_path("gpt_neox_split"), models("gpt_neox").folder, mesh="tp=2")
     assert len(ranks) == 2 and all(r["bytes_read"] > 0 for r in ranks)
+
+
+def test_each_added_file_lists_the_cases_that_verify_it():
+    """The `# verified:` lines of the files added here name their cases, as `remapdsl rules` shows.
+    (llama.remap, which Qwen3, Qwen2 and Mistral share, is held to the oracle's cases by
+    tests/test_rule_library.py.)"""
+    by_path = {e.path: e for e in remapdsl.shipped_rules()}
+    for case in FAMILY_CASES.values():
+        if case.rules == "rules/llama.remap":
+            continue
+        entry = by_path[case.rules]
+        assert any(
+            "tests/test_families.py" in v and re.search(rf"\b{case.name}\b", v) for v in entry.verified
+        ), case.name
+    for name in [*SPLIT, *(rules for rules, _, _ in VLLM.values())]:
+        assert any(re.search(rf"\({name}\)", v) for v in by_path[f"rules/{name}.remap"].verified), name
