@@ -215,6 +215,29 @@ def test_gpt_neox_split_matches_the_attention_forward(models):
         torch.testing.assert_close(mine.view(3, 5, heads, head_dim).transpose(1, 2), want)
 
 
+def test_phi3_split_matches_the_mlp_forward(models):
+    """transformers' own Phi3MLP on the fused gate_up_proj equals down(silu(gate(x)) * up(x)) with
+    the split gate and up (float64, so that the two matmul orders agree to rounding)."""
+    from transformers import AutoConfig
+    from transformers.models.phi3.modeling_phi3 import Phi3MLP
+
+    built = models("phi3")
+    got = nan_like(phi3_split(built))
+    remapdsl.load(got, str(built.folder), rules_path("phi3_split"))
+    mlp = Phi3MLP(AutoConfig.for_model("phi3", **built.case.config)).double()
+    prefix = "model.layers.1.mlp."
+    mlp.load_state_dict(
+        {k: built.state_dict[prefix + k].double() for k in ("gate_up_proj.weight", "down_proj.weight")}
+    )
+    x = torch.randn(
+        5, built.case.config["hidden_size"], generator=torch.Generator().manual_seed(3), dtype=torch.float64
+    )
+    gate, up, down = (got[f"{prefix}{name}_proj.weight"].double() for name in ("gate", "up", "down"))
+    with torch.no_grad():
+        want = mlp(x)
+    torch.testing.assert_close(torch.nn.functional.silu(x @ gate.T) * (x @ up.T) @ down.T, want)
+
+
 WRONG_CUTS = {  # the same shapes, the wrong rows: the oracle above must tell them apart
     "phi3_split": ("chunk(dim=0, n=2)", "deinterleave(dim=0, groups=2)"),
     "gpt_neox_split": ("deinterleave(dim=0, groups=NH)", "chunk(dim=0, n=3)"),
