@@ -341,7 +341,9 @@ def wrong_rules(tmp_path, source, old: str, new: str):
 # -- more model families (tests/test_families.py) ----------------------------------------------------
 
 _DENSE = dict(_COMMON, num_hidden_layers=2, intermediate_size=32)
-_LLAMA4 = dict(_DENSE, head_dim=16, intermediate_size_mlp=48, num_local_experts=4, num_experts_per_tok=1)
+# intermediate_size 24: the experts' gate_up_proj [E, H, 2I] is not square, so a transpose would show.
+_LLAMA4 = dict(_DENSE, head_dim=16, intermediate_size=24, intermediate_size_mlp=48, num_local_experts=4,
+               num_experts_per_tok=1)
 
 # Checkpoints of the families that tests/test_families.py verifies, keyed by case name; kept apart
 # from CASES because some are loaded by several rule files (a plain layout and a `*_split` one).
