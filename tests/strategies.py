@@ -359,7 +359,9 @@ def macros(draw) -> ir.Macro:
                     ops=(first, *rest), trivia=draw(statement_trivia))
 
 
-statements = st.one_of(lets, rules(), drops_and_keeps(), dequantizes(), quantizeds(), includes, macros())
+casts = st.builds(ir.CastAll, dtype=names, trivia=statement_trivia)
+
+statements = st.one_of(lets, rules(), drops_and_keeps(), dequantizes(), quantizeds(), includes, macros(), casts)
 
 
 @st.composite

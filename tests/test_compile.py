@@ -171,6 +171,34 @@ def test_cast_and_value_steps(tmp_path):
     assert torch.equal(target["w"], (source + 1).to(torch.bfloat16))
 
 
+def test_a_cast_statement_casts_every_floating_tensor_a_rule_does_not_cast_itself(tmp_path):
+    a, b, c = randn(4, 6, dtype=torch.bfloat16), randn(8, 2, dtype=torch.bfloat16), randn(3, dtype=torch.float32)
+    (tmp_path / "ckpt").mkdir()
+    folder = write_checkpoint(tmp_path / "ckpt", {"a": a, "b": b, "c": c, "ids": torch.arange(5)})
+    text = ("let DT = config.dtype ?? float32\ncast DT\n"
+            "a -> A | add(1)\n"                 # cast at the end of its ops
+            "b -> B | cast(float64) | scale(2)\n"  # the rule's own cast wins
+            "macro keep32() = cast(float32)\n"
+            "c -> C | keep32()\n"               # a cast inside a macro counts
+            "ids -> I\n")                       # integers are never cast
+    target, _ = load_text(text, folder, {"dtype": "float16"})
+    assert {k: v.dtype for k, v in target.items()} == {
+        "A": torch.float16, "B": torch.float64, "C": torch.float32, "I": torch.int64}
+    assert torch.equal(target["A"], (a + 1).to(torch.float16))
+    assert torch.equal(target["B"], b.double() * 2) and torch.equal(target["I"], torch.arange(5))
+
+
+def test_a_cast_statement_saves_back_byte_for_byte(tmp_path):
+    (tmp_path / "ckpt").mkdir()
+    folder = write_checkpoint(tmp_path / "ckpt", {"w": randn(4, 8, dtype=torch.bfloat16),
+                                                  "q": randn(8, 3, dtype=torch.bfloat16)})
+    text = "cast float32\nw -> W\nq -> Q | rope_unpermute(heads=2)\n"
+    target, _ = load_text(text, folder)
+    assert target["W"].dtype == torch.float32
+    remapdsl.save(target, tmp_path / "out", rules_from_text(text, "t.remap"), like=folder, config={})
+    assert (tmp_path / "out" / "model.safetensors").read_bytes() == (folder / "model.safetensors").read_bytes()
+
+
 def test_transpose_and_pad(tmp_path):
     source = randn(3, 5)
     folder = write_checkpoint(tmp_path, {"w": source})

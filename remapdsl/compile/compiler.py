@@ -53,6 +53,10 @@ class _Compiler:
         self.lets = evaluate_lets(rules.statements, config, rules.line_text)
         self.evaluator = Evaluator(config, self.lets, rules.line_text)
         self.macros = {s.name: s for s in rules.statements if isinstance(s, ir.Macro)}
+        # `cast DT`: the dtype every rule's floating outputs end in, unless the rule casts (`casting`)
+        self.cast_all = next((self.evaluator.dtype(s.dtype) for s in rules.statements
+                              if isinstance(s, ir.CastAll)), None)
+        self.casting = False
         self.errors: list[Diagnostic] = []
         self.runtime_tensors: dict[str, RuntimeTensor] = {}
         self.bindings: list[BoundRule] = []
@@ -270,6 +274,7 @@ class _Compiler:
         target_names = {n.id for p in rule.targets for part in p.parts if isinstance(part, ir.Subst)
                         for n in _names(part.expr)}
         ops = self.expand(rule.ops, {})
+        self.casting = self.cast_all is not None and not any(isinstance(op, ir.Cast) for op, _ in ops)
         reduced = sorted({op.capture for op, _ in ops if isinstance(op, (ir.Stack, ir.Concat))
                           and op.capture is not None})
         groups: dict[tuple, dict[tuple, list]] = defaultdict(dict)
@@ -302,6 +307,8 @@ class _Compiler:
             self.error("E111", f"the ops leave {len(tensors)} tensors for {len(names)} targets", rule.span)
             raise _RuleFailed
         for name, tensor in zip(names, tensors):
+            if self.casting and tensor.dtype in _FLOATING and tensor.dtype != self.cast_all:
+                tensor = sym.value_step(tensor, ("cast", self.cast_all))
             self.runtime_tensor(rule, name, tensor, keys)
         self.bindings.append(ir.construct(BoundRule, rule=rule.span, captures=tuple(sorted(captures.items())),
                                           ckpt_keys=keys, runtime_keys=tuple(names)))
@@ -393,6 +400,7 @@ class _Compiler:
 
 
 _SOURCE_KEY, _SIZES, _SHAPE = attrgetter("source_key"), attrgetter("sizes"), attrgetter("shape")
+_FLOATING = frozenset({"float16", "bfloat16", "float32", "float64"})  # what `cast DT` casts: never 8- or 4-bit values
 
 
 def _pairs(names: list[str]) -> Callable[[dict], tuple]:

@@ -145,6 +145,15 @@ class Builder(Transformer):
             return None
         return new(ir.Include, path=value, span=span_of(keyword, path))
 
+    def cast_all(self, children: list) -> ir.CastAll | None:
+        keyword, word = children
+        value = atom(word)
+        if not isinstance(value, ir.Name):
+            error("E121", f"`cast` takes a dtype name or a `let` name, not `{word}`", span_of(word),
+                  "for the config's dtype: `let DT = config.torch_dtype ?? bfloat16`, then `cast DT`")
+            return None
+        return new(ir.CastAll, dtype=value, span=span_of(keyword, value))
+
     def macro(self, children: list) -> ir.Macro | None:
         keyword, name, *rest = children
         rest = tuple(rest)

@@ -9,6 +9,7 @@ problems are reported at once.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
@@ -52,7 +53,7 @@ class _Checker:
         self.line_text = line_text
         self.scope = _Scope()
         self.diagnostics: list[Diagnostic] = []
-        self.otherwise: Span | None = None
+        self.firsts: dict[str, Span | None] = {}  # statements a program holds once: the first of each
         self.all_lets: dict[str, Span | None] = {}  # every let of the program, for "defined below"
         self.rule_captures: dict = {}  # captures of the rule being checked, for better messages
         self.unknown_op = False  # an op of the current rule could not be resolved
@@ -79,10 +80,18 @@ class _Checker:
             if any(_list_length(p) != 1 for p in s.sources):
                 self.error("E111", "a `quantized` statement takes no `{a,b}` alternatives", s.span)
             self.op(s.format, {}, {})
+        elif isinstance(s, ir.CastAll):
+            self.typed(s.dtype, "dtype", {}, "cast", {})
+            self.only_one("`cast` statement", "E149", s.span)
         elif isinstance(s, (ir.Drop, ir.Keep)):
             captures = self.captures(s.patterns)
             if s.guard is not None:
                 self.expr(s.guard, captures)
+
+    def only_one(self, what: str, code: str, span: Span | None) -> None:
+        first = self.firsts.setdefault(what, span)
+        if first is not span:
+            self.error(code, f"only one {what} is allowed; the first is" + _at(first, span), span)
 
     def let(self, s: ir.Let) -> None:
         kind = self.expr(s.value, {}, allow_dtype=True)
@@ -105,10 +114,7 @@ class _Checker:
 
     def rule(self, s: ir.Rule) -> None:
         if s.otherwise:
-            if self.otherwise is not None:
-                self.error("E107", "only one `otherwise` rule is allowed; the first is"
-                           + _at(self.otherwise, s.span), s.span)
-            self.otherwise = self.otherwise or s.span
+            self.only_one("`otherwise` rule", "E107", s.span)
             if len(s.sources) != 1 or len(s.targets) != 1:
                 self.error("E108", "an `otherwise` rule has one source pattern and one target", s.span)
         captures = self.captures(s.sources)
@@ -474,11 +480,7 @@ def _names(expr: ir.Node) -> Iterator[ir.Name]:
 
 def _list_length(pattern: ir.Pattern) -> int:
     """How many keys one binding of a pattern names: the product of its alternatives."""
-    length = 1
-    for part in pattern.parts:
-        if isinstance(part, ir.Alternatives):
-            length *= len(part.options)
-    return length
+    return math.prod(len(part.options) for part in pattern.parts if isinstance(part, ir.Alternatives))
 
 
 def _close_name(name: str, choices) -> str | None:

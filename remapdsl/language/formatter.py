@@ -56,6 +56,8 @@ def _head(statement: ir.Statement, seen: set[str]) -> tuple[str, tuple[ir.Op, ..
         return f"let {statement.name} = {format_expr(statement.value)}", ()
     if isinstance(statement, ir.Include):
         return f'include "{statement.path}"', ()
+    if isinstance(statement, ir.CastAll):
+        return f"cast {format_expr(statement.dtype)}", ()
     if isinstance(statement, (ir.Drop, ir.Keep)):
         word = "drop" if isinstance(statement, ir.Drop) else "keep"
         return f"{word} {_patterns(statement.patterns, seen)}{_guard(statement.guard)}", ()

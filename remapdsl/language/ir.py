@@ -35,7 +35,7 @@ __all__ = [
     "Slice", "Pad", "Repeat", "RopePermute", "RopeUnpermute", "Cast", "Scale", "Add", "Arg", "MacroCall",
     "FormatCall", "BUILTIN_OPS", "OPS_BY_NAME", "BUILTIN_FORMAT_NAMES", "RESERVED_NAMES", "AnyOp",
     "Statement", "Version", "Let", "Rule", "Drop", "Keep", "Dequantize", "Quantized", "Include",
-    "Macro", "AnyStatement", "RuleFile",
+    "Macro", "CastAll", "AnyStatement", "RuleFile",
 ]
 
 
@@ -202,8 +202,17 @@ class Macro(Statement):
         return tuple(checked_identifier(p) for p in params)
 
 
+class CastAll(Statement):
+    """`cast DT`: every floating runtime tensor a mapping rule makes is cast to DT, unless the rule
+    casts it itself (one per program)."""
+
+    kind: Literal["cast_all"] = "cast_all"
+    dtype: Name  # a dtype or a `let` name
+
+
 AnyStatement = Annotated[
-    Union[Version, Let, Rule, Drop, Keep, Dequantize, Quantized, Include, Macro], Field(discriminator="kind")
+    Union[Version, Let, Rule, Drop, Keep, Dequantize, Quantized, Include, Macro, CastAll],
+    Field(discriminator="kind"),
 ]
 
 
@@ -232,5 +241,5 @@ class RuleFile(Node):
         return lines[line - 1] if 0 < line <= len(lines) else None
 
 
-for _model in (Rule, Dequantize, Quantized, Macro, Let, Drop, Keep, RuleFile):
+for _model in (Rule, Dequantize, Quantized, Macro, Let, Drop, Keep, CastAll, RuleFile):
     _model.model_rebuild()

@@ -22,7 +22,7 @@ from ..trusted import construct  # noqa: F401  (the IR's builder, re-exported by
 LANGUAGE_VERSIONS = (1,)
 CAPTURE_TYPES = ("int", "seg", "path")
 STATEMENT_KEYWORDS = frozenset({"remap", "let", "drop", "keep", "dequantize", "quantized", "include",
-                                "macro", "optional", "otherwise"})
+                                "macro", "cast", "optional", "otherwise"})
 KEYWORDS = frozenset({"when", "and", "or", "not", "true", "false", "config"}) | STATEMENT_KEYWORDS
 _LEXER_KEYWORDS = frozenset({"when", "and", "or", "not", "true", "false"})  # read as such anywhere
 _NUMBER_LIKE = re.compile(r"[0-9]+(\.[0-9]+)?[eE][+-]?[0-9]+")

@@ -14,7 +14,7 @@ from lark import Lark, UnexpectedInput, UnexpectedToken
 from ..errors import Diagnostic, Span, suggest
 
 STATEMENT_KEYWORDS = ("remap", "let", "drop", "keep", "dequantize", "quantized", "include", "macro",
-                      "optional", "otherwise")
+                      "cast", "optional", "otherwise")
 _NAMED = {
     "WORD": "a name",
     "FLOAT": "a number",
@@ -112,6 +112,9 @@ def syntax_diagnostic(exc: UnexpectedInput, text: str, path: str, parser: Lark) 
         return diag("E006", "a `let` takes no `when` guard", "for a default, write `config.KEY ?? VALUE`")
     if kind == "EQUAL" and " when " in f" {before} ":
         return diag("E006", "`=` is not a comparison", "compare with `==`")
+    if kind == "LPAR" and statement == "cast":
+        return diag("E006", "the `cast` statement takes a dtype without parentheses",
+                    "write `cast bfloat16` for every rule; `| cast(bfloat16)` casts in one rule's pipe")
     if kind == "STRING" and first_word == "include":
         return diag("E006", "unexpected second path", "one `include` per line")
     if "__ANON_0" in expected and "->" not in line_text:
@@ -144,6 +147,7 @@ _EXAMPLES = {
     "drop": ("a key pattern", "drop model.rotary_emb.inv_freq"),
     "keep": ("a key pattern", "keep layers.{L}.attn.kv_cache"),
     "include": ("a quoted path", 'include "common.remap"'),
+    "cast": ("a dtype", "cast bfloat16"),
     "dequantize": ("sources, a logical key and a format",
                    "dequantize {P:path}.weight, {P}.weight_scale -> {P}.weight | fp8_tensor(to=bfloat16)"),
     "quantized": ("source patterns and a format",
@@ -180,8 +184,9 @@ def _expected_words(expected: set[str], shown: dict[str, str]) -> str:
     names = set(expected) - {"WS", "COMMENT"}
     groups: list[str] = []
     if "LET" in names:
-        groups.append("a statement (a rule, `let`, `drop`, `keep`, `dequantize`, `quantized`, `include` or `macro`)")
-        names -= {"LET", "REMAP", "DROP", "KEEP", "DEQUANTIZE", "QUANTIZED", "INCLUDE", "MACRO", "OPTIONAL",
+        groups.append("a statement (a rule, `let`, `drop`, `keep`, `dequantize`, `quantized`, `include`, "
+                      "`macro` or `cast`)")
+        names -= {"LET", "REMAP", "DROP", "KEEP", "DEQUANTIZE", "QUANTIZED", "INCLUDE", "MACRO", "CAST", "OPTIONAL",
                   "OTHERWISE", "WORD", "LBRACE", "STAR", "DOUBLE_STAR"}
     if {"WORD", "LPAR", "LSQB"} <= names:
         groups.append("an expression")
