@@ -358,6 +358,21 @@ def test_qwen3_moe_fp8_equals_transformers(models, tmp_path):
     assert_saves_the_original_files(got, rules_path("qwen3_moe_fp8"), folder, tmp_path / "saved")
 
 
+@pytest.mark.parametrize("case", ["qwen3", "qwen2"])
+def test_llama_fp8_equals_transformers(models, tmp_path, case):
+    """A dense FP8 release (Qwen3-8B-FP8's layout; Qwen2 with its unquantized biases) against
+    transformers' CPU dequantization, bit for bit, and saved back byte for byte; `auto` picks it."""
+    built = models(case)
+    folder = fp8_release(built.folder, tmp_path / "fp8", (8, 8))
+    want = transformers_state_dict(folder, torch.float32)
+    got = nan_like(want)
+    report = remapdsl.load(got, str(folder), rules_path("llama_fp8"))
+    assert_bit_equal(got, dict(want))
+    assert report.bytes_read == sum(checkpoint_tensor_bytes(folder).values()) and report.scale_bytes_read > 0
+    assert remapdsl.choose_rules(str(folder))[0].name == "llama_fp8"
+    assert_saves_the_original_files(got, rules_path("llama_fp8"), folder, tmp_path / "saved")
+
+
 def test_qwen3_moe_fp8_128_blocks_are_the_dequantized_release(models, tmp_path):
     """The release's own 128x128 blocks, partial on every dim of the tiny model: each weight is the
     reference value x scale of its block (quant_reference.fp8_block), then stacked as qwen3_moe."""
@@ -410,11 +425,12 @@ def test_check_passes_on_its_test_checkpoint(models, capsys, rules, case):
     assert main(["check", rules, "--checkpoint", str(models(case).folder)]) == 0, capsys.readouterr().err
 
 
-def test_check_passes_on_the_fp8_release(models, capsys, tmp_path):
-    folder = fp8_release(models("qwen3_moe").folder, tmp_path / "fp8", (128, 128))
-    assert main(["check", "qwen3_moe_fp8", "--checkpoint", str(folder)]) == 0, capsys.readouterr().err
+@pytest.mark.parametrize("rules, case", [("qwen3_moe_fp8", "qwen3_moe"), ("llama_fp8", "qwen3")])
+def test_check_passes_on_the_fp8_release(models, capsys, tmp_path, rules, case):
+    folder = fp8_release(models(case).folder, tmp_path / "fp8", (128, 128))
+    assert main(["check", rules, "--checkpoint", str(folder)]) == 0, capsys.readouterr().err
     assert main(["check", "auto", "--checkpoint", str(folder)]) == 0
-    assert "auto chose qwen3_moe_fp8" in capsys.readouterr().err
+    assert f"auto chose {rules} " in capsys.readouterr().err
 
 
 # -- the cookbook shows the shipped files -------------------------------------------------------------
