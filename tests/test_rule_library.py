@@ -161,8 +161,10 @@ def test_load_save_and_compile_take_a_name_and_auto(tmp_path, caplog):
     with caplog.at_level(logging.INFO, logger="remapdsl"):
         report = remapdsl.load(state, str(TINY), "auto")
     assert "rules auto: chose qwen3_moe (model_type `qwen3_moe`)" in caplog.text
+    shipped = next(Path(e.path).resolve() for e in remapdsl.shipped_rules() if e.name == "qwen3_moe")
+    assert Path(report.rules).resolve() == shipped  # the report says which file `auto` chose
     want = compiled.empty_state_dict()
-    remapdsl.load(want, str(TINY), "rules/qwen3_moe.remap")
+    assert Path(remapdsl.load(want, str(TINY), "qwen3_moe").rules).resolve() == shipped
     assert len(report.loaded) == 25 and all(state[k].equal(want[k]) for k in want)
     remapdsl.save(state, tmp_path / "copy", "qwen3_moe", like=str(TINY))
     for name in ("model.safetensors",):

@@ -11,6 +11,7 @@ only when the call is made, so `import remapdsl` stays free of torch.
 
 from __future__ import annotations
 
+import os
 import time
 from collections.abc import Mapping
 from typing import Any
@@ -18,6 +19,8 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict
 
 from ..gcpause import paused_gc
+from ..language import RuleSet
+from ..language.library import resolve_rules_path
 from ..sharding.holdings import hold
 from ..sharding.plans import make_load_plan
 from . import dist
@@ -37,6 +40,7 @@ class LoadReport(BaseModel):
     bytes_owned: int = 0  # checkpoint bytes behind the elements this rank holds
     scale_bytes_read: int = 0  # of bytes_read, bytes of quantization scales (covering tiles)
     rank: int = 0
+    rules: str = ""  # the top-level rule file compiled (the one `auto` chose, a shipped name's file)
 
 
 def load(state_dict, checkpoint, rules, *, config: Mapping[str, Any] | None = None, strict: bool = True,
@@ -49,6 +53,7 @@ def load(state_dict, checkpoint, rules, *, config: Mapping[str, Any] | None = No
 def _load(state_dict, checkpoint, rules, config, strict, layout, mesh, read_replicated_once) -> LoadReport:
 
     inventory, compiled = compile_everywhere(rules, checkpoint, config, strict)
+    rules_path = rules.path if isinstance(rules, RuleSet) else os.fspath(resolve_rules_path(rules))
     tensors = state_dict.state_dict(keep_vars=True) if hasattr(state_dict, "state_dict") else state_dict
     rank = dist.rank()
 
@@ -67,7 +72,7 @@ def _load(state_dict, checkpoint, rules, config, strict, layout, mesh, read_repl
                             ckpt_keys=tuple(sorted({i.ckpt_key for i in plan.items if i.ckpt_key}
                                                    | {p.ckpt_key for i in plan.decodes for p in i.parts})),
                             bytes_read=plan.bytes_read, bytes_owned=plan.bytes_owned,
-                            scale_bytes_read=plan.scale_bytes_read, rank=rank,
+                            scale_bytes_read=plan.scale_bytes_read, rank=rank, rules=rules_path,
                             seconds=time.perf_counter() - start)
         return report, [holding.local[k] for k in shared], holding
 
