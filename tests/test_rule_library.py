@@ -197,7 +197,8 @@ def test_rules_command_lists_names_what_and_how_verified(capsys):
     assert main(["rules", "--json"]) == 0
     rows = json.loads(capsys.readouterr().out)
     assert [r["name"] for r in rows] == list(shipped_names())
-    assert rows[-1]["model_types"] == ["qwen3_moe"] and rows[-1]["summary"].startswith("Qwen3-MoE:")
+    row = next(r for r in rows if r["name"] == "qwen3_moe")  # not rows[-1]: names sort after it
+    assert row["model_types"] == ["qwen3_moe"] and row["summary"].startswith("Qwen3-MoE:")
 
 
 def test_every_command_takes_a_name(capsys, tmp_path):
