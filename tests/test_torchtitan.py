@@ -17,22 +17,29 @@ from __future__ import annotations
 
 import filecmp
 import json
+import multiprocessing
+import types
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
 
-pytest.importorskip("transformers")
-try:
-    from torchtitan.models import deepseek_v3, llama3, qwen3
-    from torchtitan.models.common import ComplexRoPE, CosSinRoPE, Embedding, Linear, RMSNorm
-    from torchtitan.models.deepseek_v3.state_dict_adapter import DeepSeekV3StateDictAdapter
-    from torchtitan.models.llama3.state_dict_adapter import Llama3StateDictAdapter
-    from torchtitan.models.qwen3.state_dict_adapter import Qwen3StateDictAdapter
-except ImportError as exc:  # torchtitan absent, or without triton (torchtitan.models.common needs it)
-    pytest.skip(f"torchtitan 0.3.0's state-dict adapters cannot be imported ({exc}); install them with "
-                "`pip install torchtitan==0.3.0 --no-deps tyro spmd_types triton==3.9.0`", allow_module_level=True)
+# A gloo rank this file's two-rank test spawns imports it only for its worker, which needs neither
+# transformers nor torchtitan's models (seconds of imports per rank on a shared CPU).
+IN_A_RANK = multiprocessing.parent_process() is not None
+if not IN_A_RANK:
+    pytest.importorskip("transformers")
+    try:
+        from torchtitan.models import deepseek_v3, llama3, qwen3
+        from torchtitan.models.common import ComplexRoPE, CosSinRoPE, Embedding, Linear, RMSNorm
+        from torchtitan.models.deepseek_v3.state_dict_adapter import DeepSeekV3StateDictAdapter
+        from torchtitan.models.llama3.state_dict_adapter import Llama3StateDictAdapter
+        from torchtitan.models.qwen3.state_dict_adapter import Qwen3StateDictAdapter
+    except ImportError as exc:  # torchtitan absent, or without triton (torchtitan.models.common needs it)
+        pytest.skip(f"torchtitan 0.3.0's state-dict adapters cannot be imported ({exc}); install them with "
+                    "`pip install torchtitan==0.3.0 --no-deps tyro spmd_types triton==3.9.0`",
+                    allow_module_level=True)
 
 import torch
 from hf_models import _DSV3, _QWEN3_MOE, Case, build, copy_checkpoint, safetensors_files
@@ -40,6 +47,8 @@ from safetensors.torch import load_file
 
 import remapdsl
 from remapdsl import RemapError
+from remapdsl.testing.ranks import run_ranks
+from remapdsl.torchtitan import RuleStateDictAdapter
 
 REPO = Path(__file__).resolve().parents[1]
 _LLAMA = {"vocab_size": 128, "hidden_size": 64, "num_attention_heads": 4, "num_key_value_heads": 2,
@@ -126,7 +135,7 @@ def _case(name, model_type, config, rules, titan_config, adapter, **kw) -> Titan
 
 
 _MTP_COPIES = ("model.layers.3.embed_tokens.weight", "model.layers.3.shared_head.head.weight")
-CASES = {c.name: c for c in [
+CASES = {} if IN_A_RANK else {c.name: c for c in [
     _case("llama3", "llama", _LLAMA, "torchtitan_llama3", llama3_config, Llama3StateDictAdapter),
     _case("llama3_tied", "llama", dict(_LLAMA, tie_word_embeddings=True), "torchtitan_llama3", llama3_config,
           Llama3StateDictAdapter),
@@ -254,3 +263,132 @@ def test_the_mtp_layers_copies_of_embedding_and_head_cannot_be_saved_back(checkp
     with pytest.raises(RemapError) as info:
         remapdsl.save(expected, tmp_path / "out", REPO / built.case.hf.rules, like=built.folder)
     assert any(k in str(info.value) for k in _MTP_COPIES)
+
+
+# -- RuleStateDictAdapter -------------------------------------------------------------------------------
+
+
+def _checkpointer(adapter, model):
+    """What torchtitan's CheckpointManager.dcp_load / dcp_save read of themselves: the adapter and
+    the model's wrapper (its real ModelWrapper); their code runs as it is."""
+    from torchtitan.components.checkpointer.base import MODEL, ModelWrapper
+
+    return types.SimpleNamespace(sd_adapter=adapter, states={MODEL: ModelWrapper(model)})
+
+
+@pytest.mark.parametrize("name", ["llama3", "qwen3_moe", "deepseek_v3"])
+def test_torchtitans_checkpointer_loads_a_model_through_the_adapter(checkpoints, name):
+    """CheckpointManager.dcp_load(from_hf=True) with the adapter in place of torchtitan's own: a real
+    torchtitan model (fused wqkv, grouped experts) ends up holding what torchtitan's adapter loads."""
+    from torchtitan.components.checkpointer.dcp import CheckpointManager
+
+    built = checkpoints(name)
+    expected, _ = torchtitan_load(built)
+    config = built.case.titan_config(built.case.hf_config)
+    model = config.build()
+    adapter = RuleStateDictAdapter.with_rules(REPO / built.case.hf.rules)(config, str(built.folder))
+    holder = _checkpointer(adapter, model)
+    CheckpointManager.dcp_load(holder, holder.states["model"].state_dict(), checkpoint_id=str(built.folder),
+                               from_hf=True, from_quantized=False)
+    state = model.state_dict()
+    assert sorted(adapter.match.loaded) == sorted(expected)
+    assert [k for k, v in expected.items() if not torch.equal(state[k], v.to(state[k].dtype))] == []
+    assert set(adapter.match.not_in_rules) == set(state) - set(expected)  # buffers such as moe.expert_bias_E
+
+
+def test_torchtitans_own_hf_save_is_refused_before_writing(checkpoints, tmp_path):
+    from torchtitan.components.checkpointer.dcp import AsyncMode, CheckpointManager
+
+    built = checkpoints("llama3")
+    config = built.case.titan_config(built.case.hf_config)
+    adapter = RuleStateDictAdapter.with_rules(REPO / built.case.hf.rules)(config, str(built.folder))
+    holder = _checkpointer(adapter, config.build())
+    with pytest.raises(RemapError) as info:
+        CheckpointManager.dcp_save(holder, holder.states["model"].state_dict(), str(tmp_path / "out"),
+                                   AsyncMode.DISABLED, to_hf=True)
+    assert info.value.diagnostic.code == "E612" and "save_hf" in info.value.diagnostic.hint
+    assert not (tmp_path / "out").exists()
+
+
+def test_the_model_spec_example_runs_as_printed():
+    """docs/torchtitan.md's model spec, run as printed: a class torchtitan can construct."""
+    import re
+
+    from torchtitan.protocols.state_dict_adapter import BaseStateDictAdapter
+
+    text = (REPO / "docs" / "torchtitan.md").read_text()
+    code = next(b for b in re.findall(r"```python\n(.*?)```", text, re.DOTALL) if "with_rules" in b)
+    scope: dict = {}
+    exec(compile(code, "docs/torchtitan.md", "exec"), scope)  # noqa: S102 - the doc, run as printed
+    cls = scope["spec"].state_dict_adapter
+    assert issubclass(cls, BaseStateDictAdapter) and cls.default_rules == "torchtitan_qwen3"
+    adapter = cls(scope["spec"].model, None)
+    assert adapter.rules == "torchtitan_qwen3" and adapter.strict
+
+
+def test_adapter_errors_name_what_is_missing(checkpoints):
+    built = checkpoints("llama3")
+    config = built.case.titan_config(built.case.hf_config)
+    with pytest.raises(RemapError) as info:
+        RuleStateDictAdapter(config, str(built.folder))
+    assert info.value.diagnostic.code == "E610" and "with_rules" in info.value.diagnostic.hint
+    with pytest.raises(RemapError) as info:
+        RuleStateDictAdapter.with_rules("torchtitan_llama3")(config, None).to_hf({})
+    assert info.value.diagnostic.code == "E611"
+    with torch.device("meta"):
+        state = config.build().state_dict()
+    with pytest.raises(RemapError) as info:  # the transformers layout's rules for a torchtitan model
+        RuleStateDictAdapter.with_rules("llama")(config, str(built.folder)).to_hf(state)
+    assert info.value.diagnostic.code == "E613" and "`tok_embeddings.weight`" in info.value.diagnostic.message
+
+
+def _placements(runtime_key: str, shape) -> list:
+    """A mix of what torchtitan's parallelisms make: whole experts per rank (EP), rows or columns of
+    the projections (TP), norms replicated."""
+    from torch.distributed.tensor import Replicate, Shard
+
+    if len(shape) == 3:
+        return [Shard(0)]
+    if len(shape) == 2:
+        return [Shard(1) if runtime_key.endswith(("wo.weight", "w2.weight")) else Shard(0)]
+    return [Replicate()]
+
+
+def _load_and_save_sharded(rank: int, world: int, folder: str, hf_config: dict, out: str) -> dict:
+    """On each gloo rank: DTensors shaped as the model's, loaded the way torchtitan's checkpointer
+    does through the adapter, compared with torchtitan's own result, then saved back with save_hf."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import distribute_tensor
+
+    expected = torch.load(Path(out) / "expected.pt")
+    mesh = init_device_mesh("cpu", (world,))
+    state = {k: distribute_tensor(torch.zeros_like(v), mesh, _placements(k, v.shape)) for k, v in expected.items()}
+    state["layers.0.moe.expert_bias_E"] = torch.zeros(hf_config["num_experts"])  # a buffer no rule makes
+    # no model config: the adapter reads none (the rules read config.json), and building one would
+    # import torchtitan's models on this rank
+    adapter = RuleStateDictAdapter.with_rules("torchtitan_qwen3")(None, folder)
+    hf_state = adapter.to_hf(state)
+    reader = adapter.get_hf_storage_reader(folder)
+    dcp.load(hf_state, storage_reader=reader)
+    loaded = adapter.from_hf(hf_state)
+    wrong = [k for k, v in loaded.items()
+             if not torch.equal(v.to_local(), distribute_tensor(expected[k], mesh, v.placements).to_local())]
+    adapter.save_hf(loaded, Path(out) / "saved")
+    return {"wrong": wrong, "keys": sorted(loaded), "not_in_rules": adapter.match.not_in_rules,
+            "read": reader.report.bytes_read, "owned": reader.report.bytes_owned}
+
+
+def test_adapter_loads_dtensors_through_dcp_and_saves_them_back_on_two_ranks(checkpoints, tmp_path):
+    built = checkpoints("qwen3_moe_12e_sharded")
+    expected, _ = torchtitan_load(built)
+    torch.save(expected, tmp_path / "expected.pt")
+    results = run_ranks(_load_and_save_sharded, 2, str(built.folder), built.case.hf_config, str(tmp_path))
+    for result in results:
+        assert result["wrong"] == [] and result["keys"] == sorted(expected)
+        assert result["not_in_rules"] == ("layers.0.moe.expert_bias_E",)
+        assert result["read"] == result["owned"]  # each rank read only the bytes of its own shards
+    assert results[0]["owned"] < sum(t.numel() * t.element_size() for t in expected.values())
+    saved = tmp_path / "saved"
+    assert sorted(p.name for p in saved.iterdir()) == sorted(p.name for p in built.folder.iterdir())
+    assert [p.name for p in saved.iterdir() if not filecmp.cmp(p, built.folder / p.name, shallow=False)] == []

@@ -1,0 +1,191 @@
+"""torchtitan's state-dict adapter protocol, driven by a rule file: `RuleStateDictAdapter`
+(docs/torchtitan.md).
+
+torchtitan's checkpointer loads a Hugging Face checkpoint as
+`dcp.load(adapter.to_hf(sd), storage_reader=adapter.get_hf_storage_reader(path))`, then
+`model.load_state_dict(adapter.from_hf(...))`. Here the storage reader does the whole conversion:
+`to_hf` keeps the model's tensors that the rules make, under their own (runtime) keys;
+`remapdsl.dcp.RuleStorageReader` serves exactly those, each rank reading only its shards' bytes;
+`from_hf` hands them back as they are. The save direction is `save_hf` (remapdsl.save, every rank
+writing its own bytes); the checkpointer's own HF save is refused (E612), as it would write the
+runtime layout under Hugging Face file names. Importing this module imports torch and torchtitan.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import re
+from collections.abc import Mapping
+from typing import Any, NamedTuple
+
+from torchtitan.protocols.state_dict_adapter import BaseStateDictAdapter
+
+from . import choose_rules, save
+from .compile import Compiled
+from .dcp import RuleStorageReader
+from .errors import Diagnostic, RemapError
+from .language import RuleSet
+from .language.library import AUTO
+from .runtime.prepare import compile_everywhere
+
+_log = logging.getLogger("remapdsl")
+
+
+class AdapterError(RemapError):
+    """A torchtitan checkpointer call the rules cannot serve (E610-E619); survives pickling."""
+
+    def __reduce__(self):
+        return type(self), (self.diagnostics,)
+
+
+def _fail(code: str, message: str, hint: str | None = None, path: str | None = None) -> AdapterError:
+    return AdapterError(Diagnostic(code=code, message=message, hint=hint, path=path))
+
+
+class Match(NamedTuple):
+    """How a state dict met the rules at the last `to_hf`: what is loaded and what is not."""
+
+    loaded: tuple[str, ...]  # state-dict keys the rules make: these dcp.load fills
+    not_in_rules: tuple[str, ...]  # state-dict keys the rules do not make (buffers such as expert biases)
+    not_in_state_dict: tuple[str, ...]  # tensors the rules make that this state dict lacks (other PP stages)
+
+
+class RuleStateDictAdapter(BaseStateDictAdapter):
+    """A torchtitan `BaseStateDictAdapter` whose conversion is a rule file.
+
+    torchtitan constructs the adapter as `cls(model_config, hf_assets_path)` on every rank, so a
+    model spec names a class with its rules bound: `RuleStateDictAdapter.with_rules("m.remap")`.
+    Call order (the checkpointer's, on every rank): `to_hf` (compiles the rules: a collective),
+    `get_hf_storage_reader` (opens the reader: a collective), `dcp.load`, `from_hf`.
+
+    Args:
+        model_config: the torchtitan model config (kept; the rules read the checkpoint's config.json).
+        hf_assets_path: the Hugging Face checkpoint folder the rules are compiled against.
+        rules: a .remap path, a shipped name (`torchtitan_qwen3`) or a RuleSet; by default the
+            class's own (`with_rules`).
+        config: the model config the rules read; by default the folder's config.json.
+        strict: refuse checkpoint tensors that no rule takes and no `drop` names.
+    """
+
+    default_rules: str | os.PathLike | RuleSet | None = None
+    default_config: Mapping[str, Any] | None = None
+    default_strict: bool = True
+
+    def __init__(self, model_config: Any, hf_assets_path: str | os.PathLike | None, *,
+                 rules: str | os.PathLike | RuleSet | None = None, config: Mapping[str, Any] | None = None,
+                 strict: bool | None = None):
+        rules = type(self).default_rules if rules is None else rules
+        if rules is None:
+            raise _fail("E610", "RuleStateDictAdapter was made without a rule file",
+                        hint='pass rules="model.remap", or name RuleStateDictAdapter.with_rules("model.remap") '
+                             "in the model spec")
+        self.model_config = model_config
+        self.hf_assets_path = None if hf_assets_path is None else os.fspath(hf_assets_path)
+        self.rules = rules
+        self.config = type(self).default_config if config is None else config
+        self.strict = type(self).default_strict if strict is None else strict
+        self.match: Match | None = None
+        self._reader: RuleStorageReader | None = None
+        self._compiled: Compiled | None = None
+
+    @classmethod
+    def with_rules(cls, rules: str | os.PathLike | RuleSet, *, config: Mapping[str, Any] | None = None,
+                   strict: bool = True) -> type[RuleStateDictAdapter]:
+        """A subclass with `rules` bound, to name as a torchtitan ModelSpec's `state_dict_adapter`."""
+        named = rules.path if isinstance(rules, RuleSet) else os.path.basename(os.fspath(rules))
+        return type(f"RuleStateDictAdapter[{named}]", (cls,),
+                    {"default_rules": rules, "default_config": config, "default_strict": strict,
+                     "__module__": cls.__module__})
+
+    # ------------------------------------------------------------------ the protocol, in call order
+
+    def to_hf(self, state_dict: dict[str, Any]) -> dict[str, Any]:
+        """The tensors of `state_dict` that the rules make, as they are (the reader presents the
+        checkpoint under these runtime keys). Every rank calls it (the rules are compiled on all
+        ranks together). A state-dict tensor the rules neither make nor `keep` is an error (E613)
+        unless `strict=False`; one the rules make with another shape is E614. Tensors the rules
+        make that this state dict lacks are not (a pipeline stage holds only its layers)."""
+        compiled = self._compile()
+        made = {d.runtime_key: d for d in compiled.runtime_tensors}
+        keep = [re.compile(p) for p in compiled.keep]
+        loaded = tuple(k for k in state_dict if k in made)
+        not_in_rules = tuple(k for k in state_dict if k not in made)
+        self.match = Match(loaded, not_in_rules, tuple(sorted(made.keys() - state_dict.keys())))
+        unknown = [k for k in not_in_rules if not any(r.fullmatch(k) for r in keep)]
+        if unknown and self.strict:
+            shown = ", ".join(f"`{k}`" for k in unknown[:5]) + (f" and {len(unknown) - 5} more" if len(unknown) > 5 else "")
+            raise _fail("E613", f"{len(unknown)} of the state dict's {len(state_dict)} tensors are made by no rule "
+                                f"and named by no `keep`: {shown}", path=self.hf_assets_path,
+                        hint="is this the rule file for this model? Tensors that take nothing from the "
+                             "checkpoint (buffers) belong in a `keep` statement; or pass strict=False")
+        wrong = [f"`{k}` is {tuple(state_dict[k].shape)} in the model, {made[k].shape} from the rules"
+                 for k in loaded if tuple(state_dict[k].shape) != made[k].shape]
+        if wrong:
+            raise _fail("E614", f"{len(wrong)} tensors differ in shape between the model and the rules: "
+                                + "; ".join(wrong[:5]), path=self.hf_assets_path,
+                        hint="the model config and the checkpoint's config.json describe different sizes")
+        _log.info("torchtitan adapter: %d tensors from the rules, %d state-dict keys not made by them, "
+                  "%d made but not in this state dict", len(loaded), len(not_in_rules),
+                  len(self.match.not_in_state_dict))
+        return {k: state_dict[k] for k in loaded}
+
+    def get_hf_storage_reader(self, path: str | os.PathLike, from_quantized: bool = False) -> RuleStorageReader:
+        """The rule reader of `path` (the one `to_hf` opened when it is the same folder). Quantized
+        checkpoints need no other reader: the rule file's `dequantize` statements say how to read
+        them, and `from_quantized` changes nothing."""
+        return self._open(path)
+
+    def from_hf(self, hf_state_dict: dict[str, Any]) -> dict[str, Any]:
+        """The tensors dcp.load filled, as they are: they are already in the runtime layout."""
+        return dict(hf_state_dict)
+
+    @property
+    def fqn_to_index_mapping(self) -> dict[Any, int] | None:
+        """Read by torchtitan's checkpointer only to save in the HF layout (`last_save_in_hf`),
+        after `to_hf`, which here keeps the runtime layout: refused (E612), use `save_hf`."""
+        raise _fail("E612", "torchtitan's checkpointer cannot save through RuleStateDictAdapter in the Hugging "
+                            "Face layout (last_save_in_hf): to_hf keeps the runtime layout, so its files would "
+                            "hold torchtitan's tensors under Hugging Face file names",
+                    path=self.hf_assets_path,
+                    hint="turn off checkpoint.last_save_in_hf and, on every rank, call "
+                         "adapter.save_hf(model.state_dict(), folder): the rules write the original layout, "
+                         "each rank its own bytes")
+
+    # ------------------------------------------------------------------ the save direction
+
+    def save_hf(self, state_dict: Mapping[str, Any], folder: str | os.PathLike, **kwargs: Any):
+        """Write the model back to the layout of `hf_assets_path` through the rules (remapdsl.save
+        with `like=hf_assets_path`; DTensors each rank its own bytes, no gather); returns its
+        SaveReport. Every rank calls it with the whole model's state dict. State-dict keys the
+        rules do not make (buffers such as expert biases) are left out. `kwargs`: remapdsl.save's
+        `overwrite`, `allow_lossy`, `requantize`."""
+        made = {d.runtime_key for d in self._compile().runtime_tensors}
+        runtime = {k: v for k, v in state_dict.items() if k in made}
+        return save(runtime, folder, self.rules, like=self.hf_assets_path, config=self.config, **kwargs)
+
+    def _compile(self) -> Compiled:
+        """The rules compiled against `hf_assets_path`, once (every rank together: rank 0 reads the
+        headers). TODO(#14): the reader compiles them again; it could take these."""
+        if self._compiled is None:
+            folder = self._folder(self.hf_assets_path)
+            if not isinstance(self.rules, RuleSet) and os.fspath(self.rules) == AUTO and not os.path.isfile(AUTO):
+                self.rules = choose_rules(folder, self.config)[0].path  # the reader then opens the same file
+            self._compiled = compile_everywhere(self.rules, folder, self.config, self.strict)[1]
+        return self._compiled
+
+    def _open(self, path: str | os.PathLike | None) -> RuleStorageReader:
+        """The reader of `path`, opened once per folder (every rank together)."""
+        path = self._folder(path)
+        reader = self._reader
+        if reader is None or os.path.abspath(os.fspath(reader.checkpoint_id)) != os.path.abspath(path):
+            reader = self._reader = RuleStorageReader(path, self.rules, config=self.config, strict=self.strict)
+        return reader
+
+    @staticmethod
+    def _folder(path: str | os.PathLike | None) -> str:
+        if path is None:
+            raise _fail("E611", "RuleStateDictAdapter has no checkpoint folder to compile its rules against "
+                                "(hf_assets_path is None)",
+                        hint="set hf_assets_path in the trainer config to the Hugging Face checkpoint folder")
+        return os.fspath(path)
