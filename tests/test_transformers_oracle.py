@@ -131,6 +131,16 @@ def test_missing_expert_tensor_is_named(hf_models, tmp_path):
 
 
 @pytest.mark.parametrize("name", list(CASES))
+def test_check_command_passes_on_the_cases_checkpoint(hf_models, capsys, name):
+    """`remapdsl check RULES --checkpoint DIR`, as a model author runs it, on the checkpoint the
+    oracle verifies the file against."""
+    from remapdsl.cli import main
+
+    built = hf_models(name)
+    assert main(["check", str(REPO / built.case.rules), "--checkpoint", str(built.folder)]) == 0, capsys.readouterr().err
+
+
+@pytest.mark.parametrize("name", list(CASES))
 def test_save_reproduces_the_save_pretrained_checkpoint(hf_models, tmp_path, name):
     """load -> save through the same rule file writes transformers' own files back, byte for byte:
     keys, dtypes, headers, offsets, the index of a sharded save (a tied lm_head is read from the
