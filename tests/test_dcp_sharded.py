@@ -3,8 +3,8 @@ checkpoint: chunks that tile each tensor, plans that split pieces per chunk, con
 `remapdsl convert` with identity rules against torch's own consolidation.
 
 One group of 2 gloo ranks writes every folder with the real writer (DTensors sharded on dim 0, on
-dim 1, and one tensor on both dims of a 2-D mesh of 2x1 with its second dim split by hand as a
-second save), then loads, saves and converts on those same ranks; the rest runs in this process.
+dim 1), then loads, saves and converts on those same ranks; 4 ranks on a 2x2 mesh write a folder
+whose matrices are sharded on both dims. The rest runs in this process.
 """
 
 from __future__ import annotations
@@ -12,7 +12,6 @@ from __future__ import annotations
 import json
 import pickle
 import shutil
-import struct
 from pathlib import Path
 
 import pytest
@@ -36,7 +35,8 @@ INFO = "DCP_SHARDING_INFO"
 
 
 def _placement(key: str, shape, how: str):
-    from torch.distributed.tensor import Replicate, Shard as TorchShard
+    from torch.distributed.tensor import Replicate
+    from torch.distributed.tensor import Shard as TorchShard
 
     if how == "dim1" and len(shape) == 2:
         return [TorchShard(1)]
@@ -62,16 +62,46 @@ def _write_rank(rank: int, world: int, original: str, out: str) -> dict:
         state = {k: distribute_tensor(t, mesh, _placement(k, t.shape, how)) for k, t in full.items()}
         dcp.save(state, storage_writer=HuggingFaceStorageWriter(f"{out}/{how}", save_distributed=True,
                                                                 fqn_to_index_mapping=mapping))
-    # A sharded load on a mesh other than the writer's: dim0's tensors read sharded on dim 1.
-    target = {k: distribute_tensor(torch.zeros_like(t), mesh, [TorchShard(1 if t.dim() == 2 else 0)])
-              for k, t in full.items()}
-    report = remapdsl.load(target, f"{out}/dim0", IDENTITY)
-    same = all(torch.equal(target[k].to_local(), distribute_tensor(full[k], mesh, target[k].placements).to_local())
-               for k in full)
+    if rank == 0:  # what a trainer keeps next to its weights
+        for how in ("dim0", "dim1"):
+            shutil.copyfile(Path(original) / "config.json", Path(out) / how / "config.json")
+    torch.distributed.barrier()
+    # Sharded loads on a mesh other than the writer's: dim0's tensors read sharded on dim 1, through
+    # identity rules and through fusing ones (each against the original loaded whole).
+    figures = {}
+    for name, rules in (("identity", IDENTITY), ("fused", FUSED)):
+        expected = remapdsl.compile_rules(rules, original).empty_state_dict()
+        remapdsl.load(expected, original, rules)
+        target = {k: distribute_tensor(torch.zeros_like(t), mesh, [TorchShard(1 if t.dim() == 2 else 0)])
+                  for k, t in expected.items()}
+        report = remapdsl.load(target, f"{out}/dim0", rules)
+        same = all(torch.equal(target[k].to_local(),
+                               distribute_tensor(expected[k], mesh, target[k].placements).to_local())
+                   for k in expected)
+        figures[name] = {"same": same, "bytes_read": report.bytes_read, "bytes_owned": report.bytes_owned}
+        if name == "identity":
+            kept = target
+    target = kept
     # The same DTensors saved back into dim0's chunked layout (like=), and a 2-rank consolidation.
     remapdsl.save(target, f"{out}/saved", IDENTITY, like=f"{out}/dim0")
     remapdsl.convert(f"{out}/dim1", f"{out}/converted2", IDENTITY, max_shard_bytes=40_000, budget_bytes=20_000)
-    return {"same": same, "bytes_read": report.bytes_read, "bytes_owned": report.bytes_owned}
+    return figures
+
+
+def _write_grid(rank: int, world: int, original: str, out: str) -> None:
+    """On 4 ranks, a 2x2 mesh: every matrix sharded on both dims (Shard(0), Shard(1)), each vector
+    on dim 0 over the first mesh dim and replicated over the second."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint import HuggingFaceStorageWriter
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Replicate, distribute_tensor
+    from torch.distributed.tensor import Shard as TorchShard
+
+    full = load_file(str(Path(original) / "model.safetensors"))
+    mesh = init_device_mesh("cpu", (2, 2))
+    state = {k: distribute_tensor(t, mesh, [TorchShard(0), TorchShard(1) if t.dim() == 2 else Replicate()])
+             for k, t in full.items()}
+    dcp.save(state, storage_writer=HuggingFaceStorageWriter(f"{out}/grid", save_distributed=True))
 
 
 @pytest.fixture(scope="module")
@@ -81,7 +111,8 @@ def folders(tmp_path_factory):
     root = tmp_path_factory.mktemp("dcp")
     build(CASES["llama"], root / "original")
     results = run_ranks(_write_rank, 2, str(root / "original"), str(root), timeout=120)
-    for how in ("dim0", "dim1"):  # what a trainer keeps next to its weights
+    run_ranks(_write_grid, 4, str(root / "original"), str(root), timeout=120)
+    for how in ("grid",):  # what a trainer keeps next to its weights
         shutil.copyfile(root / "original" / "config.json", root / how / "config.json")
     return root, results
 
@@ -112,6 +143,14 @@ def test_a_dcp_sharded_folder_is_one_tensor_per_key_made_of_chunks(folders):
             assert len(chunks) == 2 and len({c.file for c in chunks}) == 2
         back = pickle.loads(pickle.dumps(inv))
         assert back == inv and back.chunks == inv.chunks
+    grid = open_inventory(root / "grid")  # 4 ranks, a 2x2 mesh: matrices in 4 chunks, vectors in 2
+    assert len(grid.files) == 4 and set(grid.chunks) == set(original.tensors)
+    for k, chunks in grid.chunks.items():
+        shape = original.tensors[k].shape
+        assert len(chunks) == (4 if len(shape) == 2 else 2)
+        assert {c.offsets for c in chunks} == ({(0, 0), (shape[0] // 2, 0), (0, shape[1] // 2),
+                                                (shape[0] // 2, shape[1] // 2)} if len(shape) == 2 else
+                                               {(0,), (shape[0] // 2,)})
 
 
 def test_a_snapshot_carries_the_chunks(folders, tmp_path):
@@ -140,7 +179,7 @@ def test_identity_load_across_chunks_equals_the_original(folders, rules):
     want = remapdsl.compile_rules(rules, original)
     expected = want.empty_state_dict()
     run_load_plan(make_load_plan(want, original, _whole(want, original)), original, expected)
-    for how in ("dim0", "dim1"):
+    for how in ("dim0", "dim1", "grid"):
         inv = open_inventory(root / how)
         compiled = remapdsl.compile_rules(rules, inv)
         got = compiled.empty_state_dict()
@@ -168,10 +207,12 @@ def test_identity_load_across_chunks_equals_the_original(folders, rules):
 
 
 def test_a_sharded_load_on_the_writers_group_reads_only_its_bytes(folders):
-    """Written sharded on dim 0, loaded on the same 2 ranks sharded on dim 1 (remapdsl.load, DTensors)."""
+    """Written sharded on dim 0, loaded on the same 2 ranks sharded on dim 1 (remapdsl.load into
+    DTensors), through identity and fusing rules: the original's values, each rank its own bytes."""
     _, results = folders
     for r in results:
-        assert r["same"] and r["bytes_read"] == r["bytes_owned"] > 0
+        for name in ("identity", "fused"):
+            assert r[name]["same"] and r[name]["bytes_read"] == r[name]["bytes_owned"] > 0, (name, r)
 
 
 # -- saves into the chunked layout ----------------------------------------------------------------
@@ -254,7 +295,7 @@ def test_a_missing_shard_file_is_a_gap(folders, tmp_path):
     (tmp_path / "c" / "shard-00001-model-00001-of-00002.safetensors").unlink()
     found = _codes(tmp_path / "c")
     assert found and {c for c, _ in found} == {"E350"}
-    code, message = found[0]
+    message = found[0][1]
     assert "shard-00002-model-00001-of-00002.safetensors" in message and "no chunk holds dim-0 index 0" in message
 
 
@@ -322,3 +363,49 @@ def test_quantized_parts_in_chunks_are_refused(tmp_path):
     with pytest.raises(RemapError) as caught:
         make_load_plan(compiled, inv, {d.runtime_key: whole_shard(d.shape) for d in compiled.runtime_tensors})
     assert caught.value.diagnostics[0].code == "E356" and "consolidate" in caught.value.diagnostics[0].hint
+
+
+def test_pieces_split_per_chunk_map_every_element_to_its_chunk():
+    """Random affine pieces (transposed, strided, reversed, a source dim moved by two runtime dims,
+    a constant source dim) over random chunk grids: every element read once, from the chunk that
+    holds it, at its place there; as few parts as the crossings need."""
+    import itertools
+    import random
+
+    from remapdsl.checkpoint.chunks import Chunk
+    from remapdsl.indexmap import Block
+    from remapdsl.sharding.chunked import split_by_chunks
+
+    rng = random.Random(7)
+    maps = [((1, 0), (0, 1)), ((0, 1), (1, 0)), ((2, 0), (0, 1)), ((-1, 0), (0, 3)), ((4, 1), (0, 0)),
+            ((0, 0), (1, -2))]
+    for _ in range(150):
+        shape = (rng.randint(4, 24), rng.randint(4, 24))
+        cuts = [sorted({0, shape[k], *rng.sample(range(1, shape[k]), rng.randint(0, 3))}) for k in (0, 1)]
+        chunks = tuple(Chunk(f"f{a}{b}", 0, (cuts[0][a], cuts[1][b]),
+                             (cuts[0][a + 1] - cuts[0][a], cuts[1][b + 1] - cuts[1][b]))
+                       for a in range(len(cuts[0]) - 1) for b in range(len(cuts[1]) - 1))
+        coeff = rng.choice(maps)
+        sizes = [rng.randint(1, 4), rng.randint(1, 4)]
+        low = [0, 0]
+        for k in (0, 1):  # a base that keeps every element inside the shape
+            span_lo = sum(min(0, c * (n - 1)) for c, n in zip(coeff[k], sizes))
+            span_hi = sum(max(0, c * (n - 1)) for c, n in zip(coeff[k], sizes))
+            if span_hi - span_lo >= shape[k]:
+                break
+            low[k] = rng.randint(-span_lo, shape[k] - 1 - span_hi)
+        else:
+            piece = Block((3, 5), tuple(sizes), "w", tuple(low), coeff)
+            seen = {}
+            for part, chunk in split_by_chunks(piece, chunks):
+                for x in itertools.product(*(range(o, o + n) for o, n in zip(part.offsets, part.sizes))):
+                    inside = tuple(b + sum(c * (xi - o) for c, xi, o in zip(row, x, part.offsets))
+                                   for b, row in zip(part.base, part.coeff))
+                    assert all(0 <= i < n for i, n in zip(inside, chunk.sizes))
+                    assert x not in seen
+                    seen[x] = tuple(i + o for i, o in zip(inside, chunk.offsets))
+            for x in itertools.product(*(range(o, o + n) for o, n in zip(piece.offsets, piece.sizes))):
+                want = tuple(b + sum(c * (xi - o) for c, xi, o in zip(row, x, piece.offsets))
+                             for b, row in zip(piece.base, piece.coeff))
+                assert seen.pop(x) == want
+            assert not seen

@@ -55,7 +55,7 @@ class Inventory(BaseModel):
     index_file: str | None = None  # the index used, relative to root
     # keys stored in pieces over several files (DCP-sharded), key -> chunks sorted by offsets; their
     # `tensors` entry has the whole shape and bytes and names the first chunk. Empty for most checkpoints.
-    chunks: dict[str, tuple[Chunk, ...]] = {}
+    chunks: dict[str, tuple[Chunk, ...]] = FrozenDict()
 
     @field_validator("tensors", "files", "chunks", mode="after")
     @classmethod

@@ -29,7 +29,14 @@ from remapdsl.checkpoint.header import (
     load_json_object,
     parse_header_object,
 )
-from remapdsl.checkpoint.inventory import INDEX_SUFFIX, SUFFIX, Inventory, _unsafe_name, open_inventory, read_config
+from remapdsl.checkpoint.inventory import (
+    INDEX_SUFFIX,
+    SUFFIX,
+    Inventory,
+    _unsafe_name,
+    open_inventory,
+    read_config,
+)
 from remapdsl.dtypes import BY_NAME
 from remapdsl.errors import CheckpointError, Diagnostic, RemapError
 from remapdsl.trusted import construct

@@ -23,8 +23,15 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict
 
 from ..checkpoint import CheckpointReader
-from ..checkpoint.writer import (FileWriter, check_destination, commit, create_files, discard, remove_stale_staging,
-                                 staging_path)
+from ..checkpoint.writer import (
+    FileWriter,
+    check_destination,
+    commit,
+    create_files,
+    discard,
+    remove_stale_staging,
+    staging_path,
+)
 from ..compile.inverse import copied_parts
 from ..compile.inverse import writers as derive_writers
 from ..errors import Diagnostic, RemapError

@@ -10,6 +10,8 @@ grow with the chunks a piece touches, never with its rows.
 
 from __future__ import annotations
 
+from itertools import pairwise
+
 from ..checkpoint.chunks import Chunk
 from ..errors import Diagnostic, RemapError
 from ..indexmap import Block, cut
@@ -76,4 +78,4 @@ def _cut_at(p: Block, k: int, bounds: list[int]) -> list[Block]:
     if not inner:  # every row straddles a bound: one row at a time
         inner = list(range(1, n))
     edges = [0, *inner, n]
-    return [q for a, b in zip(edges, edges[1:]) if (q := cut(p, j, start + a, start + b)) is not None]
+    return [q for a, b in pairwise(edges) if (q := cut(p, j, start + a, start + b)) is not None]
