@@ -53,10 +53,18 @@ def _placements(index: int, ndim: int, mesh_ndim: int):
 
 
 def _dtensors(like: dict, mesh) -> dict:
-    from torch.distributed.tensor import distribute_tensor
+    """Zeroed DTensors shaped as `like`, placed by `_placements`; made from their local shards
+    (`distribute_tensor` would make collectives a tensor)."""
+    from torch.distributed.tensor import DTensor
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
-    return {k: distribute_tensor(torch.zeros_like(v), mesh, _placements(i, v.dim(), mesh.ndim))
-            for i, (k, v) in enumerate(sorted(like.items()))}
+    out = {}
+    for i, (k, v) in enumerate(sorted(like.items())):
+        placements = _placements(i, v.dim(), mesh.ndim)
+        shape, _ = compute_local_shape_and_global_offset(v.shape, mesh, placements)
+        out[k] = DTensor.from_local(torch.zeros(shape, dtype=v.dtype), mesh, placements, run_check=False,
+                                    shape=v.shape, stride=v.stride())
+    return out
 
 
 def _dcp_load(state_dict: dict, reader) -> None:
@@ -65,6 +73,14 @@ def _dcp_load(state_dict: dict, reader) -> None:
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         dcp.load(state_dict, storage_reader=reader)
+
+
+def _dcp_load_from(state_dict: dict, reader, checkpoint_id: str) -> None:
+    import torch.distributed.checkpoint as dcp
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        dcp.load(state_dict, checkpoint_id=checkpoint_id, storage_reader=reader)
 
 
 def _differing(got: dict, want: dict) -> list[str]:
@@ -124,10 +140,8 @@ def _identity_and_errors(rank: int, world: int, folder: str, broken: str) -> dic
     reader = RuleStorageReader(folder, identity)
     _dcp_load(ours, reader)
     _dcp_load(theirs, HuggingFaceStorageReader(folder))
-    assert _differing(ours, theirs) == [], "identity rules differ from HuggingFaceStorageReader"
-    assert reader.report.bytes_read == sum(t.to_local().nbytes for t in ours.values())
-
-    seen = {}
+    seen = {"identity": _differing(ours, theirs) == [] and reader.report.bytes_read == sum(
+        t.to_local().nbytes for t in ours.values())}
 
     def record(name, call):
         try:
@@ -146,6 +160,9 @@ def _identity_and_errors(rank: int, world: int, folder: str, broken: str) -> dic
         seen["wrong key text"] = str(exc)
     record("rule error", lambda: RuleStorageReader(folder, rules_from_text("remap 1\n{P:path} -> \n", "bad.remap")))
     record("missing checkpoint", lambda: RuleStorageReader(folder + "-missing", identity))
+    again = _dtensors(like, mesh)
+    _dcp_load_from(again, reader, broken)  # DCP's reset(checkpoint_id): the reader re-opens there
+    seen["reset to another checkpoint"] = (str(reader.checkpoint_id) == broken and _differing(again, ours) == [])
     gone = RuleStorageReader(broken, identity)
     if rank == 0:
         Path(broken, "model.safetensors").unlink()
@@ -154,28 +171,72 @@ def _identity_and_errors(rank: int, world: int, folder: str, broken: str) -> dic
     return seen
 
 
+def _two_ranks(rank: int, world: int, cases: dict, folder: str, broken: str) -> dict:
+    return {"agree": _agree(rank, world, cases, (world,)), **_identity_and_errors(rank, world, folder, broken)}
+
+
 # ------------------------------------------------------------------------------------------ tests
 
 
-def test_two_ranks_equal_remapdsl_load(checkpoints):
-    results = run_ranks(_agree, 2, checkpoints, (2,))
+@pytest.fixture(scope="module")
+def two_ranks(checkpoints, tmp_path_factory) -> list[dict]:
+    """One spawn of 2 ranks for every 2-rank check: what each rank saw."""
+    broken = tmp_path_factory.mktemp("broken") / "tiny"
+    shutil.copytree(QWEN3_MOE, broken)
+    return run_ranks(_two_ranks, 2, checkpoints, QWEN3_MOE, str(broken))
+
+
+def test_two_ranks_equal_remapdsl_load(two_ranks, checkpoints):
+    """Fusing, stacking, interleaving and dequantizing rules; checked on the ranks (`_agree`)."""
     for name in checkpoints:
-        assert results[0][name]["requests"] > 0
+        assert two_ranks[0]["agree"][name]["requests"] > 0
     for name in ("qwen3_moe", "llama_fused"):  # no quantization scales: each rank reads what it holds
-        assert [r[name]["bytes_read"] for r in results] == [r[name]["held"] for r in results]
+        assert [r["agree"][name]["bytes_read"] for r in two_ranks] == [r["agree"][name]["held"] for r in two_ranks]
+
+
+def test_identity_rules_equal_hf_storage_reader(two_ranks):
+    assert all(r["identity"] for r in two_ranks)
+
+
+def test_a_key_the_rules_do_not_make_is_e600_on_every_rank(two_ranks):
+    for r in two_ranks:
+        assert r["wrong key"] == ["E600"]
+        assert "did you mean `model.layers.0.self_attn.q_proj.weight`?" in r["wrong key text"]
+
+
+def test_rule_and_checkpoint_errors_are_remap_errors_on_every_rank(two_ranks):
+    for r in two_ranks:
+        assert r["rule error"] and r["rule error"][0].startswith("E0")
+        assert r["missing checkpoint"] and r["missing checkpoint"][0].startswith("E3")
+        assert r["file gone before the reads"] and r["file gone before the reads"][0].startswith("E3")
+
+
+def test_reset_with_a_checkpoint_id_reopens_there(two_ranks):
+    assert all(r["reset to another checkpoint"] for r in two_ranks)
+
+
+def test_validate_checkpoint_id(tmp_path):
+    from remapdsl.dcp import RuleStorageReader
+
+    assert RuleStorageReader.validate_checkpoint_id(QWEN3_MOE)
+    assert RuleStorageReader.validate_checkpoint_id(Path(QWEN3_MOE) / "model.safetensors")
+    assert not RuleStorageReader.validate_checkpoint_id(tmp_path)  # no .safetensors in it
+    assert not RuleStorageReader.validate_checkpoint_id(tmp_path / "missing")
+
+
+def test_errors_cross_dcp_exchanges_intact():
+    """DCP pickles what a rank raised to send it to the others: the diagnostics must survive."""
+    import pickle
+
+    from remapdsl.dcp import ReaderError
+    from remapdsl.dcp.errors import portable
+    from remapdsl.errors import BindError, Diagnostic
+
+    for error in (ReaderError(Diagnostic(code="E600", message="m", hint="h")),
+                  portable(BindError(Diagnostic(code="E232", message="m")))):
+        again = pickle.loads(pickle.dumps(error))
+        assert again.diagnostics == error.diagnostics and str(again) == str(error)
 
 
 def test_four_ranks_on_a_2d_mesh_equal_remapdsl_load(checkpoints):
     run_ranks(_agree, 4, {k: checkpoints[k] for k in ("qwen3_moe", "deepseek_v3_fp8")}, (2, 2))
-
-
-def test_identity_rules_equal_hf_reader_and_errors_reach_every_rank(tmp_path):
-    broken = tmp_path / "broken"
-    shutil.copytree(QWEN3_MOE, broken)
-    seen = run_ranks(_identity_and_errors, 2, QWEN3_MOE, str(broken))
-    for rank in seen:
-        assert rank["wrong key"] == ["E600"]
-        assert "did you mean `model.layers.0.self_attn.q_proj.weight`?" in rank["wrong key text"]
-        assert rank["rule error"] and rank["rule error"][0].startswith("E0")
-        assert rank["missing checkpoint"] and rank["missing checkpoint"][0].startswith("E3")
-        assert rank["file gone before the reads"] and rank["file gone before the reads"][0].startswith("E3")

@@ -71,7 +71,13 @@ class RuleStorageReader(StorageReader):
         self._open(path)
 
     def _open(self, path) -> None:
-        """Compile the rules against `path` on every rank together (errors: RemapError, every rank)."""
+        """Compile the rules against `path` on every rank together (errors: RemapError, every rank);
+        the cyclic collector paused throughout, as `remapdsl.load` does (parsing and compiling make
+        many short-lived objects, and each full collection walks torch's whole heap)."""
+        with paused_gc():
+            self._compile(path)
+
+    def _compile(self, path) -> None:
         require_data(path, "dcp.load")
         path = os.fspath(path)
         rules = self._rules
