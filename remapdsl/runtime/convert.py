@@ -107,6 +107,7 @@ def _convert(src, dst: Path, rules, reverse, like, max_shard_bytes, budget_bytes
                         writer.write_at(info.file, info.byte_offset, as_byte_view(t))
                         written += info.nbytes
                 done += sum(t.nbytes for t in tensors.values())
+                tensors = t = None  # freed before the next batch is allocated: one batch held at a time
                 if progress is not None:
                     progress(done, total)
         finally:
