@@ -22,12 +22,11 @@ from typing import Any, NamedTuple
 from torchtitan.protocols.state_dict_adapter import BaseStateDictAdapter
 
 from . import choose_rules, save
-from .compile import Compiled
+from .compile.bind import compile_pattern
 from .dcp import RuleStorageReader
 from .errors import Diagnostic, RemapError
-from .language import RuleSet
+from .language import RuleSet, ir, load_rules
 from .language.library import AUTO
-from .runtime.prepare import compile_everywhere
 
 _log = logging.getLogger("remapdsl")
 
@@ -56,8 +55,9 @@ class RuleStateDictAdapter(BaseStateDictAdapter):
 
     torchtitan constructs the adapter as `cls(model_config, hf_assets_path)` on every rank, so a
     model spec names a class with its rules bound: `RuleStateDictAdapter.with_rules("m.remap")`.
-    Call order (the checkpointer's, on every rank): `to_hf` (compiles the rules: a collective),
-    `get_hf_storage_reader` (opens the reader: a collective), `dcp.load`, `from_hf`.
+    Call order (the checkpointer's, on every rank): `to_hf` (opens the reader, which compiles the
+    rules on all ranks together: a collective), `get_hf_storage_reader` (that reader), `dcp.load`,
+    `from_hf`.
 
     Args:
         model_config: the torchtitan model config (kept; the rules read the checkpoint's config.json).
@@ -87,7 +87,7 @@ class RuleStateDictAdapter(BaseStateDictAdapter):
         self.strict = type(self).default_strict if strict is None else strict
         self.match: Match | None = None
         self._reader: RuleStorageReader | None = None
-        self._compiled: Compiled | None = None
+        self._keep: list[re.Pattern] | None = None
 
     @classmethod
     def with_rules(cls, rules: str | os.PathLike | RuleSet, *, config: Mapping[str, Any] | None = None,
@@ -102,16 +102,16 @@ class RuleStateDictAdapter(BaseStateDictAdapter):
 
     def to_hf(self, state_dict: dict[str, Any]) -> dict[str, Any]:
         """The tensors of `state_dict` that the rules make, as they are (the reader presents the
-        checkpoint under these runtime keys). Every rank calls it (the rules are compiled on all
-        ranks together). A state-dict tensor the rules neither make nor `keep` is an error (E613)
-        unless `strict=False`; one the rules make with another shape is E614. Tensors the rules
-        make that this state dict lacks are not (a pipeline stage holds only its layers)."""
-        compiled = self._compile()
-        made = {d.runtime_key: d for d in compiled.runtime_tensors}
-        keep = [re.compile(p) for p in compiled.keep]
+        checkpoint under these runtime keys). Every rank calls it: it opens the reader (the rules
+        compiled on all ranks together). A state-dict tensor the rules neither make nor `keep` is an
+        error (E613) unless `strict=False`; one the rules make with another shape is E614. Tensors
+        the rules make that this state dict lacks are not (a pipeline stage holds only its layers)."""
+        entries = self._open(self.hf_assets_path).read_metadata().state_dict_metadata
+        made = {k: tuple(v.size) for k, v in entries.items()}  # items(): no E600 lookups
         loaded = tuple(k for k in state_dict if k in made)
         not_in_rules = tuple(k for k in state_dict if k not in made)
         self.match = Match(loaded, not_in_rules, tuple(sorted(made.keys() - state_dict.keys())))
+        keep = self._keep_patterns()
         unknown = [k for k in not_in_rules if not any(r.fullmatch(k) for r in keep)]
         if unknown and self.strict:
             shown = ", ".join(f"`{k}`" for k in unknown[:5]) + (f" and {len(unknown) - 5} more" if len(unknown) > 5 else "")
@@ -119,8 +119,8 @@ class RuleStateDictAdapter(BaseStateDictAdapter):
                                 f"and named by no `keep`: {shown}", path=self.hf_assets_path,
                         hint="is this the rule file for this model? Tensors that take nothing from the "
                              "checkpoint (buffers) belong in a `keep` statement; or pass strict=False")
-        wrong = [f"`{k}` is {tuple(state_dict[k].shape)} in the model, {made[k].shape} from the rules"
-                 for k in loaded if tuple(state_dict[k].shape) != made[k].shape]
+        wrong = [f"`{k}` is {tuple(state_dict[k].shape)} in the model, {made[k]} from the rules"
+                 for k in loaded if tuple(state_dict[k].shape) != made[k]]
         if wrong:
             raise _fail("E614", f"{len(wrong)} tensors differ in shape between the model and the rules: "
                                 + "; ".join(wrong[:5]), path=self.hf_assets_path,
@@ -160,19 +160,23 @@ class RuleStateDictAdapter(BaseStateDictAdapter):
         SaveReport. Every rank calls it with the whole model's state dict. State-dict keys the
         rules do not make (buffers such as expert biases) are left out. `kwargs`: remapdsl.save's
         `overwrite`, `allow_lossy`, `requantize`."""
-        made = {d.runtime_key for d in self._compile().runtime_tensors}
+        made = self._open(self.hf_assets_path).read_metadata().state_dict_metadata.keys()
         runtime = {k: v for k, v in state_dict.items() if k in made}
         return save(runtime, folder, self.rules, like=self.hf_assets_path, config=self.config, **kwargs)
 
-    def _compile(self) -> Compiled:
-        """The rules compiled against `hf_assets_path`, once (every rank together: rank 0 reads the
-        headers). TODO(#14): the reader compiles them again; it could take these."""
-        if self._compiled is None:
-            folder = self._folder(self.hf_assets_path)
-            if not isinstance(self.rules, RuleSet) and os.fspath(self.rules) == AUTO and not os.path.isfile(AUTO):
-                self.rules = choose_rules(folder, self.config)[0].path  # the reader then opens the same file
-            self._compiled = compile_everywhere(self.rules, folder, self.config, self.strict)[1]
-        return self._compiled
+    def _keep_patterns(self) -> list[re.Pattern]:
+        """The runtime keys the rules' `keep` statements name (tensors that take nothing)."""
+        if self._keep is None:
+            ruleset = self.rules if isinstance(self.rules, RuleSet) else load_rules(self._rules_file())
+            self._keep = [compile_pattern(p).regex for s in ruleset.statements if isinstance(s, ir.Keep)
+                          for p in s.patterns]
+        return self._keep
+
+    def _rules_file(self) -> str | os.PathLike:
+        """The rules as given, or the shipped file `auto` chooses from the checkpoint's config."""
+        if os.fspath(self.rules) == AUTO and not os.path.isfile(AUTO):
+            return choose_rules(self._folder(self.hf_assets_path), self.config)[0].path
+        return self.rules
 
     def _open(self, path: str | os.PathLike | None) -> RuleStorageReader:
         """The reader of `path`, opened once per folder (every rank together)."""

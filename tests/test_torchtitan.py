@@ -340,6 +340,12 @@ def test_adapter_errors_name_what_is_missing(checkpoints):
     with pytest.raises(RemapError) as info:  # the transformers layout's rules for a torchtitan model
         RuleStateDictAdapter.with_rules("llama")(config, str(built.folder)).to_hf(state)
     assert info.value.diagnostic.code == "E613" and "`tok_embeddings.weight`" in info.value.diagnostic.message
+    with torch.device("meta"):  # a model of other sizes than the checkpoint's config.json
+        wider = llama3_config(dict(built.case.hf_config, intermediate_size=48)).build().state_dict()
+    with pytest.raises(RemapError) as info:
+        RuleStateDictAdapter.with_rules("torchtitan_llama3")(config, str(built.folder)).to_hf(wider)
+    d = info.value.diagnostic
+    assert d.code == "E614" and "`layers.0.feed_forward.w1.weight` is (48, 64) in the model, (32, 64)" in d.message
 
 
 def _placements(runtime_key: str, shape) -> list:
