@@ -30,7 +30,7 @@ from ..errors import RemapError
 from ..gcpause import paused_gc
 from ..indexmap import Box
 from ..language.includes import RuleSet
-from ..language.library import AUTO
+from ..language.library import AUTO, is_name, shipped_path
 from ..runtime.prepare import compile_everywhere
 from ..runtime.read import run_load_plan
 from ..sharding.placements import LocalShard
@@ -87,8 +87,7 @@ class RuleStorageReader(StorageReader):
             rules = choose_rules(path, self._config)[0].path
         self._inventory, self._compiled = compile_everywhere(rules, path, self._config, self._strict)
         self.checkpoint_id: str | os.PathLike = path
-        named = "the rules" if isinstance(rules, RuleSet) else f"the rules of `{os.path.basename(os.fspath(rules))}`"
-        self._metadata = runtime_metadata(self._compiled, path, named)
+        self._metadata = runtime_metadata(self._compiled, path, _rules_named(rules))
 
     # ------------------------------------------------------------------ StorageReader, in call order
 
@@ -148,6 +147,16 @@ class RuleStorageReader(StorageReader):
             read, owned = read + load_plan.bytes_read, owned + load_plan.bytes_owned
         return ReadReport(len(plan.items), len({k for r in rounds for k in r}), read, owned,
                           time.perf_counter() - start)
+
+
+def _rules_named(rules) -> str:
+    """The rules in words, for messages: `the rules of `qwen3_moe.remap``."""
+    if isinstance(rules, RuleSet):
+        path = rules.files[0].path if rules.files else None
+    else:
+        text = os.fspath(rules)
+        path = shipped_path(text) if not os.path.isfile(text) and is_name(text) else text
+    return f"the rules of `{os.path.basename(os.fspath(path))}`" if path else "the rules"
 
 
 def _rounds(items: list[ReadItem], compiled) -> list[dict[str, ReadItem]]:
