@@ -240,3 +240,31 @@ def test_errors_cross_dcp_exchanges_intact():
 
 def test_four_ranks_on_a_2d_mesh_equal_remapdsl_load(checkpoints):
     run_ranks(_agree, 4, {k: checkpoints[k] for k in ("qwen3_moe", "deepseek_v3_fp8")}, (2, 2))
+
+
+# ------------------------------------------------------------------ one process (no process group)
+
+
+def test_a_subset_of_the_runtime_tensors_loads_alone():
+    from remapdsl.dcp import RuleStorageReader
+
+    rules = str(ROOT / "rules" / "qwen3_moe.remap")
+    whole = remapdsl.compile_rules(rules, QWEN3_MOE).empty_state_dict()
+    remapdsl.load(whole, QWEN3_MOE, rules)
+    key = "model.layers.1.mlp.experts.gate_up_proj"
+    part = {key: torch.zeros_like(whole[key])}
+    reader = RuleStorageReader(QWEN3_MOE, rules)
+    _dcp_load(part, reader)
+    assert torch.equal(part[key], whole[key])
+    assert reader.report.tensors == 1 and reader.report.bytes_read == whole[key].nbytes
+
+
+def test_another_dtype_is_e601_naming_the_tensor():
+    from remapdsl.dcp import RuleStorageReader, remap_errors
+
+    reader = RuleStorageReader(QWEN3_MOE, "qwen3_moe")
+    with pytest.raises(remapdsl.RemapError) as caught, remap_errors():
+        _dcp_load({"model.norm.weight": torch.zeros(16, dtype=torch.bfloat16)}, reader)
+    assert [d.code for d in caught.value.diagnostics] == ["E601"]
+    assert "`model.norm.weight` is bfloat16 in the state dict, but the rules make it float32" in str(caught.value)
+    assert caught.value.failed_ranks == (0,)
