@@ -174,13 +174,14 @@ def _chunked(key: str, found: list, path_of, diags: list[Diagnostic]) -> tuple[T
 
 
 def _first_overlap(chunks: list[Chunk]) -> tuple[Chunk, Chunk] | None:
-    """Two chunks sharing an element, or None: a sweep along dim 0 (chunks sorted by offsets), so
-    each chunk is compared only with those still open at its start, not with all."""
+    """Two chunks sharing an element, or None: a sweep along the dim where the chunks start at the
+    most places, so each chunk is compared only with those still open at its start, not with all."""
     if not chunks or not chunks[0].sizes:
         return (chunks[0], chunks[1]) if len(chunks) > 1 else None
+    dim = max(range(len(chunks[0].sizes)), key=lambda k: len({c.offsets[k] for c in chunks}))
     open_: list[Chunk] = []
-    for c in chunks:
-        open_ = [o for o in open_ if o.offsets[0] + o.sizes[0] > c.offsets[0]]
+    for c in sorted(chunks, key=lambda c: c.offsets[dim]):
+        open_ = [o for o in open_ if o.offsets[dim] + o.sizes[dim] > c.offsets[dim]]
         for o in open_:
             if all(a < f and b < e for a, e, b, f in zip(o.offsets, o.end, c.offsets, c.end)):
                 return o, c

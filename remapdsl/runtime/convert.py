@@ -5,8 +5,9 @@ Forward: the runtime layout the rules make, written as a new checkpoint (keys = 
 shards named and laid out as Hugging Face and safetensors do). Reverse: a checkpoint in the runtime
 layout (what a forward conversion wrote, or a trainer saved) written back to the layout of the
 original checkpoint (`like`), through the save direction of the same rules. Each rank takes a share
-of the runtime tensors (balanced by bytes), fills them a batch at a time within `budget_bytes`, and
-writes their bytes into the output files at their offsets; rank 0 creates the files in a staging
+of the runtime tensors (balanced by bytes), fills them a batch at a time within `budget_bytes` (forward:
+batches of half of it, each written on a thread while the next is read), and writes their bytes
+into the output files at their offsets; rank 0 creates the files in a staging
 folder first and renames it into place last (remapdsl/checkpoint/writer.py).
 
 The driver imports what it runs at module level (torch among it): the api imports this module
@@ -17,6 +18,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from pydantic import BaseModel, ConfigDict
@@ -88,28 +90,34 @@ def _convert(src, dst: Path, rules, reverse, like, max_shard_bytes, budget_bytes
         nonlocal done, written
         reader = CheckpointReader(runtime_source or checkpoint)
         scales = CheckpointReader(checkpoint)  # reverse: the stored scales of dequantized tensors
+        # Forward: batches of half the budget, each written on a thread while the next one is read.
+        budget = budget_bytes if reverse else max(1, budget_bytes // 2)
+        pending = None
         try:
-            if reverse and rank == 0:
-                copy_tensors(copied_parts(compiled), scales, writer)
-            for batch in _batches(mine, lambda k: _size(runtime[k]), budget_bytes):
-                tensors = compiled.empty_state_dict(batch)
-                whole = {k: whole_shard(tuple(t.shape)) for k, t in tensors.items()}
-                if reverse:  # runtime tensors read whole from src, written through the save direction
-                    for k, t in tensors.items():
-                        read_whole(reader, k, t)
-                    plan = make_write_plan(chosen, out_inventory, whole, rank, logical)
-                    run_write_plan(plan, writer, tensors, reader=scales)
-                    written += plan.bytes_written
-                else:  # runtime tensors made by the rules, written whole at their offsets
-                    run_load_plan(make_load_plan(compiled, checkpoint, whole, rank), checkpoint, tensors)
-                    for k, t in tensors.items():
-                        info = out_inventory.tensors[k]
-                        writer.write_at(info.file, info.byte_offset, as_byte_view(t))
-                        written += info.nbytes
-                done += sum(t.nbytes for t in tensors.values())
-                tensors = t = None  # freed before the next batch is allocated: one batch held at a time
-                if progress is not None:
-                    progress(done, total)
+            with ThreadPoolExecutor(1) as pool:
+                if reverse and rank == 0:
+                    copy_tensors(copied_parts(compiled), scales, writer)
+                for batch in _batches(mine, lambda k: _size(runtime[k]), budget):
+                    tensors = compiled.empty_state_dict(batch)
+                    whole = {k: whole_shard(tuple(t.shape)) for k, t in tensors.items()}
+                    if reverse:  # runtime tensors read whole from src, written through the save direction
+                        for k, t in tensors.items():
+                            read_whole(reader, k, t)
+                        plan = make_write_plan(chosen, out_inventory, whole, rank, logical)
+                        run_write_plan(plan, writer, tensors, reader=scales)
+                        written += plan.bytes_written
+                    else:  # runtime tensors made by the rules, written whole at their offsets
+                        run_load_plan(make_load_plan(compiled, checkpoint, whole, rank), checkpoint, tensors)
+                        if pending is not None:
+                            pending.result()  # the previous batch is written (and freed) first
+                        pending = pool.submit(_write_whole, writer, out_inventory, tensors)
+                        written += sum(out_inventory.tensors[k].nbytes for k in tensors)
+                    done += sum(t.nbytes for t in tensors.values())
+                    tensors = t = None  # freed once written: at most two half-budget batches at a time
+                    if progress is not None:
+                        progress(done, total)
+                if pending is not None:
+                    pending.result()
         finally:
             reader.close()
             scales.close()
@@ -118,6 +126,13 @@ def _convert(src, dst: Path, rules, reverse, like, max_shard_bytes, budget_bytes
                  write=work, planned=0 if reverse else sum(out_inventory.tensors[k].nbytes for k in mine))
     return ConvertReport(folder=str(dst), tensors=len(mine), bytes_written=written, files=len(out_inventory.files),
                          ranks=world, seconds=time.perf_counter() - start)
+
+
+def _write_whole(writer, layout, tensors) -> None:
+    """Each tensor of a batch written whole at its offset in the output layout."""
+    for k, t in tensors.items():
+        info = layout.tensors[k]
+        writer.write_at(info.file, info.byte_offset, as_byte_view(t))
 
 
 def read_whole(reader: CheckpointReader, key: str, tensor) -> None:

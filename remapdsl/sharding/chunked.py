@@ -5,33 +5,77 @@ crosses chunk boundaries, the piece is cut along the runtime dim that moves the 
 dim, at the exact index where the source index crosses, until each piece lies in one chunk; then
 its base is re-based into that chunk (a row-major tensor of the chunk's sizes at its own offset in
 its own file). So every rank reads only its own bytes, whatever the writer's sharding: the cuts
-grow with the chunks a piece touches, never with its rows.
+grow with the chunks a piece touches, never with its rows. The chunks' edges per dim form a grid
+(what DTensor shardings write); a part's chunk is found by bisection in it, never by a scan.
 """
 
 from __future__ import annotations
 
-from itertools import pairwise
+from bisect import bisect_left, bisect_right
+from itertools import pairwise, product
+from math import prod
+from typing import NamedTuple
 
 from ..checkpoint.chunks import Chunk
 from ..errors import Diagnostic, RemapError
 from ..indexmap import Block, cut
 
+MOST_CELLS = 1 << 20  # a grid of more cells than this and 4x the chunks is not made: chunks are scanned
+
+
+class Grid(NamedTuple):
+    """A chunked tensor's chunk edges per dim (sorted, both ends included) and, per grid cell (the
+    index of its interval in each dim), the chunk that holds it."""
+
+    lines: tuple[tuple[int, ...], ...]
+    cells: dict[tuple[int, ...], Chunk]
+
+
+_GRIDS: dict[int, tuple[tuple[Chunk, ...], Grid | None]] = {}
+
+
+def grid_of(chunks: tuple[Chunk, ...]) -> Grid | None:
+    """The grid of a tensor's chunks (kept per chunk table while it lives), or None where it would
+    have far more cells than there are chunks (an irregular tiling)."""
+    kept = _GRIDS.get(id(chunks))
+    if kept is not None and kept[0] is chunks:
+        return kept[1]
+    lines = tuple(tuple(sorted({c.offsets[k] for c in chunks} | {c.offsets[k] + c.sizes[k] for c in chunks}))
+                  for k in range(len(chunks[0].offsets)))
+    cells_count = prod(len(edges) - 1 for edges in lines)
+    grid = None
+    if cells_count <= max(len(chunks), min(MOST_CELLS, 4 * len(chunks))):
+        cells: dict[tuple[int, ...], Chunk] = {}
+        for c in chunks:
+            spans = [range(bisect_left(edges, o), bisect_left(edges, o + n)) for edges, o, n in zip(lines, c.offsets, c.sizes)]
+            cells.update(dict.fromkeys(product(*spans), c))
+        grid = Grid(lines, cells)
+    if len(_GRIDS) > 4096:
+        _GRIDS.clear()
+    _GRIDS[id(chunks)] = (chunks, grid)
+    return grid
+
 
 def split_by_chunks(piece: Block, chunks: tuple[Chunk, ...]) -> list[tuple[Block, Chunk]]:
-    """The parts of `piece` (a block reading a chunked tensor) each inside one chunk, with their
-    base re-based into it, in the piece's own order."""
+    """The parts of `piece` (a block reading a chunked tensor; `chunks` sorted by offsets) each
+    inside one chunk, with their base re-based into it, in the piece's own order."""
+    grid = grid_of(chunks) if chunks and chunks[0].offsets else None
     out: list[tuple[Block, Chunk]] = []
     stack = [piece]
     while stack:
         p = stack.pop()
         lo, hi = _source_range(p)
-        meeting = [c for c in chunks if all(o <= h and l < o + n for o, n, l, h in zip(c.offsets, c.sizes, lo, hi))]
-        crossing = None
-        for k in range(len(lo)):
-            bounds = sorted({b for c in meeting for b in (c.offsets[k], c.offsets[k] + c.sizes[k]) if lo[k] < b <= hi[k]})
-            if bounds:
-                crossing = (k, bounds)
-                break
+        if grid is not None:
+            crossing = next(((k, list(edges[bisect_right(edges, lo[k]):bisect_right(edges, hi[k])]))
+                             for k, edges in enumerate(grid.lines) if bisect_right(edges, lo[k]) != bisect_right(edges, hi[k])),
+                            None)
+            if crossing is None:
+                chunk = grid.cells.get(tuple(bisect_right(edges, x) - 1 for edges, x in zip(grid.lines, lo)))
+                meeting = [chunk] if chunk is not None else []
+        else:
+            meeting = [c for c in chunks if all(o <= h and l < o + n for o, n, l, h in zip(c.offsets, c.sizes, lo, hi))]
+            crossing = next(((k, bounds) for k in range(len(lo)) if (bounds := sorted(
+                {b for c in meeting for b in (c.offsets[k], c.offsets[k] + c.sizes[k]) if lo[k] < b <= hi[k]}))), None)
         if crossing is None:
             if len(meeting) != 1:
                 raise RemapError(Diagnostic(
