@@ -361,7 +361,35 @@ def macros(draw) -> ir.Macro:
 
 casts = st.builds(ir.CastAll, dtype=names, trivia=statement_trivia)
 
-statements = st.one_of(lets, rules(), drops_and_keeps(), dequantizes(), quantizeds(), includes, macros(), casts)
+
+def _plain(pattern: ir.Pattern) -> bool:
+    return not any(isinstance(part, ir.Alternatives) for part in pattern.parts)
+
+
+@st.composite
+def prefixes(draw) -> ir.Prefix:
+    captures = draw(capture_types)
+    return ir.Prefix(name=draw(identifiers), source=draw(source_patterns(captures).filter(_plain)),
+                     target=draw(target_patterns().filter(_plain)), guard=draw(guards),
+                     trivia=draw(statement_trivia))
+
+
+def _under(name: str, pattern: ir.Pattern) -> ir.Pattern:
+    """`@name.` + pattern."""
+    first, *rest = pattern.parts
+    head = [ir.Text(text="." + first.text)] if isinstance(first, ir.Text) else [ir.Text(text="."), first]
+    return ir.Pattern(parts=(ir.PrefixRef(name=name), *head, *rest))
+
+
+@st.composite
+def prefixed_rules(draw) -> ir.Rule:
+    """A rule whose every pattern starts with one `@name`."""
+    rule, name = draw(rules()), draw(identifiers)
+    return rule.model_copy(update={"sources": tuple(_under(name, p) for p in rule.sources),
+                                   "targets": tuple(_under(name, p) for p in rule.targets)})
+
+statements = st.one_of(lets, rules(), drops_and_keeps(), dequantizes(), quantizeds(), includes, macros(), casts,
+                       prefixes(), prefixed_rules())
 
 
 @st.composite

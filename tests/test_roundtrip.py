@@ -83,7 +83,8 @@ def test_every_op_roundtrips(cls, data):
 
 
 @pytest.mark.parametrize("strategy", ["lets", "rules", "drops_and_keeps", "dequantizes", "quantizeds", "includes",
-                                      "macros", "casts", "versions"])
+                                      "macros", "casts", "prefixes", "prefixed_rules",
+                                      "versions"])
 @settings(max_examples=30, deadline=None)
 @given(data=st.data())
 def test_every_statement_kind_roundtrips(strategy, data):

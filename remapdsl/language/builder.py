@@ -154,6 +154,24 @@ class Builder(Transformer):
             return None
         return new(ir.CastAll, dtype=value, span=span_of(keyword, value))
 
+    def prefix(self, children: list) -> ir.Prefix | None:
+        keyword, name, source, target, guard = children
+        types = capture_types([source])
+        (built_source,) = build_patterns([source], "source", types)
+        (built_target,) = build_patterns([target], "target", types)
+        if built_source is None or built_target is None:
+            return None
+        for pattern in (built_source, built_target):
+            if any(isinstance(part, ir.PrefixRef) for part in pattern.parts):
+                error("E151", "a prefix is defined by plain patterns, not by another prefix", pattern.span)
+                return None
+            if any(isinstance(part, ir.Alternatives) for part in pattern.parts):
+                error("E151", "a prefix holds no `{a,b}` alternatives", pattern.span,
+                      "define the prefix once per choice: each definition repeats the statements that use it")
+                return None
+        return new(ir.Prefix, name=str(name)[1:], source=built_source, target=built_target,
+                   guard=guard.expr if guard else None, span=span_of(keyword, _last(target, guard, ())))
+
     def macro(self, children: list) -> ir.Macro | None:
         keyword, name, *rest = children
         rest = tuple(rest)

@@ -45,7 +45,7 @@ def check_program(statements: tuple[ir.Statement, ...], line_text) -> None:
     for problem in limit_problems(statements):  # constants, sizes, macro expansion (limits.py)
         checker.error(*problem)
     if checker.diagnostics:
-        raise RuleCheckError(checker.diagnostics)
+        raise RuleCheckError(list(dict.fromkeys(checker.diagnostics)))  # a statement a prefix repeats: once
 
 
 class _Checker:

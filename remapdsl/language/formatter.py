@@ -58,6 +58,9 @@ def _head(statement: ir.Statement, seen: set[str]) -> tuple[str, tuple[ir.Op, ..
         return f'include "{statement.path}"', ()
     if isinstance(statement, ir.CastAll):
         return f"cast {format_expr(statement.dtype)}", ()
+    if isinstance(statement, ir.Prefix):
+        source, target = format_pattern(statement.source, seen), format_pattern(statement.target, seen)
+        return f"prefix @{statement.name} = {source} -> {target}{_guard(statement.guard)}", ()
     if isinstance(statement, (ir.Drop, ir.Keep)):
         word = "drop" if isinstance(statement, ir.Drop) else "keep"
         return f"{word} {_patterns(statement.patterns, seen)}{_guard(statement.guard)}", ()
@@ -105,6 +108,8 @@ def format_pattern(pattern: ir.Pattern, seen: set[str] | None = None) -> str:
             out.append("{" + ",".join(part.options) + "}")
         elif isinstance(part, ir.Star):
             out.append("*")
+        elif isinstance(part, ir.PrefixRef):
+            out.append(f"@{part.name}")
         else:
             out.append("**")
     return "".join(out)

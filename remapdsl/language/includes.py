@@ -20,6 +20,7 @@ from .parser import parse_file, parse_text
 from .check import check_program
 from .library import display_path, is_name, names_hint, resolve_rules_path, shipped_path
 from .limits import MAX_INCLUDE_DEPTH
+from .prefixes import expand_prefixes
 
 
 class RuleSet(BaseModel):
@@ -71,8 +72,9 @@ def _resolve(top: ir.RuleFile, root: Path) -> RuleSet:
         file = lookup.get(span.path)
         return file.line_text(span.line) if file else None
 
-    if loader.diagnostics:
-        raise RuleCheckError(loader.diagnostics)
+    statements, problems = expand_prefixes(statements, line_text)
+    if loader.diagnostics or problems:
+        raise RuleCheckError(loader.diagnostics + problems)
     check_program(statements, line_text)
     return RuleSet(files=files, statements=statements)
 

@@ -17,7 +17,7 @@ from .nodes import (
     LANGUAGE_VERSIONS, CAPTURE_TYPES, STATEMENT_KEYWORDS, KEYWORDS, IDENTIFIER, KEY_TEXT,
     OPTION_TEXT, identifier_problem, checked_identifier, construct, Node, Trivia, NO_TRIVIA, Int,
     Float, Bool, Name, Config, List, Neg, Not, BinOp, Compare, BoolOp, Coalesce, Expr, Text,
-    Capture, Subst, Alternatives, Star, DoubleStar, PatternPart, pattern_problems, Pattern,
+    Capture, Subst, Alternatives, Star, DoubleStar, PrefixRef, PatternPart, pattern_problems, Pattern,
 )
 from .ops import (
     Op, Concat, Stack, Unstack, Interleave, Deinterleave, Split, Chunk, Transpose, Permute,
@@ -30,12 +30,12 @@ __all__ = [
     "KEY_TEXT", "OPTION_TEXT", "identifier_problem", "checked_identifier", "construct", "Node",
     "Trivia", "NO_TRIVIA", "Int", "Float", "Bool", "Name", "Config", "List", "Neg", "Not", "BinOp",
     "Compare", "BoolOp", "Coalesce", "Expr", "Text", "Capture", "Subst", "Alternatives", "Star",
-    "DoubleStar", "PatternPart", "pattern_problems", "Pattern", "Param", "Op", "Concat", "Stack",
+    "DoubleStar", "PrefixRef", "PatternPart", "pattern_problems", "Pattern", "Param", "Op", "Concat", "Stack",
     "Unstack", "Interleave", "Deinterleave", "Split", "Chunk", "Transpose", "Permute", "Reshape",
     "Slice", "Pad", "Repeat", "RopePermute", "RopeUnpermute", "Cast", "Scale", "Add", "Arg", "MacroCall",
     "FormatCall", "BUILTIN_OPS", "OPS_BY_NAME", "BUILTIN_FORMAT_NAMES", "RESERVED_NAMES", "AnyOp",
     "Statement", "Version", "Let", "Rule", "Drop", "Keep", "Dequantize", "Quantized", "Include",
-    "Macro", "CastAll", "AnyStatement", "RuleFile",
+    "Macro", "CastAll", "Prefix", "AnyStatement", "RuleFile",
 ]
 
 
@@ -210,8 +210,30 @@ class CastAll(Statement):
     dtype: Name  # a dtype or a `let` name
 
 
+class Prefix(Statement):
+    """`prefix @name = SOURCE -> TARGET [when GUARD]`: one definition of `@name`. A statement whose
+    patterns start with `@name` stands for itself once per definition, `@name` read as SOURCE on
+    the checkpoint side and TARGET on the runtime side, the guards joined (language/prefixes.py)."""
+
+    kind: Literal["prefix"] = "prefix"
+    name: str
+    source: Pattern
+    target: Pattern
+    guard: Expr | None = None
+
+    _check_name = field_validator("name")(checked_identifier)
+
+    @model_validator(mode="after")
+    def _valid(self) -> Prefix:
+        _sided((self.source,), "source")
+        _sided((self.target,), "target")
+        if any(isinstance(part, (PrefixRef, Alternatives)) for p in (self.source, self.target) for part in p.parts):
+            raise ValueError("a prefix is defined by plain patterns, without another prefix or alternatives")
+        return self
+
+
 AnyStatement = Annotated[
-    Union[Version, Let, Rule, Drop, Keep, Dequantize, Quantized, Include, Macro, CastAll],
+    Union[Version, Let, Rule, Drop, Keep, Dequantize, Quantized, Include, Macro, CastAll, Prefix],
     Field(discriminator="kind"),
 ]
 
@@ -241,5 +263,5 @@ class RuleFile(Node):
         return lines[line - 1] if 0 < line <= len(lines) else None
 
 
-for _model in (Rule, Dequantize, Quantized, Macro, Let, Drop, Keep, CastAll, RuleFile):
+for _model in (Rule, Dequantize, Quantized, Macro, Let, Drop, Keep, CastAll, Prefix, RuleFile):
     _model.model_rebuild()

@@ -22,7 +22,7 @@ from ..trusted import construct  # noqa: F401  (the IR's builder, re-exported by
 LANGUAGE_VERSIONS = (1,)
 CAPTURE_TYPES = ("int", "seg", "path")
 STATEMENT_KEYWORDS = frozenset({"remap", "let", "drop", "keep", "dequantize", "quantized", "include",
-                                "macro", "cast", "optional", "otherwise"})
+                                "macro", "cast", "prefix", "optional", "otherwise"})
 KEYWORDS = frozenset({"when", "and", "or", "not", "true", "false", "config"}) | STATEMENT_KEYWORDS
 _LEXER_KEYWORDS = frozenset({"when", "and", "or", "not", "true", "false"})  # read as such anywhere
 _NUMBER_LIKE = re.compile(r"[0-9]+(\.[0-9]+)?[eE][+-]?[0-9]+")
@@ -254,7 +254,17 @@ class DoubleStar(Node):
     kind: Literal["double_star"] = "double_star"
 
 
-PatternPart = Annotated[Union[Text, Capture, Subst, Alternatives, Star, DoubleStar], Field(discriminator="kind")]
+class PrefixRef(Node):
+    """`@name` at the start of a pattern: each definition's pattern in turn (`prefix @name = ...`)."""
+
+    kind: Literal["prefix_ref"] = "prefix_ref"
+    name: str
+
+    _check_name = field_validator("name")(checked_identifier)
+
+
+PatternPart = Annotated[Union[Text, Capture, Subst, Alternatives, Star, DoubleStar, PrefixRef],
+                        Field(discriminator="kind")]
 
 
 _MATCHERS = (Capture, Star, DoubleStar)
@@ -269,6 +279,9 @@ def pattern_problems(parts: tuple[Node, ...]) -> list[tuple[int, str]]:
         return [(0, "a key pattern cannot be empty")]
     problems: list[tuple[int, str]] = []
     for i, part in enumerate(parts):
+        if isinstance(part, PrefixRef) and (i or len(parts) > 1 and not (
+                isinstance(parts[1], Text) and parts[1].text.startswith("."))):
+            problems.append((i, f"`@{part.name}` stands first in a pattern, then `.` and the rest of the key"))
         if isinstance(part, Text) and (part.text in _LEXER_KEYWORDS or _NUMBER_LIKE.fullmatch(part.text)
                                        or part.text in STATEMENT_KEYWORDS and i == len(parts) - 1):
             problems.append((i, f"`{part.text}` cannot stand alone as key text: it reads as a "
@@ -288,7 +301,7 @@ def pattern_problems(parts: tuple[Node, ...]) -> list[tuple[int, str]]:
     for i, part in enumerate(parts):
         if isinstance(part, Text):
             piece = part.text
-        elif isinstance(part, DoubleStar):
+        elif isinstance(part, (DoubleStar, PrefixRef)):  # a prefix: whole segments
             piece = "#"
         else:
             piece = "x"

@@ -152,6 +152,8 @@ def _part(item: Any, side: str, types: dict[str, str]) -> ir.Node | None:
         span = span_of(item)
         if kind == "WORD":
             return new(ir.Text, text=str(item), span=span)
+        if kind == "PREFIX_NAME":
+            return new(ir.PrefixRef, name=str(item)[1:], span=span)
         if kind == "CAPTURE" and ":" not in item:  # the common `{L}`, without an intermediate
             name = str(item)[1:-1]
             if not ir.identifier_problem(name):

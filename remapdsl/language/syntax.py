@@ -14,11 +14,12 @@ from lark import Lark, UnexpectedInput, UnexpectedToken
 from ..errors import Diagnostic, Span, suggest
 
 STATEMENT_KEYWORDS = ("remap", "let", "drop", "keep", "dequantize", "quantized", "include", "macro",
-                      "cast", "optional", "otherwise")
+                      "cast", "prefix", "optional", "otherwise")
 _NAMED = {
     "WORD": "a name",
     "FLOAT": "a number",
     "STRING": 'a quoted path such as "common.remap"',
+    "PREFIX_NAME": "a prefix such as `@layer`",
     "BINARY": "an operator",
     "CAPTURE": "a capture such as `{L}`",
     "ALTERNATIVES": "alternatives such as `{q,k,v}`",
@@ -148,6 +149,7 @@ _EXAMPLES = {
     "keep": ("a key pattern", "keep layers.{L}.attn.kv_cache"),
     "include": ("a quoted path", 'include "common.remap"'),
     "cast": ("a dtype", "cast bfloat16"),
+    "prefix": ("a name and a pair of patterns", "prefix @layer = model.layers.{L} -> layers.{L}"),
     "dequantize": ("sources, a logical key and a format",
                    "dequantize {P:path}.weight, {P}.weight_scale -> {P}.weight | fp8_tensor(to=bfloat16)"),
     "quantized": ("source patterns and a format",
@@ -185,8 +187,9 @@ def _expected_words(expected: set[str], shown: dict[str, str]) -> str:
     groups: list[str] = []
     if "LET" in names:
         groups.append("a statement (a rule, `let`, `drop`, `keep`, `dequantize`, `quantized`, `include`, "
-                      "`macro` or `cast`)")
-        names -= {"LET", "REMAP", "DROP", "KEEP", "DEQUANTIZE", "QUANTIZED", "INCLUDE", "MACRO", "CAST", "OPTIONAL",
+                      "`macro`, `cast` or `prefix`)")
+        names -= {"LET", "REMAP", "DROP", "KEEP", "DEQUANTIZE", "QUANTIZED", "INCLUDE", "MACRO", "CAST", "PREFIX",
+                  "OPTIONAL",
                   "OTHERWISE", "WORD", "LBRACE", "STAR", "DOUBLE_STAR"}
     if {"WORD", "LPAR", "LSQB"} <= names:
         groups.append("an expression")
