@@ -29,7 +29,7 @@ _NAMED = {
 }
 _EXPRESSION_START = {"FLOAT", "LPAR", "LSQB", "NOT", "TRUE", "FALSE"}
 _OPERATORS = {"BINARY", "MINUS", "STAR", "OR", "AND"}
-_PATTERN_PARTS = {"LBRACE", "STAR", "DOUBLE_STAR", "CAPTURE", "ALTERNATIVES"}
+_PATTERN_PARTS = {"LBRACE", "STAR", "DOUBLE_STAR", "CAPTURE", "ALTERNATIVES", "PREFIX_NAME"}
 _BRACKETS = {"(": ")", "[": "]", "{": "}"}
 
 
@@ -189,8 +189,7 @@ def _expected_words(expected: set[str], shown: dict[str, str]) -> str:
         groups.append("a statement (a rule, `let`, `drop`, `keep`, `dequantize`, `quantized`, `include`, "
                       "`macro`, `cast` or `prefix`)")
         names -= {"LET", "REMAP", "DROP", "KEEP", "DEQUANTIZE", "QUANTIZED", "INCLUDE", "MACRO", "CAST", "PREFIX",
-                  "OPTIONAL",
-                  "OTHERWISE", "WORD", "LBRACE", "STAR", "DOUBLE_STAR"}
+                  "OPTIONAL", "OTHERWISE", "WORD", "LBRACE", "STAR", "DOUBLE_STAR", "PREFIX_NAME"}
     if {"WORD", "LPAR", "LSQB"} <= names:
         groups.append("an expression")
         names -= _EXPRESSION_START | {"WORD", "MINUS"}
