@@ -143,6 +143,7 @@ def test_a_dcp_sharded_folder_is_one_tensor_per_key_made_of_chunks(folders):
             assert len(chunks) == 2 and len({c.file for c in chunks}) == 2
         back = pickle.loads(pickle.dumps(inv))
         assert back == inv and back.chunks == inv.chunks
+        assert type(inv).model_validate_json(inv.model_dump_json()) == inv  # validated, chunks checked
     grid = open_inventory(root / "grid")  # 4 ranks, a 2x2 mesh: matrices in 4 chunks, vectors in 2
     assert len(grid.files) == 4 and set(grid.chunks) == set(original.tensors)
     for k, chunks in grid.chunks.items():

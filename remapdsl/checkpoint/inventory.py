@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import os
 from collections.abc import Iterable, Mapping, Sequence
+from math import prod
 from pathlib import Path
 from typing import Any
 
@@ -76,8 +77,14 @@ class Inventory(BaseModel):
             if ckpt_key not in self.chunks and (t.byte_offset < info.data_offset or t.byte_end > info.nbytes):
                 raise ValueError(f"tensor `{ckpt_key}` lies outside the data section of {t.file}")
         for ckpt_key, chunks in self.chunks.items():
-            if ckpt_key not in self.tensors or any(c.file not in self.files for c in chunks):
+            t = self.tensors.get(ckpt_key)
+            if t is None or any(c.file not in self.files for c in chunks):
                 raise ValueError(f"chunks of `{ckpt_key}` do not fit the tensors and files")
+            bits = BY_NAME[t.dtype].bits
+            for c in chunks:
+                info = self.files[c.file]
+                if c.byte_offset < info.data_offset or c.byte_offset + prod(c.sizes) * bits // 8 > info.nbytes:
+                    raise ValueError(f"a chunk of `{ckpt_key}` lies outside the data section of {c.file}")
         return self
 
     def __reduce__(self):
@@ -192,7 +199,8 @@ def open_inventory(path: str | os.PathLike[str]) -> Inventory:
             several; or a single `.safetensors` file (then nothing else in its folder is looked at).
 
     Raises:
-        CheckpointError: every problem of the folder, index and headers at once (codes E301-E327).
+        CheckpointError: every problem of the folder, index and headers at once (codes E301-E327; for
+            a DCP-sharded folder, chunks that do not tile a tensor: E350-E354).
     """
     path = os.path.abspath(os.fspath(path))
     if os.path.isdir(path):
