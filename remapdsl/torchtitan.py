@@ -27,6 +27,7 @@ from .dcp import RuleStorageReader
 from .errors import Diagnostic, RemapError
 from .language import RuleSet, ir, load_rules
 from .language.library import AUTO
+from .runtime.dist import together
 
 _log = logging.getLogger("remapdsl")
 
@@ -111,24 +112,32 @@ class RuleStateDictAdapter(BaseStateDictAdapter):
         loaded = tuple(k for k in state_dict if k in made)
         not_in_rules = tuple(k for k in state_dict if k not in made)
         self.match = Match(loaded, not_in_rules, tuple(sorted(made.keys() - state_dict.keys())))
+        together(lambda: self._check(state_dict, made, not_in_rules),
+                 phase="checking the state dict against the rules")
+        _log.info("torchtitan adapter: %d tensors from the rules, %d state-dict keys not made by them, "
+                  "%d made but not in this state dict", len(loaded), len(not_in_rules),
+                  len(self.match.not_in_state_dict))
+        return {k: state_dict[k] for k in loaded}
+
+    def _check(self, state_dict: Mapping[str, Any], made: Mapping[str, tuple[int, ...]],
+               not_in_rules: tuple[str, ...]) -> None:
+        """E613 / E614 for this rank's state dict (`to_hf` runs it on every rank together, so a
+        problem on some ranks, such as one pipeline stage, fails all of them instead of a hang)."""
         keep = self._keep_patterns()
         unknown = [k for k in not_in_rules if not any(r.fullmatch(k) for r in keep)]
         if unknown and self.strict:
-            shown = ", ".join(f"`{k}`" for k in unknown[:5]) + (f" and {len(unknown) - 5} more" if len(unknown) > 5 else "")
+            shown = ", ".join(f"`{k}`" for k in unknown[:5])
+            shown += f" and {len(unknown) - 5} more" if len(unknown) > 5 else ""
             raise _fail("E613", f"{len(unknown)} of the state dict's {len(state_dict)} tensors are made by no rule "
                                 f"and named by no `keep`: {shown}", path=self.hf_assets_path,
                         hint="is this the rule file for this model? Tensors that take nothing from the "
                              "checkpoint (buffers) belong in a `keep` statement; or pass strict=False")
         wrong = [f"`{k}` is {tuple(state_dict[k].shape)} in the model, {made[k]} from the rules"
-                 for k in loaded if tuple(state_dict[k].shape) != made[k]]
+                 for k in state_dict if k in made and tuple(state_dict[k].shape) != made[k]]
         if wrong:
             raise _fail("E614", f"{len(wrong)} tensors differ in shape between the model and the rules: "
                                 + "; ".join(wrong[:5]), path=self.hf_assets_path,
                         hint="the model config and the checkpoint's config.json describe different sizes")
-        _log.info("torchtitan adapter: %d tensors from the rules, %d state-dict keys not made by them, "
-                  "%d made but not in this state dict", len(loaded), len(not_in_rules),
-                  len(self.match.not_in_state_dict))
-        return {k: state_dict[k] for k in loaded}
 
     def get_hf_storage_reader(self, path: str | os.PathLike, from_quantized: bool = False) -> RuleStorageReader:
         """The rule reader of `path` (the one `to_hf` opened when it is the same folder). Quantized

@@ -381,8 +381,15 @@ def _load_and_save_sharded(rank: int, world: int, folder: str, hf_config: dict, 
     wrong = [k for k, v in loaded.items()
              if not torch.equal(v.to_local(), distribute_tensor(expected[k], mesh, v.placements).to_local())]
     adapter.save_hf(loaded, Path(out) / "saved")
-    return {"wrong": wrong, "keys": sorted(loaded), "not_in_rules": adapter.match.not_in_rules,
-            "read": reader.report.bytes_read, "owned": reader.report.bytes_owned}
+    result = {"wrong": wrong, "keys": sorted(loaded), "not_in_rules": adapter.match.not_in_rules,
+              "read": reader.report.bytes_read, "owned": reader.report.bytes_owned}
+    if rank == 1:  # a tensor only this rank's model has: every rank fails, naming rank 1
+        state["layers.0.moe.stray"] = torch.zeros(1)
+    try:
+        adapter.to_hf(state)
+    except RemapError as exc:
+        result["stray"] = (exc.diagnostic.code, exc.diagnostic.message, exc.failed_ranks)
+    return result
 
 
 def test_adapter_loads_dtensors_through_dcp_and_saves_them_back_on_two_ranks(checkpoints, tmp_path):
@@ -394,6 +401,8 @@ def test_adapter_loads_dtensors_through_dcp_and_saves_them_back_on_two_ranks(che
         assert result["wrong"] == [] and result["keys"] == sorted(expected)
         assert result["not_in_rules"] == ("layers.0.moe.expert_bias_E",)
         assert result["read"] == result["owned"]  # each rank read only the bytes of its own shards
+        code, message, failed = result["stray"]
+        assert code == "E613" and "`layers.0.moe.stray`" in message and "rank 1" in message and failed == (1,)
     assert results[0]["owned"] < sum(t.numel() * t.element_size() for t in expected.values())
     saved = tmp_path / "saved"
     assert sorted(p.name for p in saved.iterdir()) == sorted(p.name for p in built.folder.iterdir())
