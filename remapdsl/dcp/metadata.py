@@ -31,8 +31,13 @@ class RuntimeTensors(dict):
         self.checkpoint, self.rules = checkpoint, rules
 
     def __contains__(self, runtime_key) -> bool:
+        self.require(runtime_key)
+        return True
+
+    def require(self, runtime_key) -> None:
+        """Nothing if the rules make `runtime_key`, else E600 with the closest runtime key."""
         if dict.__contains__(self, runtime_key):
-            return True
+            return
         close = suggest(str(runtime_key), self.keys())
         raise fail("E600", f"the state dict asks for `{runtime_key}`, but {self.rules} make no such tensor "
                    "from this checkpoint", path=self.checkpoint, hint=f"did you mean `{close}`?" if close else

@@ -87,13 +87,14 @@ class RuleStorageReader(StorageReader):
             rules = choose_rules(path, self._config)[0].path
         self._inventory, self._compiled = compile_everywhere(rules, path, self._config, self._strict)
         self.checkpoint_id: str | os.PathLike = path
-        self._metadata = runtime_metadata(self._compiled, path, _rules_named(rules))
+        self._metadata = runtime_metadata(self._compiled, path, _rules_named(rules))  # the runtime layout
 
     # ------------------------------------------------------------------ StorageReader, in call order
 
     def reset(self, checkpoint_id: str | os.PathLike | None = None) -> None:
         """A new read: with a `checkpoint_id` naming another checkpoint, every rank re-opens and
-        re-compiles against it (DCP calls this on every rank before its own collectives)."""
+        re-compiles against it (DCP calls this on every rank before its own collectives). The same
+        checkpoint is not re-opened: files rewritten since are refused at the reads (E342)."""
         self.report = None
         if checkpoint_id is not None and os.path.abspath(checkpoint_id) != os.path.abspath(self.checkpoint_id):
             self._open(checkpoint_id)
@@ -134,7 +135,7 @@ class RuleStorageReader(StorageReader):
 
     def _read(self, plan: LoadPlan, planner: LoadPlanner) -> ReadReport:
         start = time.perf_counter()
-        rounds = _rounds(plan.items, self._compiled)
+        rounds = _rounds(plan.items, self._metadata.state_dict_metadata)
         read = owned = 0
         for requests in rounds:  # one round unless a key is asked for in several pieces
             views = {key: planner.resolve_tensor(item) for key, item in requests.items()}
@@ -159,11 +160,14 @@ def _rules_named(rules) -> str:
     return f"the rules of `{os.path.basename(os.fspath(path))}`" if path else "the rules"
 
 
-def _rounds(items: list[ReadItem], compiled) -> list[dict[str, ReadItem]]:
+def _rounds(items: list[ReadItem], made) -> list[dict[str, ReadItem]]:
     """The requests grouped into rounds holding at most one request per runtime key, the first
-    request of every key in the first round (DCP's default planner asks once per local shard)."""
+    request of every key in the first round (DCP's default planner asks once per local shard).
+    `made` is the metadata's tensors: a key it lacks is E600 (a planner other than DCP's default
+    may ask for one without checking)."""
     rounds: list[dict[str, ReadItem]] = []
     for item in items:
+        made.require(item.dest_index.fqn)
         if item.type != LoadItemType.TENSOR:
             raise errors.fail("E603", f"`{item.dest_index.fqn}` is asked for as bytes, but the rules make "
                               "only tensors", hint="leave non-tensor values out of the state dict given to "
