@@ -20,9 +20,6 @@ import torch
 import remapdsl
 from remapdsl.testing.ranks import run_ranks
 
-pytest.importorskip("transformers")
-from hf_models import CASES, build, fp8_release
-
 ROOT = Path(__file__).resolve().parent.parent
 QWEN3_MOE = str(ROOT / "examples" / "tiny-qwen3-moe")
 IDENTITY = "remap 1\n{P:path} -> {P}\n"
@@ -31,7 +28,11 @@ IDENTITY = "remap 1\n{P:path} -> {P}\n"
 @pytest.fixture(scope="module")
 def checkpoints(tmp_path_factory) -> dict[str, tuple[str, str]]:
     """name -> (checkpoint folder, rules): stacking and fusing (qwen3_moe), interleaving
-    (llama_fused), dequantizing (deepseek_v3_fp8 on block-FP8 values)."""
+    (llama_fused), dequantizing (deepseek_v3_fp8 on block-FP8 values). transformers is imported
+    here only: the rank processes import this module, and need not pay for it."""
+    pytest.importorskip("transformers")
+    from hf_models import CASES, build, fp8_release
+
     root = tmp_path_factory.mktemp("dcp")
     llama = build(CASES["llama"], root / "llama").folder
     deepseek = build(CASES["deepseek_v3"], root / "deepseek_v3").folder
