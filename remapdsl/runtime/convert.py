@@ -6,7 +6,7 @@ shards named and laid out as Hugging Face and safetensors do). Reverse: a checkp
 layout (what a forward conversion wrote, or a trainer saved) written back to the layout of the
 original checkpoint (`like`), through the save direction of the same rules. Each rank takes a share
 of the runtime tensors (balanced by bytes), fills them a batch at a time within `budget_bytes` (forward:
-batches of half of it, each written on a thread while the next is read), and writes their bytes
+batches of half of it, at most 64 MiB, each written on a thread while the next is read), and writes their bytes
 into the output files at their offsets; rank 0 creates the files in a staging
 folder first and renames it into place last (remapdsl/checkpoint/writer.py).
 
@@ -38,6 +38,8 @@ from .prepare import compile_everywhere
 from .read import run_load_plan
 from .save import copy_tensors, write_output
 from .write import run_write_plan
+
+BATCH_BYTES = 64 << 20  # the most a forward batch holds, whatever the budget
 
 
 class ConvertReport(BaseModel):
@@ -90,8 +92,9 @@ def _convert(src, dst: Path, rules, reverse, like, max_shard_bytes, budget_bytes
         nonlocal done, written
         reader = CheckpointReader(runtime_source or checkpoint)
         scales = CheckpointReader(checkpoint)  # reverse: the stored scales of dequantized tensors
-        # Forward: batches of half the budget, each written on a thread while the next one is read.
-        budget = budget_bytes if reverse else max(1, budget_bytes // 2)
+        # Forward: batches of half the budget (at most BATCH_BYTES: memory the allocator reuses, and
+        # an early start to the writes), each written on a thread while the next one is read.
+        budget = budget_bytes if reverse else max(1, min(budget_bytes // 2, BATCH_BYTES))
         pending = None
         try:
             with ThreadPoolExecutor(1) as pool:
