@@ -28,10 +28,11 @@ IDENTITY = "remap 1\n{P:path} -> {P}\n"
 @pytest.fixture(scope="module")
 def checkpoints(tmp_path_factory) -> dict[str, tuple[str, str]]:
     """name -> (checkpoint folder, rules): stacking and fusing (qwen3_moe), interleaving
-    (llama_fused), dequantizing (deepseek_v3_fp8 on block-FP8 values). transformers is imported
+    (llama_fused), dequantizing (deepseek_v3_fp8 on block-FP8 values; gpt_oss: MXFP4 experts,
+    4-bit values packed two a byte, gate and up interleaved). transformers is imported
     here only: the rank processes import this module, and need not pay for it."""
     pytest.importorskip("transformers")
-    from hf_models import CASES, build, fp8_release
+    from hf_models import CASES, build, fp8_release, gpt_oss_mxfp4_release
 
     root = tmp_path_factory.mktemp("dcp")
     llama = build(CASES["llama"], root / "llama").folder
@@ -39,7 +40,8 @@ def checkpoints(tmp_path_factory) -> dict[str, tuple[str, str]]:
     fp8 = fp8_release(deepseek, root / "deepseek_v3_fp8", (4, 4))
     return {"qwen3_moe": (QWEN3_MOE, str(ROOT / "rules" / "qwen3_moe.remap")),
             "llama_fused": (str(llama), str(ROOT / "rules" / "llama_fused.remap")),
-            "deepseek_v3_fp8": (str(fp8), str(ROOT / "rules" / "deepseek_v3_fp8.remap"))}
+            "deepseek_v3_fp8": (str(fp8), str(ROOT / "rules" / "deepseek_v3_fp8.remap")),
+            "gpt_oss": (str(gpt_oss_mxfp4_release(root / "gpt_oss")), str(ROOT / "rules" / "gpt_oss.remap"))}
 
 
 # ------------------------------------------------------------------------------------ on the ranks
