@@ -152,6 +152,8 @@ CASES = {} if IN_A_RANK else {c.name: c for c in [
           DeepSeekV3StateDictAdapter),
     _case("deepseek_v3_no_q_lora", "deepseek_v3", dict(_DSV3, q_lora_rank=None), "torchtitan_deepseek_v3",
           deepseek_v3_config, DeepSeekV3StateDictAdapter),
+    _case("deepseek_v3_all_moe", "deepseek_v3", dict(_DSV3, first_k_dense_replace=0), "torchtitan_deepseek_v3",
+          deepseek_v3_config, DeepSeekV3StateDictAdapter),
     _case("deepseek_v3_bf16", "deepseek_v3", _DSV3, "torchtitan_deepseek_v3", deepseek_v3_config,
           DeepSeekV3StateDictAdapter, dtype=torch.bfloat16, fp32_keys=("e_score_correction_bias",)),
     # its MTP layer's own embedding and output head: torchtitan shares the model's, reads neither
