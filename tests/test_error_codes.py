@@ -1,0 +1,314 @@
+"""Every documented error code is raised by some test and its code asserted; this file holds the
+cases no other test covers, and a meta-test that keeps the whole set covered as codes are added.
+
+Each case triggers its error as a user would (a rule file, a config.json, a call on real gloo
+ranks) and asserts the code and where it points: the span (file, line, column) of a rule-file
+error, the key or file of an error without a line. A code that no user input can reach is raised
+by the smallest honest means, said in the case's docstring.
+"""
+
+from __future__ import annotations
+
+import ast
+import json
+import re
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import save_file
+
+import remapdsl
+from remapdsl.language import ir, rules_from_text
+from remapdsl.language.includes import load_rules
+
+ROOT = Path(__file__).resolve().parent.parent
+TESTS = ROOT / "tests"
+ERRORS = TESTS / "corpus" / "errors"
+DOCS = sorted((ROOT / "docs").glob("*.md")) + [ROOT / "README.md"]
+CODE = re.compile(r"(?<![A-Za-z0-9])E\d{3}(?![0-9])")
+RENDERED = re.compile(r"error\[(E\d{3})\]")
+
+
+@pytest.fixture
+def checkpoint(tmp_path: Path) -> Path:
+    """A one-tensor checkpoint `a.w` [4, 2] with an empty config."""
+    folder = tmp_path / "ckpt"
+    folder.mkdir()
+    save_file({"a.w": torch.arange(8, dtype=torch.float32).reshape(4, 2)}, str(folder / "model.safetensors"))
+    (folder / "config.json").write_text("{}")
+    return folder
+
+
+# ---- rule files and configs ----------------------------------------------------------------
+
+
+@pytest.mark.parametrize("config, why", [({}, "is not in the config"), ({"use_b": None}, "is null in the config")])
+def test_a_config_key_read_without_a_default_is_e211(checkpoint, config, why):
+    rules = rules_from_text("remap 1\na.w -> b when config.use_b\n", "t.remap")
+    with pytest.raises(remapdsl.RemapError) as info:
+        remapdsl.compile_rules(rules, checkpoint, config)
+    (d,) = info.value.diagnostics
+    assert d.code == "E211" and d.message == f"`config.use_b` {why}", d
+    assert d.span[:5] == ("t.remap", 2, 15, 2, 27)  # `config.use_b`, carets under it
+    assert str(info.value).startswith("t.remap:2:15: error[E211]:")
+
+
+def test_a_config_json_that_is_not_json_is_e212(checkpoint):
+    (checkpoint / "config.json").write_text('{"hidden_size": 8,}')
+    rules = rules_from_text("remap 1\na.w -> b\n", "t.remap")
+    with pytest.raises(remapdsl.RemapError) as info:
+        remapdsl.compile_rules(rules, checkpoint)
+    (d,) = info.value.diagnostics
+    assert d.code == "E212" and d.path == str(checkpoint / "config.json") and d.span is None, d
+    assert str(info.value).startswith(f"{checkpoint / 'config.json'}: error[E212]: cannot read the model config")
+
+
+def test_an_include_of_another_language_version_is_e144(tmp_path, monkeypatch):
+    """remapdsl reads one language version today, so an included file of another version stops
+    at E031 first; E144 is reached here as it will be once a second version exists, by making
+    the parser accept version 2 (ir.LANGUAGE_VERSIONS, which builder and ir both read)."""
+    monkeypatch.setattr(ir, "LANGUAGE_VERSIONS", (1, 2))
+    (tmp_path / "main.remap").write_text('remap 1\ninclude "part.remap"\na.w -> b\n')
+    (tmp_path / "part.remap").write_text("remap 2\nc.w -> e\n")
+    with pytest.raises(remapdsl.RemapError) as info:
+        load_rules(tmp_path / "main.remap")
+    (d,) = info.value.diagnostics
+    assert d.code == "E144" and d.message == "`part.remap` is written for version 2, this file for version 1"
+    assert d.span[1:] == (2, 1, 2, 21) and d.span.path.endswith("main.remap")  # the whole include
+
+
+@pytest.mark.parametrize("tamper", ["twice", "overlapping halves"])
+def test_blocks_that_do_not_tile_are_e206(checkpoint, tamper):
+    """E206 guards an invariant of the compiler (its blocks tile each runtime tensor once), so
+    no rule file reaches it: the compiler's own check runs here on a runtime tensor whose
+    blocks were tampered with after a correct compile (covering it twice, or half of it twice)."""
+    from remapdsl.compile.compiler import _Compiler
+
+    rules = rules_from_text("remap 1\na.w -> b\n    | transpose(0, 1)\n", "t.remap")
+    compiler = _Compiler(rules, remapdsl.open_checkpoint(checkpoint), {}, True)
+    (tensor,) = compiler.run().runtime_tensors
+    (block,) = tensor.blocks
+    if tamper == "twice":
+        blocks, covered = (block, block), 16
+    else:
+        half = block._replace(sizes=(1, 4))
+        blocks, covered = (half, half), 8
+    compiler.runtime_tensors = {"b": tensor.model_copy(update={"blocks": blocks})}
+    with pytest.raises(remapdsl.RemapError) as info:
+        compiler.check_tiling()
+    (d,) = info.value.diagnostics
+    assert d.code == "E206" and d.message == f"blocks of `b` do not tile it exactly once ({covered} of 8 elements)"
+    assert d.span[:3] == ("t.remap", 2, 1) and "bug in remapdsl" in d.hint
+
+
+def test_verify_against_transformers_without_it_is_e530(checkpoint, monkeypatch, capsys):
+    """transformers is installed here: a None in sys.modules makes its import fail as it would."""
+    from remapdsl import cli
+
+    (checkpoint / "t.remap").write_text("remap 1\na.w -> b\n")
+    monkeypatch.setitem(sys.modules, "transformers", None)
+    assert cli.main(["verify", str(checkpoint / "t.remap"), "--checkpoint", str(checkpoint),
+                     "--against", "transformers"]) == 2
+    err = capsys.readouterr().err
+    assert "error[E530]: `--against transformers` needs transformers, which is not installed" in err, err
+
+
+# ---- on two gloo ranks ---------------------------------------------------------------------
+
+
+def _two_ranks(rank: int, world: int, checkpoint: str, out: str) -> None:
+    """Each rank's diagnostics for three mistakes a job can make, written to `out`; then each rank
+    fails a check of its own (an assert on rank 0, pytest.fail on rank 1), which the parent must
+    see as those checks' messages."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Partial
+
+    from remapdsl.sharding import LayoutPlan, Mesh, Shard
+
+    rules = rules_from_text("remap 1\na.w -> b\n    | transpose(0, 1)\n", "t.remap")  # b is [2, 4]
+    seen = {}
+
+    def record(name, call):
+        with pytest.raises(remapdsl.RemapError) as info:
+            call()
+        seen[name] = [d.model_dump(mode="json") for d in info.value.diagnostics]
+
+    mesh, plan = Mesh.of({"tp": 2}), LayoutPlan.from_mapping({"b": [Shard(dim=1)]}, mesh_dim="tp")
+    local = torch.zeros(2, 2) if rank == 0 else torch.zeros(2, 4)  # rank 1 passes the whole tensor
+    record("E233", lambda: remapdsl.load({"b": local}, checkpoint, rules, layout=plan, mesh=mesh))
+    partial = DTensor.from_local(torch.zeros(2, 4), init_device_mesh("cpu", (2,), mesh_dim_names=("tp",)),
+                                 [Partial()])
+    record("E401", lambda: remapdsl.load({"b": partial}, checkpoint, rules))
+    target = {"b": [[0.0] * 4] * 2 if rank == 1 else torch.zeros(2, 4)}  # a list where a tensor belongs
+    record("E411", lambda: remapdsl.load(target, checkpoint, rules))
+    Path(out, f"rank{rank}.json").write_text(json.dumps(seen))
+    if rank == 0:
+        assert seen["E233"][0]["code"] == "E999", "rank zero's own check failed"
+    pytest.fail("rank one's own check failed")
+
+
+@pytest.fixture(scope="module")
+def two_ranks(tmp_path_factory) -> tuple[list[dict], str]:
+    """What each rank of one 2-rank run of `_two_ranks` saw, and the parent's failure text."""
+    from remapdsl.testing.ranks import run_ranks
+
+    folder = tmp_path_factory.mktemp("two-ranks")
+    (folder / "ckpt").mkdir()
+    save_file({"a.w": torch.arange(8, dtype=torch.float32).reshape(4, 2)}, str(folder / "ckpt" / "model.safetensors"))
+    (folder / "ckpt" / "config.json").write_text("{}")
+    with pytest.raises(AssertionError) as info:
+        run_ranks(_two_ranks, 2, str(folder / "ckpt"), str(folder), timeout=60)
+    seen = [json.loads((folder / f"rank{r}.json").read_text()) for r in range(2)]
+    return seen, str(info.value)
+
+
+def test_a_rank_whose_local_tensor_is_not_its_shard_is_e233(two_ranks):
+    for seen in two_ranks[0]:
+        (d,) = seen["E233"]
+        assert d["code"] == "E233" and d["span"]["path"] == "t.remap" and d["span"]["line"] == 2, d
+        assert d["message"] == "`b` is [2, 4] on rank 1, but its layout gives this rank [2, 2] of [2, 4] (on rank 1)"
+
+
+def test_a_dtensor_with_a_partial_placement_is_e401(two_ranks):
+    for seen in two_ranks[0]:
+        (d,) = seen["E401"]
+        assert d["code"] == "E401" and d["path"] == "b" and "partial values" in d["message"], d
+
+
+def test_an_unexpected_error_on_one_rank_is_e411_on_every_rank(two_ranks):
+    for seen in two_ranks[0]:
+        (d,) = seen["E411"]
+        assert d["code"] == "E411", d
+        assert d["message"].startswith("1 of 2 ranks failed:\nrank 1: AttributeError: "), d
+
+
+def test_a_failing_check_on_a_rank_reaches_the_parent_with_its_message(two_ranks):
+    """remapdsl.testing.ranks.run_ranks: an AssertionError's message, and pytest's own outcomes
+    (`Failed` derives from BaseException, not Exception), come back per rank, not as a crash."""
+    text = two_ranks[1]
+    assert "rank 0: rank zero's own check failed" in text, text
+    assert "rank 1: " in text and "Failed: rank one's own check failed" in text, text
+    assert "died" not in text and "no result" not in text, text
+
+
+# ---- every documented code is asserted somewhere ---------------------------------------------
+
+
+def documented_codes() -> dict[str, str]:
+    """Code -> the doc that lists it as a table row `| E123 | ... |` (tests/test_docs.py checks
+    that these are exactly the codes in remapdsl/)."""
+    return {code: doc.name for doc in DOCS for code in re.findall(r"^\| (E\d{3}) \|", doc.read_text(), re.MULTILINE)}
+
+
+def _codes(node: ast.AST) -> set[str]:
+    return {code for n in ast.walk(node) if isinstance(n, ast.Constant) and isinstance(n.value, str)
+            for code in CODE.findall(n.value)}
+
+
+def _names(node: ast.AST) -> set[str]:
+    return {n.id for n in ast.walk(node) if isinstance(n, ast.Name)}
+
+
+def _assigned(statements) -> dict[str, list[ast.AST]]:
+    """Name -> the values assigned to it among `statements` (and, for a function, its body)."""
+    values: dict[str, list[ast.AST]] = {}
+    for statement in statements:
+        for node in ast.walk(statement):
+            if isinstance(node, (ast.Assign, ast.AnnAssign)) and node.value is not None:
+                for target in node.targets if isinstance(node, ast.Assign) else [node.target]:
+                    for name in _names(target):
+                        values.setdefault(name, []).append(node.value)
+    return values
+
+
+def asserted_codes(source: str) -> set[str]:
+    """The codes a test source asserts: a string holding the code in an `assert`'s condition (not
+    its message), in `pytest.raises(match=...)`, in a `pytest.mark.parametrize` decorator, or in
+    the value of a name one of those uses (assigned in the same function, or at module level).
+    A code in a comment, a docstring, a message or a print does not count."""
+    tree = ast.parse(source)
+    module = _assigned(s for s in tree.body if isinstance(s, (ast.Assign, ast.AnnAssign)))
+    found: set[str] = set()
+
+    def used(node: ast.AST, scope: dict[str, list[ast.AST]]) -> None:
+        found.update(_codes(node))
+        for name in _names(node):
+            for value in scope.get(name, module.get(name, [])):
+                found.update(_codes(value))
+
+    for function in [tree] + [n for n in ast.walk(tree) if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))]:
+        scope = _assigned(function.body) if function is not tree else {}
+        for decorator in getattr(function, "decorator_list", []):
+            if isinstance(decorator, ast.Call) and getattr(decorator.func, "attr", None) == "parametrize":
+                used(decorator, scope)
+        for node in ast.walk(function):
+            if isinstance(node, ast.Assert):
+                used(node.test, scope)
+            elif isinstance(node, ast.Call) and getattr(node.func, "attr", None) == "raises":
+                for keyword in node.keywords:
+                    if keyword.arg == "match":
+                        used(keyword.value, scope)
+    return found
+
+
+def test_the_collector_counts_assertions_only():
+    source = '''
+"""E901 in a docstring."""
+import pytest
+
+CASES = [("x", "E902")]
+UNUSED = ["E903"]
+
+
+@pytest.mark.parametrize("text, code", CASES)
+def test_a(text, code):
+    # E904 in a comment
+    print("E905")
+    expected = {"a": "E906"}["a"]
+    message = "E907"
+    assert run(text) == code and run(text) == expected, message
+
+
+def test_b():
+    with pytest.raises(Error, match=r"error\\[E908\\]"):
+        run("E909")
+    assert [d.code for d in diagnostics] == ["E910"]
+'''
+    assert sorted(asserted_codes(source)) == ["E902", "E906", "E908", "E910"]
+
+
+def evidence() -> dict[str, str]:
+    """Code -> where a test asserts it: an .err file of the error corpus (tests/test_error_corpus.py
+    compares each with the rendered error, codes and spans included), or a test source."""
+    found: dict[str, str] = {}
+    for err in sorted(ERRORS.rglob("*.err")):
+        for code in RENDERED.findall(err.read_text(encoding="utf-8", errors="replace")):
+            found.setdefault(code, err.relative_to(ROOT).as_posix())
+    for test in sorted(TESTS.rglob("*.py")):
+        for code in asserted_codes(test.read_text(encoding="utf-8")):
+            found.setdefault(code, test.relative_to(ROOT).as_posix())
+    return found
+
+
+# Codes added while their tests are still being written (issue #18), each with what raises it. Once a
+# test asserts one, the meta-test below fails until it leaves this list: the list only shrinks.
+PENDING: dict[str, str] = {
+    "E355": "remapdsl/sharding/chunked.py: a piece that meets no chunk, or chunks that do not tile",
+    "E602": "remapdsl/dcp/metadata.py: a runtime dtype torch has no type for",
+    "E603": "remapdsl/dcp/reader.py: a state dict value asked for as bytes",
+    "E604": "remapdsl/dcp/reader.py: a planner request outside the tensor or of another shape",
+}
+
+
+def test_every_documented_code_is_asserted_by_a_test():
+    documented, found = documented_codes(), evidence()
+    assert len(documented) > 100
+    assert set(PENDING) <= set(documented), "PENDING names a code no doc lists"
+    done = sorted(set(PENDING) & set(found))
+    assert done == [], f"asserted now: remove {done} from PENDING"
+    missing = sorted(set(documented) - set(found) - set(PENDING))
+    assert missing == [], ("documented codes no test triggers and asserts (add a case to tests/corpus/errors/ "
+                           "or a test that asserts the code and its span, key or file):\n"
+                           + "\n".join(f"  {code} ({documented[code]})" for code in missing))
