@@ -225,8 +225,9 @@ def _assigned(statements) -> dict[str, list[ast.AST]]:
 
 def asserted_codes(source: str) -> set[str]:
     """The codes a test source asserts: a string holding the code in an `assert`'s condition (not
-    its message), in `pytest.raises(match=...)`, in a `pytest.mark.parametrize` decorator, or in
-    the value of a name one of those uses (assigned in the same function, or at module level).
+    its message) or `pytest.raises(match=...)`, or in the value of a name one of those uses that is
+    assigned in the same function; in a `pytest.mark.parametrize` decorator, or the value of a
+    module-level name it uses.
     A code in a comment, a docstring, a message or a print does not count."""
     tree = ast.parse(source)
     module = _assigned(s for s in tree.body if isinstance(s, (ast.Assign, ast.AnnAssign)))
@@ -235,14 +236,14 @@ def asserted_codes(source: str) -> set[str]:
     def used(node: ast.AST, scope: dict[str, list[ast.AST]]) -> None:
         found.update(_codes(node))
         for name in _names(node):
-            for value in scope.get(name, module.get(name, [])):
+            for value in scope.get(name, []):
                 found.update(_codes(value))
 
     for function in [tree] + [n for n in ast.walk(tree) if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))]:
         scope = _assigned(function.body) if function is not tree else {}
         for decorator in getattr(function, "decorator_list", []):
             if isinstance(decorator, ast.Call) and getattr(decorator.func, "attr", None) == "parametrize":
-                used(decorator, scope)
+                used(decorator, module)
         for node in ast.walk(function):
             if isinstance(node, ast.Assert):
                 used(node.test, scope)
