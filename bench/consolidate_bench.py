@@ -15,11 +15,12 @@ the output before the rename, which torch does not do) and its own peak RSS
 the modes alternate, `--runs` rounds (default 3), medians. Round 1 checks that both outputs hold the
 same tensors (values and dtypes), read back with safetensors' own `safe_open`.
 
-    remapdsl  remapdsl.convert(src, dst, "identity", budget_bytes=--memory), one process
+    remapdsl  remapdsl.convert(src, dst, "identity", budget_bytes=--memory), one process (default 1GB, as
+              `remapdsl convert --memory`; forward batches hold at most 64 MiB)
     torch     torch.distributed.checkpoint._consolidate_hf_safetensors.consolidate_safetensors_files(
               src, dst, fqn_to_index_mapping) (num_threads=1, its default)
 
-    python bench/consolidate_bench.py [--runs 3] [--memory 256MB] [--rebuild]
+    python bench/consolidate_bench.py [--runs 3] [--memory 1GB] [--rebuild]
 """
 
 from __future__ import annotations
@@ -160,7 +161,7 @@ def _size(text: str) -> int:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--runs", type=int, default=3)
-    parser.add_argument("--memory", default="256MB", help="remapdsl's batch budget (budget_bytes)")
+    parser.add_argument("--memory", default="1GB", help="remapdsl's budget (budget_bytes; the CLI's --memory)")
     parser.add_argument("--rebuild", action="store_true")
     parser.add_argument("--child", nargs=3, metavar=("MODE", "SRC", "DST"), help=argparse.SUPPRESS)
     args = parser.parse_args()

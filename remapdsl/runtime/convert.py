@@ -96,12 +96,14 @@ def _convert(src, dst: Path, rules, reverse, like, max_shard_bytes, budget_bytes
         # an early start to the writes), each written on a thread while the next one is read.
         budget = budget_bytes if reverse else max(1, min(budget_bytes // 2, BATCH_BYTES))
         pending = None
+        arenas: list = [None, None]  # two batches' memory, reused: one read while the other is written
         try:
             with ThreadPoolExecutor(1) as pool:
                 if reverse and rank == 0:
                     copy_tensors(copied_parts(compiled), scales, writer)
-                for batch in _batches(mine, lambda k: _size(runtime[k]), budget):
-                    tensors = compiled.empty_state_dict(batch)
+                for n, batch in enumerate(_batches(mine, lambda k: _size(runtime[k]), budget)):
+                    tensors = compiled.empty_state_dict(batch) if reverse else \
+                        _carve(arenas, n % 2, [runtime[k] for k in batch])
                     whole = {k: whole_shard(tuple(t.shape)) for k, t in tensors.items()}
                     if reverse:  # runtime tensors read whole from src, written through the save direction
                         for k, t in tensors.items():
@@ -129,6 +131,26 @@ def _convert(src, dst: Path, rules, reverse, like, max_shard_bytes, budget_bytes
                  write=work, planned=0 if reverse else sum(out_inventory.tensors[k].nbytes for k in mine))
     return ConvertReport(folder=str(dst), tensors=len(mine), bytes_written=written, files=len(out_inventory.files),
                          ranks=world, seconds=time.perf_counter() - start)
+
+
+def _carve(arenas: list, slot: int, tensors) -> dict:
+    """Empty tensors of a batch, laid out in arena `slot` (made or grown to the batch's size; a batch
+    larger than BATCH_BYTES, one tensor, gets its own memory). The arenas are reused batch after
+    batch: no memory is handed back and faulted in again per batch."""
+    import torch
+
+    ends, at = [], 0
+    for d in tensors:
+        at += -at % 64  # each tensor 64-byte aligned
+        ends.append(at)
+        at += _size(d)
+    if at > BATCH_BYTES:
+        return {d.runtime_key: torch.empty(d.shape, dtype=getattr(torch, d.dtype)) for d in tensors}
+    arena = arenas[slot]
+    if arena is None or arena.numel() < at:
+        arena = arenas[slot] = torch.empty(max(at, 1 << 20), dtype=torch.uint8)
+    return {d.runtime_key: arena[start:start + _size(d)].view(getattr(torch, d.dtype)).view(d.shape)
+            for d, start in zip(tensors, ends)}
 
 
 def _write_whole(writer, layout, tensors) -> None:
