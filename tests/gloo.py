@@ -2,6 +2,13 @@
 
 from __future__ import annotations
 
+import pytest
+
+# What a worker catches and reports for one check: any error, and pytest's own outcomes
+# (`pytest.fail`, a `pytest.raises` that saw nothing raised, `pytest.skip`), which derive from
+# BaseException and would otherwise end the worker as a crash without the check's message.
+CHECK_FAILURES = (Exception, pytest.fail.Exception, pytest.skip.Exception)
+
 
 def shut_down() -> None:
     """Leave the group together: a rank tearing down gloo while its peer is still in a collective
@@ -50,12 +57,9 @@ def record_cases(rank: int, world: int, rendezvous: str, out: str, cases) -> Non
     ranks, or any other exception's traceback as `escaped`), then leave the group."""
     import datetime
     import json
-    import traceback
     from pathlib import Path
 
     import torch.distributed as dist
-
-    import remapdsl
 
     dist.init_process_group("gloo", init_method=f"file://{rendezvous}", rank=rank, world_size=world,
                             timeout=datetime.timedelta(seconds=60))
@@ -64,17 +68,27 @@ def record_cases(rank: int, world: int, rendezvous: str, out: str, cases) -> Non
         folder = Path(out) / f"rank{rank}"
         folder.mkdir()
         for name, call in cases(rank, folder).items():
-            try:
-                call()
-                seen[name] = None
-            except remapdsl.RemapError as exc:
-                seen[name] = {"type": type(exc).__name__, "codes": [d.code for d in exc.diagnostics],
-                              "text": str(exc), "failed_ranks": list(getattr(exc, "failed_ranks", ()))}
-            except Exception:  # noqa: BLE001 - a non-RemapError escaping is itself a failure
-                seen[name] = {"type": "escaped", "text": traceback.format_exc()}
+            seen[name] = record(call)
     finally:
         Path(out, f"rank{rank}.json").write_text(json.dumps(seen))
         shut_down()
+
+
+def record(call) -> dict | None:
+    """What `call()` raised, as `record_cases` writes it: None, a RemapError's class, codes, text and
+    failing ranks, or for anything else (a failed check included) its traceback as `escaped`."""
+    import traceback
+
+    import remapdsl
+
+    try:
+        call()
+    except remapdsl.RemapError as exc:
+        return {"type": type(exc).__name__, "codes": [d.code for d in exc.diagnostics],
+                "text": str(exc), "failed_ranks": list(getattr(exc, "failed_ranks", ()))}
+    except CHECK_FAILURES:  # a non-RemapError escaping, or a check failing, is itself a failure
+        return {"type": "escaped", "text": traceback.format_exc()}
+    return None
 
 
 def run_with_bound(target, world: int, args: tuple, bound: float) -> list[int]:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import datetime
 import functools
+import re
 import traceback
 from pathlib import Path
 
@@ -18,7 +19,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-from gloo import distributed_like, shut_down
+from gloo import CHECK_FAILURES, distributed_like, shut_down
 
 import remapdsl
 from remapdsl.sharding import LayoutPlan, Mesh, Replicate, Shard, layout_for, local_shard
@@ -59,15 +60,15 @@ def _worker(rank: int, world: int, rendezvous: str, out: str) -> None:
             try:
                 _plain_case(rank, expected, Mesh.of(dims), LayoutPlan.from_mapping(plan_map, mesh_dim=mesh_dim))
                 _dtensor_case(rank, expected, Mesh.of(dims), LayoutPlan.from_mapping(plan_map, mesh_dim=mesh_dim))
-            except Exception:  # noqa: BLE001 - reported by the parent
+            except CHECK_FAILURES:  # reported by the parent, pytest's outcomes included
                 failures.append(f"{name}: {traceback.format_exc()}")
-        for check in (_disagreeing_rules_fail_everyone, _one_bad_rank_fails_everyone,
-                      _replicated_tensors_read_once,
+        for check in (functools.partial(_disagreeing_rules_fail_everyone, other=Path(out) / "other"),
+                      _one_bad_rank_fails_everyone, _replicated_tensors_read_once,
                       functools.partial(_another_checkpoint_fails_everyone, other=Path(out) / "other")):
             try:
                 check(rank)
-            except Exception:  # noqa: BLE001
-                failures.append(f"{getattr(check, '__name__', check)}: {traceback.format_exc()}")
+            except CHECK_FAILURES:
+                failures.append(f"{getattr(check, 'func', check).__name__}: {traceback.format_exc()}")
     finally:
         Path(out, f"rank{rank}.txt").write_text("\n".join(failures))
         shut_down()
@@ -104,11 +105,24 @@ def _another_checkpoint_fails_everyone(rank: int, other: Path) -> None:
     assert info.value.diagnostic.code == "E410", str(info.value)
 
 
-def _disagreeing_rules_fail_everyone(rank: int) -> None:
-    rules = RULES if rank == 0 else str(ROOT / "rules" / "llama.remap")
+def _disagreeing_rules_fail_everyone(rank: int, other: Path) -> None:
+    """Rank 1's copy of the rules says `?? true` where rank 0's says `?? false`: both compile to
+    the same tensors (config.json sets tie_word_embeddings), so only the ranks' comparison of
+    their rule files can tell, and it must, naming the line on both sides."""
+    original = Path(RULES).read_text()
+    line = "drop lm_head.weight when config.tie_word_embeddings ?? false"
+    number = original.splitlines().index(line) + 1
+    rules = RULES
+    if rank == 1:
+        rules = str(other / "qwen3_moe.remap")
+        Path(rules).write_text(original.replace(line, line.replace("?? false", "?? true")))
     with pytest.raises(remapdsl.RemapError) as info:
-        remapdsl.load(full_state(), CHECKPOINT, rules, strict=False)
-    assert info.value.diagnostic.code in ("E410", "E201"), str(info.value)
+        remapdsl.load(full_state(), CHECKPOINT, rules)
+    (d,) = info.value.diagnostics
+    assert d.code == "E410" and d.message.startswith("ranks disagree on the compiled rules"), str(info.value)
+    assert re.search(r"^rule files: ranks? 0\b.*; rank 1 has [0-9a-f]{12}$", d.message, re.MULTILINE), d.message
+    assert (f"qwen3_moe.remap` line {number}: `{line}` vs `{line.replace('?? false', '?? true')}`"
+            in d.message), d.message
 
 
 def _replicated_tensors_read_once(rank: int) -> None:

@@ -193,6 +193,33 @@ def test_a_failing_check_on_a_rank_reaches_the_parent_with_its_message(two_ranks
     assert "died" not in text and "no result" not in text, text
 
 
+def _fails_a_check():
+    pytest.fail("the check's own message")
+
+
+def _raises_nothing():
+    with pytest.raises(ValueError):
+        pass
+
+
+def _asserts():
+    one, two = 1, 2
+    assert one == two, "one is not two"
+
+
+@pytest.mark.parametrize("call, message", [(_fails_a_check, "Failed: the check's own message"),
+                                           (_raises_nothing, "Failed: DID NOT RAISE"),
+                                           (_asserts, "AssertionError: one is not two")])
+def test_a_worker_records_a_failed_check_with_its_message(call, message):
+    """tests/gloo.py's `record`, which `record_cases` runs each case of a gloo worker with: a
+    pytest outcome (a BaseException) is recorded with its message, not left to crash the worker."""
+    from gloo import record
+
+    seen = record(call)
+    assert seen["type"] == "escaped" and message in seen["text"], seen
+    assert record(lambda: None) is None
+
+
 # ---- every documented code is asserted somewhere ---------------------------------------------
 
 
