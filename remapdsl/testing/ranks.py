@@ -22,7 +22,16 @@ from typing import Any
 
 import remapdsl
 from remapdsl.checkpoint.snapshot import require_data
-from remapdsl.sharding import LayoutPlan, Mesh, Replicate, Shard, layout_for, local_shard, parse_mesh, read_layout
+from remapdsl.sharding import (
+    LayoutPlan,
+    Mesh,
+    Replicate,
+    Shard,
+    layout_for,
+    local_shard,
+    parse_mesh,
+    read_layout,
+)
 
 
 def run_ranks(fn: Callable[..., Any], world: int = 2, *args: Any, timeout: float = 120.0) -> list[Any]:
@@ -81,13 +90,14 @@ def _entry(rank: int, world: int, folder: str, fn, args, timeout: float) -> None
         outcome = (True, fn(rank, world, *args))
     except AssertionError as exc:
         outcome = (False, str(exc))
-    except BaseException:  # noqa: BLE001 - reported by the parent, with the traceback
+    except BaseException:  # noqa: BLE001 - pytest's outcomes too: reported by the parent, with the traceback
         outcome = (False, traceback.format_exc())
+    try:
+        data = pickle.dumps(outcome)
+    except Exception:  # noqa: BLE001 - an unpicklable return value (pickled whole first: no torn file)
+        data = pickle.dumps((False, f"returned an unpicklable {type(outcome[1]).__name__}"))
     with open(os.path.join(folder, f"rank{rank}.pickle"), "wb") as f:
-        try:
-            pickle.dump(outcome, f)
-        except Exception:  # noqa: BLE001 - an unpicklable return value
-            pickle.dump((False, f"returned an unpicklable {type(outcome[1]).__name__}"), f)
+        f.write(data)
     try:
         dist.barrier()  # leave together: a rank tearing gloo down while a peer is in a collective can abort it
     finally:
