@@ -127,24 +127,34 @@ def _agree(rank: int, world: int, cases: dict, mesh_shape: tuple[int, ...]) -> d
     return out
 
 
-def _identity_and_errors(rank: int, world: int, folder: str, broken: str) -> dict:
-    """Identity rules against HuggingFaceStorageReader; then each error case, as codes per rank."""
+def _identity(folder: str, mesh_shape: tuple[int, ...]):
+    """DTensors through identity rules and through HuggingFaceStorageReader: whether they agree
+    (and the rule reader read what the rank holds), the reader, its DTensors, the rules."""
     from torch.distributed.checkpoint import HuggingFaceStorageReader
     from torch.distributed.device_mesh import init_device_mesh
 
-    from remapdsl.dcp import RuleStorageReader, remap_errors
+    from remapdsl.dcp import RuleStorageReader
     from remapdsl.language import rules_from_text
 
-    mesh = init_device_mesh("cpu", (world,))
+    mesh = init_device_mesh("cpu", mesh_shape)
     identity = rules_from_text(IDENTITY, "identity.remap")
-    inventory = remapdsl.open_checkpoint(folder)
-    like = remapdsl.compile_rules(identity, inventory, None).empty_state_dict()
+    like = remapdsl.compile_rules(identity, remapdsl.open_checkpoint(folder), None).empty_state_dict()
     ours, theirs = _dtensors(like, mesh), _dtensors(like, mesh)
     reader = RuleStorageReader(folder, identity)
     _dcp_load(ours, reader)
     _dcp_load(theirs, HuggingFaceStorageReader(folder))
-    seen = {"identity": _differing(ours, theirs) == [] and reader.report.bytes_read == sum(
-        t.to_local().nbytes for t in ours.values())}
+    agree = _differing(ours, theirs) == [] and reader.report.bytes_read == sum(t.to_local().nbytes
+                                                                              for t in ours.values())
+    return agree, reader, ours, identity, like, mesh
+
+
+def _identity_and_errors(rank: int, world: int, folder: str, broken: str) -> dict:
+    """Identity rules against HuggingFaceStorageReader; then each error case, as codes per rank."""
+    from remapdsl.dcp import RuleStorageReader, remap_errors
+    from remapdsl.language import rules_from_text
+
+    agree, reader, ours, identity, like, mesh = _identity(folder, (world,))
+    seen = {"identity": agree}
 
     def record(name, call):
         try:
@@ -241,8 +251,14 @@ def test_errors_cross_dcp_exchanges_intact():
         assert again.diagnostics == error.diagnostics and str(again) == str(error)
 
 
-def test_four_ranks_on_a_2d_mesh_equal_remapdsl_load(checkpoints):
-    run_ranks(_agree, 4, {k: checkpoints[k] for k in ("qwen3_moe", "deepseek_v3_fp8")}, (2, 2))
+def _four_ranks(rank: int, world: int, cases: dict) -> bool:
+    _agree(rank, world, cases, (2, 2))
+    return _identity(QWEN3_MOE, (2, 2))[0]
+
+
+def test_four_ranks_on_a_2d_mesh_equal_remapdsl_load_and_the_hf_reader(checkpoints):
+    agree = run_ranks(_four_ranks, 4, {k: checkpoints[k] for k in ("qwen3_moe", "deepseek_v3_fp8")})
+    assert agree == [True] * 4
 
 
 # ------------------------------------------------------------------ one process (no process group)
