@@ -184,8 +184,42 @@ def _identity_and_errors(rank: int, world: int, folder: str, broken: str) -> dic
     return seen
 
 
-def _two_ranks(rank: int, world: int, cases: dict, folder: str, broken: str) -> dict:
-    return {"agree": _agree(rank, world, cases, (world,)), **_identity_and_errors(rank, world, folder, broken)}
+def _from_dcp_sharded(rank: int, world: int, original: str, out: str) -> bool:
+    """The tiny Qwen3-MoE written by torch's HuggingFaceStorageWriter(save_distributed=True) from
+    DTensors Shard(0) (each key in chunks over the ranks' files), then read back through the
+    stacking rules into DTensors placed otherwise: equal to remapdsl.load of the original, and
+    each rank reads exactly the bytes it holds across the chunks."""
+    import torch.distributed.checkpoint as dcp
+    from safetensors.torch import load_file
+    from torch.distributed.checkpoint import HuggingFaceStorageWriter
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    from remapdsl.dcp import RuleStorageReader
+
+    mesh = init_device_mesh("cpu", (world,))
+    full = load_file(str(Path(original) / "model.safetensors"))
+    keys = sorted(full)
+    mapping = {k: 1 + (i * 2 // len(keys)) for i, k in enumerate(keys)}  # two output files
+    state = {k: distribute_tensor(t, mesh, [Shard(0)]) for k, t in full.items()}
+    dcp.save(state, storage_writer=HuggingFaceStorageWriter(out, save_distributed=True, fqn_to_index_mapping=mapping))
+    if rank == 0:
+        shutil.copyfile(Path(original) / "config.json", Path(out) / "config.json")
+    torch.distributed.barrier()
+    rules = str(ROOT / "rules" / "qwen3_moe.remap")
+    whole = remapdsl.compile_rules(rules, original).empty_state_dict()
+    by_dcp, by_remapdsl = _dtensors(whole, mesh), _dtensors(whole, mesh)
+    reader = RuleStorageReader(out, rules)
+    _dcp_load(by_dcp, reader)
+    remapdsl.load(by_remapdsl, original, rules)
+    chunked = any(len(c) > 1 for c in getattr(remapdsl.open_checkpoint(out), "chunks", {}).values())
+    return chunked and _differing(by_dcp, by_remapdsl) == [] and reader.report.bytes_read == sum(
+        t.to_local().nbytes for t in by_dcp.values())
+
+
+def _two_ranks(rank: int, world: int, cases: dict, folder: str, broken: str, sharded: str) -> dict:
+    return {"agree": _agree(rank, world, cases, (world,)), **_identity_and_errors(rank, world, folder, broken),
+            "from dcp-sharded": _from_dcp_sharded(rank, world, folder, sharded)}
 
 
 # ------------------------------------------------------------------------------------------ tests
@@ -196,7 +230,8 @@ def two_ranks(checkpoints, tmp_path_factory) -> list[dict]:
     """One spawn of 2 ranks for every 2-rank check: what each rank saw."""
     broken = tmp_path_factory.mktemp("broken") / "tiny"
     shutil.copytree(QWEN3_MOE, broken)
-    return run_ranks(_two_ranks, 2, checkpoints, QWEN3_MOE, str(broken))
+    sharded = tmp_path_factory.mktemp("dcp_sharded") / "tiny"
+    return run_ranks(_two_ranks, 2, checkpoints, QWEN3_MOE, str(broken), str(sharded))
 
 
 def test_two_ranks_equal_remapdsl_load(two_ranks, checkpoints):
@@ -222,6 +257,10 @@ def test_rule_and_checkpoint_errors_are_remap_errors_on_every_rank(two_ranks):
         assert r["rule error"] and r["rule error"][0].startswith("E0")
         assert r["missing checkpoint"] and r["missing checkpoint"][0].startswith("E3")
         assert r["file gone before the reads"] and r["file gone before the reads"][0].startswith("E3")
+
+
+def test_a_checkpoint_torch_wrote_sharded_loads_through_stacking_rules(two_ranks):
+    assert all(r["from dcp-sharded"] for r in two_ranks)
 
 
 def test_reset_with_a_checkpoint_id_reopens_there(two_ranks):
