@@ -1,9 +1,12 @@
 """save(load(x)) == x, byte for byte, for random shapes, random op chains and random meshes.
 
 The op chains are tests/test_compile_properties.py's (layout ops, casts, scale/add, pad, repeat,
-slice...). A chain the save refuses (E501: a slice left elements out; E502: a narrowing cast) is
-checked to be one that loses data; any other chain whose values survive the round trip (no
-`scale`/`add`, whose float32 inverse may round) must write the original file back exactly. The
+slice...). What the save must refuse is worked out apart from remapdsl: a checkpoint tensor read
+through a cast to a dtype that cannot hold every value of the one before (torch.finfo) is E502
+naming it; one whose elements the chain's layout ops leave out (the reference `apply_ops` run on
+element ids, value ops removed) is E501 naming it; and nothing else is refused. Every chain the
+save accepts whose values survive the round trip (no `scale`/`add`, whose float32 inverse may
+round) must write the original file back exactly. The
 ranks of a random mesh (1-D or 2-D, up to 4 ranks, random Shard/Replicate placements per tensor)
 are played in one process: each writes what it owns into the same staging files, so every byte
 must have exactly one writer.
@@ -11,11 +14,13 @@ must have exactly one writer.
 
 from __future__ import annotations
 
+import re
 import tempfile
 from pathlib import Path
 
+import pytest
 import torch
-from hypothesis import assume, given, note
+from hypothesis import assume, event, given, note
 from hypothesis import strategies as st
 from safetensors.torch import save_file
 from test_compile_properties import examples, list_axis_cases
@@ -24,10 +29,12 @@ import remapdsl
 from remapdsl import RemapError
 from remapdsl.checkpoint.writer import FileWriter, create_files
 from remapdsl.compile.inverse import writers
+from remapdsl.language import ir
 from remapdsl.runtime.write import run_write_plan
-from remapdsl.sharding.holdings import hold, owned
 from remapdsl.sharding import LayoutPlan, Mesh, Replicate, Shard, layout_for, local_shard
+from remapdsl.sharding.holdings import hold, owned
 from remapdsl.sharding.plans import make_write_plan
+from remapdsl.testing.reference import apply_ops, literal
 
 
 @st.composite
@@ -39,6 +46,52 @@ def meshes(draw) -> Mesh:
 
 def _placements(draw, mesh: Mesh, ndim: int):
     return [draw(st.sampled_from([Replicate()] + [Shard(dim=d) for d in range(ndim)])) for _ in mesh.sizes]
+
+
+def _lossless(a: torch.dtype, b: torch.dtype) -> bool:
+    """Whether dtype `b` holds every value of float dtype `a`: as fine a step, as large a range
+    and as small a normal number (float16 -> bfloat16 loses digits, bfloat16 -> float16 range)."""
+    fa, fb = torch.finfo(a), torch.finfo(b)
+    return fb.eps <= fa.eps and fb.max >= fa.max and fb.smallest_normal <= fa.smallest_normal
+
+
+def _refused(case, rules) -> dict[str, str]:
+    """Checkpoint key -> the code the save must refuse it with (E502 for a lossy cast on its way,
+    else E501 for elements the rule leaves out), found without remapdsl's compiler."""
+    (rule,) = [s for s in rules.statements if isinstance(s, ir.Rule)]
+    dtype = next(iter(case.sources.values())).dtype  # every source of a case has one dtype
+    lossy = False
+    for op in rule.ops:
+        if isinstance(op, ir.Cast):
+            lossy = lossy or not _lossless(dtype, getattr(torch, literal(op.dtype)))
+            dtype = getattr(torch, literal(op.dtype))
+    # element ids, 1 up, through the layout ops alone: an id missing from the outputs is left out
+    ids, start = {}, 1
+    for key, t in case.sources.items():
+        ids[key] = torch.arange(start, start + t.numel(), dtype=torch.float64).reshape(t.shape)
+        start += t.numel()
+    layout = [op for op in rule.ops if not isinstance(op, (ir.Cast, ir.Scale, ir.Add))]
+    given = {v: [ids[k] for k in keys] for v, keys in case.ordered.items()} if isinstance(case.ordered, dict) \
+        else [ids[k] for k in case.ordered]
+    out = apply_ops(layout, given, targets=len(case.targets))
+    outputs = [t for v in sorted(out) for t in out[v]] if isinstance(out, dict) else out
+    seen = set(torch.cat([t.reshape(-1) for t in outputs]).tolist()) if outputs else set()
+    refused = {}
+    for key, t in ids.items():
+        kept = sum(1 for i in t.reshape(-1).tolist() if i in seen)
+        if lossy and kept:
+            refused[key] = "E502"
+        elif kept < t.numel():
+            refused[key] = "E501"
+    return refused
+
+
+def _named(d) -> tuple[str, str]:
+    """The checkpoint key a save's E501/E502 names, and its code."""
+    pattern = r"reads `([^`]+)` through `cast\(" if d.code == "E502" else r"^checkpoint tensor `([^`]+)`"
+    found = re.search(pattern, d.message)
+    assert d.code in ("E501", "E502") and found, d
+    return found.group(1), d.code
 
 
 @examples(200)
@@ -53,14 +106,15 @@ def test_save_of_load_writes_the_checkpoint_back(case, mesh, data):
         compiled = remapdsl.compile_rules(rules, inventory, {})
         full = compiled.empty_state_dict()
         remapdsl.load(full, source, rules, config={})
-        try:
-            chosen = writers(compiled)
-        except RemapError as exc:
-            codes = {d.code for d in exc.diagnostics}
-            assert codes <= {"E501", "E502"}, str(exc)
-            assert "E501" not in codes or "slice" in case.text, (case.text, str(exc))
-            assert "E502" not in codes or "cast" in case.text, (case.text, str(exc))
+        refused = _refused(case, rules)
+        note(f"refused: {refused}")
+        event(f"refused: {sorted(set(refused.values()))}")
+        if refused:
+            with pytest.raises(RemapError) as info:
+                writers(compiled)
+            assert sorted(_named(d) for d in info.value.diagnostics) == sorted(refused.items()), str(info.value)
             return
+        chosen = writers(compiled)
         assume("scale(" not in case.text and "add(" not in case.text)
         plan = LayoutPlan.from_mapping(
             {key: _placements(data.draw, mesh, len(t.shape)) for key, t in full.items()}, mesh_dim=mesh.names[0])
@@ -85,3 +139,25 @@ def test_save_of_load_writes_the_checkpoint_back(case, mesh, data):
         writer.close(sync=False)
         assert written == sum(t.nbytes for t in inventory.tensors.values())  # each byte written once
         assert (staging / "model.safetensors").read_bytes() == (source / "model.safetensors").read_bytes()
+
+
+@pytest.mark.parametrize("stored, loaded, lossy", [("int64", "int32", True), ("int32", "int16", True),
+                                                   ("int32", "int64", False), ("int8", "int16", False)])
+def test_an_integer_cast_is_refused_exactly_when_it_narrows(tmp_path, stored, loaded, lossy):
+    """An integer narrowing would write truncated values back (2**40 read as int32 is 0): E502
+    naming the tensor and the rule; a widening writes the checkpoint back byte for byte."""
+    save_file({"a.w": torch.tensor([1, -2, 2**6, 100], dtype=getattr(torch, stored))},
+              str(tmp_path / "model.safetensors"))
+    rules = remapdsl.language.rules_from_text(f"remap 1\na.w -> b\n    | cast({loaded})\n", "t.remap")
+    state = {"b": torch.empty(4, dtype=getattr(torch, loaded))}
+    remapdsl.load(state, tmp_path, rules, config={})
+    if lossy:
+        with pytest.raises(RemapError) as info:
+            remapdsl.save(state, tmp_path / "out", rules, like=tmp_path, config={})
+        (d,) = info.value.diagnostics
+        assert d.code == "E502" and d.span[:3] == ("t.remap", 2, 1), d
+        assert d.message.startswith(f"`b` reads `a.w` through `cast({loaded})`, which loses values"), d
+        assert not (tmp_path / "out").exists()
+    else:
+        remapdsl.save(state, tmp_path / "out", rules, like=tmp_path, config={})
+        assert (tmp_path / "out" / "model.safetensors").read_bytes() == (tmp_path / "model.safetensors").read_bytes()
