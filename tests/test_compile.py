@@ -3,6 +3,7 @@ transformers does not provide, checked against direct torch operations on whole 
 
 import json
 
+import pydantic
 import pytest
 import torch
 from safetensors.torch import save_file
@@ -121,6 +122,7 @@ def test_destination_produced_twice(tmp_path):
     folder = write_checkpoint(tmp_path, {"a": randn(2), "b": randn(2)})
     error = bind_error("a -> x\nb -> x\n", folder)
     assert error.diagnostic.code == "E203" and error.diagnostic.span.line == 2
+    assert error.diagnostic.hint == "first by the rule at t.remap:1:1", error.diagnostic.hint
 
 
 def test_incomplete_binding_names_the_missing_key(tmp_path):
@@ -142,7 +144,9 @@ def test_concat_of_mismatched_shapes_names_both(tmp_path):
 def test_wildcard_taking_two_keys_for_one_target_is_an_error(tmp_path):
     folder = write_checkpoint(tmp_path, {"m.a.inv_freq": randn(2), "m.b.inv_freq": randn(2)})
     error = bind_error("m.*.inv_freq -> freq\n", folder)
-    assert error.diagnostic.code == "E208"
+    d = error.diagnostic
+    assert (d.code, d.span.line, d.span.column) == ("E208", 1, 1), str(error)
+    assert "`m.a.inv_freq`" in d.message and "`m.b.inv_freq`" in d.message, d.message
 
 
 def test_drop_with_guard_and_otherwise(tmp_path):
@@ -156,11 +160,15 @@ def test_drop_with_guard_and_otherwise(tmp_path):
 
 
 def test_tied_embedding_fans_out(tmp_path):
-    folder = write_checkpoint(tmp_path, {"model.embed_tokens.weight": randn(4, 2)})
+    source = randn(4, 2)
+    folder = write_checkpoint(tmp_path, {"model.embed_tokens.weight": source})
     target, report = load_text("model.embed_tokens.weight -> embed\n"
                                "model.embed_tokens.weight -> head when config.tie\n",
                                folder, {"tie": True})
-    assert torch.equal(target["embed"], target["head"])
+    assert sorted(target) == ["embed", "head"]
+    assert torch.equal(target["embed"], source) and torch.equal(target["head"], source)
+    assert target["embed"].data_ptr() != target["head"].data_ptr()  # two tensors, not one aliased
+    assert report.bytes_read == 2 * source.nbytes  # each target reads its own copy
 
 
 def test_cast_and_value_steps(tmp_path):
@@ -225,8 +233,10 @@ def test_compiled_is_frozen_serializable_and_stable(tmp_path):
     b = compile_text("e.{E}.w -> w | stack(E, dim=1)\n", folder)
     assert a.digest() == b.digest()
     assert type(a).model_validate_json(a.model_dump_json()) == a
-    with pytest.raises(Exception):
+    with pytest.raises(pydantic.ValidationError) as info:
         a.runtime_tensors = ()
+    assert [e["type"] for e in info.value.errors()] == ["frozen_instance"]
+    assert a.runtime_tensors == b.runtime_tensors and len(a.runtime_tensors) == 1
 
 
 def test_explain_command(tmp_path, capsys):
@@ -322,7 +332,7 @@ def test_a_switched_off_rule_consumes_nothing(tmp_path):
 def test_a_guard_over_captures_that_no_binding_satisfies_switches_the_rule_off(tmp_path):
     folder = write_checkpoint(tmp_path, {f"m.{L}.w": randn(2) for L in range(3)} | {"m.2.v": randn(2)})
     rules = "m.{L}.w -> w.{L}\nm.{L}.w, m.{L}.x -> x.{L} when L >= 5 | concat(dim=0)\nm.2.v -> v\n"
-    assert len(compile_text(rules, folder).runtime_tensors) == 4
+    assert [d.runtime_key for d in compile_text(rules, folder).runtime_tensors] == ["v", "w.0", "w.1", "w.2"]
     error = bind_error(rules.replace("L >= 5", "L >= 1"), folder)
     assert error.diagnostic.code == "E201"
     assert "its guard `L >= 1` holds for (L=1)" in error.diagnostic.hint
@@ -337,7 +347,8 @@ def test_a_guard_over_captures_that_no_binding_satisfies_switches_the_rule_off(t
 
 def test_an_optional_rule_whose_pattern_matches_nothing_is_no_error(tmp_path):
     folder = write_checkpoint(tmp_path, {"a.w": randn(2)})
-    assert len(compile_text("a.w -> b\noptional lm_head.weight -> out when 1 < 2\n", folder).runtime_tensors) == 1
+    compiled = compile_text("a.w -> b\noptional lm_head.weight -> out when 1 < 2\n", folder)
+    assert [(d.runtime_key, d.ckpt_keys) for d in compiled.runtime_tensors] == [("b", ("a.w",))]
 
 
 @pytest.mark.parametrize("rule, code", [
