@@ -55,6 +55,22 @@ def test_a_config_key_read_without_a_default_is_e211(checkpoint, config, why):
     assert str(info.value).startswith("t.remap:2:15: error[E211]:")
 
 
+@pytest.mark.parametrize("rule, config, message, span", [
+    ("a.w -> b\n    | pad(dim=0, to=config.n)\n", {"n": [4, 8]}, "`to` must be an integer, got [4, 8]",
+     (3, 21, 3, 29)),
+    ("a.w -> b when config.n\n", {"n": 3}, "a `when` guard must be true or false, got 3", (2, 15, 2, 23)),
+    ("a.w -> b\n    | scale(config.s)\n", {"s": "big"},
+     "`config.s` is str, not a number, a boolean, a list or a dtype name", (3, 13, 3, 21)),
+])
+def test_a_value_of_the_wrong_kind_is_e210_at_the_expression(checkpoint, rule, config, message, span):
+    """Known only once the config is read: the parser cannot tell, the compiler points at the value."""
+    rules = rules_from_text("remap 1\n" + rule, "t.remap")
+    with pytest.raises(remapdsl.RemapError) as info:
+        remapdsl.compile_rules(rules, checkpoint, config)
+    (d,) = info.value.diagnostics
+    assert (d.code, d.message, d.span[:5]) == ("E210", message, ("t.remap", *span)), d
+
+
 def test_a_config_json_that_is_not_json_is_e212(checkpoint):
     (checkpoint / "config.json").write_text('{"hidden_size": 8,}')
     rules = rules_from_text("remap 1\na.w -> b\n", "t.remap")
