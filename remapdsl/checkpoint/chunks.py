@@ -19,6 +19,7 @@ from typing import NamedTuple
 from remapdsl.checkpoint.header import Header, TensorInfo, tensor_nbytes
 from remapdsl.dtypes import BY_NAME
 from remapdsl.errors import Diagnostic
+from remapdsl.trusted import construct
 
 SHARDING_INFO = "DCP_SHARDING_INFO"  # the `__metadata__` entry torch's writer puts in each file
 SAVED_OFFSETS = "saved_offsets"
@@ -71,11 +72,14 @@ def assemble_chunked(headers: Mapping[str, Header], path_of) -> Assembled:
                 plain.setdefault(key, []).append(t)
             continue
         for key, t in header.tensors.items():
-            offsets = _offsets(info.get(key), t, path_of(name), diags)
-            if offsets is None:
-                reported.add(key)
+            entry = info.get(key)
+            offsets = entry.get(SAVED_OFFSETS) if type(entry) is dict else None
+            if type(offsets) is list and len(offsets) == len(t.shape) and all(type(o) is int and o >= 0
+                                                                              for o in offsets):
+                pieces.setdefault(key, []).append((t, tuple(offsets)))
             else:
-                pieces.setdefault(key, []).append((t, offsets))
+                _bad_offsets(entry, t, path_of(name), diags)
+                reported.add(key)
     tensors: dict[str, TensorInfo] = {}
     chunks: dict[str, tuple[Chunk, ...]] = {}
     for key, found in plain.items():
@@ -119,38 +123,34 @@ def _sharding_info(name: str, header: Header, path: str, diags: list[Diagnostic]
     return info
 
 
-def _offsets(entry: object, t: TensorInfo, path: str, diags: list[Diagnostic]) -> tuple[int, ...] | None:
-    """A piece's saved_offsets, checked to be one non-negative int per dim of its shape (E354)."""
-    offsets = entry.get(SAVED_OFFSETS) if isinstance(entry, dict) else None
-    if not (isinstance(offsets, list) and len(offsets) == len(t.shape)
-            and all(type(o) is int and o >= 0 for o in offsets)):
-        found = "no entry" if entry is None else f"{json.dumps(entry)[:80]}"
-        diags.append(_diag("E354", f"{t.file}: `{SHARDING_INFO}` for tensor `{t.ckpt_key}` {list(t.shape)} must be "
-                           f"{{\"{SAVED_OFFSETS}\": [{len(t.shape)} non-negative ints]}}, found {found}", path,
-                           "the file was not written whole by torch.distributed.checkpoint's "
-                           "HuggingFaceStorageWriter; write the checkpoint again"))
-        return None
-    return tuple(offsets)
+def _bad_offsets(entry: object, t: TensorInfo, path: str, diags: list[Diagnostic]) -> None:
+    """A piece whose saved_offsets are not one non-negative int per dim of its shape (E354)."""
+    found = "no entry" if entry is None else f"{json.dumps(entry)[:80]}"
+    diags.append(_diag("E354", f"{t.file}: `{SHARDING_INFO}` for tensor `{t.ckpt_key}` {list(t.shape)} must be "
+                       f"{{\"{SAVED_OFFSETS}\": [{len(t.shape)} non-negative ints]}}, found {found}", path,
+                       "the file was not written whole by torch.distributed.checkpoint's "
+                       "HuggingFaceStorageWriter; write the checkpoint again"))
 
 
 def _chunked(key: str, found: list, path_of, diags: list[Diagnostic]) -> tuple[TensorInfo, tuple[Chunk, ...]] | None:
     """One tensor from its pieces: same dtype and rank, boxes that tile the box where they end."""
     first = found[0][0]
-    files = sorted({t.file for t, _ in found})
-    dtypes = {t.dtype for t, _ in found}
-    if len(dtypes) > 1:
+    dtype, rank = first.dtype, len(first.shape)
+    if any(t.dtype != dtype for t, _ in found):
         shown = ", ".join(f"{t.file}: {t.dtype}" for t, _ in found[:6])
         diags.append(_diag("E353", f"tensor `{key}`: its chunks disagree on the dtype ({shown})",
                            path_of(first.file), "every rank must save the tensor in one dtype"))
         return None
-    ranks = {len(t.shape) for t, _ in found}
-    if len(ranks) > 1:
+    if any(len(t.shape) != rank for t, _ in found):
         shown = ", ".join(f"{t.file}: {list(t.shape)}" for t, _ in found[:6])
         diags.append(_diag("E352", f"tensor `{key}`: its chunks have different numbers of dims ({shown})",
                            path_of(first.file)))
         return None
-    shape = tuple(max(o + n for o, n in dims) for dims in
-                  zip(*[tuple(zip(offsets, t.shape)) for t, offsets in found])) if first.shape else ()
+    ends = [0] * rank
+    for t, offsets in found:
+        for k, (o, n) in enumerate(zip(offsets, t.shape)):
+            ends[k] = max(ends[k], o + n)
+    shape = tuple(ends)
     chunks = sorted((Chunk(t.file, t.byte_offset, offsets, tuple(t.shape)) for t, offsets in found
                      if prod(t.shape)), key=lambda c: (c.offsets, c.file))
     covered = sum(prod(c.sizes) for c in chunks)
@@ -162,6 +162,7 @@ def _chunked(key: str, found: list, path_of, diags: list[Diagnostic]) -> tuple[T
         return None
     total = prod(shape)
     if covered != total:
+        files = sorted({t.file for t, _ in found})
         diags.append(_diag("E350", f"tensor `{key}` {list(shape)}: its chunks in {', '.join(files[:6])}"
                            f"{' …' if len(files) > 6 else ''} cover {covered} of its {total} elements: a gap"
                            f"{_gap(chunks, shape)}", path_of(first.file),
@@ -169,8 +170,8 @@ def _chunked(key: str, found: list, path_of, diags: list[Diagnostic]) -> tuple[T
         return None
     nbytes = tensor_nbytes(BY_NAME[first.dtype], shape)
     head = chunks[0]
-    return (TensorInfo.model_construct(ckpt_key=key, file=head.file, dtype=first.dtype, shape=shape,
-                                       byte_offset=head.byte_offset, nbytes=nbytes), tuple(chunks))
+    return (construct(TensorInfo, ckpt_key=key, file=head.file, dtype=dtype, shape=shape,
+                      byte_offset=head.byte_offset, nbytes=nbytes), tuple(chunks))
 
 
 def _first_overlap(chunks: list[Chunk]) -> tuple[Chunk, Chunk] | None:

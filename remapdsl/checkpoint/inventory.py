@@ -430,7 +430,7 @@ def _assemble(
 def _assemble_chunked(root: str, headers: dict[str, Header], ignored: tuple[str, ...]) -> Inventory:
     """A folder written by DCP's distributed safetensors writer: each key one tensor of chunks; a
     key both in a file without sharding info and elsewhere is still in two files (E324)."""
-    made = assemble_chunked(headers, lambda name: os.path.join(root, *name.split("/")))
+    made = assemble_chunked(headers, lambda name: os.path.join(root, *name.split("/")))  # paths: for errors
     diags = made.diagnostics
     for ckpt_key in sorted({k for h in headers.values() for k in h.tensors} - set(made.tensors) - made.reported):
         names = [n for n, h in headers.items() if ckpt_key in h.tensors]
