@@ -103,6 +103,12 @@ class RemapError(Exception):
         """The first diagnostic, for callers and tests that expect exactly one."""
         return self.diagnostics[0]
 
+    def __reduce__(self):
+        """Rebuilt from its diagnostics (and any attributes set on it, such as `failed_ranks`): the
+        default would call the class with the rendered text. torch.distributed.checkpoint pickles
+        what a rank raised inside its steps to send it to the others."""
+        return type(self), (self.diagnostics,), self.__dict__ or None
+
     def render(self) -> str:
         shown = [d.render() for d in self.diagnostics[:MAX_SHOWN]]
         rest = len(self.diagnostics) - MAX_SHOWN

@@ -33,10 +33,7 @@ _log = logging.getLogger("remapdsl")
 
 
 class AdapterError(RemapError):
-    """A torchtitan checkpointer call the rules cannot serve (E610-E619); survives pickling."""
-
-    def __reduce__(self):
-        return type(self), (self.diagnostics,)
+    """A torchtitan checkpointer call the rules cannot serve (E610-E619)."""
 
 
 def _fail(code: str, message: str, hint: str | None = None, path: str | None = None) -> AdapterError:

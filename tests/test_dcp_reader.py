@@ -277,17 +277,19 @@ def test_validate_checkpoint_id(tmp_path):
 
 
 def test_errors_cross_dcp_exchanges_intact():
-    """DCP pickles what a rank raised to send it to the others: the diagnostics must survive."""
+    """DCP pickles what a rank raised to send it to the others: class, diagnostics and the
+    attributes set on the error must survive."""
     import pickle
 
     from remapdsl.dcp import ReaderError
-    from remapdsl.dcp.errors import portable
     from remapdsl.errors import BindError, Diagnostic
 
     for error in (ReaderError(Diagnostic(code="E600", message="m", hint="h")),
-                  portable(BindError(Diagnostic(code="E232", message="m")))):
+                  BindError(Diagnostic(code="E232", message="m"))):
+        error.failed_ranks = (1,)
         again = pickle.loads(pickle.dumps(error))
-        assert again.diagnostics == error.diagnostics and str(again) == str(error)
+        assert type(again) is type(error) and again.diagnostics == error.diagnostics
+        assert str(again) == str(error) and again.failed_ranks == (1,)
 
 
 def _four_ranks(rank: int, world: int, cases: dict) -> bool:

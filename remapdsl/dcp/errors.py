@@ -1,14 +1,13 @@
 """The reader's errors, and errors made fit to cross DCP's collectives (codes E600-E609).
 
 DCP runs a StorageReader's and its planner's steps inside its own exchanges, which pickle whatever a
-rank raised to send it to the others (torch.distributed.checkpoint.utils `_DistWrapper`); an error
-that cannot be rebuilt from its pickle would fail that exchange instead of being reported. So every
-RemapError raised inside DCP's steps goes out as one that can.
+rank raised to send it to the others (torch.distributed.checkpoint.utils `_DistWrapper`): every
+RemapError is rebuilt from its pickle with its class and diagnostics (`RemapError.__reduce__`), and
+`remap_errors` takes it back out of the CheckpointException DCP wraps it in.
 """
 
 from __future__ import annotations
 
-import pickle
 from collections.abc import Iterator
 from contextlib import contextmanager
 
@@ -16,19 +15,7 @@ from ..errors import Diagnostic, RemapError
 
 
 class ReaderError(RemapError):
-    """A request of `dcp.load` that the rules cannot serve (E600-E609); survives pickling."""
-
-    def __reduce__(self):
-        return type(self), (self.diagnostics,)
-
-
-def portable(exc: RemapError) -> RemapError:
-    """`exc` itself if it survives a pickle round trip, else a ReaderError with its diagnostics."""
-    try:
-        pickle.loads(pickle.dumps(exc))
-        return exc
-    except Exception:  # noqa: BLE001 - any failure to round-trip means: send the diagnostics instead
-        return ReaderError(exc.diagnostics)
+    """A request of `dcp.load` that the rules cannot serve (E600-E609); pickles, as every RemapError."""
 
 
 def fail(code: str, message: str, hint: str | None = None, path: str | None = None) -> ReaderError:

@@ -26,7 +26,6 @@ from torch.distributed.checkpoint.storage import StorageReader
 from torch.futures import Future
 
 from ..checkpoint.snapshot import require_data
-from ..errors import RemapError
 from ..gcpause import paused_gc
 from ..indexmap import Box
 from ..language.includes import RuleSet
@@ -114,11 +113,8 @@ class RuleStorageReader(StorageReader):
 
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
         """Read every request of `plan` into the tensors `planner` resolves, then commit them."""
-        try:
-            with paused_gc():
-                self.report = self._read(plan, planner)
-        except RemapError as exc:  # crosses DCP's exchange: must survive pickling
-            raise errors.portable(exc) from None
+        with paused_gc():  # a RemapError raised here crosses DCP's exchange pickled, intact
+            self.report = self._read(plan, planner)
         done: Future[None] = Future()
         done.set_result(None)
         return done
