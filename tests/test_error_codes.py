@@ -25,7 +25,7 @@ from remapdsl.language.includes import load_rules
 
 ROOT = Path(__file__).resolve().parent.parent
 TESTS = ROOT / "tests"
-ERRORS = TESTS / "corpus" / "errors"
+CORPUS = TESTS / "corpus"
 DOCS = sorted((ROOT / "docs").glob("*.md")) + [ROOT / "README.md"]
 CODE = re.compile(r"(?<![A-Za-z0-9])E\d{3}(?![0-9])")
 RENDERED = re.compile(r"error\[(E\d{3})\]")
@@ -324,10 +324,11 @@ def test_b():
 
 
 def evidence() -> dict[str, str]:
-    """Code -> where a test asserts it: an .err file of the error corpus (tests/test_error_corpus.py
-    compares each with the rendered error, codes and spans included), or a test source."""
+    """Code -> where a test asserts it: an .err file of the error or binding corpus (which
+    tests/test_error_corpus.py and tests/test_bind_corpus.py compare with the rendered error, codes
+    and spans included), or a test source."""
     found: dict[str, str] = {}
-    for err in sorted(ERRORS.rglob("*.err")):
+    for err in sorted(CORPUS.rglob("*.err")):
         for code in RENDERED.findall(err.read_text(encoding="utf-8", errors="replace")):
             found.setdefault(code, err.relative_to(ROOT).as_posix())
     for test in sorted(TESTS.rglob("*.py")):
