@@ -152,7 +152,10 @@ def _one_bad_rank_fails_everyone(rank: int) -> None:
         state["model.norm.weight"] = torch.empty(3)
     with pytest.raises(remapdsl.RemapError) as info:
         remapdsl.load(state, CHECKPOINT, RULES)
-    assert "model.norm.weight" in str(info.value)
+    (d,) = info.value.diagnostics  # rank 1's own error, raised on every rank
+    assert d.code == "E232" and d.span.path.endswith("qwen3_moe.remap"), str(info.value)
+    assert d.message == ("`model.norm.weight` is [3] float32 in the model, but the rules make it [16] float32"
+                         " (on rank 1)"), d.message
 
 
 
