@@ -131,6 +131,30 @@ def test_verify_against_transformers_without_it_is_e530(checkpoint, monkeypatch,
     assert "error[E530]: `--against transformers` needs transformers, which is not installed" in err, err
 
 
+@pytest.mark.parametrize("plan, mesh, rank, code, message, key", [
+    ({"b": [("shard", 2)]}, {"tp": 2}, 0, "E405", "placement S(2) names dim 2 of a 2-d tensor", "b"),
+    ({"b": [("shard", 0)]}, {"dp": 2, "tp": 2}, 0, "E403", "rule `b` gives 1 placements for a 2-d mesh", "b"),
+    ({"b": "colwise"}, {"dp": 2}, 0, "E408", "the mesh has no dim `tp`", None),
+    ({"b": "colwise"}, {"tp": 2}, 2, "E404", "rank 2 is outside a mesh of 2 ranks", None),
+    ({"b": [("strided", 0)]}, {"tp": 2}, 0, "E406", "split_factor must be at least 1, got 0", None),
+    ({"b": "colwse"}, {"tp": 2}, 0, "E407", "unknown layout style `colwse`", "b"),
+])
+def test_a_layout_that_does_not_fit_names_the_tensor_or_the_mesh(checkpoint, plan, mesh, rank, code, message, key):
+    """Planning one rank of a job in one process (remapdsl.plan_rank): each mistake's code, its
+    message and the runtime key it names (none for a mistake in the mesh or the rank)."""
+    from remapdsl.sharding import LayoutPlan, Mesh, Shard, StridedShard
+
+    rules = rules_from_text("remap 1\na.w -> b\n    | transpose(0, 1)\n", "t.remap")  # b is [2, 4]
+    inventory = remapdsl.open_checkpoint(checkpoint)
+    compiled = remapdsl.compile_rules(rules, inventory, {})
+    made = {"shard": lambda n: Shard(dim=n), "strided": lambda n: StridedShard(dim=0, split_factor=n)}
+    with pytest.raises(remapdsl.RemapError) as info:
+        given = {k: v if isinstance(v, str) else [made[kind](n) for kind, n in v] for k, v in plan.items()}
+        remapdsl.plan_rank(compiled, inventory, LayoutPlan.from_mapping(given, mesh_dim="tp"), Mesh.of(mesh), rank)
+    (d,) = info.value.diagnostics
+    assert (d.code, d.message, d.path) == (code, message, key), d
+
+
 # ---- on two gloo ranks ---------------------------------------------------------------------
 
 
