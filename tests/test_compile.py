@@ -221,10 +221,14 @@ def test_model_mismatches_are_reported_before_reading(tmp_path):
     rules = rules_from_text("a -> x\n", "t.remap")
     with pytest.raises(BindError) as info:
         remapdsl.load({"x": torch.empty(3, 2), "y": torch.empty(1)}, folder, rules)
-    assert sorted(d.code for d in info.value.diagnostics) == ["E231", "E232"]
+    assert sorted((d.code, d.message, d.span and d.span.line) for d in info.value.diagnostics) == [
+        ("E231", "model tensor `y` is produced by no rule", None),
+        ("E232", "`x` is [3, 2] float32 in the model, but the rules make it [2, 3] float32", 1)]
     with pytest.raises(BindError) as info:
         remapdsl.load({"z": torch.empty(2, 3)}, folder, rules)
-    assert {d.code for d in info.value.diagnostics} == {"E230", "E231"}
+    assert sorted((d.code, d.message, d.span and d.span.line) for d in info.value.diagnostics) == [
+        ("E230", "the rules produce `x`, but the model has no such tensor", 1),
+        ("E231", "model tensor `z` is produced by no rule", None)]
 
 
 def test_compiled_is_frozen_serializable_and_stable(tmp_path):
