@@ -155,6 +155,77 @@ def test_a_layout_that_does_not_fit_names_the_tensor_or_the_mesh(checkpoint, pla
     assert (d.code, d.message, d.path) == (code, message, key), d
 
 
+# ---- checkpoints, saves and conversions: the file or key each error names --------------------
+
+
+def test_a_folder_without_safetensors_is_e320_naming_it(tmp_path):
+    (tmp_path / "config.json").write_text("{}")
+    with pytest.raises(remapdsl.RemapError) as info:
+        remapdsl.open_checkpoint(tmp_path)
+    (d,) = info.value.diagnostics
+    assert (d.code, d.path) == ("E320", str(tmp_path)), d
+    assert d.message == "no `model.safetensors.index.json` and no `*.safetensors` file in the folder"
+
+
+def test_two_index_files_and_no_default_are_e327_naming_both(tmp_path):
+    save_file({"a.w": torch.ones(2)}, str(tmp_path / "part-1.safetensors"))
+    for name in ("a", "b"):
+        (tmp_path / f"{name}.safetensors.index.json").write_text(
+            json.dumps({"metadata": {}, "weight_map": {"a.w": "part-1.safetensors"}}))
+    with pytest.raises(remapdsl.RemapError) as info:
+        remapdsl.open_checkpoint(tmp_path)
+    (d,) = info.value.diagnostics
+    assert (d.code, d.path) == ("E327", str(tmp_path)), d
+    assert d.message.endswith("none is `model.safetensors.index.json`: a.safetensors.index.json, "
+                              "b.safetensors.index.json"), d.message
+
+
+@pytest.mark.parametrize("where, message", [("out", "the destination exists"),
+                                            ("nowhere/out", "the destination's parent folder does not exist")])
+def test_a_save_to_an_existing_folder_or_a_missing_parent_is_e510(checkpoint, tmp_path, where, message):
+    (tmp_path / "out").mkdir()
+    rules = rules_from_text("remap 1\na.w -> b\n    | transpose(0, 1)\n", "t.remap")
+    with pytest.raises(remapdsl.RemapError) as info:
+        remapdsl.save({"b": torch.ones(2, 4)}, tmp_path / where, rules, like=checkpoint, config={})
+    (d,) = info.value.diagnostics
+    named = tmp_path / where if where == "out" else tmp_path / "nowhere"
+    assert (d.code, d.message, d.path) == ("E510", message, str(named)), d
+    assert list((tmp_path / "out").iterdir()) == []
+
+
+def test_a_reverse_conversion_of_a_checkpoint_in_the_other_layout_is_e521(checkpoint, tmp_path):
+    rules = rules_from_text("remap 1\na.w -> b\n    | transpose(0, 1)\n", "t.remap")
+    with pytest.raises(remapdsl.RemapError) as info:
+        remapdsl.convert(checkpoint, tmp_path / "back", rules, reverse=True, like=checkpoint)
+    (d,) = info.value.diagnostics
+    assert (d.code, d.message, d.path) == ("E521", "`b` is not in the runtime-layout checkpoint", str(checkpoint)), d
+    assert not (tmp_path / "back").exists()
+
+
+def test_auto_without_a_checkpoint_is_e148():
+    with pytest.raises(remapdsl.RemapError) as info:
+        remapdsl.load_rules("auto")
+    (d,) = info.value.diagnostics
+    assert d.code == "E148" and d.message.endswith("and there is no checkpoint here"), d
+    assert "`--checkpoint DIR`" in d.hint and "qwen3_moe" in d.hint
+
+
+@pytest.mark.parametrize("statements, message, line", [
+    (("dequantize a.q, a.s -> x | fp8_tensor(to=bfloat16)\ndequantize b.q, b.s -> x | fp8_tensor(to=bfloat16)\n"
+     "x -> y\na.w -> w\n"), "logical tensor `x` is made twice (also by the statement at t.remap:2:1)", 3),
+    (("dequantize a.q, a.s -> a.w | fp8_tensor(to=bfloat16)\ndequantize b.q, b.s -> x | fp8_tensor(to=bfloat16)\n"
+     "a.w -> y\nx -> z\n"), "logical tensor `a.w` has the name of a checkpoint tensor it does not consume", 2),
+])
+def test_a_logical_tensor_made_twice_or_named_like_a_checkpoint_tensor_is_e223(tmp_path, statements, message, line):
+    save_file({"a.q": torch.randn(4, 2).to(torch.float8_e4m3fn), "a.s": torch.tensor(0.5),
+               "b.q": torch.randn(4, 2).to(torch.float8_e4m3fn), "b.s": torch.tensor(0.5), "a.w": torch.ones(2)},
+              str(tmp_path / "model.safetensors"))
+    with pytest.raises(remapdsl.RemapError) as info:
+        remapdsl.compile_rules(rules_from_text("remap 1\n" + statements, "t.remap"), tmp_path, {}, strict=False)
+    (d,) = [d for d in info.value.diagnostics if d.code == "E223"]
+    assert d.message == message and d.span[:3] == ("t.remap", line, 1), d
+
+
 # ---- on two gloo ranks ---------------------------------------------------------------------
 
 
