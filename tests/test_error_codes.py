@@ -155,6 +155,18 @@ def test_a_layout_that_does_not_fit_names_the_tensor_or_the_mesh(checkpoint, pla
     assert (d.code, d.message, d.path) == (code, message, key), d
 
 
+def test_a_torch_placement_where_remapdsl_s_is_due_is_e402():
+    from torch.distributed.tensor import Shard as TorchShard
+
+    from remapdsl.sharding import local_shard
+
+    with pytest.raises(remapdsl.RemapError) as info:
+        local_shard((2, 4), (2,), [TorchShard(0)], (0,), runtime_key="b")
+    (d,) = info.value.diagnostics
+    assert (d.code, d.message, d.path) == ("E402", "Shard(dim=0) is not a remapdsl placement", "b"), d
+    assert "placements_from_dtensor" in d.hint
+
+
 # ---- checkpoints, saves and conversions: the file or key each error names --------------------
 
 
