@@ -22,7 +22,7 @@ from safetensors.torch import load_file, save_file
 import remapdsl
 from remapdsl.checkpoint import open_inventory
 from remapdsl.checkpoint.snapshot import open_snapshot, write_snapshot
-from remapdsl.errors import RemapError
+from remapdsl.errors import CheckpointError, RemapError
 from remapdsl.runtime.read import run_load_plan
 from remapdsl.sharding import Shard, local_shard
 from remapdsl.sharding.plans import make_load_plan
@@ -152,6 +152,21 @@ def test_a_dcp_sharded_folder_is_one_tensor_per_key_made_of_chunks(folders):
         assert {c.offsets for c in chunks} == ({(0, 0), (shape[0] // 2, 0), (0, shape[1] // 2),
                                                 (shape[0] // 2, shape[1] // 2)} if len(shape) == 2 else
                                                {(0,), (shape[0] // 2,)})
+
+
+def test_a_chunked_tensor_has_no_single_byte_range_to_read(folders):
+    """`CheckpointReader.read_tensor` reads one byte range: a DCP-chunked key names its chunks'
+    files instead of reading the first chunk's range at the whole tensor's length (E357)."""
+    from remapdsl.checkpoint import CheckpointReader
+
+    root, _ = folders
+    inv = open_inventory(root / "dim0")
+    key = next(k for k in sorted(inv.chunks) if k.endswith("q_proj.weight"))
+    with CheckpointReader(inv) as reader, pytest.raises(CheckpointError) as info:
+        reader.read_tensor(key)
+    (d,) = info.value.diagnostics
+    assert d.code == "E357" and f"`{key}` is stored in 2 DCP chunks" in d.message
+    assert d.path == inv.path(inv.tensors[key].file) and "--rules identity" in d.hint
 
 
 def test_a_snapshot_carries_the_chunks(folders, tmp_path):

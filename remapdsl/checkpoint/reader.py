@@ -192,6 +192,18 @@ class CheckpointReader:
                     hint=did_you_mean(ckpt_key, self.inventory.tensors),
                 )
             )
+        chunks = self.inventory.chunks.get(ckpt_key)
+        if chunks is not None:  # its bytes are not one range: the plans read each chunk's part
+            raise CheckpointError(
+                Diagnostic(
+                    code="E357",
+                    message=f"tensor `{ckpt_key}` is stored in {len(chunks)} DCP chunks "
+                    f"({', '.join(sorted({c.file for c in chunks})[:4])}): it has no single byte range to read",
+                    path=self.inventory.path(tensor.file),
+                    hint="load it through rules (remapdsl.load), or consolidate the checkpoint first "
+                    "(`remapdsl convert CKPT OUT --rules identity`)",
+                )
+            )
         view = as_byte_view(buffer)
         if start < 0 or start + view.nbytes > tensor.nbytes:
             raise CheckpointError(
