@@ -23,23 +23,19 @@ import argparse
 import hashlib
 import json
 import os
-import socket
 import statistics
-import subprocess
-import sys
 import time
 from pathlib import Path
 
 from dist_bench import (
     RULE_FILES,
-    child_env,
     data_sections,
     ensure_checkpoint,
     init_group,
     interleaved,
-    parse_result,
     rel,
     shard_range,
+    spawn_ranks,
     tensor_files,
     warm,
     write_rules,
@@ -125,25 +121,6 @@ def child(mode: str, folder: Path, rank: int, world: int, port: int, verify: boo
         dist.destroy_process_group()
 
 
-def spawn_ranks(extra: list[str], world: int = 2, timeout: float = 600) -> list[dict]:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    command = [sys.executable, str(Path(__file__).resolve()), *extra, "--world", str(world), "--port", str(port)]
-    procs = [subprocess.Popen(command + ["--rank", str(r)], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                              text=True, env=child_env(ranks=True), cwd=str(Path(__file__).resolve().parent.parent))
-             for r in range(world)]
-    results = []
-    for proc in procs:
-        try:
-            out, err = proc.communicate(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            out, err = proc.communicate()
-        results.append(parse_result(out, err, proc.returncode))
-    return results
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--runs", type=int, default=5)
@@ -169,7 +146,7 @@ def main() -> None:
     digests: dict[str, list] = {}
 
     def one(mode, verify):
-        ranks = spawn_ranks(["--child", mode] + (["--verify"] if verify else []))
+        ranks = spawn_ranks(["--child", mode] + (["--verify"] if verify else []), 2, script=__file__)
         bad = [r for r in ranks if "error" in r]
         if bad:
             return bad[0]

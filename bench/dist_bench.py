@@ -630,12 +630,13 @@ def spawn(extra: list[str], timeout: float = 600) -> dict:
     return parse_result(proc.stdout, proc.stderr, proc.returncode)
 
 
-def spawn_ranks(extra: list[str], world: int, timeout: float = 600) -> list[dict]:
-    """`world` fresh processes, one per rank, on a fresh TCP port; their results by rank."""
+def spawn_ranks(extra: list[str], world: int, timeout: float = 600, script: str = __file__) -> list[dict]:
+    """`world` fresh processes of `script` (this one by default), one per rank, on a fresh TCP port;
+    their results by rank."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    command = [sys.executable, str(Path(__file__).resolve()), *extra,
+    command = [sys.executable, str(Path(script).resolve()), *extra,
                "--world", str(world), "--port", str(port)]
     procs = [subprocess.Popen(command + ["--rank", str(r)], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                               text=True, env=child_env(ranks=True), cwd=str(HERE.parent))
