@@ -144,7 +144,8 @@ def load(state_dict, checkpoint, rules, *, config: Mapping[str, Any] | None = No
 
 
 def save(state_dict, folder, rules, *, like=None, config: Mapping[str, Any] | None = None, layout=None,
-         mesh=None, overwrite: bool = False, allow_lossy: bool = False, requantize: bool = False):
+         mesh=None, overwrite: bool = False, allow_lossy: bool = False, requantize: bool = False,
+         dropped: str = "error"):
     """Write runtime tensors back to the checkpoint layout `like` through the rules that load it,
     every rank its own bytes (no gather); returns a SaveReport.
 
@@ -162,17 +163,23 @@ def save(state_dict, folder, rules, *, like=None, config: Mapping[str, Any] | No
         allow_lossy: write back tensors that the rules read through a cast that loses values.
         requantize: write dequantized tensors with new scales computed from their values (fp8_block:
             amax / 448 per block), not the stored ones; each block must be whole on one rank.
+        dropped: what becomes of the checkpoint tensors the rules `drop` (a DeepSeek-V3 MTP layer's
+            copies, `rotary_emb.inv_freq`): `"error"` (the default) refuses the save (E501);
+            `"copy"` copies them unchanged from `like` (same bytes, dtype and position: an unchanged
+            model still saves byte-identical files); `"omit"` leaves them out (the files, headers and
+            index lack them, the rest laid out as safetensors lays out a file; a file left empty is
+            not written). Copies are split among the ranks by bytes, no gather.
     """
     from .runtime.save import save as _save
 
     require_data(like, "a save (`like`)")
     rules = _rules_for(rules, like, config)
     return _save(state_dict, folder, rules, like=like, config=config, layout=layout, mesh=mesh,
-                 overwrite=overwrite, allow_lossy=allow_lossy, requantize=requantize)
+                 overwrite=overwrite, allow_lossy=allow_lossy, requantize=requantize, dropped=dropped)
 
 
 def convert(src, dst, rules, *, reverse: bool = False, like=None, max_shard_bytes: int = 5 * 10**9,
-            budget_bytes: int = 1 << 30, overwrite: bool = False, progress=None):
+            budget_bytes: int = 1 << 30, overwrite: bool = False, progress=None, dropped: str = "error"):
     """Convert checkpoint `src` into `dst` through `rules`, offline, in batches, on any number of
     ranks; returns a ConvertReport.
 
@@ -188,6 +195,8 @@ def convert(src, dst, rules, *, reverse: bool = False, like=None, max_shard_byte
         budget_bytes: runtime tensors held at once by a rank (a larger tensor is held alone).
         overwrite: replace an existing `dst` (only once the new one is complete).
         progress: called with (bytes done, bytes in all) on this rank after each batch.
+        dropped: reverse only: `"error"`, `"copy"` or `"omit"` for the tensors of `like` the rules
+            drop, as for `save`.
     """
     from .runtime.convert import convert as _convert
 
@@ -195,7 +204,7 @@ def convert(src, dst, rules, *, reverse: bool = False, like=None, max_shard_byte
     require_data(like, "a conversion (`like`)")
     rules = _rules_for(rules, like if reverse else src)
     return _convert(src, dst, rules, reverse=reverse, like=like, max_shard_bytes=max_shard_bytes,
-                    budget_bytes=budget_bytes, overwrite=overwrite, progress=progress)
+                    budget_bytes=budget_bytes, overwrite=overwrite, progress=progress, dropped=dropped)
 
 
 __all__ = [

@@ -132,6 +132,9 @@ def _parser() -> argparse.ArgumentParser:
     convert.add_argument("--memory", default="1GB", metavar="SIZE",
                          help="tensors a rank holds at once (default 1GB; a larger tensor alone)")
     convert.add_argument("--overwrite", action="store_true", help="replace DST once the new one is complete")
+    convert.add_argument("--dropped", choices=("copy", "omit", "error"), default="error",
+                         help="with --reverse: the tensors of --like the rules drop are copied unchanged "
+                         "(copy), left out (omit) or refused (error, the default)")
     convert.set_defaults(run=_convert)
 
     snapshot = commands.add_parser(
@@ -409,7 +412,8 @@ def _convert(args: argparse.Namespace) -> int:
         rules = _rules_arg(args.rules, args.like if args.reverse else args.src)
         report = remapdsl.convert(args.src, args.dst, rules, reverse=args.reverse, like=args.like,
                                   max_shard_bytes=_size(args.max_shard_size, "--max-shard-size"),
-                                  budget_bytes=_size(args.memory, "--memory"), overwrite=args.overwrite, progress=progress)
+                                  budget_bytes=_size(args.memory, "--memory"), overwrite=args.overwrite, progress=progress,
+                                  dropped=args.dropped)
         if tty:
             print(file=sys.stderr)
         if rank == 0:

@@ -125,28 +125,67 @@ def new_layout(root: str, tensors: Mapping[str, tuple[str, tuple[int, ...]]], ma
     infos, files, headers = {}, {}, {}
     meta = dict(metadata or {"format": "pt"})
     for name, keys in zip(names, groups):
-        keys.sort(key=lambda k: (-_SAFETENSORS_ORDER.index(BY_NAME[tensors[k][0]].safetensors), k))
-        entries, at = {}, 0
-        for key in keys:
-            dtype, shape = tensors[key]
-            n = nbytes(dtype, shape)
-            entries[key] = {"dtype": BY_NAME[dtype].safetensors, "shape": list(shape), "data_offsets": [at, at + n]}
-            at += n
-        text = json.dumps({"__metadata__": meta, **entries}, separators=(",", ":")).encode()
-        text += b" " * (-len(text) % 8)
-        header = len(text).to_bytes(8, "little") + text
-        headers[name] = header
-        files[name] = FileInfo(file=name, nbytes=len(header) + at, data_offset=len(header), metadata=meta)
-        for key, entry in entries.items():
-            infos[key] = TensorInfo(ckpt_key=key, file=name, dtype=tensors[key][0], shape=tuple(tensors[key][1]),
-                                    byte_offset=len(header) + entry["data_offsets"][0],
-                                    nbytes=entry["data_offsets"][1] - entry["data_offsets"][0])
+        headers[name], files[name] = _lay_out_file(name, keys, tensors, meta, infos)
     index = None if len(names) == 1 else {
         "metadata": {"total_size": sum(i.nbytes for i in infos.values())},
         "weight_map": {k: infos[k].file for k in sorted(infos)}}
     inventory = Inventory(root=root, tensors=infos, files=files,
                           index_file=None if index is None else "model.safetensors.index.json")
     return NewLayout(inventory, headers, index)
+
+
+def _lay_out_file(name: str, keys: list[str], tensors: Mapping[str, tuple[str, tuple[int, ...]]],
+                  meta: Mapping[str, str], infos: dict) -> tuple[bytes, FileInfo]:
+    """One file of `keys` as `safetensors` lays it out (tensors by dtype, then name; the header
+    padded to 8 bytes, `__metadata__` first when there is any): its header bytes and FileInfo; the
+    tensors' TensorInfos are added to `infos`."""
+    keys = sorted(keys, key=lambda k: (-_SAFETENSORS_ORDER.index(BY_NAME[tensors[k][0]].safetensors), k))
+    entries, at = {}, 0
+    for key in keys:
+        dtype, shape = tensors[key]
+        n = nbytes(dtype, shape)
+        entries[key] = {"dtype": BY_NAME[dtype].safetensors, "shape": list(shape), "data_offsets": [at, at + n]}
+        at += n
+    text = json.dumps({"__metadata__": dict(meta), **entries} if meta else entries, separators=(",", ":")).encode()
+    text += b" " * (-len(text) % 8)
+    header = len(text).to_bytes(8, "little") + text
+    for key, entry in entries.items():
+        infos[key] = TensorInfo(ckpt_key=key, file=name, dtype=tensors[key][0], shape=tuple(tensors[key][1]),
+                                byte_offset=len(header) + entry["data_offsets"][0],
+                                nbytes=entry["data_offsets"][1] - entry["data_offsets"][0])
+    return header, FileInfo(file=name, nbytes=len(header) + at, data_offset=len(header), metadata=dict(meta))
+
+
+def without(like: Inventory, omitted) -> NewLayout:
+    """`like`'s layout less the tensors `omitted`: the same files, each holding the rest of its
+    tensors laid out as `new_layout` lays out a file (with its own `__metadata__`); a file left
+    empty is not written and the index does not name it (a checkpoint without an index keeps its
+    one file). The index is `like`'s own with its weight map and total size cut to match (None
+    here: `omitted_index` reads it, on the rank that commits)."""
+    omitted = set(omitted)
+    kept: dict[str, list[str]] = {name: [] for name in like.files}
+    for key, info in like.tensors.items():
+        if key not in omitted:
+            kept[info.file].append(key)
+    shapes = {k: (t.dtype, t.shape) for k, t in like.tensors.items() if k not in omitted}
+    infos, files, headers = {}, {}, {}
+    for name, keys in kept.items():
+        if keys or like.index_file is None:
+            headers[name], files[name] = _lay_out_file(name, keys, shapes, like.files[name].metadata, infos)
+    inventory = Inventory(root=like.root, tensors=infos, files=files, index_file=like.index_file)
+    return NewLayout(inventory, headers, None)
+
+
+def omitted_index(like: Inventory, out: Inventory) -> dict | None:
+    """`like`'s index (None without one) naming only the tensors of `out`, its total size theirs."""
+    if like.index_file is None:
+        return None
+    with open(os.path.join(like.root, like.index_file)) as f:
+        index = json.load(f)
+    index["weight_map"] = {k: name for k, name in index.get("weight_map", {}).items() if k in out.tensors}
+    if isinstance(index.get("metadata"), dict) and "total_size" in index["metadata"]:
+        index["metadata"]["total_size"] = sum(t.nbytes for t in out.tensors.values())
+    return index
 
 
 def create_files(staging: Path, like: Inventory, headers: Mapping[str, bytes] | None = None) -> None:

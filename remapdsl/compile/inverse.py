@@ -5,7 +5,8 @@ backwards. Each element of a checkpoint tensor S must be written once: where sev
 the same region of S (a tied embedding taken by two rules, `repeat`), the first in rule-file
 order writes it. A region of S that no runtime tensor holds (a `slice` dropped it, a `drop`
 removed S) cannot be written, and a cast that loses values on load (float32 read into bfloat16)
-cannot be undone: both fail the save before any byte is written (E501-E503).
+cannot be undone: both fail the save before any byte is written (E501-E503), unless the caller
+chose what happens to the dropped tensors (`dropped="copy"` or `"omit"`, remapdsl/runtime/save.py).
 """
 
 from __future__ import annotations
@@ -33,9 +34,14 @@ class Writer(NamedTuple):
     steps: tuple[tuple[str, str | float], ...]
 
 
-def writers(compiled: Compiled, *, allow_lossy: bool = False, requantize: bool = False) -> list[Writer]:
+DROPPED = ("error", "copy", "omit")  # what a save does with the checkpoint tensors the rules drop
+
+
+def writers(compiled: Compiled, *, allow_lossy: bool = False, requantize: bool = False,
+            dropped: str = "error") -> list[Writer]:
     """The blocks that write every checkpoint tensor the compiled rules read, each region once;
-    raises RemapError naming every tensor that cannot be written back."""
+    raises RemapError naming every tensor that cannot be written back. A tensor the rules drop is
+    an error only with `dropped="error"`: otherwise the caller copies or omits it (`dropped_keys`)."""
     logical = compiled.logical_by_key()
     sources = {s.ckpt_key: s for s in compiled.ckpt_tensors}
     order = sorted(compiled.runtime_tensors, key=lambda d: (d.rule.path, d.rule.line, d.rule.column)
@@ -79,7 +85,7 @@ def writers(compiled: Compiled, *, allow_lossy: bool = False, requantize: bool =
             for piece in _new_parts(block, source.shape, cover):  # what earlier rules left: first rule wins
                 chosen[key].append(Writer(d.runtime_key, piece, steps))
     dequantized = {part for source in logical.values() for part in source.parts}
-    dropped = set(compiled.dropped)
+    choice, dropped = dropped, set(compiled.dropped)
     checked = [(k, s) for k, s in sources.items() if k not in dequantized] + list(logical.items())
     incomplete = {k for k, c in covered.items() if c.left}
     for key, source in checked:  # the parts of a dequantized tensor: its values through it, scales copied
@@ -87,8 +93,16 @@ def writers(compiled: Compiled, *, allow_lossy: bool = False, requantize: bool =
             continue  # E502 or E503 above, or written whole
         total = volume(source.shape)
         held = total - covered[key].left if key in chosen else 0  # blocks stay inside their source
-        if key in dropped or not held:
-            why = "is dropped by the rules" if key in dropped else "is read by no rule"
+        if key in dropped and not held and choice != "error":
+            continue  # copied from `like` or left out by the caller
+        if key in dropped and not held:
+            problems.append(Diagnostic(code="E501", message=f"checkpoint tensor `{key}` is dropped by the "
+                                       "rules: no runtime tensor holds it",
+                                       hint="the save writes back only what the load read: pass "
+                                       "dropped=\"copy\" (`--dropped copy`) to copy it unchanged from `like`, "
+                                       "or dropped=\"omit\" (`--dropped omit`) to leave it out of the output"))
+        elif not held:
+            why = "is read by no rule"
             problems.append(Diagnostic(code="E501", message=f"checkpoint tensor `{key}` {why}: no runtime "
                                        "tensor holds it", hint="the save writes back only what the load read"))
         elif held != total:
@@ -120,6 +134,12 @@ def copied_parts(compiled: Compiled) -> list[str]:
     """Scales of dequantized tensors: a save writes the values back with them, so they are copied
     from the checkpoint the output is like, byte for byte."""
     return sorted(part for source in compiled.logical for part in source.parts[1:])
+
+
+def dropped_keys(compiled: Compiled, inventory) -> list[str]:
+    """The checkpoint tensors (of `inventory`, the checkpoint the rules read) that the rules drop: a
+    save copies them unchanged from that checkpoint, or leaves them out."""
+    return [k for k in compiled.dropped if k in inventory.tensors]
 
 
 class _Covered:

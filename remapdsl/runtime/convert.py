@@ -25,8 +25,7 @@ from pydantic import BaseModel, ConfigDict
 
 from ..checkpoint import CheckpointReader
 from ..checkpoint.reader import as_byte_view
-from ..checkpoint.writer import new_layout
-from ..compile.inverse import copied_parts
+from ..checkpoint.writer import new_layout, omitted_index
 from ..compile.inverse import writers as derive_writers
 from ..errors import Diagnostic, RemapError
 from ..gcpause import paused_gc
@@ -36,7 +35,7 @@ from ..sharding.plans import make_load_plan, make_write_plan
 from . import dist
 from .prepare import compile_everywhere
 from .read import run_load_plan
-from .save import copy_tensors, write_output
+from .save import check_dropped, copied_keys, copy_bytes, copy_share, output_layout, write_output
 from .write import run_write_plan
 
 BATCH_BYTES = 64 << 20  # the most a forward batch holds, whatever the budget
@@ -55,20 +54,21 @@ class ConvertReport(BaseModel):
 
 def convert(src, dst, rules, *, reverse: bool = False, like=None, max_shard_bytes: int = 5 * 10**9,
             budget_bytes: int = 1 << 30, overwrite: bool = False,
-            progress: Callable[[int, int], None] | None = None) -> ConvertReport:
+            progress: Callable[[int, int], None] | None = None, dropped: str = "error") -> ConvertReport:
     """Convert checkpoint `src` into `dst` through `rules`; the arguments are `remapdsl.convert`'s."""
     with paused_gc():
         return _convert(src, Path(dst).absolute(), rules, reverse, like, max_shard_bytes, budget_bytes,
-                        overwrite, progress)
+                        overwrite, progress, dropped)
 
 
-def _convert(src, dst: Path, rules, reverse, like, max_shard_bytes, budget_bytes, overwrite, progress):
+def _convert(src, dst: Path, rules, reverse, like, max_shard_bytes, budget_bytes, overwrite, progress, dropped):
     start = time.perf_counter()
 
     def check_like() -> None:
         if reverse and like is None:
             raise RemapError(Diagnostic(code="E520", message="a reverse conversion writes the layout of the "
                                         "original checkpoint: give it with `like` (`--like DIR`)"))
+        check_dropped(dropped)
 
     # the layout the rules read
     checkpoint, compiled = compile_everywhere(rules, like if reverse else src, check=check_like)
@@ -79,8 +79,12 @@ def _convert(src, dst: Path, rules, reverse, like, max_shard_bytes, budget_bytes
     if reverse:
         dist.together(lambda: _check_runtime_source(compiled, runtime_source, src),
                       phase="checking the runtime checkpoint")
-        chosen = dist.together(lambda: derive_writers(compiled), phase="deriving the writers")
-        out_inventory, headers, index, copy_from = checkpoint, None, None, checkpoint.root
+        chosen, out = dist.together(lambda: (derive_writers(compiled, dropped=dropped),
+                                             output_layout(compiled, checkpoint, dropped, False)),
+                                    phase="deriving the writers")
+        out_inventory, headers, copy_from = out.inventory, out.headers or None, checkpoint.root
+        index = omitted_index(checkpoint, out_inventory) if rank == 0 and headers else None
+        copies = copy_share(copied_keys(compiled, checkpoint, dropped, False), checkpoint, out_inventory, rank, world)
     else:
         layout = new_layout(str(dst), {k: (d.dtype, d.shape) for k, d in runtime.items()}, max_shard_bytes)
         out_inventory, headers, index, copy_from = layout.inventory, layout.headers, layout.index, checkpoint.root
@@ -99,8 +103,9 @@ def _convert(src, dst: Path, rules, reverse, like, max_shard_bytes, budget_bytes
         arenas: list = [None, None]  # two batches' memory, reused: one read while the other is written
         try:
             with ThreadPoolExecutor(1) as pool:
-                if reverse and rank == 0:
-                    copy_tensors(copied_parts(compiled), scales, writer)
+                if reverse:  # dropped tensors and stored scales, unchanged: each rank its share of the bytes
+                    copy_bytes(copies, scales, writer)
+                    written += sum(piece[-1] for piece in copies)
                 for n, batch in enumerate(_batches(mine, lambda k: _size(runtime[k]), budget)):
                     tensors = compiled.empty_state_dict(batch) if reverse else \
                         _carve(arenas, n % 2, [runtime[k] for k in batch])

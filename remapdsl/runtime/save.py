@@ -7,6 +7,10 @@ size in a hidden staging folder; each rank writes its own bytes; rank 0 writes t
 renames the folder into place (remapdsl/checkpoint/writer.py). Each phase fails on every rank
 together; a failed save removes its staging folder and leaves the destination as it was.
 
+Checkpoint tensors the rules drop are refused (E501), copied unchanged from `like`, or left out
+(`dropped`); copies, with the stored scales of dequantized tensors, are split among the ranks by
+bytes (`copy_share`), so no rank copies everything.
+
 The driver imports what it runs at module level (torch among it): the api imports this module
 only when the call is made, so `import remapdsl` stays free of torch.
 """
@@ -25,14 +29,17 @@ from pydantic import BaseModel, ConfigDict
 from ..checkpoint import CheckpointReader
 from ..checkpoint.writer import (
     FileWriter,
+    NewLayout,
     check_destination,
     commit,
     create_files,
     discard,
+    omitted_index,
     remove_stale_staging,
     staging_path,
+    without,
 )
-from ..compile.inverse import copied_parts
+from ..compile.inverse import DROPPED, copied_parts, dropped_keys
 from ..compile.inverse import writers as derive_writers
 from ..errors import Diagnostic, RemapError
 from ..gcpause import paused_gc
@@ -54,45 +61,130 @@ class SaveReport(BaseModel):
     files: tuple[str, ...]  # the files this rank wrote into
     seconds: float
     sync_seconds: float = 0.0  # of `seconds`, in fsync: making the files durable before the rename
+    bytes_copied: int = 0  # of `bytes_written`, copied unchanged from `like` (dropped tensors, stored scales)
 
 
 def save(state_dict, folder, rules, *, like=None, config: Mapping[str, Any] | None = None, layout=None, mesh=None,
-         overwrite: bool = False, allow_lossy: bool = False, requantize: bool = False) -> SaveReport:
+         overwrite: bool = False, allow_lossy: bool = False, requantize: bool = False,
+         dropped: str = "error") -> SaveReport:
     """Write runtime tensors back to the checkpoint layout `like`; the arguments are `remapdsl.save`'s."""
     with paused_gc():
         return _save(state_dict, Path(folder).absolute(), rules, like, config, layout, mesh, overwrite, allow_lossy,
-                     requantize)
+                     requantize, dropped)
 
 
 def _save(state_dict, folder: Path, rules, like, config, layout, mesh, overwrite, allow_lossy,
-          requantize) -> SaveReport:
+          requantize, dropped) -> SaveReport:
     start = time.perf_counter()
     # not strict: a checkpoint tensor no rule reads is the save's own error (E501, below)
-    inventory, compiled = compile_everywhere(rules, like, config, strict=False, check=lambda: _check_like(like))
+    inventory, compiled = compile_everywhere(rules, like, config, strict=False,
+                                             check=lambda: (_check_like(like), check_dropped(dropped)))
     tensors = state_dict.state_dict(keep_vars=True) if hasattr(state_dict, "state_dict") else state_dict
-    rank = dist.rank()
+    rank, world = dist.rank(), dist.world_size()
 
     def prepare():
         check_mesh(mesh)
-        chosen = derive_writers(compiled, allow_lossy=allow_lossy, requantize=requantize)
+        chosen = derive_writers(compiled, allow_lossy=allow_lossy, requantize=requantize, dropped=dropped)
+        out = output_layout(compiled, inventory, dropped, requantize)
         holding = hold(compiled, tensors, layout, mesh, rank)
-        return (make_write_plan(chosen, inventory, owned(holding, rank), rank, compiled.logical_by_key(), requantize),
-                holding)
+        return (make_write_plan(chosen, out.inventory, owned(holding, rank), rank, compiled.logical_by_key(),
+                                requantize), holding, out)
 
-    plan, holding = dist.together(prepare, agree_on=layout_agreement("tensor layouts", lambda r: r[1], mesh),
-                                  phase="planning the writes")
+    plan, holding, out = dist.together(prepare, agree_on=layout_agreement("tensor layouts", lambda r: r[1], mesh),
+                                       phase="planning the writes")
     local = holding.local
-    copies = copied_parts(compiled) if rank == 0 and not requantize else []  # stored scales, as they are
+    copies = copy_share(copied_keys(compiled, inventory, dropped, requantize), inventory, out.inventory, rank, world)
+    copied = sum(piece[-1] for piece in copies)
     reader = CheckpointReader(inventory)
-    copied = sum(inventory.tensors[k].nbytes for k in copies)  # chunks included: they tile the tensor
+    index = omitted_index(inventory, out.inventory) if rank == 0 and out.headers else None
     try:
-        sync_seconds = write_output(folder, inventory, overwrite=overwrite, planned=plan.bytes_written + copied,
+        sync_seconds = write_output(folder, out.inventory, headers=out.headers or None, index=index,
+                                    copy_from=inventory.root, overwrite=overwrite,
+                                    planned=plan.bytes_written + copied,
                                     write=lambda writer: (run_write_plan(plan, writer, local, reader=reader),
-                                                          copy_tensors(copies, reader, writer)))
+                                                          copy_bytes(copies, reader, writer)))
     finally:
         reader.close()
     return SaveReport(folder=str(folder), rank=rank, bytes_written=plan.bytes_written + copied, files=plan.files,
-                      seconds=time.perf_counter() - start, sync_seconds=sync_seconds)
+                      seconds=time.perf_counter() - start, sync_seconds=sync_seconds, bytes_copied=copied)
+
+
+def check_dropped(dropped) -> None:
+    """E523: `dropped` is one of the three choices."""
+    if dropped not in DROPPED:
+        raise RemapError(Diagnostic(code="E523", message=f"dropped={dropped!r}: what a save does with the "
+                                    "checkpoint tensors the rules drop is one of " + ", ".join(map(repr, DROPPED)),
+                                    hint="\"copy\" copies them unchanged from `like`, \"omit\" leaves them out, "
+                                    "\"error\" (the default) refuses the save"))
+
+
+def output_layout(compiled, like, dropped: str, requantize: bool) -> NewLayout:
+    """The layout the save writes: `like`'s (no headers: copied from its files), or, when dropped
+    tensors are omitted, `like`'s without them (new headers). E524 where omitting cannot be done:
+    a DCP-sharded `like`, or stored scales read back at `like`'s offsets."""
+    omitted = dropped_keys(compiled, like) if dropped == "omit" else []
+    if not omitted:
+        return NewLayout(like, {}, None)
+    why = ("`like` is a DCP checkpoint (its tensors stored in chunks)" if like.chunks else
+           "the rules dequantize tensors whose stored scales are written back from `like`"
+           if compiled.logical and not requantize else None)
+    if why is not None:
+        raise RemapError(Diagnostic(code="E524", message=f"dropped=\"omit\" would lay out {len(omitted)} "
+                                    f"file(s) anew, starting with `{omitted[0]}`'s, but {why}",
+                                    hint="pass dropped=\"copy\" to keep them unchanged (the layout stays `like`'s)"))
+    return without(like, omitted)
+
+
+def copied_keys(compiled, like, dropped: str, requantize: bool) -> list[str]:
+    """The checkpoint tensors copied unchanged from `like`: the stored scales of dequantized tensors
+    (not when they are computed anew) and, with dropped="copy", the dropped tensors."""
+    keys = set() if requantize else set(copied_parts(compiled))
+    if dropped == "copy":
+        keys.update(dropped_keys(compiled, like))
+    return sorted(keys)
+
+
+COPY_BYTES = 64 << 20  # the most one copy step holds
+
+
+def copy_share(keys, like, out, rank: int, world: int) -> list[tuple[str, int, str, int, int]]:
+    """This rank's part of copying `keys` from `like` into the output layout `out`: the tensors'
+    bytes (each DCP chunk where it is) taken in key order and cut into `world` equal byte ranges, one
+    per rank, so a small tensor is copied by one rank and a large one may be split. Each piece is
+    (file in `like`, offset, file in the output, offset, bytes); every rank computes the same cuts."""
+    places = []
+    for key in keys:
+        info = like.tensors[key]
+        chunks = like.chunks.get(key)
+        target = out.tensors[key]
+        if chunks is None:
+            places.append((info.file, info.byte_offset, target.file, target.byte_offset, info.nbytes))
+            continue
+        for c in chunks:  # a DCP-sharded tensor (out is `like` then): each chunk where it is
+            size = info.nbytes * prod(c.sizes) // max(1, prod(info.shape))
+            places.append((c.file, c.byte_offset, c.file, c.byte_offset, size))
+    total = sum(p[-1] for p in places)
+    lo, hi = total * rank // world, total * (rank + 1) // world
+    mine, at = [], 0
+    for src, src_offset, dst, dst_offset, size in places:
+        start, end = max(lo, at), min(hi, at + size)
+        if start < end:
+            mine.append((src, src_offset + start - at, dst, dst_offset + start - at, end - start))
+        at += size
+    return mine
+
+
+def copy_bytes(pieces, reader, writer) -> None:
+    """Copy the pieces of `copy_share` byte for byte, at most COPY_BYTES held at once."""
+    buffer = None
+    for src, src_offset, dst, dst_offset, size in pieces:
+        for step in range(0, size, COPY_BYTES):
+            n = min(COPY_BYTES, size - step)
+            if buffer is None or len(buffer) < n:
+                buffer = bytearray(n)
+            data = memoryview(buffer)[:n]
+            reader.read_into(src, src_offset + step, data)
+            writer.write_at(dst, dst_offset + step, data)
 
 
 def _check_like(like) -> None:
@@ -132,18 +224,3 @@ def write_output(folder: Path, layout, *, headers=None, index=None, copy_from=No
             discard(staging)
         raise
     return sync_seconds
-
-
-def copy_tensors(keys, reader, writer) -> None:
-    """Checkpoint tensors copied byte for byte into the output (the stored scales of dequantized
-    tensors written back with them)."""
-    inventory = reader.inventory
-    for key in keys:
-        info = inventory.tensors[key]
-        chunks = inventory.chunks.get(key)
-        places = [(info.file, info.byte_offset, info.nbytes)] if chunks is None else \
-            [(c.file, c.byte_offset, info.nbytes * prod(c.sizes) // max(1, prod(info.shape))) for c in chunks]
-        for file, offset, size in places:  # a DCP-sharded tensor: each chunk where it is
-            data = bytearray(size)
-            reader.read_into(file, offset, data)
-            writer.write_at(file, offset, memoryview(data))

@@ -1,0 +1,223 @@
+"""What a save does with the checkpoint tensors the rules drop: `dropped="error"` (the default)
+refuses (E501, its hint naming the other two), `"copy"` copies them unchanged from `like` (the
+output byte-identical to `like` for an unchanged model), `"omit"` leaves them out (headers and
+index lack them, a file left empty is not written). Real safetensors files, a transformers
+DeepSeek-V3 checkpoint with an MTP layer, torchtitan's MTP case, 2 gloo ranks, the CLI.
+"""
+
+from __future__ import annotations
+
+import filecmp
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors import safe_open
+from safetensors.torch import load_file, save_file
+
+import remapdsl
+from remapdsl import RemapError
+from remapdsl.language import rules_from_text
+from remapdsl.testing.ranks import run_ranks
+
+ROOT = Path(__file__).resolve().parent.parent
+MINIMAL = "remap 1\na.weight -> x.weight\ndrop b.weight\n"
+
+
+def _minimal(folder: Path) -> Path:
+    folder.mkdir(parents=True)
+    gen = torch.Generator().manual_seed(0)
+    save_file({"a.weight": torch.randn(4, 3, generator=gen), "b.weight": torch.randn(5, generator=gen,
+               dtype=torch.float64).to(torch.bfloat16)}, str(folder / "model.safetensors"), metadata={"format": "pt"})
+    return folder
+
+
+def _indexed(folder: Path) -> Path:
+    """Three files with an index; the middle one holds only dropped tensors."""
+    folder.mkdir(parents=True)
+    gen = torch.Generator().manual_seed(1)
+    groups = {"model-00001-of-00003.safetensors": ["a.weight", "c.weight"],
+              "model-00002-of-00003.safetensors": ["b.weight", "b.bias"],
+              "model-00003-of-00003.safetensors": ["d.weight", "e.bias"]}
+    weight_map = {}
+    for name, keys in groups.items():
+        save_file({k: torch.randn(3, 2, generator=gen) for k in keys}, str(folder / name), metadata={"format": "pt"})
+        weight_map.update(dict.fromkeys(keys, name))
+    (folder / "model.safetensors.index.json").write_text(json.dumps(
+        {"metadata": {"total_size": 24 * 6}, "weight_map": weight_map}, indent=2, sort_keys=True) + "\n")
+    return folder
+
+
+def _loaded(checkpoint, rules) -> dict[str, torch.Tensor]:
+    state = remapdsl.compile_rules(rules, remapdsl.open_checkpoint(checkpoint)).empty_state_dict()
+    remapdsl.load(state, checkpoint, rules)
+    return state
+
+
+def _differing(a: Path, b: Path) -> list[str]:
+    """Files that differ between folders `a` and `b`, or are in only one."""
+    names = {p.name for p in a.iterdir()} | {p.name for p in b.iterdir()}
+    return sorted(n for n in names if not ((a / n).is_file() and (b / n).is_file()
+                                           and filecmp.cmp(a / n, b / n, shallow=False)))
+
+
+def _header(path: Path) -> dict:
+    data = path.read_bytes()
+    return json.loads(data[8:8 + int.from_bytes(data[:8], "little")])
+
+
+# -- the minimal case ------------------------------------------------------------------------------
+
+
+def test_the_default_refuses_with_a_hint_naming_both_choices(tmp_path):
+    source, rules = _minimal(tmp_path / "src"), rules_from_text(MINIMAL, "t.remap")
+    with pytest.raises(RemapError) as info:
+        remapdsl.save(_loaded(source, rules), tmp_path / "out", rules, like=source)
+    d = info.value.diagnostics[0]
+    assert d.code == "E501" and "`b.weight` is dropped" in d.message
+    assert 'dropped="copy"' in d.hint and 'dropped="omit"' in d.hint
+    assert not (tmp_path / "out").exists()
+
+
+def test_copy_writes_files_byte_identical_to_like(tmp_path):
+    source, rules = _minimal(tmp_path / "src"), rules_from_text(MINIMAL, "t.remap")
+    report = remapdsl.save(_loaded(source, rules), tmp_path / "out", rules, like=source, dropped="copy")
+    assert _differing(source, tmp_path / "out") == []
+    assert report.bytes_copied == 5 * 2 and report.bytes_written == 4 * 3 * 4 + 5 * 2
+
+
+def test_copy_keeps_the_new_values_of_what_the_rules_read(tmp_path):
+    source, rules = _minimal(tmp_path / "src"), rules_from_text(MINIMAL, "t.remap")
+    state = _loaded(source, rules)
+    state["x.weight"].fill_(2.5)
+    remapdsl.save(state, tmp_path / "out", rules, like=source, dropped="copy")
+    saved, original = load_file(str(tmp_path / "out" / "model.safetensors")), load_file(str(source / "model.safetensors"))
+    assert torch.equal(saved["a.weight"], torch.full((4, 3), 2.5)) and torch.equal(saved["b.weight"], original["b.weight"])
+
+
+def test_omit_leaves_the_dropped_tensor_out_of_a_valid_file(tmp_path):
+    source, rules = _minimal(tmp_path / "src"), rules_from_text(MINIMAL, "t.remap")
+    state = _loaded(source, rules)
+    remapdsl.save(state, tmp_path / "out", rules, like=source, dropped="omit")
+    out = tmp_path / "out" / "model.safetensors"
+    assert set(_header(out)) == {"__metadata__", "a.weight"} and _header(out)["__metadata__"] == {"format": "pt"}
+    with safe_open(str(out), framework="pt") as f:
+        assert list(f.keys()) == ["a.weight"] and torch.equal(f.get_tensor("a.weight"), state["x.weight"])
+    # laid out as safetensors lays out the file it would write
+    save_file({"a.weight": state["x.weight"]}, str(tmp_path / "expected.safetensors"), metadata={"format": "pt"})
+    assert out.read_bytes() == (tmp_path / "expected.safetensors").read_bytes()
+
+
+def test_an_unknown_choice_is_refused(tmp_path):
+    source, rules = _minimal(tmp_path / "src"), rules_from_text(MINIMAL, "t.remap")
+    with pytest.raises(RemapError) as info:
+        remapdsl.save(_loaded(source, rules), tmp_path / "out", rules, like=source, dropped="skip")
+    assert info.value.diagnostics[0].code == "E523" and "'omit'" in str(info.value)
+
+
+# -- an index checkpoint ---------------------------------------------------------------------------
+
+
+def test_omit_does_not_write_a_file_left_empty_nor_name_it_in_the_index(tmp_path):
+    source = _indexed(tmp_path / "src")
+    rules = rules_from_text("remap 1\n{a,c,d}.weight -> {a,c,d}_w\ne.bias -> e_b\ndrop b.{weight,bias}\n", "t.remap")
+    state = _loaded(source, rules)
+    remapdsl.save(state, tmp_path / "out", rules, like=source, dropped="omit")
+    out = tmp_path / "out"
+    assert sorted(p.name for p in out.iterdir()) == ["model-00001-of-00003.safetensors",
+                                                      "model-00003-of-00003.safetensors", "model.safetensors.index.json"]
+    index = json.loads((out / "model.safetensors.index.json").read_text())
+    assert index == {"metadata": {"total_size": 24 * 4}, "weight_map": {
+        "a.weight": "model-00001-of-00003.safetensors", "c.weight": "model-00001-of-00003.safetensors",
+        "d.weight": "model-00003-of-00003.safetensors", "e.bias": "model-00003-of-00003.safetensors"}}
+    for name in ("model-00001-of-00003.safetensors", "model-00003-of-00003.safetensors"):  # unchanged files
+        assert (out / name).read_bytes() == (source / name).read_bytes()
+    remapdsl.save(state, tmp_path / "copy", rules, like=source, dropped="copy")
+    assert _differing(source, tmp_path / "copy") == []
+
+
+# -- DeepSeek-V3 with its MTP layer (transformers, the shipped rules) -------------------------------
+
+
+def _add_mtp_layer(tensors: dict, n: int, dim: int, vocab: int) -> dict:
+    """The release's multi-token-prediction layer `model.layers.{n}`: norms, projection, and its own
+    copies of the embedding and head (a few of its tensors: the rules drop the whole layer)."""
+    gen = torch.Generator().manual_seed(7)
+    dtype = tensors["model.norm.weight"].dtype
+    extra = {"enorm.weight": (dim,), "hnorm.weight": (dim,), "eh_proj.weight": (dim, 2 * dim),
+             "shared_head.norm.weight": (dim,), "embed_tokens.weight": (vocab, dim),
+             "shared_head.head.weight": (vocab, dim)}
+    return dict(tensors, **{f"model.layers.{n}.{k}": torch.randn(s, generator=gen).to(dtype) for k, s in extra.items()})
+
+
+def test_deepseek_v3_with_an_mtp_layer_saves_back_byte_identical_with_copy(tmp_path):
+    pytest.importorskip("transformers")
+    from hf_models import CASES, build, copy_checkpoint
+
+    case = CASES["deepseek_v3"]
+    built = build(case, tmp_path / "hf")
+    c = case.config
+    source = copy_checkpoint(built.folder, tmp_path / "release",
+                             lambda t: _add_mtp_layer(t, c["num_hidden_layers"], c["hidden_size"], c["vocab_size"]))
+    rules = str(ROOT / case.rules)
+    state = {k: torch.empty_like(v) for k, v in built.state_dict.items()}
+    remapdsl.load(state, source, rules)
+    assert all(torch.equal(state[k], v) for k, v in built.state_dict.items())
+    with pytest.raises(RemapError):
+        remapdsl.save(state, tmp_path / "refused", rules, like=source)
+    report = remapdsl.save(state, tmp_path / "out", rules, like=source, dropped="copy")
+    assert _differing(source, tmp_path / "out") == []
+    assert report.bytes_copied == sum(t.nbytes for k, t in load_file(str(source / "model.safetensors")).items()
+                                      if k.startswith(f"model.layers.{c['num_hidden_layers']}."))
+
+
+def test_torchtitans_mtp_case_saves_back_with_copy(tmp_path):
+    """tests/test_torchtitan.py's case whose MTP copies of the embedding and head cannot be saved
+    back by default: with dropped="copy" they come from `like` and the files are byte-identical."""
+    titan = pytest.importorskip("test_torchtitan")
+    built = titan.Checkpoints(tmp_path / "titan")("deepseek_v3_mtp")
+    expected, _ = titan.torchtitan_load(built)
+    remapdsl.save(expected, tmp_path / "out", ROOT / built.case.hf.rules, like=built.folder, dropped="copy")
+    assert _differing(built.folder, tmp_path / "out") == []
+
+
+# -- 2 gloo ranks ----------------------------------------------------------------------------------
+
+
+def _save_on_ranks(rank: int, world: int, source: str, out: str) -> tuple[int, int]:
+    rules = rules_from_text(MINIMAL.replace("drop b.weight", "drop {b,c}.weight"), "t.remap")
+    report = remapdsl.save(_loaded(source, rules), out, rules, like=source, dropped="copy")
+    return report.bytes_copied, report.bytes_written
+
+
+def test_two_ranks_share_the_copies_by_bytes(tmp_path):
+    source = tmp_path / "src"
+    source.mkdir()
+    gen = torch.Generator().manual_seed(3)
+    save_file({"a.weight": torch.randn(4, 3, generator=gen), "b.weight": torch.randn(1000, generator=gen),
+               "c.weight": torch.randn(10, generator=gen)}, str(source / "model.safetensors"),
+              metadata={"format": "pt"})
+    results = run_ranks(_save_on_ranks, 2, str(source), str(tmp_path / "out"), timeout=60)
+    copied = [r[0] for r in results]
+    assert copied == [2020, 2020]  # 4000 + 40 bytes of dropped tensors, half each: b.weight split
+    assert _differing(source, tmp_path / "out") == []
+
+
+# -- the CLI ---------------------------------------------------------------------------------------
+
+
+def test_the_cli_reverse_conversion_takes_dropped(tmp_path, capsys):
+    from remapdsl.cli import main
+
+    source = _minimal(tmp_path / "src")
+    (tmp_path / "t.remap").write_text(MINIMAL)
+    rules = str(tmp_path / "t.remap")
+    assert main(["convert", str(source), str(tmp_path / "runtime"), "--rules", rules]) == 0
+    args = ["convert", str(tmp_path / "runtime"), str(tmp_path / "back"), "--rules", rules, "--reverse",
+            "--like", str(source)]
+    assert main(args) != 0 and "E501" in capsys.readouterr().err
+    assert main([*args, "--dropped", "copy"]) == 0
+    assert _differing(source, tmp_path / "back") == []
+    assert main([*args[:2], str(tmp_path / "omitted"), *args[3:], "--dropped", "omit"]) == 0
+    assert set(_header(tmp_path / "omitted" / "model.safetensors")) == {"__metadata__", "a.weight"}
