@@ -221,3 +221,37 @@ def test_the_cli_reverse_conversion_takes_dropped(tmp_path, capsys):
     assert _differing(source, tmp_path / "back") == []
     assert main([*args[:2], str(tmp_path / "omitted"), *args[3:], "--dropped", "omit"]) == 0
     assert set(_header(tmp_path / "omitted" / "model.safetensors")) == {"__metadata__", "a.weight"}
+
+
+# -- a quantized checkpoint ------------------------------------------------------------------------
+
+FP8 = """remap 1
+dequantize {P:path}.weight, {P}.weight_scale_inv -> {P}.weight | fp8_block(block=[4, 4], to=bfloat16)
+a.weight -> a
+drop b.weight
+"""
+
+
+def _fp8(folder: Path) -> Path:
+    folder.mkdir(parents=True)
+    gen = torch.Generator().manual_seed(5)
+    save_file({"a.weight": torch.randn(8, 8, generator=gen).to(torch.float8_e4m3fn),
+               "a.weight_scale_inv": torch.rand(2, 2, generator=gen) + 0.5,
+               "b.weight": torch.randn(6, generator=gen)}, str(folder / "model.safetensors"), metadata={"format": "pt"})
+    return folder
+
+
+def test_a_quantized_checkpoint_copies_the_dropped_tensor_with_the_stored_scales(tmp_path):
+    source, rules = _fp8(tmp_path / "src"), rules_from_text(FP8, "t.remap")
+    report = remapdsl.save(_loaded(source, rules), tmp_path / "out", rules, like=source, dropped="copy")
+    assert _differing(source, tmp_path / "out") == []
+    assert report.bytes_copied == 2 * 2 * 4 + 6 * 4  # the scales and b.weight
+
+
+def test_omit_with_stored_scales_to_read_back_is_refused(tmp_path):
+    source, rules = _fp8(tmp_path / "src"), rules_from_text(FP8, "t.remap")
+    with pytest.raises(RemapError) as info:
+        remapdsl.save(_loaded(source, rules), tmp_path / "out", rules, like=source, dropped="omit")
+    d = info.value.diagnostics[0]
+    assert d.code == "E524" and "`b.weight`" in d.message and 'dropped="copy"' in d.hint
+    assert not (tmp_path / "out").exists()
