@@ -92,8 +92,10 @@ def test_copy_keeps_the_new_values_of_what_the_rules_read(tmp_path):
     state = _loaded(source, rules)
     state["x.weight"].fill_(2.5)
     remapdsl.save(state, tmp_path / "out", rules, like=source, dropped="copy")
-    saved, original = load_file(str(tmp_path / "out" / "model.safetensors")), load_file(str(source / "model.safetensors"))
-    assert torch.equal(saved["a.weight"], torch.full((4, 3), 2.5)) and torch.equal(saved["b.weight"], original["b.weight"])
+    saved = load_file(str(tmp_path / "out" / "model.safetensors"))
+    original = load_file(str(source / "model.safetensors"))
+    assert torch.equal(saved["a.weight"], torch.full((4, 3), 2.5))
+    assert torch.equal(saved["b.weight"], original["b.weight"])
 
 
 def test_omit_leaves_the_dropped_tensor_out_of_a_valid_file(tmp_path):
@@ -125,8 +127,8 @@ def test_omit_does_not_write_a_file_left_empty_nor_name_it_in_the_index(tmp_path
     state = _loaded(source, rules)
     remapdsl.save(state, tmp_path / "out", rules, like=source, dropped="omit")
     out = tmp_path / "out"
-    assert sorted(p.name for p in out.iterdir()) == ["model-00001-of-00003.safetensors",
-                                                      "model-00003-of-00003.safetensors", "model.safetensors.index.json"]
+    assert sorted(p.name for p in out.iterdir()) == [
+        "model-00001-of-00003.safetensors", "model-00003-of-00003.safetensors", "model.safetensors.index.json"]
     index = json.loads((out / "model.safetensors.index.json").read_text())
     assert index == {"metadata": {"total_size": 24 * 4}, "weight_map": {
         "a.weight": "model-00001-of-00003.safetensors", "c.weight": "model-00001-of-00003.safetensors",

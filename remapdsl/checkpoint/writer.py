@@ -3,12 +3,13 @@ positioned writes, then the index and one rename.
 
 The output copies the layout of the checkpoint it is `like`: the same files, each with the same
 header bytes, each tensor at the same offset, and the same index, so an unchanged model saves to
-byte-identical files. Rank 0 creates the staging folder (a hidden sibling of the destination) and
-its files; every rank writes its own byte ranges with `os.pwrite`; rank 0 then writes the index,
-syncs, and renames the folder into place. Until that rename nothing at the destination changes: a
-crash leaves the old checkpoint (or none) and a hidden staging folder, never a half-written
-folder that looks complete; the next save to the same destination removes such a folder once it
-can prove its process dead (`remove_stale_staging`).
+byte-identical files (or that layout less the tensors a save omits, `without`). Rank 0 creates
+the staging folder (a hidden sibling of the destination) and its files; every rank writes its own
+byte ranges with `os.pwrite`; rank 0 then writes the index, syncs, and renames the folder into
+place. Until that rename nothing at the destination changes: a crash leaves the old checkpoint (or
+none) and a hidden staging folder, never a half-written folder that looks complete; the next save
+to the same destination removes such a folder once it can prove its process dead
+(`remove_stale_staging`).
 """
 
 from __future__ import annotations
