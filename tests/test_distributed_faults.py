@@ -17,7 +17,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-from gloo import record_cases, run_with_bound
+from gloo import CHECK_FAILURES, record_cases, run_with_bound
 
 import remapdsl
 from remapdsl.sharding import LayoutPlan, Mesh, layout_for, local_shard
@@ -154,7 +154,7 @@ def _loses_a_rank(rank: int, rendezvous: str, out: str) -> None:
         seen = {"type": None}
     except remapdsl.RemapError as exc:
         seen = {"type": type(exc).__name__, "codes": [d.code for d in exc.diagnostics], "text": str(exc)}
-    except Exception:  # noqa: BLE001
+    except CHECK_FAILURES:
         seen = {"type": "escaped", "text": traceback.format_exc()}
     seen["seconds"] = time.monotonic() - start
     Path(out, f"lost{rank}.json").write_text(json.dumps(seen))

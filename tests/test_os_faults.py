@@ -22,7 +22,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-from gloo import record_cases, run_with_bound
+from gloo import CHECK_FAILURES, record_cases, run_with_bound
 
 import remapdsl
 from remapdsl.checkpoint import CheckpointReader, Inventory, open_inventory
@@ -297,7 +297,7 @@ def _killed_mid_save(rank: int, rendezvous: str, out: str) -> None:
         seen = {"type": None}
     except remapdsl.RemapError as exc:
         seen = {"type": type(exc).__name__, "codes": [d.code for d in exc.diagnostics], "text": str(exc)}
-    except Exception:  # noqa: BLE001
+    except CHECK_FAILURES:
         seen = {"type": "escaped", "text": traceback.format_exc()}
     Path(out, f"killed{rank}.json").write_text(json.dumps(seen))
     os._exit(1)

@@ -14,7 +14,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-from gloo import distributed_like, shut_down
+from gloo import CHECK_FAILURES, distributed_like, shut_down
 
 import remapdsl
 from remapdsl.sharding import LayoutPlan, Mesh, Replicate, Shard, layout_for, local_shard
@@ -61,11 +61,11 @@ def _worker(rank: int, world: int, rendezvous: str, out: str) -> None:
                 targets, _ = distributed_like(full, mesh, plan)
                 remapdsl.load(targets, str(CHECKPOINT), RULES)
                 remapdsl.save(targets, Path(out) / f"{name}-dtensor", RULES, like=str(CHECKPOINT))
-            except Exception:  # noqa: BLE001 - reported by the parent
+            except CHECK_FAILURES:  # reported by the parent
                 failures.append(f"{name}: {traceback.format_exc()}")
         try:
             _failing_rank_fails_everyone(rank, full, Path(out))
-        except Exception:  # noqa: BLE001
+        except CHECK_FAILURES:
             failures.append(f"failing rank: {traceback.format_exc()}")
     finally:
         Path(out, f"rank{rank}.txt").write_text("\n".join(failures))
@@ -146,7 +146,7 @@ def _hf_worker(rank: int, world: int, rendezvous: str, folders: dict, out: str) 
                         local[d.runtime_key] = torch.full(shard.shape, float("nan"), dtype=getattr(torch, d.dtype))
                     remapdsl.load(local, folder, rules, layout=plan, mesh=mesh)
                     remapdsl.save(local, Path(out) / f"{name}-{case}", rules, like=folder, layout=plan, mesh=mesh)
-                except Exception:  # noqa: BLE001 - reported by the parent
+                except CHECK_FAILURES:  # reported by the parent
                     failures.append(f"{name} {case}: {traceback.format_exc()}")
     finally:
         Path(out, f"hf-rank{rank}.txt").write_text("\n".join(failures))

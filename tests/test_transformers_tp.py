@@ -32,7 +32,7 @@ import torch.multiprocessing as mp
 pytest.importorskip("transformers")
 
 from hf_models import CASES as HF_CASES
-from gloo import shut_down
+from gloo import CHECK_FAILURES, shut_down
 from hf_models import ModelFactory
 
 import remapdsl
@@ -69,7 +69,7 @@ def _worker(rank: int, port: int, jobs: dict, out: str) -> None:
                 else:
                     _hf_case(job)
                 failure = ""
-            except Exception:  # noqa: BLE001 - reported by the parent, per case and rank
+            except CHECK_FAILURES:  # reported by the parent, per case and rank
                 failure = traceback.format_exc()
             Path(out, f"{name}.rank{rank}.txt").write_text(failure)
             dist.barrier()  # a rank that failed early must not run ahead into the next case's collectives
