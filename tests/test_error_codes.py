@@ -242,7 +242,7 @@ def test_a_logical_tensor_made_twice_or_named_like_a_checkpoint_tensor_is_e223(t
 
 
 def _two_ranks(rank: int, world: int, checkpoint: str, out: str) -> None:
-    """Each rank's diagnostics for three mistakes a job can make, written to `out`; then each rank
+    """Each rank's diagnostics for the mistakes a job can make, written to `out`; then each rank
     fails a check of its own (an assert on rank 0, pytest.fail on rank 1), which the parent must
     see as those checks' messages."""
     from torch.distributed.device_mesh import init_device_mesh
@@ -265,11 +265,25 @@ def _two_ranks(rank: int, world: int, checkpoint: str, out: str) -> None:
                                  [Partial()])
     record("E401", lambda: remapdsl.load({"b": partial}, checkpoint, rules))
     target = {"b": [[0.0] * 4] * 2 if rank == 1 else torch.zeros(2, 4)}  # a list where a tensor belongs
-    record("E411", lambda: remapdsl.load(target, checkpoint, rules))
+    record("E232", lambda: remapdsl.load(target, checkpoint, rules))
+    record("E411", lambda: remapdsl.load(_Broken(rank == 1, b=torch.zeros(2, 4)), checkpoint, rules))
     Path(out, f"rank{rank}.json").write_text(json.dumps(seen))
     if rank == 0:
         assert seen["E233"][0]["code"] == "E999", "rank zero's own check failed"
     pytest.fail("rank one's own check failed")
+
+
+class _Broken(dict):
+    """A user's state-dict mapping whose lookups fail on one rank: an error remapdsl cannot foresee."""
+
+    def __init__(self, broken: bool, **tensors):
+        super().__init__(**tensors)
+        self.broken = broken
+
+    def get(self, key, default=None):
+        if self.broken:
+            raise RuntimeError("the mapping's storage went away")
+        return super().get(key, default)
 
 
 @pytest.fixture(scope="module")
@@ -304,7 +318,16 @@ def test_an_unexpected_error_on_one_rank_is_e411_on_every_rank(two_ranks):
     for seen in two_ranks[0]:
         (d,) = seen["E411"]
         assert d["code"] == "E411", d
-        assert d["message"].startswith("1 of 2 ranks failed:\nrank 1: AttributeError: "), d
+        assert d["message"].startswith("1 of 2 ranks failed:\nrank 1: RuntimeError: the mapping's storage"), d
+
+
+def test_a_value_that_is_no_tensor_is_named_on_every_rank(two_ranks):
+    """A list where the state dict should hold a tensor (on rank 1): E232 at the rule, naming the
+    key and what it is, on both ranks; not an AttributeError from deep inside."""
+    for seen in two_ranks[0]:
+        (d,) = seen["E232"]
+        assert d["code"] == "E232" and "`b` is a list in the model, not a tensor" in d["message"], d
+        assert "(on rank 1)" in d["message"] and d["span"]["line"] == 2, d
 
 
 def test_a_failing_check_on_a_rank_reaches_the_parent_with_its_message(two_ranks):

@@ -71,6 +71,7 @@ def hold(compiled: Compiled, tensors: Mapping[str, Any], layout: LayoutPlan | No
     else:  # plain local shards: the checks see the global shape, with the local tensor's dtype
         shapes = {d.runtime_key: d.shape for d in compiled.runtime_tensors}
         check_state_dict(compiled, {k: _Global(shapes[k] if k in shapes else tuple(v.shape), v.dtype)
+                                   if hasattr(v, "dtype") and hasattr(v, "shape") else v
                                    for k, v in tensors.items()})
     coordinate = mesh.coordinate(rank) if layout is not None else None
     by_spec: dict = {}
@@ -151,6 +152,11 @@ def check_state_dict(compiled: Compiled, tensors: Mapping[str, Any]) -> None:
     names: dict = {}  # torch dtype -> its name in the rules (`bfloat16`), found once a dtype
     for d in compiled.runtime_tensors:
         tensor = tensors.get(d.runtime_key)
+        if tensor is not None and not (hasattr(tensor, "dtype") and hasattr(tensor, "shape")):
+            problems.append(Diagnostic(code="E232", span=d.rule, message=f"`{d.runtime_key}` is a "
+                            f"{type(tensor).__name__} in the model, not a tensor",
+                            hint="the state dict maps each runtime key to a torch tensor or a DTensor"))
+            continue
         if tensor is not None:
             dtype = tensor.dtype
             name = names.get(dtype)
