@@ -65,8 +65,13 @@ def test_a_macro_argument_beyond_the_limits_is_reported_at_the_call():
 
 
 def test_the_largest_allowed_values_pass():
-    rules_from_text(f"a -> b | pad(dim=0, to={MAX_SIZE}) | repeat(dim=0, times={MAX_PIECES})\n"
-                    "let M = -9223372036854775807 - 1\n")
+    rules = rules_from_text(f"a -> b | pad(dim=0, to={MAX_SIZE}) | repeat(dim=0, times={MAX_PIECES})\n"
+                            "let M = -9223372036854775807 - 1\n")
+    pad, repeat = rules.statements[0].ops
+    assert (pad.to.value, repeat.times.value) == (MAX_SIZE, MAX_PIECES)
+    with pytest.raises(RemapError) as info:  # and one more is refused
+        rules_from_text(f"a -> b | pad(dim=0, to={MAX_SIZE + 1})\n")
+    assert info.value.diagnostics[0].code == "E129"
 
 
 # -- class 3: constant expressions --

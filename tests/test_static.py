@@ -3,7 +3,7 @@
 import pytest
 
 from remapdsl import RuleCheckError
-from remapdsl.language import rules_from_text
+from remapdsl.language import ir, rules_from_text
 
 
 def check_error(text: str) -> RuleCheckError:
@@ -84,6 +84,9 @@ def test_macro_may_only_use_earlier_macros_so_it_cannot_recurse():
 
 def test_consumed_capture_inside_a_macro_counts():
     rules_from_text("macro stack_experts() = stack(E, dim=0)\na.{E}.w -> b | stack_experts()\n")
+    # the same rule without the macro's stack leaves E unconsumed: the macro is what counts
+    assert check_error("macro keep_experts() = transpose(0, 1)\na.{E}.w -> b | keep_experts()\n"
+                       ).diagnostic.code == "E102"
 
 
 def test_let_types_flow_into_op_arguments():
@@ -93,7 +96,11 @@ def test_let_types_flow_into_op_arguments():
 
 
 def test_config_values_are_checked_later_not_now():
-    rules_from_text("a.{q,k} -> b | interleave(dim=0, groups=config.num_key_value_heads)\n")
+    rules = rules_from_text("a.{q,k} -> b | interleave(dim=0, groups=config.num_key_value_heads)\n")
+    (op,) = rules.statements[0].ops
+    assert isinstance(op.groups, ir.Config) and op.groups.path == ("num_key_value_heads",)
+    # a constant in the same place is checked now
+    assert check_error("a.{q,k} -> b | interleave(dim=0, groups=0)\n").diagnostic.code == "E122"
 
 
 def test_valid_programs_pass():
