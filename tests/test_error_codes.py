@@ -487,3 +487,15 @@ def test_every_documented_code_is_asserted_by_a_test():
     assert missing == [], ("documented codes no test triggers and asserts (add a case to tests/corpus/errors/ "
                            "or a test that asserts the code and its span, key or file):\n"
                            + "\n".join(f"  {code} ({documented[code]})" for code in missing))
+
+
+def test_a_layout_plan_of_torch_placements_is_e402_naming_the_pattern():
+    """A user writes torch's own placements into a plan: a located E402, not pydantic's validation text."""
+    from torch.distributed.tensor import Shard as TorchShard
+
+    from remapdsl.sharding import LayoutPlan
+
+    with pytest.raises(remapdsl.RemapError) as info:
+        LayoutPlan.from_mapping({"layers.*.q_proj": [TorchShard(0)]}, prefix="model.")
+    (d,) = info.value.diagnostics
+    assert d.code == "E402" and d.path == "model.layers.*.q_proj" and d.message.startswith("torch's `Shard"), d

@@ -82,7 +82,14 @@ class LayoutPlan(_Frozen):
             if isinstance(value, str):
                 rules.append(PlanRule(pattern=prefix + pattern, style=value))
             else:
-                rules.append(PlanRule(pattern=prefix + pattern, placements=tuple(value)))
+                value = tuple(value)
+                for placement in value:
+                    if not isinstance(placement, (Shard, Replicate, StridedShard)):
+                        whose = "torch's " if type(placement).__module__.startswith("torch") else ""
+                        raise _fail("E402", f"{whose}`{placement!r}` is not a placement remapdsl knows",
+                                    "use remapdsl.sharding's Shard(dim), Replicate() or StridedShard(dim, "
+                                    "split_factor), one per mesh dim (or a style name)", prefix + pattern)
+                rules.append(PlanRule(pattern=prefix + pattern, placements=value))
         return cls(rules=tuple(rules), mesh_dim=mesh_dim)
 
     @cached_property
