@@ -472,8 +472,6 @@ def evidence() -> dict[str, str]:
 PENDING: dict[str, str] = {
     "E355": "remapdsl/sharding/chunked.py: a piece that meets no chunk, or chunks that do not tile",
     "E602": "remapdsl/dcp/metadata.py: a runtime dtype torch has no type for",
-    "E603": "remapdsl/dcp/reader.py: a state dict value asked for as bytes",
-    "E604": "remapdsl/dcp/reader.py: a planner request outside the tensor or of another shape",
 }
 
 
@@ -499,3 +497,48 @@ def test_a_layout_plan_of_torch_placements_is_e402_naming_the_pattern():
         LayoutPlan.from_mapping({"layers.*.q_proj": [TorchShard(0)]}, prefix="model.")
     (d,) = info.value.diagnostics
     assert d.code == "E402" and d.path == "model.layers.*.q_proj" and d.message.startswith("torch's `Shard"), d
+
+
+class _Planner:
+    """The two calls a StorageReader makes of a LoadPlanner: a planner other than DCP's default
+    (which never asks for these) may ask for bytes, or for a box outside the tensor."""
+
+    def __init__(self):
+        self.committed = []
+
+    def resolve_tensor(self, item):
+        return torch.empty(tuple(item.lengths), dtype=torch.float32)
+
+    def commit_tensor(self, item, tensor):
+        self.committed.append(item)
+
+
+def _request(key: str, offsets, lengths, kind=None):
+    from torch.distributed.checkpoint.metadata import MetadataIndex
+    from torch.distributed.checkpoint.planner import LoadItemType, ReadItem
+
+    zero = torch.Size([0] * len(lengths))
+    return ReadItem(type=kind or LoadItemType.TENSOR, dest_index=MetadataIndex(key, zero), dest_offsets=zero,
+                    storage_index=MetadataIndex(key, zero), storage_offsets=torch.Size(offsets),
+                    lengths=torch.Size(lengths))
+
+
+@pytest.mark.parametrize("what", ["bytes", "outside"])
+def test_a_custom_planners_request_the_rules_cannot_serve(what):
+    """E603 (a value asked for as bytes) and E604 (a box past the tensor's end), naming the key; no
+    tensor is committed."""
+    from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan
+
+    from remapdsl.dcp import RuleStorageReader
+
+    reader = RuleStorageReader(ROOT / "examples" / "tiny-qwen3-moe", "qwen3_moe")
+    key, meta = next((k, m) for k, m in reader.read_metadata().state_dict_metadata.items() if len(m.size) == 2)
+    rows, cols = meta.size
+    item = (_request(key, (0, 0), (rows, cols), LoadItemType.BYTE_IO) if what == "bytes"
+            else _request(key, (rows // 2, 0), (rows, cols)))
+    planner = _Planner()
+    with pytest.raises(remapdsl.RemapError) as info:
+        reader.read_data(LoadPlan([item]), planner)
+    (d,) = info.value.diagnostics
+    assert d.code == {"bytes": "E603", "outside": "E604"}[what] and f"`{key}`" in d.message, d
+    assert planner.committed == []
