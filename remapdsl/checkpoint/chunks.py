@@ -38,6 +38,10 @@ class Chunk(NamedTuple):
     def end(self) -> tuple[int, ...]:
         return tuple(o + n for o, n in zip(self.offsets, self.sizes))
 
+    def nbytes(self, dtype: str) -> int:
+        """The bytes this piece holds of a tensor of `dtype` (a `remapdsl.dtypes` name)."""
+        return prod(self.sizes) * BY_NAME[dtype].bits // 8
+
 
 def has_sharding_info(headers: Mapping[str, Header]) -> bool:
     """Whether any of the files was written by DCP's distributed safetensors writer."""

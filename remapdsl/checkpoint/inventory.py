@@ -13,7 +13,6 @@ from __future__ import annotations
 import json
 import os
 from collections.abc import Iterable, Mapping, Sequence
-from math import prod
 from pathlib import Path
 from typing import Any
 
@@ -80,10 +79,9 @@ class Inventory(BaseModel):
             t = self.tensors.get(ckpt_key)
             if t is None or any(c.file not in self.files for c in chunks):
                 raise ValueError(f"chunks of `{ckpt_key}` do not fit the tensors and files")
-            bits = BY_NAME[t.dtype].bits
             for c in chunks:
                 info = self.files[c.file]
-                if c.byte_offset < info.data_offset or c.byte_offset + prod(c.sizes) * bits // 8 > info.nbytes:
+                if c.byte_offset < info.data_offset or c.byte_offset + c.nbytes(t.dtype) > info.nbytes:
                     raise ValueError(f"a chunk of `{ckpt_key}` lies outside the data section of {c.file}")
         return self
 
@@ -124,6 +122,14 @@ class Inventory(BaseModel):
     def metadata(self) -> dict[str, dict[str, str]]:
         """Each file's `__metadata__`, by file name."""
         return {name: info.metadata for name, info in self.files.items()}
+
+    def stored(self, ckpt_key: str) -> tuple[Chunk, ...]:
+        """Where a tensor's bytes lie: its chunks (DCP-sharded), else one chunk, the whole tensor."""
+        chunks = self.chunks.get(ckpt_key)
+        if chunks is not None:
+            return chunks
+        t = self.tensors[ckpt_key]
+        return (Chunk(t.file, t.byte_offset, (0,) * len(t.shape), tuple(t.shape)),)
 
     def path(self, file: str) -> str:
         """The absolute path of one of the inventory's files."""

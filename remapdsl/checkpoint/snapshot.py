@@ -16,7 +16,6 @@ import copy
 import json
 import os
 from collections.abc import Mapping
-from math import prod
 from typing import Any
 
 from remapdsl.checkpoint.chunks import assemble_chunked, has_sharding_info
@@ -112,22 +111,13 @@ def snapshot_of(checkpoint: str | os.PathLike | Inventory, config: Mapping[str, 
         files[name] = {"nbytes": info.nbytes, "data_offset": info.data_offset, "header": header}
     for ckpt_key, t in inventory.tensors.items():
         code = BY_NAME[t.dtype].safetensors
-        for file, offset, shape, nbytes in _pieces(inventory, t):  # a chunked tensor: each chunk in its file
-            begin = offset - inventory.files[file].data_offset
-            files[file]["header"][ckpt_key] = {"dtype": code, "shape": list(shape),
-                                               "data_offsets": [begin, begin + nbytes]}
+        for c in inventory.stored(ckpt_key):  # a chunked tensor: each chunk in its file
+            begin = c.byte_offset - inventory.files[c.file].data_offset
+            files[c.file]["header"][ckpt_key] = {"dtype": code, "shape": list(c.sizes),
+                                                 "data_offsets": [begin, begin + c.nbytes(t.dtype)]}
     return {"format": FORMAT, "version": VERSION, "index_file": inventory.index_file,
             "ignored_files": list(inventory.ignored_files), "files": files,
             "config": dict(checkpoint_config(inventory) if config is None else config)}
-
-
-def _pieces(inventory: Inventory, t) -> list[tuple[str, int, tuple[int, ...], int]]:
-    """Where a tensor's bytes are stored: (file, byte offset, shape, bytes), one a chunk."""
-    chunks = inventory.chunks.get(t.ckpt_key)
-    if chunks is None:
-        return [(t.file, t.byte_offset, t.shape, t.nbytes)]
-    itemsize = BY_NAME[t.dtype].bits
-    return [(c.file, c.byte_offset, c.sizes, prod(c.sizes) * itemsize // 8) for c in chunks]
 
 
 def snapshot_text(snapshot: Mapping[str, Any]) -> str:

@@ -20,7 +20,6 @@ from __future__ import annotations
 import secrets
 import time
 from collections.abc import Mapping
-from math import prod
 from pathlib import Path
 from typing import Any
 
@@ -154,15 +153,10 @@ def copy_share(keys, like, out, rank: int, world: int) -> list[tuple[str, int, s
     (file in `like`, offset, file in the output, offset, bytes); every rank computes the same cuts."""
     places = []
     for key in keys:
-        info = like.tensors[key]
-        chunks = like.chunks.get(key)
         target = out.tensors[key]
-        if chunks is None:
-            places.append((info.file, info.byte_offset, target.file, target.byte_offset, info.nbytes))
-            continue
-        for c in chunks:  # a DCP-sharded tensor (out is `like` then): each chunk where it is
-            size = info.nbytes * prod(c.sizes) // max(1, prod(info.shape))
-            places.append((c.file, c.byte_offset, c.file, c.byte_offset, size))
+        for c in like.stored(key):  # a DCP-sharded tensor (out is `like` then): each chunk where it is
+            dst = (c.file, c.byte_offset) if key in like.chunks else (target.file, target.byte_offset)
+            places.append((c.file, c.byte_offset, *dst, c.nbytes(target.dtype)))
     total = sum(p[-1] for p in places)
     lo, hi = total * rank // world, total * (rank + 1) // world
     mine, at = [], 0

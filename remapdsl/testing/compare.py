@@ -95,8 +95,6 @@ def file_differences(inventory, produced: Path) -> list[str]:
     """How the safetensors files in `produced` differ from those of `inventory` (the original):
     files missing or extra, then per file the tensors whose bytes differ (first differing element
     and both values), or the header."""
-    from math import prod
-
     import torch
 
     from remapdsl.dtypes import BY_NAME
@@ -110,14 +108,12 @@ def file_differences(inventory, produced: Path) -> list[str]:
         out.append(f"files written that the original has not: {_listed(made - wanted)}")
     by_file: dict[str, list] = {}
     for t in inventory.tensors.values():
-        chunks = inventory.chunks.get(t.ckpt_key)
-        if chunks is None:
+        if t.ckpt_key not in inventory.chunks:
             by_file.setdefault(t.file, []).append(t)
             continue
-        for c in chunks:  # a DCP-sharded tensor: each chunk compared where it is, as a tensor of its sizes
-            nbytes = t.nbytes * prod(c.sizes) // max(1, prod(t.shape))
-            by_file.setdefault(c.file, []).append(t.model_copy(update={"file": c.file, "shape": c.sizes,
-                                                                        "byte_offset": c.byte_offset, "nbytes": nbytes}))
+        for c in inventory.stored(t.ckpt_key):  # a DCP-sharded tensor: each chunk where it is, of its sizes
+            by_file.setdefault(c.file, []).append(t.model_copy(update={
+                "file": c.file, "shape": c.sizes, "byte_offset": c.byte_offset, "nbytes": c.nbytes(t.dtype)}))
     for name in sorted(wanted & made):
         original = Path(inventory.path(name)).read_bytes()
         copy = (produced / name).read_bytes()
