@@ -21,12 +21,10 @@ from typing import Any, NamedTuple
 
 from torchtitan.protocols.state_dict_adapter import BaseStateDictAdapter
 
-from . import choose_rules, save
-from .compile.bind import compile_pattern
+from . import save
 from .dcp import RuleStorageReader
 from .errors import Diagnostic, RemapError
-from .language import RuleSet, ir, load_rules
-from .language.library import AUTO
+from .language import RuleSet
 from .runtime.dist import together
 
 _log = logging.getLogger("remapdsl")
@@ -85,7 +83,6 @@ class RuleStateDictAdapter(BaseStateDictAdapter):
         self.strict = type(self).default_strict if strict is None else strict
         self.match: Match | None = None
         self._reader: RuleStorageReader | None = None
-        self._keep: list[re.Pattern] | None = None
 
     @classmethod
     def with_rules(cls, rules: str | os.PathLike | RuleSet, *, config: Mapping[str, Any] | None = None,
@@ -120,7 +117,7 @@ class RuleStateDictAdapter(BaseStateDictAdapter):
                not_in_rules: tuple[str, ...]) -> None:
         """E613 / E614 for this rank's state dict (`to_hf` runs it on every rank together, so a
         problem on some ranks, such as one pipeline stage, fails all of them instead of a hang)."""
-        keep = self._keep_patterns()
+        keep = [re.compile(p) for p in self._open(self.hf_assets_path).compiled.keep]
         unknown = [k for k in not_in_rules if not any(r.fullmatch(k) for r in keep)]
         if unknown and self.strict:
             shown = ", ".join(f"`{k}`" for k in unknown[:5])
@@ -169,20 +166,6 @@ class RuleStateDictAdapter(BaseStateDictAdapter):
         made = self._open(self.hf_assets_path).read_metadata().state_dict_metadata.keys()
         runtime = {k: v for k, v in state_dict.items() if k in made}
         return save(runtime, folder, self.rules, like=self.hf_assets_path, config=self.config, **kwargs)
-
-    def _keep_patterns(self) -> list[re.Pattern]:
-        """The runtime keys the rules' `keep` statements name (tensors that take nothing)."""
-        if self._keep is None:
-            ruleset = self.rules if isinstance(self.rules, RuleSet) else load_rules(self._rules_file())
-            self._keep = [compile_pattern(p).regex for s in ruleset.statements if isinstance(s, ir.Keep)
-                          for p in s.patterns]
-        return self._keep
-
-    def _rules_file(self) -> str | os.PathLike:
-        """The rules as given, or the shipped file `auto` chooses from the checkpoint's config."""
-        if os.fspath(self.rules) == AUTO and not os.path.isfile(AUTO):
-            return choose_rules(self._folder(self.hf_assets_path), self.config)[0].path
-        return self.rules
 
     def _open(self, path: str | os.PathLike | None) -> RuleStorageReader:
         """The reader of `path`, opened once per folder (every rank together)."""

@@ -19,7 +19,6 @@ import time
 from collections.abc import Mapping
 from typing import Any, NamedTuple
 
-import torch
 from torch.distributed.checkpoint.metadata import Metadata
 from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner, ReadItem
 from torch.distributed.checkpoint.storage import StorageReader
@@ -29,7 +28,8 @@ from ..checkpoint.snapshot import require_data
 from ..gcpause import paused_gc
 from ..indexmap import Box
 from ..language.includes import RuleSet
-from ..language.library import AUTO, is_name, shipped_path
+from ..language.library import resolve_rules_path
+from ..runtime import dist
 from ..runtime.prepare import compile_everywhere
 from ..runtime.read import run_load_plan
 from ..sharding.placements import LocalShard
@@ -77,16 +77,19 @@ class RuleStorageReader(StorageReader):
             self._compile(path)
 
     def _compile(self, path) -> None:
+        from .. import _rules_for  # `auto`: chosen from config.json (or the config given), logged as load does
+
         require_data(path, "dcp.load")
         path = os.fspath(path)
-        rules = self._rules
-        if not isinstance(rules, RuleSet) and os.fspath(rules) == AUTO and not os.path.isfile(AUTO):
-            from .. import choose_rules  # from the checkpoint's config.json, or the config given
-
-            rules = choose_rules(path, self._config)[0].path
+        rules = _rules_for(self._rules, path, self._config)
         self._inventory, self._compiled = compile_everywhere(rules, path, self._config, self._strict)
         self.checkpoint_id: str | os.PathLike = path
         self._metadata = runtime_metadata(self._compiled, path, _rules_named(rules))  # the runtime layout
+
+    @property
+    def compiled(self):
+        """The rules compiled against the checkpoint: the `Compiled` the metadata presents."""
+        return self._compiled
 
     # ------------------------------------------------------------------ StorageReader, in call order
 
@@ -137,7 +140,7 @@ class RuleStorageReader(StorageReader):
             views = {key: planner.resolve_tensor(item) for key, item in requests.items()}
             held = {key: _shard(item) for key, item in requests.items()}
             _check_views(views, held, self._compiled)
-            load_plan = make_load_plan(self._compiled, self._inventory, held, _rank())
+            load_plan = make_load_plan(self._compiled, self._inventory, held, dist.rank())
             run_load_plan(load_plan, self._inventory, views)
             for key, item in requests.items():
                 planner.commit_tensor(item, views[key])
@@ -151,8 +154,7 @@ def _rules_named(rules) -> str:
     if isinstance(rules, RuleSet):
         path = rules.files[0].path if rules.files else None
     else:
-        text = os.fspath(rules)
-        path = shipped_path(text) if not os.path.isfile(text) and is_name(text) else text
+        path = resolve_rules_path(rules)  # a shipped name: its file
     return f"the rules of `{os.path.basename(os.fspath(path))}`" if path else "the rules"
 
 
@@ -206,7 +208,3 @@ def _check_views(views: dict, held: dict[str, LocalShard], compiled) -> None:
                 "that do").diagnostic)
     if problems:
         raise errors.ReaderError(problems)
-
-
-def _rank() -> int:
-    return torch.distributed.get_rank() if torch.distributed.is_available() and torch.distributed.is_initialized() else 0
