@@ -344,33 +344,22 @@ def test_vllm_layouts_save_the_original_files(models, tmp_path, which):
 # -- Qwen3-MoE as released in FP8 ----------------------------------------------------------------------
 
 
-def test_qwen3_moe_fp8_equals_transformers(models, tmp_path):
-    """transformers dequantizes the release on CPU and stacks the experts; so does the rule file.
-    8x8 blocks: transformers infers the block from the scale grid, so only dividing shapes are fair."""
-    built = models("qwen3_moe")
-    folder = fp8_release(built.folder, tmp_path / "fp8", (8, 8))
-    want = transformers_state_dict(folder, torch.float32)
-    got = nan_like(want)
-    report = remapdsl.load(got, str(folder), rules_path("qwen3_moe_fp8"))
-    assert_bit_equal(got, dict(want))
-    assert report.bytes_read == sum(checkpoint_tensor_bytes(folder).values()) and report.scale_bytes_read > 0
-    assert remapdsl.choose_rules(str(folder))[0].name == "qwen3_moe_fp8"
-    assert_saves_the_original_files(got, rules_path("qwen3_moe_fp8"), folder, tmp_path / "saved")
-
-
-@pytest.mark.parametrize("case", ["qwen3", "qwen2"])
-def test_llama_fp8_equals_transformers(models, tmp_path, case):
-    """A dense FP8 release (Qwen3-8B-FP8's layout; Qwen2 with its unquantized biases) against
-    transformers' CPU dequantization, bit for bit, and saved back byte for byte; `auto` picks it."""
+@pytest.mark.parametrize("rules, case", [("qwen3_moe_fp8", "qwen3_moe"), ("llama_fp8", "qwen3"),
+                                         ("llama_fp8", "qwen2")])
+def test_fp8_releases_equal_transformers(models, tmp_path, rules, case):
+    """An FP8 release (Qwen3-MoE's, its experts stacked; a dense one in Qwen3-8B-FP8's layout; Qwen2
+    with its unquantized biases) against transformers' CPU dequantization, bit for bit, every value
+    and scale byte read once, and saved back byte for byte; `auto` picks the file. 8x8 blocks:
+    transformers infers the block from the scale grid, so only dividing shapes are fair."""
     built = models(case)
     folder = fp8_release(built.folder, tmp_path / "fp8", (8, 8))
     want = transformers_state_dict(folder, torch.float32)
     got = nan_like(want)
-    report = remapdsl.load(got, str(folder), rules_path("llama_fp8"))
+    report = remapdsl.load(got, str(folder), rules_path(rules))
     assert_bit_equal(got, dict(want))
     assert report.bytes_read == sum(checkpoint_tensor_bytes(folder).values()) and report.scale_bytes_read > 0
-    assert remapdsl.choose_rules(str(folder))[0].name == "llama_fp8"
-    assert_saves_the_original_files(got, rules_path("llama_fp8"), folder, tmp_path / "saved")
+    assert remapdsl.choose_rules(str(folder))[0].name == rules
+    assert_saves_the_original_files(got, rules_path(rules), folder, tmp_path / "saved")
 
 
 def test_qwen3_moe_fp8_128_blocks_are_the_dequantized_release(models, tmp_path):
