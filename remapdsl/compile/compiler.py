@@ -17,6 +17,7 @@ from typing import Any
 
 from ..language import ir
 from ..checkpoint import Inventory
+from ..dtypes import DTYPES
 from ..errors import BindError, Diagnostic, Span, suggest
 from ..gcpause import paused_gc
 from ..language.formatter import format_expr
@@ -400,7 +401,8 @@ class _Compiler:
 
 
 _SOURCE_KEY, _SIZES, _SHAPE = attrgetter("source_key"), attrgetter("sizes"), attrgetter("shape")
-_FLOATING = frozenset({"float16", "bfloat16", "float32", "float64"})  # what `cast DT` casts: never 8- or 4-bit values
+# what `cast DT` casts: floating dtypes of 16 bits and more, never stored 8-, 6- or 4-bit values
+_FLOATING = frozenset(d.name for d in DTYPES if d.kind == "float" and d.bits >= 16)
 
 
 def _pairs(names: list[str]) -> Callable[[dict], tuple]:
