@@ -145,9 +145,14 @@ def load(state_dict, checkpoint, rules, *, config: Mapping[str, Any] | None = No
 
 def save(state_dict, folder, rules, *, like=None, config: Mapping[str, Any] | None = None, layout=None,
          mesh=None, overwrite: bool = False, allow_lossy: bool = False, requantize: bool = False,
-         dropped: str = "error"):
+         dropped: str = "error", max_shard_bytes: int = 5 * 10**9):
     """Write runtime tensors back to the checkpoint layout `like` through the rules that load it,
     every rank its own bytes (no gather); returns a SaveReport.
+
+    Without `like`, the layout is derived: the checkpoint tensors the rules, the config and the
+    runtime tensors' global shapes determine (E520 names the rule and the size where they do not),
+    in files sharded as Hugging Face shards them (`max_shard_bytes`), with an index past one file
+    and `config.json` from `config` (docs/saving.md#without-like).
 
     Args:
         state_dict: runtime key -> tensor (or a torch.nn.Module); DTensors are written per their
@@ -156,8 +161,9 @@ def save(state_dict, folder, rules, *, like=None, config: Mapping[str, Any] | No
         rules: a .remap file path, a shipped name, `"auto"` (from `like`) or a RuleSet: the rules that
             load `like` into this layout.
         like: the checkpoint (folder or Inventory) whose keys, files, headers and index the output
-            takes: an unchanged model saves to byte-identical files.
-        config: the model config; by default `like`'s config.json.
+            takes: an unchanged model saves to byte-identical files. None: the layout is derived.
+        config: the model config; by default `like`'s config.json (without `like`: none, and no
+            config.json is written).
         layout, mesh: as for `load`.
         overwrite: replace an existing folder (only once the new one is complete).
         allow_lossy: write back tensors that the rules read through a cast that loses values.
@@ -169,13 +175,15 @@ def save(state_dict, folder, rules, *, like=None, config: Mapping[str, Any] | No
             model still saves byte-identical files); `"omit"` leaves them out (the files, headers and
             index lack them, the rest laid out as safetensors lays out a file; a file left empty is
             not written). Copies are split among the ranks by bytes, no gather.
+        max_shard_bytes: without `like`: start a new output file past this size.
     """
     from .runtime.save import save as _save
 
     require_data(like, "a save (`like`)")
     rules = _rules_for(rules, like, config)
     return _save(state_dict, folder, rules, like=like, config=config, layout=layout, mesh=mesh,
-                 overwrite=overwrite, allow_lossy=allow_lossy, requantize=requantize, dropped=dropped)
+                 overwrite=overwrite, allow_lossy=allow_lossy, requantize=requantize, dropped=dropped,
+                 max_shard_bytes=max_shard_bytes)
 
 
 def convert(src, dst, rules, *, reverse: bool = False, like=None, max_shard_bytes: int = 5 * 10**9,

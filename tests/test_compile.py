@@ -57,7 +57,7 @@ def test_llama_fused_grouped_qkv_and_interleaved_gate_up(tmp_path):
                     p + "mlp.gate_proj.weight": randn(inter, hidden),
                     p + "mlp.up_proj.weight": randn(inter, hidden),
                     p + "mlp.down_proj.weight": randn(hidden, inter)}
-    config = {"num_key_value_heads": nkv, "intermediate_size": inter, "tie_word_embeddings": False}
+    config = {"num_attention_heads": nh, "hidden_size": hidden, "head_dim": hd, "num_key_value_heads": nkv, "intermediate_size": inter, "tie_word_embeddings": False}
     folder = write_checkpoint(tmp_path, tensors, config)
     rules = remapdsl.load_rules("rules/llama_fused.remap")
     compiled = remapdsl.compile_rules(rules, remapdsl.open_checkpoint(folder), config)

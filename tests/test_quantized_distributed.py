@@ -19,6 +19,7 @@ from safetensors.torch import load_file, save_file
 
 import quant_reference as ref
 import remapdsl
+from remapdsl.checkpoint import read_config
 from remapdsl.sharding import LayoutPlan, Mesh, layout_for, local_shard
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -55,7 +56,8 @@ def _worker(rank: int, world: int, rendezvous: str, folder: str, out: str) -> No
     failures: list[str] = []
     try:
         rules = remapdsl.language.rules_from_text(RULES, "qwen3_moe_fp8.remap")
-        compiled = remapdsl.compile_rules(rules, remapdsl.open_checkpoint(folder), {})
+        inventory = remapdsl.open_checkpoint(folder)
+        compiled = remapdsl.compile_rules(rules, inventory, read_config(inventory))
         expected = compiled.empty_state_dict()
         remapdsl.load(expected, folder, rules)
         for name, plan_map, mesh_dim in (("tp", TP, "tp"), ("ep", EP, "ep")):

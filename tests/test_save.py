@@ -125,10 +125,19 @@ def test_a_lossy_cast_saves_with_the_opt_in(tmp_path):
     assert torch.equal(saved["b.weight"], state["b"].float())
 
 
-def test_a_save_needs_the_layout_it_writes(tmp_path):
+def test_a_save_without_like_reads_sizes_from_the_config_it_is_given(tmp_path):
+    """Without `like` nothing is read from a checkpoint: the expert sizes the rule states come from
+    `config` (E211 names the key when it is not given); with it, the layout is derived."""
+    state = loaded(EXAMPLE, QWEN)
     with pytest.raises(RemapError) as info:
-        remapdsl.save(loaded(EXAMPLE, QWEN), tmp_path / "out", QWEN)
-    assert info.value.diagnostics[0].code == "E520" and "like" in str(info.value)
+        remapdsl.save(state, tmp_path / "out", QWEN)
+    d = info.value.diagnostics[0]
+    assert d.code == "E211" and "config.moe_intermediate_size" in d.message and d.span.path.endswith("qwen3_moe.remap")
+    assert not (tmp_path / "out").exists()
+    config = json.loads((Path(EXAMPLE) / "config.json").read_text())
+    remapdsl.save(state, tmp_path / "out", QWEN, config=config)
+    again = loaded(tmp_path / "out", QWEN)
+    assert again.keys() == state.keys() and all(torch.equal(again[k], v) for k, v in state.items())
 
 
 def test_an_existing_folder_is_kept_unless_overwrite(tmp_path):

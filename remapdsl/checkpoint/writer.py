@@ -309,24 +309,27 @@ def _write_all(fd: int, data: memoryview, offset: int) -> None:
 
 
 def commit(staging: Path, folder: Path, like: Inventory, token: str, overwrite: bool,
-           index: dict | None = None, copy_from: str | None = None) -> None:
+           index: dict | None = None, copy_from: str | None = None, files: Mapping[str, bytes] | None = None) -> None:
     """Rank 0, after every rank's writes: the index (`like`'s, or a new layout's `index`), the small
-    files of `copy_from` (default `like`'s folder), sync, rename into place."""
+    files of `copy_from` (default `like`'s folder) or, where given, `files` (name -> bytes) instead,
+    sync, rename into place."""
     with _os_errors(staging, f"committing the output into {folder.name}"):
-        _commit(staging, folder, like, token, overwrite, index, copy_from)
+        _commit(staging, folder, like, token, overwrite, index, copy_from, files)
 
 
 def _commit(staging: Path, folder: Path, like: Inventory, token: str, overwrite: bool, index: dict | None,
-            copy_from: str | None) -> None:
+            copy_from: str | None, files: Mapping[str, bytes] | None) -> None:
     if index is not None:
         (staging / like.index_file).write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
     elif like.index_file:
         shutil.copyfile(Path(like.root) / like.index_file, staging / like.index_file)
     (staging / OWNER).unlink(missing_ok=True)  # not part of the checkpoint
     source = Path(copy_from or like.root)
-    for name in COPIED:
+    for name in COPIED if files is None else ():
         if (source / name).is_file():
             shutil.copyfile(source / name, staging / name)
+    for name, data in (files or {}).items():
+        (staging / name).write_bytes(data)
     for path in staging.rglob("*"):
         if path.is_file():
             fd = os.open(path, os.O_RDONLY)

@@ -52,15 +52,31 @@ def _combine_capture(op, ev: Evaluator, state: dict) -> dict:
                             + (f", missing {_ranges(gaps)}" if gaps else ""))
         combine = sym.stack if isinstance(op, ir.Stack) else sym.concat
         width = len(by_value[values[0]])
-        out[rest] = [combine([by_value[v][i] for v in values], dim) for i in range(width)]
+        parts = [[by_value[v][i] for v in values] for i in range(width)]
+        if isinstance(op, ir.Concat) and op.sizes is not None:
+            for each in parts:
+                _stated_sizes(op, ev, each, dim)
+        out[rest] = [combine(each, dim) for each in parts]
     return out
+
+
+def _stated_sizes(op, ev: Evaluator, parts: list, dim: int) -> None:
+    """A concat's or an interleave's `sizes=`: the parts it joins are that big along `dim`."""
+    sizes = list(ev.integers(op.sizes, "sizes"))
+    found = [p.shape[dim % len(p.shape)] if p.shape else None for p in parts]
+    if found != sizes:
+        raise sym.OpError(f"the parts it joins are {found} along dim {dim}, but `sizes=` says {sizes}")
 
 
 def _list_op(op: ir.Op, ev: Evaluator, tensors: list, targets: int) -> list:
     if isinstance(op, (ir.Stack, ir.Concat)):
         combine = sym.stack if isinstance(op, ir.Stack) else sym.concat
+        if isinstance(op, ir.Concat) and op.sizes is not None:
+            _stated_sizes(op, ev, tensors, ev.integer(op.dim, "dim"))
         return [combine(tensors, ev.integer(op.dim, "dim"))]
     if isinstance(op, ir.Interleave):
+        if op.sizes is not None:
+            _stated_sizes(op, ev, tensors, ev.integer(op.dim, "dim"))
         return [sym.interleave(tensors, ev.integer(op.dim, "dim"), ev.integer(op.groups, "groups"))]
     if isinstance(op, ir.Split):
         return sym.split(tensors[0], ev.integer(op.dim, "dim"), ev.integers(op.sizes, "sizes"))
@@ -99,6 +115,23 @@ def _one(op: ir.Op, ev: Evaluator, t: sym.Sym) -> sym.Sym:
     if isinstance(op, ir.Add):
         return sym.value_step(t, ("add", float(ev.number(op.value, "value"))))
     raise sym.OpError(f"`{op.op_name()}` cannot stand in a mapping rule")
+
+
+def expand_macros(ops, macros: dict, config, lets: dict, line_text, env: dict | None = None
+                  ) -> list[tuple[ir.Op, dict]]:
+    """Ops with macro calls replaced by their bodies, each with its parameter values."""
+    out = []
+    for op in ops:
+        if isinstance(op, ir.MacroCall):
+            macro = macros[op.name]
+            args = {}
+            for position, arg in enumerate(op.args):
+                name = arg.name or macro.params[position]
+                args[name] = Evaluator(config, lets | (env or {}), line_text).integer(arg.value, name)
+            out.extend(expand_macros(macro.ops, macros, config, lets, line_text, args))
+        else:
+            out.append((op, env or {}))
+    return out
 
 
 def _ranges(values: list[int]) -> str:

@@ -24,7 +24,7 @@ from ..language.formatter import format_expr
 from ..language.includes import RuleSet
 from ..indexmap import volume
 from . import symbolic as sym
-from .apply import GapError, apply_op
+from .apply import GapError, apply_op, expand_macros
 from .bind import Binding, KeyPool, bind, compile_pattern, list_axis, scan
 from .evaluate import Evaluator, evaluate_lets
 from .quantized import bind_dequantize, bind_quantized, check_cuts
@@ -139,26 +139,7 @@ class _Compiler:
                 self.runtime_tensors[name] = d.model_copy(update={"grid": grid})
 
     def drops(self, statements, available: set[str]) -> tuple[set[str], tuple[Span, ...]]:
-        dropped: set[str] = set()
-        unused: list[Span] = []
-        pool = KeyPool(available)
-        for s in statements:
-            if not isinstance(s, ir.Drop):
-                continue
-            hit = False
-            for pattern in s.patterns:
-                regex = compile_pattern(pattern)
-                names = [name for name, _ in regex.captures]
-                taken, captured, _ = scan(regex, pool)
-                if s.guard is not None:  # the guard per capture values (in the order first met), not per key
-                    verdicts = {values: self.evaluator.boolean(s.guard, dict(zip(names, values)))
-                                for values in dict.fromkeys(captured)}
-                    taken = list(compress(taken, map(verdicts.__getitem__, captured)))
-                dropped.update(taken)
-                hit = hit or bool(taken)
-            if not hit and s.span is not None:
-                unused.append(s.span)
-        return dropped, tuple(unused)
+        return drops(statements, available, self.evaluator)
 
     def rule(self, rule: ir.Rule, pool: set[str], keys: KeyPool) -> set[str]:
         """Bind one rule against `keys` (the pool's), build its runtime tensors; return the
@@ -274,7 +255,7 @@ class _Compiler:
     def build(self, rule: ir.Rule, bindings: list[Binding]) -> None:
         target_names = {n.id for p in rule.targets for part in p.parts if isinstance(part, ir.Subst)
                         for n in _names(part.expr)}
-        ops = self.expand(rule.ops, {})
+        ops = expand_macros(rule.ops, self.macros, self.evaluator.config, self.lets, self.rules.line_text)
         self.casting = self.cast_all is not None and not any(isinstance(op, ir.Cast) for op, _ in ops)
         reduced = sorted({op.capture for op, _ in ops if isinstance(op, (ir.Stack, ir.Concat))
                           and op.capture is not None})
@@ -322,22 +303,6 @@ class _Compiler:
             info = logical(ckpt_key) or stored[ckpt_key]
             return make(ckpt_key, tuple(info.shape), info.dtype)
         return source
-
-    def expand(self, ops, env: dict) -> list[tuple[ir.Op, dict]]:
-        """Ops with macro calls replaced by their bodies, each with its parameter values."""
-        out = []
-        for op in ops:
-            if isinstance(op, ir.MacroCall):
-                macro = self.macros[op.name]
-                args = {}
-                for position, arg in enumerate(op.args):
-                    name = arg.name or macro.params[position]
-                    args[name] = Evaluator(self.evaluator.config, self.lets | env,
-                                           self.rules.line_text).integer(arg.value, name)
-                out.extend(self.expand(macro.ops, args))
-            else:
-                out.append((op, env))
-        return out
 
     def apply(self, rule: ir.Rule, op: ir.Op, env: dict, state: dict, keys: tuple) -> dict:
         ev = Evaluator(self.evaluator.config, self.lets | env, self.rules.line_text)
@@ -403,6 +368,30 @@ class _Compiler:
 _SOURCE_KEY, _SIZES, _SHAPE = attrgetter("source_key"), attrgetter("sizes"), attrgetter("shape")
 # what `cast DT` casts: floating dtypes of 16 bits and more, never stored 8-, 6- or 4-bit values
 _FLOATING = frozenset(d.name for d in DTYPES if d.kind == "float" and d.bits >= 16)
+
+
+def drops(statements, available: set[str], evaluator: Evaluator) -> tuple[set[str], tuple[Span, ...]]:
+    """The keys of `available` the `drop` statements remove, and the spans of those that remove none."""
+    dropped: set[str] = set()
+    unused: list[Span] = []
+    pool = KeyPool(available)
+    for s in statements:
+        if not isinstance(s, ir.Drop):
+            continue
+        hit = False
+        for pattern in s.patterns:
+            regex = compile_pattern(pattern)
+            names = [name for name, _ in regex.captures]
+            taken, captured, _ = scan(regex, pool)
+            if s.guard is not None:  # the guard per capture values (in the order first met), not per key
+                verdicts = {values: evaluator.boolean(s.guard, dict(zip(names, values)))
+                            for values in dict.fromkeys(captured)}
+                taken = list(compress(taken, map(verdicts.__getitem__, captured)))
+            dropped.update(taken)
+            hit = hit or bool(taken)
+        if not hit and s.span is not None:
+            unused.append(s.span)
+    return dropped, tuple(unused)
 
 
 def _pairs(names: list[str]) -> Callable[[dict], tuple]:

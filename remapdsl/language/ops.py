@@ -43,11 +43,13 @@ def _capture_name(name: str | None) -> str | None:
 class Concat(Op):
     kind: Literal["concat"] = "concat"
     example = "concat(dim=0)"
-    params = (Param("capture", "capture", False, True), _DIM, Param("start", "int", False))
-    summary = "concatenate the list axis (or a capture, ascending) along dim"
+    params = (Param("capture", "capture", False, True), _DIM, Param("start", "int", False),
+              Param("sizes", "ints", False))
+    summary = "concatenate the list axis (or a capture, ascending) along dim; `sizes=` states each part's"
     capture: str | None = None
     dim: Expr
     start: Expr | None = None
+    sizes: Expr | None = None  # each part's size along dim: checked on load, what a save without `like` needs
 
     _check_capture = field_validator("capture")(_capture_name)
 
@@ -79,10 +81,11 @@ class Unstack(Op):
 class Interleave(Op):
     kind: Literal["interleave"] = "interleave"
     example = "interleave(dim=0, groups=KV)"
-    params = (_DIM, Param("groups", "int"))
+    params = (_DIM, Param("groups", "int"), Param("sizes", "ints", False))
     summary = "cut each source into groups along dim; emit group 0 of every source, then 1, ..."
     dim: Expr
     groups: Expr
+    sizes: Expr | None = None  # each source's size along dim, as concat's
 
 
 class Deinterleave(Op):

@@ -99,14 +99,15 @@ def header_digests(inventory: Inventory) -> dict[str, str]:
 
 
 def compile_everywhere(rules, checkpoint, config=None, strict: bool = True,
-                       check: Callable[[], None] | None = None) -> tuple[Inventory, Compiled]:
+                       check: Callable[[], None] | None = None, on_disk: bool = True) -> tuple[Inventory, Compiled]:
     """Every rank: the rules, rank 0's headers of `checkpoint` shared, the config, compiled
     identically, before any data is read. Compiling is a pure function of its inputs, so the ranks
     compare digests of those (cheaper than hashing what they compiled), and of each file's header
     bytes as this rank reads its own copy: other rules, another config, another checkpoint or a
     copy with another header on any rank fails every rank (E410), naming the file, line, key, size
     or header that differs. `check` (the caller's own checks of its arguments) runs first, on
-    every rank.
+    every rank. `on_disk=False`: an Inventory of files not written yet (a derived layout), whose
+    headers no rank reads.
 
     Two exchanges: rank 0's headers (a broadcast carrying them or rank 0's error), then every
     rank's rules, config and compile (one exchange carrying each rank's error or digests)."""
@@ -129,7 +130,7 @@ def compile_everywhere(rules, checkpoint, config=None, strict: bool = True,
         own = inventory if dist.rank() == 0 or isinstance(checkpoint, Inventory) else inventory.restamped(checkpoint)
         # hashed after the times were taken: a later change is E342 at the data reads, an earlier
         # one is in these bytes; only in a job (one process has nothing to compare them with)
-        headers = header_digests(own) if dist.world_size() > 1 else {}
+        headers = header_digests(own) if dist.world_size() > 1 and on_disk else {}
         return _Prepared(_inputs(ruleset, given, strict, checkpoint),
                          compile_rules(ruleset, inventory, given, strict=strict), own, headers)
 

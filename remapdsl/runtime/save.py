@@ -17,6 +17,7 @@ only when the call is made, so `import remapdsl` stays free of torch.
 
 from __future__ import annotations
 
+import json
 import secrets
 import time
 from collections.abc import Mapping
@@ -33,15 +34,18 @@ from ..checkpoint.writer import (
     commit,
     create_files,
     discard,
+    new_layout,
     omitted_index,
     remove_stale_staging,
     staging_path,
     without,
 )
+from ..compile.derive import derive_checkpoint
 from ..compile.inverse import DROPPED, copied_parts, dropped_keys
 from ..compile.inverse import writers as derive_writers
 from ..errors import Diagnostic, RemapError
 from ..gcpause import paused_gc
+from ..language.includes import RuleSet, load_rules
 from ..sharding.holdings import hold, owned
 from ..sharding.plans import make_write_plan
 from . import dist
@@ -65,26 +69,35 @@ class SaveReport(BaseModel):
 
 def save(state_dict, folder, rules, *, like=None, config: Mapping[str, Any] | None = None, layout=None, mesh=None,
          overwrite: bool = False, allow_lossy: bool = False, requantize: bool = False,
-         dropped: str = "error") -> SaveReport:
-    """Write runtime tensors back to the checkpoint layout `like`; the arguments are `remapdsl.save`'s."""
+         dropped: str = "error", max_shard_bytes: int = 5 * 10**9) -> SaveReport:
+    """Write runtime tensors back to the checkpoint layout `like` (or the one the rules derive
+    without it); the arguments are `remapdsl.save`'s."""
     with paused_gc():
         return _save(state_dict, Path(folder).absolute(), rules, like, config, layout, mesh, overwrite, allow_lossy,
-                     requantize, dropped)
+                     requantize, dropped, max_shard_bytes)
 
 
 def _save(state_dict, folder: Path, rules, like, config, layout, mesh, overwrite, allow_lossy,
-          requantize, dropped) -> SaveReport:
+          requantize, dropped, max_shard_bytes) -> SaveReport:
     start = time.perf_counter()
-    # not strict: a checkpoint tensor no rule reads is the save's own error (E501, below)
-    inventory, compiled = compile_everywhere(rules, like, config, strict=False,
-                                             check=lambda: (_check_like(like), check_dropped(dropped)))
     tensors = state_dict.state_dict(keep_vars=True) if hasattr(state_dict, "state_dict") else state_dict
+    given = like
+    if like is None:
+        config = {} if config is None else config  # not the destination's config.json
+    # without `like`, rank 0 derives the layout from the rules and its tensors' shapes (every rank
+    # makes this exchange, so ranks given and not given `like` fail together, below)
+    derived = dist.from_first(lambda: (check_dropped(dropped), None if given is not None else derived_layout(
+        rules, config, tensors, layout, folder, max_shard_bytes))[1], "deriving the checkpoint layout")
+    like = like if derived is None else derived.inventory
+    # not strict: a checkpoint tensor no rule reads is the save's own error (E501, below)
+    inventory, compiled = compile_everywhere(rules, like, config, strict=False, on_disk=derived is None,
+                                             check=lambda: (check_dropped(dropped), same_like(given, derived)))
     rank, world = dist.rank(), dist.world_size()
 
     def prepare():
         check_mesh(mesh)
         chosen = derive_writers(compiled, allow_lossy=allow_lossy, requantize=requantize, dropped=dropped)
-        out = output_layout(compiled, inventory, dropped, requantize)
+        out = derived or output_layout(compiled, inventory, dropped, requantize)
         holding = hold(compiled, tensors, layout, mesh, rank)
         return (make_write_plan(chosen, out.inventory, owned(holding, rank), rank, compiled.logical_by_key(),
                                 requantize), holding, out)
@@ -95,10 +108,13 @@ def _save(state_dict, folder: Path, rules, like, config, layout, mesh, overwrite
     copies = copy_share(copied_keys(compiled, inventory, dropped, requantize), inventory, out.inventory, rank, world)
     copied = sum(piece[-1] for piece in copies)
     reader = CheckpointReader(inventory)
-    index = omitted_index(inventory, out.inventory) if rank == 0 and out.headers else None
+    index = derived.index if derived else omitted_index(inventory, out.inventory) if rank == 0 and out.headers \
+        else None
+    files = None if derived is None else \
+        {"config.json": (json.dumps(dict(config), indent=2, sort_keys=True) + "\n").encode()} if config else {}
     try:
         sync_seconds = write_output(folder, out.inventory, headers=out.headers or None, index=index,
-                                    copy_from=inventory.root, overwrite=overwrite,
+                                    copy_from=inventory.root, files=files, overwrite=overwrite,
                                     planned=plan.bytes_written + copied,
                                     write=lambda writer: (run_write_plan(plan, writer, local, reader=reader),
                                                           copy_bytes(copies, reader, writer)))
@@ -181,15 +197,30 @@ def copy_bytes(pieces, reader, writer) -> None:
             writer.write_at(dst, dst_offset + step, data)
 
 
-def _check_like(like) -> None:
-    if like is None:
-        raise RemapError(Diagnostic(code="E520", message="a save writes the checkpoint layout the rules read: "
-                                    "give that checkpoint with `like` (its keys, files and headers); rules "
-                                    "alone do not give the sizes of every tensor",
-                                    hint="or write the runtime layout itself with `remapdsl convert`"))
+def same_like(like, derived) -> None:
+    """E520 on a rank given `like` where rank 0 was not, or the other way round."""
+    if (like is None) == (derived is None):
+        which = "this rank was given no `like` and rank 0 was" if like is None else \
+            "this rank was given `like` and rank 0 was not"
+        raise RemapError(Diagnostic(code="E520", message=f"a save writes one layout on every rank, but {which}",
+                                    hint="give every rank the same `like`, or none to derive the layout"))
 
 
-def write_output(folder: Path, layout, *, headers=None, index=None, copy_from=None, overwrite: bool,
+def derived_layout(rules, config, tensors, layout, folder: Path, max_shard_bytes: int) -> NewLayout:
+    """The checkpoint files a save without `like` writes: the tensors the rules derive from the
+    runtime tensors' global shapes (remapdsl/compile/derive.py), sharded as Hugging Face shards."""
+    if layout is not None:
+        raise RemapError(Diagnostic(code="E520", message="a save without `like` derives the checkpoint from the "
+                                    "runtime tensors' global shapes, and with `layout=` the state dict holds "
+                                    "local shards", hint="save DTensors (their global shapes are known), or "
+                                    "give the checkpoint with `like`"))
+    ruleset = rules if isinstance(rules, RuleSet) else load_rules(rules)
+    runtime = {k: (tuple(v.shape), str(v.dtype).removeprefix("torch.")) for k, v in tensors.items()
+               if hasattr(v, "shape") and hasattr(v, "dtype")}
+    return new_layout(str(folder), derive_checkpoint(ruleset, runtime, config), max_shard_bytes)
+
+
+def write_output(folder: Path, layout, *, headers=None, index=None, copy_from=None, files=None, overwrite: bool,
                  write, planned: int = 0) -> float:
     """The phases every rank runs to write a checkpoint in place: rank 0 checks the destination,
     removes the staging folders of earlier saves there whose process died, and creates the staging files of `layout` (an Inventory: `like`'s, or a new one with `headers` and
@@ -211,8 +242,8 @@ def write_output(folder: Path, layout, *, headers=None, index=None, copy_from=No
             synced = time.perf_counter()
             writer.close(sync=True)
             sync_seconds = time.perf_counter() - synced
-        dist.together(lambda: commit(staging, folder, layout, token, overwrite, index=index, copy_from=copy_from)
-                      if rank == 0 else None, phase="committing")
+        dist.together(lambda: commit(staging, folder, layout, token, overwrite, index=index, copy_from=copy_from,
+                                     files=files) if rank == 0 else None, phase="committing")
     except BaseException:
         if rank == 0:
             discard(staging)

@@ -1,0 +1,293 @@
+"""A save without `like`: the checkpoint layout derived from the rules, the config and the runtime
+tensors' shapes (remapdsl/compile/derive.py), or E520 naming the rule and the size it lacks.
+
+For every shipped rule file, on the test checkpoint it loads: the derived tensors are the
+checkpoint's own (keys, shapes, dtypes); a save without `like` then a load gives the runtime state
+dict bit for bit, and transformers' `from_pretrained` reads the files into the original model. The
+quantized files are E520 at their `dequantize` statement (which tensors are stored quantized is not
+a function of the runtime tensors). Real safetensors files, real transformers checkpoints, 2 gloo
+ranks with DTensors.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors import safe_open
+
+import remapdsl
+from remapdsl import RemapError
+from remapdsl.checkpoint import Inventory, open_inventory, read_config
+from remapdsl.compile import compile_rules
+from remapdsl.compile.derive import derive_checkpoint
+from remapdsl.language import rules_from_text
+from remapdsl.testing.ranks import run_ranks
+
+ROOT = Path(__file__).resolve().parent.parent
+
+# shipped file -> the test checkpoint it loads (hf_models CASES / FAMILY_CASES; ":fp8" an FP8 release of it)
+PLAIN = {
+    "llama": "llama_tied", "qwen3_moe": "qwen3_moe_dense0", "mixtral": "mixtral", "qwen2_moe": "qwen2_moe",
+    "deepseek_v3": "deepseek_v3_bf16", "gemma2": "gemma3_text", "phi3": "phi3", "phi3_split": "phi3",
+    "gpt_neox": "gpt_neox", "gpt_neox_split": "gpt_neox", "llama4_text": "llama4_text_interleaved",
+    "vllm_llama": "qwen2", "vllm_qwen3_moe": "qwen3_moe_dense0", "llama_fused": "llama", "identity": "qwen3_moe",
+    "torchtitan_llama3": "llama", "torchtitan_qwen3": "qwen3_moe", "torchtitan_deepseek_v3": "deepseek_v3",
+}
+QUANTIZED = {"deepseek_v3_fp8": "deepseek_v3:fp8", "llama_fp8": "llama:fp8", "qwen3_moe_fp8": "qwen3_moe:fp8",
+             "gpt_oss": "gpt_oss"}
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory):
+    """case -> checkpoint folder, each made once."""
+    pytest.importorskip("transformers")
+    from hf_models import CASES, FAMILY_CASES, build, fp8_release, gpt_oss_mxfp4_release
+
+    root = tmp_path_factory.mktemp("derived")
+    made: dict[str, Path] = {}
+
+    def get(case: str) -> Path:
+        if case not in made:
+            if case == "gpt_oss":
+                made[case] = gpt_oss_mxfp4_release(root / case)
+            elif case.endswith(":fp8"):
+                made[case] = fp8_release(get(case[:-4]), root / case.replace(":", "_"), (4, 4))
+            else:
+                made[case] = build(FAMILY_CASES.get(case) or CASES[case], root / case).folder
+        return made[case]
+    return get
+
+
+def _runtime(rules: str, folder: Path) -> tuple[dict, dict, object]:
+    """The runtime state dict a load of `folder` gives, its config, and the compile."""
+    inventory = open_inventory(folder)
+    config = read_config(inventory)
+    compiled = compile_rules(remapdsl.load_rules(rules), inventory, config)
+    state = {d.runtime_key: torch.full(d.shape, float("nan"), dtype=getattr(torch, d.dtype))
+             for d in compiled.runtime_tensors}
+    remapdsl.load(state, folder, rules)
+    return state, config, compiled
+
+
+def _shapes(state: dict) -> dict:
+    return {k: (tuple(v.shape), str(v.dtype).removeprefix("torch.")) for k, v in state.items()}
+
+
+@pytest.mark.parametrize("name", sorted(PLAIN))
+def test_every_shipped_file_derives_its_checkpoint_and_round_trips(checkpoints, tmp_path, name):
+    rules = str(ROOT / "rules" / f"{name}.remap")
+    folder = checkpoints(PLAIN[name])
+    state, config, compiled = _runtime(rules, folder)
+    inventory = open_inventory(folder)
+    want = {k: (t.dtype, t.shape) for k, t in inventory.tensors.items() if k not in compiled.dropped}
+    assert derive_checkpoint(remapdsl.load_rules(rules), _shapes(state), config) == want
+
+    report = remapdsl.save(state, tmp_path / "out", rules, config=config, max_shard_bytes=20_000)
+    again = {k: torch.full_like(v, float("nan")) for k, v in state.items()}
+    remapdsl.load(again, tmp_path / "out", rules)
+    assert all(torch.equal(again[k], state[k]) and again[k].dtype == state[k].dtype for k in state), name
+    # the layout is Hugging Face's: sharded by size with an index, `format: pt`, config.json as given
+    files = sorted(p.name for p in (tmp_path / "out").glob("*.safetensors"))
+    assert len(files) > 1 and files == sorted(report.files)
+    index = json.loads((tmp_path / "out" / "model.safetensors.index.json").read_text())
+    assert set(index["weight_map"]) == set(want) and sorted(set(index["weight_map"].values())) == files
+    with safe_open(str(tmp_path / "out" / files[0]), "pt") as f:
+        assert f.metadata() == {"format": "pt"}
+    assert json.loads((tmp_path / "out" / "config.json").read_text()) == config
+
+
+@pytest.mark.parametrize("name", ["llama", "qwen3_moe", "deepseek_v3", "phi3_split", "vllm_llama"])
+def test_transformers_reads_the_derived_files_into_the_original_model(checkpoints, tmp_path, name):
+    """The files a save without `like` writes load with `from_pretrained` into a model equal to
+    the one the checkpoint came from (the split and fused layouts too: they save the HF layout)."""
+    from transformers import AutoModelForCausalLM
+
+    rules = str(ROOT / "rules" / f"{name}.remap")
+    folder = checkpoints(PLAIN[name])
+    state, config, _ = _runtime(rules, folder)
+    remapdsl.save(state, tmp_path / "out", rules, config=config)
+    original = AutoModelForCausalLM.from_pretrained(folder).state_dict()
+    derived = AutoModelForCausalLM.from_pretrained(tmp_path / "out").state_dict()
+    assert original.keys() == derived.keys()
+    assert all(torch.equal(original[k], derived[k]) for k in original)
+
+
+@pytest.mark.parametrize("name", sorted(QUANTIZED))
+def test_quantized_files_are_refused_at_their_dequantize_statement(checkpoints, tmp_path, name):
+    rules = str(ROOT / "rules" / f"{name}.remap")
+    state, config, _ = _runtime(rules, checkpoints(QUANTIZED[name]))
+    with pytest.raises(RemapError) as info:
+        remapdsl.save(state, tmp_path / "out", rules, config=config)
+    d = info.value.diagnostics[0]
+    assert d.code == "E520" and "dequantize" in d.message and "with `like`" in d.hint
+    assert d.line_text.startswith("dequantize ") and d.span.column == 1
+    assert not (tmp_path / "out").exists()
+
+
+# -- sizes the rules state, and the ones they do not ------------------------------------------------
+
+
+def _derive(text: str, checkpoint: dict, config: dict | None = None) -> dict:
+    """Compile `text` forward against `checkpoint` (key -> (dtype, shape)), then derive it back
+    from the runtime shapes alone."""
+    rules = rules_from_text(text)
+    compiled = compile_rules(rules, Inventory.from_shapes(checkpoint), config or {})
+    return derive_checkpoint(rules, {d.runtime_key: (d.shape, d.dtype) for d in compiled.runtime_tensors}, config)
+
+
+def _refused(text: str, runtime: dict, config: dict | None = None):
+    with pytest.raises(RemapError) as info:
+        derive_checkpoint(rules_from_text(text), runtime, config)
+    assert info.value.diagnostics[0].code == "E520"
+    return info.value.diagnostics[0]
+
+
+def test_unequal_concat_sizes_from_let_values():
+    text = ("remap 1\nlet Q = config.q\nlet KV = config.kv\n"
+            "a.{L}.{q,k,v} -> a.{L}.qkv | concat(dim=0, sizes=[Q, KV, KV])\n")
+    checkpoint = {f"a.{L}.{p}": ("bfloat16", (n, 6)) for L in range(3) for p, n in (("q", 8), ("k", 2), ("v", 2))}
+    assert _derive(text, checkpoint, {"q": 8, "kv": 2}) == checkpoint
+
+
+def test_stack_ranges_come_from_the_stacked_dim_and_start():
+    text = "remap 1\ne.{E}.w -> w | stack(E, dim=1, start=4)\n"
+    checkpoint = {f"e.{E}.w": ("float32", (3, 5)) for E in range(4, 11)}
+    assert _derive(text, checkpoint) == checkpoint
+
+
+def test_unstack_and_split_transpose_and_chunk_undo():
+    text = ("remap 1\nw -> e.{E}.w | unstack(E, dim=0)\nqkv -> {q,k,v} | split(dim=1, sizes=[4, 2, 2])\n"
+            "t -> t | transpose(0, 1)\ngu -> {g,u} | chunk(dim=0, n=2)\n")
+    checkpoint = {"w": ("float32", (5, 3, 2)), "qkv": ("int8", (3, 8)), "t": ("float16", (2, 7)),
+                  "gu": ("float32", (6, 4))}
+    assert _derive(text, checkpoint) == checkpoint
+
+
+def test_a_target_index_shifted_by_a_let_is_solved_back():
+    """The MTP layer's `mtp_layers.{L - N}`: the checkpoint layer is solved from the runtime index."""
+    text = ("remap 1\nlet N = config.n\nprefix @l = m.layers.{L} -> layers.{L} when L < N\n"
+            "prefix @l = m.layers.{L} -> mtp_layers.{L - N} when L >= N\n@l.w -> @l.w\n")
+    checkpoint = {f"m.layers.{L}.w": ("float32", (2,)) for L in range(5)}
+    assert _derive(text, checkpoint, {"n": 3}) == checkpoint
+
+
+def test_a_guard_boundary_picks_the_layer_s_rule():
+    text = ("remap 1\nl.{L}.w -> dense.{L}.w when L < 2\nl.{L}.w -> moe.{L}.w when L >= 2\n")
+    checkpoint = {f"l.{L}.w": ("float32", (L + 1,)) for L in range(4)}
+    assert _derive(text, checkpoint) == checkpoint
+    with pytest.raises(RemapError) as info:  # a dense layer at index 2 no rule makes there
+        remapdsl.compile.derive.derive_checkpoint(rules_from_text(text), {"dense.2.w": ((3,), "float32")})
+    assert info.value.diagnostics[0].code == "E520" and "dense.2.w" in info.value.diagnostics[0].message
+
+
+def test_a_concat_without_sizes_names_the_op_and_the_dim():
+    text = "remap 1\na.{L}.{g,u} -> a.{L}.gu\n    | concat(dim=0)\n"
+    d = _refused(text, {"a.0.gu": ((12, 4), "float32")})
+    assert (d.span.line, d.span.column) == (3, 7) and "sizes=" in d.message and "size 12" in d.message
+    assert "a.0.gu" in d.message
+
+
+@pytest.mark.parametrize("op, why", [("slice(dim=0, start=1)", "slice"), ("pad(dim=0, to=8)", "pad"),
+                                     ("reshape([2, 6])", "reshape"), ("cast(bfloat16)", "cast")])
+def test_ops_whose_input_size_the_output_does_not_give_are_refused(op, why):
+    d = _refused(f"remap 1\na -> b | {op}\n", {"b": ((2, 6), "bfloat16")})
+    assert d.message.startswith(f"runtime tensor `b`: `{why}`") and (d.span.line, d.span.column) == (2, 10)
+
+
+def test_a_wildcard_source_and_cast_all_are_refused():
+    d = _refused("remap 1\nx.*.w -> y\n", {"y": ((2,), "float32")})
+    assert "wildcard" in d.message and d.span.line == 2
+    d = _refused("remap 1\ncast bfloat16\na -> b\n", {"b": ((2,), "bfloat16")})
+    assert "`cast`" in d.message and d.span.line == 2
+
+
+def test_a_model_lacking_one_target_of_a_rule_is_named():
+    d = _refused("remap 1\nqkv -> {q,k,v} | chunk(dim=0, n=3)\n", {"q": ((2,), "float32"), "k": ((2,), "float32")})
+    assert "`q`" in d.message and "not `v`" in d.message and d.span.line == 2
+
+
+def test_the_forward_compile_checks_what_was_derived():
+    """A runtime dtype the rule's op cannot give back (a split whose pieces disagree) is refused."""
+    d = _refused("remap 1\nw -> {a,b} | split(dim=0, sizes=[2, 2])\n", {"a": ((2,), "float32"), "b": ((3,), "float32")})
+    assert "does not load back" in d.message or "loads" in d.message
+
+
+def test_stated_sizes_are_checked_on_load():
+    rules = rules_from_text("remap 1\n{a,b} -> ab | concat(dim=0, sizes=[3, 2])\n")
+    with pytest.raises(remapdsl.errors.BindError) as info:
+        compile_rules(rules, Inventory.from_shapes({"a": ("float32", (2,)), "b": ("float32", (3,))}), {})
+    d = info.value.diagnostics[0]
+    assert d.code == "E207" and "[2, 3]" in d.message and "[3, 2]" in d.message and d.span.column == 15
+
+
+def test_a_layout_file_is_refused_and_nothing_is_written(tmp_path):
+    from remapdsl.sharding import LayoutPlan, Mesh
+
+    with pytest.raises(RemapError) as info:
+        remapdsl.save({"b": torch.zeros(2)}, tmp_path / "out", rules_from_text("remap 1\na -> b\n"),
+                      layout=LayoutPlan.from_mapping({"*": []}), mesh=Mesh.of({"dp": 1}))
+    assert info.value.diagnostics[0].code == "E520" and "layout=" in info.value.diagnostics[0].message
+    assert not (tmp_path / "out").exists()
+
+
+def test_no_config_writes_no_config_json_and_ignores_the_destination_s(tmp_path):
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "config.json").write_text('{"q": 99}')
+    rules = rules_from_text("remap 1\nlet Q = config.q ?? 2\n{a,b} -> ab | concat(dim=0, sizes=[Q, 1])\n")
+    remapdsl.save({"ab": torch.arange(3.0)}, out, rules, overwrite=True)
+    assert sorted(p.name for p in out.iterdir()) == ["model.safetensors"]
+    with safe_open(str(out / "model.safetensors"), "pt") as f:
+        assert f.get_tensor("a").tolist() == [0.0, 1.0] and f.get_tensor("b").tolist() == [2.0]
+
+
+# -- on ranks: DTensors, no gather ------------------------------------------------------------------
+
+
+def _save_dtensors(rank: int, world: int, rules: str, source: str, out: str) -> int:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    state, config, _ = _runtime(rules, Path(source))
+    mesh = init_device_mesh("cpu", (world,))
+    sharded = {k: distribute_tensor(v, mesh, [Shard(0)]) if v.dim() and v.shape[0] % world == 0 else
+               distribute_tensor(v, mesh, []) for k, v in state.items()}
+    return remapdsl.save(sharded, out, rules, config=config, max_shard_bytes=20_000).bytes_written
+
+
+def test_two_ranks_save_dtensors_without_like_to_the_one_process_files(checkpoints, tmp_path):
+    rules = str(ROOT / "rules" / "qwen3_moe.remap")
+    source = checkpoints("qwen3_moe")
+    state, config, _ = _runtime(rules, source)
+    remapdsl.save(state, tmp_path / "one", rules, config=config, max_shard_bytes=20_000)
+    written = run_ranks(_save_dtensors, 2, rules, str(source), str(tmp_path / "two"), timeout=90)
+    one = sorted(p.name for p in (tmp_path / "one").iterdir())
+    assert one == sorted(p.name for p in (tmp_path / "two").iterdir())
+    assert all((tmp_path / "one" / n).read_bytes() == (tmp_path / "two" / n).read_bytes() for n in one)
+    total = sum(p.stat().st_size for p in (tmp_path / "one").glob("*.safetensors"))
+    assert 0 < min(written) and max(written) < total  # each rank wrote its part, none the whole
+
+
+def test_the_saving_page_s_python_blocks_run_as_printed(tmp_path):
+    """docs/saving.md's examples run in a fresh process, offline, and print what the page shows."""
+    import os
+    import re
+    import subprocess
+    import sys
+
+    pytest.importorskip("transformers")
+    blocks = re.findall(r"```python\n((?:(?!```).)*)```\n\nIt prints:\n\n```text\n(.*?)```", (ROOT / "docs/saving.md").read_text(),
+                        re.DOTALL)
+    assert blocks
+    for number, (code, printed) in enumerate(blocks):
+        script = tmp_path / f"saving_{number}.py"
+        script.write_text(code)
+        env = dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1",
+                   PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
+        run = subprocess.run([sys.executable, str(script)], cwd=tmp_path, env=env, capture_output=True, text=True,
+                             timeout=300, check=False)
+        assert run.returncode == 0, run.stderr[-4000:]
+        assert run.stdout == printed
