@@ -129,3 +129,32 @@ def test_a_config_integer_past_64_bits_is_e209_shown_whole_up_to_24_digits(check
 def test_an_integer_argument_that_is_a_boolean_is_e210(checkpoint):
     assert _diagnostic(checkpoint, "a.{L}.w -> b.{L}\n    | pad(dim=0, to=config.n)\n", {"n": True}) == (
         "E210", "`to` must be an integer, got True", ("t.remap", 3, 21, 3, 29), "    | pad(dim=0, to=config.n)", None)
+
+
+@pytest.fixture(scope="module")
+def grid(tmp_path_factory) -> Path:
+    """x.I.J.w for I, J in 0..1, each float32 [4, 2]: keys with two captures."""
+    folder = tmp_path_factory.mktemp("grid")
+    save_file({f"x.{i}.{j}.w": torch.zeros(4, 2) for i in range(2) for j in range(2)},
+              str(folder / "model.safetensors"))
+    (folder / "config.json").write_text("{}")
+    return folder
+
+
+def test_a_negative_target_index_lists_every_capture_it_reads(grid):
+    code, message, span, *_ = _diagnostic(grid, "x.{I}.{J}.w -> y.{I - J - 1}.{J}.{I}\n")
+    assert (code, message, span) == ("E213", "a target key with a negative index: `{I - J - 1}` is -1 for I=0, J=0",
+                                     ("t.remap", 2, 19, 2, 28))
+
+
+@pytest.mark.parametrize("value, shown", [(8, "8"), ([8, True], "[8, True]"), ([8, 1.0], "[8, 1.0]")])
+def test_a_shape_that_is_no_list_of_integers_is_e210(grid, value, shown):
+    assert _diagnostic(grid, "x.{I}.{J}.w -> y.{I}.{J}\n    | reshape(config.s)\n", {"s": value}) == (
+        "E210", f"`shape` must be a list of integers, got {shown}", ("t.remap", 3, 15, 3, 23),
+        "    | reshape(config.s)", None)
+
+
+def test_a_shape_from_the_config_reshapes(grid):
+    compiled = _compile(grid, "x.{I}.{J}.w -> y.{I}.{J}\n    | reshape(config.s)\n", {"s": [8]})
+    assert [(t.runtime_key, t.shape) for t in compiled.runtime_tensors] == [
+        (f"y.{i}.{j}", (8,)) for i in range(2) for j in range(2)]
