@@ -145,9 +145,13 @@ def checksum(t) -> tuple[int, int]:
     rows weighted by their index, and 8-byte columns by theirs, so moved rows or columns show."""
     import torch
 
-    words = t.contiguous().reshape(t.shape[0] if t.dim() > 1 else 1, -1).view(torch.int64)
-    rows = words.sum(1)
-    cols = words.sum(0)
+    flat = t.contiguous().reshape(t.shape[0] if t.dim() > 1 else 1, -1)
+    if flat.shape[1] * flat.element_size() % 8:  # rows of an odd byte length: 2 bytes at a time
+        words = flat.view(torch.int16) if flat.element_size() == 2 else flat.view(torch.uint8)
+        rows, cols = words.sum(1, dtype=torch.int64), words.sum(0, dtype=torch.int64)
+    else:
+        words = flat.view(torch.int64)
+        rows, cols = words.sum(1), words.sum(0)
     return (int((rows * torch.arange(1, rows.numel() + 1)).sum()),
             int((cols * torch.arange(1, cols.numel() + 1)).sum()))
 
@@ -424,7 +428,7 @@ def main() -> None:
         exp_peak = statistics.median(peaks)
         print(f"export: {med['export']:.2f} s median ({', '.join(f'{x:.2f}' for x in seconds['export'])}); "
               f"peak RSS growth, max over ranks, {exp_peak / 1e6:.0f} MB median "
-              f"({', '.join(f'{x / 1e6:.0f}' for x in peaks)}); consumers "
+              f"({', '.join(f'{x / 1e6:.0f}' for x in peaks)}) = {exp_peak / (args.bucket_mb << 20):.2f} buckets; consumers "
               f"{statistics.median(max(r['consumer'] for r in job) for job in runs['export']):.2f} s (max over ranks); "
               f"keys yielded per rank {[len(r['names']) for r in runs['export'][0]]}")
     if wrong:
