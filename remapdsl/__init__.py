@@ -186,6 +186,62 @@ def save(state_dict, folder, rules, *, like=None, config: Mapping[str, Any] | No
                  max_shard_bytes=max_shard_bytes)
 
 
+def export(state_dict, rules, *, like=None, config: Mapping[str, Any] | None = None, gather=(),
+           bucket_bytes: int = 256 << 20, layout=None, mesh=None, allow_lossy: bool = False):
+    """The checkpoint layout of a sharded runtime state dict, in memory: an iterator of
+    (checkpoint key, tensor) pairs, each a whole checkpoint tensor, for weight sync without files.
+
+    Run on every rank, to the end (its steps are collectives). Each checkpoint key is yielded by
+    exactly one rank: one of those holding its bytes, which assembles it from the others' pieces.
+    Those may differ only on the mesh dims named in `gather` (E541): `gather=("dp_shard",)`
+    assembles FSDP shards within each dp_shard group and keeps EP shards local; `gather=()`
+    moves nothing (every tensor must lie whole on one rank). Pieces move in rounds, so a rank
+    holds its shards plus at most about one bucket of tensors it assembles (docs/export.md).
+
+    Args:
+        state_dict: runtime key -> tensor or DTensor (or a torch.nn.Module), as for `save`.
+        rules: the rules that load the checkpoint layout into this one (a path, a shipped name, a
+            RuleSet).
+        like: the checkpoint whose layout to stream; None: derived, as a save without `like` does.
+        config: the model config (sizes the rules read; by default `like`'s config.json).
+        gather: the mesh dims over which a checkpoint tensor's pieces are assembled.
+        bucket_bytes: the most bytes of tensors a rank assembles in one round (a larger tensor
+            is a round of its own).
+        layout, mesh: as for `load`, for plain local shards.
+        allow_lossy: as for `save`.
+    """
+    from .runtime.export import export as _export
+
+    require_data(like, "an export (`like`)")
+    return _export(state_dict, _rules_for(rules, like, config), like=like, config=config, gather=gather,
+                   bucket_bytes=bucket_bytes, layout=layout, mesh=mesh, allow_lossy=allow_lossy)
+
+
+def ingest(state_dict, pairs, rules, *, like=None, config: Mapping[str, Any] | None = None, layout=None,
+           mesh=None):
+    """Fill a runtime state dict in place from (checkpoint key, tensor) pairs, through the rules:
+    the mirror of `export`, a load from memory instead of files. Returns an IngestReport.
+
+    Every rank is given the same pairs (a dict, or an iterable such as a stream from another
+    process, read once) and takes only the bytes of its own part. A pair the rules do not read
+    (E545), of another shape or dtype (E546), given twice (E548), or a tensor the rank needs that
+    never came (E547) fails every rank together, at the end.
+
+    Args:
+        state_dict: runtime key -> tensor or DTensor (or a torch.nn.Module), filled in place.
+        pairs: checkpoint key -> tensor, or an iterable of (key, tensor).
+        rules: as for `load`.
+        like: the checkpoint whose layout the pairs are in (its headers only); None: derived from
+            the state dict's shapes, as a save without `like` does.
+        config, layout, mesh: as for `load`.
+    """
+    from .runtime.ingest import ingest as _ingest
+
+    require_data(like, "an ingest (`like`)")
+    return _ingest(state_dict, pairs, _rules_for(rules, like, config), like=like, config=config, layout=layout,
+                   mesh=mesh)
+
+
 def convert(src, dst, rules, *, reverse: bool = False, like=None, max_shard_bytes: int = 5 * 10**9,
             budget_bytes: int = 1 << 30, overwrite: bool = False, progress=None, dropped: str = "error"):
     """Convert checkpoint `src` into `dst` through `rules`, offline, in batches, on any number of
@@ -230,6 +286,8 @@ __all__ = [
     "compile_rules",
     "convert",
     "explain",
+    "export",
+    "ingest",
     "load",
     "load_rules",
     "open_checkpoint",

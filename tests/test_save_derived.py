@@ -271,19 +271,21 @@ def test_two_ranks_save_dtensors_without_like_to_the_one_process_files(checkpoin
     assert 0 < min(written) and max(written) < total  # each rank wrote its part, none the whole
 
 
-def test_the_saving_page_s_python_blocks_run_as_printed(tmp_path):
-    """docs/saving.md's examples run in a fresh process, offline, and print what the page shows."""
+@pytest.mark.parametrize("page", ["saving.md", "export.md"])
+def test_the_pages_python_blocks_run_as_printed(tmp_path, page):
+    """docs/saving.md's and docs/export.md's examples run in a fresh process, offline, and print
+    what the page shows (the export page's second one on 2 gloo ranks)."""
     import os
     import re
     import subprocess
     import sys
 
     pytest.importorskip("transformers")
-    blocks = re.findall(r"```python\n((?:(?!```).)*)```\n\nIt prints:\n\n```text\n(.*?)```", (ROOT / "docs/saving.md").read_text(),
+    blocks = re.findall(r"```python\n((?:(?!```).)*)```\n\nIt prints:\n\n```text\n(.*?)```", (ROOT / "docs" / page).read_text(),
                         re.DOTALL)
     assert blocks
     for number, (code, printed) in enumerate(blocks):
-        script = tmp_path / f"saving_{number}.py"
+        script = tmp_path / f"{page[:-3]}_{number}.py"
         script.write_text(code)
         env = dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1",
                    PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))

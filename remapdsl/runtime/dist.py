@@ -228,6 +228,27 @@ def broadcast_from_first(tensors: list) -> None:
             tensor.copy_(buffer)
 
 
+def gather_all(value: T, phase: str = "exchanging") -> list[T]:
+    """Every rank's `value` (picklable), in rank order (one all-gather of its size, one of its bytes)."""
+    if not active():
+        return [value]
+    return [pickle.loads(b) for b in _all_gather_bytes(_dumps(value), phase)]
+
+
+def exchange(send: torch.Tensor, sizes: list[int], phase: str = "exchanging") -> list[torch.Tensor]:
+    """All to all: the first `sizes[0]` bytes of `send` (flat uint8) go to rank 0, the next
+    `sizes[1]` to rank 1, ...; returns what each rank sent this one, in rank order (views of one
+    buffer; one exchange of the sizes, one of the bytes)."""
+    outgoing = torch.tensor(sizes, dtype=torch.int64)
+    incoming = torch.empty(len(sizes), dtype=torch.int64)
+    _settled(lambda: dist.all_to_all_single(incoming, outgoing, async_op=True), [outgoing, incoming], phase)
+    counts = incoming.tolist()
+    received = torch.empty(sum(counts), dtype=torch.uint8)
+    _settled(lambda: dist.all_to_all_single(received, send, counts, list(sizes), async_op=True),
+             [send, received], phase)
+    return list(torch.split(received, counts))
+
+
 def _dumps(value) -> bytes:
     return pickle.dumps(value, protocol=pickle.HIGHEST_PROTOCOL)
 

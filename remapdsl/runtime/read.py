@@ -26,13 +26,14 @@ from .pieces import apply_steps, mapped_values, read_part, region, torch_dtype
 
 
 def run_load_plan(plan: LoadPlan, inventory: Inventory, tensors: Mapping[str, torch.Tensor],
-             threads: int = 2) -> None:
+             threads: int = 2, reader: CheckpointReader | None = None) -> None:
     """Execute one rank's plan into its local tensors. Items that continue each other both in the
     file and in runtime tensor memory (a layer's gate and up slabs, consecutive experts) are read with
     one call; reads run on `threads` threads (positioned reads release the GIL), each into its own
     region, so no two threads write one byte; on one thread where the units are small on average
-    (thousands of kB-sized tensors: the per-unit Python work dominates, and threads contend for it)."""
-    with CheckpointReader(inventory) as reader, torch.no_grad():
+    (thousands of kB-sized tensors: the per-unit Python work dominates, and threads contend for it).
+    `reader`: where the bytes come from (default: `inventory`'s files; a MemoryReader for ingest)."""
+    with reader or CheckpointReader(inventory) as reader, torch.no_grad():
         work = _work(plan.items, tensors)
         work += [_Decode(item, region(tensors[item.runtime_key], item)) for item in plan.decodes]
         in_flight: list = [None] * len(work)

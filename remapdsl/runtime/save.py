@@ -81,17 +81,10 @@ def _save(state_dict, folder: Path, rules, like, config, layout, mesh, overwrite
           requantize, dropped, max_shard_bytes) -> SaveReport:
     start = time.perf_counter()
     tensors = state_dict.state_dict(keep_vars=True) if hasattr(state_dict, "state_dict") else state_dict
-    given = like
     if like is None:
         config = {} if config is None else config  # not the destination's config.json
-    # without `like`, rank 0 derives the layout from the rules and its tensors' shapes (every rank
-    # makes this exchange, so ranks given and not given `like` fail together, below)
-    derived = dist.from_first(lambda: (check_dropped(dropped), None if given is not None else derived_layout(
-        rules, config, tensors, layout, folder, max_shard_bytes))[1], "deriving the checkpoint layout")
-    like = like if derived is None else derived.inventory
-    # not strict: a checkpoint tensor no rule reads is the save's own error (E501, below)
-    inventory, compiled = compile_everywhere(rules, like, config, strict=False, on_disk=derived is None,
-                                             check=lambda: (check_dropped(dropped), same_like(given, derived)))
+    inventory, compiled, derived = checkpoint_layout(rules, like, config, tensors, layout, folder, max_shard_bytes,
+                                                     check=lambda: check_dropped(dropped))
     rank, world = dist.rank(), dist.world_size()
 
     def prepare():
@@ -197,6 +190,20 @@ def copy_bytes(pieces, reader, writer) -> None:
             writer.write_at(dst, dst_offset + step, data)
 
 
+def checkpoint_layout(rules, like, config, tensors, layout, root: Path, max_shard_bytes: int, check=None):
+    """Every rank: the checkpoint layout a save (or an export) writes, compiled: `like`'s, or,
+    without it, the one rank 0 derives from the rules and its tensors' shapes (NewLayout, else
+    None). Every rank makes the same exchanges, so ranks given and not given `like` fail together."""
+    given = like
+    derived = dist.from_first(lambda: ((check or (lambda: None))(), None if given is not None else derived_layout(
+        rules, config, tensors, layout, root, max_shard_bytes))[1], "deriving the checkpoint layout")
+    like = like if derived is None else derived.inventory
+    # not strict: a checkpoint tensor no rule reads is the save's own error (E501)
+    inventory, compiled = compile_everywhere(rules, like, config, strict=False, on_disk=derived is None,
+                                             check=lambda: ((check or (lambda: None))(), same_like(given, derived)))
+    return inventory, compiled, derived
+
+
 def same_like(like, derived) -> None:
     """E520 on a rank given `like` where rank 0 was not, or the other way round."""
     if (like is None) == (derived is None):
@@ -210,9 +217,9 @@ def derived_layout(rules, config, tensors, layout, folder: Path, max_shard_bytes
     """The checkpoint files a save without `like` writes: the tensors the rules derive from the
     runtime tensors' global shapes (remapdsl/compile/derive.py), sharded as Hugging Face shards."""
     if layout is not None:
-        raise RemapError(Diagnostic(code="E520", message="a save without `like` derives the checkpoint from the "
-                                    "runtime tensors' global shapes, and with `layout=` the state dict holds "
-                                    "local shards", hint="save DTensors (their global shapes are known), or "
+        raise RemapError(Diagnostic(code="E520", message="without `like`, the checkpoint layout is derived from "
+                                    "the runtime tensors' global shapes, and with `layout=` the state dict holds "
+                                    "local shards", hint="pass DTensors (their global shapes are known), or "
                                     "give the checkpoint with `like`"))
     ruleset = rules if isinstance(rules, RuleSet) else load_rules(rules)
     runtime = {k: (tuple(v.shape), str(v.dtype).removeprefix("torch.")) for k, v in tensors.items()

@@ -1,0 +1,272 @@
+"""`remapdsl.export`: a sharded runtime state dict streamed in the checkpoint layout, no files.
+
+For weight sync (a trainer to an inference engine after each step): every rank runs the save's
+plan (the bytes of each checkpoint tensor it holds and no lower rank does), but into memory. Each
+checkpoint tensor is assembled whole on one of the ranks that hold its bytes, its owner, chosen so
+the bytes each rank assembles are balanced; its other writers send their pieces there, in rounds
+of at most `bucket_bytes` per owner (one all-to-all a round), so no rank holds more than its own
+shards, its pieces in flight and one bucket. The ranks a tensor's bytes come from may differ only
+on the mesh dims named in `gather` (E541): gather=("dp_shard",) assembles FSDP shards within each
+dp_shard group and keeps EP shards where they are; gather=() moves nothing. Each checkpoint key is
+yielded exactly once over all ranks.
+"""
+
+from __future__ import annotations
+
+import pickle
+from bisect import bisect_right
+import struct
+import threading
+from collections import defaultdict
+from collections.abc import Iterator, Mapping
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from ..compile.inverse import writers as derive_writers
+from ..errors import Diagnostic, RemapError
+from ..sharding.holdings import hold, owned
+from ..sharding.plans import make_write_plan
+from . import dist
+from .pieces import torch_dtype
+from .prepare import check_mesh
+from .save import checkpoint_layout
+from .write import run_write_plan
+
+
+def export(state_dict, rules, *, like=None, config: Mapping[str, Any] | None = None, gather=(),
+           bucket_bytes: int = 256 << 20, layout=None, mesh=None,
+           allow_lossy: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
+    """(checkpoint key, tensor) pairs this rank is responsible for; see `remapdsl.export`."""
+    gather = (gather,) if isinstance(gather, str) else tuple(gather)
+    tensors = state_dict.state_dict(keep_vars=True) if hasattr(state_dict, "state_dict") else state_dict
+    if like is None:
+        config = {} if config is None else config
+    inventory, compiled, derived = checkpoint_layout(rules, like, config, tensors, layout, Path("<export>"),
+                                                     5 * 10**9, check=lambda: _check_bucket(bucket_bytes))
+    out = derived.inventory if derived is not None else inventory
+    rank, world = dist.rank(), dist.world_size()
+
+    def prepare():
+        check_mesh(mesh)
+        if compiled.logical:
+            raise RemapError(Diagnostic(code="E543", message="the rules dequantize "
+                             f"`{compiled.logical[0].logical_key}`: an export streams the runtime tensors' own "
+                             "values, and re-encoding them in the stored format is not supported",
+                             hint="export with the rule file of the unquantized layout (`deepseek_v3`, not "
+                             "`deepseek_v3_fp8`); the engine quantizes what it loads"))
+        chosen = derive_writers(compiled, allow_lossy=allow_lossy, dropped="omit")
+        holding = hold(compiled, tensors, layout, mesh, rank)
+        plan = make_write_plan(chosen, out, owned(holding, rank), rank, compiled.logical_by_key())
+        return plan, holding, {w.block.source_key: w.runtime_key for w in chosen}
+
+    plan, holding, producer = dist.together(prepare, phase="planning the export")
+    mine: dict[str, int] = defaultdict(int)
+    for item in plan.items:
+        mine[item.ckpt_key] += item.runs.total
+    everyone = dist.gather_all(dict(mine), "sharing what each rank exports")
+    dropped = set(compiled.dropped)
+    empty = [k for k, t in out.tensors.items() if not t.nbytes and k not in dropped]
+    schedule = dist.together(lambda: _schedule(everyone, out, bucket_bytes, gather, producer, holding, tensors,
+                                               layout, mesh, empty), phase="scheduling the export")
+    yield from _rounds(plan, schedule, out, holding.local, rank, world)
+
+
+class _Schedule:
+    """Who assembles each checkpoint tensor (its owner) and in which round, the same on every rank."""
+
+    def __init__(self, owner: dict[str, int], round_of: dict[str, int], rounds: int):
+        self.owner, self.round_of, self.rounds = owner, round_of, rounds
+
+
+def _schedule(everyone: list[dict], out, bucket_bytes: int, gather: tuple, producer, holding, tensors, layout,
+              mesh, empty: list[str]) -> _Schedule:
+    writers: dict[str, list[int]] = defaultdict(list)
+    for r, keys in enumerate(everyone):
+        for key in keys:
+            writers[key].append(r)
+    coordinates = _Coordinates(holding, tensors, layout, mesh)
+    coordinates.check_names(gather)
+    load = [0] * len(everyone)
+    owner: dict[str, int] = {}
+    for key in empty:  # no bytes, so no writer: rank 0 yields them
+        owner[key] = 0
+    for key in sorted(writers):
+        ranks = writers[key]
+        if len(ranks) > 1:
+            coordinates.check_split(key, producer[key], ranks, gather)
+        o = min(ranks, key=lambda r: (load[r], r))
+        owner[key] = o
+        load[o] += out.tensors[key].nbytes
+    round_of: dict[str, int] = {}
+    filled: dict[int, tuple[int, int]] = {}  # owner -> (its current round, bytes in it)
+    for key in sorted(owner):
+        o, n = owner[key], out.tensors[key].nbytes
+        at, size = filled.get(o, (0, 0))
+        if size and size + n > bucket_bytes:
+            at, size = at + 1, 0
+        filled[o] = (at, size + n)
+        round_of[key] = at
+    return _Schedule(owner, round_of, 1 + max((at for at, _ in filled.values()), default=-1))
+
+
+class _Coordinates:
+    """Mesh coordinates of any rank, by the mesh a runtime tensor lives on (a DTensor's own, or
+    `mesh` under a layout plan), to say which mesh dims a checkpoint tensor's writers differ on."""
+
+    def __init__(self, holding, tensors, layout, mesh):
+        self.tensors, self.layout, self.mesh = tensors, layout, mesh
+        self.tables: dict[int, tuple[tuple[str, ...], dict[int, tuple[int, ...]]]] = {}
+
+    def _mesh_of(self, runtime_key: str):
+        t = self.tensors.get(runtime_key)
+        device_mesh = getattr(t, "device_mesh", None)
+        if device_mesh is not None:
+            ident = id(device_mesh)
+            if ident not in self.tables:
+                ranks = device_mesh.mesh.numpy()
+                names = tuple(device_mesh.mesh_dim_names or (f"dim{i}" for i in range(ranks.ndim)))
+                self.tables[ident] = (names, {int(r): c for c, r in np.ndenumerate(ranks)})
+            return self.tables[ident]
+        if self.mesh is not None and self.layout is not None:
+            ident = id(self.mesh)
+            if ident not in self.tables:
+                self.tables[ident] = (tuple(self.mesh.names), {r: tuple(self.mesh.coordinate(r))
+                                                               for r in range(self.mesh.size)})
+            return self.tables[ident]
+        return (), {}
+
+    def check_names(self, gather: tuple) -> None:
+        names = set()
+        for key in self.tensors:
+            names.update(self._mesh_of(key)[0])
+        unknown = [g for g in gather if g not in names]
+        if unknown:
+            raise RemapError(Diagnostic(code="E542", message=f"gather={gather!r}: the mesh has no dim "
+                                        f"`{unknown[0]}`", hint="the state dict's meshes have dims "
+                                        + (", ".join(f"`{n}`" for n in sorted(names)) or "none (plain tensors)")))
+
+    def check_split(self, ckpt_key: str, runtime_key: str, ranks: list[int], gather: tuple) -> None:
+        names, table = self._mesh_of(runtime_key)
+        coords = [table.get(r) for r in ranks]
+        split = sorted({names[d] for c in coords if c is not None for d, v in enumerate(c)
+                        if v != coords[0][d]}) if table and None not in coords else ["(the whole job)"]
+        outside = [d for d in split if d not in gather]
+        if outside:
+            raise RemapError(Diagnostic(code="E541", message=f"checkpoint tensor `{ckpt_key}` is split over the "
+                                        f"mesh dim(s) {', '.join(f'`{d}`' for d in outside)} (ranks "
+                                        f"{_ranks(ranks)} hold its pieces), which `gather` does not name",
+                                        hint=f"assemble it over them: gather={tuple(dict.fromkeys((*gather, *outside)))!r}"))
+
+
+def _rounds(plan, schedule: _Schedule, out, local, rank: int, world: int) -> Iterator[tuple[str, torch.Tensor]]:
+    by_round: dict[int, list] = defaultdict(list)
+    for item in plan.items:
+        by_round[schedule.round_of[item.ckpt_key]].append(item)
+    mine = defaultdict(list)
+    for key, o in schedule.owner.items():
+        if o == rank:
+            mine[schedule.round_of[key]].append(key)
+    for t in range(schedule.rounds):
+        assembling = {key: torch.empty(out.tensors[key].nbytes, dtype=torch.uint8) for key in mine[t]}
+        collector = _Collector(out, schedule.owner, assembling, rank, world)
+        if by_round[t]:
+            run_write_plan(plan.model_copy(update={"items": tuple(by_round[t]), "encodes": ()}), collector, local)
+        if world > 1:
+            received = dist.exchange(*collector.payload(), f"exporting round {t + 1} of {schedule.rounds}")
+            for r, payload in enumerate(received):
+                if r != rank and payload.numel():
+                    collector.unpack(payload)
+            del received
+        by_round[t] = []
+        for key in mine[t]:
+            info = out.tensors[key]
+            if collector.filled[key] != info.nbytes:
+                raise RemapError(Diagnostic(code="E541", message=f"checkpoint tensor `{key}`: {collector.filled[key]} "
+                                            f"of its {info.nbytes} bytes reached rank {rank}",
+                                            hint="this is a bug in remapdsl; please report it with the layout"))
+            yield key, assembling.pop(key).view(torch_dtype(info.dtype)).view(info.shape)
+
+
+class _Collector:
+    """The writer `run_write_plan` writes into: pieces of tensors this rank assembles go into their
+    buffers, the others into the payload for their owner (the runs, then the bytes)."""
+
+    def __init__(self, out, owner: dict[str, int], assembling: dict[str, torch.Tensor], rank: int, world: int):
+        self.out, self.owner, self.assembling, self.rank = out, owner, assembling, rank
+        self.filled = dict.fromkeys(assembling, 0)
+        self.outgoing: list[list] = [[] for _ in range(world)]
+        self.lock = threading.Lock()
+
+    def write_runs(self, file: str, runs, data: memoryview) -> None:
+        key = self._key(file, runs.first)
+        start = self.out.tensors[key].byte_offset
+        relative = runs._replace(first=runs.first - start)
+        o = self.owner[key]
+        if o == self.rank:
+            self._scatter(key, relative, data)
+        else:
+            with self.lock:  # the bytes stay where they are (a shard, or the plan's staging) until sent
+                self.outgoing[o].append((key, relative, data))
+
+    def _key(self, file: str, offset: int) -> str:
+        """The checkpoint tensor whose bytes hold `offset` of `file`."""
+        index = self.__dict__.setdefault("_files", {})
+        if file not in index:
+            keys = sorted((k for k, t in self.out.tensors.items() if t.file == file),
+                          key=lambda k: (self.out.tensors[k].byte_offset, self.out.tensors[k].nbytes))
+            index[file] = ([self.out.tensors[k].byte_offset for k in keys], keys)
+        starts, keys = index[file]
+        return keys[bisect_right(starts, offset) - 1]
+
+    def _scatter(self, key: str, runs, data) -> None:
+        buffer = self.assembling[key].numpy()
+        source = np.frombuffer(data, dtype=np.uint8)
+        shape = tuple(runs.counts) + (runs.length,)
+        target = np.lib.stride_tricks.as_strided(buffer[runs.first:], shape, tuple(runs.strides) + (1,))
+        np.copyto(target, source.reshape(shape))
+        with self.lock:
+            self.filled[key] += source.size
+
+    def payload(self) -> tuple[torch.Tensor, list[int]]:
+        """What this rank sends each rank this round, in one buffer: per rank, the length of the
+        description, the description (key and runs of each piece), the pieces' bytes."""
+        metas = [pickle.dumps([(k, r, len(d)) for k, r, d in pieces], protocol=pickle.HIGHEST_PROTOCOL)
+                 if pieces else b"" for pieces in self.outgoing]
+        sizes = [(8 + len(m) + sum(len(d) for _, _, d in pieces)) if pieces else 0
+                 for m, pieces in zip(metas, self.outgoing)]
+        send = torch.empty(sum(sizes), dtype=torch.uint8)
+        flat, at = send.numpy(), 0
+        for meta, pieces in zip(metas, self.outgoing):
+            if not pieces:
+                continue
+            flat[at:at + 8] = np.frombuffer(struct.pack("<Q", len(meta)), dtype=np.uint8)
+            flat[at + 8:at + 8 + len(meta)] = np.frombuffer(meta, dtype=np.uint8)
+            at += 8 + len(meta)
+            for _, _, data in pieces:
+                flat[at:at + len(data)] = np.frombuffer(data, dtype=np.uint8)
+                at += len(data)
+        self.outgoing = [[] for _ in self.outgoing]
+        return send, sizes
+
+    def unpack(self, payload: torch.Tensor) -> None:
+        data = memoryview(payload.numpy())
+        (n,) = struct.unpack("<Q", data[:8])
+        at = 8 + n
+        for key, runs, size in pickle.loads(data[8:at]):
+            self._scatter(key, runs, data[at:at + size])
+            at += size
+
+
+def _check_bucket(bucket_bytes) -> None:
+    if isinstance(bucket_bytes, bool) or not isinstance(bucket_bytes, int) or bucket_bytes < 1:
+        raise RemapError(Diagnostic(code="E544", message=f"bucket_bytes={bucket_bytes!r}: the most bytes a rank "
+                                    "assembles at once is a whole number of bytes, 1 or more",
+                                    hint="e.g. bucket_bytes=256 << 20 (256 MiB)"))
+
+
+def _ranks(ranks: list[int]) -> str:
+    shown = ", ".join(map(str, ranks[:6]))
+    return shown + (f" and {len(ranks) - 6} more" if len(ranks) > 6 else "")

@@ -1,0 +1,126 @@
+"""`remapdsl.ingest`: (checkpoint key, tensor) pairs fed into a runtime state dict through the rules.
+
+The mirror of an export, and of a load without files: every rank is handed the same pairs (a dict,
+or a stream from another process) and takes only its part. The rank's load plan is made against
+the checkpoint layout (`like`'s headers, or the one derived from the state dict's shapes), each
+tensor alone in an in-memory file (remapdsl/checkpoint/memory.py); each pair, as it arrives, runs
+the plan's reads of that tensor, so a stream is never held whole. A pair the rules do not read,
+one of the wrong shape or dtype, one given twice, and a tensor the rank needs that never came are
+errors, on every rank together at the end.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import defaultdict
+from collections.abc import Iterable, Mapping
+from pathlib import Path
+from typing import Any
+
+import torch
+from pydantic import BaseModel, ConfigDict
+
+from ..checkpoint.memory import MemoryReader, in_memory
+from ..errors import Diagnostic, RemapError, suggest
+from ..sharding.holdings import hold
+from ..sharding.plans import make_load_plan
+from . import dist
+from .prepare import check_mesh
+from .read import run_load_plan
+from .save import checkpoint_layout
+
+
+class IngestReport(BaseModel):
+    """What an ingest did on this rank."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    rank: int
+    pairs: int  # pairs seen
+    used: int  # pairs this rank read from
+    bytes_read: int
+    seconds: float
+
+
+def ingest(state_dict, pairs, rules, *, like=None, config: Mapping[str, Any] | None = None, layout=None,
+           mesh=None) -> IngestReport:
+    """Fill this rank's part of `state_dict` from (checkpoint key, tensor) pairs; see `remapdsl.ingest`."""
+    start = time.perf_counter()
+    tensors = state_dict.state_dict(keep_vars=True) if hasattr(state_dict, "state_dict") else state_dict
+    if like is None:
+        config = {} if config is None else config
+    inventory, compiled, derived = checkpoint_layout(rules, like, config, tensors, layout, Path("<ingest>"), 5 * 10**9)
+    rank = dist.rank()
+
+    def plan():
+        check_mesh(mesh)
+        if compiled.logical:
+            raise RemapError(Diagnostic(code="E543", message="the rules dequantize "
+                             f"`{compiled.logical[0].logical_key}`: an ingest takes the checkpoint tensors' "
+                             "own values, and decoding streamed quantized parts is not supported",
+                             hint="ingest with the rule file of the unquantized layout"))
+        holding = hold(compiled, tensors, layout, mesh, rank)
+        memory = in_memory(derived.inventory if derived is not None else inventory)
+        return memory, make_load_plan(compiled, memory, holding.held(), rank), holding
+
+    memory, load_plan, holding = dist.together(plan, phase="planning the ingest")
+    reads = defaultdict(list)
+    for item in load_plan.items:
+        if item.ckpt_key is not None:
+            reads[item.ckpt_key].append(item)
+    fills = [item for item in load_plan.items if item.ckpt_key is None]  # pads: no pair needed
+    problems: list[Diagnostic] = []
+    seen: set[str] = set()
+    count = used = 0
+    dropped = set(compiled.dropped)
+    if fills:
+        run_load_plan(load_plan.model_copy(update={"items": tuple(fills), "decodes": ()}), memory, holding.local)
+    for key, tensor in (pairs.items() if isinstance(pairs, Mapping) else pairs):
+        count += 1
+        problem = _check_pair(key, tensor, memory, seen, dropped)
+        if problem is not None:
+            problems.append(problem)
+            continue
+        seen.add(key)
+        items = reads.get(key)
+        if not items:
+            continue
+        used += 1
+        source = tensor.detach()
+        if source.device.type != "cpu" or not source.is_contiguous():
+            source = source.contiguous().cpu()
+        run_load_plan(load_plan.model_copy(update={"items": tuple(items), "decodes": ()}), memory, holding.local,
+                      reader=MemoryReader(memory, {key: source}))
+    missing = sorted(set(reads) - seen)
+    if missing:
+        problems.append(Diagnostic(code="E547", message=f"{len(missing)} checkpoint tensor(s) this rank needs "
+                                   f"never came, starting with `{missing[0]}`",
+                                   hint="the pairs must hold every tensor the rules read for this rank's part"))
+
+    def report():
+        if problems:
+            raise RemapError(problems[:8])
+        return IngestReport(rank=rank, pairs=count, used=used, bytes_read=load_plan.bytes_read,
+                            seconds=time.perf_counter() - start)
+
+    return dist.together(report, phase="finishing the ingest")
+
+
+def _check_pair(key, tensor, memory, seen: set[str], dropped: set[str]) -> Diagnostic | None:
+    """What is wrong with one pair, or None: a key no rule reads, a second copy, a shape or dtype
+    other than the layout's."""
+    info = memory.tensors.get(key)
+    if info is None:
+        if key in dropped:
+            return None
+        close = suggest(str(key), list(memory.tensors))
+        return Diagnostic(code="E545", message=f"pair `{key}`: the rules read no checkpoint tensor of that name",
+                          hint=f"did you mean `{close}`?" if close else "drop it in the rules, or leave it out")
+    if key in seen:
+        return Diagnostic(code="E548", message=f"pair `{key}` came twice", hint="send each tensor once")
+    dtype = str(getattr(tensor, "dtype", "")).removeprefix("torch.")
+    if tuple(getattr(tensor, "shape", ())) != tuple(info.shape) or dtype != info.dtype:
+        return Diagnostic(code="E546", message=f"pair `{key}` is {list(getattr(tensor, 'shape', []))} {dtype}, but "
+                          f"the checkpoint layout has it {list(info.shape)} {info.dtype}",
+                          hint="send the checkpoint's own tensors (cast them back first)")
+    return None

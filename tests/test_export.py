@@ -1,0 +1,256 @@
+"""`remapdsl.export` and `remapdsl.ingest`: the checkpoint layout streamed from and into a sharded
+runtime state dict, without files.
+
+On 2 and 4 real gloo ranks, with DTensors placed FSDP x EP (`ep` x `dp_shard`, stacked experts cut
+by both), plain TP shards under a layout plan, and the shipped MoE rules (Qwen3-MoE, Mixtral,
+DeepSeek-V3): a vLLM-style consumer on every rank (a function taking `(name, tensor)` pairs and
+comparing each with the checkpoint `save_pretrained` wrote) receives every checkpoint key exactly
+once over the ranks; an ingest of those pairs fills each rank's shards with exactly what a load from
+the files gives. Each rank's memory during an export stays within one bucket of its shards (peak
+RSS, measured in fresh processes); tensors split over a mesh dim that `gather` does not name are
+refused on every rank.
+"""
+
+from __future__ import annotations
+
+import resource
+from pathlib import Path
+
+import pytest
+import torch
+from gloo import distributed_like
+from safetensors.torch import load_file
+
+import remapdsl
+from remapdsl.checkpoint import open_inventory, read_config
+from remapdsl.sharding import LayoutPlan, Mesh, layout_for, local_shard
+from remapdsl.sharding.placements import Replicate, Shard
+from remapdsl.testing.ranks import run_ranks
+
+ROOT = Path(__file__).resolve().parent.parent
+pytest.importorskip("transformers")
+
+# (world, name, mesh dims, placements by pattern, gather)
+FSDP_EP = {"*.mlp.experts.*": [Shard(dim=0), Shard(dim=1)], "*": [Replicate(), Shard(dim=0)]}
+MESHES = [
+    (2, "fsdp", {"dp_shard": 2}, {"*": [Shard(dim=0)]}, ("dp_shard",)),
+    (2, "ep", {"ep": 2}, {"*.mlp.experts.*": [Shard(dim=0)], "*": [Replicate()]}, ()),
+    (4, "fsdp_ep", {"ep": 2, "dp_shard": 2}, FSDP_EP, ("dp_shard",)),
+]
+
+
+def _checkpoint(case: str, folder: Path) -> tuple[Path, str]:
+    from hf_models import CASES, build
+
+    built = build(CASES[case], folder)
+    return built.folder, str(ROOT / built.case.rules)
+
+
+def _full_state(folder: str, rules: str) -> tuple[dict, dict]:
+    inventory = open_inventory(folder)
+    config = read_config(inventory)
+    compiled = remapdsl.compile_rules(remapdsl.load_rules(rules), inventory, config)
+    state = compiled.empty_state_dict()
+    remapdsl.load(state, folder, rules)
+    return state, config
+
+
+def _consumer(folder: str):
+    """A vLLM-style `load_weights`: takes (name, tensor) pairs, checks each against the checkpoint
+    file's tensor and records the names it got."""
+    want = {}
+    for file in Path(folder).glob("*.safetensors"):
+        want.update(load_file(str(file)))
+    got: list[str] = []
+
+    def load_weights(pairs) -> None:
+        for name, tensor in pairs:
+            assert name in want, name
+            assert tensor.dtype == want[name].dtype and torch.equal(tensor, want[name]), name
+            got.append(name)
+    return load_weights, got, sorted(want)
+
+
+def _export_on_ranks(rank: int, world: int, folder: str, rules: str, dims: dict, placements: dict,
+                     gather: tuple, bucket: int) -> tuple[list[str], list[str]]:
+    state, config = _full_state(folder, rules)
+    mesh = Mesh.of(dims)
+    sharded, _ = distributed_like(state, mesh, LayoutPlan.from_mapping(placements, mesh_dim=mesh.names[-1]))
+    for key, target in sharded.items():  # the shards of the loaded model
+        target.to_local().copy_(torch.distributed.tensor.distribute_tensor(
+            state[key], target.device_mesh, target.placements).to_local())
+    load_weights, got, keys = _consumer(folder)
+    load_weights(remapdsl.export(sharded, rules, config=config, gather=gather, bucket_bytes=bucket))
+    # the mirror: every rank is handed every pair and fills its own shards
+    pairs = {k: v for k, v in load_file(str(next(Path(folder).glob("*.safetensors")))).items()}
+    for file in sorted(Path(folder).glob("*.safetensors"))[1:]:
+        pairs.update(load_file(str(file)))
+    refilled = {k: torch.distributed.tensor.distribute_tensor(torch.full_like(v, float("nan")), t.device_mesh,
+                                                              t.placements) for (k, v), t in
+                zip(state.items(), sharded.values())}
+    remapdsl.ingest(refilled, iter(pairs.items()), rules, config=config)
+    for key, t in refilled.items():
+        assert torch.equal(t.to_local(), sharded[key].to_local()), key
+    return got, keys
+
+
+@pytest.mark.parametrize("world, name, dims, placements, gather", MESHES, ids=[m[1] for m in MESHES])
+@pytest.mark.parametrize("case", ["qwen3_moe", "deepseek_v3"])
+def test_every_key_reaches_the_consumer_exactly_once(tmp_path, world, name, dims, placements, gather, case):
+    folder, rules = _checkpoint(case, tmp_path / case)
+    results = run_ranks(_export_on_ranks, world, str(folder), rules, dims, placements, gather, 4096, timeout=120)
+    received = [k for got, _ in results for k in got]
+    assert sorted(received) == results[0][1]  # every key, none twice
+    assert all(got for got, _ in results)  # every rank assembled some
+
+
+def _tp_on_ranks(rank: int, world: int, folder: str, rules: str) -> list[str]:
+    state, config = _full_state(folder, rules)
+    mesh = Mesh.of({"tp": world})
+    plan = LayoutPlan.from_mapping({"*norm.weight": "replicate", "*.mlp.gate.weight": "replicate",
+                                    "*": [Shard(dim=1)]}, mesh_dim="tp")
+    local = {}
+    for key, full in state.items():
+        shard = local_shard(full.shape, mesh.sizes, layout_for(key, full.shape, plan, mesh), mesh.coordinate(rank))
+        local[key] = full[tuple(slice(o, o + n) for o, n in zip(shard.boxes[0].offsets, shard.boxes[0].sizes))] \
+            .clone() if shard.boxes else full[:0]
+    load_weights, got, _ = _consumer(folder)
+    load_weights(remapdsl.export(local, rules, like=folder, layout=plan, mesh=mesh, gather="tp",
+                                 bucket_bytes=1 << 20))
+    return got
+
+
+def test_tp_shards_under_a_layout_plan_on_two_ranks(tmp_path):
+    folder, rules = _checkpoint("mixtral", tmp_path / "mixtral")
+    got = run_ranks(_tp_on_ranks, 2, str(folder), rules, timeout=120)
+    keys = sorted(k for f in Path(folder).glob("*.safetensors") for k in load_file(str(f)))
+    assert sorted(got[0] + got[1]) == keys
+
+
+def _refused_on_ranks(rank: int, world: int, folder: str, rules: str) -> dict:
+    state, config = _full_state(folder, rules)
+    mesh = Mesh.of({"dp_shard": world})
+    sharded, _ = distributed_like(state, mesh, LayoutPlan.from_mapping({"*": [Shard(dim=0)]}, mesh_dim="dp_shard"))
+    out = {}
+    for gather in ((), ("tp",)):
+        try:
+            list(remapdsl.export(sharded, rules, config=config, gather=gather))
+        except remapdsl.RemapError as exc:
+            out[str(gather)] = (exc.diagnostics[0].code, exc.diagnostics[0].message, exc.diagnostics[0].hint)
+    return out
+
+
+def test_a_split_the_gather_does_not_name_is_refused_on_every_rank(tmp_path):
+    folder, rules = _checkpoint("qwen3_moe", tmp_path / "q")
+    results = run_ranks(_refused_on_ranks, 2, str(folder), rules, timeout=120)
+    assert results[0] == results[1]
+    code, message, hint = results[0]["()"]
+    assert code == "E541" and "split over the mesh dim(s) `dp_shard`" in message and "ranks 0, 1" in message
+    assert "gather=('dp_shard',)" in hint
+    code, message, hint = results[0]["('tp',)"]
+    assert code == "E542" and "`tp`" in message and "`dp_shard`" in hint
+
+
+# -- memory: shards plus one bucket ----------------------------------------------------------------
+
+
+def _peak_growth(rank: int, world: int, experts: int, bucket: int) -> tuple[int, int, int]:
+    """Export a model of `experts` 1 MiB experts per layer on an ep x dp_shard mesh; returns this
+    rank's shard bytes, its peak RSS growth during the export, and the bytes it assembled."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor
+    from torch.distributed.tensor import Shard as TorchShard
+
+    config = {"moe_intermediate_size": 256, "tie_word_embeddings": False}
+    rules = remapdsl.language.rules_from_text(
+        "remap 1\nmodel.layers.{L}.mlp.experts.{E}.{gate,up}_proj.weight -> model.layers.{L}.mlp.experts.gate_up_proj\n"
+        "    | stack(E, dim=0)\n    | concat(dim=1, sizes=[config.moe_intermediate_size, config.moe_intermediate_size])\n",
+        "experts.remap")
+    mesh = init_device_mesh("cpu", (2, world // 2), mesh_dim_names=("ep", "dp_shard"))
+    torch.manual_seed(rank)  # each rank makes only its own shards: no whole tensor ever raised the peak
+    shape = (experts, 512, 512)
+    state = {f"model.layers.{L}.mlp.experts.gate_up_proj": DTensor.from_local(
+        torch.randn(experts // 2, 512 // (world // 2), 512), mesh, [TorchShard(0), TorchShard(1)], shape=shape,
+        stride=(512 * 512, 512, 1)) for L in range(4)}
+    shards = sum(t.to_local().nbytes for t in state.values())
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    assembled = 0
+    for _, tensor in remapdsl.export(state, rules, config=config, gather="dp_shard", bucket_bytes=bucket):
+        assembled += tensor.nbytes
+        del tensor
+    after = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    return shards, after - before, assembled
+
+
+def test_each_rank_holds_its_shards_plus_about_one_bucket(tmp_path):
+    """4 layers of 32 stacked experts, 128 MiB in all, 32 MiB of shards on each of 4 ranks (ep=2 x
+    dp_shard=2). With 4 MiB buckets each rank's peak RSS grows by at most 3 buckets (the pieces it
+    sends, those it receives, the tensors it assembles) and 8 MiB of slack: well below one more
+    rank's shards, and a sixth of the model a gather to one rank would hold."""
+    bucket = 4 << 20
+    results = run_ranks(_peak_growth, 4, 32, bucket, timeout=180)
+    total = sum(shards for shards, _, _ in results)
+    assert sum(a for _, _, a in results) == total  # every byte assembled once
+    for shards, growth, _ in results:
+        assert growth <= 3 * bucket + (8 << 20) < shards, (growth, shards)
+
+
+# -- one process: the pairs themselves, and what an export or ingest refuses ----------------------
+
+QWEN = str(ROOT / "rules" / "qwen3_moe.remap")
+EXAMPLE = ROOT / "examples" / "tiny-qwen3-moe"
+
+
+def _example() -> tuple[dict, dict, dict]:
+    state, config = _full_state(str(EXAMPLE), QWEN)
+    return state, config, load_file(str(EXAMPLE / "model.safetensors"))
+
+
+def test_one_process_exports_the_checkpoint_and_ingests_it_back():
+    state, config, files = _example()
+    for like in (None, EXAMPLE):
+        pairs = list(remapdsl.export(state, QWEN, like=like, config=config, bucket_bytes=1000))
+        assert sorted(k for k, _ in pairs) == sorted(files)
+        assert all(torch.equal(t, files[k]) for k, t in pairs)
+        again = {k: torch.full_like(v, float("nan")) for k, v in state.items()}
+        report = remapdsl.ingest(again, iter(pairs), QWEN, like=like, config=config)
+        assert report.pairs == report.used == len(files)
+        assert all(torch.equal(again[k], v) for k, v in state.items())
+
+
+@pytest.mark.parametrize("edit, code, words", [
+    (lambda p: p | {"model.layers.0.mlp.gate.wieght": p["model.layers.0.mlp.gate.weight"]}, "E545",
+     "pair `model.layers.0.mlp.gate.wieght`: the rules read no checkpoint tensor of that name"),
+    (lambda p: p | {"model.norm.weight": p["model.norm.weight"].half()}, "E546",
+     "pair `model.norm.weight` is [16] float16, but the checkpoint layout has it [16] float32"),
+    (lambda p: {k: v for k, v in p.items() if k != "model.norm.weight"}, "E547",
+     "1 checkpoint tensor(s) this rank needs never came, starting with `model.norm.weight`"),
+    (lambda p: list(p.items()) + [("model.norm.weight", p["model.norm.weight"])], "E548",
+     "pair `model.norm.weight` came twice"),
+])
+def test_ingest_names_the_pair_that_does_not_fit(edit, code, words):
+    state, config, files = _example()
+    with pytest.raises(remapdsl.RemapError) as info:
+        remapdsl.ingest(state, edit(files), QWEN, config=config)
+    d = info.value.diagnostics[0]
+    assert (d.code, d.message) == (code, words)
+    if code == "E545":
+        assert d.hint == "did you mean `model.layers.0.mlp.gate.weight`?"
+
+
+def test_export_refuses_dequantized_rules_and_a_bucket_of_no_bytes(tmp_path):
+    state, config, _ = _example()
+    with pytest.raises(remapdsl.RemapError) as info:
+        next(remapdsl.export(state, QWEN, config=config, bucket_bytes=0))
+    assert info.value.diagnostics[0].code == "E544" and "bucket_bytes=0" in info.value.diagnostics[0].message
+    from hf_models import fp8_release
+
+    fp8 = fp8_release(EXAMPLE, tmp_path / "fp8", (4, 4))
+    rules = str(ROOT / "rules" / "qwen3_moe_fp8.remap")
+    quantized, _ = _full_state(str(fp8), rules)
+    for call, hint in ((lambda: next(remapdsl.export(quantized, rules, like=fp8)), "`deepseek_v3`, not"),
+                       (lambda: remapdsl.ingest(quantized, {}, rules, like=fp8), "the unquantized layout")):
+        with pytest.raises(remapdsl.RemapError) as info:
+            call()
+        d = info.value.diagnostics[0]
+        assert d.code == "E543" and "the rules dequantize `" in d.message and hint in d.hint
