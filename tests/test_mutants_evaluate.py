@@ -158,3 +158,52 @@ def test_a_shape_from_the_config_reshapes(grid):
     compiled = _compile(grid, "x.{I}.{J}.w -> y.{I}.{J}\n    | reshape(config.s)\n", {"s": [8]})
     assert [(t.runtime_key, t.shape) for t in compiled.runtime_tensors] == [
         (f"y.{i}.{j}", (8,)) for i in range(2) for j in range(2)]
+
+
+def test_a_null_config_key_is_e211_saying_it_is_null(checkpoint):
+    assert _diagnostic(checkpoint, "a.{L}.w -> b.{L}\n    | scale(config.a.b)\n", {"a": {"b": None}}) == (
+        "E211", "`config.a.b` is null in the config", ("t.remap", 3, 13, 3, 23), "    | scale(config.a.b)",
+        "give a default with `??`, or fix config.json")
+
+
+@pytest.mark.parametrize("value, kind", [("big", "str"), ({"x": 1}, "dict")])
+def test_a_config_value_of_no_rule_kind_is_e210_naming_its_type(checkpoint, value, kind):
+    assert _diagnostic(checkpoint, "a.{L}.w -> b.{L}\n    | scale(config.a.b)\n", {"a": {"b": value}}) == (
+        "E210", f"`config.a.b` is {kind}, not a number, a boolean, a list or a dtype name", ("t.remap", 3, 13, 3, 23),
+        "    | scale(config.a.b)", None)
+
+
+@pytest.mark.parametrize("expr, config, keys", [
+    ("(config.off ?? 0) + L", {}, [0, 1, 2, 3]), ("(config.off ?? 0) + L", {"off": 5}, [5, 6, 7, 8]),
+    ("config.off ?? L", {}, [0, 1, 2, 3]), ("L ?? 9", {}, [0, 1, 2, 3]), ("-L + 3", {}, [3, 2, 1, 0]),
+])
+def test_coalesce_and_negation_read_the_bindings_captures(checkpoint, expr, config, keys):
+    compiled = _compile(checkpoint, f"a.{{L}}.w -> b.{{{expr}}}\n", config)
+    assert sorted(_keys(compiled)) == sorted(f"b.{k}" for k in keys)
+
+
+def test_a_comparison_reads_captures_on_its_right_side_too(checkpoint):
+    compiled = _compile(checkpoint, "a.{L}.w -> b.{L} when 1 <= L\na.{L}.w -> c.{L} when 1 > L\n")
+    assert _keys(compiled) == ["b.1", "b.2", "b.3", "c.0"]
+
+
+def test_an_ordering_with_a_boolean_on_the_right_points_at_it(checkpoint):
+    assert _diagnostic(checkpoint, "a.{L}.w -> b.{L} when 1 < config.t\n", {"t": True}) == (
+        "E210", "expected a number, got True", ("t.remap", 2, 27, 2, 35), "a.{L}.w -> b.{L} when 1 < config.t", None)
+
+
+@pytest.mark.parametrize("n", [2**63 - 1, -2**63])
+def test_the_64_bit_limits_themselves_are_in_range(checkpoint, n):
+    compiled = _compile(checkpoint, "a.{L}.w -> b.{L}\n    | scale(config.n)\n", {"n": n})
+    assert [s for b in compiled.runtime_tensor("b.0").blocks for s in b.steps] == [("scale", float(n))]
+
+
+@pytest.mark.parametrize("n", [2**63, -2**63 - 1])
+def test_one_past_the_64_bit_limits_is_e209_naming_the_dotted_key(checkpoint, n):
+    code, message, *_ = _diagnostic(checkpoint, "a.{L}.w -> b.{L}\n    | scale(config.a.n)\n", {"a": {"n": n}})
+    assert (code, message) == ("E209", f"`config.a.n` is {n}, outside the 64-bit integer range")
+
+
+def test_a_tuple_in_a_python_config_is_a_list(checkpoint):
+    compiled = _compile(checkpoint, "a.{L}.w -> b.{L}\n    | reshape(config.s)\n", {"s": (8,)})
+    assert compiled.runtime_tensor("b.0").shape == (8,)
