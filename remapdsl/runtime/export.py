@@ -4,8 +4,8 @@ For weight sync (a trainer to an inference engine after each step): every rank r
 plan (the bytes of each checkpoint tensor it holds and no lower rank does), but into memory. Each
 checkpoint tensor is assembled whole on one of the ranks that hold its bytes, its owner, chosen so
 the bytes each rank assembles are balanced; its other writers send their pieces there, in rounds
-of at most `bucket_bytes` per owner (one all-to-all a round), so no rank holds more than its own
-shards, its pieces in flight and one bucket. The ranks a tensor's bytes come from may differ only
+of at most half of `bucket_bytes` per owner (one all-to-all a round), so that with its pieces in
+flight no rank holds much more than its own shards and one bucket. The ranks a tensor's bytes come from may differ only
 on the mesh dims named in `gather` (E541): gather=("dp_shard",) assembles FSDP shards within each
 dp_shard group and keeps EP shards where they are; gather=() moves nothing. Each checkpoint key is
 yielded exactly once over all ranks.
@@ -100,12 +100,15 @@ def _schedule(everyone: list[dict], out, bucket_bytes: int, gather: tuple, produ
         o = min(ranks, key=lambda r: (load[r], r))
         owner[key] = o
         load[o] += out.tensors[key].nbytes
+    # half a bucket assembled a round: with the pieces it sends and receives meanwhile (each about
+    # the same again, spread over the group), a rank holds about one bucket beyond its shards
+    capacity = max(1, bucket_bytes // 2)
     round_of: dict[str, int] = {}
     filled: dict[int, tuple[int, int]] = {}  # owner -> (its current round, bytes in it)
     for key in sorted(owner):
         o, n = owner[key], out.tensors[key].nbytes
         at, size = filled.get(o, (0, 0))
-        if size and size + n > bucket_bytes:
+        if size and size + n > capacity:
             at, size = at + 1, 0
         filled[o] = (at, size + n)
         round_of[key] = at
