@@ -207,3 +207,24 @@ def test_one_past_the_64_bit_limits_is_e209_naming_the_dotted_key(checkpoint, n)
 def test_a_tuple_in_a_python_config_is_a_list(checkpoint):
     compiled = _compile(checkpoint, "a.{L}.w -> b.{L}\n    | reshape(config.s)\n", {"s": (8,)})
     assert compiled.runtime_tensor("b.0").shape == (8,)
+
+
+@pytest.mark.parametrize("op", ["//", "%"])
+def test_integer_division_by_a_config_zero_is_e210_at_the_operation(checkpoint, op):
+    text = f"a.{{L}}.w -> b.{{L {op} config.d}}.{{L}}\n"
+    code, message, span, line, hint = _diagnostic(checkpoint, text, {"d": 0})
+    assert (code, message, span[1:3], line, hint) == ("E210", "division by zero", (2, 15), text.rstrip("\n"), None)
+    assert sorted(_keys(_compile(checkpoint, text, {"d": 1}))) == [f"b.{0 if op == '%' else n}.{n}" for n in range(4)]
+
+
+@pytest.mark.parametrize("expr, n, fits", [("config.n + 1", 2**63 - 2, True), ("config.n + 1", 2**63 - 1, False),
+                                           ("config.n - 1", -2**63 + 1, True), ("config.n - 1", -2**63, False)])
+def test_arithmetic_may_reach_the_64_bit_limits_but_not_pass_them(checkpoint, expr, n, fits):
+    text = f"a.{{L}}.w -> b.{{L}}\n    | scale({expr})\n"
+    if fits:
+        steps = [s for b in _compile(checkpoint, text, {"n": n}).runtime_tensor("b.0").blocks for s in b.steps]
+        assert steps == [("scale", float(n + (1 if "+" in expr else -1)))]
+    else:
+        code, message, *_ = _diagnostic(checkpoint, text, {"n": n})
+        result = n + 1 if "+" in expr else n - 1
+        assert (code, message) == ("E209", f"`{expr}` is {result}, outside the 64-bit integer range")
