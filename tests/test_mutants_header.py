@@ -64,6 +64,8 @@ ENTRIES = [
      "tensor `w`: data_offsets [true, 1] must be [begin, end] with 0 <= begin <= end", None),
     ({"w": _entry("F32", [2], 0, 4)}, b"\0" * 4, "E309", "tensor `w`: F32 [2] needs 8 bytes, data_offsets [0, 4] hold 4",
      None),
+    ({"a": _entry("U8", [4], 0, 4), "w": _entry("F32", [2], 4, 8)}, b"\0" * 8, "E309",
+     "tensor `w`: F32 [2] needs 8 bytes, data_offsets [4, 8] hold 4", None),
     ({"w": _entry("F4", [3], 0, 2)}, b"\0" * 2, "E309", "tensor `w`: F4 [3] is 12 bits, not a whole number of bytes",
      None),
     ({"w": _entry("U8", [4], 0, 4)}, b"\0" * 3, "E310",
@@ -195,3 +197,35 @@ def test_a_frozen_dict_refuses_every_edit_and_copies_as_itself():
     assert hash(d) == hash(FrozenDict({"a": 1})) != hash(FrozenDict({"a": 2}))
     again = pickle.loads(pickle.dumps(d))
     assert type(again) is FrozenDict and again == d
+
+
+def test_a_dtype_that_is_a_json_list_is_e306_not_a_crash(tmp_path):
+    path = _write(tmp_path / "s.safetensors", {"w": _entry([1], [1], 0, 1)}, b"\0")
+    assert _problems(path) == [("E306", "tensor `w`: dtype [1] is not a safetensors dtype", "known: " + _known_codes())]
+
+
+def test_hashing_a_header_never_waits_on_a_fifo(tmp_path):
+    """A path that is a named pipe (a checkpoint file replaced under a running job) is opened
+    without blocking, no writer needed, and refused at once as OSError (a pipe cannot be read
+    at an offset), which the callers report as the file they could not read."""
+    import errno
+    import threading
+
+    fifo = tmp_path / "model.safetensors"
+    os.mkfifo(fifo)
+    outcome: list = []
+
+    def read() -> None:
+        try:
+            outcome.append(hash_header(fifo, 16))
+        except OSError as exc:
+            outcome.append(exc.errno)
+
+    reader = threading.Thread(target=read, daemon=True)
+    reader.start()
+    reader.join(5)
+    finished_alone = bool(outcome)
+    if not finished_alone:  # blocked in open: let it through before failing
+        os.close(os.open(fifo, os.O_RDWR))
+        reader.join(5)
+    assert finished_alone and outcome == [errno.ESPIPE]
