@@ -62,6 +62,7 @@ def _runs_units(runs: Runs) -> list[int]:
 def test_volume_nbytes_and_row_major_strides():
     assert (volume((2, 3, 4)), volume(()), volume((3, 0))) == (24, 1, 0)
     assert (nbytes("bfloat16", (3, 5)), nbytes("float4_e2m1fn_x2", (4, 2)), nbytes("float32", ())) == (30, 4, 4)
+    assert type(nbytes("bfloat16", (3, 5))) is int  # a byte count, never a float
     assert row_major_strides((2, 3, 4)) == [12, 4, 1] and row_major_strides((5,)) == [1]
     assert row_major_strides(()) == [] and row_major_strides((2, 0, 3)) == [0, 3, 1]
 
