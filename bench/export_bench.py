@@ -32,7 +32,7 @@ conversion, so that both sides are held to the layout the rules define.
     python bench/export_bench.py [--runs 3] [--modes export,baseline] [--layers 9] [--experts 32]
         [--bucket-mb 64] [--no-self-check]
 
-(about 2-3 minutes on 2 cores). Without `remapdsl.export` (not yet merged) only the baseline runs.
+(3.2 min of CPU; 3-4 min on 2 shared cores). Without `remapdsl.export` (not yet merged) only the baseline runs.
 """
 
 from __future__ import annotations
