@@ -124,6 +124,24 @@ class _Deriver:
         except _Undetermined as exc:
             raise _error(self.rules, str(exc), exc.span) from None
         bound = bind(targets, pool)
+        if not ops and not bound.partial:  # renamed alone: each binding's sources are its targets' shapes
+            out = []
+            try:
+                namers = self.source_namers(rule) if bound.bindings else []
+            except _Undetermined as exc:
+                raise _error(self.rules, f"runtime tensor `{bound.bindings[0].keys[0]}`: {exc}", exc.span) from None
+            for binding in bound.bindings:
+                captures = self.solve(binding.captures, solvers, types, rule)
+                if captures is None:
+                    continue
+                try:
+                    out.append(({template % tuple([captures[n] for n in names]): runtime[k]
+                                 for (template, names, _), k in zip(namers, binding.keys)}, binding.keys))
+                except KeyError as missing:
+                    raise _error(self.rules, f"runtime tensor `{binding.keys[0]}`: the source pattern's "
+                                 f"`{{{missing.args[0]}}}` appears in no target, so the checkpoint key is not "
+                                 "determined", rule.sources[0].span or rule.span) from None
+            return out
         groups: dict[tuple, dict[tuple, list[Entry]]] = defaultdict(dict)
         made: dict[tuple, list[str]] = defaultdict(list)
         for binding in bound.bindings:
@@ -187,7 +205,10 @@ class _Deriver:
     def solve(self, found: dict, solvers: dict, types: dict, rule: ir.Rule) -> dict | None:
         """The source captures behind a target match: solved substitutions checked by evaluating
         them again; None where they have no integer solution (the key is not this rule's)."""
-        captures = {k: v for k, v in found.items() if k not in solvers}
+        if not solvers:
+            captures = found
+        else:
+            captures = {k: v for k, v in found.items() if k not in solvers}
         for slot, (name, expr) in solvers.items():
             value = found[slot]
             f0 = self.evaluator.integer(expr, "index", captures | {name: 0})
@@ -225,31 +246,43 @@ class _Deriver:
             ev = Evaluator(self.evaluator.config, self.lets | env, self.rules.line_text)
             state = _undo_op(op, ev, state, widths[i], rule)
         out: dict[str, Entry] = {}
-        axis = list_axis(rule.sources)
+        namers = self.source_namers(rule)
+        guarded = rule.guard is not None and _reads_captures(rule.guard, rule)
         for inner, entries in state.items():
-            captures = outer | dict(inner)
-            if rule.guard is not None and _reads_captures(rule.guard, rule) \
-                    and not self.evaluator.boolean(rule.guard, captures):
+            captures = outer | dict(inner) if inner else outer
+            if guarded and not self.evaluator.boolean(rule.guard, captures):
                 return None
-            for (index, choice), entry in zip(axis, entries):
-                out[self.source_name(rule, rule.sources[index], choice, captures)] = entry
+            for (template, names, pattern), entry in zip(namers, entries):
+                try:
+                    out[template % tuple([captures[n] for n in names])] = entry
+                except KeyError as missing:
+                    raise _Undetermined(f"the source pattern's `{{{missing.args[0]}}}` appears in no target, so "
+                                        "the checkpoint key is not determined", pattern.span or rule.span) from None
         return out
 
-    def source_name(self, rule: ir.Rule, pattern: ir.Pattern, choice: tuple, captures: dict) -> str:
-        out, alt = [], 0
-        for part in pattern.parts:
-            if isinstance(part, ir.Text):
-                out.append(part.text)
-            elif isinstance(part, ir.Alternatives):
-                out.append(part.options[choice[alt]])
-                alt += 1
-            elif isinstance(part, ir.Capture) and part.name in captures:
-                out.append(str(captures[part.name]))
-            else:
-                what = f"`{{{part.name}}}`" if isinstance(part, ir.Capture) else "a wildcard"
-                raise _Undetermined(f"the source pattern's {what} appears in no target, so the checkpoint "
-                                    "key is not determined", pattern.span or rule.span)
-        return "".join(out)
+    def source_namers(self, rule: ir.Rule) -> list[tuple[str, tuple[str, ...], ir.Pattern]]:
+        """Per list-axis entry of the sources: a `%` template of the key and the captures it takes."""
+        cache = self.__dict__.setdefault("_namers", {})
+        if id(rule) in cache:
+            return cache[id(rule)]
+        namers = []
+        for index, choice in list_axis(rule.sources):
+            pattern, text, names, alt = rule.sources[index], [], [], 0
+            for part in pattern.parts:
+                if isinstance(part, ir.Text):
+                    text.append(part.text.replace("%", "%%"))
+                elif isinstance(part, ir.Alternatives):
+                    text.append(part.options[choice[alt]].replace("%", "%%"))
+                    alt += 1
+                elif isinstance(part, ir.Capture):
+                    text.append("%s")
+                    names.append(part.name)
+                else:
+                    raise _Undetermined("the source pattern's wildcard appears in no target, so the checkpoint "
+                                        "key is not determined", pattern.span or rule.span)
+            namers.append(("".join(text), tuple(names), pattern))
+        cache[id(rule)] = namers
+        return namers
 
     def refuse_dequantized(self, out: dict) -> None:
         for s in self.rules.statements:
