@@ -187,7 +187,8 @@ def save(state_dict, folder, rules, *, like=None, config: Mapping[str, Any] | No
 
 
 def export(state_dict, rules, *, like=None, config: Mapping[str, Any] | None = None, gather=(),
-           bucket_bytes: int = 256 << 20, layout=None, mesh=None, allow_lossy: bool = False):
+           bucket_bytes: int = 256 << 20, layout=None, mesh=None, allow_lossy: bool = False,
+           regions: bool = False):
     """The checkpoint layout of a sharded runtime state dict, in memory: an iterator of
     (checkpoint key, tensor) pairs, each a whole checkpoint tensor, for weight sync without files.
 
@@ -209,12 +210,15 @@ def export(state_dict, rules, *, like=None, config: Mapping[str, Any] | None = N
             is a round of its own).
         layout, mesh: as for `load`, for plain local shards.
         allow_lossy: as for `save`.
+        regions: yield `(key, offsets, tensor)` instead: each box of a checkpoint tensor this rank
+            holds and no lower rank does (the bytes a save would have it write), no communication;
+            a piece that is no box (rows strided by a rope order) is E549.
     """
     from .runtime.export import export as _export
 
     require_data(like, "an export (`like`)")
     return _export(state_dict, _rules_for(rules, like, config), like=like, config=config, gather=gather,
-                   bucket_bytes=bucket_bytes, layout=layout, mesh=mesh, allow_lossy=allow_lossy)
+                   bucket_bytes=bucket_bytes, layout=layout, mesh=mesh, allow_lossy=allow_lossy, regions=regions)
 
 
 def ingest(state_dict, pairs, rules, *, like=None, config: Mapping[str, Any] | None = None, layout=None,

@@ -261,3 +261,52 @@ def test_export_refuses_dequantized_rules_and_a_bucket_of_no_bytes(tmp_path):
             call()
         d = info.value.diagnostics[0]
         assert d.code == "E543" and "the rules dequantize `" in d.message and hint in d.hint
+
+
+# -- regions: the boxes each rank holds, no communication -------------------------------------------
+
+
+def _regions_on_ranks(rank: int, world: int, folder: str, rules: str, placements: dict) -> list:
+    state, config = _full_state(folder, rules)
+    mesh = Mesh.of({"dp_shard": world})
+    sharded, wanted = distributed_like(state, mesh, LayoutPlan.from_mapping(placements, mesh_dim="dp_shard"))
+    for key, target in sharded.items():
+        target.to_local().copy_(wanted[key])
+    try:
+        return [(k, o, t.clone()) for k, o, t in remapdsl.export(sharded, rules, config=config, regions=True,
+                                                                 bucket_bytes=2000)]
+    except remapdsl.RemapError as exc:
+        d = exc.diagnostics[0]
+        return [(d.code, d.message, d.hint)]
+
+
+@pytest.mark.parametrize("placements", [{"*": [Shard(dim=0)]}, {"*norm*": "replicate", "*": [Shard(dim=1)]}],
+                         ids=["rows", "columns"])
+def test_regions_tile_every_checkpoint_tensor_once_without_moving_a_byte(placements):
+    """FSDP rows and TP columns on 2 ranks: each rank's boxes, put where their offsets say, make
+    every checkpoint tensor exactly once."""
+    results = run_ranks(_regions_on_ranks, 2, str(EXAMPLE), QWEN, placements, timeout=120)
+    want = load_file(str(EXAMPLE / "model.safetensors"))
+    full = {k: torch.full_like(v, float("nan")) for k, v in want.items()}
+    covered = dict.fromkeys(want, 0)
+    for regions in results:
+        assert regions, "every rank holds some"
+        for key, offsets, tensor in regions:
+            full[key][tuple(slice(o, o + n) for o, n in zip(offsets, tensor.shape))] = tensor
+            covered[key] += tensor.numel()
+    assert covered == {k: v.numel() for k, v in want.items()}
+    assert all(torch.equal(full[k], want[k]) for k in want)
+
+
+def test_a_strided_piece_is_no_region(tmp_path):
+    """torchtitan's Llama 3 stores q and k in rotary pair order: a row shard's rows of the
+    checkpoint tensor are strided, so the piece is named, with the way to assemble it instead."""
+    folder, _ = _checkpoint("llama", tmp_path / "llama")
+    rules = str(ROOT / "rules" / "torchtitan_llama3.remap")
+    results = run_ranks(_regions_on_ranks, 2, str(folder), rules, {"*": [Shard(dim=0)]}, timeout=120)
+    (code, message, hint), = results[0]
+    assert code == "E549" and "is no box of it" in message and "_proj.weight`" in message
+    assert "regions=False" in hint
+    with pytest.raises(remapdsl.RemapError) as info:
+        next(remapdsl.export({}, QWEN, gather="dp_shard", regions=True))
+    assert info.value.diagnostics[0].code == "E542" and "takes no gather" in info.value.diagnostics[0].message

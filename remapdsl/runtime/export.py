@@ -22,6 +22,8 @@ from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
+from math import prod
+
 import numpy as np
 import torch
 
@@ -37,10 +39,15 @@ from .write import run_write_plan
 
 
 def export(state_dict, rules, *, like=None, config: Mapping[str, Any] | None = None, gather=(),
-           bucket_bytes: int = 256 << 20, layout=None, mesh=None,
-           allow_lossy: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
-    """(checkpoint key, tensor) pairs this rank is responsible for; see `remapdsl.export`."""
+           bucket_bytes: int = 256 << 20, layout=None, mesh=None, allow_lossy: bool = False,
+           regions: bool = False) -> Iterator[tuple]:
+    """(checkpoint key, tensor) pairs this rank is responsible for, or with `regions` (key,
+    offsets, tensor) boxes of them; see `remapdsl.export`."""
     gather = (gather,) if isinstance(gather, str) else tuple(gather)
+    if regions and gather:
+        raise RemapError(Diagnostic(code="E542", message=f"regions=True yields the boxes each rank holds and "
+                                    f"moves nothing, so it takes no gather (got gather={gather!r})",
+                                    hint="drop `gather`, or drop `regions` to assemble whole tensors"))
     tensors = state_dict.state_dict(keep_vars=True) if hasattr(state_dict, "state_dict") else state_dict
     if like is None:
         config = {} if config is None else config
@@ -63,12 +70,15 @@ def export(state_dict, rules, *, like=None, config: Mapping[str, Any] | None = N
         return plan, holding, {w.block.source_key: w.runtime_key for w in chosen}
 
     plan, holding, producer = dist.together(prepare, phase="planning the export")
+    dropped = set(compiled.dropped)
+    empty = [k for k, t in out.tensors.items() if not t.nbytes and k not in dropped]
+    if regions:
+        yield from _regions(plan, out, holding.local, bucket_bytes, empty if rank == 0 else [])
+        return
     mine: dict[str, int] = defaultdict(int)
     for item in plan.items:
         mine[item.ckpt_key] += item.runs.total
     everyone = dist.gather_all(dict(mine), "sharing what each rank exports")
-    dropped = set(compiled.dropped)
-    empty = [k for k, t in out.tensors.items() if not t.nbytes and k not in dropped]
     schedule = dist.together(lambda: _schedule(everyone, out, bucket_bytes, gather, producer, holding, tensors,
                                                layout, mesh, empty), phase="scheduling the export")
     yield from _rounds(plan, schedule, out, holding.local, rank, world)
@@ -261,6 +271,72 @@ class _Collector:
         for key, runs, size in pickle.loads(data[8:at]):
             self._scatter(key, runs, data[at:at + size])
             at += size
+
+
+def _regions(plan, out, local, bucket_bytes: int, empty: list[str]) -> Iterator[tuple]:
+    """(key, offsets, tensor): each box of a checkpoint tensor this rank writes, in plan order, a
+    bucket of them made at a time; no communication."""
+    for key in empty:
+        info = out.tensors[key]
+        yield key, (0,) * len(info.shape), torch.empty(info.shape, dtype=torch_dtype(info.dtype))
+    items = list(plan.items)
+    at = 0
+    while at < len(items):
+        start, size = at, 0
+        while at < len(items) and (at == start or size + items[at].runs.total <= bucket_bytes):
+            size += items[at].runs.total
+            at += 1
+        writer = _RegionWriter(out)
+        run_write_plan(plan.model_copy(update={"items": tuple(items[start:at]), "encodes": ()}), writer, local,
+                       threads=1)
+        yield from writer.regions
+        writer.regions = []
+
+
+class _RegionWriter(_Collector):
+    """The writer of `_regions`: each piece's bytes become a tensor of its box (checkpoint order)."""
+
+    def __init__(self, out):
+        self.out, self.regions = out, []
+
+    def write_runs(self, file: str, runs, data: memoryview) -> None:
+        key = self._key(file, runs.first)
+        info = self.out.tensors[key]
+        offsets, sizes = _box(runs._replace(first=runs.first - info.byte_offset), info, key)
+        values = torch.frombuffer(bytearray(data), dtype=torch.uint8).view(torch_dtype(info.dtype)).view(sizes)
+        self.regions.append((key, offsets, values))
+
+
+def _box(runs, info, key: str) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """The box of a checkpoint tensor (row-major, `info`) that byte `runs` (from the tensor's first
+    byte) cover, in order; E549 where they are no box (a strided piece: rows of a rope order)."""
+    shape = tuple(info.shape)
+    if not shape:
+        return (), ()
+    itemsize = info.nbytes // prod(shape)
+    elements = [prod(shape[d + 1:]) for d in range(len(shape))]  # row-major element strides
+    first, inner = runs.first // itemsize, runs.length // itemsize
+    offsets = [(first // e) % n for e, n in zip(elements, shape)]
+    j = next(d for d in range(len(shape)) if elements[d] <= inner and inner % elements[d] == 0)
+    sizes = [1] * len(shape)
+    sizes[j] = inner // elements[j]
+    sizes[j + 1:] = shape[j + 1:]
+    box = all(offsets[d] == 0 for d in range(j + 1, len(shape)))  # one run: whole trailing rows
+    for count, stride in zip(runs.counts, runs.strides):  # each repeat: an outer dim of its own
+        if count == 1:
+            continue
+        d = next((d for d in range(j) if elements[d] * itemsize == stride and sizes[d] == 1), None)
+        if d is None:
+            box = False
+            break
+        sizes[d] = count
+    if not (box and all(o + n <= m for o, n, m in zip(offsets, sizes, shape))
+            and prod(sizes) * itemsize == runs.total):
+        raise RemapError(Diagnostic(code="E549", message=f"checkpoint tensor `{key}`: a piece this rank holds is "
+                                    "no box of it (its rows are strided, as a rope order or an interleave "
+                                    "leaves them)", hint="assemble whole tensors instead (regions=False, with "
+                                    "the mesh dims it is split over in `gather`)"))
+    return tuple(offsets), tuple(sizes)
 
 
 def _check_bucket(bucket_bytes) -> None:
