@@ -5,13 +5,14 @@ Each mapping rule runs backwards on shapes alone: its targets are matched agains
 its ops are undone in reverse order, and its sources are named from the captures. Undoing needs
 sizes the op itself states (a split's `sizes`, a concat's or an interleave's `sizes=`, a stack's
 stacked dim); what a rule cannot undo from shapes (a concat without `sizes=`, a slice, a pad, a
-reshape, a cast, a wildcard source, a dequantized tensor) is E520, naming the rule, the op and
-the size. The result is then checked by compiling the rules forward against it: every runtime
+reshape, a cast, a wildcard source) is E520, naming the rule, the op and the size. A tensor the
+rules dequantize is derived unquantized: its logical values, which the same rules load as they are. The result is then checked by compiling the rules forward against it: every runtime
 tensor must come back with its shape and dtype, or the derivation is refused.
 """
 
 from __future__ import annotations
 
+import logging
 from collections import defaultdict
 from collections.abc import Mapping
 from typing import Any
@@ -24,6 +25,8 @@ from .apply import expand_macros
 from .bind import KeyPool, bind, compile_pattern, list_axis
 from .compiler import compile_rules, drops
 from .evaluate import Evaluator, evaluate_lets
+
+_log = logging.getLogger("remapdsl")
 
 Shape = tuple[int, ...]
 Entry = tuple[Shape, str]  # (shape, dtype name)
@@ -105,7 +108,7 @@ class _Deriver:
                                  f"for one runtime tensor and {list(new[1])} {new[0]} for `{key}`",
                                  first[0][1].span, "the runtime tensors that share it must agree")
                 out[ckpt_key] = new
-        self.refuse_dequantized(out)
+        self.note_dequantized(out)
         return out
 
     # -- one rule, backwards --
@@ -284,17 +287,18 @@ class _Deriver:
         cache[id(rule)] = namers
         return namers
 
-    def refuse_dequantized(self, out: dict) -> None:
+    def note_dequantized(self, out: dict) -> None:
+        """A tensor the rules would dequantize is derived as its logical values, stored plain: which
+        tensors a release stores quantized, and in what blocks, is not a function of the runtime
+        tensors, and a `dequantize` binds only where the packed parts are there (logged)."""
         for s in self.rules.statements:
-            if not isinstance(s, ir.Dequantize):
-                continue
-            regex = compile_pattern(s.target)
-            hit = next((k for k in sorted(out) if regex.regex.fullmatch(k)), None)
-            if hit is not None:
-                raise _error(self.rules, f"the rules dequantize `{hit}`: which checkpoint tensors are stored "
-                             "quantized, and in what blocks, is not determined by the runtime tensors",
-                             s.span, "save with `like` (its stored layout), with `requantize=True` for new scales")
-
+            if isinstance(s, ir.Dequantize):
+                regex = compile_pattern(s.target).regex
+                plain = sum(1 for k in out if regex.fullmatch(k))
+                if plain:
+                    _log.info("%s: %d tensor(s) the `dequantize` statement at %s would decode are derived "
+                              "unquantized (no stored scales); save with `like` for the stored format",
+                              self.rules.path, plain, s.span)
 
 def _undo_op(op: ir.Op, ev: Evaluator, state: dict, width: int, rule: ir.Rule) -> dict:
     """The state before `op` from the state after it (shapes only); `width` is the list axis's
