@@ -70,6 +70,8 @@ ENTRIES = [
      None),
     ({"w": _entry("U8", [4], 0, 4)}, b"\0" * 3, "E310",
      "tensor `w`: data_offsets [0, 4] run past the 3-byte data section", "the file may be truncated"),
+    ({"a": _entry("U8", [2], 0, 2), "w": _entry("U8", [2], 2, 4)}, b"\0" * 3, "E310",
+     "tensor `w`: data_offsets [2, 4] run past the 3-byte data section", "the file may be truncated"),
     ({"a": _entry("U8", [4], 0, 4), "b": _entry("U8", [2], 2, 4)}, b"\0" * 4, "E311",
      "tensor `b` [2, 4) overlaps tensor `a` (ends at 4)", TILE),
     ({"a": _entry("U8", [2], 0, 2), "b": _entry("U8", [2], 3, 5)}, b"\0" * 5, "E312",
@@ -166,6 +168,7 @@ def test_tensor_info_says_which_invariant_a_row_breaks(fields, message):
     with pytest.raises(ValueError, match=message.replace("[", r"\[").replace("]", r"\]")):
         TensorInfo(**(GOOD_ROW | fields))
     TensorInfo(ckpt_key="k", file="f", dtype="bfloat16", shape=(), byte_offset=0, nbytes=2)  # a scalar
+    TensorInfo(ckpt_key="k", file="f", dtype="bfloat16", shape=(0, 3), byte_offset=0, nbytes=0)  # empty
 
 
 def test_file_info_checks_where_its_data_section_starts():
