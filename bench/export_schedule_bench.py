@@ -4,7 +4,8 @@ Every rank of an export computes the same schedule: each checkpoint tensor's own
 writers, bytes balanced) and round, from what every rank writes. This runs that computation alone,
 no process group: `compile_bench.py`'s BF16 DeepSeek-V3 inventory (46,183 tensors) with each
 tensor's writers as an `ep` x `dp_shard` mesh places them (routed experts on the ep rank that holds
-the expert, cut over its dp_shard group; everything else cut over the dp_shard group of ep rank 0),
+the expert, cut over its dp_shard group; everything else, replicated over ep, cut over the dp_shard
+group of the ep replica its key picks, as an export's plan picks it),
 checked against the mesh that `gather=("dp_shard",)` names. Baseline, in the same run: sorting the
 (key, writer) entries once, the least any schedule must do. Reported: seconds (median of 3), the
 ratio to the baseline, entries, rounds, the most bytes one rank assembles over the mean.
@@ -18,6 +19,7 @@ import re
 import statistics
 import sys
 import time
+import zlib
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -36,7 +38,7 @@ def writers_of(shapes: dict, inventory: Inventory, ep: int, dp: int) -> list[dic
     everyone: list[dict] = [{} for _ in range(ep * dp)]
     for key in shapes:
         m = EXPERT.search(key)
-        e = int(m.group(1)) % ep if m else 0
+        e = int(m.group(1)) % ep if m else zlib.crc32(key.encode()) % ep  # a replicated tensor: its key's replica
         share = inventory.tensors[key].nbytes // dp
         for d in range(dp):
             everyone[e * dp + d][key] = share

@@ -66,7 +66,8 @@ def export(state_dict, rules, *, like=None, config: Mapping[str, Any] | None = N
                              "`deepseek_v3_fp8`); the engine quantizes what it loads"))
         chosen = derive_writers(compiled, allow_lossy=allow_lossy, dropped="omit")
         holding = hold(compiled, tensors, layout, mesh, rank)
-        plan = make_write_plan(chosen, out, owned(holding, rank), rank, compiled.logical_by_key())
+        # the replica that writes a replicated tensor chosen by its key, so no one group assembles them all
+        plan = make_write_plan(chosen, out, owned(holding, rank, spread_over=world), rank, compiled.logical_by_key())
         return plan, holding, {w.block.source_key: w.runtime_key for w in chosen}
 
     plan, holding, producer = dist.together(prepare, phase="planning the export")

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import re
 import sys
+import zlib
 from collections.abc import Callable, Hashable, Mapping
 from itertools import product
 from typing import Any, NamedTuple
@@ -113,34 +114,42 @@ def hold(compiled: Compiled, tensors: Mapping[str, Any], layout: LayoutPlan | No
     return Holding(placed, local)
 
 
-def owned(holding: Holding, rank: int) -> dict[str, LocalShard]:
+def owned(holding: Holding, rank: int, spread_over: int = 0) -> dict[str, LocalShard]:
     """What this rank writes of each runtime tensor on save: what it holds, if no lower rank holds
     the same. For every placement two ranks' boxes are identical or disjoint, and identical exactly
     when their coordinates differ only on mesh dims that replicate the tensor (a `Shard` of any kind
     gives each coordinate other indices, or none); so a region is written once, by the lowest rank
     of its replicas, found among those coordinates alone, once per spec. A tensor whole on every
-    rank is written by rank 0."""
+    rank is written by rank 0. `spread_over` (an export, the job's rank count): the replica that
+    writes a tensor is chosen by its key instead, so the tensors replicated over a mesh dim (or
+    whole on every rank) are spread over its coordinates (over the job's ranks)."""
     out: dict[str, LocalShard] = {}
     lowest: dict = {}
     for key, p in holding.placed.items():
         if p.rank_of is None:
-            if rank == 0:
+            if rank == (zlib.crc32(key.encode()) % spread_over if spread_over else 0):
                 out[key] = p.shard
             continue
         if not p.shard.boxes:
             continue
+        if spread_over:
+            replicas = _replicas(p)
+            if replicas[zlib.crc32(key.encode()) % len(replicas)] == rank:
+                out[key] = p.shard
+            continue
         if p.spec not in lowest:
-            lowest[p.spec] = _lowest_replica(p) == rank
+            lowest[p.spec] = min(_replicas(p)) == rank
         if lowest[p.spec]:
             out[key] = p.shard
     return out
 
 
-def _lowest_replica(p: Placed) -> int:
-    """The lowest rank among the coordinates that hold what this rank holds (its replicas)."""
+def _replicas(p: Placed) -> list[int]:
+    """The ranks at the coordinates that hold what this rank holds (its replicas, itself among them),
+    in coordinate order: every replica lists the same."""
     axes = [range(n) if isinstance(pl, Replicate) else (c,)
             for pl, n, c in zip(p.placements, p.sizes, p.coordinate)]
-    return min(p.rank_of(index) for index in product(*axes))
+    return [p.rank_of(index) for index in product(*axes)]
 
 
 def check_state_dict(compiled: Compiled, tensors: Mapping[str, Any]) -> None:
