@@ -113,7 +113,7 @@ def test_every_key_reaches_the_consumer_exactly_once(tmp_path, world):
 
 
 def _tp_on_ranks(rank: int, world: int, folder: str, rules: str) -> list[str]:
-    state, config = _full_state(folder, rules)
+    state, _ = _full_state(folder, rules)
     mesh = Mesh.of({"tp": world})
     plan = LayoutPlan.from_mapping({"*norm.weight": "replicate", "*.mlp.gate.weight": "replicate",
                                     "*": [Shard(dim=1)]}, mesh_dim="tp")

@@ -149,7 +149,7 @@ class _Compiler:
         need not match). A guard over captures filters the bindings, complete or partial; where a
         pattern matched nothing, the rule is off when no binding the others found satisfies it."""
         guard, note = rule.guard, None
-        if guard is not None and not _captures_read(guard, rule):
+        if guard is not None and not captures_read(guard, rule):
             if not self.evaluator.boolean(guard, {}):
                 return set()
             guard, note = None, f"its guard `{self.source_text(guard)}` holds for this config"
@@ -254,7 +254,7 @@ class _Compiler:
 
     def build(self, rule: ir.Rule, bindings: list[Binding]) -> None:
         target_names = {n.id for p in rule.targets for part in p.parts if isinstance(part, ir.Subst)
-                        for n in _names(part.expr)}
+                        for n in names_in(part.expr)}
         ops = expand_macros(rule.ops, self.macros, self.evaluator.config, self.lets, self.rules.line_text)
         self.casting = self.cast_all is not None and not any(isinstance(op, ir.Cast) for op, _ in ops)
         reduced = sorted({op.capture for op, _ in ops if isinstance(op, (ir.Stack, ir.Concat))
@@ -405,10 +405,10 @@ def _pairs(names: list[str]) -> Callable[[dict], tuple]:
     return lambda captures: tuple(zip(names, get(captures)))
 
 
-def _captures_read(guard: ir.Node, rule: ir.Rule) -> bool:
+def captures_read(guard: ir.Node, rule: ir.Rule) -> bool:
     """Whether a guard reads a capture of the rule's sources."""
     bound = {part.name for p in rule.sources for part in p.parts if isinstance(part, ir.Capture)}
-    return any(name.id in bound for name in _names(guard))
+    return any(name.id in bound for name in names_in(guard))
 
 
 def _taken(bindings, partial) -> set[str]:
@@ -420,14 +420,15 @@ class _RuleFailed(Exception):
     """A rule's error was recorded; skip the rest of that rule."""
 
 
-def _names(expr: ir.Node):
+def names_in(expr: ir.Node):
+    """Every name an expression reads, in order."""
     if isinstance(expr, ir.Name):
         yield expr
     for field in expr._compared:
         value = getattr(expr, field)
         for child in value if isinstance(value, tuple) else (value,):
             if isinstance(child, ir.Node):
-                yield from _names(child)
+                yield from names_in(child)
 
 
 def _regex(pattern: ir.Pattern) -> re.Pattern:

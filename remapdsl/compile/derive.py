@@ -23,7 +23,7 @@ from ..language import ir
 from ..language.includes import RuleSet
 from .apply import expand_macros
 from .bind import KeyPool, bind, compile_pattern, list_axis
-from .compiler import compile_rules, drops
+from .compiler import captures_read, compile_rules, drops, names_in
 from .evaluate import Evaluator, evaluate_lets
 
 _log = logging.getLogger("remapdsl")
@@ -116,7 +116,7 @@ class _Deriver:
     def rule(self, rule: ir.Rule, pool: KeyPool, runtime: Mapping[str, Entry], failures: dict) -> list:
         """The groups this rule derives: (checkpoint key -> entry, the runtime keys it makes)."""
         guard = rule.guard
-        if guard is not None and not _reads_captures(guard, rule) and not self.evaluator.boolean(guard, {}):
+        if guard is not None and not captures_read(guard, rule) and not self.evaluator.boolean(guard, {}):
             return []
         ops = expand_macros(rule.ops, self.macros, self.evaluator.config, self.lets, self.rules.line_text)
         unstacked = [op.capture for op, _ in ops if isinstance(op, ir.Unstack)]
@@ -190,7 +190,7 @@ class _Deriver:
                 if not isinstance(part, ir.Subst):
                     parts.append(part)
                     continue
-                names = sorted({n.id for n in _names(part.expr) if n.id in types})
+                names = sorted({n.id for n in names_in(part.expr) if n.id in types})
                 if isinstance(part.expr, ir.Name) and names:
                     parts.append(ir.construct(ir.Capture, name=part.expr.id, type=types[part.expr.id]))
                 elif not names:
@@ -223,7 +223,7 @@ class _Deriver:
                 return None
             captures[name] = x
         guard = rule.guard
-        if guard is not None and _reads_captures(guard, rule) and {n.id for n in _names(guard)} \
+        if guard is not None and captures_read(guard, rule) and {n.id for n in names_in(guard)} \
                 .isdisjoint(set(types) - set(captures)) and not self.evaluator.boolean(guard, captures):
             return None  # a guard over a capture still reduced (`stack(E)`) is read once E is known
         return captures
@@ -250,7 +250,7 @@ class _Deriver:
             state = _undo_op(op, ev, state, widths[i], rule)
         out: dict[str, Entry] = {}
         namers = self.source_namers(rule)
-        guarded = rule.guard is not None and _reads_captures(rule.guard, rule)
+        guarded = rule.guard is not None and captures_read(rule.guard, rule)
         for inner, entries in state.items():
             captures = outer | dict(inner) if inner else outer
             if guarded and not self.evaluator.boolean(rule.guard, captures):
@@ -427,21 +427,6 @@ def _check_forward(rules: RuleSet, config: dict, runtime: Mapping[str, Entry], d
                                         "model " + ("has no such tensor" if entry is None else
                                                     f"holds {list(entry[0])} {entry[1]}"),
                                         span=t.rule, line_text=rules.line_text(t.rule), hint="save with `like`"))
-
-
-def _reads_captures(guard: ir.Node, rule: ir.Rule) -> bool:
-    bound = {part.name for p in rule.sources for part in p.parts if isinstance(part, ir.Capture)}
-    return any(n.id in bound for n in _names(guard))
-
-
-def _names(expr: ir.Node):
-    if isinstance(expr, ir.Name):
-        yield expr
-    for field in expr._compared:
-        value = getattr(expr, field)
-        for child in value if isinstance(value, tuple) else (value,):
-            if isinstance(child, ir.Node):
-                yield from _names(child)
 
 
 def _dim(dim: int, ndim: int) -> int:

@@ -14,15 +14,14 @@ yielded exactly once over all ranks.
 from __future__ import annotations
 
 import pickle
-from bisect import bisect_right
 import struct
 import threading
+from bisect import bisect_right
 from collections import defaultdict
 from collections.abc import Iterator, Mapping
+from math import prod
 from pathlib import Path
 from typing import Any
-
-from math import prod
 
 import numpy as np
 import torch
@@ -58,12 +57,9 @@ def export(state_dict, rules, *, like=None, config: Mapping[str, Any] | None = N
 
     def prepare():
         check_mesh(mesh)
-        if compiled.logical:
-            raise RemapError(Diagnostic(code="E543", message="the rules dequantize "
-                             f"`{compiled.logical[0].logical_key}`: an export streams the runtime tensors' own "
-                             "values, and re-encoding them in the stored format is not supported",
-                             hint="export with the rule file of the unquantized layout (`deepseek_v3`, not "
-                             "`deepseek_v3_fp8`); the engine quantizes what it loads"))
+        check_unquantized(compiled, "an export streams the runtime tensors' own values, and re-encoding them in "
+                          "the stored format is not supported", "export with the rule file of the unquantized "
+                          "layout (`deepseek_v3`, not `deepseek_v3_fp8`); the engine quantizes what it loads")
         chosen = derive_writers(compiled, allow_lossy=allow_lossy, dropped="omit")
         holding = hold(compiled, tensors, layout, mesh, rank)
         # the replica that writes a replicated tensor chosen by its key, so no one group assembles them all
@@ -338,6 +334,13 @@ def _box(runs, info, key: str) -> tuple[tuple[int, ...], tuple[int, ...]]:
                                     "leaves them)", hint="assemble whole tensors instead (regions=False, with "
                                     "the mesh dims it is split over in `gather`)"))
     return tuple(offsets), tuple(sizes)
+
+
+def check_unquantized(compiled, why: str, hint: str) -> None:
+    """E543: an export or an ingest moves checkpoint tensors' own values, never stored quantized parts."""
+    if compiled.logical:
+        raise RemapError(Diagnostic(code="E543", message=f"the rules dequantize `{compiled.logical[0].logical_key}`: "
+                                    + why, hint=hint))
 
 
 def _check_bucket(bucket_bytes) -> None:

@@ -13,11 +13,10 @@ from __future__ import annotations
 
 import time
 from collections import defaultdict
-from collections.abc import Iterable, Mapping
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-import torch
 from pydantic import BaseModel, ConfigDict
 
 from ..checkpoint.memory import MemoryReader, in_memory
@@ -25,6 +24,7 @@ from ..errors import Diagnostic, RemapError, suggest
 from ..sharding.holdings import hold
 from ..sharding.plans import make_load_plan
 from . import dist
+from .export import check_unquantized
 from .prepare import check_mesh
 from .read import run_load_plan
 from .save import checkpoint_layout
@@ -54,11 +54,8 @@ def ingest(state_dict, pairs, rules, *, like=None, config: Mapping[str, Any] | N
 
     def plan():
         check_mesh(mesh)
-        if compiled.logical:
-            raise RemapError(Diagnostic(code="E543", message="the rules dequantize "
-                             f"`{compiled.logical[0].logical_key}`: an ingest takes the checkpoint tensors' "
-                             "own values, and decoding streamed quantized parts is not supported",
-                             hint="ingest with the rule file of the unquantized layout"))
+        check_unquantized(compiled, "an ingest takes the checkpoint tensors' own values, and decoding streamed "
+                          "quantized parts is not supported", "ingest with the rule file of the unquantized layout")
         holding = hold(compiled, tensors, layout, mesh, rank)
         memory = in_memory(derived.inventory if derived is not None else inventory)
         return memory, make_load_plan(compiled, memory, holding.held(), rank), holding
