@@ -73,6 +73,16 @@ def test_is_row_major_ignores_dims_of_size_one_only():
     assert not is_row_major([4, 1], [2, 3]) and not is_row_major([3, 2], [2, 3]) and not is_row_major([1, 3], [3, 2])
 
 
+def test_intersect_rebases_a_block_cut_on_every_dim():
+    b = Block((0, 0), (4, 4), "w", (1, 2), ((1, 0), (0, 3)))
+    assert intersect(b, (2, 1), (2, 2)) == Block((2, 1), (2, 2), "w", (3, 5), ((1, 0), (0, 3)))
+    assert intersect(b, (0, 1), (9, 9)) == Block((0, 1), (4, 3), "w", (1, 5), ((1, 0), (0, 3)))
+    assert intersect(Block((0,), (4,), "w", (0,), ((2,),)), (2,), (2,)) == Block((2,), (2,), "w", (4,), ((2,),))
+    fill = Block((0,), (4,), None, (), (), (), 0.5)
+    assert intersect(fill, (1,), (2,)) == Block((1,), (2,), None, (), (), (), 0.5)
+    assert intersect(b, (4, 0), (1, 4)) is None and intersect(b, (0, 0), (0, 4)) is None
+
+
 def test_column_and_the_rebased_cut_of_one_dim():
     b = Block((2, 0), (4, 3), "w", (1, 10), ((1, 0), (0, 2)))
     assert column(b, 0) == (1, 0) and column(b, 1) == (0, 2)
@@ -110,9 +120,9 @@ def test_intersect_keeps_exactly_the_part_inside_the_box_and_maps_it_as_before(b
     fill = data.draw(st.booleans())
     if fill:
         block = Block(block.offsets, block.sizes, None, (), (), (), 0.5)
-    ndim = len(block.sizes)
-    offsets = tuple(data.draw(st.lists(st.integers(0, 6), min_size=ndim, max_size=ndim)))
-    sizes = tuple(data.draw(st.lists(st.integers(0, 5), min_size=ndim, max_size=ndim)))
+    # a box near the block: before, across, inside or past it along each dim
+    offsets = tuple(max(0, o + data.draw(st.integers(-2, n))) for o, n in zip(block.offsets, block.sizes))
+    sizes = tuple(data.draw(st.integers(0, 5)) for _ in block.sizes)
     piece = intersect(block, offsets, sizes)
     box = set(_points(offsets, sizes))
     inside = [x for x in _points(block.offsets, block.sizes) if x in box]
