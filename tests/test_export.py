@@ -99,17 +99,24 @@ def _export_on_ranks(rank: int, world: int, models: list[tuple[str, str]], meshe
     return out
 
 
-@pytest.mark.parametrize("world", [2, 4])
-def test_every_key_reaches_the_consumer_exactly_once(tmp_path, world):
-    """Qwen3-MoE and DeepSeek-V3 under every mesh of the world, one process group for all."""
-    models = [tuple(map(str, _checkpoint(case, tmp_path / case))) for case in ("qwen3_moe", "deepseek_v3")]
-    meshes = [m for m in MESHES if m[0] == world]
-    results = run_ranks(_export_on_ranks, world, models, meshes, timeout=180)
+def _each_key_once(results: list[dict], meshes: list) -> None:
     assert len(results[0]) == 2 * len(meshes)
     for case in results[0]:
         received = [k for r in results for k in r[case][0]]
         assert sorted(received) == results[0][case][1], case  # every key, none twice
         assert all(r[case][0] for r in results), case  # every rank assembled some
+
+
+def test_every_key_reaches_the_consumer_exactly_once_on_four_ranks(tmp_path):
+    """Qwen3-MoE and DeepSeek-V3 under FSDP x EP, one process group for both."""
+    models = [tuple(map(str, _checkpoint(case, tmp_path / case))) for case in ("qwen3_moe", "deepseek_v3")]
+    meshes = [m for m in MESHES if m[0] == 4]
+    _each_key_once(run_ranks(_export_on_ranks, 4, models, meshes, timeout=180), meshes)
+
+
+def test_every_key_reaches_the_consumer_exactly_once_on_two_ranks(two_ranks):
+    """Qwen3-MoE and DeepSeek-V3 under FSDP and under EP (where nothing moves)."""
+    _each_key_once([r["meshes"] for r in two_ranks[0]], [m for m in MESHES if m[0] == 2])
 
 
 def _tp_on_ranks(rank: int, world: int, folder: str, rules: str) -> list[str]:
@@ -128,11 +135,32 @@ def _tp_on_ranks(rank: int, world: int, folder: str, rules: str) -> list[str]:
     return got
 
 
-def test_tp_shards_under_a_layout_plan_on_two_ranks(tmp_path):
-    folder, rules = _checkpoint("mixtral", tmp_path / "mixtral")
-    got = run_ranks(_tp_on_ranks, 2, str(folder), rules, timeout=120)
+def _several(rank: int, world: int, calls: list) -> dict:
+    """Several of this file's rank functions in one process group: name -> what each returned."""
+    return {name: globals()[function](rank, world, *args) for name, function, args in calls}
+
+
+@pytest.fixture(scope="module")
+def two_ranks(tmp_path_factory) -> tuple[list[dict], dict]:
+    """The 2-rank cases below, run in one process group: each rank's results, and the folders."""
+    root = tmp_path_factory.mktemp("two_ranks")
+    folders = {case: _checkpoint(case, root / case) for case in ("mixtral", "llama", "qwen3_moe", "deepseek_v3")}
+    titan = str(ROOT / "rules" / "torchtitan_llama3.remap")
+    models = [tuple(map(str, folders[case])) for case in ("qwen3_moe", "deepseek_v3")]
+    calls = [("meshes", "_export_on_ranks", (models, [m for m in MESHES if m[0] == 2])),
+             ("tp", "_tp_on_ranks", tuple(map(str, folders["mixtral"]))),
+             ("refused", "_refused_on_ranks", tuple(map(str, folders["qwen3_moe"]))),
+             ("rows", "_regions_on_ranks", (str(EXAMPLE), QWEN, {"*": [Shard(dim=0)]})),
+             ("columns", "_regions_on_ranks", (str(EXAMPLE), QWEN, {"*norm*": "replicate", "*": [Shard(dim=1)]})),
+             ("strided", "_regions_on_ranks", (str(folders["llama"][0]), titan, {"*": [Shard(dim=0)]}))]
+    return run_ranks(_several, 2, calls, timeout=300), folders
+
+
+def test_tp_shards_under_a_layout_plan_on_two_ranks(two_ranks):
+    results, folders = two_ranks
+    folder = folders["mixtral"][0]
     keys = sorted(k for f in Path(folder).glob("*.safetensors") for k in load_file(str(f)))
-    assert sorted(got[0] + got[1]) == keys
+    assert sorted(results[0]["tp"] + results[1]["tp"]) == keys
 
 
 def _refused_on_ranks(rank: int, world: int, folder: str, rules: str) -> dict:
@@ -148,9 +176,8 @@ def _refused_on_ranks(rank: int, world: int, folder: str, rules: str) -> dict:
     return out
 
 
-def test_a_split_the_gather_does_not_name_is_refused_on_every_rank(tmp_path):
-    folder, rules = _checkpoint("qwen3_moe", tmp_path / "q")
-    results = run_ranks(_refused_on_ranks, 2, str(folder), rules, timeout=120)
+def test_a_split_the_gather_does_not_name_is_refused_on_every_rank(two_ranks):
+    results = [r["refused"] for r in two_ranks[0]]
     assert results[0] == results[1]
     code, message, hint = results[0]["()"]
     assert code == "E541" and "split over the mesh dim(s) `dp_shard`" in message and "ranks 0, 1" in message
@@ -280,12 +307,11 @@ def _regions_on_ranks(rank: int, world: int, folder: str, rules: str, placements
         return [(d.code, d.message, d.hint)]
 
 
-@pytest.mark.parametrize("placements", [{"*": [Shard(dim=0)]}, {"*norm*": "replicate", "*": [Shard(dim=1)]}],
-                         ids=["rows", "columns"])
-def test_regions_tile_every_checkpoint_tensor_once_without_moving_a_byte(placements):
+@pytest.mark.parametrize("case", ["rows", "columns"])
+def test_regions_tile_every_checkpoint_tensor_once_without_moving_a_byte(two_ranks, case):
     """FSDP rows and TP columns on 2 ranks: each rank's boxes, put where their offsets say, make
     every checkpoint tensor exactly once."""
-    results = run_ranks(_regions_on_ranks, 2, str(EXAMPLE), QWEN, placements, timeout=120)
+    results = [r[case] for r in two_ranks[0]]
     want = load_file(str(EXAMPLE / "model.safetensors"))
     full = {k: torch.full_like(v, float("nan")) for k, v in want.items()}
     covered = dict.fromkeys(want, 0)
@@ -298,13 +324,10 @@ def test_regions_tile_every_checkpoint_tensor_once_without_moving_a_byte(placeme
     assert all(torch.equal(full[k], want[k]) for k in want)
 
 
-def test_a_strided_piece_is_no_region(tmp_path):
+def test_a_strided_piece_is_no_region(two_ranks):
     """torchtitan's Llama 3 stores q and k in rotary pair order: a row shard's rows of the
     checkpoint tensor are strided, so the piece is named, with the way to assemble it instead."""
-    folder, _ = _checkpoint("llama", tmp_path / "llama")
-    rules = str(ROOT / "rules" / "torchtitan_llama3.remap")
-    results = run_ranks(_regions_on_ranks, 2, str(folder), rules, {"*": [Shard(dim=0)]}, timeout=120)
-    (code, message, hint), = results[0]
+    (code, message, hint), = two_ranks[0][0]["strided"]
     assert code == "E549" and "is no box of it" in message and "_proj.weight`" in message
     assert "regions=False" in hint
     with pytest.raises(remapdsl.RemapError) as info:
