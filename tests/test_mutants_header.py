@@ -40,6 +40,8 @@ def _problems(path: str) -> list[tuple]:
 ENTRIES = [
     # (header, data, code, message after the file name, hint)
     ({"w": [1, 2]}, b"", "E305", "tensor `w`: entry is a JSON list, expected an object", None),
+    ({"w": [1, 2, 3]}, b"", "E305", "tensor `w`: entry is a JSON list, expected an object", None),
+    ({"w": 5}, b"", "E305", "tensor `w`: entry is a JSON int, expected an object", None),
     ({"w": {"dtype": "U8", "shape": [1]}}, b"\0", "E305",
      "tensor `w`: entry must have exactly dtype, shape, data_offsets (missing ['data_offsets'])", None),
     ({"w": _entry("U8", [1], 0, 1) | {"crc": 1, "a": 2}}, b"\0", "E305",

@@ -7,6 +7,7 @@ from __future__ import annotations
 import itertools
 import math
 
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -192,6 +193,11 @@ def test_source_runs_list_the_block_elements_and_stride_into_them(start, dims):
         assert units == sorted(units)
 
 
+def test_source_runs_refuse_a_reversed_dim():
+    with pytest.raises(NotImplementedError, match="^negative source strides$"):
+        source_runs(5, [1, -4], (4, 2))
+
+
 def test_source_runs_merge_contiguous_dims_into_one_run():
     assert source_runs(3, [4, 1], (2, 4)) == (Runs(3, 8, (), ()), (4, 1))
     assert source_runs(0, [8, 1], (3, 2)) == (Runs(0, 2, (3,), (8,)), (2, 1))
@@ -276,7 +282,8 @@ def test_maps_that_are_no_box():
 @given(st.tuples(st.integers(0, 12), st.integers(0, 6), st.integers(1, 5)),
        st.tuples(st.integers(0, 12), st.integers(0, 6), st.integers(1, 5)))
 def test_common_counts_the_shared_indices_of_two_progressions(a, b):
-    assert common(a, b) == len(_progression(a) & _progression(b))
+    shared = common(a, b)
+    assert shared == len(_progression(a) & _progression(b)) and type(shared) is int
 
 
 @FAST
