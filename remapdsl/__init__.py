@@ -145,13 +145,13 @@ def load(state_dict, checkpoint, rules, *, config: Mapping[str, Any] | None = No
 
 def save(state_dict, folder, rules, *, like=None, config: Mapping[str, Any] | None = None, layout=None,
          mesh=None, overwrite: bool = False, allow_lossy: bool = False, requantize: bool = False,
-         dropped: str = "error", max_shard_bytes: int = 5 * 10**9):
+         dropped: str = "error", max_shard_size: int | str = "5GB"):
     """Write runtime tensors back to the checkpoint layout `like` through the rules that load it,
     every rank its own bytes (no gather); returns a SaveReport.
 
     Without `like`, the layout is derived: the checkpoint tensors the rules, the config and the
     runtime tensors' global shapes determine (E520 names the rule and the size where they do not),
-    in files sharded as Hugging Face shards them (`max_shard_bytes`), with an index past one file
+    in files sharded as Hugging Face shards them (`max_shard_size`), with an index past one file
     and `config.json` from `config` (docs/saving.md#without-like).
 
     Args:
@@ -175,7 +175,8 @@ def save(state_dict, folder, rules, *, like=None, config: Mapping[str, Any] | No
             model still saves byte-identical files); `"omit"` leaves them out (the files, headers and
             index lack them, the rest laid out as safetensors lays out a file; a file left empty is
             not written). Copies are split among the ranks by bytes, no gather.
-        max_shard_bytes: without `like`: start a new output file past this size.
+        max_shard_size: without `like`: start a new output file past this size (bytes, or a text
+            such as "5GB" or "2GiB", as for `save_pretrained`).
     """
     from .runtime.save import save as _save
 
@@ -183,7 +184,7 @@ def save(state_dict, folder, rules, *, like=None, config: Mapping[str, Any] | No
     rules = _rules_for(rules, like, config)
     return _save(state_dict, folder, rules, like=like, config=config, layout=layout, mesh=mesh,
                  overwrite=overwrite, allow_lossy=allow_lossy, requantize=requantize, dropped=dropped,
-                 max_shard_bytes=max_shard_bytes)
+                 max_shard_size=max_shard_size)
 
 
 def export(state_dict, rules, *, like=None, config: Mapping[str, Any] | None = None, gather=(),

@@ -16,6 +16,7 @@ from pathlib import Path
 
 import remapdsl
 from remapdsl import language, sharding
+from remapdsl.sizes import parse_size
 
 EXIT_OK, EXIT_DIFFERS, EXIT_USER_ERROR, EXIT_BUG = 0, 1, 2, 3
 RULES_HELP = ("a .remap file, the name of a shipped one (`remapdsl rules` lists them), or `auto`: the "
@@ -383,18 +384,7 @@ def _runs(runs) -> str:
 
 
 def _size(text: str, option: str) -> int:
-    units = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12, "KIB": 2**10,
-             "MIB": 2**20, "GIB": 2**30}
-    number = text.strip().upper().rstrip("BKMGTI") or "0"
-    unit = text.strip().upper()[len(number):]
-    try:
-        value = float(number) * units[unit]
-    except (KeyError, ValueError):
-        raise remapdsl.RemapError(remapdsl.Diagnostic(
-            code="E522", message=f"`{option} {text}` is not a size", hint="for example 500MB, 5GB or 2GiB")) from None
-    if value < 1:
-        raise remapdsl.RemapError(remapdsl.Diagnostic(code="E522", message=f"`{option} {text}` must be positive"))
-    return int(value)
+    return parse_size(text, f"{option} {text}")
 
 
 def _convert(args: argparse.Namespace) -> int:

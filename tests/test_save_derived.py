@@ -85,7 +85,7 @@ def test_every_shipped_file_derives_its_checkpoint_and_round_trips(checkpoints, 
     want = {k: (t.dtype, t.shape) for k, t in inventory.tensors.items() if k not in compiled.dropped}
     assert derive_checkpoint(remapdsl.load_rules(rules), _shapes(state), config) == want
 
-    report = remapdsl.save(state, tmp_path / "out", rules, config=config, max_shard_bytes=20_000)
+    report = remapdsl.save(state, tmp_path / "out", rules, config=config, max_shard_size="20kB")
     again = {k: torch.full_like(v, float("nan")) for k, v in state.items()}
     remapdsl.load(again, tmp_path / "out", rules)
     assert all(torch.equal(again[k], state[k]) and again[k].dtype == state[k].dtype for k in state), name
@@ -232,6 +232,18 @@ def test_a_layout_file_is_refused_and_nothing_is_written(tmp_path):
     assert not (tmp_path / "out").exists()
 
 
+def test_max_shard_size_takes_bytes_or_hugging_face_s_text(tmp_path):
+    rules = rules_from_text("remap 1\n{a,b} -> ab | concat(dim=0, sizes=[500, 500])\n")
+    state = {"ab": torch.zeros(1000)}  # two 2,000-byte tensors
+    for size, files in ((3000, 2), ("3kB", 2), ("1MiB", 1)):
+        report = remapdsl.save(state, tmp_path / str(size), rules, max_shard_size=size)
+        assert len(report.files) == files, size
+    with pytest.raises(RemapError) as info:
+        remapdsl.save(state, tmp_path / "bad", rules, max_shard_size="5 XB")
+    d = info.value.diagnostics[0]
+    assert d.code == "E522" and d.message == "`max_shard_size='5 XB'` is not a size" and not (tmp_path / "bad").exists()
+
+
 def test_no_config_writes_no_config_json_and_ignores_the_destination_s(tmp_path):
     out = tmp_path / "out"
     out.mkdir()
@@ -254,14 +266,14 @@ def _save_dtensors(rank: int, world: int, rules: str, source: str, out: str) -> 
     mesh = init_device_mesh("cpu", (world,))
     sharded = {k: distribute_tensor(v, mesh, [Shard(0)]) if v.dim() and v.shape[0] % world == 0 else
                distribute_tensor(v, mesh, []) for k, v in state.items()}
-    return remapdsl.save(sharded, out, rules, config=config, max_shard_bytes=20_000).bytes_written
+    return remapdsl.save(sharded, out, rules, config=config, max_shard_size="20kB").bytes_written
 
 
 def test_two_ranks_save_dtensors_without_like_to_the_one_process_files(checkpoints, tmp_path):
     rules = str(ROOT / "rules" / "qwen3_moe.remap")
     source = checkpoints("qwen3_moe")
     state, config, _ = _runtime(rules, source)
-    remapdsl.save(state, tmp_path / "one", rules, config=config, max_shard_bytes=20_000)
+    remapdsl.save(state, tmp_path / "one", rules, config=config, max_shard_size="20kB")
     written = run_ranks(_save_dtensors, 2, rules, str(source), str(tmp_path / "two"), timeout=90)
     one = sorted(p.name for p in (tmp_path / "one").iterdir())
     assert one == sorted(p.name for p in (tmp_path / "two").iterdir())

@@ -51,7 +51,7 @@ def export(state_dict, rules, *, like=None, config: Mapping[str, Any] | None = N
     if like is None:
         config = {} if config is None else config
     inventory, compiled, derived = checkpoint_layout(rules, like, config, tensors, layout, Path("<export>"),
-                                                     5 * 10**9, check=lambda: _check_bucket(bucket_bytes))
+                                                     check=lambda: _check_bucket(bucket_bytes))
     out = derived.inventory if derived is not None else inventory
     rank, world = dist.rank(), dist.world_size()
 

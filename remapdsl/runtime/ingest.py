@@ -49,7 +49,7 @@ def ingest(state_dict, pairs, rules, *, like=None, config: Mapping[str, Any] | N
     tensors = state_dict.state_dict(keep_vars=True) if hasattr(state_dict, "state_dict") else state_dict
     if like is None:
         config = {} if config is None else config
-    inventory, compiled, derived = checkpoint_layout(rules, like, config, tensors, layout, Path("<ingest>"), 5 * 10**9)
+    inventory, compiled, derived = checkpoint_layout(rules, like, config, tensors, layout, Path("<ingest>"))
     rank = dist.rank()
 
     def plan():

@@ -45,6 +45,7 @@ from ..compile.inverse import DROPPED, copied_parts, dropped_keys
 from ..compile.inverse import writers as derive_writers
 from ..errors import Diagnostic, RemapError
 from ..gcpause import paused_gc
+from ..sizes import parse_size
 from ..language.includes import RuleSet, load_rules
 from ..sharding.holdings import hold, owned
 from ..sharding.plans import make_write_plan
@@ -69,21 +70,21 @@ class SaveReport(BaseModel):
 
 def save(state_dict, folder, rules, *, like=None, config: Mapping[str, Any] | None = None, layout=None, mesh=None,
          overwrite: bool = False, allow_lossy: bool = False, requantize: bool = False,
-         dropped: str = "error", max_shard_bytes: int = 5 * 10**9) -> SaveReport:
+         dropped: str = "error", max_shard_size: int | str = "5GB") -> SaveReport:
     """Write runtime tensors back to the checkpoint layout `like` (or the one the rules derive
     without it); the arguments are `remapdsl.save`'s."""
     with paused_gc():
         return _save(state_dict, Path(folder).absolute(), rules, like, config, layout, mesh, overwrite, allow_lossy,
-                     requantize, dropped, max_shard_bytes)
+                     requantize, dropped, max_shard_size)
 
 
 def _save(state_dict, folder: Path, rules, like, config, layout, mesh, overwrite, allow_lossy,
-          requantize, dropped, max_shard_bytes) -> SaveReport:
+          requantize, dropped, max_shard_size) -> SaveReport:
     start = time.perf_counter()
     tensors = state_dict.state_dict(keep_vars=True) if hasattr(state_dict, "state_dict") else state_dict
     if like is None:
         config = {} if config is None else config  # not the destination's config.json
-    inventory, compiled, derived = checkpoint_layout(rules, like, config, tensors, layout, folder, max_shard_bytes,
+    inventory, compiled, derived = checkpoint_layout(rules, like, config, tensors, layout, folder, max_shard_size,
                                                      check=lambda: check_dropped(dropped))
     rank, world = dist.rank(), dist.world_size()
 
@@ -190,13 +191,14 @@ def copy_bytes(pieces, reader, writer) -> None:
             writer.write_at(dst, dst_offset + step, data)
 
 
-def checkpoint_layout(rules, like, config, tensors, layout, root: Path, max_shard_bytes: int, check=None):
+def checkpoint_layout(rules, like, config, tensors, layout, root: Path, max_shard_size: int | str = "5GB",
+                      check=None):
     """Every rank: the checkpoint layout a save (or an export) writes, compiled: `like`'s, or,
     without it, the one rank 0 derives from the rules and its tensors' shapes (NewLayout, else
     None). Every rank makes the same exchanges, so ranks given and not given `like` fail together."""
     given = like
     derived = dist.from_first(lambda: ((check or (lambda: None))(), None if given is not None else derived_layout(
-        rules, config, tensors, layout, root, max_shard_bytes))[1], "deriving the checkpoint layout")
+        rules, config, tensors, layout, root, max_shard_size))[1], "deriving the checkpoint layout")
     like = like if derived is None else derived.inventory
     # not strict: a checkpoint tensor no rule reads is the save's own error (E501)
     inventory, compiled = compile_everywhere(rules, like, config, strict=False, on_disk=derived is None,
@@ -213,7 +215,7 @@ def same_like(like, derived) -> None:
                                     hint="give every rank the same `like`, or none to derive the layout"))
 
 
-def derived_layout(rules, config, tensors, layout, folder: Path, max_shard_bytes: int) -> NewLayout:
+def derived_layout(rules, config, tensors, layout, folder: Path, max_shard_size: int | str) -> NewLayout:
     """The checkpoint files a save without `like` writes: the tensors the rules derive from the
     runtime tensors' global shapes (remapdsl/compile/derive.py), sharded as Hugging Face shards."""
     if layout is not None:
@@ -221,6 +223,7 @@ def derived_layout(rules, config, tensors, layout, folder: Path, max_shard_bytes
                                     "the runtime tensors' global shapes, and with `layout=` the state dict holds "
                                     "local shards", hint="pass DTensors (their global shapes are known), or "
                                     "give the checkpoint with `like`"))
+    max_shard_bytes = parse_size(max_shard_size, f"max_shard_size={max_shard_size!r}")
     ruleset = rules if isinstance(rules, RuleSet) else load_rules(rules)
     runtime = {k: (tuple(v.shape), str(v.dtype).removeprefix("torch.")) for k, v in tensors.items()
                if hasattr(v, "shape") and hasattr(v, "dtype")}
