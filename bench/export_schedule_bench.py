@@ -66,8 +66,7 @@ def main() -> None:
         tensors = dict.fromkeys(shapes)
 
         def schedule(everyone=everyone, producer=producer, tensors=tensors, mesh=mesh):
-            return _schedule(everyone, inventory, 256 << 20, ("dp_shard",), producer, None, tensors, object(),
-                             mesh, [])
+            return _schedule(everyone, inventory, 256 << 20, ("dp_shard",), producer, tensors, object(), mesh, [])
 
         def baseline(everyone=everyone):
             return sorted((k, r) for r, keys in enumerate(everyone) for k in keys)

@@ -5,10 +5,11 @@ plan (the bytes of each checkpoint tensor it holds and no lower rank does), but 
 checkpoint tensor is assembled whole on one of the ranks that hold its bytes, its owner, chosen so
 the bytes each rank assembles are balanced; its other writers send their pieces there, in rounds
 of at most half of `bucket_bytes` per owner (one all-to-all a round), so that with its pieces in
-flight no rank holds much more than its own shards and one bucket. The ranks a tensor's bytes come from may differ only
-on the mesh dims named in `gather` (E541): gather=("dp_shard",) assembles FSDP shards within each
-dp_shard group and keeps EP shards where they are; gather=() moves nothing. Each checkpoint key is
-yielded exactly once over all ranks.
+flight no rank holds much more than its own shards and one bucket. The ranks a tensor's bytes
+come from may differ only on the mesh dims named in `gather` (E541): gather=("dp_shard",)
+assembles FSDP shards within each dp_shard group and keeps EP shards where they are; gather=()
+moves nothing. Each checkpoint key is yielded exactly once over all ranks. With `regions`, each
+rank yields the boxes it writes instead, and nothing moves.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from collections import defaultdict
 from collections.abc import Iterator, Mapping
 from math import prod
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 import torch
@@ -76,25 +77,26 @@ def export(state_dict, rules, *, like=None, config: Mapping[str, Any] | None = N
     for item in plan.items:
         mine[item.ckpt_key] += item.runs.total
     everyone = dist.gather_all(dict(mine), "sharing what each rank exports")
-    schedule = dist.together(lambda: _schedule(everyone, out, bucket_bytes, gather, producer, holding, tensors,
-                                               layout, mesh, empty), phase="scheduling the export")
+    schedule = dist.together(lambda: _schedule(everyone, out, bucket_bytes, gather, producer, tensors, layout, mesh,
+                                               empty), phase="scheduling the export")
     yield from _rounds(plan, schedule, out, holding.local, rank, world)
 
 
-class _Schedule:
+class _Schedule(NamedTuple):
     """Who assembles each checkpoint tensor (its owner) and in which round, the same on every rank."""
 
-    def __init__(self, owner: dict[str, int], round_of: dict[str, int], rounds: int):
-        self.owner, self.round_of, self.rounds = owner, round_of, rounds
+    owner: dict[str, int]
+    round_of: dict[str, int]
+    rounds: int
 
 
-def _schedule(everyone: list[dict], out, bucket_bytes: int, gather: tuple, producer, holding, tensors, layout,
-              mesh, empty: list[str]) -> _Schedule:
+def _schedule(everyone: list[dict], out, bucket_bytes: int, gather: tuple, producer, tensors, layout, mesh,
+              empty: list[str]) -> _Schedule:
     writers: dict[str, list[int]] = defaultdict(list)
     for r, keys in enumerate(everyone):
         for key in keys:
             writers[key].append(r)
-    coordinates = _Coordinates(holding, tensors, layout, mesh)
+    coordinates = _Coordinates(tensors, layout, mesh)
     coordinates.check_names(gather)
     load = [0] * len(everyone)
     owner: dict[str, int] = {}
@@ -126,7 +128,7 @@ class _Coordinates:
     """Mesh coordinates of any rank, by the mesh a runtime tensor lives on (a DTensor's own, or
     `mesh` under a layout plan), to say which mesh dims a checkpoint tensor's writers differ on."""
 
-    def __init__(self, holding, tensors, layout, mesh):
+    def __init__(self, tensors, layout, mesh):
         self.tensors, self.layout, self.mesh = tensors, layout, mesh
         self.tables: dict[int, tuple[tuple[str, ...], dict[int, tuple[int, ...]]]] = {}
 
@@ -193,10 +195,9 @@ def _rounds(plan, schedule: _Schedule, out, local, rank: int, world: int) -> Ite
         by_round[t] = []
         for key in mine[t]:
             info = out.tensors[key]
-            if collector.filled[key] != info.nbytes:
-                raise RemapError(Diagnostic(code="E541", message=f"checkpoint tensor `{key}`: {collector.filled[key]} "
-                                            f"of its {info.nbytes} bytes reached rank {rank}",
-                                            hint="this is a bug in remapdsl; please report it with the layout"))
+            if collector.filled[key] != info.nbytes:  # every byte has one writer: a bug in remapdsl if not
+                raise RuntimeError(f"remapdsl bug: {collector.filled[key]} of the {info.nbytes} bytes of `{key}` "
+                                   f"reached rank {rank}; please report it with the layout")
             yield key, assembling.pop(key).view(torch_dtype(info.dtype)).view(info.shape)
 
 
