@@ -6,8 +6,9 @@ its ops are undone in reverse order, and its sources are named from the captures
 sizes the op itself states (a split's `sizes`, a concat's or an interleave's `sizes=`, a stack's
 stacked dim); what a rule cannot undo from shapes (a concat without `sizes=`, a slice, a pad, a
 reshape, a cast, a wildcard source) is E520, naming the rule, the op and the size. A tensor the
-rules dequantize is derived unquantized: its logical values, which the same rules load as they are. The result is then checked by compiling the rules forward against it: every runtime
-tensor must come back with its shape and dtype, or the derivation is refused.
+rules dequantize is derived unquantized: its logical values, which the same rules load as they
+are. The result is then checked by compiling the rules forward against it: every runtime tensor
+must come back with its shape and dtype, or the derivation is refused.
 """
 
 from __future__ import annotations
