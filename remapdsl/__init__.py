@@ -259,8 +259,9 @@ def convert(src, dst, rules, *, reverse: bool = False, like=None, max_shard_byte
     Args:
         rules: a .remap file path, a shipped name, `"auto"` (from `src`, or `like` when reversing)
             or a RuleSet.
-        reverse: `src` is in the runtime layout; write `like`'s layout (required then).
-        max_shard_bytes: forward only: start a new output file past this size.
+        reverse: `src` is in the runtime layout; write `like`'s layout, or without `like` the one
+            the rules, `src`'s config.json and its shapes determine (as `save` derives it).
+        max_shard_bytes: forward, or reverse without `like`: start a new output file past this size.
         budget_bytes: runtime tensors held at once by a rank (a larger tensor is held alone).
         overwrite: replace an existing `dst` (only once the new one is complete).
         progress: called with (bytes done, bytes in all) on this rank after each batch.

@@ -117,7 +117,8 @@ def _parser() -> argparse.ArgumentParser:
         "convert", help="convert a checkpoint between layouts, offline (also under torchrun)",
         description="Write SRC in the runtime layout RULES make (keys = runtime keys; safetensors "
         "shards and an index as Hugging Face writes them), or with --reverse write SRC (in the runtime "
-        "layout) back to the layout of the checkpoint --like names. Each rank converts a share of the "
+        "layout) back to the layout of the checkpoint --like names (without --like: the layout the rules, "
+        "SRC's config.json and its shapes determine). Each rank converts a share of the "
         "tensors a batch at a time; the output appears at DST only when complete.")
     convert.add_argument("src", metavar="SRC", help="the checkpoint folder to convert")
     convert.add_argument("dst", metavar="DST", help="the output folder (must not exist unless --overwrite)")
@@ -125,11 +126,12 @@ def _parser() -> argparse.ArgumentParser:
                          "original layout into the runtime layout: " + RULES_HELP + " (SRC's, or --like's "
                          "with --reverse)")
     convert.add_argument("--reverse", action="store_true", help="SRC is in the runtime layout; write the "
-                         "original layout (needs --like)")
+                         "original layout (--like's, or the one derived without it)")
     convert.add_argument("--like", metavar="DIR", help="with --reverse: a checkpoint in the original layout "
                          "(headers, index and config are taken from it)")
     convert.add_argument("--max-shard-size", default="5GB", metavar="SIZE",
-                         help="forward: start a new file past this size (default 5GB; e.g. 500MB)")
+                         help="forward, or --reverse without --like: start a new file past this size "
+                         "(default 5GB; e.g. 500MB)")
     convert.add_argument("--memory", default="1GB", metavar="SIZE",
                          help="tensors a rank holds at once (default 1GB; a larger tensor alone)")
     convert.add_argument("--overwrite", action="store_true", help="replace DST once the new one is complete")

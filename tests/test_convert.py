@@ -65,8 +65,14 @@ def test_the_command_line(tmp_path, capsys):
     fused, back = str(tmp_path / "fused"), str(tmp_path / "back")
     assert main(["convert", str(EXAMPLE), fused, "--rules", RULES, "--max-shard-size", "10KB"]) == 0
     assert "converted" in capsys.readouterr().out
-    assert main(["convert", fused, back, "--rules", RULES, "--reverse"]) == 2
-    assert "error[E520]" in capsys.readouterr().err
+    derived = str(tmp_path / "derived")  # without --like: the layout derived from the rules and the shapes
+    assert main(["convert", fused, derived, "--rules", RULES, "--reverse", "--max-shard-size", "8KB"]) == 0
+    capsys.readouterr()
+    original, files = load_file(str(EXAMPLE / "model.safetensors")), sorted(Path(derived).glob("*.safetensors"))
+    assert len(files) > 1 and (Path(derived) / "model.safetensors.index.json").is_file()
+    again = {k: v for f in files for k, v in load_file(str(f)).items()}
+    assert again.keys() == original.keys() and all(torch.equal(again[k], original[k]) for k in original)
+    assert filecmp.cmp(EXAMPLE / "config.json", Path(derived) / "config.json", shallow=False)
     assert main(["convert", fused, back, "--rules", RULES, "--reverse", "--like", str(EXAMPLE)]) == 0
     assert filecmp.cmp(EXAMPLE / "model.safetensors", Path(back) / "model.safetensors", shallow=False)
     assert main(["convert", fused, back, "--rules", RULES, "--reverse", "--like", str(EXAMPLE)]) == 2

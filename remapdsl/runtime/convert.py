@@ -23,7 +23,7 @@ from pathlib import Path
 
 from pydantic import BaseModel, ConfigDict
 
-from ..checkpoint import CheckpointReader
+from ..checkpoint import CheckpointReader, read_config
 from ..checkpoint.reader import as_byte_view
 from ..checkpoint.writer import new_layout, omitted_index
 from ..compile.inverse import writers as derive_writers
@@ -35,7 +35,7 @@ from ..sharding.plans import make_load_plan, make_write_plan
 from . import dist
 from .prepare import compile_everywhere
 from .read import run_load_plan
-from .save import check_dropped, copied_keys, copy_bytes, copy_share, output_layout, write_output
+from .save import check_dropped, checkpoint_layout, copied_keys, copy_bytes, copy_share, output_layout, write_output
 from .write import run_write_plan
 
 BATCH_BYTES = 64 << 20  # the most a forward batch holds, whatever the budget
@@ -64,19 +64,27 @@ def convert(src, dst, rules, *, reverse: bool = False, like=None, max_shard_byte
 def _convert(src, dst: Path, rules, reverse, like, max_shard_bytes, budget_bytes, overwrite, progress, dropped):
     start = time.perf_counter()
 
-    def check_like() -> None:
-        if reverse and like is None:
-            raise RemapError(Diagnostic(code="E520", message="a reverse conversion writes the layout of the "
-                                        "original checkpoint: give it with `like` (`--like DIR`)"))
-        check_dropped(dropped)
-
-    # the layout the rules read
-    checkpoint, compiled = compile_everywhere(rules, like if reverse else src, check=check_like)
+    # the layout the rules read: `src`'s (forward), `like`'s, or the one derived from the runtime
+    # checkpoint's shapes and config.json (reverse without `like`, as a save without it derives it)
     runtime_source = dist.share_inventory(src, "reading the runtime checkpoint's headers") if reverse else None
+    derived = None
+    if reverse and like is None:
+        checkpoint, compiled, derived = checkpoint_layout(rules, None, read_config(runtime_source),
+                                                          runtime_source.tensors, None, dst, max_shard_bytes,
+                                                          check=lambda: check_dropped(dropped))
+    else:
+        checkpoint, compiled = compile_everywhere(rules, like if reverse else src,
+                                                  check=lambda: check_dropped(dropped))
     runtime = {d.runtime_key: d for d in compiled.runtime_tensors}
     rank, world = dist.rank(), dist.world_size()
 
-    if reverse:
+    if derived is not None:
+        dist.together(lambda: _check_runtime_source(compiled, runtime_source, src),
+                      phase="checking the runtime checkpoint")
+        chosen = dist.together(lambda: derive_writers(compiled, dropped=dropped), phase="deriving the writers")
+        out_inventory, headers, index, copy_from = derived.inventory, derived.headers, derived.index, str(src)
+        copies = []
+    elif reverse:
         dist.together(lambda: _check_runtime_source(compiled, runtime_source, src),
                       phase="checking the runtime checkpoint")
         chosen, out = dist.together(lambda: (derive_writers(compiled, dropped=dropped),
