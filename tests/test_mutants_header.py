@@ -92,6 +92,12 @@ ENTRIES = [
     ({"__metadata__": {"format": 1}, "a": _entry("U8", [1], 0, 1)}, b"\0", "E313",
      '`__metadata__` must map strings to strings, found {"format": 1}', None),
     ({"__metadata__": ["pt"]}, b"", "E313", '`__metadata__` must map strings to strings, found ["pt"]', None),
+    ({"__metadata__": ["x" * 300]}, b"", "E313",
+     '`__metadata__` must map strings to strings, found ' + ('["' + "x" * 300)[:200], None),
+    ({"__metadata__": {"a": "b"}, "a": _entry("U8", [2], 0, 2)}, b"\0" * 3, "E312",
+     "1 trailing bytes after tensor `a`: no tensor covers them", TILE),
+    ({"a": _entry("U8", [2], 0, 2), "z": _entry("U8", [0], 2, 2), "b": _entry("U8", [2], 3, 5)}, b"\0" * 5, "E312",
+     "1 unused bytes after tensor `z`, before tensor `b` at 3", TILE),
 ]
 
 
@@ -130,6 +136,8 @@ def test_an_overlap_inside_a_longer_tensor_keeps_measuring_from_the_longer_end(t
     (struct.pack("<Q", 2) + b"[]", "E304", "the header is a JSON list, expected an object"),
     (struct.pack("<Q", 28) + b'{"__metadata__": {"a": NaN}}', "E304", "the header is not valid JSON (`NaN` is not JSON)"),
     (struct.pack("<Q", 40) + b'{"w": {"dtype": "U8", "dtype": "U8"}}   ', "E314", "the header names `dtype` twice"),
+    (struct.pack("<Q", 48) + b'{"w": {"shape": [1], "dtype": "U8", "dtype": 1}}', "E314",
+     "the header names `dtype` twice"),
 ])
 def test_each_prefix_and_json_error_says_exactly_what_is_wrong(tmp_path, blob, code, message):
     path = tmp_path / "s.safetensors"
@@ -242,3 +250,13 @@ def test_hashing_a_header_never_waits_on_a_fifo(tmp_path):
         os.close(os.open(fifo, os.O_RDWR))
         reader.join(5)
     assert finished_alone and outcome == [errno.ESPIPE]
+
+
+def test_a_folder_in_place_of_a_file_is_e301_with_its_hint(tmp_path):
+    folder = tmp_path / "model.safetensors"
+    folder.mkdir()
+    with pytest.raises(CheckpointError) as info:
+        read_header(folder)
+    d = info.value.diagnostic
+    assert (d.code, d.message, d.hint) == ("E301", "model.safetensors: is not a regular file",
+                                           "a symlink must point at a regular file")
