@@ -131,6 +131,10 @@ def test_an_overlap_inside_a_longer_tensor_keeps_measuring_from_the_longer_end(t
 @pytest.mark.parametrize("blob, code, message", [
     (b"\x05\0\0", "E302", "file has 3 bytes, too short for the 8-byte header length"),
     (struct.pack("<Q", 100) + b"{}", "E303", "header length 100 is larger than the rest of the 10-byte file"),
+    (struct.pack("<Q", 3) + b"{}", "E303", "header length 3 is larger than the rest of the 10-byte file"),
+    (struct.pack("<Q", 100_000_000) + b"{}", "E303", "header length 100000000 is larger than the rest of the 10-byte file"),
+    (struct.pack("<Q", 100_000_001) + b"{}", "E303", "header length 100000001 exceeds the 100000000-byte cap"),
+    (b"\xff" * 8 + b"{}", "E303", "header length 18446744073709551615 exceeds the 100000000-byte cap"),
     (struct.pack("<Q", 3) + b"{}\0", "E304", "the header is not valid JSON (Extra data at line 1 column 3)"),
     (struct.pack("<Q", 2) + b"\xff\xfe", "E304", "the header is not UTF-8 (invalid start byte at byte 0)"),
     (struct.pack("<Q", 2) + b"[]", "E304", "the header is a JSON list, expected an object"),
@@ -260,3 +264,11 @@ def test_a_folder_in_place_of_a_file_is_e301_with_its_hint(tmp_path):
     d = info.value.diagnostic
     assert (d.code, d.message, d.hint) == ("E301", "model.safetensors: is not a regular file",
                                            "a symlink must point at a regular file")
+
+
+def test_a_missing_file_is_e301_saying_why_it_cannot_be_opened(tmp_path):
+    with pytest.raises(CheckpointError) as info:
+        read_header(tmp_path / "s.safetensors")
+    d = info.value.diagnostic
+    assert (d.code, d.message, d.path) == ("E301", "s.safetensors: cannot open the file (No such file or directory)",
+                                           str(tmp_path / "s.safetensors"))
