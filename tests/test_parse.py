@@ -227,3 +227,23 @@ def test_an_expression_nested_too_deeply_is_reported_and_parsing_goes_on():
     assert [d.code for d in info.value.diagnostics] == ["E039"]
     parse_text("let x = " + "not " * 60 + "a\n", "t.remap")  # within the limit
 
+
+
+def test_lark_s_tables_are_cached_where_only_this_user_can_write(tmp_path, monkeypatch):
+    """Lark unpickles its cache file: it lives in a private folder (mode 0700), never the shared
+    temp folder, and a folder others can write is not used at all."""
+    import os
+    import stat
+    import tempfile
+
+    from pathlib import Path
+
+    from remapdsl.language.parser import lark_cache
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    path = Path(lark_cache())
+    assert path.parent == tmp_path / "cache" / "remapdsl" and path.name.startswith("lark-")
+    assert stat.S_IMODE(path.parent.stat().st_mode) & 0o077 == 0
+    assert not str(path).startswith(tempfile.gettempdir() + os.sep + ".lark")
+    path.parent.chmod(0o777)  # writable by anyone: its contents cannot be trusted
+    assert lark_cache() is False

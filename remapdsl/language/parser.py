@@ -39,10 +39,34 @@ def grammar_text() -> str:
 @functools.cache
 def lark_parser() -> Lark:
     """The parser, built once (the only module-level state: immutable; its callbacks are stateless)."""
-    # cache=True: Lark keeps its analysis of the grammar in the temp folder, keyed by the grammar's
-    # hash, so a process's first parse does not pay for building the LALR tables again
+    # Lark keeps its analysis of the grammar in a cache file, so a process's first parse does not
+    # pay for building the LALR tables again; never in the shared temp folder, where another user
+    # could leave a file of that predictable name for Lark to unpickle
     return Lark(grammar_text(), parser="lalr", lexer=RuleLexer, transformer=Builder(),
-                maybe_placeholders=True, cache=True)
+                maybe_placeholders=True, cache=lark_cache())
+
+
+def lark_cache() -> str | bool:
+    """The cache file for Lark's tables, in a folder only this user can write
+    ($XDG_CACHE_HOME/remapdsl or ~/.cache/remapdsl, made with mode 0700); False (no cache) where
+    there is none. The name carries the grammar's, Lark's and Python's versions."""
+    import hashlib
+    import os
+    import sys
+
+    import lark
+
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    folder = Path(base) / "remapdsl"
+    try:
+        folder.mkdir(mode=0o700, parents=True, exist_ok=True)
+        mode = folder.stat()
+        if hasattr(os, "getuid") and (mode.st_uid != os.getuid() or mode.st_mode & 0o022):
+            return False  # someone else's, or writable by others: do not load what it holds
+    except OSError:
+        return False
+    key = hashlib.sha256((grammar_text() + lark.__version__ + str(sys.version_info[:2])).encode()).hexdigest()
+    return str(folder / f"lark-{key[:16]}.pickle")
 
 
 def parse_text(text: str, path: str = "<text>") -> ir.RuleFile:
