@@ -69,6 +69,10 @@ ENTRIES = [
     ({"a": _entry("U8", [4], 0, 4), "w": _entry("F32", [2], 4, 8)}, b"\0" * 8, "E309",
      "tensor `w`: F32 [2] needs 8 bytes, data_offsets [4, 8] hold 4", None),
     ({"w": _entry("U8", [8], 0, 1)}, b"\0", "E309", "tensor `w`: U8 [8] needs 8 bytes, data_offsets [0, 1] hold 1", None),
+    ({"w": _entry("U8", [9], 0, 8)}, b"\0" * 8, "E309", "tensor `w`: U8 [9] needs 9 bytes, data_offsets [0, 8] hold 8",
+     None),
+    ({"a": _entry("U8", [1], 0, 1), "w": _entry("U8", [4], 1, 3)}, b"\0" * 3, "E309",
+     "tensor `w`: U8 [4] needs 4 bytes, data_offsets [1, 3] hold 2", None),
     ({"w": _entry("U8", [1], 0.0, 1)}, b"\0", "E308",
      "tensor `w`: data_offsets [0.0, 1] must be [begin, end] with 0 <= begin <= end", None),
     ({"w": _entry("U8", [1], 0, 1.0)}, b"\0", "E308",
@@ -172,6 +176,7 @@ def test_pread_exact_reads_on_across_short_reads_and_stops_at_the_end(tmp_path):
         assert pread_exact(fd, 4, 3) == bytes([3, 4, 5, 6])
         assert pread_exact(fd, 20, 7) == bytes([7, 8, 9])
         assert pread_exact(fd, 0, 0) == b""
+        assert pread_exact(fd, 1, 2) == b"\x02"
     finally:
         os.close(fd)
 
