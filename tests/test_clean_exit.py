@@ -1,4 +1,4 @@
-"""A user's own script on gloo ranks exits cleanly after `load`, `save` and `convert`.
+"""A user's own script on gloo ranks exits cleanly after `load`, `save`, `convert`, `export` and `ingest`.
 
 The script is what a user writes (a process group, DTensors on a device mesh, one remapdsl call,
 `dist.destroy_process_group()`), run as plain processes, with no helper of this suite's: no
@@ -39,11 +39,17 @@ SCRIPT = textwrap.dedent("""
         remapdsl.save(model, out, rules, like=checkpoint)
     elif call == "convert":
         remapdsl.convert(checkpoint, out, rules)
+    elif call == "export":
+        pairs = dict(remapdsl.export(model, rules, like=checkpoint, gather=("dim0",), bucket_bytes=4096))
+    elif call == "ingest":
+        from safetensors.torch import load_file
+
+        remapdsl.ingest(model, load_file(checkpoint + "/model.safetensors"), rules, like=checkpoint)
     dist.destroy_process_group()
 """)
 
 WORLD = 3
-CALLS = ["load", "save", "convert"] * 2 + ["load", "load"]  # 8 runs, the call made last before exit
+CALLS = ["load", "save", "convert", "export", "ingest", "load", "save", "export"]  # the call made last before exit
 
 
 def _run(script: Path, tmp: Path, run: int, call: str) -> list[tuple[int, str]]:
