@@ -50,6 +50,9 @@ from collections.abc import Iterator, Mapping
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from plan_bench import reset_peak_rss
 
 RULES = "qwen3_moe"
 MESH = (("ep", 2), ("dp_shard", 2))
@@ -217,15 +220,6 @@ def peak_rss() -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
-def reset_peak_rss() -> bool:
-    """Set the peak RSS back to the current RSS, so that the phase's growth is not hidden under the
-    set-up's peak (a whole expert block being generated); False where the kernel refuses."""
-    try:
-        with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")
-        return True
-    except OSError:
-        return False
 
 
 def sharded_state(spec: Mapping[str, int], mesh) -> dict:

@@ -326,20 +326,8 @@ class _Compiler:
         return sum(len(list_axis((p,))) for p in rule.targets)
 
     def targets(self, rule: ir.Rule, captures: dict, target_names: set[str]) -> list[str]:
-        names = []
-        for pattern in rule.targets:
-            for _, choice in list_axis((pattern,)):
-                out, alt = [], 0
-                for part in pattern.parts:
-                    if isinstance(part, ir.Text):
-                        out.append(part.text)
-                    elif isinstance(part, ir.Alternatives):
-                        out.append(part.options[choice[alt]])
-                        alt += 1
-                    else:
-                        out.append(self.evaluator.key_part(part.expr, captures))
-                names.append("".join(out))
-        return names
+        return [target_key(pattern, choice, captures, self.evaluator)
+                for pattern in rule.targets for _, choice in list_axis((pattern,))]
 
     def runtime_tensor(self, rule: ir.Rule, name: str, tensor: sym.Sym, keys: tuple) -> None:
         if name in self.runtime_tensors:
@@ -392,6 +380,20 @@ def drops(statements, available: set[str], evaluator: Evaluator) -> tuple[set[st
         if not hit and s.span is not None:
             unused.append(s.span)
     return dropped, tuple(unused)
+
+
+def target_key(pattern: ir.Pattern, choice: tuple[int, ...], captures: dict, evaluator: Evaluator) -> str:
+    """The key a target pattern names for one choice of its alternatives and a binding's captures."""
+    out, alt = [], 0
+    for part in pattern.parts:
+        if isinstance(part, ir.Text):
+            out.append(part.text)
+        elif isinstance(part, ir.Alternatives):
+            out.append(part.options[choice[alt]])
+            alt += 1
+        else:
+            out.append(evaluator.key_part(part.expr, captures))
+    return "".join(out)
 
 
 def _pairs(names: list[str]) -> Callable[[dict], tuple]:

@@ -24,7 +24,7 @@ from ..language import ir
 from ..language.includes import RuleSet
 from .apply import expand_macros
 from .bind import KeyPool, bind, compile_pattern, list_axis
-from .compiler import captures_read, compile_rules, drops, names_in
+from .compiler import captures_read, compile_rules, drops, names_in, target_key
 from .evaluate import Evaluator, evaluate_lets
 
 _log = logging.getLogger("remapdsl")
@@ -231,16 +231,7 @@ class _Deriver:
 
     def target_name(self, rule: ir.Rule, entry: int, captures: dict) -> str:
         index, choice = list_axis(rule.targets)[entry]
-        out, alt = [], 0
-        for part in rule.targets[index].parts:
-            if isinstance(part, ir.Text):
-                out.append(part.text)
-            elif isinstance(part, ir.Alternatives):
-                out.append(part.options[choice[alt]])
-                alt += 1
-            else:
-                out.append(self.evaluator.key_part(part.expr, captures))
-        return "".join(out)
+        return target_key(rule.targets[index], choice, captures, self.evaluator)
 
     def undo(self, rule: ir.Rule, ops: list, widths: list[int], outer: dict, state: dict) -> dict[str, Entry] | None:
         """One group's state undone op by op (the last first), then its sources named; None where
