@@ -49,8 +49,6 @@ def export(state_dict, rules, *, like=None, config: Mapping[str, Any] | None = N
                                     f"moves nothing, so it takes no gather (got gather={gather!r})",
                                     hint="drop `gather`, or drop `regions` to assemble whole tensors"))
     tensors = state_dict.state_dict(keep_vars=True) if hasattr(state_dict, "state_dict") else state_dict
-    if like is None:
-        config = {} if config is None else config
     inventory, compiled, derived = checkpoint_layout(rules, like, config, tensors, layout, Path("<export>"),
                                                      check=lambda: _check_bucket(bucket_bytes))
     out = derived.inventory if derived is not None else inventory
@@ -177,13 +175,13 @@ def _rounds(plan, schedule: _Schedule, out, local, rank: int, world: int) -> Ite
     by_round: dict[int, list] = defaultdict(list)
     for item in plan.items:
         by_round[schedule.round_of[item.ckpt_key]].append(item)
-    mine = defaultdict(list)
+    mine, tensor_at = defaultdict(list), _TensorAt(out)
     for key, o in schedule.owner.items():
         if o == rank:
             mine[schedule.round_of[key]].append(key)
     for t in range(schedule.rounds):
         assembling = {key: torch.empty(out.tensors[key].nbytes, dtype=torch.uint8) for key in mine[t]}
-        collector = _Collector(out, schedule.owner, assembling, rank, world)
+        collector = _Collector(out, tensor_at, schedule.owner, assembling, rank, world)
         if by_round[t]:
             run_write_plan(plan.model_copy(update={"items": tuple(by_round[t]), "encodes": ()}), collector, local)
         if world > 1:
@@ -201,18 +199,37 @@ def _rounds(plan, schedule: _Schedule, out, local, rank: int, world: int) -> Ite
             yield key, assembling.pop(key).view(torch_dtype(info.dtype)).view(info.shape)
 
 
+class _TensorAt:
+    """The checkpoint tensor whose bytes hold an offset of a file: each file's tensors by offset,
+    indexed once an export (zero-size tensors before a tensor at the same offset)."""
+
+    def __init__(self, out):
+        by_file: dict[str, list] = defaultdict(list)
+        for key, t in out.tensors.items():
+            by_file[t.file].append((t.byte_offset, t.nbytes, key))
+        self.files = {}
+        for file, entries in by_file.items():
+            entries.sort()
+            self.files[file] = ([offset for offset, _, _ in entries], [key for _, _, key in entries])
+
+    def __call__(self, file: str, offset: int) -> str:
+        starts, keys = self.files[file]
+        return keys[bisect_right(starts, offset) - 1]
+
+
 class _Collector:
     """The writer `run_write_plan` writes into: pieces of tensors this rank assembles go into their
     buffers, the others into the payload for their owner (the runs, then the bytes)."""
 
-    def __init__(self, out, owner: dict[str, int], assembling: dict[str, torch.Tensor], rank: int, world: int):
-        self.out, self.owner, self.assembling, self.rank = out, owner, assembling, rank
+    def __init__(self, out, tensor_at: _TensorAt, owner: dict[str, int], assembling: dict[str, torch.Tensor],
+                 rank: int, world: int):
+        self.out, self.tensor_at, self.owner, self.assembling, self.rank = out, tensor_at, owner, assembling, rank
         self.filled = dict.fromkeys(assembling, 0)
         self.outgoing: list[list] = [[] for _ in range(world)]
         self.lock = threading.Lock()
 
     def write_runs(self, file: str, runs, data: memoryview) -> None:
-        key = self._key(file, runs.first)
+        key = self.tensor_at(file, runs.first)
         start = self.out.tensors[key].byte_offset
         relative = runs._replace(first=runs.first - start)
         o = self.owner[key]
@@ -221,16 +238,6 @@ class _Collector:
         else:
             with self.lock:  # the bytes stay where they are (a shard, or the plan's staging) until sent
                 self.outgoing[o].append((key, relative, data))
-
-    def _key(self, file: str, offset: int) -> str:
-        """The checkpoint tensor whose bytes hold `offset` of `file`."""
-        index = self.__dict__.setdefault("_files", {})
-        if file not in index:
-            keys = sorted((k for k, t in self.out.tensors.items() if t.file == file),
-                          key=lambda k: (self.out.tensors[k].byte_offset, self.out.tensors[k].nbytes))
-            index[file] = ([self.out.tensors[k].byte_offset for k in keys], keys)
-        starts, keys = index[file]
-        return keys[bisect_right(starts, offset) - 1]
 
     def _scatter(self, key: str, runs, data) -> None:
         buffer = self.assembling[key].numpy()
@@ -277,28 +284,28 @@ def _regions(plan, out, local, bucket_bytes: int, empty: list[str]) -> Iterator[
     for key in empty:
         info = out.tensors[key]
         yield key, (0,) * len(info.shape), torch.empty(info.shape, dtype=torch_dtype(info.dtype))
-    items = list(plan.items)
+    items, tensor_at = list(plan.items), _TensorAt(out)
     at = 0
     while at < len(items):
         start, size = at, 0
         while at < len(items) and (at == start or size + items[at].runs.total <= bucket_bytes):
             size += items[at].runs.total
             at += 1
-        writer = _RegionWriter(out)
+        writer = _RegionWriter(out, tensor_at)
         run_write_plan(plan.model_copy(update={"items": tuple(items[start:at]), "encodes": ()}), writer, local,
                        threads=1)
         yield from writer.regions
         writer.regions = []
 
 
-class _RegionWriter(_Collector):
+class _RegionWriter:
     """The writer of `_regions`: each piece's bytes become a tensor of its box (checkpoint order)."""
 
-    def __init__(self, out):
-        self.out, self.regions = out, []
+    def __init__(self, out, tensor_at: _TensorAt):
+        self.out, self.tensor_at, self.regions = out, tensor_at, []
 
     def write_runs(self, file: str, runs, data: memoryview) -> None:
-        key = self._key(file, runs.first)
+        key = self.tensor_at(file, runs.first)
         info = self.out.tensors[key]
         offsets, sizes = _box(runs._replace(first=runs.first - info.byte_offset), info, key)
         values = torch.frombuffer(bytearray(data), dtype=torch.uint8).view(torch_dtype(info.dtype)).view(sizes)
