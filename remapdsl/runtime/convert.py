@@ -35,7 +35,15 @@ from ..sharding.plans import make_load_plan, make_write_plan
 from . import dist
 from .prepare import compile_everywhere
 from .read import run_load_plan
-from .save import check_dropped, checkpoint_layout, copied_keys, copy_bytes, copy_share, output_layout, write_output
+from .save import (
+    check_dropped,
+    checkpoint_layout,
+    copied_keys,
+    copy_bytes,
+    copy_share,
+    output_layout,
+    write_output,
+)
 from .write import run_write_plan
 
 BATCH_BYTES = 64 << 20  # the most a forward batch holds, whatever the budget
@@ -78,20 +86,15 @@ def _convert(src, dst: Path, rules, reverse, like, max_shard_bytes, budget_bytes
     runtime = {d.runtime_key: d for d in compiled.runtime_tensors}
     rank, world = dist.rank(), dist.world_size()
 
-    if derived is not None:
-        dist.together(lambda: _check_runtime_source(compiled, runtime_source, src),
-                      phase="checking the runtime checkpoint")
-        chosen = dist.together(lambda: derive_writers(compiled, dropped=dropped), phase="deriving the writers")
-        out_inventory, headers, index, copy_from = derived.inventory, derived.headers, derived.index, str(src)
-        copies = []
-    elif reverse:
+    if reverse:
         dist.together(lambda: _check_runtime_source(compiled, runtime_source, src),
                       phase="checking the runtime checkpoint")
         chosen, out = dist.together(lambda: (derive_writers(compiled, dropped=dropped),
-                                             output_layout(compiled, checkpoint, dropped, False)),
+                                             derived or output_layout(compiled, checkpoint, dropped, False)),
                                     phase="deriving the writers")
-        out_inventory, headers, copy_from = out.inventory, out.headers or None, checkpoint.root
-        index = omitted_index(checkpoint, out_inventory) if rank == 0 and headers else None
+        out_inventory, headers = out.inventory, out.headers or None
+        copy_from = str(src) if derived else checkpoint.root  # a derived layout: the runtime folder's config.json
+        index = out.index or (omitted_index(checkpoint, out_inventory) if rank == 0 and headers else None)
         copies = copy_share(copied_keys(compiled, checkpoint, dropped, False), checkpoint, out_inventory, rank, world)
     else:
         layout = new_layout(str(dst), {k: (d.dtype, d.shape) for k, d in runtime.items()}, max_shard_bytes)

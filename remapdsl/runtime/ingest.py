@@ -47,8 +47,6 @@ def ingest(state_dict, pairs, rules, *, like=None, config: Mapping[str, Any] | N
     """Fill this rank's part of `state_dict` from (checkpoint key, tensor) pairs; see `remapdsl.ingest`."""
     start = time.perf_counter()
     tensors = state_dict.state_dict(keep_vars=True) if hasattr(state_dict, "state_dict") else state_dict
-    if like is None:
-        config = {} if config is None else config
     inventory, compiled, derived = checkpoint_layout(rules, like, config, tensors, layout, Path("<ingest>"))
     rank = dist.rank()
 

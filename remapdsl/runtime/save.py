@@ -45,10 +45,10 @@ from ..compile.inverse import DROPPED, copied_parts, dropped_keys
 from ..compile.inverse import writers as derive_writers
 from ..errors import Diagnostic, RemapError
 from ..gcpause import paused_gc
-from ..sizes import parse_size
 from ..language.includes import RuleSet, load_rules
 from ..sharding.holdings import hold, owned
 from ..sharding.plans import make_write_plan
+from ..sizes import parse_size
 from . import dist
 from .prepare import check_mesh, compile_everywhere, layout_agreement
 from .write import run_write_plan
@@ -82,8 +82,6 @@ def _save(state_dict, folder: Path, rules, like, config, layout, mesh, overwrite
           requantize, dropped, max_shard_size) -> SaveReport:
     start = time.perf_counter()
     tensors = state_dict.state_dict(keep_vars=True) if hasattr(state_dict, "state_dict") else state_dict
-    if like is None:
-        config = {} if config is None else config  # not the destination's config.json
     inventory, compiled, derived = checkpoint_layout(rules, like, config, tensors, layout, folder, max_shard_size,
                                                      check=lambda: check_dropped(dropped))
     rank, world = dist.rank(), dist.world_size()
@@ -102,8 +100,8 @@ def _save(state_dict, folder: Path, rules, like, config, layout, mesh, overwrite
     copies = copy_share(copied_keys(compiled, inventory, dropped, requantize), inventory, out.inventory, rank, world)
     copied = sum(piece[-1] for piece in copies)
     reader = CheckpointReader(inventory)
-    index = derived.index if derived else omitted_index(inventory, out.inventory) if rank == 0 and out.headers \
-        else None
+    # a derived layout's own index, or (files laid out anew, rank 0) `like`'s cut to match
+    index = out.index or (omitted_index(inventory, out.inventory) if rank == 0 and out.headers else None)
     files = None if derived is None else \
         {"config.json": (json.dumps(dict(config), indent=2, sort_keys=True) + "\n").encode()} if config else {}
     try:
@@ -195,14 +193,17 @@ def checkpoint_layout(rules, like, config, tensors, layout, root: Path, max_shar
                       check=None):
     """Every rank: the checkpoint layout a save (or an export) writes, compiled: `like`'s, or,
     without it, the one rank 0 derives from the rules and its tensors' shapes (NewLayout, else
-    None). Every rank makes the same exchanges, so ranks given and not given `like` fail together."""
-    given = like
-    derived = dist.from_first(lambda: ((check or (lambda: None))(), None if given is not None else derived_layout(
+    None). Every rank makes the same exchanges, so ranks given and not given `like` fail together.
+    Without `like` and a config, the config is empty (never read from the destination)."""
+    given, check = like, check or (lambda: None)
+    if like is None and config is None:
+        config = {}
+    derived = dist.from_first(lambda: (check(), None if given is not None else derived_layout(
         rules, config, tensors, layout, root, max_shard_size))[1], "deriving the checkpoint layout")
     like = like if derived is None else derived.inventory
     # not strict: a checkpoint tensor no rule reads is the save's own error (E501)
     inventory, compiled = compile_everywhere(rules, like, config, strict=False, on_disk=derived is None,
-                                             check=lambda: ((check or (lambda: None))(), same_like(given, derived)))
+                                             check=lambda: (check(), same_like(given, derived)))
     return inventory, compiled, derived
 
 
