@@ -16,15 +16,14 @@ from __future__ import annotations
 
 import os
 import re
-import statistics
 import sys
-import time
 import zlib
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from compile_bench import deepseek_v3_config, deepseek_v3_shapes
+from derive_bench import median_seconds
 
 from remapdsl.checkpoint.inventory import Inventory
 from remapdsl.runtime.export import _schedule
@@ -45,15 +44,6 @@ def writers_of(shapes: dict, inventory: Inventory, ep: int, dp: int) -> list[dic
     return everyone
 
 
-def median_seconds(fn, runs: int = 3) -> tuple[float, object]:
-    times, result = [], None
-    for _ in range(runs):
-        start = time.process_time()
-        result = fn()
-        times.append(time.process_time() - start)
-    return statistics.median(times), result
-
-
 def main() -> None:
     config = deepseek_v3_config(256)
     shapes = deepseek_v3_shapes(config)
@@ -71,8 +61,8 @@ def main() -> None:
         def baseline(everyone=everyone):
             return sorted((k, r) for r, keys in enumerate(everyone) for k in keys)
 
-        seconds, result = median_seconds(schedule)
-        base, entries = median_seconds(baseline)
+        seconds, result = median_seconds(schedule, runs=3)
+        base, entries = median_seconds(baseline, runs=3)
         load = [0] * (ep * dp)
         for key, o in result.owner.items():
             load[o] += inventory.tensors[key].nbytes

@@ -92,6 +92,17 @@ def test_column_and_the_rebased_cut_of_one_dim():
     assert cut(b, 0, 6, 9) is None and cut(b, 0, 0, 2) is None and cut(b, 0, 0, 9) == b
 
 
+def _assert_the_same_map(piece, block, inside: list, fill: bool) -> None:
+    """`piece` covers exactly the points `inside` and maps each as `block` did (a fill keeps no base)."""
+    assert sorted(_points(piece.offsets, piece.sizes)) == inside
+    assert (piece.source_key, piece.coeff, piece.steps, piece.fill) == (block.source_key, block.coeff, block.steps,
+                                                                         block.fill)
+    if fill:
+        assert piece.base == ()
+    else:
+        assert all(_source(piece, x) == _source(block, x) for x in inside)
+
+
 @FAST
 @given(blocks(), st.data())
 def test_cut_keeps_exactly_the_part_inside_and_maps_it_as_before(block, data):
@@ -106,13 +117,7 @@ def test_cut_keeps_exactly_the_part_inside_and_maps_it_as_before(block, data):
     if not inside:
         assert piece is None
         return
-    assert sorted(_points(piece.offsets, piece.sizes)) == inside
-    assert (piece.source_key, piece.coeff, piece.steps, piece.fill) == (block.source_key, block.coeff, block.steps,
-                                                                         block.fill)
-    if fill:
-        assert piece.base == ()
-    else:
-        assert all(_source(piece, x) == _source(block, x) for x in inside)
+    _assert_the_same_map(piece, block, inside, fill)
 
 
 @FAST
@@ -130,13 +135,7 @@ def test_intersect_keeps_exactly_the_part_inside_the_box_and_maps_it_as_before(b
     if not inside:
         assert piece is None
         return
-    assert sorted(_points(piece.offsets, piece.sizes)) == inside
-    assert (piece.source_key, piece.coeff, piece.steps, piece.fill) == (block.source_key, block.coeff, block.steps,
-                                                                         block.fill)
-    if fill:
-        assert piece.base == ()
-    else:
-        assert all(_source(piece, x) == _source(block, x) for x in inside)
+    _assert_the_same_map(piece, block, inside, fill)
     assert intersect(block, block.offsets, block.sizes) is block
 
 
