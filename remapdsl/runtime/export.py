@@ -49,9 +49,9 @@ def export(state_dict, rules, *, like=None, config: Mapping[str, Any] | None = N
                                     f"moves nothing, so it takes no gather (got gather={gather!r})",
                                     hint="drop `gather`, or drop `regions` to assemble whole tensors"))
     tensors = state_dict.state_dict(keep_vars=True) if hasattr(state_dict, "state_dict") else state_dict
-    inventory, compiled, derived = checkpoint_layout(rules, like, config, tensors, layout, Path("<export>"),
-                                                     check=lambda: _check_bucket(bucket_bytes))
-    out = derived.inventory if derived is not None else inventory
+    # the layout streamed: `like`'s, or the derived one (headers needed by no file here)
+    out, compiled, _ = checkpoint_layout(rules, like, config, tensors, layout, Path("<export>"),
+                                         check=lambda: _check_bucket(bucket_bytes))
     rank, world = dist.rank(), dist.world_size()
 
     def prepare():

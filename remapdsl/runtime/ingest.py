@@ -47,7 +47,7 @@ def ingest(state_dict, pairs, rules, *, like=None, config: Mapping[str, Any] | N
     """Fill this rank's part of `state_dict` from (checkpoint key, tensor) pairs; see `remapdsl.ingest`."""
     start = time.perf_counter()
     tensors = state_dict.state_dict(keep_vars=True) if hasattr(state_dict, "state_dict") else state_dict
-    inventory, compiled, derived = checkpoint_layout(rules, like, config, tensors, layout, Path("<ingest>"))
+    inventory, compiled, _ = checkpoint_layout(rules, like, config, tensors, layout, Path("<ingest>"))
     rank = dist.rank()
 
     def plan():
@@ -55,7 +55,7 @@ def ingest(state_dict, pairs, rules, *, like=None, config: Mapping[str, Any] | N
         check_unquantized(compiled, "an ingest takes the checkpoint tensors' own values, and decoding streamed "
                           "quantized parts is not supported", "ingest with the rule file of the unquantized layout")
         holding = hold(compiled, tensors, layout, mesh, rank)
-        memory = in_memory(derived.inventory if derived is not None else inventory)
+        memory = in_memory(inventory)
         return memory, make_load_plan(compiled, memory, holding.held(), rank), holding
 
     memory, load_plan, holding = dist.together(plan, phase="planning the ingest")
