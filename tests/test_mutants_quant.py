@@ -326,3 +326,28 @@ def test_the_registry_refuses_what_is_no_format_and_replaces_only_when_asked():
     with pytest.raises(KeyError):
         get_format("int8_row_mutants")
     assert {"fp8_block", "fp8_channel", "fp8_tensor", "mxfp4", "nvfp4"} <= set(format_names())
+
+
+@pytest.mark.parametrize("name", ["nvfp4", "mxfp4"])
+def test_fp4_encode_rounds_exact_halves_to_the_even_code(name):
+    """A value halfway between two E2M1 magnitudes takes the one whose mantissa bit is 0 (IEEE 754
+    roundTiesToEven): 0.25 -> 0, 0.75 -> 1, 1.25 -> 1, 1.75 -> 2, 2.5 -> 2, 3.5 -> 4, 5 -> 4; and
+    just off a midpoint, the nearer code."""
+    fmt = get_format(name)
+    per = 16 if name == "nvfp4" else 32
+    if name == "nvfp4":
+        parts = [Part("v", "uint8", (1, per // 2)), Part("s", E4M3, (1, 1)), Part("g", "float32", ())]
+        scales = [torch.ones(1, 1).to(torch.float8_e4m3fn), torch.tensor(1.0)]
+    else:
+        parts = [Part("v", "uint8", (1, 1, per // 2)), Part("s", "uint8", (1, 1))]
+        scales = [torch.full((1, 1), 127, dtype=torch.uint8)]  # E8M0 127: a scale of 1
+    halves = [0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0, -0.75, -1.75, -3.5, 0.76, 1.74, 3.49, 3.51, 0.0, 6.0]
+    values = torch.tensor([halves + [0.0] * (per - len(halves))])
+    if name == "mxfp4":
+        values = values.reshape(1, 1, per)
+    box = ((0,) * values.dim(), tuple(values.shape))
+    got = fmt.encode(values, box, fmt.cover(box, parts, TO), scales, TO).reshape(-1)
+    codes = [int(b) >> shift & 0xF for b in got.tolist() for shift in (0, 4)][: len(halves)]
+    magnitude = [0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0]
+    decoded = [(-1 if c & 0x8 else 1) * magnitude[c & 0x7] for c in codes]
+    assert decoded == [0.0, 1.0, 1.0, 2.0, 2.0, 4.0, 4.0, -1.0, -2.0, -4.0, 1.0, 1.5, 3.0, 4.0, 0.0, 6.0]

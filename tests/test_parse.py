@@ -247,3 +247,76 @@ def test_lark_s_tables_are_cached_where_only_this_user_can_write(tmp_path, monke
     assert not str(path).startswith(tempfile.gettempdir() + os.sep + ".lark")
     path.parent.chmod(0o777)  # writable by anyone: its contents cannot be trusted
     assert lark_cache() is False
+
+
+def _private_cache(tmp_path, monkeypatch):
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    return tmp_path / "cache" / "remapdsl" / "parsed"
+
+
+def test_a_rule_file_parsed_before_is_read_back_without_the_parser(tmp_path, monkeypatch):
+    """The second parse of an unchanged file is its cached IR, equal to a parse; an edited file, or
+    one at another path, is parsed again."""
+    from remapdsl.language import parser
+
+    entries = _private_cache(tmp_path, monkeypatch)
+    rules = tmp_path / "m.remap"
+    rules.write_text("remap 1\na.{L}.w -> b.{L}.w | transpose(0, 1)  # note\n")
+    first = parser.parse_file(rules)
+    assert len(list(entries.glob("*.pickle"))) == 1
+
+    def no_parser(*args):
+        raise AssertionError("the parser ran for a cached file")
+
+    monkeypatch.setattr(parser, "parse_text", no_parser)
+    again = parser.parse_file(rules)
+    assert again == first and again.source == first.source and again.path == str(rules)
+    rules.write_text("remap 1\na.{L}.w -> c.{L}.w\n")  # edited: the old entry does not answer
+    with pytest.raises(AssertionError, match="the parser ran"):
+        parser.parse_file(rules)
+    monkeypatch.undo()
+    _private_cache(tmp_path, monkeypatch)
+    edited = parser.parse_file(rules)
+    assert edited.statements[1].targets[0].parts[0].text == "c."
+    copy = tmp_path / "copy.remap"
+    copy.write_text(rules.read_text())
+    assert parser.parse_file(copy).path == str(copy)  # spans name the file they came from
+
+
+def test_a_damaged_cache_entry_is_parsed_again_and_errors_are_never_cached(tmp_path, monkeypatch):
+    from remapdsl.language import parser
+
+    entries = _private_cache(tmp_path, monkeypatch)
+    rules = tmp_path / "m.remap"
+    rules.write_text("remap 1\na -> b\n")
+    parsed = parser.parse_file(rules)
+    (entry,) = entries.glob("*.pickle")
+    entry.write_bytes(entry.read_bytes()[:40])  # cut short, as by an interrupted writer
+    assert parser.parse_file(rules) == parsed
+    bad = tmp_path / "bad.remap"
+    bad.write_text("remap 1\na -> \n")
+    for _ in range(2):
+        with pytest.raises(RemapError):
+            parser.parse_file(bad)
+    assert len(list(entries.glob("*.pickle"))) == 1
+
+
+def test_the_parse_cache_is_private_and_bounded(tmp_path, monkeypatch):
+    """A cache folder others can write is not read or written; the cache keeps the newest entries
+    once it passes twice its bound."""
+    from remapdsl.language import cache, parser
+
+    entries = _private_cache(tmp_path, monkeypatch)
+    monkeypatch.setattr(cache, "_PARSED_ENTRIES", 3)
+    for n in range(7):
+        (tmp_path / f"r{n}.remap").write_text(f"remap 1\na{n} -> b\n")
+        parser.parse_file(tmp_path / f"r{n}.remap")
+    assert len(list(entries.glob("*.pickle"))) == 3
+    (tmp_path / "cache" / "remapdsl").chmod(0o777)
+    for entry in entries.glob("*.pickle"):
+        entry.write_bytes(b"not a pickle")
+    assert cache.parsed(str(tmp_path / "r6.remap"), "remap 1\na6 -> b\n") is None
+    assert parser.parse_file(tmp_path / "r6.remap").statements[1].sources[0].parts[0].text == "a6"
+    (tmp_path / "r7.remap").write_text("remap 1\na7 -> b\n")
+    parser.parse_file(tmp_path / "r7.remap")
+    assert [e.read_bytes() for e in entries.glob("*.pickle")] == [b"not a pickle"] * 3  # none written

@@ -14,7 +14,7 @@ from pathlib import Path
 
 from lark import Lark, UnexpectedInput
 
-from . import ir
+from . import cache, ir
 from ..errors import Diagnostic, RemapError, RuleSyntaxError, Span
 from .builder import Builder
 from .comments import attach_trivia
@@ -47,23 +47,15 @@ def lark_parser() -> Lark:
 
 
 def lark_cache() -> str | bool:
-    """The cache file for Lark's tables, in a folder only this user can write
-    ($XDG_CACHE_HOME/remapdsl or ~/.cache/remapdsl, made with mode 0700); False (no cache) where
-    there is none. The name carries the grammar's, Lark's and Python's versions."""
+    """The cache file for Lark's tables in the parser's private folder (see cache.py); False (no
+    cache) where there is none. The name carries the grammar's, Lark's and Python's versions."""
     import hashlib
-    import os
     import sys
 
     import lark
 
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    folder = Path(base) / "remapdsl"
-    try:
-        folder.mkdir(mode=0o700, parents=True, exist_ok=True)
-        mode = folder.stat()
-        if hasattr(os, "getuid") and (mode.st_uid != os.getuid() or mode.st_mode & 0o022):
-            return False  # someone else's, or writable by others: do not load what it holds
-    except OSError:
+    folder = cache.cache_folder()
+    if folder is None:
         return False
     key = hashlib.sha256((grammar_text() + lark.__version__ + str(sys.version_info[:2])).encode()).hexdigest()
     return str(folder / f"lark-{key[:16]}.pickle")
@@ -90,7 +82,8 @@ def parse_text(text: str, path: str = "<text>") -> ir.RuleFile:
 
 
 def parse_file(path: str | Path) -> ir.RuleFile:
-    """Read and parse one rule file (UTF-8)."""
+    """Read and parse one rule file (UTF-8); a file parsed before, unchanged, is read back from the
+    parser's cache."""
     try:
         data = Path(path).read_bytes()
     except (OSError, ValueError) as exc:
@@ -109,7 +102,12 @@ def parse_file(path: str | Path) -> ir.RuleFile:
             span=Span(path=str(path), line=line, column=column, end_line=line, end_column=column + 1),
             line_text=line_text, hint="save the file as UTF-8",
         )) from None
-    return parse_text(text, str(path))
+    text = _normalize(text, str(path))
+    rule_file = cache.parsed(str(path), text)  # parsed before: its IR, without building the parser
+    if rule_file is None:
+        rule_file = parse_text(text, str(path))
+        cache.keep(rule_file)
+    return rule_file
 
 
 def _normalize(text: str, path: str) -> str:

@@ -305,7 +305,7 @@ _E2M1_MIDPOINTS = (0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0)  # between the magnitu
 
 def _e2m1_bytes(scaled, box, what: str):
     """float32 values already divided by their scales -> packed E2M1 bytes (the even element in the
-    low nibble), nearest code. The box's last dim must start and end on whole bytes."""
+    low nibble), nearest code, ties to even. The box's last dim must start and end on whole bytes."""
     import torch
 
     start, width = box[0][-1], box[1][-1]
@@ -314,7 +314,11 @@ def _e2m1_bytes(scaled, box, what: str):
                           "bytes (an even shard of the last dim)")
     if not bool(torch.isfinite(scaled).all()) or bool((scaled.abs() > 7).any()):
         raise FormatError(f"{what}: a value is not finite or beyond 6 times its stored scale")
-    codes = torch.bucketize(scaled.abs(), torch.tensor(_E2M1_MIDPOINTS))
+    # nearest code, ties to the even one (IEEE 754 roundTiesToEven, as OCP MX conversions round):
+    # the two bucketings differ only on a midpoint, where the lower code is odd or the upper one is
+    magnitude, midpoints = scaled.abs(), torch.tensor(_E2M1_MIDPOINTS)
+    lower = torch.bucketize(magnitude, midpoints)
+    codes = torch.where((lower & 1).bool(), torch.bucketize(magnitude, midpoints, right=True), lower)
     codes = (codes | (torch.signbit(scaled).to(torch.int64) << 3)).to(torch.uint8)
     return (codes[..., 0::2] | (codes[..., 1::2] << 4)).contiguous()
 
