@@ -351,3 +351,20 @@ def test_fp4_encode_rounds_exact_halves_to_the_even_code(name):
     magnitude = [0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0]
     decoded = [(-1 if c & 0x8 else 1) * magnitude[c & 0x7] for c in codes]
     assert decoded == [0.0, 1.0, 1.0, 2.0, 2.0, 4.0, 4.0, -1.0, -2.0, -4.0, 1.0, 1.5, 3.0, 4.0, 0.0, 6.0]
+
+
+def test_e4m3_decode_over_several_row_chunks_equals_torchs_conversion(monkeypatch):
+    """Rows are decoded in chunks of CHUNK elements; with a tiny CHUNK a 5-row box takes chunks of
+    2, 2 and 1 rows, and each must come out as torch's own E4M3 -> float32 conversion times its
+    rows' scales (NaN codes included)."""
+    from remapdsl.quant import kernels
+
+    monkeypatch.setattr(kernels, "CHUNK", 12)  # 12 // 6 columns: 2 rows a chunk
+    codes = torch.arange(30, dtype=torch.uint8).mul_(37).reshape(5, 6)
+    codes[4, 5] = 0x7F  # NaN
+    scales = torch.tensor([[1.0], [2.0], [0.5], [4.0], [0.25]])
+    out = torch.empty(5, 6)
+    kernels.e4m3_scaled(codes, lambda a, b: scales[a:b], out)
+    want = codes.view(torch.float8_e4m3fn).float() * scales
+    assert torch.equal(out.isnan(), want.isnan()) and bool(out.isnan()[4, 5])
+    assert torch.equal(out.nan_to_num(), want.nan_to_num())
