@@ -1,0 +1,331 @@
+"""What remapdsl/sharding/placements.py and plans.py do that the rest of the suite left unchecked
+(issue #18's mutation run): Mesh.index's hint, reading a DTensor's placements (its mesh, negative
+dims, strided shards, Partial and unknown placements, a rank outside the mesh), a quantized shard's
+block-grid check (E412, whole diagnostic), the decode items a plan gives for a dequantized source
+(every part read, and the parts a format is shown), and plans over DCP chunks (each part's place,
+E356). Tiny real checkpoints; DTensors on torch's in-process fake process group.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import save_file
+
+import remapdsl
+from remapdsl.errors import RemapError, Span
+from remapdsl.indexmap import Runs
+from remapdsl.language import rules_from_text
+from remapdsl.sharding import LayoutPlan, Mesh, Shard
+from remapdsl.sharding.placements import (
+    LocalShard,
+    Replicate,
+    StridedShard,
+    TensorPlacement,
+    local_shard,
+    placements_from_dtensor,
+)
+from remapdsl.sharding.plans import DecodeItem, PartRead
+
+# ------------------------------------------------------------------------------------------ the mesh
+
+
+def test_an_unknown_mesh_dim_suggests_the_closest_or_lists_them():
+    """E408: a near name is suggested; a far one lists the mesh's dims; a known one is its index."""
+    mesh = Mesh.of({"data": 2, "tensor": 4})
+    assert (mesh.index("data"), mesh.index("tensor")) == (0, 1)
+    with pytest.raises(RemapError) as near:
+        mesh.index("tensr")
+    with pytest.raises(RemapError) as far:
+        mesh.index("expert")
+    assert [(d.code, d.message, d.hint, d.path) for d in (near.value.diagnostic, far.value.diagnostic)] == [
+        ("E408", "the mesh has no dim `tensr`", "did you mean `tensor`?", None),
+        ("E408", "the mesh has no dim `expert`", "the mesh has data, tensor", None),
+    ]
+
+
+# ------------------------------------------------------------------------------------------ DTensors
+
+
+@pytest.fixture
+def fake_group():
+    """Rank 1 of a 4-rank fake process group (torch's in-process test backend: no peers, no I/O)."""
+    import torch.distributed as dist
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    dist.init_process_group("fake", store=FakeStore(), rank=1, world_size=4)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
+def _dtensor(mesh, placements, shape, local=None):
+    from torch.distributed.tensor import DTensor
+
+    strides = tuple(int(torch.tensor(shape[k + 1:]).prod()) for k in range(len(shape)))
+    local = torch.zeros((1,) * len(shape)) if local is None else local  # torch reads negative dims by its ndim
+    return DTensor.from_local(local, mesh, placements, run_check=False, shape=shape, stride=strides)
+
+
+def test_a_dtensor_s_placements_read_as_remapdsl_s(fake_group):
+    """Named 2x2 mesh, rank 1 at (0, 1): Shard, _StridedShard kept with its factor, Replicate; the
+    local shard is what local_shard gives for them."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Replicate as TorchReplicate
+    from torch.distributed.tensor import Shard as TorchShard
+    from torch.distributed.tensor.placement_types import _StridedShard
+
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    got = placements_from_dtensor(_dtensor(mesh, [TorchShard(0), _StridedShard(1, split_factor=2)], (6, 8)), "k")
+    assert got == TensorPlacement(shape=(6, 8), mesh=Mesh(names=("dp", "tp"), sizes=(2, 2)),
+                                  placements=(Shard(dim=0), StridedShard(dim=1, split_factor=2)), coordinate=(0, 1))
+    assert type(got.coordinate[0]) is int and type(got.shape[0]) is int and type(got.mesh.sizes[0]) is int
+    assert got.local_shard() == local_shard((6, 8), (2, 2), got.placements, (0, 1))
+    assert got.local_shard() == LocalShard((3, 4), (((0, 2), (3, 2)), ((0, 6), (3, 2))), ((0, 0), (0, 2)))
+    again = placements_from_dtensor(_dtensor(mesh, [TorchReplicate(), TorchShard(1)], (6, 8)))
+    assert again.placements == (Replicate(), Shard(dim=1)) and again.local_shard().boxes == (((0, 4), (6, 4)),)
+
+
+def test_an_unnamed_mesh_s_dims_are_dim0_dim1(fake_group):
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.tensor import Replicate as TorchReplicate
+    from torch.distributed.tensor import Shard as TorchShard
+
+    got = placements_from_dtensor(_dtensor(DeviceMesh("cpu", [[0, 1], [2, 3]]), [TorchShard(0), TorchReplicate()],
+                                           (4,)))
+    assert got == TensorPlacement(shape=(4,), mesh=Mesh(names=("dim0", "dim1"), sizes=(2, 2)),
+                                  placements=(Shard(dim=0), Replicate()), coordinate=(0, 1))
+
+
+def test_a_rank_outside_the_dtensor_s_mesh_holds_nothing(fake_group):
+    """Rank 1 on a mesh of ranks 2 and 3: no coordinate, and an empty 1-d local shard, as torch's."""
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.tensor import Shard as TorchShard
+
+    got = placements_from_dtensor(_dtensor(DeviceMesh("cpu", [2, 3]), [TorchShard(0)], (4, 2), torch.zeros(0)))
+    assert got == TensorPlacement(shape=(4, 2), mesh=Mesh(names=("dim0",), sizes=(2,)), placements=(Shard(dim=0),),
+                                  coordinate=None)
+    assert got.local_shard() == LocalShard((0,), (), ())
+
+
+def test_a_placement_remapdsl_cannot_read_is_a_coded_error(fake_group):
+    """Partial: E401 naming the mesh dim, with the redistribute hint; a placement type torch added
+    that remapdsl does not know: E402; a shard dim outside the tensor: E405 naming torch's placement.
+    Each names the tensor."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Partial
+    from torch.distributed.tensor import Replicate as TorchReplicate
+    from torch.distributed.tensor import Shard as TorchShard
+    from torch.distributed.tensor.placement_types import Placement, _StridedShard
+
+    class Unknown(Placement):
+        def __repr__(self) -> str:
+            return "Unknown()"
+
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    found = []
+    for placements in ([TorchReplicate(), Partial()], [TorchReplicate(), Unknown()], [TorchShard(2), TorchReplicate()],
+                       [TorchReplicate(), _StridedShard(2, split_factor=2)]):
+        with pytest.raises(RemapError) as caught:
+            placements_from_dtensor(_dtensor(mesh, placements, (4, 4)), "model.w")
+        d = caught.value.diagnostic
+        found.append((d.code, d.message, d.hint, d.path))
+    assert found == [
+        ("E401", "placement P(sum) on mesh dim `tp` holds partial values, not a layout",
+         "redistribute to Replicate() or Shard(d) before loading or saving", "model.w"),
+        ("E402", "unknown placement Unknown() on mesh dim `tp`", None, "model.w"),
+        ("E405", "placement S(2) names dim 2 of a 2-d tensor", None, "model.w"),
+        ("E405", f"placement {_StridedShard(2, split_factor=2)} names dim 2 of a 2-d tensor", None, "model.w"),
+    ]
+
+
+# ------------------------------------------------------------------------------ quantized shards (E412)
+
+QUANTIZED = """remap 1
+quantized {P:path}.weight, {P}.weight_scale_inv | fp8_block(block=[%d, 4])
+q.weight -> w
+q.weight_scale_inv -> w_scale
+"""
+
+
+def _plan_quantized(tmp_path: Path, block_rows: int, dim: int, ranks: int, rank: int):
+    """A 12 x 8 fp8 tensor kept quantized (blocks of block_rows x 4), w and its scales sharded on `dim`."""
+    save_file({"q.weight": torch.zeros(12, 8).to(torch.float8_e4m3fn),
+               "q.weight_scale_inv": torch.ones(12 // block_rows, 2)}, str(tmp_path / "model.safetensors"))
+    inventory = remapdsl.open_checkpoint(tmp_path)
+    compiled = remapdsl.compile_rules(rules_from_text(QUANTIZED % block_rows, "t.remap"), inventory, {})
+    layout = LayoutPlan.from_mapping({"w": [Shard(dim=dim)], "w_scale": [Shard(dim=dim)]}, mesh_dim="tp")
+    return remapdsl.plan_rank(compiled, inventory, layout, Mesh.of({"tp": ranks}), rank)
+
+
+def test_shards_on_the_block_grid_plan_their_whole_blocks(tmp_path):
+    """12 rows in 3 of 4 each: rank 1 reads rows 4:8 of the values and its one scale row, no more."""
+    plan = _plan_quantized(tmp_path, 4, 0, 3, 1)
+    assert (plan.bytes_read, plan.bytes_owned) == (4 * 8 + 2 * 4, 4 * 8 + 2 * 4)
+    assert [(i.runtime_key, i.local_offsets, i.sizes, i.ckpt_key) for i in plan.items] == [
+        ("w_scale", (0, 0), (1, 2), "q.weight_scale_inv"), ("w", (0, 0), (4, 8), "q.weight")]
+
+
+@pytest.mark.parametrize("block_rows, dim, ranks, rank, diagnostic", [
+    (4, 0, 2, 0, ("rank 0's shard of `w` (0:6 of dim 0) cuts inside a block of 4: the values are kept quantized, "
+                  "and a shard edge at 6 would split one block's values from its scale",
+                  "shard dim 0 in multiples of 4 (an even split of 3 blocks), or dequantize the tensor")),
+    (2, 0, 4, 1, ("rank 1's shard of `w` (3:6 of dim 0) cuts inside a block of 2: the values are kept quantized, "
+                  "and a shard edge at 3 would split one block's values from its scale",
+                  "shard dim 0 in multiples of 2 (an even split of 6 blocks), or dequantize the tensor")),
+    (4, 1, 4, 0, None),  # 8 columns in 4 of 2: each cuts a block of 4
+    (4, 1, 3, 2, ("rank 2's shard of `w` (6:8 of dim 1) cuts inside a block of 4: the values are kept quantized, "
+                  "and a shard edge at 6 would split one block's values from its scale",
+                  "shard dim 1 in multiples of 4 (an even split of 2 blocks), or dequantize the tensor")),
+])
+def test_a_shard_edge_inside_a_block_is_e412_at_the_rule(tmp_path, block_rows, dim, ranks, rank, diagnostic):
+    """The first edge off the grid (not the tensor's end) of the first dim that has one, the block,
+    the shard, the rank, the rule's span, and the even split."""
+    if diagnostic is None:
+        diagnostic = ("rank 0's shard of `w` (0:2 of dim 1) cuts inside a block of 4: the values are kept quantized, "
+                      "and a shard edge at 2 would split one block's values from its scale",
+                      "shard dim 1 in multiples of 4 (an even split of 2 blocks), or dequantize the tensor")
+    with pytest.raises(RemapError) as caught:
+        _plan_quantized(tmp_path, block_rows, dim, ranks, rank)
+    (d,) = caught.value.diagnostics
+    assert (d.code, d.message, d.hint, d.span) == ("E412", *diagnostic, Span("t.remap", 3, 1, 3, 14))
+
+
+# -------------------------------------------------------------------------- decode items of a plan
+
+
+class _SeenParts(remapdsl.quant.QuantFormat):
+    """int8 values, a float32 scale per row (docs/quantized.md's example), recording the parts its
+    `views` and `cover` are shown."""
+
+    name = "mutants_int8_row"
+    parts = ("values", "scales")
+    params = remapdsl.quant.get_format("fp8_channel").params
+    seen: list = []
+
+    def logical_shape(self, parts, params):
+        return tuple(parts[0].shape)
+
+    def views(self, parts, params):
+        self.seen.append(("views", tuple(parts)))
+        return tuple(p.shape for p in parts)
+
+    def cover(self, box, parts, params):
+        self.seen.append(("cover", tuple(parts)))
+        offsets, sizes = box
+        return box, (offsets[:-1], sizes[:-1])
+
+    def decode(self, tensors, box, covers, params, out):
+        values, scales = tensors
+        torch.mul(values.to(torch.float32), scales.unsqueeze(-1), out=out)
+
+
+def test_a_dequantized_shard_s_decode_item_reads_each_part_s_rows(tmp_path):
+    """Rows 2:4 of a 4 x 6 int8_row tensor on rank 1 of 2: one decode item, the box and, per part,
+    its covering box, byte runs and row-major strides; the format is shown the parts as the
+    header has them; the whole load decodes the values."""
+    from remapdsl.quant import Part, register_format
+
+    fmt = register_format(_SeenParts(), replace=True)
+    values = torch.arange(24, dtype=torch.int8).reshape(4, 6) - 12
+    scales = torch.tensor([0.5, 1.0, 2.0, 4.0])
+    save_file({"q.qweight": values, "q.scales": scales}, str(tmp_path / "model.safetensors"))
+    text = "remap 1\ndequantize q.qweight, q.scales -> q.weight | mutants_int8_row(to=float32)\nq.weight -> w\n"
+    inventory = remapdsl.open_checkpoint(tmp_path)
+    compiled = remapdsl.compile_rules(rules_from_text(text, "t.remap"), inventory, {})
+    fmt.seen.clear()
+    layout = LayoutPlan.from_mapping({"w": [Shard(dim=0)]}, mesh_dim="tp")
+    plan = remapdsl.plan_rank(compiled, inventory, layout, Mesh.of({"tp": 2}), 1)
+    v, s = inventory.tensors["q.qweight"], inventory.tensors["q.scales"]
+    assert plan.items == ()
+    assert plan.decodes == (DecodeItem(
+        "w", (0, 0), (2, 6), "q.weight", "mutants_int8_row", (("to", "float32"),), ((2, 0), (2, 6)),
+        (PartRead("q.qweight", "model.safetensors", "int8", (2, 0), (2, 6), Runs(v.byte_offset + 12, 12), (6, 1)),
+         PartRead("q.scales", "model.safetensors", "float32", (2,), (2,), Runs(s.byte_offset + 8, 8), (1,))),
+        (6, 1), 0, "float32", ()),)
+    assert (plan.bytes_read, plan.bytes_owned, plan.scale_bytes_read, plan.files) == (20, 12, 8, ("model.safetensors",))
+    shown = (Part("q.qweight", "int8", (4, 6)), Part("q.scales", "float32", (4,)))
+    assert fmt.seen == [("views", shown), ("cover", shown)]
+    target = {"w": torch.full((4, 6), float("nan"))}
+    remapdsl.load(target, tmp_path, rules_from_text(text, "t.remap"), config={})
+    assert torch.equal(target["w"], values.float() * scales[:, None])
+
+
+# ---------------------------------------------------------------------------------- DCP chunks
+
+INFO = "DCP_SHARDING_INFO"
+
+
+def _dcp_file(path: Path, tensors: dict, offsets: dict) -> None:
+    """One file as torch's HuggingFaceStorageWriter(save_distributed=True) writes it."""
+    save_file(tensors, str(path), metadata={INFO: json.dumps({k: {"saved_offsets": o} for k, o in offsets.items()}),
+                                            "DCP_VERSION": "1.0", "format": "pt"})
+
+
+def _dcp_folder(root: Path, chunked_values: bool) -> Path:
+    """`a` [6, 4] in two chunks of 3 rows, one a file; fp8 values `q.weight` [8, 8] (in two chunks
+    too when `chunked_values`) and their scales whole."""
+    a = torch.arange(24, dtype=torch.float32).reshape(6, 4)
+    q = (torch.arange(64, dtype=torch.float32).reshape(8, 8) / 8).to(torch.float8_e4m3fn)
+    first = {"a": a[:3], "q.weight_scale_inv": torch.full((2, 2), 2.0)}
+    first_offsets = {"a": [0, 0], "q.weight_scale_inv": [0, 0]}
+    second, second_offsets = {"a": a[3:].clone()}, {"a": [3, 0]}
+    if chunked_values:
+        first["q.weight"], first_offsets["q.weight"] = q[:4].clone(), [0, 0]
+        second["q.weight"], second_offsets["q.weight"] = q[4:].clone(), [4, 0]
+    else:
+        first["q.weight"], first_offsets["q.weight"] = q, [0, 0]
+    _dcp_file(root / "shard-00001-model-00001-of-00001.safetensors", first, first_offsets)
+    _dcp_file(root / "shard-00002-model-00001-of-00001.safetensors", second, second_offsets)
+    return root
+
+
+DCP_RULES = """remap 1
+dequantize q.weight, q.weight_scale_inv -> q | fp8_block(block=[4, 4], to=float32)
+q -> q
+a -> a
+"""
+
+
+def test_a_column_shard_across_chunks_reads_each_chunk_s_rows_into_place(tmp_path):
+    """Rank 1 of 2 holds columns 2:4 of `a`: one item per chunk, rows 0:3 and 3:6 of the local
+    tensor, each from its own file; the dequantized `q` beside it (its parts whole) plans too."""
+    folder = _dcp_folder(tmp_path, chunked_values=False)
+    inventory = remapdsl.open_checkpoint(folder)
+    assert set(inventory.chunks) == {"a"}
+    compiled = remapdsl.compile_rules(rules_from_text(DCP_RULES, "t.remap"), inventory, {})
+    layout = LayoutPlan.from_mapping({"a": [Shard(dim=1)], "q": [Shard(dim=1)]}, mesh_dim="tp")
+    plan = remapdsl.plan_rank(compiled, inventory, layout, Mesh.of({"tp": 2}), 1)
+    chunks = inventory.chunks["a"]
+    assert [(i.runtime_key, i.local_offsets, i.sizes, i.ckpt_key, i.file, i.runs) for i in plan.items] == [
+        ("a", (0, 0), (3, 2), "a", chunks[0].file, Runs(chunks[0].byte_offset + 8, 8, (3,), (16,))),
+        ("a", (3, 0), (3, 2), "a", chunks[1].file, Runs(chunks[1].byte_offset + 8, 8, (3,), (16,))),
+    ]
+    assert [(d.runtime_key, d.local_offsets, d.sizes, d.box) for d in plan.decodes] == [
+        ("q", (0, 0), (8, 4), ((0, 4), (8, 4)))]
+    assert (plan.bytes_read, plan.bytes_owned) == (48 + 32 + 8, 48 + 32)
+    other = remapdsl.plan_rank(compiled, inventory, layout, Mesh.of({"tp": 2}), 0)
+    assert plan.digest() == remapdsl.plan_rank(compiled, inventory, layout, Mesh.of({"tp": 2}), 1).digest()
+    assert len(plan.digest()) == 64 and plan.digest() != other.digest()
+    target = {"a": torch.zeros(6, 4), "q": torch.zeros(8, 8)}
+    remapdsl.load(target, folder, rules_from_text(DCP_RULES, "t.remap"), config={})
+    assert torch.equal(target["a"], torch.arange(24, dtype=torch.float32).reshape(6, 4))
+
+
+def test_quantized_values_in_chunks_are_e356_naming_the_part_and_its_chunks(tmp_path):
+    folder = _dcp_folder(tmp_path, chunked_values=True)
+    inventory = remapdsl.open_checkpoint(folder)
+    compiled = remapdsl.compile_rules(rules_from_text(DCP_RULES, "t.remap"), inventory, {})
+    with pytest.raises(RemapError) as caught:
+        remapdsl.plan_rank(compiled, inventory, LayoutPlan.from_mapping({}, mesh_dim="tp"), Mesh.of({"tp": 1}), 0)
+    (d,) = caught.value.diagnostics
+    assert (d.code, d.message, d.hint, d.path) == (
+        "E356", "`q` (fp8_block) is made from `q.weight`, which is stored in 2 DCP chunks: quantized parts are read "
+                "from whole tensors only",
+        "consolidate the checkpoint first (`remapdsl convert CKPT OUT --rules identity`), then load that",
+        inventory.root)
+
