@@ -1,0 +1,172 @@
+"""The compiler (remapdsl/compile/compiler.py), as the mutation run found it untested: E201's whole
+hint in each of its branches (an unknown segment with and without a close suggestion, keys that
+start like the pattern, none, and the note a guard adds), E204's message (the captures, alternatives
+and wildcards of the missing key), guards over bindings where a capture has no value, and that a
+failed rule's keys are not reported again as E202. Rules are compiled against a real checkpoint."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import save_file
+
+import remapdsl
+from remapdsl.language import rules_from_text
+
+_KEYS = ["a.0.w", "a.1.w", "a.2.w", "a.3.w", "b.0.w", "b.1.w", "m.0.up", "m.0.gate", "m.1.up",
+         "e.0.0.w", "e.0.1.w", "f.0.0.w"]
+# every combination of n.0.{x,y}.{p,q}.{r,s} but n.0.x.q.r: its choices differ between the 2nd and 3rd part
+_ALTERNATIVES = [f"n.0.{i}.{j}.{k}" for i in "xy" for j in "pq" for k in "rs" if (i, j, k) != ("x", "q", "r")]
+_HINT_204 = ("every source of a rule must exist for each binding; mark the rule `optional` only if the "
+             "whole binding may be absent")
+_ON = ", so the rule is on; mark it `optional` if this key may be absent"
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory) -> Path:
+    """The keys above, each float32 [4, 2], with an empty config."""
+    folder = tmp_path_factory.mktemp("ckpt")
+    save_file({k: torch.zeros(4, 2) for k in _KEYS + _ALTERNATIVES}, str(folder / "model.safetensors"))
+    (folder / "config.json").write_text("{}")
+    return folder
+
+
+def _compile(checkpoint: Path, text: str, config: dict | None = None, strict: bool = False):
+    return remapdsl.compile_rules(rules_from_text("remap 1\n" + text, "t.remap"), checkpoint, config or {},
+                                  strict=strict)
+
+
+def _diagnostics(checkpoint: Path, text: str, config: dict | None = None, strict: bool = False) -> list:
+    with pytest.raises(remapdsl.RemapError) as info:
+        _compile(checkpoint, text, config, strict)
+    return [(d.code, d.message, tuple(d.span[:5]) if d.span else None, d.hint) for d in info.value.diagnostics]
+
+
+def _e201(checkpoint: Path, text: str, config: dict | None = None) -> tuple:
+    """The one E201 a one-line rule gives: its span (columns on line 2) and hint."""
+    ((code, message, span, hint),) = _diagnostics(checkpoint, text + "\n", config)
+    assert (code, message) == ("E201", "pattern matches no checkpoint key")
+    return span[2:], hint
+
+
+# -- E201: the hint --
+
+@pytest.mark.parametrize("text, span, hint", [
+    ("a.{L}.ww -> c.{L}", (1, 2, 9), "did you mean `w`?"),
+    ("a.{L}.v -> c.{L}", (1, 2, 8), "no checkpoint key has a segment `v`"),
+    # every segment is known: the keys that start with the literal text before the first capture,
+    # sorted, three at most
+    ("a.{L}.w.b -> c.{L}", (1, 2, 10), "checkpoint keys that start like this: `a.0.w`, `a.1.w`, `a.2.w`"),
+    ("e.{L}.{E}.w.w -> c.{L}.{E}", (1, 2, 14), "checkpoint keys that start like this: `e.0.0.w`, `e.0.1.w`"),
+    # no literal text before the first capture, every segment known: no hint at all
+    ("{X}.a.w -> c.{X}", (1, 2, 8), None),
+])
+def test_an_unmatched_pattern_hints_a_segment_or_keys_that_start_like_it(checkpoint, text, span, hint):
+    assert _e201(checkpoint, text) == (span, hint)
+
+
+@pytest.mark.parametrize("text, hint", [
+    # a suggestion is a question: the note follows as its own sentence
+    ("a.{L}.ww -> c.{L} when config.on",
+     "did you mean `w`? Its guard `config.on` holds for this config" + _ON),
+    ("a.{L}.v -> c.{L} when config.on",
+     "no checkpoint key has a segment `v`; its guard `config.on` holds for this config" + _ON),
+    ("a.{L}.w.b -> c.{L} when config.on",
+     "checkpoint keys that start like this: `a.0.w`, `a.1.w`, `a.2.w`; its guard `config.on` holds for "
+     "this config" + _ON),
+    # no hint of its own: the note is the hint, capitalized
+    ("{X}.a.w -> c.{X} when config.on", "Its guard `config.on` holds for this config" + _ON),
+])
+def test_a_guard_that_holds_adds_its_note_to_each_kind_of_hint(checkpoint, text, hint):
+    assert _e201(checkpoint, text, {"on": True})[1] == hint
+
+
+def test_a_guard_over_captures_names_the_binding_it_holds_for(checkpoint):
+    """b.{L}.v matches nothing; the guard holds for the bindings a.{L}.w found (L=0 first)."""
+    assert _e201(checkpoint, "a.{L}.w, b.{L}.v -> c.{L}, d.{L} when L < 1") == (
+        (10, 2, 17), "no checkpoint key has a segment `v`; its guard `L < 1` holds for (L=0)" + _ON)
+
+
+def test_a_guard_no_binding_satisfies_switches_the_rule_off(checkpoint):
+    compiled = _compile(checkpoint, "a.{L}.w, b.{L}.v -> c.{L}, d.{L} when L > 5\n")
+    assert compiled.runtime_tensors == () and compiled.bindings == ()
+
+
+def test_a_guard_a_capture_without_a_value_may_satisfy_keeps_the_rule_on(checkpoint):
+    """No source binds both L and E, so each binding lacks one: the guard may hold for (L=0, E=None),
+    and the rule stays on (E201) rather than being switched off."""
+    assert _e201(checkpoint, "a.{L}.w, z.{E}.w -> c.{L}.{E}, d.{L}.{E} when L < 1") == (
+        (10, 2, 17), "no checkpoint key has a segment `z`; its guard `L < 1` holds for (L=0, E=None)" + _ON)
+
+
+def test_partial_bindings_a_capture_has_no_value_for_are_reported_despite_a_guard(checkpoint):
+    """The guard cannot be decided for (L=None, E=0): it may hold, so that binding is reported too."""
+    found = _diagnostics(checkpoint, "a.{L}.w, b.{E}.w -> c.{L}.{E}, d.{L}.{E} when L < 1\n")
+    assert [message for _, message, _, _ in found][-1] == (
+        "incomplete binding (L=None, E=0): found `b.0.w` but not `a.None.w`")
+    assert len(found) == 5 and {code for code, *_ in found} == {"E204"}
+
+
+# -- E204: the missing key --
+
+def _e204(checkpoint: Path, text: str) -> list[str]:
+    found = _diagnostics(checkpoint, text + "\n")
+    assert {(code, span[:2], hint) for code, _, span, hint in found} == {("E204", ("t.remap", 2), _HINT_204)}
+    return [message for _, message, _, _ in found]
+
+
+def test_an_incomplete_binding_names_every_capture_it_has(checkpoint):
+    assert _e204(checkpoint, "e.{L}.{E}.w, f.{L}.{E}.w -> c.{L}.{E}, d.{L}.{E}") == [
+        "incomplete binding (L=0, E=1): found `e.0.1.w` but not `f.0.1.w`"]
+
+
+def test_the_missing_key_takes_each_alternatives_part_s_own_choice(checkpoint):
+    """Three alternatives parts: the second and third of the missing key choose differently."""
+    assert _e204(checkpoint, "n.{L}.{x,y}.{p,q}.{r,s} -> o.{L}.{x,y}.{p,q}.{r,s}") == [
+        "incomplete binding (L=0): found `n.0.x.p.r` but not `n.0.x.q.r`"]
+
+
+@pytest.mark.parametrize("wildcard", ["*", "**"])
+def test_a_missing_key_shows_a_wildcard_as_a_star(checkpoint, wildcard):
+    assert _e204(checkpoint, f"b.{{L}}.{wildcard}, a.{{L}}.w -> c.{{L}}, d.{{L}}") == [
+        "incomplete binding (L=2): found `a.2.w` but not `b.2.*`",
+        "incomplete binding (L=3): found `a.3.w` but not `b.3.*`"]
+
+
+def test_an_incomplete_binding_without_captures_shows_none(checkpoint):
+    """Alternatives alone, no capture: the message names no captures, not `()`."""
+    (message,) = _e204(checkpoint, "m.0.{up,gate,down} -> c.{up,gate,down}")
+    head, _, tail = message.partition(": ")
+    assert (head.strip(), tail) == ("incomplete binding", "found `m.0.up` but not `m.0.down`")
+
+
+def test_a_guard_over_captures_filters_the_partial_bindings_reported(checkpoint):
+    assert _e204(checkpoint, "a.{L}.w, b.{L}.w -> c.{L}, d.{L} when L < 3") == [
+        "incomplete binding (L=2): found `a.2.w` but not `b.2.w`"]
+
+
+# -- a failed rule's keys are taken: no E202 repeats its error --
+
+_REST = "drop m.*.*, e.*.*.w, f.*.*.w, n.0.*.*.*\n"
+
+
+def test_a_rule_with_incomplete_bindings_takes_its_complete_and_present_keys(checkpoint):
+    found = _diagnostics(checkpoint, _REST + "a.{L}.w, b.{L}.w -> c.{L}, d.{L}\n", strict=True)
+    assert [(code, message) for code, message, _, _ in found] == [
+        ("E204", "incomplete binding (L=2): found `a.2.w` but not `b.2.w`"),
+        ("E204", "incomplete binding (L=3): found `a.3.w` but not `b.3.w`")]
+
+
+def test_a_rule_with_an_unmatched_pattern_takes_the_keys_it_bound(checkpoint):
+    found = _diagnostics(checkpoint, _REST + "a.{L}.w, z.{L}.w -> c.{L}, d.{L}\nb.{L}.w -> b.{L}\n",
+                         strict=True)
+    assert [(code, span) for code, _, span, _ in found] == [("E201", ("t.remap", 3, 10, 3, 17))]
+
+
+def test_the_keys_left_are_e202_when_strict(checkpoint):
+    """The counterpart of the two above: what no rule takes is reported, by name."""
+    found = _diagnostics(checkpoint, _REST + "a.{L}.w -> c.{L}\n", strict=True)
+    assert found == [("E202", "2 checkpoint tensors taken by no rule: `b.0.w`, `b.1.w`", None,
+                      "map them with a rule, name them in a `drop`, or compile with strict=False")]
