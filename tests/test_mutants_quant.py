@@ -368,3 +368,76 @@ def test_e4m3_decode_over_several_row_chunks_equals_torchs_conversion(monkeypatc
     want = codes.view(torch.float8_e4m3fn).float() * scales
     assert torch.equal(out.isnan(), want.isnan()) and bool(out.isnan()[4, 5])
     assert torch.equal(out.nan_to_num(), want.nan_to_num())
+
+
+def test_fp8_block_requantizes_a_box_of_stacked_experts_not_at_the_origin():
+    """Values [experts, rows, cols]: a box of whole blocks that starts past block 0 on both dims gets
+    amax / 448 per (expert, block), small blocks included (amax under 1), and the codes of each value
+    divided by its block's scale."""
+    fmt = get_format("fp8_block")
+    params = {"block": [2, 3], "to": "float32"}
+    parts = [Part("v", E4M3, (2, 4, 6)), Part("s", "float32", (2, 2, 2))]
+    g = torch.Generator().manual_seed(5)
+    values = torch.randn(2, 2, 3, generator=g) * torch.tensor([40.0, 0.01]).reshape(2, 1, 1)
+    codes, scales = fmt.requantize(values, ((0, 2, 3), (2, 2, 3)), parts, params)
+    amax = values.abs().amax(dim=(1, 2))
+    assert scales.shape == (2, 1, 1) and torch.equal(scales.reshape(2), amax / 448.0) and bool(amax[1] < 1)
+    want = (values / scales).to(torch.float8_e4m3fn).view(torch.uint8)
+    assert codes.shape == (2, 2, 3) and torch.equal(codes, want)
+
+
+def test_fp8_channel_encodes_stacked_experts_and_names_itself_when_out_of_reach():
+    fmt = get_format("fp8_channel")
+    values = _codes(2 * 3 * 4, 7).view(torch.float8_e4m3fn).reshape(2, 3, 4)
+    scales = torch.tensor([[2.0, 0.5, 4.0], [1.0, 8.0, 0.25]])
+    box = ((1, 0, 1), (1, 3, 3))
+    out, cut, covers = _decode(fmt, [values, scales], box, TO)
+    assert torch.equal(fmt.encode(out, box, covers, cut[1:], TO), cut[0].view(torch.uint8))
+    with pytest.raises(FormatError, match=r"^fp8_channel: a value is beyond 448 times its stored scale"):
+        fmt.encode(out * 1000, box, covers, cut[1:], TO)
+
+
+@pytest.mark.parametrize("name", ["mxfp4", "nvfp4"])
+def test_fp4_encode_of_a_stacked_box_past_the_first_group_gives_back_its_bytes(name):
+    """Packed values of [experts, rows, 2 groups] with a scale a group: a box of the second group
+    (first row, or second row alone) reads its own group's scales back."""
+    g = torch.Generator().manual_seed(11)
+    fmt = get_format(name)
+    per = 32 if name == "mxfp4" else 16
+    shape = (2, 2, 2, 16) if name == "mxfp4" else (2, 2, 16)  # gpt-oss keeps a group's 16 bytes apart
+    packed = torch.randint(0, 256, shape, generator=g, dtype=torch.uint8)  # 2 * per values a row
+    if name == "mxfp4":
+        tensors = [packed, torch.tensor([[[126, 127], [128, 129]], [[125, 130], [127, 124]]], dtype=torch.uint8)]
+    else:
+        block = torch.tensor([[[1.0, 2.0], [0.5, 4.0]], [[8.0, 0.25], [2.0, 1.0]]]).to(torch.float8_e4m3fn)
+        tensors = [packed, block, torch.tensor(0.5)]
+    for box in (((1, 0, per), (1, 2, per)), ((1, 1, per), (1, 1, per))):
+        out, cut, covers = _decode(fmt, tensors, box, TO)
+        got = fmt.encode(out, box, covers, cut[1:], TO)
+        want = cut[0].view(torch.uint8)
+        # -0 encodes as +0 (the one byte that does not come back): compare the values they stand for
+        zero = lambda b: ((b & 0x77) == 0)  # noqa: E731
+        same = (got == want) | ((((got ^ want) & 0x88) == (got ^ want)) & zero(got) & zero(want))
+        assert got.shape == want.shape and bool(same.all()), box
+
+
+@pytest.mark.parametrize("name", ["mxfp4", "nvfp4"])
+def test_fp4_encode_takes_seven_times_the_scale_and_names_itself_beyond(name):
+    """Up to 7 (halfway from 6 to the next power-of-two step) a value saturates to 6; past it, the
+    format's own name leads the error."""
+    fmt = get_format(name)
+    if name == "nvfp4":
+        parts = [Part("v", "uint8", (1, 8)), Part("s", E4M3, (1, 1)), Part("g", "float32", ())]
+        scales = [torch.ones(1, 1).to(torch.float8_e4m3fn), torch.tensor(1.0)]
+        box = ((0, 0), (1, 16))
+    else:
+        parts = [Part("v", "uint8", (1, 16)), Part("s", "uint8", (1, 1))]
+        scales = [torch.full((1, 1), 127, dtype=torch.uint8)]
+        box = ((0, 0), (1, 32))
+    covers = fmt.cover(box, parts, TO)
+    values = torch.zeros(box[1])
+    values[0, :2] = torch.tensor([7.0, -7.0])
+    assert fmt.encode(values, box, covers, scales, TO).reshape(-1)[0].item() == 0x7 | (0x8 | 0x7) << 4
+    values[0, 0] = 7.01
+    with pytest.raises(FormatError, match=rf"^{name}: a value is not finite or beyond 6 times its stored scale$"):
+        fmt.encode(values, box, covers, scales, TO)
