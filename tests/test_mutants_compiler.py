@@ -170,3 +170,49 @@ def test_the_keys_left_are_e202_when_strict(checkpoint):
     found = _diagnostics(checkpoint, _REST + "a.{L}.w -> c.{L}\n", strict=True)
     assert found == [("E202", "2 checkpoint tensors taken by no rule: `b.0.w`, `b.1.w`", None,
                       "map them with a rule, name them in a `drop`, or compile with strict=False")]
+
+
+# -- `quantized`: its errors, and the cut check over every runtime tensor --
+
+_FP8 = "quantized {P:path}.weight, {P}.weight_scale | fp8_tensor()\n"
+
+
+def _fp8_checkpoint(folder: Path, stray_scale: bool = False) -> Path:
+    """q and k: float8 [8, 8] values with one scale each; a float32 norm; optionally a scale alone."""
+    values = torch.zeros(8, 8).to(torch.float8_e4m3fn)
+    tensors = {"q.weight": values, "q.weight_scale": torch.ones(1), "k.weight": values.clone(),
+               "k.weight_scale": torch.ones(1), "norm.weight": torch.ones(8)}
+    if stray_scale:
+        tensors["z.weight_scale"] = torch.ones(1)
+    save_file(tensors, str(folder / "model.safetensors"))
+    (folder / "config.json").write_text("{}")
+    return folder
+
+
+def test_the_cut_check_reaches_stored_values_moved_after_a_plain_tensor(tmp_path):
+    """`norm` (no stored values) is the first runtime tensor; `qk` after it is still checked."""
+    found = _diagnostics(_fp8_checkpoint(tmp_path), _FP8 + "norm.weight -> norm\n{q,k}.weight -> qk | concat(dim=0)\n")
+    assert found == [("E224", "`qk` joins `k.weight` and `q.weight`, stored with one scale each: one tensor "
+                      "cannot keep both scales", ("t.remap", 4, 1, 4, 35),
+                      "dequantize them first (`dequantize`), or keep them as separate tensors")]
+
+
+def test_a_quantized_statement_with_too_few_sources_is_e221(tmp_path):
+    assert _diagnostics(_fp8_checkpoint(tmp_path), "quantized {P:path}.weight | fp8_tensor()\n") == [
+        ("E221", "`fp8_tensor` takes 2 source tensors (values, scale), the statement names 1",
+         ("t.remap", 2, 1, 2, 41), None)]
+
+
+def test_a_scale_without_its_values_is_e222(tmp_path):
+    assert _diagnostics(_fp8_checkpoint(tmp_path, stray_scale=True), _FP8) == [
+        ("E222", "`z.weight_scale` has no `values` to scale: {P=z} matches the fp8_tensor parts "
+         "`z.weight_scale` but not the first", ("t.remap", 2, 1, 2, 59),
+         "a quantized weight needs every part; drop stray scales with `drop`")]
+
+
+def test_a_quantized_statement_s_guard_that_fails_to_evaluate_is_reported(tmp_path):
+    """The guard reads a config key that is missing: E211 at the guard, from the statement's binding."""
+    found = _diagnostics(_fp8_checkpoint(tmp_path),
+                         "quantized {P:path}.weight, {P}.weight_scale when config.m > 1 | fp8_tensor()\n")
+    assert found == [("E211", "`config.m` is not in the config", ("t.remap", 2, 50, 2, 58),
+                      "give a default with `??`, or fix config.json")]
