@@ -1,0 +1,123 @@
+"""The save direction's inverse (remapdsl/compile/inverse.py) and the symbolic tensors
+(remapdsl/compile/symbolic.py), as the mutation run found them untested: E503's whole diagnostic
+with and without requantize, a format that writes back with its stored scales but makes no new
+ones, and a checkpoint tensor two rules read in overlapping parts (the first rule writes the
+overlap, the second only what is left). Real checkpoints, loaded and saved through the public API."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+import remapdsl
+from remapdsl.language import rules_from_text
+from remapdsl.quant import QuantFormat, register_format, unregister_format, get_format
+
+
+def _write(folder: Path, tensors: dict) -> Path:
+    folder.mkdir(parents=True, exist_ok=True)
+    save_file(tensors, str(folder / "model.safetensors"))
+    (folder / "config.json").write_text("{}")
+    return folder
+
+
+def _load(text: str, folder: Path) -> tuple[dict, object]:
+    """The runtime tensors the rules make from the checkpoint (filled by remapdsl.load), and the rules."""
+    rules = rules_from_text("remap 1\n" + text, "t.remap")
+    compiled = remapdsl.compile_rules(rules, folder, {})
+    state = {d.runtime_key: torch.full(d.shape, float("nan"), dtype=getattr(torch, d.dtype))
+             for d in compiled.runtime_tensors}
+    remapdsl.load(state, folder, rules, config={})
+    return state, rules
+
+
+def _save_error(state: dict, out: Path, rules, like: Path, **kwargs) -> list[tuple]:
+    with pytest.raises(remapdsl.RemapError) as info:
+        remapdsl.save(state, out, rules, like=like, **kwargs)
+    assert not out.exists()  # refused before any byte is written
+    return [(d.code, d.message, tuple(d.span[:5]) if d.span else None, d.hint) for d in info.value.diagnostics]
+
+
+# -- inverse.py: which formats write back, and E503 --
+
+_FP8_TENSOR = "dequantize {P:path}.weight, {P}.weight_scale -> {P}.weight | fp8_tensor(to=float32)\nq.weight -> q\n"
+
+
+@pytest.fixture
+def fp8_tensor_checkpoint(tmp_path) -> Path:
+    """q.weight: float8 [4, 4] values (multiples of 0.5) with one float32 scale of 2."""
+    values = (torch.arange(16, dtype=torch.float32).reshape(4, 4) / 2).to(torch.float8_e4m3fn)
+    return _write(tmp_path / "src", {"q.weight": values, "q.weight_scale": torch.tensor([2.0])})
+
+
+def test_a_format_that_encodes_writes_back_with_its_stored_scales(tmp_path, fp8_tensor_checkpoint):
+    """fp8_tensor encodes but does not requantize: a plain save writes the same bytes back."""
+    assert get_format("fp8_tensor").encodes and not get_format("fp8_tensor").requantizes
+    state, rules = _load(_FP8_TENSOR, fp8_tensor_checkpoint)
+    assert torch.equal(state["q"], torch.arange(16, dtype=torch.float32).reshape(4, 4))
+    remapdsl.save(state, tmp_path / "out", rules, like=fp8_tensor_checkpoint)
+    assert (tmp_path / "out" / "model.safetensors").read_bytes() == \
+        (fp8_tensor_checkpoint / "model.safetensors").read_bytes()
+
+
+def test_requantizing_a_format_that_makes_no_new_scales_is_e503(tmp_path, fp8_tensor_checkpoint):
+    state, rules = _load(_FP8_TENSOR, fp8_tensor_checkpoint)
+    assert _save_error(state, tmp_path / "out", rules, fp8_tensor_checkpoint, requantize=True) == [
+        ("E503", "`q` holds `q.weight` dequantized (fp8_tensor); writing it back in that format with new "
+         "scales is not supported yet", ("t.remap", 3, 1, 3, 14),
+         "move the stored values as they are (`quantized`), or save a dequantized checkpoint")]
+
+
+class _Int8Row(QuantFormat):
+    """int8 values with one float32 scale per row: decodes, but neither encodes nor requantizes."""
+
+    name = "int8_row_readonly"
+    parts = ("values", "scales")
+    params = get_format("fp8_channel").params
+
+    def logical_shape(self, parts, params):
+        return tuple(parts[0].shape)
+
+    def cover(self, box, parts, params):
+        return box, (box[0][:-1], box[1][:-1])
+
+    def decode(self, tensors, box, covers, params, out):
+        values, scales = tensors
+        torch.mul(values.to(torch.float32), scales.unsqueeze(-1), out=out)
+
+
+@pytest.fixture
+def int8_row_readonly():
+    register_format(_Int8Row())
+    yield
+    unregister_format("int8_row_readonly")
+
+
+def test_a_format_that_cannot_encode_is_e503_without_requantize(tmp_path, int8_row_readonly):
+    source = _write(tmp_path / "src", {"a.qweight": torch.ones(2, 3, dtype=torch.int8), "a.scales": torch.ones(2)})
+    state, rules = _load("dequantize {P:path}.qweight, {P}.scales -> {P}.weight | int8_row_readonly(to=float32)\n"
+                         "a.weight -> a\n", source)
+    assert _save_error(state, tmp_path / "out", rules, source) == [
+        ("E503", "`a` holds `a.weight` dequantized (int8_row_readonly); writing it back in that format is not "
+         "supported yet", ("t.remap", 3, 1, 3, 14),
+         "move the stored values as they are (`quantized`), or save a dequantized checkpoint")]
+
+
+# -- inverse.py: overlapping readers of one checkpoint tensor --
+
+def test_the_first_rule_writes_an_overlap_and_the_second_only_what_is_left(tmp_path):
+    """w [2, 8, 3] read by two rules, rows 0..6 and 2..8 of dim 1 (its largest): the save takes rows
+    0..6 from `a` and rows 6..8 from `b`, the part of b's block no earlier block covers (found by
+    halving b's block along its largest dim)."""
+    source = _write(tmp_path / "src", {"w": torch.zeros(2, 8, 3)})
+    state, rules = _load("w -> a | slice(dim=1, start=0, stop=6)\nw -> b | slice(dim=1, start=2, stop=8)\n",
+                         source)
+    state["a"] = torch.arange(36, dtype=torch.float32).reshape(2, 6, 3) + 100
+    state["b"] = torch.arange(36, dtype=torch.float32).reshape(2, 6, 3) + 200
+    remapdsl.save(state, tmp_path / "out", rules, like=source)
+    saved = load_file(str(tmp_path / "out" / "model.safetensors"))
+    assert list(saved) == ["w"]
+    assert torch.equal(saved["w"], torch.cat([state["a"], state["b"][:, 4:]], dim=1))
