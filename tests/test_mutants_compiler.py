@@ -216,3 +216,63 @@ def test_a_quantized_statement_s_guard_that_fails_to_evaluate_is_reported(tmp_pa
                          "quantized {P:path}.weight, {P}.weight_scale when config.m > 1 | fp8_tensor()\n")
     assert found == [("E211", "`config.m` is not in the config", ("t.remap", 2, 50, 2, 58),
                       "give a default with `??`, or fix config.json")]
+
+
+# -- the other binding errors: their whole messages and hints --
+
+def test_e202_counts_one_tensor_in_the_singular(checkpoint):
+    found = _diagnostics(checkpoint, _REST + "a.{L}.w -> c.{L}\nb.0.w -> b\n", strict=True)
+    assert [(code, message) for code, message, _, _ in found] == [
+        ("E202", "1 checkpoint tensor taken by no rule: `b.1.w`")]
+
+
+def test_e202_names_eight_tensors_and_counts_the_rest(checkpoint):
+    found = _diagnostics(checkpoint, "drop n.0.*.*.*\n", strict=True)
+    assert [(code, message) for code, message, _, _ in found] == [
+        ("E202", "12 checkpoint tensors taken by no rule: `a.0.w`, `a.1.w`, `a.2.w`, `a.3.w`, `b.0.w`, `b.1.w`, "
+         "`e.0.0.w`, `e.0.1.w` and 4 more")]
+
+
+def test_an_incomplete_binding_counts_the_other_missing_keys(checkpoint):
+    assert _e204(checkpoint, "m.{L}.{up,gate,down} -> c.{L}.{up,gate,down}") == [
+        "incomplete binding (L=0): found `m.0.up` but not `m.0.down`",
+        "incomplete binding (L=1): found `m.1.up` but not `m.1.gate` (and 1 more)"]
+
+
+def test_a_runtime_tensor_made_twice_is_e203_naming_the_first_rule(checkpoint):
+    assert _diagnostics(checkpoint, "a.{L}.w -> c.{L}\nb.{L}.w -> c.{L}\n") == [
+        ("E203", f"runtime tensor `c.{n}` is produced twice", ("t.remap", 3, 1, 3, 17),
+         "first by the rule at t.remap:2:1") for n in (0, 1)]
+
+
+@pytest.mark.parametrize("source, more", [("a", " (and 2 more)"), ("b", "")])
+def test_a_wildcard_that_takes_several_keys_is_e208(checkpoint, source, more):
+    """Which two keys are named is not pinned (the pool is a set); that they are two of the ones
+    the wildcard took, and how many more there are, is."""
+    ((code, message, span, hint),) = _diagnostics(checkpoint, f"{source}.*.w -> x\n")
+    assert (code, span, hint) == ("E208", ("t.remap", 2, 1, 2, 11), "a wildcard (`*`, `**`) in a rule's sources "
+                                  "must not match two keys for one target; capture the varying part instead")
+    head = "one binding takes several checkpoint keys: "
+    assert message.startswith(head) and message.endswith(more)
+    first, _, second = message[len(head):len(message) - len(more)].partition(" and ")
+    keys = [k for k in _KEYS if k.startswith(source + ".")]
+    assert first != second and {first.strip("`"), second.strip("`")} <= set(keys)
+
+
+def test_an_op_error_names_the_first_three_keys_bound(checkpoint):
+    assert _diagnostics(checkpoint, "a.{L}.w -> s | stack(L, dim=0) | chunk(dim=0, n=config.z)\n", {"z": 0}) == [
+        ("E207", "`chunk`: `n` must be at least 1, not 0", ("t.remap", 2, 34, 2, 58),
+         "while binding `a.0.w`, `a.1.w`, `a.2.w` ...")]
+    assert _diagnostics(checkpoint, "b.{L}.w -> s | stack(L, dim=0) | chunk(dim=0, n=config.z)\n", {"z": 0})[0][3] \
+        == "while binding `b.0.w`, `b.1.w`"
+
+
+def test_a_stack_whose_capture_has_a_gap_is_e205(checkpoint):
+    assert _diagnostics(checkpoint, "a.{L}.w -> s | stack(L, dim=0, start=1)\n") == [
+        ("E205", "`stack(L, ...)` needs L to run from 1 without a gap; found {0-3}", ("t.remap", 2, 16, 2, 40),
+         "a checkpoint that holds a slice says `start=`; never re-slotted silently")]
+
+
+def test_ops_that_leave_more_tensors_than_targets_are_e111(checkpoint):
+    assert _diagnostics(checkpoint, "a.{L}.w -> p, q | stack(L, dim=0) | chunk(dim=0, n=config.n)\n", {"n": 4}) == [
+        ("E111", "the ops leave 4 tensors for 2 targets", ("t.remap", 2, 1, 2, 61), None)]
