@@ -441,3 +441,17 @@ def test_fp4_encode_takes_seven_times_the_scale_and_names_itself_beyond(name):
     values[0, 0] = 7.01
     with pytest.raises(FormatError, match=rf"^{name}: a value is not finite or beyond 6 times its stored scale$"):
         fmt.encode(values, box, covers, scales, TO)
+
+
+@pytest.mark.parametrize("name, parts, box, want", [
+    ("nvfp4", [Part("v", "uint8", (2, 32)), Part("s", E4M3, (2, 4)), Part("g", "float32", ())],
+     ((1, 32), (1, 24)), (((1, 16), (1, 12)), ((1, 2), (1, 2)), ((), ()))),
+    ("nvfp4", [Part("v", "uint8", (2, 32)), Part("s", E4M3, (2, 4)), Part("g", "float32", ())],
+     ((0, 16), (2, 16)), (((0, 8), (2, 8)), ((0, 1), (2, 1)), ((), ()))),
+    ("mxfp4", [Part("v", "uint8", (2, 2, 16)), Part("s", "uint8", (2, 2))],
+     ((0, 32), (2, 32)), (((0, 16), (2, 16)), ((0, 1), (2, 1)))),
+])
+def test_fp4_covers_are_the_bytes_and_the_scale_groups_of_the_box(name, parts, box, want):
+    """Columns 32:56 of NVFP4 are bytes 16:28 and groups 2:4 (16 values a group); MXFP4's columns
+    32:64 are bytes 16:32 and group 1 (32 a group); the global scale is whole."""
+    assert get_format(name).cover(box, parts, TO) == want
