@@ -121,3 +121,62 @@ def test_the_first_rule_writes_an_overlap_and_the_second_only_what_is_left(tmp_p
     saved = load_file(str(tmp_path / "out" / "model.safetensors"))
     assert list(saved) == ["w"]
     assert torch.equal(saved["w"], torch.cat([state["a"], state["b"][:, 4:]], dim=1))
+
+
+# -- symbolic.py: each op's error, as the user reads it (E207, E209) --
+
+@pytest.fixture(scope="module")
+def shapes(tmp_path_factory) -> Path:
+    """w and v float32 [4, 2], h float32 [4, 3], i bfloat16 [4, 2]."""
+    return _write(tmp_path_factory.mktemp("shapes"), {"w": torch.zeros(4, 2), "v": torch.zeros(4, 2),
+                                                      "h": torch.zeros(4, 3), "i": torch.zeros(4, 2, dtype=torch.bfloat16)})
+
+
+def _op_error(folder: Path, text: str, config: dict | None = None) -> tuple:
+    with pytest.raises(remapdsl.RemapError) as info:
+        remapdsl.compile_rules(rules_from_text("remap 1\n" + text + "\n", "t.remap"), folder, config or {},
+                               strict=False)
+    (d,) = info.value.diagnostics
+    return d.code, d.message, d.span[2], d.span[4], d.hint
+
+
+@pytest.mark.parametrize("text, message, columns", [
+    ("w -> s | transpose(0, 2)", "`transpose`: b=2 is out of range for a 2-d tensor", (10, 25)),
+    ("w, v -> s | stack(dim=3)", "`stack`: dim=3 is out of range for a 3-d tensor", (13, 25)),
+    ("w -> s.{x,y} | split(dim=0, sizes=[1, 2])", "`split`: split sizes [1, 2] add up to 3, but dim 0 has 4",
+     (16, 42)),
+    ("w -> s.{x,y,z} | chunk(dim=0, n=3)", "`chunk`: dim 0 of size 4 does not divide into 3 equal parts", (18, 35)),
+    ("w, v -> s | interleave(dim=1, groups=4)", "`interleave`: dim 1 of size 2 does not divide into 4 groups",
+     (13, 40)),
+    ("w -> s.{x,y} | deinterleave(dim=0, groups=3)",
+     "`deinterleave`: dim 0 of size 4 does not divide into 3 groups of 2 parts", (16, 45)),
+    ("w -> s | permute([0])", "`permute`: permute needs 2 dims for a 2-d tensor, got 1", (10, 22)),
+    ("w -> s | slice(dim=0, start=2, stop=9)", "`slice`: slice [2, 9) is not inside dim 0 of size 4", (10, 39)),
+    ("w -> s | pad(dim=0, to=2)", "`pad`: pad to 2 would shrink dim 0 of size 4", (10, 26)),
+    ("w -> s | reshape([3, -1])", "`reshape`: cannot reshape [4, 2] into [3, -1]", (10, 26)),
+    ("w -> s | reshape([3, 3])", "`reshape`: cannot reshape [4, 2] (8 elements) into [3, 3] (9 elements)", (10, 25)),
+    ("w -> s | rope_permute(heads=3)", "`rope_permute`: 4 rows do not divide into 3 heads of pairs", (10, 31)),
+    ("w -> s | rope_unpermute(heads=3)", "`rope_unpermute`: 4 rows do not divide into 3 heads of pairs", (10, 33)),
+    ("w, h -> s | concat(dim=0)", "`concat`: concat needs matching shapes outside dim 0: [4, 2] and [4, 3]", (13, 26)),
+    ("w, h -> s | stack(dim=0)", "`stack`: stack needs matching shapes: [4, 2] and [4, 3]", (13, 25)),
+    ("w, i -> s | concat(dim=0)", "`concat`: concat needs one dtype: float32 and bfloat16", (13, 26)),
+])
+def test_an_op_that_does_not_fit_its_shapes_is_e207(shapes, text, message, columns):
+    keys = text.split(" -> ")[0].split(", ")
+    hint = "while binding " + ", ".join(f"`{k}`" for k in keys)
+    assert _op_error(shapes, text) == ("E207", message, *columns, hint)
+
+
+_LIMIT_HINT = "sizes and counts this large cannot be a model's tensors (limits: docs/errors.md)"
+
+
+def test_a_count_from_the_config_beyond_the_limit_is_e209(shapes):
+    assert _op_error(shapes, "w -> s | repeat(dim=0, times=config.t)", {"t": 70000}) == (
+        "E209", "`repeat`: `times=70000` is more than 2^16 = 65536, the most pieces one op makes", 10, 39, _LIMIT_HINT)
+
+
+def test_a_size_from_the_config_beyond_the_limit_is_e209(shapes):
+    big = 2**48 + 1
+    assert _op_error(shapes, "w -> s | pad(dim=0, to=config.big)", {"big": big}) == (
+        "E209", f"`pad`: pad to {big} makes a tensor of shape [{big}, 2], {2 * big} elements: more than 2^48 = "
+        f"{2**48}, the largest size", 10, 35, _LIMIT_HINT)
