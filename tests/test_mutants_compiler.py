@@ -276,3 +276,40 @@ def test_a_stack_whose_capture_has_a_gap_is_e205(checkpoint):
 def test_ops_that_leave_more_tensors_than_targets_are_e111(checkpoint):
     assert _diagnostics(checkpoint, "a.{L}.w -> p, q | stack(L, dim=0) | chunk(dim=0, n=config.n)\n", {"n": 4}) == [
         ("E111", "the ops leave 4 tensors for 2 targets", ("t.remap", 2, 1, 2, 61), None)]
+
+
+# -- drop, keep and `cast DT`: what a Compiled records --
+
+@pytest.fixture(scope="module")
+def dtypes(tmp_path_factory) -> Path:
+    """a.0.w .. a.2.w float32; n int32; f float8_e4m3fn; h float16; d float64 (each [2])."""
+    folder = tmp_path_factory.mktemp("dtypes")
+    save_file({"a.0.w": torch.zeros(2), "a.1.w": torch.zeros(2), "a.2.w": torch.zeros(2),
+               "n": torch.zeros(2, dtype=torch.int32), "f": torch.zeros(2).to(torch.float8_e4m3fn),
+               "h": torch.zeros(2, dtype=torch.float16), "d": torch.zeros(2, dtype=torch.float64)},
+              str(folder / "model.safetensors"))
+    return folder
+
+
+def _summary(compiled) -> tuple:
+    return ([(t.runtime_key, t.dtype) for t in compiled.runtime_tensors], compiled.dropped,
+            [tuple(s[:5]) for s in compiled.unused_drops], compiled.keep)
+
+
+def test_a_drop_guard_decides_per_capture_value_and_a_drop_that_removes_nothing_is_recorded(dtypes):
+    compiled = remapdsl.compile_rules(rules_from_text(
+        "remap 1\ndrop a.{L}.w when L >= config.n\ndrop zz, a.0.x\ndrop n, zz\n"
+        "a.{L}.w -> a.{L}\nf -> f\nh -> h\nd -> d\n", "t.remap"), dtypes, {"n": 2})
+    assert _summary(compiled) == (
+        [("a.0", "float32"), ("a.1", "float32"), ("d", "float64"), ("f", "float8_e4m3fn"), ("h", "float16")],
+        ("a.2.w", "n"), [("t.remap", 3, 1, 3, 15)], ())
+
+
+def test_cast_all_casts_floating_tensors_of_16_bits_and_more_unless_the_rule_casts(dtypes):
+    """int32 and float8 stay as stored; `d`'s rule casts it itself; `keep` patterns become regexes."""
+    compiled = remapdsl.compile_rules(rules_from_text(
+        "remap 1\ncast bfloat16\nkeep x.*, y\na.{L}.w -> a.{L}\nn -> n\nf -> f\nh -> h\nd -> d | cast(float32)\n",
+        "t.remap"), dtypes, {})
+    assert _summary(compiled) == (
+        [("a.0", "bfloat16"), ("a.1", "bfloat16"), ("a.2", "bfloat16"), ("d", "float32"), ("f", "float8_e4m3fn"),
+         ("h", "bfloat16"), ("n", "int32")], (), [], (r"x\.[^.\n]+", "y"))
