@@ -313,3 +313,11 @@ def test_cast_all_casts_floating_tensors_of_16_bits_and_more_unless_the_rule_cas
     assert _summary(compiled) == (
         [("a.0", "bfloat16"), ("a.1", "bfloat16"), ("a.2", "bfloat16"), ("d", "float32"), ("f", "float8_e4m3fn"),
          ("h", "bfloat16"), ("n", "int32")], (), [], (r"x\.[^.\n]+", "y"))
+
+
+@pytest.mark.parametrize("guard", ["not (config.x > 1)", "not (config.x > 1) and config.on",
+                                   "not (not (config.x < 1))"])
+def test_the_note_quotes_a_guard_whose_span_ends_inside_parentheses_as_written(checkpoint, guard):
+    """A `not (...)` node's span stops before its `)`: the note still quotes the whole guard."""
+    assert _e201(checkpoint, f"a.{{L}}.ww -> c.{{L}} when {guard}", {"x": 0, "on": True})[1] == (
+        f"did you mean `w`? Its guard `{guard}` holds for this config" + _ON)
