@@ -455,3 +455,12 @@ def test_fp4_covers_are_the_bytes_and_the_scale_groups_of_the_box(name, parts, b
     """Columns 32:56 of NVFP4 are bytes 16:28 and groups 2:4 (16 values a group); MXFP4's columns
     32:64 are bytes 16:32 and group 1 (32 a group); the global scale is whole."""
     assert get_format(name).cover(box, parts, TO) == want
+
+
+def test_mxfp4_blocks_of_one_row_are_a_vector():
+    """Blocks [groups, 16] with scales [groups] are a 1-d tensor of 32 values a group; blocks with no
+    groups dim are refused."""
+    fmt = get_format("mxfp4")
+    assert fmt.logical_shape([Part("v", "uint8", (2, 16)), Part("s", "uint8", (2,))], TO) == (64,)
+    assert _shape_error("mxfp4", [Part("v", "uint8", (16,)), Part("s", "uint8", ())], TO) == (
+        "blocks `v` are [16], expected [..., groups, 16] (32 four-bit values per group)")
