@@ -317,7 +317,9 @@ def test_cast_all_casts_floating_tensors_of_16_bits_and_more_unless_the_rule_cas
 
 @pytest.mark.parametrize("guard", ["not (config.x > 1)", "not (config.x > 1) and config.on",
                                    "not (not (config.x < 1))"])
-def test_the_note_quotes_a_guard_whose_span_ends_inside_parentheses_as_written(checkpoint, guard):
-    """A `not (...)` node's span stops before its `)`: the note still quotes the whole guard."""
-    assert _e201(checkpoint, f"a.{{L}}.ww -> c.{{L}} when {guard}", {"x": 0, "on": True})[1] == (
+@pytest.mark.parametrize("ops", ["", " | scale(2)"])
+def test_the_note_quotes_the_guard_as_written_and_nothing_after_it(checkpoint, guard, ops):
+    """A `not (...)` node's span stops before its `)`: the note still quotes the whole guard, and
+    not the ops that follow it on the line."""
+    assert _e201(checkpoint, f"a.{{L}}.ww -> c.{{L}} when {guard}{ops}", {"x": 0, "on": True})[1] == (
         f"did you mean `w`? Its guard `{guard}` holds for this config" + _ON)
