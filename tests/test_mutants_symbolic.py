@@ -108,7 +108,7 @@ def test_a_format_that_cannot_encode_is_e503_without_requantize(tmp_path, int8_r
 
 # -- inverse.py: overlapping readers of one checkpoint tensor --
 
-@pytest.mark.parametrize("first, second", [((0, 6), (2, 8)), ((0, 2), (0, 8)), ((5, 8), (0, 8))])
+@pytest.mark.parametrize("first, second", [((0, 6), (2, 8)), ((0, 2), (0, 8)), ((5, 8), (0, 8)), ((0, 1), (0, 2))])
 def test_the_first_rule_writes_an_overlap_and_the_second_only_what_is_left(tmp_path, first, second):
     """w [2, 8, 3] read by two rules, each a range of dim 1 (its largest): the save takes the first
     rule's rows from `a` and the rest from `b`, the part of b's block no earlier block covers (found
