@@ -110,17 +110,18 @@ def test_a_format_that_cannot_encode_is_e503_without_requantize(tmp_path, int8_r
 
 @pytest.mark.parametrize("first, second", [((0, 6), (2, 8)), ((0, 2), (0, 8)), ((5, 8), (0, 8)), ((0, 1), (0, 2))])
 def test_the_first_rule_writes_an_overlap_and_the_second_only_what_is_left(tmp_path, first, second):
-    """w [2, 8, 3] read by two rules, each a range of dim 1 (its largest): the save takes the first
+    """w [2, 8, 3] (or [2, 2, 3]) read by two rules, each a range of dim 1: the save takes the first
     rule's rows from `a` and the rest from `b`, the part of b's block no earlier block covers (found
     by halving b's block along its largest dim)."""
-    source = _write(tmp_path / "src", {"w": torch.zeros(2, 8, 3)})
+    rows = max(first[1], second[1])
+    source = _write(tmp_path / "src", {"w": torch.zeros(2, rows, 3)})
     state, rules = _load(f"w -> a | slice(dim=1, start={first[0]}, stop={first[1]})\n"
                          f"w -> b | slice(dim=1, start={second[0]}, stop={second[1]})\n", source)
     state["a"] = torch.arange(state["a"].numel(), dtype=torch.float32).reshape(state["a"].shape) + 100
     state["b"] = torch.arange(state["b"].numel(), dtype=torch.float32).reshape(state["b"].shape) + 200
     remapdsl.save(state, tmp_path / "out", rules, like=source)
     saved = load_file(str(tmp_path / "out" / "model.safetensors"))
-    want = torch.zeros(2, 8, 3)
+    want = torch.zeros(2, rows, 3)
     want[:, second[0]:second[1]] = state["b"]
     want[:, first[0]:first[1]] = state["a"]  # the first rule wins the overlap
     assert list(saved) == ["w"] and torch.equal(saved["w"], want)
