@@ -464,3 +464,15 @@ def test_mxfp4_blocks_of_one_row_are_a_vector():
     assert fmt.logical_shape([Part("v", "uint8", (2, 16)), Part("s", "uint8", (2,))], TO) == (64,)
     assert _shape_error("mxfp4", [Part("v", "uint8", (16,)), Part("s", "uint8", ())], TO) == (
         "blocks `v` are [16], expected [..., groups, 16] (32 four-bit values per group)")
+
+
+def test_fp8_block_names_itself_when_a_value_is_out_of_its_block_s_reach():
+    fmt = get_format("fp8_block")
+    params = {"block": [2, 2], "to": "float32"}
+    box = ((0, 0), (2, 4))
+    covers = fmt.cover(box, [Part("v", E4M3, (2, 4)), Part("s", "float32", (1, 2))], params)
+    values = torch.tensor([[1.0, 2.0, 3.0, 4.0], [0.5, 0.25, 930.0, 0.0]])  # 930 / 2 is past 464
+    with pytest.raises(FormatError, match=r"^fp8_block: a value is beyond 448 times its stored scale"):
+        fmt.encode(values, box, covers, [torch.tensor([[1.0, 2.0]])], params)
+    values[1, 2] = 928.0  # 464: rounds to 448, the largest code
+    assert fmt.encode(values, box, covers, [torch.tensor([[1.0, 2.0]])], params)[1, 2].item() == 0x7E
