@@ -476,3 +476,17 @@ def test_fp8_block_names_itself_when_a_value_is_out_of_its_block_s_reach():
         fmt.encode(values, box, covers, [torch.tensor([[1.0, 2.0]])], params)
     values[1, 2] = 928.0  # 464: rounds to 448, the largest code
     assert fmt.encode(values, box, covers, [torch.tensor([[1.0, 2.0]])], params)[1, 2].item() == 0x7E
+
+
+def test_fp8_block_encodes_a_stacked_box_whose_scales_start_past_the_first_block():
+    """Values [experts, rows, cols], blocks [2, 3]: a box at expert 1, rows 4:6, cols 3:6 reads
+    scales from grid row 2 and grid col 1 (not the same number), and its codes come back."""
+    fmt = get_format("fp8_block")
+    params = {"block": [2, 3], "to": "float32"}
+    values = _codes(2 * 6 * 6, 9).view(torch.float8_e4m3fn).reshape(2, 6, 6)
+    scales = torch.tensor([2.0, 0.5, 4.0, 1.0, 8.0, 0.25, 0.125, 2.0, 1.0, 16.0, 0.5, 4.0]).reshape(2, 3, 2)
+    box = ((1, 4, 3), (1, 2, 3))
+    out, cut, covers = _decode(fmt, [values, scales], box, params)
+    assert covers[1] == ((1, 2, 1), (1, 1, 1))
+    assert torch.equal(out, values[1:, 4:, 3:].float() * scales[1, 2, 1])
+    assert torch.equal(fmt.encode(out, box, covers, cut[1:], params), cut[0].view(torch.uint8))
