@@ -416,7 +416,7 @@ def test_fp4_encode_of_a_stacked_box_past_the_first_group_gives_back_its_bytes(n
         got = fmt.encode(out, box, covers, cut[1:], TO)
         want = cut[0].view(torch.uint8)
         # -0 encodes as +0 (the one byte that does not come back): compare the values they stand for
-        zero = lambda b: ((b & 0x77) == 0)  # noqa: E731
+        zero = lambda b: ((b & 0x77) == 0)
         same = (got == want) | ((((got ^ want) & 0x88) == (got ^ want)) & zero(got) & zero(want))
         assert got.shape == want.shape and bool(same.all()), box
 

@@ -3,7 +3,7 @@
 dims, strided shards, Partial and unknown placements, a rank outside the mesh), a quantized shard's
 block-grid check (E412, whole diagnostic), the decode items a plan gives for a dequantized source
 (every part read, and the parts a format is shown), and plans over DCP chunks (each part's place,
-E356). Tiny real checkpoints; DTensors on torch's in-process fake process group.
+E356). Tiny real checkpoints; DTensors on four real gloo ranks.
 """
 
 from __future__ import annotations
@@ -29,6 +29,7 @@ from remapdsl.sharding.placements import (
     placements_from_dtensor,
 )
 from remapdsl.sharding.plans import DecodeItem, PartRead
+from remapdsl.testing.ranks import run_ranks
 
 # ------------------------------------------------------------------------------------------ the mesh
 
@@ -50,19 +51,6 @@ def test_an_unknown_mesh_dim_suggests_the_closest_or_lists_them():
 # ------------------------------------------------------------------------------------------ DTensors
 
 
-@pytest.fixture
-def fake_group():
-    """Rank 1 of a 4-rank fake process group (torch's in-process test backend: no peers, no I/O)."""
-    import torch.distributed as dist
-    from torch.testing._internal.distributed.fake_pg import FakeStore
-
-    dist.init_process_group("fake", store=FakeStore(), rank=1, world_size=4)
-    try:
-        yield
-    finally:
-        dist.destroy_process_group()
-
-
 def _dtensor(mesh, placements, shape, local=None):
     from torch.distributed.tensor import DTensor
 
@@ -71,76 +59,75 @@ def _dtensor(mesh, placements, shape, local=None):
     return DTensor.from_local(local, mesh, placements, run_check=False, shape=shape, stride=strides)
 
 
-def test_a_dtensor_s_placements_read_as_remapdsl_s(fake_group):
-    """Named 2x2 mesh, rank 1 at (0, 1): Shard, _StridedShard kept with its factor, Replicate; the
-    local shard is what local_shard gives for them."""
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.tensor import Replicate as TorchReplicate
-    from torch.distributed.tensor import Shard as TorchShard
-    from torch.distributed.tensor.placement_types import _StridedShard
-
-    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
-    got = placements_from_dtensor(_dtensor(mesh, [TorchShard(0), _StridedShard(1, split_factor=2)], (6, 8)), "k")
-    assert got == TensorPlacement(shape=(6, 8), mesh=Mesh(names=("dp", "tp"), sizes=(2, 2)),
-                                  placements=(Shard(dim=0), StridedShard(dim=1, split_factor=2)), coordinate=(0, 1))
-    assert type(got.coordinate[0]) is int and type(got.shape[0]) is int and type(got.mesh.sizes[0]) is int
-    assert got.local_shard() == local_shard((6, 8), (2, 2), got.placements, (0, 1))
-    assert got.local_shard() == LocalShard((3, 4), (((0, 2), (3, 2)), ((0, 6), (3, 2))), ((0, 0), (0, 2)))
-    again = placements_from_dtensor(_dtensor(mesh, [TorchReplicate(), TorchShard(1)], (6, 8)))
-    assert again.placements == (Replicate(), Shard(dim=1)) and again.local_shard().boxes == (((0, 4), (6, 4)),)
-
-
-def test_an_unnamed_mesh_s_dims_are_dim0_dim1(fake_group):
-    from torch.distributed.device_mesh import DeviceMesh
-    from torch.distributed.tensor import Replicate as TorchReplicate
-    from torch.distributed.tensor import Shard as TorchShard
-
-    got = placements_from_dtensor(_dtensor(DeviceMesh("cpu", [[0, 1], [2, 3]]), [TorchShard(0), TorchReplicate()],
-                                           (4,)))
-    assert got == TensorPlacement(shape=(4,), mesh=Mesh(names=("dim0", "dim1"), sizes=(2, 2)),
-                                  placements=(Shard(dim=0), Replicate()), coordinate=(0, 1))
-
-
-def test_a_rank_outside_the_dtensor_s_mesh_holds_nothing(fake_group):
-    """Rank 1 on a mesh of ranks 2 and 3: no coordinate, and an empty 1-d local shard, as torch's."""
-    from torch.distributed.device_mesh import DeviceMesh
-    from torch.distributed.tensor import Shard as TorchShard
-
-    got = placements_from_dtensor(_dtensor(DeviceMesh("cpu", [2, 3]), [TorchShard(0)], (4, 2), torch.zeros(0)))
-    assert got == TensorPlacement(shape=(4, 2), mesh=Mesh(names=("dim0",), sizes=(2,)), placements=(Shard(dim=0),),
-                                  coordinate=None)
-    assert got.local_shard() == LocalShard((0,), (), ())
-
-
-def test_a_placement_remapdsl_cannot_read_is_a_coded_error(fake_group):
-    """Partial: E401 naming the mesh dim, with the redistribute hint; a placement type torch added
-    that remapdsl does not know: E402; a shard dim outside the tensor: E405 naming torch's placement.
-    Each names the tensor."""
-    from torch.distributed.device_mesh import init_device_mesh
+def _placements_on_ranks(rank: int, world: int) -> None:
+    """On 4 gloo ranks: every rank builds the same meshes (their groups are collective); rank 1
+    checks what remapdsl reads of DTensors on them, every rank its own coordinate."""
+    from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
     from torch.distributed.tensor import Partial
     from torch.distributed.tensor import Replicate as TorchReplicate
     from torch.distributed.tensor import Shard as TorchShard
     from torch.distributed.tensor.placement_types import Placement, _StridedShard
 
+    named = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    unnamed = DeviceMesh("cpu", [[0, 1], [2, 3]])
+    upper = DeviceMesh("cpu", [2, 3])
+
+    # a named 2x2 mesh: Shard, _StridedShard kept with its factor, Replicate; the local shard is
+    # what local_shard gives for them
+    got = placements_from_dtensor(_dtensor(named, [TorchShard(0), _StridedShard(1, split_factor=2)], (6, 8)), "k")
+    assert got.coordinate == tuple(named.get_coordinate())
+    assert got.local_shard() == local_shard((6, 8), (2, 2), got.placements, got.coordinate)
+    # an unnamed mesh's dims are dim0, dim1
+    unnamed_got = placements_from_dtensor(_dtensor(unnamed, [TorchShard(0), TorchReplicate()], (4,)))
+    # a rank outside the mesh (ranks 0 and 1 of a mesh of ranks 2 and 3) holds nothing, as torch's
+    local = torch.zeros(0) if rank < 2 else torch.zeros(2, 2)
+    outside = placements_from_dtensor(_dtensor(upper, [TorchShard(0)], (4, 2), local))
+    if rank >= 2:
+        assert outside.coordinate == (rank - 2,)
+    if rank != 1:
+        return
+    assert got == TensorPlacement(shape=(6, 8), mesh=Mesh(names=("dp", "tp"), sizes=(2, 2)),
+                                  placements=(Shard(dim=0), StridedShard(dim=1, split_factor=2)), coordinate=(0, 1))
+    assert type(got.coordinate[0]) is int and type(got.shape[0]) is int and type(got.mesh.sizes[0]) is int
+    assert got.local_shard() == LocalShard((3, 4), (((0, 2), (3, 2)), ((0, 6), (3, 2))), ((0, 0), (0, 2)))
+    again = placements_from_dtensor(_dtensor(named, [TorchReplicate(), TorchShard(1)], (6, 8)))
+    assert again.placements == (Replicate(), Shard(dim=1)) and again.local_shard().boxes == (((0, 4), (6, 4)),)
+    assert unnamed_got == TensorPlacement(shape=(4,), mesh=Mesh(names=("dim0", "dim1"), sizes=(2, 2)),
+                                          placements=(Shard(dim=0), Replicate()), coordinate=(0, 1))
+    assert outside == TensorPlacement(shape=(4, 2), mesh=Mesh(names=("dim0",), sizes=(2,)),
+                                      placements=(Shard(dim=0),), coordinate=None)
+    assert outside.local_shard() == LocalShard((0,), (), ())
+
+    # placements remapdsl cannot read: Partial is E401 naming the mesh dim, with the redistribute
+    # hint; a placement type torch added that remapdsl does not know, E402; a shard dim outside the
+    # tensor, E405 naming torch's placement. Each names the tensor.
     class Unknown(Placement):
         def __repr__(self) -> str:
             return "Unknown()"
 
-    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
     found = []
     for placements in ([TorchReplicate(), Partial()], [TorchReplicate(), Unknown()], [TorchShard(2), TorchReplicate()],
                        [TorchReplicate(), _StridedShard(2, split_factor=2)]):
-        with pytest.raises(RemapError) as caught:
-            placements_from_dtensor(_dtensor(mesh, placements, (4, 4)), "model.w")
-        d = caught.value.diagnostic
-        found.append((d.code, d.message, d.hint, d.path))
+        try:
+            placements_from_dtensor(_dtensor(named, placements, (4, 4)), "model.w")
+        except RemapError as caught:
+            d = caught.diagnostic
+            found.append((d.code, d.message, d.hint, d.path))
+        else:
+            found.append(f"{placements}: no error")
     assert found == [
         ("E401", "placement P(sum) on mesh dim `tp` holds partial values, not a layout",
          "redistribute to Replicate() or Shard(d) before loading or saving", "model.w"),
         ("E402", "unknown placement Unknown() on mesh dim `tp`", None, "model.w"),
         ("E405", "placement S(2) names dim 2 of a 2-d tensor", None, "model.w"),
         ("E405", f"placement {_StridedShard(2, split_factor=2)} names dim 2 of a 2-d tensor", None, "model.w"),
-    ]
+    ], found
+
+
+def test_dtensor_placements_read_on_four_gloo_ranks():
+    """A DTensor's placements as remapdsl reads them (its mesh, named or not, strided shards, a
+    rank outside the mesh, and the placements it refuses), on real gloo ranks."""
+    run_ranks(_placements_on_ranks, 4)
 
 
 # ------------------------------------------------------------------------------ quantized shards (E412)
