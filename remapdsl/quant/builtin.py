@@ -163,8 +163,9 @@ def _e4m3_codes(scaled, what: str):
     """float32 values already divided by their scales -> E4M3 codes (round to nearest even)."""
     import torch
 
-    finite = torch.isfinite(scaled)
-    if bool((scaled[finite].abs() > 464).any()):  # 448 and half a step: beyond the largest code
+    # 448 and half a step: beyond the largest code. An infinity is beyond it too (torch would write
+    # it as 448, silently); NaN compares false here and keeps E4M3's NaN code
+    if bool((scaled.abs() > 464).any()):
         raise FormatError(f"{what}: a value is beyond 448 times its stored scale; it cannot be written "
                           "with the checkpoint's scales")
     return scaled.to(torch.float8_e4m3fn).view(torch.uint8)
