@@ -171,3 +171,25 @@ def test_check_reports_the_limits_before_any_work(capsys, monkeypatch):
     err = capsys.readouterr().err
     assert "100_macro_exponential.remap:14:1: error[E136]" in err
     assert "101_pad_beyond_int64.remap:6:21: error[E129]" in err
+
+
+@pytest.mark.parametrize("ops, column, what", [
+    ("repeat(dim=0, times=40000) | repeat(dim=1, times=40000)", 39, "repeat 40000 times"),
+    ("transpose(0, 1) | reshape([2200000])", 28, "merging dims 0 and 1 (a piece per row)"),
+])
+def test_ops_that_would_describe_a_tensor_by_too_many_blocks_are_e209_and_fast(tmp_path, ops, column, what):
+    """Each count is within 2^16 and each size within 2^48, but the blocks one tensor would need
+    pass 2^20: refused before they are built (chained repeats used to take minutes and gigabytes)."""
+    import torch
+    from safetensors.torch import save_file
+
+    import remapdsl
+
+    wide = ops.startswith("transpose")  # 1.1 M rows once transposed, each a piece of the merge
+    save_file({"w": torch.zeros((2, 1_100_000) if wide else (4, 2), dtype=torch.int8)}, str(tmp_path / "model.safetensors"))
+    start = time.perf_counter()
+    with pytest.raises(RemapError) as info:
+        remapdsl.compile_rules(rules_from_text(f"remap 1\nw -> s | {ops}\n", "t.remap"), tmp_path, {})
+    (d,) = info.value.diagnostics
+    assert d.code == "E209" and (d.span.line, d.span.column) == (2, column) and time.perf_counter() - start < 5
+    assert f"{what} would describe one tensor by " in d.message and "more than 2^20 = 1048576" in d.message

@@ -14,7 +14,7 @@ from operator import add, attrgetter, itemgetter, lt, mod
 from typing import NamedTuple
 
 from ..indexmap import Block, advance, column, cut, volume
-from ..language.limits import MAX_PIECES, MAX_SIZE
+from ..language.limits import MAX_BLOCKS, MAX_PIECES, MAX_SIZE
 
 
 _new = tuple.__new__  # a named tuple from a plain tuple, without its Python-level argument handling
@@ -32,7 +32,15 @@ class OpError(Exception):
 
 class LimitError(OpError):
     """An op asked for more than remapdsl's limits allow (language/limits.py): too many pieces, or
-    a dim or an element count beyond MAX_SIZE."""
+    a dim or an element count beyond MAX_SIZE, or a tensor of more than MAX_BLOCKS blocks."""
+
+
+def _blocks_within(count: int, what: str) -> None:
+    """Checked before an op that multiplies blocks builds them: chained `repeat`s, or a reshape
+    that splits blocks by rows, could otherwise ask for billions (memory and time, not an error)."""
+    if count > MAX_BLOCKS:
+        raise LimitError(f"{what} would describe one tensor by {count} blocks: more than 2^20 = {MAX_BLOCKS}, "
+                         "the most one tensor may have")
 
 
 def _count(value: int, what: str) -> int:
@@ -168,6 +176,7 @@ def interleave(parts: list[Sym], dim: int, groups: int) -> Sym:
         if p.shape[dim] % groups:
             raise OpError(f"dim {dim} of size {p.shape[dim]} does not divide into "
                               f"{groups} groups")
+    _blocks_within(sum(len(p.blocks) for p in parts) * groups, f"interleaving {groups} groups")
     pieces = []
     for g in range(groups):
         for p in parts:
@@ -184,6 +193,7 @@ def deinterleave(t: Sym, dim: int, groups: int, parts: int) -> list[Sym]:
         raise OpError(f"dim {dim} of size {t.shape[dim]} does not divide into {groups} groups "
                           f"of {parts} parts")
     step = t.shape[dim] // (groups * parts)
+    _blocks_within(len(t.blocks) * groups, f"deinterleaving {groups} groups")
     out = []
     for i in range(parts):
         pieces = [narrow(t, dim, (g * parts + i) * step, (g * parts + i + 1) * step)
@@ -247,6 +257,7 @@ def repeat(t: Sym, dim: int, times: int) -> Sym:
     dim = _dim(dim, len(t.shape))
     _count(times, "times")
     _bounded(t.shape[:dim] + (t.shape[dim] * times,) + t.shape[dim + 1:], f"repeat {times} times")
+    _blocks_within(len(t.blocks) * times, f"repeat {times} times")
     return concat([t] * times, dim)
 
 
@@ -419,6 +430,7 @@ def _merge(t: Sym, dim: int) -> Sym:
         if whole_rows and affine:
             pieces = [(a_off * inner, a_size * inner, b.base)]
         else:  # one piece per row of the outer dim
+            _blocks_within(len(blocks) + a_size, f"merging dims {dim} and {dim + 1} (a piece per row)")
             pieces = []
             for r in range(a_size):
                 base = advance(b.base, col_a, r) if b.source_key is not None else b.base

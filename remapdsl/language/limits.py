@@ -23,6 +23,7 @@ from .formatter import format_expr
 MIN_INT, MAX_INT = -(2**63), 2**63 - 1  # every integer a program computes
 MAX_SIZE = 2**48  # a dim's size, an element count, a size or offset argument
 MAX_PIECES = 2**16  # what one op cuts a tensor into or copies it to (`times`, `groups`, `n`, `heads`)
+MAX_BLOCKS = 2**20  # the pieces (blocks) one runtime tensor is described by, after any op
 MAX_OPS = 256  # ops one rule (or macro) expands to through its macros
 MAX_INCLUDE_DEPTH = 16  # files nested by `include` below the top-level one
 
