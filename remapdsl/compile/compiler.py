@@ -154,13 +154,13 @@ class _Compiler:
                 return set()
             guard, note = None, f"its guard `{self.source_text(guard)}` holds for this config"
         bindings, partial, unmatched, ambiguous = bind(rule.sources, keys)
-        if ambiguous:
-            first, second = ambiguous[0]
-            self.error("E208", f"one binding takes several checkpoint keys: `{first}` and `{second}`"
-                       + (f" (and {len(ambiguous) - 1} more)" if len(ambiguous) > 1 else ""),
+        if ambiguous:  # named in key order, whatever order the keys were scanned in
+            clashing = sorted({key for pair in ambiguous for key in pair})
+            self.error("E208", f"one binding takes several checkpoint keys: `{clashing[0]}` and `{clashing[1]}`"
+                       + (f" (and {len(clashing) - 2} more)" if len(clashing) > 2 else ""),
                        rule.span, "a wildcard (`*`, `**`) in a rule's sources must not match two keys "
                        "for one target; capture the varying part instead")
-            return _taken(bindings, partial)
+            return _taken(bindings, partial) | set(clashing)
         if guard is not None and (partial or unmatched):
             candidates = bool(bindings or partial)
             partial = [p for p in partial if self.may_hold(guard, p.captures)]
@@ -178,7 +178,7 @@ class _Compiler:
         for p in partial[:5]:
             axis = list_axis(rule.sources)
             missing = [self.name_of(rule.sources[axis[i][0]], axis[i][1], p.captures) for i in p.missing]
-            self.error("E204", f"incomplete binding {_captures(p.captures)}: found `{p.present[0]}` but "
+            self.error("E204", f"incomplete binding{_captures(p.captures, ' ')}: found `{p.present[0]}` but "
                        f"not `{missing[0]}`" + (f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""),
                        rule.span, "every source of a rule must exist for each binding; mark the rule "
                        "`optional` only if the whole binding may be absent")
@@ -242,7 +242,8 @@ class _Compiler:
             if isinstance(part, ir.Text):
                 out.append(part.text)
             elif isinstance(part, ir.Capture):
-                out.append(str(captures.get(part.name, f"{{{part.name}}}")))
+                value = captures.get(part.name)  # None: no key gave it a value
+                out.append(f"{{{part.name}}}" if value is None else str(value))
             elif isinstance(part, ir.Alternatives):
                 out.append(part.options[choice[alt]])
                 alt += 1
@@ -437,5 +438,7 @@ def _regex(pattern: ir.Pattern) -> re.Pattern:
     return compile_pattern(pattern).regex
 
 
-def _captures(captures: dict) -> str:
-    return "(" + ", ".join(f"{k}={v}" for k, v in captures.items()) + ")" if captures else ""
+def _captures(captures: dict, before: str = "") -> str:
+    """`(L=0, E=3)`, after `before`; captures no key gave a value (None) are left out; "" if none has."""
+    known = [f"{k}={v}" for k, v in captures.items() if v is not None]
+    return f"{before}({', '.join(known)})" if known else ""
