@@ -493,3 +493,39 @@ def test_fp8_block_encodes_a_stacked_box_whose_scales_start_past_the_first_block
     assert covers[1] == ((1, 2, 1), (1, 1, 1))
     assert torch.equal(out, values[1:, 4:, 3:].float() * scales[1, 2, 1])
     assert torch.equal(fmt.encode(out, box, covers, cut[1:], params), cut[0].view(torch.uint8))
+
+
+@pytest.mark.parametrize("chunk", [1 << 18, 12])
+def test_fp8_block_decodes_rows_of_one_block_and_several_experts_with_their_own_scales(monkeypatch, chunk):
+    """A box inside one block row (one scale row for the chunk) takes that row's scale alone; a box
+    over two experts takes each expert's scales; with chunks of two rows (12 elements), each chunk
+    inside one block row takes that row's scale, not the next's too."""
+    monkeypatch.setattr(kernels, "CHUNK", chunk)
+    fmt = get_format("fp8_block")
+    params = {"block": [2, 3], "to": "float32"}
+    values = _codes(2 * 6 * 6, 13).view(torch.float8_e4m3fn).reshape(2, 6, 6)
+    scales = torch.tensor([2.0, 0.5, 4.0, 1.0, 8.0, 0.25, 0.125, 2.0, 1.0, 16.0, 0.5, 4.0]).reshape(2, 3, 2)
+    full = values.float() * scales.repeat_interleave(2, 1).repeat_interleave(3, 2)
+    for box in (((0, 0, 0), (1, 2, 6)), ((0, 0, 0), (1, 4, 6)), ((0, 2, 3), (2, 2, 3)), ((0, 1, 0), (2, 4, 6))):
+        out, _, _ = _decode(fmt, [values, scales], box, params)
+        want = full[tuple(slice(o, o + n) for o, n in zip(*box))]
+        assert torch.equal(out, want), box
+
+
+def test_a_decode_into_memory_that_is_not_rows_goes_through_a_scratch_copy():
+    """An output whose strides forbid a [rows, cols] view (leading dims swapped) is filled through a
+    scratch tensor, with the same values as a contiguous one."""
+    fmt = get_format("fp8_tensor")
+    values = _codes(24, 17).view(torch.float8_e4m3fn).reshape(2, 4, 3)
+    parts = [Part("v", E4M3, (2, 4, 3)), Part("s", "float32", ())]
+    box = ((0, 0, 0), (2, 4, 3))
+    covers = fmt.cover(box, parts, TO)
+    out = torch.zeros(4, 2, 3, dtype=torch.bfloat16).transpose(0, 1)  # dims 0 and 1 cannot merge
+    assert kernels.rows_of(out) is None
+    fmt.decode([values, torch.tensor(0.5)], box, covers, TO, out)
+    assert torch.equal(out, (values.float() * 0.5).to(torch.bfloat16))
+
+
+def test_e8m0_255_is_the_canonical_quiet_nan():
+    assert _scale_f32(torch.tensor([255, 0], dtype=torch.uint8), "e8m0").view(torch.int32).tolist() == [
+        0x7FC00000, 0x00400000]
