@@ -211,13 +211,25 @@ class _SeenParts(remapdsl.quant.QuantFormat):
         torch.mul(values.to(torch.float32), scales.unsqueeze(-1), out=out)
 
 
-def test_a_dequantized_shard_s_decode_item_reads_each_part_s_rows(tmp_path):
+@pytest.fixture
+def seen_parts():
+    """The recording format, registered for one test only (the registry is process-wide)."""
+    from remapdsl.quant import register_format, unregister_format
+
+    fmt = register_format(_SeenParts(), replace=True)
+    try:
+        yield fmt
+    finally:
+        unregister_format(fmt.name)
+
+
+def test_a_dequantized_shard_s_decode_item_reads_each_part_s_rows(tmp_path, seen_parts):
     """Rows 2:4 of a 4 x 6 int8_row tensor on rank 1 of 2: one decode item, the box and, per part,
     its covering box, byte runs and row-major strides; the format is shown the parts as the
     header has them; the whole load decodes the values."""
-    from remapdsl.quant import Part, register_format
+    from remapdsl.quant import Part
 
-    fmt = register_format(_SeenParts(), replace=True)
+    fmt = seen_parts
     values = torch.arange(24, dtype=torch.int8).reshape(4, 6) - 12
     scales = torch.tensor([0.5, 1.0, 2.0, 4.0])
     save_file({"q.qweight": values, "q.scales": scales}, str(tmp_path / "model.safetensors"))
