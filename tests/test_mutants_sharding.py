@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from formats import Int8Row
 from safetensors.torch import save_file
 
 import remapdsl
@@ -185,17 +186,11 @@ def test_a_shard_edge_inside_a_block_is_e412_at_the_rule(tmp_path, block_rows, d
 # -------------------------------------------------------------------------- decode items of a plan
 
 
-class _SeenParts(remapdsl.quant.QuantFormat):
-    """int8 values, a float32 scale per row (docs/quantized.md's example), recording the parts its
-    `views` and `cover` are shown."""
+class _SeenParts(Int8Row):
+    """The int8-row format, recording the parts its `views` and `cover` are shown."""
 
     name = "mutants_int8_row"
-    parts = ("values", "scales")
-    params = remapdsl.quant.get_format("fp8_channel").params
     seen: list = []
-
-    def logical_shape(self, parts, params):
-        return tuple(parts[0].shape)
 
     def views(self, parts, params):
         self.seen.append(("views", tuple(parts)))
@@ -203,12 +198,7 @@ class _SeenParts(remapdsl.quant.QuantFormat):
 
     def cover(self, box, parts, params):
         self.seen.append(("cover", tuple(parts)))
-        offsets, sizes = box
-        return box, (offsets[:-1], sizes[:-1])
-
-    def decode(self, tensors, box, covers, params, out):
-        values, scales = tensors
-        torch.mul(values.to(torch.float32), scales.unsqueeze(-1), out=out)
+        return super().cover(box, parts, params)
 
 
 @pytest.fixture

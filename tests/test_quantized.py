@@ -13,11 +13,12 @@ from hypothesis import strategies as st
 from safetensors.torch import save_file
 
 import quant_reference as ref
+from formats import Int8Row
 import remapdsl
 from remapdsl import BindError
 from remapdsl.language import rules_from_text
 from remapdsl.sharding import LayoutPlan, Mesh, Shard, layout_for, local_shard
-from remapdsl.quant import Part, QuantFormat, get_format, register_format, unregister_format
+from remapdsl.quant import Part, get_format, register_format, unregister_format
 
 BF16 = torch.bfloat16
 NAN_AND_SUBNORMAL_E4M3 = (0x7F, 0xFF, 0x01, 0x81, 0x07, 0x00, 0x80, 0x7E)
@@ -329,29 +330,6 @@ a.weight -> a
 
 
 # ------------------------------------------------------------------------ a format from Python
-
-
-class Int8Row(QuantFormat):
-    """int8 values with one float32 scale per row (an example of a format written in Python)."""
-
-    name = "int8_row"
-    parts = ("values", "scales")
-    params = get_format("fp8_channel").params
-
-    def logical_shape(self, parts, params):
-        values, scales = parts
-        if values.dtype != "int8" or tuple(scales.shape) != tuple(values.shape[:-1]):
-            from remapdsl.quant import FormatError
-
-            raise FormatError(f"want int8 values and one scale per row, got {values.dtype} {scales.shape}")
-        return tuple(values.shape)
-
-    def cover(self, box, parts, params):
-        return box, (box[0][:-1], box[1][:-1])
-
-    def decode(self, tensors, box, covers, params, out):
-        values, scales = tensors
-        torch.mul(values.to(torch.float32), scales.unsqueeze(-1), out=out)
 
 
 @pytest.fixture
