@@ -60,9 +60,7 @@ def parsed(path: str, text: str):
         return None
     try:
         rule_file = pickle.loads(entry.read_bytes())
-    except FileNotFoundError:
-        return None
-    except Exception:  # a damaged entry (an interrupted writer, another version): parse again
+    except Exception:  # none yet, or a damaged one (an interrupted writer, another version): parse again
         return None
     from .ir import RuleFile
 
