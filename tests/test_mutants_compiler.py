@@ -217,6 +217,14 @@ def test_a_quantized_statement_s_guard_that_fails_to_evaluate_is_reported(tmp_pa
                       "give a default with `??`, or fix config.json")]
 
 
+
+def test_a_dequantize_statement_s_guard_that_fails_to_evaluate_is_reported(tmp_path):
+    """The same for `dequantize`: E211 at its guard, not an exception from the compiler."""
+    found = _diagnostics(_fp8_checkpoint(tmp_path), "dequantize {P:path}.weight, {P}.weight_scale -> {P}.weight "
+                         "when config.m > 1 | fp8_tensor(to=bfloat16)\n")
+    assert found == [("E211", "`config.m` is not in the config", ("t.remap", 2, 65, 2, 73),
+                      "give a default with `??`, or fix config.json")]
+
 # -- the other binding errors: their whole messages and hints --
 
 def test_e202_counts_one_tensor_in_the_singular(checkpoint):

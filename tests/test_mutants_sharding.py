@@ -20,6 +20,7 @@ import remapdsl
 from remapdsl.errors import RemapError, Span
 from remapdsl.indexmap import Runs
 from remapdsl.language import rules_from_text
+from remapdsl.quant import FormatError
 from remapdsl.sharding import LayoutPlan, Mesh, Shard
 from remapdsl.sharding.placements import (
     LocalShard,
@@ -47,6 +48,23 @@ def test_an_unknown_mesh_dim_suggests_the_closest_or_lists_them():
         ("E408", "the mesh has no dim `tensr`", "did you mean `tensor`?", None),
         ("E408", "the mesh has no dim `expert`", "the mesh has data, tensor", None),
     ]
+
+
+def test_a_coordinate_of_the_wrong_length_has_no_rank():
+    """`Mesh.rank` of a coordinate that names fewer or more dims than the mesh has is an error, not
+    the rank of a coordinate cut short (`(1,)` on a 2x4 mesh is not rank 1 nor rank 4)."""
+    mesh = Mesh.of({"data": 2, "tensor": 4})
+    assert [mesh.rank(mesh.coordinate(r)) for r in range(8)] == list(range(8))
+    for wrong in ((1,), (1, 2, 0)):
+        with pytest.raises(ValueError):
+            mesh.rank(wrong)
+
+
+def test_placements_print_as_torch_prints_its_own():
+    from torch.distributed.tensor import Replicate as TorchReplicate
+    from torch.distributed.tensor import Shard as TorchShard
+
+    assert (str(Replicate()), str(Shard(dim=1))) == (str(TorchReplicate()), str(TorchShard(1))) == ("R", "S(1)")
 
 
 # ------------------------------------------------------------------------------------------ DTensors
@@ -187,13 +205,14 @@ def test_a_shard_edge_inside_a_block_is_e412_at_the_rule(tmp_path, block_rows, d
 
 
 class _SeenParts(Int8Row):
-    """The int8-row format, recording the parts its `views` and `cover` are shown."""
+    """The int8-row format, recording the parts (and, for `views`, the `to` argument) its `views`
+    and `cover` are shown."""
 
     name = "mutants_int8_row"
     seen: list = []
 
     def views(self, parts, params):
-        self.seen.append(("views", tuple(parts)))
+        self.seen.append(("views", tuple(parts), params["to"]))
         return tuple(p.shape for p in parts)
 
     def cover(self, box, parts, params):
@@ -237,12 +256,44 @@ def test_a_dequantized_shard_s_decode_item_reads_each_part_s_rows(tmp_path, seen
          PartRead("q.scales", "model.safetensors", "float32", (2,), (2,), Runs(s.byte_offset + 8, 8), (1,))),
         (6, 1), 0, "float32", ()),)
     assert (plan.bytes_read, plan.bytes_owned, plan.scale_bytes_read, plan.files) == (20, 12, 8, ("model.safetensors",))
+    assert type(plan.bytes_owned) is int  # a byte count, as `remapdsl plan` prints it
     shown = (Part("q.qweight", "int8", (4, 6)), Part("q.scales", "float32", (4,)))
-    assert fmt.seen == [("views", shown), ("cover", shown)]
+    assert fmt.seen == [("views", shown, "float32"), ("cover", shown)]
     target = {"w": torch.full((4, 6), float("nan"))}
     remapdsl.load(target, tmp_path, rules_from_text(text, "t.remap"), config={})
     assert torch.equal(target["w"], values.float() * scales[:, None])
 
+
+
+class _Int16Row(Int8Row):
+    """The int8-row format with two-byte values."""
+
+    name = "mutants_int16_row"
+
+    def logical_shape(self, parts, params):
+        values, scales = parts
+        if values.dtype != "int16" or tuple(scales.shape) != tuple(values.shape[:-1]):
+            raise FormatError(f"want int16 values and one scale per row, got {values.dtype} {scales.shape}")
+        return tuple(values.shape)
+
+
+def test_a_one_element_dequantized_tensor_owns_all_its_value_bytes(tmp_path):
+    """bytes_owned counts the bytes of the values behind the elements a rank holds: both bytes of a
+    lone int16 value."""
+    from remapdsl.quant import register_format, unregister_format
+
+    save_file({"q.qweight": torch.tensor([[7]], dtype=torch.int16), "q.scales": torch.tensor([0.5])},
+              str(tmp_path / "model.safetensors"))
+    fmt = register_format(_Int16Row(), replace=True)
+    try:
+        text = "remap 1\ndequantize q.qweight, q.scales -> q.weight | mutants_int16_row(to=float32)\nq.weight -> w\n"
+        inventory = remapdsl.open_checkpoint(tmp_path)
+        compiled = remapdsl.compile_rules(rules_from_text(text, "t.remap"), inventory, {})
+        plan = remapdsl.plan_rank(compiled, inventory, LayoutPlan.from_mapping({"w": [Replicate()]}, mesh_dim="tp"),
+                                  Mesh.of({"tp": 1}), 0)
+    finally:
+        unregister_format(fmt.name)
+    assert (plan.bytes_owned, plan.bytes_read) == (2, 6)
 
 # ---------------------------------------------------------------------------------- DCP chunks
 

@@ -10,13 +10,12 @@ from pathlib import Path
 
 import pytest
 import torch
-from safetensors.torch import load_file, save_file
-
 from formats import Int8Row
+from safetensors.torch import load_file, save_file
 
 import remapdsl
 from remapdsl.language import rules_from_text
-from remapdsl.quant import register_format, unregister_format, get_format
+from remapdsl.quant import get_format, register_format, unregister_format
 
 
 def _write(folder: Path, tensors: dict) -> Path:
@@ -174,3 +173,15 @@ def test_a_size_from_the_config_beyond_the_limit_is_e209(shapes):
     assert _op_error(shapes, "w -> s | pad(dim=0, to=config.big)", {"big": big}) == (
         "E209", f"`pad`: pad to {big} makes a tensor of shape [{big}, 2], {2 * big} elements: more than 2^48 = "
         f"{2**48}, the largest size", 10, 35, _LIMIT_HINT)
+
+
+def test_unstacking_up_to_the_limit_makes_that_many_tensors_and_one_more_is_e209():
+    from remapdsl.compile import symbolic as sym
+    from remapdsl.language.limits import MAX_PIECES
+
+    pieces = sym.unstack(sym.source("w", (MAX_PIECES, 1), "int8"), 0)
+    assert len(pieces) == MAX_PIECES and pieces[-1].shape == (1,)
+    with pytest.raises(sym.LimitError) as info:
+        sym.unstack(sym.source("w", (MAX_PIECES + 1, 1), "int8"), 0)
+    assert str(info.value) == ("unstacking dim 0 of size 65537 makes more than 2^16 = 65536 tensors, "
+                               "the most pieces one op makes")

@@ -169,3 +169,18 @@ def test_a_save_whose_staging_folder_cannot_be_made_raises_that_not_the_clean_up
     (tmp_path / "made" / "sub").mkdir(parents=True)
     discard(tmp_path / "made")
     assert not (tmp_path / "made").exists()
+
+
+def test_a_new_layout_starts_a_file_only_when_the_next_tensor_would_pass_the_limit():
+    """As Hugging Face shards: keys in order, a file of exactly the limit is full but not passed, the
+    files are named 1-based `model-0000i-of-0000N`, and the index totals every tensor's bytes."""
+    from remapdsl.checkpoint.writer import new_layout
+
+    tensors = {k: ("float32", (25,)) for k in "abcde"}  # 100 bytes each
+    layout = new_layout("/out", tensors, max_shard_bytes=200)
+    first, second, third = (f"model-0000{i}-of-00003.safetensors" for i in (1, 2, 3))
+    assert layout.index == {"metadata": {"total_size": 500}, "weight_map": {
+        "a": first, "b": first, "c": second, "d": second, "e": third}}
+    assert sorted(layout.inventory.files) == [first, second, third]
+    whole = new_layout("/out", tensors, max_shard_bytes=500)
+    assert (whole.index, list(whole.inventory.files)) == (None, ["model.safetensors"])  # one file, no index

@@ -153,6 +153,24 @@ def _add_mtp_layer(tensors: dict, n: int, dim: int, vocab: int) -> dict:
     return dict(tensors, **{f"model.layers.{n}.{k}": torch.randn(s, generator=gen).to(dtype) for k, s in extra.items()})
 
 
+@pytest.mark.parametrize("metadata", [None, {"format": "pt"}])
+def test_omit_keeps_an_index_s_metadata_as_it_is_when_it_has_no_total_size(tmp_path, metadata):
+    """An index may come without `metadata`, or with one that holds no `total_size`: the written
+    index keeps it as it was (none is added) and names only the tensors written."""
+    source = _indexed(tmp_path / "src")
+    index_file = source / "model.safetensors.index.json"
+    index = json.loads(index_file.read_text())
+    if metadata is None:
+        del index["metadata"]
+    else:
+        index["metadata"] = metadata
+    index_file.write_text(json.dumps(index))
+    rules = rules_from_text("remap 1\n{a,c,d}.weight -> {a,c,d}_w\ne.bias -> e_b\ndrop b.{weight,bias}\n", "t.remap")
+    remapdsl.save(_loaded(source, rules), tmp_path / "out", rules, like=source, dropped="omit")
+    written = json.loads((tmp_path / "out" / "model.safetensors.index.json").read_text())
+    assert written.get("metadata") == metadata
+    assert sorted(written["weight_map"]) == ["a.weight", "c.weight", "d.weight", "e.bias"]
+
 def test_deepseek_v3_with_an_mtp_layer_saves_back_byte_identical_with_copy(tmp_path):
     pytest.importorskip("transformers")
     from hf_models import CASES, build, copy_checkpoint

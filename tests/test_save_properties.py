@@ -142,10 +142,12 @@ def test_save_of_load_writes_the_checkpoint_back(case, mesh, data):
 
 
 @pytest.mark.parametrize("stored, loaded, lossy", [("int64", "int32", True), ("int32", "int16", True),
-                                                   ("int32", "int64", False), ("int8", "int16", False)])
+                                                   ("int32", "int64", False), ("int8", "int16", False),
+                                                   ("uint8", "uint16", False), ("int32", "float32", True)])
 def test_an_integer_cast_is_refused_exactly_when_it_narrows(tmp_path, stored, loaded, lossy):
     """An integer narrowing would write truncated values back (2**40 read as int32 is 0): E502
-    naming the tensor and the rule; a widening writes the checkpoint back byte for byte."""
+    naming the tensor and the rule; so would an integer read as a float (2**24 + 1 is no float32);
+    a widening, signed or unsigned, writes the checkpoint back byte for byte."""
     save_file({"a.w": torch.tensor([1, -2, 2**6, 100], dtype=getattr(torch, stored))},
               str(tmp_path / "model.safetensors"))
     rules = remapdsl.language.rules_from_text(f"remap 1\na.w -> b\n    | cast({loaded})\n", "t.remap")
