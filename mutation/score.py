@@ -1,7 +1,9 @@
 """The mutation score from mutmut's results, per module and in all: killed (timeouts count as killed)
 over the mutants checked, and over those less the survivors mutation/survivors.md lists as equivalent
-(the issue's measure); then every survivor that is neither, the ones to look at. Run by mutation/run
-in its scratch copy, with the mutant-name patterns it ran."""
+(the issue's measure); then every survivor that is neither, the ones to look at. A survivor of a
+narrowed run that mutation/killed.txt names (a test outside the run's selection, or one written
+since, killed it under `mutation/try`) counts as killed elsewhere. Run by mutation/run in its
+scratch copy, with the mutant-name patterns it ran."""
 
 import collections
 import fnmatch
@@ -11,7 +13,8 @@ import sys
 from pathlib import Path
 
 SURVIVORS = Path(__file__).resolve().parent / "survivors.md"
-SHOWN = ("survived", "no tests", "suspicious", "segfault", "skipped", "not checked")
+KILLED = Path(__file__).resolve().parent / "killed.txt"
+SHOWN = ("survived", "no tests", "suspicious", "segfault", "skipped", "not checked", "killed elsewhere")
 
 
 def equivalent_mutants(text: str) -> set[str]:
@@ -28,11 +31,17 @@ def equivalent_mutants(text: str) -> set[str]:
     return found
 
 
+def killed_elsewhere(text: str) -> set[str]:
+    """Mutant names from killed.txt: the first word of each line that is not blank or a # comment."""
+    return {line.split()[0] for line in text.splitlines() if line.strip() and not line.startswith("#")}
+
+
 def main(patterns: list[str]) -> None:
     patterns = patterns or ["*"]
     lines = subprocess.run(["mutmut", "results", "--all", "true"], capture_output=True, text=True,
                            check=True).stdout.splitlines()
     equivalent = equivalent_mutants(SURVIVORS.read_text()) if SURVIVORS.exists() else set()
+    elsewhere = killed_elsewhere(KILLED.read_text()) if KILLED.exists() else set()
     by_module: dict[str, collections.Counter] = collections.defaultdict(collections.Counter)
     unexplained = []
     for line in lines:
@@ -40,6 +49,8 @@ def main(patterns: list[str]) -> None:
         if not name or not any(fnmatch.fnmatch(name, p) for p in patterns):
             continue
         counts = by_module[name.split(".x_")[0].split(".x\u01c1")[0]]
+        if status in ("survived", "no tests") and name in elsewhere:
+            status = "killed elsewhere"
         counts[status] += 1
         if status == "survived" and name in equivalent:
             counts["equivalent"] += 1
@@ -59,7 +70,7 @@ def main(patterns: list[str]) -> None:
 
 def _line(module: str, counts: collections.Counter) -> str:
     checked = sum(counts[s] for s in counts if s != "equivalent") - counts["not checked"]
-    killed = counts["killed"] + counts["timeout"]
+    killed = counts["killed"] + counts["timeout"] + counts["killed elsewhere"]
     rest = "  ".join(f"{s} {counts[s]}" for s in SHOWN if counts[s])
     return (f"{module:34s} mutants {checked + counts['not checked']:5d}  killed {killed:5d}  {rest}"
             f"  equivalent {counts['equivalent']:3d}  score {100 * killed / max(checked, 1):5.1f}%"

@@ -126,3 +126,19 @@ def test_an_error_in_a_repeated_rule_is_reported_once():
     with pytest.raises(RuleCheckError) as info:
         rules_from_text("remap 1\nprefix @a = x.{L} -> y.{L}\nprefix @a = z.{L} -> w.{L}\n@a.q -> @a.r | cast(bfloat17)\n")
     assert [d.code for d in info.value.diagnostics] == ["E121"]
+
+
+def test_a_hint_quotes_the_whole_guard_a_prefix_joins(tmp_path):
+    """The definition's guard and the statement's, joined with `and`, are quoted together in E201's
+    note (in canonical form: the join is written nowhere), not as the statement's part alone."""
+    save_file({"a.0.w": torch.zeros(2)}, str(tmp_path / "model.safetensors"))
+    (tmp_path / "config.json").write_text(json.dumps({"on": True, "two": 2}))
+    text = ("remap 1\nprefix @x = a.{L} -> b.{L} when config.on or L > 3\n@x.w -> @x.v\n"
+            "@x.u -> @x.y when config.two > 1\n")
+    with pytest.raises(remapdsl.RemapError) as info:
+        remapdsl.compile_rules(rules_from_text(text, "t.remap"), tmp_path)
+    (d,) = info.value.diagnostics
+    assert (d.code, d.span.line, d.span.column) == ("E201", 4, 1)
+    assert d.hint == ("no checkpoint key has a segment `u`; no key matched to decide its guard "
+                      "`(config.on or L > 3) and config.two > 1`, so the rule is on; mark it `optional` "
+                      "if this key may be absent")

@@ -110,8 +110,10 @@ def _instance(s, d: ir.Prefix):
             merged = (*parts, *rest)
         return ir.Pattern(parts=merged, span=pattern.span)
 
+    # two guards joined: the `and` is written nowhere, so it has no span and is quoted whole, in
+    # canonical form (each part keeps its own span for the errors evaluating it raises)
     guard = d.guard if s.guard is None else s.guard if d.guard is None else \
-        ir.construct(ir.BoolOp, op="and", left=d.guard, right=s.guard, span=s.guard.span)
+        ir.construct(ir.BoolOp, op="and", left=d.guard, right=s.guard, span=None)
     if isinstance(s, ir.Rule):
         update = {"sources": tuple(on(p, source) for p in s.sources),
                   "targets": tuple(on(p, target) for p in s.targets)}
