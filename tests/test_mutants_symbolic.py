@@ -120,9 +120,10 @@ def test_the_first_rule_writes_an_overlap_and_the_second_only_what_is_left(tmp_p
 
 @pytest.fixture(scope="module")
 def shapes(tmp_path_factory) -> Path:
-    """w and v float32 [4, 2], h float32 [4, 3], i bfloat16 [4, 2]."""
+    """w and v float32 [4, 2], h float32 [4, 3], i bfloat16 [4, 2], x float32 [4]."""
     return _write(tmp_path_factory.mktemp("shapes"), {"w": torch.zeros(4, 2), "v": torch.zeros(4, 2),
-                                                      "h": torch.zeros(4, 3), "i": torch.zeros(4, 2, dtype=torch.bfloat16)})
+                                                      "h": torch.zeros(4, 3), "x": torch.zeros(4),
+                                                      "i": torch.zeros(4, 2, dtype=torch.bfloat16)})
 
 
 def _op_error(folder: Path, text: str, config: dict | None = None) -> tuple:
@@ -145,12 +146,16 @@ def _op_error(folder: Path, text: str, config: dict | None = None) -> tuple:
      "`deinterleave`: dim 0 of size 4 does not divide into 3 groups of 2 parts", (16, 45)),
     ("w -> s | permute([0])", "`permute`: permute needs 2 dims for a 2-d tensor, got 1", (10, 22)),
     ("w -> s | slice(dim=0, start=2, stop=9)", "`slice`: slice [2, 9) is not inside dim 0 of size 4", (10, 39)),
+    ("w -> s | slice(dim=0, start=2, stop=2)", "`slice`: slice [2, 2) is not inside dim 0 of size 4", (10, 39)),
     ("w -> s | pad(dim=0, to=2)", "`pad`: pad to 2 would shrink dim 0 of size 4", (10, 26)),
     ("w -> s | reshape([3, -1])", "`reshape`: cannot reshape [4, 2] into [3, -1]", (10, 26)),
     ("w -> s | reshape([3, 3])", "`reshape`: cannot reshape [4, 2] (8 elements) into [3, 3] (9 elements)", (10, 25)),
     ("w -> s | rope_permute(heads=3)", "`rope_permute`: 4 rows do not divide into 3 heads of pairs", (10, 31)),
     ("w -> s | rope_unpermute(heads=3)", "`rope_unpermute`: 4 rows do not divide into 3 heads of pairs", (10, 33)),
     ("w, h -> s | concat(dim=0)", "`concat`: concat needs matching shapes outside dim 0: [4, 2] and [4, 3]", (13, 26)),
+    ("w, v, h -> s | concat(dim=0)", "`concat`: concat needs matching shapes outside dim 0: [4, 2] and [4, 3]",
+     (16, 29)),
+    ("w -> s | transpose(-3, 0)", "`transpose`: a=-3 is out of range for a 2-d tensor", (10, 26)),
     ("w, h -> s | stack(dim=0)", "`stack`: stack needs matching shapes: [4, 2] and [4, 3]", (13, 25)),
     ("w, i -> s | concat(dim=0)", "`concat`: concat needs one dtype: float32 and bfloat16", (13, 26)),
 ])
@@ -185,3 +190,93 @@ def test_unstacking_up_to_the_limit_makes_that_many_tensors_and_one_more_is_e209
         sym.unstack(sym.source("w", (MAX_PIECES + 1, 1), "int8"), 0)
     assert str(info.value) == ("unstacking dim 0 of size 65537 makes more than 2^16 = 65536 tensors, "
                                "the most pieces one op makes")
+
+
+def _shapes(folder: Path, text: str, config: dict | None = None) -> dict:
+    compiled = remapdsl.compile_rules(rules_from_text("remap 1\n" + text, "t.remap"), folder, config or {},
+                                      strict=False)
+    return {d.runtime_key: d.shape for d in compiled.runtime_tensors}
+
+
+def test_dims_down_to_minus_the_rank_count_from_the_end(shapes):
+    text = "w -> a | transpose(-2, -1)\nw, v -> b | stack(dim=-3)\nw, v -> c | concat(dim=-2)\n"
+    assert _shapes(shapes, text) == {"a": (2, 4), "b": (2, 4, 2), "c": (8, 2)}
+
+
+def test_counts_of_one_and_of_the_limit_are_allowed(shapes):
+    """`times=1`, `n=1` keep the tensor; 2^16 is the most pieces one op makes, not one too many."""
+    assert _shapes(shapes, "w -> a | repeat(dim=0, times=1)\nv -> b | chunk(dim=0, n=1)\n"
+                   "x -> c | repeat(dim=0, times=65536)\n") == {"a": (4, 2), "b": (4, 2), "c": (4 * 65536,)}
+
+
+def test_a_pad_to_the_size_a_dim_has_keeps_the_tensor_as_it_is(shapes):
+    """No error and no empty fill region: the same blocks as the rule without the pad."""
+    rules = rules_from_text("remap 1\nw -> a | pad(dim=0, to=4)\nw -> b\n", "t.remap")
+    compiled = remapdsl.compile_rules(rules, shapes, {}, strict=False)
+    a, b = (d for d in sorted(compiled.runtime_tensors, key=lambda d: d.runtime_key))
+    assert a.shape == (4, 2) and a.blocks == b.blocks and len(a.blocks) == 1
+
+
+def test_a_pad_up_to_the_largest_size_is_allowed_and_one_element_more_is_e209(shapes):
+    """2^48 elements, or a dim of 2^48, are within the limit; a tensor of more elements is E209 even
+    where each of its dims is within it."""
+    assert _shapes(shapes, "x -> a | pad(dim=0, to=config.d)\nw -> b | pad(dim=1, to=config.e)\n",
+                   {"d": 2**48, "e": 2**46}) == {"a": (2**48,), "b": (4, 2**46)}
+    half = 2**47 + 1
+    message = (f"`pad`: pad to {half} makes a tensor of shape [{half}, 2], {2 * half} elements: more than "
+               f"2^48 = {2**48}, the largest size")
+    assert _op_error(shapes, "w -> s | pad(dim=0, to=config.half)", {"half": half}) == (
+        "E209", message, 10, 36, _LIMIT_HINT)
+
+
+def test_a_tensor_of_nine_dims_loads_as_torch_reads_it(tmp_path):
+    """Ranks up to 8 take a prepared identity map; a 9-d tensor builds its own, to the same effect."""
+    w = torch.arange(2**9, dtype=torch.float32).reshape((2,) * 9)
+    state, _ = _load("w -> a\nw -> b | transpose(0, 8)\n", _write(tmp_path / "src", {"w": w}))
+    assert torch.equal(state["a"], w) and torch.equal(state["b"], w.transpose(0, 8))
+
+
+def test_a_tensor_may_have_up_to_the_limit_of_blocks():
+    from remapdsl.compile import symbolic as sym
+    from remapdsl.language.limits import MAX_BLOCKS
+
+    assert sym._blocks_within(MAX_BLOCKS, "x") is None
+    with pytest.raises(sym.LimitError) as info:
+        sym._blocks_within(MAX_BLOCKS + 1, "repeat 2 times")
+    assert str(info.value) == ("repeat 2 times would describe one tensor by 1048577 blocks: more than 2^20 = "
+                               "1048576, the most one tensor may have")
+
+
+def test_an_empty_tensor_compiles_to_no_blocks_and_loads(tmp_path):
+    """e [0, 2] as read (a) and transposed (b): their shapes, described by no block at all."""
+    source = _write(tmp_path / "src", {"e": torch.zeros(0, 2)})
+    state, rules = _load("e -> a\ne -> b | transpose(0, 1)\n", source)
+    compiled = remapdsl.compile_rules(rules, source, {})
+    assert {d.runtime_key: (d.shape, d.dtype, d.blocks) for d in compiled.runtime_tensors} == {
+        "a": ((0, 2), "float32", ()), "b": ((2, 0), "float32", ())}
+    assert state["a"].shape == (0, 2) and state["b"].shape == (2, 0)
+
+
+def test_reshapes_that_add_and_remove_dims_of_one_load_as_torch_reshapes(tmp_path):
+    w = torch.arange(8, dtype=torch.float32).reshape(4, 2)
+    state, _ = _load("w -> a | reshape([1, 8, 1])\nw -> b | reshape([4, 2, 1]) | reshape([8])\n"
+                     "w -> c | reshape([8, 1])\nw -> d | reshape([1, 4, 1, 2])\n"
+                     "w -> e | reshape([2, 1, 4]) | reshape([2, 4])\n", _write(tmp_path / "src", {"w": w}))
+    want = {"a": (1, 8, 1), "b": (8,), "c": (8, 1), "d": (1, 4, 1, 2), "e": (2, 4)}
+    assert {k: v.shape for k, v in state.items()} == want
+    assert all(torch.equal(state[k], w.reshape(shape)) for k, shape in want.items())
+
+
+def test_a_reshape_undone_by_a_reshape_is_one_block_however_many_rows(tmp_path):
+    """[2.2 M] split into 1.1 M rows of 2 and merged back is one block again (not a piece per row,
+    which would pass the 2^20 blocks of E209)."""
+    source = _write(tmp_path / "src", {"x": torch.zeros(2_200_000, dtype=torch.int8)})
+    rules = rules_from_text("remap 1\nx -> s | reshape([1100000, 2]) | reshape([2200000])\n", "t.remap")
+    (d,) = remapdsl.compile_rules(rules, source, {}).runtime_tensors
+    assert d.shape == (2_200_000,) and len(d.blocks) == 1
+
+
+def test_a_reshape_to_a_size_of_zero_from_the_config_is_e207(shapes):
+    """Nothing to infer -1 from: the op's error, not a division by zero."""
+    assert _op_error(shapes, "w -> s | reshape([config.z, -1])", {"z": 0}) == (
+        "E207", "`reshape`: cannot reshape [4, 2] into [0, -1]", 10, 33, "while binding `w`")

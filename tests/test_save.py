@@ -194,3 +194,25 @@ def test_a_sharded_index_and_its_files_are_reproduced(tmp_path):
     state = loaded(source, QWEN)
     remapdsl.save(state, tmp_path / "out", QWEN, like=source)
     assert identical(source, tmp_path / "out") == []
+
+
+def test_an_empty_tensor_a_rule_reads_saves_back(tmp_path):
+    """A checkpoint tensor with no elements ([0, 2]) is read by its rule though no block holds any of
+    it: the save writes it back (to `like`'s layout and to a derived one), not E501 "read by no rule"."""
+    source = tmp_path / "src"
+    source.mkdir()
+    save_file({"e": torch.zeros(0, 2), "a.w": torch.ones(2, 2)}, str(source / "model.safetensors"))
+    rules = rules_from_text("remap 1\ne -> a\na.w -> b\n", "t.remap")
+    state = {"a": torch.zeros(0, 2), "b": torch.zeros(2, 2)}
+    remapdsl.load(state, source, rules, config={})
+    remapdsl.save(state, tmp_path / "like", rules, like=source, config={})
+    assert (tmp_path / "like" / "model.safetensors").read_bytes() == (source / "model.safetensors").read_bytes()
+    state["b"] += 1
+    remapdsl.save(state, tmp_path / "derived", rules, config={})
+    saved = load_file(str(tmp_path / "derived" / "model.safetensors"))
+    assert saved["e"].shape == (0, 2) and torch.equal(saved["a.w"], torch.full((2, 2), 2.0))
+    with pytest.raises(RemapError) as info:  # an empty tensor no rule reads is still E501
+        remapdsl.save(state, tmp_path / "unread", rules_from_text("remap 1\na.w -> b\n", "u.remap"),
+                      like=source, config={})
+    assert [d.message for d in info.value.diagnostics] == [
+        "checkpoint tensor `e` is read by no rule: no runtime tensor holds it"]
