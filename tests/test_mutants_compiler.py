@@ -329,3 +329,9 @@ def test_the_note_quotes_the_guard_as_written_and_nothing_after_it(checkpoint, g
     not the ops that follow it on the line."""
     assert _e201(checkpoint, f"a.{{L}}.ww -> c.{{L}} when {guard}{ops}", {"x": 0, "on": True})[1] == (
         f"did you mean `w`? Its guard `{guard}` holds for this config" + _ON)
+
+
+def test_a_guard_reading_a_capture_inside_a_list_filters_the_bindings(checkpoint):
+    """`[L, 1]` reads L: the guard is decided per binding, not once for the config (where L is unknown)."""
+    compiled = _compile(checkpoint, "a.{L}.w -> c.{L} when [L, 1] != [3, 1]\n")
+    assert [t.runtime_key for t in compiled.runtime_tensors] == ["c.0", "c.1", "c.2"]

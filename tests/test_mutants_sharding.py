@@ -27,10 +27,11 @@ from remapdsl.sharding.placements import (
     Replicate,
     StridedShard,
     TensorPlacement,
+    held_runs,
     local_shard,
     placements_from_dtensor,
 )
-from remapdsl.sharding.plans import DecodeItem, PartRead
+from remapdsl.sharding.plans import DecodeItem, PartRead, ReadItem
 from remapdsl.testing.ranks import run_ranks
 
 # ------------------------------------------------------------------------------------------ the mesh
@@ -65,6 +66,52 @@ def test_placements_print_as_torch_prints_its_own():
     from torch.distributed.tensor import Shard as TorchShard
 
     assert (str(Replicate()), str(Shard(dim=1))) == (str(TorchReplicate()), str(TorchShard(1))) == ("R", "S(1)")
+
+
+# ------------------------------------------------------------------------------------------ held runs
+
+
+def test_a_shard_of_a_strided_shard_ends_inside_its_second_run():
+    """8 rows, `_StridedShard(0, split_factor=2)` on 2 ranks then `Shard(0)` on 4: coordinate (0, 2)
+    holds rows {0, 1, 4, 5} after the first, of those the third, row 4 alone (a window that ends
+    inside the second run is cut there)."""
+    steps = [(StridedShard(dim=0, split_factor=2), 2, 0), (Shard(dim=0), 4, 2)]
+    assert held_runs(8, steps[:1]) == [(0, 2), (4, 6)]
+    assert held_runs(8, steps) == [(4, 5)]
+    assert local_shard((8, 3), (2, 4), [steps[0][0], steps[1][0]], (0, 2)) == LocalShard((1, 3), (((4, 0), (1, 3)),),
+                                                                                       ((0, 0),))
+
+
+def test_an_empty_dim_holds_no_runs():
+    """`held_runs` of a dim of length 0 is no run at all, with or without placements on it."""
+    assert held_runs(0, []) == []
+    assert held_runs(0, [(Shard(dim=0), 2, 1)]) == []
+    assert held_runs(3, []) == [(0, 3)]
+
+
+class _NotAPlacement:
+    def __repr__(self) -> str:
+        return "NotAPlacement()"
+
+
+@pytest.mark.parametrize("args, diagnostic", [
+    (((4,), (2, 2), [Shard(dim=0)], (0, 0)), ("E403", "1 placements for a 2-d mesh", "give one placement per mesh dim")),
+    (((4,), (2,), [Shard(dim=0)], (2,)), ("E404", "coordinate (2,) is outside mesh (2,)", None)),
+    (((4,), (2,), [Shard(dim=0)], (-1,)), ("E404", "coordinate (-1,) is outside mesh (2,)", None)),
+    (((4,), (2, 2), [Shard(dim=0), Replicate()], (1,)), ("E404", "coordinate (1,) is outside mesh (2, 2)", None)),
+    (((4,), (2,), [_NotAPlacement()], (0,)), ("E402", "NotAPlacement() is not a remapdsl placement",
+                                             ("use remapdsl.sharding.placements's Shard, Replicate, StridedShard "
+                                              "(placements_from_dtensor converts torch's)"))),
+    (((4,), (2,), [Shard(dim=1)], (0,)), ("E405", "placement S(1) names dim 1 of a 1-d tensor", None)),
+])
+def test_local_shard_s_errors_name_the_tensor(args, diagnostic):
+    """Each refusal of `local_shard`, whole: code, message, hint, and the runtime key as its path
+    (no path without one)."""
+    for key in ("model.w", None):
+        with pytest.raises(RemapError) as caught:
+            local_shard(*args, runtime_key=key)
+        d = caught.value.diagnostic
+        assert (d.code, d.message, d.hint, d.path) == (*diagnostic, key)
 
 
 # ------------------------------------------------------------------------------------------ DTensors
@@ -369,3 +416,159 @@ def test_quantized_values_in_chunks_are_e356_naming_the_part_and_its_chunks(tmp_
         "consolidate the checkpoint first (`remapdsl convert CKPT OUT --rules identity`), then load that",
         inventory.root)
 
+
+
+# ---------------------------------------------------------------------------------- a plan's order
+
+
+def test_fill_items_come_first_whatever_the_file_is_named(tmp_path):
+    """A `pad`'s fill item is first in a plan, before the reads of a file whose name sorts before
+    any letter (`0.safetensors`); it has no key, file, runs or strides (the plan's digest hashes them)."""
+    save_file({"w": torch.arange(6, dtype=torch.float32).reshape(2, 3)}, str(tmp_path / "0.safetensors"))
+    inventory = remapdsl.open_checkpoint(tmp_path)
+    text = "remap 1\nw -> t | pad(dim=1, to=4, value=7)\n"
+    compiled = remapdsl.compile_rules(rules_from_text(text, "t.remap"), inventory, {})
+    plan = remapdsl.plan_rank(compiled, inventory, LayoutPlan.from_mapping({}, mesh_dim="tp"), Mesh.of({"tp": 1}), 0)
+    w = inventory.tensors["w"]
+    assert plan.items == (
+        ReadItem("t", (0, 3), (2, 1), None, None, None, None, (), (("cast", "float32"),), 7.0, ()),
+        ReadItem("t", (0, 0), (2, 3), "w", "0.safetensors", "float32", Runs(w.byte_offset, 24), (3, 1), (), None,
+                 (3, 1)))
+
+
+def test_a_plan_skips_the_tensors_a_rank_does_not_hold_and_is_rank_0_by_default(tmp_path):
+    """`make_load_plan` with only the second of two runtime tensors held plans that one (the first
+    is passed over, not the end of the plan); without a rank the plan is rank 0's; it owns 12 bytes.
+    The same for `make_write_plan`."""
+    from remapdsl.compile.inverse import writers
+    from remapdsl.sharding.holdings import whole_shard
+    from remapdsl.sharding.plans import make_load_plan, make_write_plan
+
+    save_file({"a": torch.zeros(2, 2), "b": torch.ones(3)}, str(tmp_path / "model.safetensors"))
+    inventory = remapdsl.open_checkpoint(tmp_path)
+    compiled = remapdsl.compile_rules(rules_from_text("remap 1\na -> a\nb -> b\n", "t.remap"), inventory, {})
+    assert [d.runtime_key for d in compiled.runtime_tensors] == ["a", "b"]
+    plan = make_load_plan(compiled, inventory, {"b": whole_shard((3,))})
+    assert plan.rank == 0
+    assert [(i.runtime_key, i.ckpt_key, i.sizes) for i in plan.items] == [("b", "b", (3,))]
+    assert (plan.bytes_owned, plan.bytes_read) == (12, 12)
+    assert type(plan.bytes_owned) is int  # a byte count, as `remapdsl plan` prints it
+    written = make_write_plan(writers(compiled), inventory, {"b": whole_shard((3,))})
+    assert (written.rank, [(i.runtime_key, i.ckpt_key) for i in written.items], written.bytes_written) == (
+        0, [("b", "b")], 12)
+
+
+def test_bytes_owned_add_up_over_the_chunked_tensors_a_rank_holds(tmp_path):
+    """Rank 1 of 2 holds columns 2:4 of `a` (both chunks) and rows 3:6 of its copy `b` (the second
+    chunk): it owns 48 + 48 bytes, an int, and reads them and no more."""
+    a = torch.arange(24, dtype=torch.float32).reshape(6, 4)
+    _dcp_file(tmp_path / "shard-00001-model-00001-of-00001.safetensors", {"a": a[:3]}, {"a": [0, 0]})
+    _dcp_file(tmp_path / "shard-00002-model-00001-of-00001.safetensors", {"a": a[3:].clone()}, {"a": [3, 0]})
+    inventory = remapdsl.open_checkpoint(tmp_path)
+    compiled = remapdsl.compile_rules(rules_from_text("remap 1\na -> a\na -> b\n", "t.remap"), inventory, {})
+    layout = LayoutPlan.from_mapping({"a": [Shard(dim=1)], "b": [Shard(dim=0)]}, mesh_dim="tp")
+    plan = remapdsl.plan_rank(compiled, inventory, layout, Mesh.of({"tp": 2}), 1)
+    assert [(i.runtime_key, i.local_offsets, i.sizes) for i in plan.items] == [
+        ("a", (0, 0), (3, 2)), ("b", (0, 0), (3, 4)), ("a", (3, 0), (3, 2))]
+    assert (plan.bytes_owned, plan.bytes_read) == (96, 96)
+    assert type(plan.bytes_owned) is int
+
+
+DECODE_ORDER_RULES = """remap 1
+dequantize a.w, s2 -> x | fp8_block(block=[4, 4], to=float32)
+dequantize b.w, s1 -> y | fp8_block(block=[4, 4], to=float32)
+x -> zz
+y -> aa
+"""
+
+
+@pytest.mark.parametrize("files", [
+    {"model.safetensors": ["a.w", "b.w", "s1", "s2"]},  # x's scales stored after y's
+    {"a.safetensors": ["a.w", "s1"], "b.safetensors": ["b.w", "s2"]},  # x's scales in y's values' file
+])
+def test_decode_items_are_in_the_order_of_their_values_in_the_files(tmp_path, files):
+    """A plan's decode items go by where their values part lies (file, then offset), not by their
+    scales nor by runtime key: `zz` (values `a.w`) before `aa` (values `b.w`)."""
+    for name, keys in files.items():
+        save_file({k: torch.ones(4, 4).to(torch.float8_e4m3fn) if k.endswith(".w") else torch.ones(1, 1) for k in keys},
+                  str(tmp_path / name))
+    inventory = remapdsl.open_checkpoint(tmp_path)
+    compiled = remapdsl.compile_rules(rules_from_text(DECODE_ORDER_RULES, "t.remap"), inventory, {})
+    plan = remapdsl.plan_rank(compiled, inventory, LayoutPlan.from_mapping({}, mesh_dim="tp"), Mesh.of({"tp": 1}), 0)
+    assert [(i.runtime_key, [p.ckpt_key for p in i.parts]) for i in plan.decodes] == [
+        ("zz", ["a.w", "s2"]), ("aa", ["b.w", "s1"])]
+
+
+def test_a_write_plan_keeps_the_stored_scales_unless_asked_to_requantize(tmp_path):
+    """`make_write_plan` of a dequantized tensor writes its 16 fp8 values and, by default, not its
+    scale (the stored one is kept); with `requantize=True` the 4-byte scale too."""
+    from remapdsl.compile.inverse import writers
+    from remapdsl.sharding.holdings import whole_shard
+    from remapdsl.sharding.plans import make_write_plan
+
+    save_file({"q.weight": torch.ones(4, 4).to(torch.float8_e4m3fn), "q.weight_scale_inv": torch.ones(1, 1)},
+              str(tmp_path / "model.safetensors"))
+    inventory = remapdsl.open_checkpoint(tmp_path)
+    text = "remap 1\ndequantize q.weight, q.weight_scale_inv -> q | fp8_block(block=[4, 4], to=float32)\nq -> w\n"
+    compiled = remapdsl.compile_rules(rules_from_text(text, "t.remap"), inventory, {})
+    args = (writers(compiled), inventory, {"w": whole_shard((4, 4))}, 0, compiled.logical_by_key())
+    kept, requantized = make_write_plan(*args), make_write_plan(*args, requantize=True)
+    assert (kept.requantize, kept.bytes_written, [i.box for i in kept.encodes]) == (False, 16, [((0, 0), (4, 4))])
+    assert (requantized.requantize, requantized.bytes_written) == (True, 20)
+
+
+def test_a_scalar_tensor_plans_its_read_and_its_write(tmp_path):
+    """A 0-d tensor (no first dim to index its blocks by) is read and written whole: 4 bytes each."""
+    from remapdsl.compile.inverse import writers
+    from remapdsl.sharding.holdings import whole_shard
+    from remapdsl.sharding.plans import make_write_plan
+
+    save_file({"s": torch.tensor(3.0), "v": torch.ones(2)}, str(tmp_path / "model.safetensors"))
+    inventory = remapdsl.open_checkpoint(tmp_path)
+    compiled = remapdsl.compile_rules(rules_from_text("remap 1\ns -> s\nv -> v\n", "t.remap"), inventory, {})
+    plan = remapdsl.plan_rank(compiled, inventory, LayoutPlan.from_mapping({}, mesh_dim="tp"), Mesh.of({"tp": 1}), 0)
+    written = make_write_plan(writers(compiled), inventory, {"s": whole_shard(()), "v": whole_shard((2,))})
+    assert [(i.runtime_key, i.sizes, i.runs.total) for i in plan.items] == [("s", (), 4), ("v", (2,), 8)]
+    assert [(i.runtime_key, i.sizes, i.runs.total) for i in written.items] == [("s", (), 4), ("v", (2,), 8)]
+
+
+def test_write_items_are_in_file_order_with_their_source_strides(tmp_path):
+    """A write plan's items go by where they write (`y`, stored first, before `z`), not by runtime
+    key; each carries its element strides in the file (`b` is `y` transposed: (1, 3))."""
+    from remapdsl.compile.inverse import writers
+    from remapdsl.sharding.holdings import whole_shard
+    from remapdsl.sharding.plans import WriteItem, make_write_plan
+
+    save_file({"y": torch.ones(2, 3), "z": torch.ones(3)}, str(tmp_path / "model.safetensors"))
+    inventory = remapdsl.open_checkpoint(tmp_path)
+    text = "remap 1\nz -> a\ny -> b | transpose(0, 1)\n"
+    compiled = remapdsl.compile_rules(rules_from_text(text, "t.remap"), inventory, {})
+    plan = make_write_plan(writers(compiled), inventory, {"a": whole_shard((3,)), "b": whole_shard((3, 2))})
+    y, z = inventory.tensors["y"], inventory.tensors["z"]
+    assert plan.items == (
+        WriteItem("b", (0, 0), (3, 2), "y", "model.safetensors", "float32", Runs(y.byte_offset, 24), (1, 3), (), (1, 3)),
+        WriteItem("a", (0,), (3,), "z", "model.safetensors", "float32", Runs(z.byte_offset, 12), (1,), (), (1,)))
+    assert y.byte_offset < z.byte_offset
+
+
+def test_a_write_across_chunks_writes_each_chunk_s_part_from_its_place(tmp_path):
+    """`a` [6, 4] in two chunks of 3 rows, loaded transposed and scaled: rank 1 of 2 owns runtime
+    rows 2:4 (source columns 2:4) and writes them back as one item per chunk, each from its own
+    columns of the local tensor, the scale undone."""
+    from remapdsl.compile.inverse import writers
+    from remapdsl.sharding.plans import WriteItem, make_write_plan
+
+    a = torch.arange(24, dtype=torch.float32).reshape(6, 4)
+    _dcp_file(tmp_path / "shard-00001-model-00001-of-00001.safetensors", {"a": a[:3]}, {"a": [0, 0]})
+    _dcp_file(tmp_path / "shard-00002-model-00001-of-00001.safetensors", {"a": a[3:].clone()}, {"a": [3, 0]})
+    inventory = remapdsl.open_checkpoint(tmp_path)
+    text = "remap 1\na -> a | transpose(0, 1) | scale(2)\n"
+    compiled = remapdsl.compile_rules(rules_from_text(text, "t.remap"), inventory, {})
+    owned = {"a": local_shard((4, 6), (2,), [Shard(dim=0)], (1,))}
+    plan = make_write_plan(writers(compiled), inventory, owned, 1)
+    first, second = inventory.chunks["a"]
+    assert plan.items == tuple(
+        WriteItem("a", at, (2, 3), "a", chunk.file, "float32", Runs(chunk.byte_offset + 8, 8, (3,), (16,)), (1, 2),
+                  (("scale", 0.5),), (1, 4))
+        for at, chunk in (((0, 0), first), ((0, 3), second)))
+    assert (plan.bytes_written, plan.files) == (48, (first.file, second.file))

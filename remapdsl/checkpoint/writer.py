@@ -83,6 +83,9 @@ def remove_stale_staging(folder: Path) -> list[Path]:
 
 
 def check_destination(folder: Path, overwrite: bool) -> None:
+    if folder.exists() and not folder.is_dir():  # overwrite replaces a checkpoint folder, never a file
+        raise CheckpointError(Diagnostic(code="E510", message="the destination exists and is not a folder",
+                                         path=str(folder), hint="save to a new folder; a checkpoint is a folder"))
     if folder.exists() and not overwrite:
         raise CheckpointError(Diagnostic(code="E510", message="the destination exists", path=str(folder),
                                          hint="save to a new folder, or pass overwrite=True to replace it "
