@@ -181,19 +181,19 @@ def test_arbitrary_text_raises_only_remap_errors(text):
     front_end(text)
 
 
-@settings(_FUZZ, max_examples=3000)
+@settings(_FUZZ, max_examples=1500)
 @given(mutated_samples)
 def test_mutated_rule_files_raise_only_remap_errors(text):
     front_end(text)
 
 
-@settings(_FUZZ, max_examples=300)
+@settings(_FUZZ, max_examples=150)
 @given(S.rule_files(path="<fuzz>").map(format_rules).flatmap(mutate))
 def test_mutated_generated_files_raise_only_remap_errors(text):
     front_end(text)
 
 
-@settings(_FUZZ, max_examples=200)
+@settings(_FUZZ, max_examples=120)
 @given(S.rule_files(path="<fuzz>"))
 def test_generated_files_pass_or_fail_static_checks_cleanly(rules):
     """Well-formed IR with unbound names, odd op arguments...: the static checks report, never crash."""
