@@ -12,13 +12,15 @@ class Int8Row(QuantFormat):
     """int8 values with one float32 scale per row: decodes, neither encodes nor requantizes."""
 
     name = "int8_row"
+    values_dtype = "int8"  # a subclass may store wider values
     parts = ("values", "scales")
     params = get_format("fp8_channel").params
 
     def logical_shape(self, parts, params):
         values, scales = parts
-        if values.dtype != "int8" or tuple(scales.shape) != tuple(values.shape[:-1]):
-            raise FormatError(f"want int8 values and one scale per row, got {values.dtype} {scales.shape}")
+        if values.dtype != self.values_dtype or tuple(scales.shape) != tuple(values.shape[:-1]):
+            raise FormatError(f"want {self.values_dtype} values and one scale per row, "
+                              f"got {values.dtype} {scales.shape}")
         return tuple(values.shape)
 
     def cover(self, box, parts, params):

@@ -20,7 +20,6 @@ import remapdsl
 from remapdsl.errors import RemapError, Span
 from remapdsl.indexmap import Runs
 from remapdsl.language import rules_from_text
-from remapdsl.quant import FormatError
 from remapdsl.sharding import LayoutPlan, Mesh, Shard
 from remapdsl.sharding.placements import (
     LocalShard,
@@ -316,12 +315,7 @@ class _Int16Row(Int8Row):
     """The int8-row format with two-byte values."""
 
     name = "mutants_int16_row"
-
-    def logical_shape(self, parts, params):
-        values, scales = parts
-        if values.dtype != "int16" or tuple(scales.shape) != tuple(values.shape[:-1]):
-            raise FormatError(f"want int16 values and one scale per row, got {values.dtype} {scales.shape}")
-        return tuple(values.shape)
+    values_dtype = "int16"
 
 
 def test_a_one_element_dequantized_tensor_owns_all_its_value_bytes(tmp_path):

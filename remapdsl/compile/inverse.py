@@ -88,13 +88,15 @@ def writers(compiled: Compiled, *, allow_lossy: bool = False, requantize: bool =
     choice, dropped = dropped, set(compiled.dropped)
     checked = [(k, s) for k, s in sources.items() if k not in dequantized] + list(logical.items())
     incomplete = {k for k, c in covered.items() if c.left}
-    bound = {k for b in compiled.bindings for k in b.ckpt_keys}  # an empty tensor a rule reads: no block
+    bound = None  # the keys the rules read, made only for an empty tensor (no block names it)
     for key, source in checked:  # the parts of a dequantized tensor: its values through it, scales copied
         if key in refused or (key in chosen and key not in incomplete):
             continue  # E502 or E503 above, or written whole
         total = volume(source.shape)
-        if total == 0 and key in bound:
-            continue  # no element to write; its file keeps its (empty) entry
+        if total == 0:
+            bound = bound if bound is not None else {k for b in compiled.bindings for k in b.ckpt_keys}
+            if key in bound:
+                continue  # no element to write; its file keeps its (empty) entry
         held = total - covered[key].left if key in chosen else 0  # blocks stay inside their source
         if key in dropped and not held and choice != "error":
             continue  # copied from `like` or left out by the caller
