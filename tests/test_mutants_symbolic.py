@@ -116,6 +116,21 @@ def test_the_first_rule_writes_an_overlap_and_the_second_only_what_is_left(tmp_p
     assert list(saved) == ["w"] and torch.equal(saved["w"], want)
 
 
+def test_rules_whose_blocks_are_no_strided_box_each_write_their_own_rows(tmp_path):
+    """w [8, 3] read as [2, 4, 3] by two rules, each a range of the middle dim: a's block reads rows
+    {0, 1, 4, 5} and b's rows {2, 3, 6, 7}, neither one strided box of w. The save checks b's block
+    against a's by cutting both into boxes: each writes only its own rows."""
+    source = _write(tmp_path / "src", {"w": torch.zeros(8, 3)})
+    state, rules = _load("w -> a | reshape([2, 4, 3]) | slice(dim=1, start=0, stop=2)\n"
+                         "w -> b | reshape([2, 4, 3]) | slice(dim=1, start=2, stop=4)\n", source)
+    state["a"] = torch.arange(12, dtype=torch.float32).reshape(2, 2, 3) + 100
+    state["b"] = torch.arange(12, dtype=torch.float32).reshape(2, 2, 3) + 200
+    remapdsl.save(state, tmp_path / "out", rules, like=source)
+    saved = load_file(str(tmp_path / "out" / "model.safetensors"))["w"]
+    want = torch.cat([state["a"], state["b"]], dim=1).reshape(8, 3)
+    assert torch.equal(saved, want)
+
+
 # -- symbolic.py: each op's error, as the user reads it (E207, E209) --
 
 @pytest.fixture(scope="module")

@@ -122,6 +122,16 @@ def test_prefix_errors_name_the_statement(text, code, words):
     assert codes[0] == code and words in str(info.value), str(info.value)
 
 
+@pytest.mark.parametrize("text, column", [("@p{a,b}.x -> y\n", 1), ("z.@p.q -> w\n", 3)])
+def test_a_misplaced_prefix_is_one_e016(text, column):
+    """A prefix glued to more key text, or not first, is told once, where it stands: not a second
+    time as a misplaced `**` (a prefix stands for whole segments, as `**` does)."""
+    with pytest.raises(remapdsl.RemapError) as info:
+        rules_from_text("remap 1\nprefix @p = x -> y\n" + text, "t.remap")
+    assert [(d.code, d.message, d.span.line, d.span.column) for d in info.value.diagnostics] == [
+        ("E016", "`@p` stands first in a pattern, then `.` and the rest of the key", 3, column)]
+
+
 def test_an_error_in_a_repeated_rule_is_reported_once():
     with pytest.raises(RuleCheckError) as info:
         rules_from_text("remap 1\nprefix @a = x.{L} -> y.{L}\nprefix @a = z.{L} -> w.{L}\n@a.q -> @a.r | cast(bfloat17)\n")

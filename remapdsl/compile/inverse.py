@@ -16,7 +16,7 @@ from typing import NamedTuple
 
 from ..dtypes import BY_NAME
 from ..errors import Diagnostic, RemapError
-from ..indexmap import box_overlap, box_volume, cut, source_box, volume
+from ..indexmap import box_overlap, cut, source_box, volume
 from ..quant import get_format
 from .model import Block, Compiled
 
@@ -161,9 +161,7 @@ class _Covered:
             self.add(first)
 
     def overlap(self, box: tuple) -> int:
-        """How many of the box's elements are covered."""
-        if not self.left:
-            return box_volume(box)
+        """How many of the box's elements are covered (asked only while some are not)."""
         for block in self.blocks:
             self.boxes.extend(_boxes(block, self.shape))
         self.blocks.clear()

@@ -313,8 +313,9 @@ def pattern_problems(parts: tuple[Node, ...]) -> list[tuple[int, str]]:
         if not segment:
             problems.append((owner, "empty segment: a key has no `..` and no dot at either end"))
         elif "#" in segment and segment != "#":
-            problems.append((index_of_char[position + segment.index("#")],
-                             "`**` stands for whole segments: put dots around it"))
+            owner = index_of_char[position + segment.index("#")]
+            if isinstance(parts[owner], DoubleStar):  # a misplaced prefix has its own message, above
+                problems.append((owner, "`**` stands for whole segments: put dots around it"))
         position += len(segment) + 1
     return problems
 
