@@ -195,6 +195,24 @@ def test_a_size_from_the_config_beyond_the_limit_is_e209(shapes):
         f"{2**48}, the largest size", 10, 35, _LIMIT_HINT)
 
 
+@pytest.mark.parametrize("text, config, diagnostic", [
+    ("x -> s.{a,b} | deinterleave(dim=0, groups=config.g)", {"g": 70000},
+     ("E209", "`deinterleave`: `groups=70000` is more than 2^16 = 65536, the most pieces one op makes", 16, 52,
+      _LIMIT_HINT)),
+    ("x -> s.{a,b} | deinterleave(dim=0, groups=config.g)", {"g": 0},
+     ("E207", "`deinterleave`: `groups` must be at least 1, not 0", 16, 52, "while binding `x`")),
+    # 17 blocks (one a copy) cut into 65,536 groups each: checked before any is built
+    ("x -> s.{a,b} | repeat(dim=0, times=17) | deinterleave(dim=0, groups=65536)", {},
+     ("E209", "`deinterleave`: deinterleaving 65536 groups would describe one tensor by 1114112 blocks: more than "
+      "2^20 = 1048576, the most one tensor may have", 42, 75, _LIMIT_HINT)),
+])
+def test_deinterleave_s_counts_are_bounded(text, config, diagnostic):
+    """A count of groups past the limits, or below 1, and a tensor of more blocks than one may have,
+    each told at the op: on a headers-only inventory of one tensor x [131072]."""
+    inventory = remapdsl.Inventory.from_shapes({"x": ("float32", (131072,))})
+    assert _op_error(inventory, text, config) == diagnostic
+
+
 def test_unstacking_up_to_the_limit_makes_that_many_tensors_and_one_more_is_e209():
     from remapdsl.compile import symbolic as sym
     from remapdsl.language.limits import MAX_PIECES
