@@ -201,16 +201,33 @@ def test_a_size_from_the_config_beyond_the_limit_is_e209(shapes):
       _LIMIT_HINT)),
     ("x -> s.{a,b} | deinterleave(dim=0, groups=config.g)", {"g": 0},
      ("E207", "`deinterleave`: `groups` must be at least 1, not 0", 16, 52, "while binding `x`")),
+    ("x, x -> s | interleave(dim=0, groups=config.g)", {"g": 0},
+     ("E207", "`interleave`: `groups` must be at least 1, not 0", 13, 47, "while binding `x`, `x`")),
     # 17 blocks (one a copy) cut into 65,536 groups each: checked before any is built
     ("x -> s.{a,b} | repeat(dim=0, times=17) | deinterleave(dim=0, groups=65536)", {},
      ("E209", "`deinterleave`: deinterleaving 65536 groups would describe one tensor by 1114112 blocks: more than "
       "2^20 = 1048576, the most one tensor may have", 42, 75, _LIMIT_HINT)),
 ])
-def test_deinterleave_s_counts_are_bounded(text, config, diagnostic):
+def test_interleave_s_counts_are_bounded(text, config, diagnostic):
     """A count of groups past the limits, or below 1, and a tensor of more blocks than one may have,
     each told at the op: on a headers-only inventory of one tensor x [131072]."""
     inventory = remapdsl.Inventory.from_shapes({"x": ("float32", (131072,))})
     assert _op_error(inventory, text, config) == diagnostic
+
+
+def test_a_reshape_that_drops_trailing_unit_dims_drops_their_columns_of_the_map(tmp_path):
+    """w [4, 1] -> [4] and v [2, 3, 1, 1] -> [6]: each block's map keeps one column per runtime dim
+    (`explain` reads them), the dropped unit dims' source index staying 0."""
+    from remapdsl.indexmap import Block
+
+    source = _write(tmp_path / "src", {"w": torch.zeros(4, 1), "v": torch.zeros(2, 3, 1, 1)})
+    compiled = remapdsl.compile_rules(rules_from_text("remap 1\nw -> s | reshape([4])\nv -> t | reshape([6])\n",
+                                                      "t.remap"), source, {})
+    blocks = {d.runtime_key: d.blocks for d in compiled.runtime_tensors}
+    assert blocks == {"s": (Block((0,), (4,), "w", (0, 0), ((1,), (0,))),),
+                      "t": (Block((0,), (3,), "v", (0, 0, 0, 0), ((0,), (1,), (0,), (0,))),
+                            Block((3,), (3,), "v", (1, 0, 0, 0), ((0,), (1,), (0,), (0,))))}
+    assert "[0:4] <- w [0:4, 0]" in remapdsl.explain(compiled, "s")
 
 
 def test_unstacking_up_to_the_limit_makes_that_many_tensors_and_one_more_is_e209():
