@@ -189,6 +189,58 @@ def _placements_on_ranks(rank: int, world: int) -> None:
     ], found
 
 
+@pytest.fixture
+def one_gloo_rank(tmp_path):
+    """A real gloo process group of one rank, in the test process itself: what a DTensor on a 1 x 1
+    mesh gives is checked where the mutation run can see it (it cannot see into spawned ranks)."""
+    import torch.distributed as dist
+
+    assert not dist.is_initialized()
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    yield
+    dist.destroy_process_group()
+
+
+def test_dtensor_placements_read_on_one_gloo_rank(one_gloo_rank):
+    """A 1 x 1 mesh, named and not: Shard (a negative dim as torch normalizes it), _StridedShard
+    with its factor, Replicate, plain ints, the local shard (the whole tensor), and the placements
+    refused, each error whole. More ranks (coordinates, a rank outside the mesh): the test below."""
+    from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+    from torch.distributed.tensor import Partial
+    from torch.distributed.tensor import Replicate as TorchReplicate
+    from torch.distributed.tensor import Shard as TorchShard
+    from torch.distributed.tensor.placement_types import Placement, _StridedShard
+
+    named = init_device_mesh("cpu", (1, 1), mesh_dim_names=("dp", "tp"))
+    got = placements_from_dtensor(_dtensor(named, [TorchShard(-2), _StridedShard(1, split_factor=2)], (6, 8)), "k")
+    assert got == TensorPlacement(shape=(6, 8), mesh=Mesh(names=("dp", "tp"), sizes=(1, 1)),
+                                  placements=(Shard(dim=0), StridedShard(dim=1, split_factor=2)), coordinate=(0, 0))
+    assert all(type(v) is int for v in (*got.shape, *got.mesh.sizes, *got.coordinate))
+    assert got.local_shard() == local_shard((6, 8), (1, 1), got.placements, (0, 0)) == LocalShard((6, 8), (((0, 0), (6, 8)),), ((0, 0),))
+    unnamed = placements_from_dtensor(_dtensor(DeviceMesh("cpu", [[0]]), [TorchReplicate(), TorchShard(0)], (4,)))
+    assert unnamed == TensorPlacement(shape=(4,), mesh=Mesh(names=("dim0", "dim1"), sizes=(1, 1)),
+                                      placements=(Replicate(), Shard(dim=0)), coordinate=(0, 0))
+
+    class Unknown(Placement):
+        def __repr__(self) -> str:
+            return "Unknown()"
+
+    found = []
+    for placements in ([Partial(), TorchReplicate()], [TorchReplicate(), Unknown()], [TorchShard(2), TorchReplicate()],
+                       [TorchReplicate(), _StridedShard(2, split_factor=2)]):
+        with pytest.raises(RemapError) as caught:
+            placements_from_dtensor(_dtensor(named, placements, (4, 4)), "model.w")
+        d = caught.value.diagnostic
+        found.append((d.code, d.message, d.hint, d.path))
+    assert found == [
+        ("E401", "placement P(sum) on mesh dim `dp` holds partial values, not a layout",
+         "redistribute to Replicate() or Shard(d) before loading or saving", "model.w"),
+        ("E402", "unknown placement Unknown() on mesh dim `tp`", None, "model.w"),
+        ("E405", "placement S(2) names dim 2 of a 2-d tensor", None, "model.w"),
+        ("E405", f"placement {_StridedShard(2, split_factor=2)} names dim 2 of a 2-d tensor", None, "model.w"),
+    ]
+
+
 def test_dtensor_placements_read_on_four_gloo_ranks():
     """A DTensor's placements as remapdsl reads them (its mesh, named or not, strided shards, a
     rank outside the mesh, and the placements it refuses), on real gloo ranks."""

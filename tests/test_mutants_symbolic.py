@@ -170,6 +170,8 @@ def _op_error(folder: Path, text: str, config: dict | None = None) -> tuple:
     ("w, h -> s | concat(dim=0)", "`concat`: concat needs matching shapes outside dim 0: [4, 2] and [4, 3]", (13, 26)),
     ("w, v, h -> s | concat(dim=0)", "`concat`: concat needs matching shapes outside dim 0: [4, 2] and [4, 3]",
      (16, 29)),
+    ("w, h -> s | interleave(dim=0, groups=2)",
+     "`interleave`: interleave needs matching shapes outside dim 0: [4, 2] and [4, 3]", (13, 40)),
     ("w -> s | transpose(-3, 0)", "`transpose`: a=-3 is out of range for a 2-d tensor", (10, 26)),
     ("w, h -> s | stack(dim=0)", "`stack`: stack needs matching shapes: [4, 2] and [4, 3]", (13, 25)),
     ("w, i -> s | concat(dim=0)", "`concat`: concat needs one dtype: float32 and bfloat16", (13, 26)),
