@@ -205,15 +205,24 @@ def test_a_size_from_the_config_beyond_the_limit_is_e209(shapes):
      ("E207", "`deinterleave`: `groups` must be at least 1, not 0", 16, 52, "while binding `x`")),
     ("x, x -> s | interleave(dim=0, groups=config.g)", {"g": 0},
      ("E207", "`interleave`: `groups` must be at least 1, not 0", 13, 47, "while binding `x`, `x`")),
+    ("x -> s | rope_permute(heads=config.g)", {"g": 0},
+     ("E207", "`rope_permute`: `heads` must be at least 1, not 0", 10, 38, "while binding `x`")),
+    ("x -> s | rope_unpermute(heads=config.g)", {"g": 0},
+     ("E207", "`rope_unpermute`: `heads` must be at least 1, not 0", 10, 40, "while binding `x`")),
+    # 17 parts of one block each, cut into 65,536 groups: checked before any is built
+    ("x.{a,b,c,d,e,f,g,h,i,j,k,l,m,n,o,p,q} -> s | interleave(dim=0, groups=65536)", {},
+     ("E209", "`interleave`: interleaving 65536 groups would describe one tensor by 1114112 blocks: more than "
+      "2^20 = 1048576, the most one tensor may have", 46, 77, _LIMIT_HINT)),
     # 17 blocks (one a copy) cut into 65,536 groups each: checked before any is built
     ("x -> s.{a,b} | repeat(dim=0, times=17) | deinterleave(dim=0, groups=65536)", {},
      ("E209", "`deinterleave`: deinterleaving 65536 groups would describe one tensor by 1114112 blocks: more than "
       "2^20 = 1048576, the most one tensor may have", 42, 75, _LIMIT_HINT)),
 ])
-def test_interleave_s_counts_are_bounded(text, config, diagnostic):
-    """A count of groups past the limits, or below 1, and a tensor of more blocks than one may have,
-    each told at the op: on a headers-only inventory of one tensor x [131072]."""
-    inventory = remapdsl.Inventory.from_shapes({"x": ("float32", (131072,))})
+def test_counts_of_groups_and_heads_are_bounded(text, config, diagnostic):
+    """A count of groups or heads past the limits, or below 1, and a tensor of more blocks than one
+    may have, each told at the op: on a headers-only inventory (x [131072], x.a to x.q [65536])."""
+    inventory = remapdsl.Inventory.from_shapes({"x": ("float32", (131072,)),
+                                                **{f"x.{c}": ("float32", (65536,)) for c in "abcdefghijklmnopq"}})
     assert _op_error(inventory, text, config) == diagnostic
 
 
@@ -230,6 +239,33 @@ def test_a_reshape_that_drops_trailing_unit_dims_drops_their_columns_of_the_map(
                       "t": (Block((0,), (3,), "v", (0, 0, 0, 0), ((0,), (1,), (0,), (0,))),
                             Block((3,), (3,), "v", (1, 0, 0, 0), ((0,), (1,), (0,), (0,))))}
     assert "[0:4] <- w [0:4, 0]" in remapdsl.explain(compiled, "s")
+
+
+def test_a_pad_s_fill_block_has_an_empty_map(tmp_path):
+    """w [4, 2] padded to 6 rows: the fill block reads no source, so its base and map are empty
+    (as `remapdsl explain --json` prints them), and it is made in the tensor's dtype."""
+    import json
+
+    from remapdsl.indexmap import Block
+
+    source = _write(tmp_path / "src", {"w": torch.zeros(4, 2)})
+    compiled = remapdsl.compile_rules(rules_from_text("remap 1\nw -> s | pad(dim=0, to=6, value=1.5)\n", "t.remap"),
+                                      source, {})
+    (s,) = compiled.runtime_tensors
+    assert s.blocks[1] == Block((4, 0), (2, 2), None, (), (), (("cast", "float32"),), 1.5)
+    assert json.loads(compiled.model_dump_json())["runtime_tensors"][0]["blocks"][1] == [
+        [4, 0], [2, 2], None, [], [], [["cast", "float32"]], 1.5]
+
+
+def test_merging_dims_a_split_made_keeps_one_block():
+    """x [24] seen as [2, 3, 4], then as [2, 12]: dims 1 and 2 step x by 4 and 1, so merged they
+    step it by 1, one affine block (not one a row)."""
+    from remapdsl.indexmap import Block
+
+    inventory = remapdsl.Inventory.from_shapes({"x": ("float32", (24,))})
+    rules = rules_from_text("remap 1\nx -> s | reshape([2, 3, 4]) | reshape([2, 12])\n", "t.remap")
+    (s,) = remapdsl.compile_rules(rules, inventory, {}).runtime_tensors
+    assert s.blocks == (Block((0, 0), (2, 12), "x", (0,), ((12, 1),)),)
 
 
 def test_unstacking_up_to_the_limit_makes_that_many_tensors_and_one_more_is_e209():
