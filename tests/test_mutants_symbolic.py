@@ -182,6 +182,12 @@ def test_an_op_that_does_not_fit_its_shapes_is_e207(shapes, text, message, colum
     assert _op_error(shapes, text) == ("E207", message, *columns, hint)
 
 
+def test_dims_from_the_config_that_are_no_permutation_are_e207(shapes):
+    """A literal list is checked before binding (E124); one from the config only at the op."""
+    assert _op_error(shapes, "w -> s | permute(config.p)", {"p": [1, -1]}) == (
+        "E207", "`permute`: [1, -1] is not a permutation of the 2 dims", 10, 27, "while binding `w`")
+
+
 _LIMIT_HINT = "sizes and counts this large cannot be a model's tensors (limits: docs/errors.md)"
 
 
