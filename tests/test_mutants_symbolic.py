@@ -188,6 +188,39 @@ def test_dims_from_the_config_that_are_no_permutation_are_e207(shapes):
         "E207", "`permute`: [1, -1] is not a permutation of the 2 dims", 10, 27, "while binding `w`")
 
 
+def _block(offsets, sizes, key="x"):
+    """A block of x (an identity map) or, with key None, a fill of zeros."""
+    from remapdsl.indexmap import Block
+
+    if key is None:
+        return Block(tuple(offsets), tuple(sizes), None, (), (), (), 0.0)
+    eye = tuple(tuple(int(i == j) for j in range(len(sizes))) for i in range(len(sizes)))
+    return Block(tuple(offsets), tuple(sizes), key, tuple(offsets), eye)
+
+
+@pytest.mark.parametrize("blocks, shape, tiles", [
+    ([((0,), (2,))], (4,), True),  # one block, not the whole tensor: inside, nothing to overlap
+    ([((0,), (2,)), ((2,), (3,))], (4,), False),  # the second ends past the tensor
+    ([((-1,), (2,)), ((1,), (3,))], (4,), False),  # the first starts before it
+    ([((0, 0), (2, 1)), ((0, 1), (2, 3))], (2, 4), True),
+    ([((0, 0), (2, 2)), ((0, 1), (2, 3))], (2, 4), False),  # same rows, columns 1:2 twice
+    ([((0,), (2,)), ((2,), (1,)), ((3,), (1,))], (4,), True),  # blocks that meet, end to start
+    ([((), ()), ((), ())], (), False),  # a scalar made twice
+])
+def test_the_tiling_check_tells_blocks_outside_or_overlapping(blocks, shape, tiles):
+    """E206's check (`symbolic.tiles`: an invariant of the ops, so no rule breaks it) on blocks made
+    to break it, of sizes that differ (the general sweep, not the fast paths)."""
+    from remapdsl.compile.symbolic import tiles as check
+
+    assert check(tuple(_block(o, n) for o, n in blocks), shape) is tiles
+
+
+def test_the_tiling_check_tells_a_fill_and_a_read_at_one_place():
+    from remapdsl.compile.symbolic import tiles
+
+    assert tiles((_block((0,), (2,), None), _block((0,), (2,)), _block((2,), (2,))), (4,)) is False
+
+
 _LIMIT_HINT = "sizes and counts this large cannot be a model's tensors (limits: docs/errors.md)"
 
 
