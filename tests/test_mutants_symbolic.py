@@ -307,6 +307,14 @@ def test_merging_dims_a_split_made_keeps_one_block():
     assert s.blocks == (Block((0, 0), (2, 12), "x", (0,), ((12, 1),)),)
 
 
+def test_a_repeat_past_the_largest_size_is_e209():
+    """y [2^33, 2] repeated 65,536 times on dim 0 would be [2^49, 2]: refused before any block is made."""
+    inventory = remapdsl.Inventory.from_shapes({"y": ("float32", (2**33, 2))})
+    assert _op_error(inventory, "y -> s | repeat(dim=0, times=65536)") == (
+        "E209", f"`repeat`: repeat 65536 times makes a tensor of shape [{2**49}, 2], {2**50} elements: more than "
+        f"2^48 = {2**48}, the largest size", 10, 36, _LIMIT_HINT)
+
+
 def test_unstacking_up_to_the_limit_makes_that_many_tensors_and_one_more_is_e209():
     from remapdsl.compile import symbolic as sym
     from remapdsl.language.limits import MAX_PIECES
