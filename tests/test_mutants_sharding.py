@@ -563,6 +563,34 @@ def test_a_write_plan_keeps_the_stored_scales_unless_asked_to_requantize(tmp_pat
     assert (requantized.requantize, requantized.bytes_written) == (True, 20)
 
 
+def test_a_save_reports_every_file_it_wrote_into(tmp_path):
+    """FP8 values in a.safetensors, their scale in b.safetensors: the save writes the values into
+    a and copies the stored scale into b, or, with requantize, writes a new scale there: both files
+    are the rank's, in its write plan (values; new scales) and in the save's report (copies too)."""
+    from remapdsl.compile.inverse import writers
+    from remapdsl.sharding.holdings import whole_shard
+    from remapdsl.sharding.plans import make_write_plan
+
+    source = tmp_path / "src"
+    source.mkdir()
+    save_file({"q.weight": torch.ones(4, 4).to(torch.float8_e4m3fn)}, str(source / "a.safetensors"))
+    save_file({"q.weight_scale_inv": torch.ones(1, 1)}, str(source / "b.safetensors"))
+    (source / "model.safetensors.index.json").write_text(json.dumps(
+        {"metadata": {}, "weight_map": {"q.weight": "a.safetensors", "q.weight_scale_inv": "b.safetensors"}}))
+    (source / "config.json").write_text("{}")
+    inventory = remapdsl.open_checkpoint(source)
+    rules = rules_from_text("remap 1\ndequantize q.weight, q.weight_scale_inv -> q | fp8_block(block=[4, 4], "
+                            "to=float32)\nq -> w\n", "t.remap")
+    compiled = remapdsl.compile_rules(rules, inventory, {})
+    args = (writers(compiled), inventory, {"w": whole_shard((4, 4))}, 0, compiled.logical_by_key())
+    assert make_write_plan(*args).files == ("a.safetensors",)
+    assert make_write_plan(*args, requantize=True).files == ("a.safetensors", "b.safetensors")
+    state = {"w": torch.ones(4, 4)}
+    for requantize in (False, True):
+        report = remapdsl.save(state, tmp_path / f"out{requantize}", rules, like=source, requantize=requantize)
+        assert report.files == ("a.safetensors", "b.safetensors"), requantize
+
+
 def test_a_scalar_tensor_plans_its_read_and_its_write(tmp_path):
     """A 0-d tensor (no first dim to index its blocks by) is read and written whole: 4 bytes each."""
     from remapdsl.compile.inverse import writers

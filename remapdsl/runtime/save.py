@@ -112,7 +112,8 @@ def _save(state_dict, folder: Path, rules, like, config, layout, mesh, overwrite
                                                           copy_bytes(copies, reader, writer)))
     finally:
         reader.close()
-    return SaveReport(folder=str(folder), rank=rank, bytes_written=plan.bytes_written + copied, files=plan.files,
+    return SaveReport(folder=str(folder), rank=rank, bytes_written=plan.bytes_written + copied,
+                      files=tuple(sorted({*plan.files, *(piece[2] for piece in copies)})),
                       seconds=time.perf_counter() - start, sync_seconds=sync_seconds, bytes_copied=copied)
 
 
