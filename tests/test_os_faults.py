@@ -12,6 +12,7 @@ from __future__ import annotations
 import datetime
 import errno
 import json
+import logging
 import os
 import pickle
 import shutil
@@ -303,7 +304,7 @@ def _killed_mid_save(rank: int, rendezvous: str, out: str) -> None:
     os._exit(1)
 
 
-def test_a_save_whose_rank_0_is_killed_leaves_the_old_checkpoint_and_is_cleaned_up_next_time(tmp_path):
+def test_a_save_whose_rank_0_is_killed_leaves_the_old_checkpoint_and_is_cleaned_up_next_time(tmp_path, caplog):
 
     from remapdsl.checkpoint.writer import OWNER
 
@@ -332,7 +333,10 @@ def test_a_save_whose_rank_0_is_killed_leaves_the_old_checkpoint_and_is_cleaned_
     # the next save (one process) removes the dead one's folder and replaces the old checkpoint
     state = _state()
     remapdsl.load(state, str(CHECKPOINT), RULES)
-    remapdsl.save(state, tmp_path / "previous", RULES, like=str(CHECKPOINT), overwrite=True)
+    with caplog.at_level(logging.INFO, logger="remapdsl"):
+        remapdsl.save(state, tmp_path / "previous", RULES, like=str(CHECKPOINT), overwrite=True)
     assert sorted(p.name for p in tmp_path.glob(".previous.*")) == [live.name, unknown.name]
+    assert [r.getMessage() for r in caplog.records if "staging" in r.getMessage()] == [
+        f"removed {stale[0]}: the staging folder of an earlier save to {tmp_path / 'previous'}, whose process died"]
     assert (tmp_path / "previous" / "model.safetensors").read_bytes() == (CHECKPOINT / "model.safetensors").read_bytes()
     assert not (tmp_path / "previous" / OWNER).exists()

@@ -18,6 +18,7 @@ only when the call is made, so `import remapdsl` stays free of torch.
 from __future__ import annotations
 
 import json
+import logging
 import secrets
 import time
 from collections.abc import Mapping
@@ -52,6 +53,8 @@ from ..sizes import parse_size
 from . import dist
 from .prepare import check_mesh, compile_everywhere, layout_agreement
 from .write import run_write_plan
+
+_log = logging.getLogger("remapdsl")
 
 
 class SaveReport(BaseModel):
@@ -235,14 +238,20 @@ def derived_layout(rules, config, tensors, layout, folder: Path, max_shard_size:
 def write_output(folder: Path, layout, *, headers=None, index=None, copy_from=None, files=None, overwrite: bool,
                  write, planned: int = 0) -> float:
     """The phases every rank runs to write a checkpoint in place: rank 0 checks the destination,
-    removes the staging folders of earlier saves there whose process died, and creates the staging files of `layout` (an Inventory: `like`'s, or a new one with `headers` and
+    removes (and logs) the staging folders of earlier saves there whose process died, and creates
+    the staging files of `layout` (an Inventory: `like`'s, or a new one with `headers` and
     `index`), every rank runs `write(writer)`, rank 0 commits. An error on any rank, in any phase,
     is raised on every rank and the staging folder is removed. `planned`: the bytes this rank writes
     (named when the disk fills up). Returns this rank's fsync seconds."""
 
     rank = dist.rank()
-    token = dist.from_first(lambda: (check_destination(folder, overwrite), remove_stale_staging(folder),
-                                     secrets.token_hex(6))[2], "checking the destination")
+    def destination() -> str:
+        check_destination(folder, overwrite)
+        for stale in remove_stale_staging(folder):
+            _log.info("removed %s: the staging folder of an earlier save to %s, whose process died", stale, folder)
+        return secrets.token_hex(6)
+
+    token = dist.from_first(destination, "checking the destination")
     staging = staging_path(folder, token)
     writer = FileWriter(staging, planned)
     try:
