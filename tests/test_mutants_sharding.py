@@ -591,6 +591,26 @@ def test_a_save_reports_every_file_it_wrote_into(tmp_path):
         assert report.files == ("a.safetensors", "b.safetensors"), requantize
 
 
+def test_a_strided_part_of_a_dequantized_tensor_is_e503_on_save(tmp_path):
+    """q [8, 4] (FP8, a scale a row) seen as [2, 4, 4] and cut in two on the middle dim: w.a holds
+    rows 0, 1, 4, 5, not one box of q, which its format cannot encode: E503 naming both, and no
+    output is written."""
+    source = tmp_path / "src"
+    source.mkdir()
+    save_file({"q.weight": torch.ones(8, 4).to(torch.float8_e4m3fn), "q.weight_scale_inv": torch.ones(8, 1)},
+              str(source / "model.safetensors"))
+    (source / "config.json").write_text("{}")
+    rules = rules_from_text("remap 1\ndequantize q.weight, q.weight_scale_inv -> q | fp8_block(block=[1, 4], "
+                            "to=float32)\nq -> w.{a,b} | reshape([2, 4, 4]) | split(dim=1, sizes=[2, 2])\n", "t.remap")
+    state = {"w.a": torch.zeros(2, 2, 4), "w.b": torch.zeros(2, 2, 4)}
+    remapdsl.load(state, source, rules, config={})
+    with pytest.raises(RemapError) as caught:
+        remapdsl.save(state, tmp_path / "out", rules, like=source)
+    assert [(d.code, d.message) for d in caught.value.diagnostics] == [
+        ("E503", "`w.a` holds a strided part of `q`: it cannot be written back in its format")]
+    assert not (tmp_path / "out").exists()
+
+
 def test_a_scalar_tensor_plans_its_read_and_its_write(tmp_path):
     """A 0-d tensor (no first dim to index its blocks by) is read and written whole: 4 bytes each."""
     from remapdsl.compile.inverse import writers

@@ -95,6 +95,35 @@ def test_a_format_that_cannot_encode_is_e503_without_requantize(tmp_path, int8_r
          "move the stored values as they are (`quantized`), or save a dequantized checkpoint")]
 
 
+def test_the_writers_defaults_keep_the_stored_scales_and_refuse_a_dropped_tensor(tmp_path, fp8_tensor_checkpoint):
+    """`inverse.writers(compiled)` as a caller without options gets it: no new scales asked of a
+    format that cannot make them (fp8_tensor), and a tensor the rules drop is E501, not skipped."""
+    from remapdsl.compile.inverse import writers
+
+    compiled = remapdsl.compile_rules(rules_from_text("remap 1\n" + _FP8_TENSOR, "t.remap"), fp8_tensor_checkpoint, {})
+    assert [w.runtime_key for w in writers(compiled)] == ["q"]
+    compiled = remapdsl.compile_rules(rules_from_text("remap 1\n" + _FP8_TENSOR.replace("q.weight -> q\n", "drop q.weight\n"),
+                                                      "t.remap"), fp8_tensor_checkpoint, {}, strict=False)
+    with pytest.raises(remapdsl.RemapError) as info:
+        writers(compiled)
+    assert [(d.code, d.message) for d in info.value.diagnostics] == [
+        ("E501", "checkpoint tensor `q.weight` is dropped by the rules: no runtime tensor holds it")]
+
+
+def test_an_add_step_is_undone_on_save(tmp_path):
+    """`add(1.5)` then `scale(2)` on load: the save halves, then subtracts 1.5 (the inverse steps, in
+    reverse order), and writes the bytes as they were."""
+    from remapdsl.compile.inverse import writers
+
+    source = _write(tmp_path / "src", {"w": torch.arange(8, dtype=torch.float32).reshape(4, 2)})
+    state, rules = _load("w -> s | add(1.5) | scale(2)\n", source)
+    assert torch.equal(state["s"], (torch.arange(8, dtype=torch.float32).reshape(4, 2) + 1.5) * 2)
+    (w,) = writers(remapdsl.compile_rules(rules, source, {}))
+    assert w.steps == (("scale", 0.5), ("add", -1.5))
+    remapdsl.save(state, tmp_path / "out", rules, like=source)
+    assert (tmp_path / "out" / "model.safetensors").read_bytes() == (source / "model.safetensors").read_bytes()
+
+
 # -- inverse.py: overlapping readers of one checkpoint tensor --
 
 @pytest.mark.parametrize("first, second", [((0, 6), (2, 8)), ((0, 2), (0, 8)), ((5, 8), (0, 8)), ((0, 1), (0, 2))])
