@@ -160,6 +160,24 @@ def test_rules_whose_blocks_are_no_strided_box_each_write_their_own_rows(tmp_pat
     assert torch.equal(saved, want)
 
 
+def test_the_first_rule_in_the_file_wins_an_overlap_whatever_the_names(tmp_path):
+    """z (line 2) and b (line 3) both read rows 2:6 of w: z's rule comes first, so z writes them,
+    though `b` sorts first by name. A hand-built tensor without a rule span goes before every
+    rule's (here z without its span still wins, now over a rule file at an absolute path)."""
+    from remapdsl.compile.inverse import writers
+
+    source = _write(tmp_path / "src", {"w": torch.zeros(8, 3)})
+    rules = rules_from_text("remap 1\nw -> z | slice(dim=0, start=0, stop=6)\nw -> b | slice(dim=0, start=2, stop=8)\n",
+                            "/rules/t.remap")
+    compiled = remapdsl.compile_rules(rules, source, {})
+    assert [d.runtime_key for d in compiled.runtime_tensors] == ["b", "z"]
+    rows = [(w.runtime_key, w.block.base[0], w.block.sizes[0]) for w in writers(compiled)]
+    assert rows == [("z", 0, 6), ("b", 6, 2)]
+    unnamed = compiled.model_copy(update={"runtime_tensors": tuple(
+        d.model_copy(update={"rule": None}) if d.runtime_key == "z" else d for d in compiled.runtime_tensors)})
+    assert [(w.runtime_key, w.block.base[0], w.block.sizes[0]) for w in writers(unnamed)] == rows
+
+
 # -- symbolic.py: each op's error, as the user reads it (E207, E209) --
 
 @pytest.fixture(scope="module")
