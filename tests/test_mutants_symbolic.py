@@ -124,6 +124,21 @@ def test_an_add_step_is_undone_on_save(tmp_path):
     assert (tmp_path / "out" / "model.safetensors").read_bytes() == (source / "model.safetensors").read_bytes()
 
 
+def test_a_tensor_that_cannot_be_written_back_leaves_the_rest_of_its_rule_to_be_checked(tmp_path, int8_row_readonly):
+    """s concatenates a (a format that cannot write back: E503) and b (read through a lossy cast:
+    E502): the save names both, each whole, not only the first block's."""
+    source = _write(tmp_path / "src", {"a.qweight": torch.ones(2, 3, dtype=torch.int8), "a.scales": torch.ones(2),
+                                       "b": torch.ones(2, 3)})
+    state, rules = _load("dequantize {P:path}.qweight, {P}.scales -> {P}.weight | int8_row_readonly(to=float32)\n"
+                         "a.weight, b -> s | cast(bfloat16) | concat(dim=0)\n", source)
+    assert _save_error(state, tmp_path / "out", rules, source) == [
+        ("E503", "`s` holds `a.weight` dequantized (int8_row_readonly); writing it back in that format is not "
+         "supported yet", ("t.remap", 3, 1, 3, 50),
+         "move the stored values as they are (`quantized`), or save a dequantized checkpoint"),
+        ("E502", "`s` reads `b` through `cast(bfloat16)`, which loses values: the checkpoint cannot be written "
+         "back exactly", ("t.remap", 3, 1, 3, 50), "pass allow_lossy=True to write the rounded values")]
+
+
 # -- inverse.py: overlapping readers of one checkpoint tensor --
 
 @pytest.mark.parametrize("first, second", [((0, 6), (2, 8)), ((0, 2), (0, 8)), ((5, 8), (0, 8)), ((0, 1), (0, 2))])
