@@ -139,6 +139,32 @@ def test_a_tensor_that_cannot_be_written_back_leaves_the_rest_of_its_rule_to_be_
          "back exactly", ("t.remap", 3, 1, 3, 50), "pass allow_lossy=True to write the rounded values")]
 
 
+_E501_HINT = "the save writes back only what the load read"
+
+
+@pytest.mark.parametrize("dropped, expected", [
+    ("error", [("E501", "checkpoint tensor `b` is dropped by the rules: no runtime tensor holds it",
+                _E501_HINT + ": pass dropped=\"copy\" (`--dropped copy`) to copy it unchanged from `like`, "
+                "or dropped=\"omit\" (`--dropped omit`) to leave it out of the output")]),
+    ("copy", []),
+])
+def test_every_tensor_a_save_cannot_write_is_named_whole(tmp_path, dropped, expected):
+    """a (empty, read), b (dropped), c (half read through a `slice`), d (read by no rule, lenient
+    rules): each E501 of `inverse.writers`, code, message and hint, none hidden by the tensors before."""
+    from remapdsl.compile.inverse import writers
+
+    source = _write(tmp_path / "src", {"a": torch.zeros(0), "b": torch.zeros(4), "c": torch.zeros(4, 2),
+                                       "d": torch.zeros(3)})
+    rules = rules_from_text("remap 1\na -> a\ndrop b\nc -> c | slice(dim=0, start=0, stop=2)\n", "t.remap")
+    compiled = remapdsl.compile_rules(rules, source, {}, strict=False)
+    with pytest.raises(remapdsl.RemapError) as info:
+        writers(compiled, dropped=dropped)
+    assert [(d.code, d.message, d.hint) for d in info.value.diagnostics] == expected + [
+        ("E501", "checkpoint tensor `c` [4, 2]: the runtime tensors hold 4 of its 8 elements (a `slice` left the "
+         "rest out)", _E501_HINT),
+        ("E501", "checkpoint tensor `d` is read by no rule: no runtime tensor holds it", _E501_HINT)]
+
+
 # -- inverse.py: overlapping readers of one checkpoint tensor --
 
 @pytest.mark.parametrize("first, second", [((0, 6), (2, 8)), ((0, 2), (0, 8)), ((5, 8), (0, 8)), ((0, 1), (0, 2))])
