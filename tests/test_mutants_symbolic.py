@@ -270,10 +270,12 @@ def test_an_op_that_does_not_fit_its_shapes_is_e207(shapes, text, message, colum
     assert _op_error(shapes, text) == ("E207", message, *columns, hint)
 
 
-def test_dims_from_the_config_that_are_no_permutation_are_e207(shapes):
+def test_dims_and_shapes_from_the_config_are_checked_at_the_op(shapes):
     """A literal list is checked before binding (E124); one from the config only at the op."""
     assert _op_error(shapes, "w -> s | permute(config.p)", {"p": [1, -1]}) == (
         "E207", "`permute`: [1, -1] is not a permutation of the 2 dims", 10, 27, "while binding `w`")
+    assert _op_error(shapes, "w -> s | reshape(config.s)", {"s": [-1, -1]}) == (
+        "E207", "`reshape`: a reshape may infer one size (-1), not several", 10, 27, "while binding `w`")
 
 
 def _block(offsets, sizes, key="x"):
