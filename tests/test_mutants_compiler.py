@@ -335,3 +335,14 @@ def test_a_guard_reading_a_capture_inside_a_list_filters_the_bindings(checkpoint
     """`[L, 1]` reads L: the guard is decided per binding, not once for the config (where L is unknown)."""
     compiled = _compile(checkpoint, "a.{L}.w -> c.{L} when [L, 1] != [3, 1]\n")
     assert [t.runtime_key for t in compiled.runtime_tensors] == ["c.0", "c.1", "c.2"]
+
+
+def test_each_group_of_alternatives_in_a_target_takes_its_own_choice(tmp_path):
+    """Three groups of alternatives: s.a.d.f goes to t.A.D.F (the third group's choice is the
+    third, not the second's again), for each of the 8 keys."""
+    keys = [f"s.{x}.{y}.{z}" for x in "ab" for y in "cd" for z in "ef"]
+    save_file({k: torch.full((1,), float(i)) for i, k in enumerate(keys)}, str(tmp_path / "model.safetensors"))
+    compiled = remapdsl.compile_rules(rules_from_text(
+        "remap 1\ns.{a,b}.{c,d}.{e,f} -> t.{A,B}.{C,D}.{E,F}\n", "t.remap"), tmp_path, {})
+    assert sorted((d.runtime_key, d.blocks[0].source_key) for d in compiled.runtime_tensors) == sorted(
+        ("t." + k[2:].upper(), k) for k in keys)
