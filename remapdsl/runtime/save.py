@@ -245,6 +245,7 @@ def write_output(folder: Path, layout, *, headers=None, index=None, copy_from=No
     (named when the disk fills up). Returns this rank's fsync seconds."""
 
     rank = dist.rank()
+
     def destination() -> str:
         check_destination(folder, overwrite)
         for stale in remove_stale_staging(folder):
