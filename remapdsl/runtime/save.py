@@ -249,7 +249,8 @@ def write_output(folder: Path, layout, *, headers=None, index=None, copy_from=No
     def destination() -> str:
         check_destination(folder, overwrite)
         for stale in remove_stale_staging(folder):
-            _log.info("removed %s: the staging folder of an earlier save to %s, whose process died", stale, folder)
+            _log.info("removed %s: the staging folder of an earlier save to %s, whose process died",
+                      stale, folder)
         return secrets.token_hex(6)
 
     token = dist.from_first(destination, "checking the destination")

@@ -337,7 +337,7 @@ def make_write_plan(writers, inventory: Inventory, owned: Mapping[str, LocalShar
     written = sum(i.runs.total for i in items) + sum(i.parts[0].runs.total for i in encodes)
     if requantize:
         written += sum(p.runs.total for i in encodes for p in i.parts[1:])
-    encoded = {p.file for i in encodes for p in (i.parts if requantize else i.parts[:1])}  # values, new scales
+    encoded = {p.file for i in encodes for p in (i.parts if requantize else i.parts[:1])}  # values (+ scales)
     return WritePlan.model_construct(  # built here from checked parts: no validation pass over every item
         rank=rank, items=tuple(items), encodes=tuple(encodes), requantize=requantize, bytes_written=written,
         files=tuple(sorted({i.file for i in items} | encoded)))
