@@ -334,13 +334,12 @@ def make_write_plan(writers, inventory: Inventory, owned: Mapping[str, LocalShar
             for w in index.meeting(box.offsets, box.sizes) if index else mine:
                 _write_piece(w, box, local_offsets, inventory, logical, items, encodes, layouts)
     items.sort(key=lambda i: (i.file, i.runs.first))
-    written = sum(i.runs.total for i in items) + sum(i.parts[0].runs.total for i in encodes)
-    if requantize:
-        written += sum(p.runs.total for i in encodes for p in i.parts[1:])
-    encoded = {p.file for i in encodes for p in (i.parts if requantize else i.parts[:1])}  # values (+ scales)
+    # the parts an encode writes: its values, and its new scales when it requantizes
+    encoded = [p for i in encodes for p in (i.parts if requantize else i.parts[:1])]
+    written = sum(i.runs.total for i in items) + sum(p.runs.total for p in encoded)
     return WritePlan.model_construct(  # built here from checked parts: no validation pass over every item
         rank=rank, items=tuple(items), encodes=tuple(encodes), requantize=requantize, bytes_written=written,
-        files=tuple(sorted({i.file for i in items} | encoded)))
+        files=tuple(sorted({i.file for i in items} | {p.file for p in encoded})))
 
 
 def _write_piece(w, box, local_offsets, inventory: Inventory, logical: Mapping, items: list, encodes: list,
