@@ -600,8 +600,9 @@ def test_a_strided_part_of_a_dequantized_tensor_is_e503_on_save(tmp_path):
     remapdsl.load(state, source, rules, config={})
     with pytest.raises(RemapError) as caught:
         remapdsl.save(state, tmp_path / "out", rules, like=source)
-    assert [(d.code, d.message) for d in caught.value.diagnostics] == [
-        ("E503", "`w.a` holds a strided part of `q`: it cannot be written back in its format")]
+    (d,) = caught.value.diagnostics
+    assert (d.code, d.message) == ("E503", "`w.a` holds a strided part of `q`: it cannot be written back in its format")
+    assert (d.span.path, d.span.line) == ("t.remap", 3) and "`quantized`" in d.hint
     assert not (tmp_path / "out").exists()
 
 

@@ -15,7 +15,7 @@ from math import prod
 from typing import NamedTuple
 
 from ..dtypes import BY_NAME
-from ..errors import Diagnostic, RemapError
+from ..errors import Diagnostic, RemapError, Span
 from ..indexmap import box_overlap, cut, source_box, volume
 from ..quant import get_format
 from .model import Block, Compiled
@@ -32,6 +32,7 @@ class Writer(NamedTuple):
     runtime_key: str
     block: Block
     steps: tuple[tuple[str, str | float], ...]
+    rule: Span | None = None  # the rule that made the runtime tensor, for errors found when planning
 
 
 DROPPED = ("error", "copy", "omit")  # what a save does with the checkpoint tensors the rules drop
@@ -80,10 +81,10 @@ def writers(compiled: Compiled, *, allow_lossy: bool = False, requantize: bool =
                 continue
             if cover is None:  # the tensor's first writer: all of its block is new
                 covered[key] = _ALL if prod(block.sizes) == prod(source.shape) else _Covered(source.shape, block)
-                chosen[key] = [Writer(d.runtime_key, block, steps)]
+                chosen[key] = [Writer(d.runtime_key, block, steps, d.rule)]
                 continue
             for piece in _new_parts(block, source.shape, cover):  # what earlier rules left: first rule wins
-                chosen[key].append(Writer(d.runtime_key, piece, steps))
+                chosen[key].append(Writer(d.runtime_key, piece, steps, d.rule))
     dequantized = {part for source in logical.values() for part in source.parts}
     choice, dropped = dropped, set(compiled.dropped)
     checked = [(k, s) for k, s in sources.items() if k not in dequantized] + list(logical.items())

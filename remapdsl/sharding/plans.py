@@ -365,6 +365,9 @@ def _write_piece(w, box, local_offsets, inventory: Inventory, logical: Mapping, 
     piece = piece._replace(steps=w.steps)
     item = _decode_item(w.runtime_key, local, piece, logical[piece.source_key], inventory, layouts)
     if item.offset or volume(item.box[1]) != volume(item.sizes):
-        raise RemapError(Diagnostic(code="E503", message=f"`{w.runtime_key}` holds a strided part of "
-                                    f"`{piece.source_key}`: it cannot be written back in its format"))
+        raise RemapError(Diagnostic(
+            code="E503", span=w.rule, message=f"`{w.runtime_key}` holds a strided part of `{piece.source_key}`: "
+            "it cannot be written back in its format",
+            hint=f"its format encodes boxes of `{piece.source_key}` only: cut it along its own dims, or "
+            "declare it `quantized` to move its stored bytes as they are"))
     encodes.append(item)
