@@ -346,3 +346,33 @@ def test_each_group_of_alternatives_in_a_target_takes_its_own_choice(tmp_path):
         "remap 1\ns.{a,b}.{c,d}.{e,f} -> t.{A,B}.{C,D}.{E,F}\n", "t.remap"), tmp_path, {})
     assert sorted((d.runtime_key, d.blocks[0].source_key) for d in compiled.runtime_tensors) == sorted(
         ("t." + k[2:].upper(), k) for k in keys)
+
+
+def test_a_macros_arguments_see_the_config_and_the_lets(checkpoint):
+    """`m(n=config.k * H)`: the argument is evaluated with the run's config and the file's lets
+    (n = 1 * 2, so a.0.w [4, 2] is reshaped to [2, 4]); the binding keeps the rule's span."""
+    text = "let H = 2\nmacro m(n) = reshape([n, -1])\na.0.w -> X | m(n=config.k * H)\n"
+    compiled = _compile(checkpoint, text, {"k": 1})
+    assert [(t.runtime_key, t.shape) for t in compiled.runtime_tensors] == [("X", (2, 4))]
+    (bound,) = compiled.bindings
+    assert (bound.rule.path, bound.rule.line, bound.runtime_keys, bound.ckpt_keys) == ("t.remap", 4, ("X",), ("a.0.w",))
+
+
+def test_an_error_in_a_macros_argument_quotes_its_line(checkpoint):
+    text = "let H = 2\nmacro m(n) = reshape([n, -1])\na.0.w -> X | m(n=config.nope * H)\n"
+    with pytest.raises(remapdsl.RemapError) as caught:
+        _compile(checkpoint, text)
+    (d,) = caught.value.diagnostics
+    assert (d.code, d.message) == ("E211", "`config.nope` is not in the config")
+    assert d.span[1:3] == (4, 18) and d.line_text == "a.0.w -> X | m(n=config.nope * H)"
+
+
+def test_a_rule_with_ops_groups_its_bindings_by_every_capture(checkpoint):
+    """Two captures and an op: each (i, j) is its own group, so each key makes its own tensor;
+    stacked over both (two reduced captures), the keys go in (i, j) order."""
+    one = _compile(checkpoint, "e.{i}.{j}.w -> E.{i}.{j} | transpose(0, 1)\n")
+    assert [(t.runtime_key, t.shape, t.ckpt_keys) for t in one.runtime_tensors] == [
+        ("E.0.0", (2, 4), ("e.0.0.w",)), ("E.0.1", (2, 4), ("e.0.1.w",))]
+    both = _compile(checkpoint, "{g:seg}.{i}.{j}.w -> S.{g} | stack(j, dim=0) | stack(i, dim=0)\n")
+    assert [(t.runtime_key, t.shape, t.ckpt_keys) for t in both.runtime_tensors] == [
+        ("S.e", (1, 2, 4, 2), ("e.0.0.w", "e.0.1.w")), ("S.f", (1, 1, 4, 2), ("f.0.0.w",))]

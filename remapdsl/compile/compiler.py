@@ -254,8 +254,6 @@ class _Compiler:
     # -- building runtime tensors --
 
     def build(self, rule: ir.Rule, bindings: list[Binding]) -> None:
-        target_names = {n.id for p in rule.targets for part in p.parts if isinstance(part, ir.Subst)
-                        for n in names_in(part.expr)}
         ops = expand_macros(rule.ops, self.macros, self.evaluator.config, self.lets, self.rules.line_text)
         self.casting = self.cast_all is not None and not any(isinstance(op, ir.Cast) for op, _ in ops)
         reduced = sorted({op.capture for op, _ in ops if isinstance(op, (ir.Stack, ir.Concat))
@@ -281,7 +279,7 @@ class _Compiler:
             for produced, tensors in state.items():
                 captures = dict(outer) | dict(produced)
                 names = [name(captures) for name in namers] if namers is not None \
-                    else self.targets(rule, captures, target_names)
+                    else self.targets(rule, captures)
                 self.produce(rule, names, tensors, captures, keys)
 
     def produce(self, rule: ir.Rule, names: list[str], tensors: list, captures: dict, keys: tuple) -> None:
@@ -292,7 +290,7 @@ class _Compiler:
         for name, tensor in zip(names, tensors):
             if self.casting and tensor.dtype in _FLOATING and tensor.dtype != self.cast_all:
                 tensor = sym.value_step(tensor, ("cast", self.cast_all))
-            self.runtime_tensor(rule, name, tensor, keys)
+            self.runtime_tensor(rule, name, tensor)
         self.bindings.append(ir.construct(BoundRule, rule=rule.span, captures=tuple(sorted(captures.items())),
                                           ckpt_keys=keys, runtime_keys=tuple(names)))
 
@@ -326,11 +324,12 @@ class _Compiler:
     def target_count(self, rule: ir.Rule) -> int:
         return sum(len(list_axis((p,))) for p in rule.targets)
 
-    def targets(self, rule: ir.Rule, captures: dict, target_names: set[str]) -> list[str]:
+    def targets(self, rule: ir.Rule, captures: dict) -> list[str]:
+        """The keys of one binding's tensors where the targets hold alternatives: one a choice."""
         return [target_key(pattern, choice, captures, self.evaluator)
                 for pattern in rule.targets for _, choice in list_axis((pattern,))]
 
-    def runtime_tensor(self, rule: ir.Rule, name: str, tensor: sym.Sym, keys: tuple) -> None:
+    def runtime_tensor(self, rule: ir.Rule, name: str, tensor: sym.Sym) -> None:
         if name in self.runtime_tensors:
             first = self.runtime_tensors[name].rule
             self.error("E203", f"runtime tensor `{name}` is produced twice", rule.span,
