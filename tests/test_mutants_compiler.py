@@ -376,3 +376,9 @@ def test_a_rule_with_ops_groups_its_bindings_by_every_capture(checkpoint):
     both = _compile(checkpoint, "{g:seg}.{i}.{j}.w -> S.{g} | stack(j, dim=0) | stack(i, dim=0)\n")
     assert [(t.runtime_key, t.shape, t.ckpt_keys) for t in both.runtime_tensors] == [
         ("S.e", (1, 2, 4, 2), ("e.0.0.w", "e.0.1.w")), ("S.f", (1, 1, 4, 2), ("f.0.0.w",))]
+
+
+def test_e208_counts_the_keys_past_the_two_it_names(checkpoint):
+    """`*.0.*.w` takes three keys for one target: the two first named, then `(and 1 more)`."""
+    (found,) = _diagnostics(checkpoint, "*.0.*.w -> X\n")
+    assert found[:2] == ("E208", "one binding takes several checkpoint keys: `e.0.0.w` and `e.0.1.w` (and 1 more)")

@@ -164,9 +164,8 @@ class _Compiler:
         if guard is not None and (partial or unmatched):
             candidates = bool(bindings or partial)
             partial = [p for p in partial if self.may_hold(guard, p.captures)]
-            if unmatched:
-                holding = next((b.captures for b in bindings if self.may_hold(guard, b.captures)),
-                               partial[0].captures if partial else None)
+            if unmatched:  # a pattern found no key, so no binding is complete: the partial ones decide
+                holding = partial[0].captures if partial else None
                 if holding is None and candidates:
                     return set()  # no binding the other patterns found satisfies the guard: off
                 note = (f"its guard `{self.source_text(guard)}` holds for {_captures(holding)}" if holding
