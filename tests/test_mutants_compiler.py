@@ -382,3 +382,18 @@ def test_e208_counts_the_keys_past_the_two_it_names(checkpoint):
     """`*.0.*.w` takes three keys for one target: the two first named, then `(and 1 more)`."""
     (found,) = _diagnostics(checkpoint, "*.0.*.w -> X\n")
     assert found[:2] == ("E208", "one binding takes several checkpoint keys: `e.0.0.w` and `e.0.1.w` (and 1 more)")
+
+
+@pytest.mark.parametrize("guard, more", [("", ""), (" when L < 3", " and 1 more")])
+def test_compile_rules_is_strict_by_default_and_e202_shows_eight_keys(checkpoint, guard, more):
+    """Eight keys left (or nine: a.3.w too) when the compiler's own compile_rules is called without
+    `strict`: E202 names the first eight, and counts only those past them."""
+    from remapdsl.compile import compile_rules
+
+    rules = rules_from_text(f"remap 1\ndrop n.**\na.{{L}}.w -> A.{{L}}{guard}\n", "t.remap")
+    with pytest.raises(remapdsl.RemapError) as caught:
+        compile_rules(rules, remapdsl.open_checkpoint(checkpoint), {})
+    (d,) = caught.value.diagnostics
+    shown = "`a.3.w`, `b.0.w`, `b.1.w`, `e.0.0.w`, `e.0.1.w`, `f.0.0.w`, `m.0.gate`, `m.0.up`" if guard else \
+        "`b.0.w`, `b.1.w`, `e.0.0.w`, `e.0.1.w`, `f.0.0.w`, `m.0.gate`, `m.0.up`, `m.1.up`"
+    assert (d.code, d.message) == ("E202", f"{9 if guard else 8} checkpoint tensors taken by no rule: {shown}{more}")
