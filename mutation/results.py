@@ -16,7 +16,7 @@ RESULTS = Path(__file__).resolve().parent / "results"
 
 def restore(work: Path) -> None:
     """Copy the kept results of each module into WORK/mutants, unless WORK has its own (newer)."""
-    for kept in sorted(RESULTS.rglob("*.meta")):
+    for kept in sorted(RESULTS.rglob("*.py.meta")):
         target = work / "mutants" / kept.relative_to(RESULTS)
         if not target.exists():
             target.parent.mkdir(parents=True, exist_ok=True)
