@@ -81,6 +81,18 @@ def test_a_shard_of_a_strided_shard_ends_inside_its_second_run():
                                                                                        ((0, 0),))
 
 
+@pytest.mark.parametrize("length, split, ranks", [(9, 2, 4), (7, 3, 2), (10, 4, 3)])
+def test_a_strided_shard_of_uneven_splits_holds_what_torch_gives_each_rank(length, split, ranks):
+    """9 rows in splits of 5 and 4 over 4 ranks: the last rank's window of the first split is empty
+    and of the second is row 8; every rank holds the rows torch's own `_StridedShard` gives it."""
+    from torch.distributed.tensor.placement_types import _StridedShard
+
+    shards, _ = _StridedShard(0, split_factor=split)._split_tensor(torch.arange(length), ranks, with_padding=False)
+    for c, shard in enumerate(shards):
+        runs = held_runs(length, [(StridedShard(dim=0, split_factor=split), ranks, c)])
+        assert [i for a, b in runs for i in range(a, b)] == shard.tolist()
+
+
 def test_an_empty_dim_holds_no_runs():
     """`held_runs` of a dim of length 0 is no run at all, with or without placements on it."""
     assert held_runs(0, []) == []
