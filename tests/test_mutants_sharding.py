@@ -620,6 +620,27 @@ def test_a_strided_part_of_a_dequantized_tensor_is_e503_on_save(tmp_path):
     assert not (tmp_path / "out").exists()
 
 
+def test_a_strided_part_a_later_rule_writes_is_e503_at_that_rule(tmp_path):
+    """q seen as [4, 2, 4] and cut in two on the middle dim: w.a holds the even rows of q (one
+    strided box); a first rule reads row 1, so w.a is written as the new part of a later writer,
+    and E503 still names the rule that made w.a (line 4)."""
+    source = tmp_path / "src"
+    source.mkdir()
+    save_file({"q.weight": torch.ones(8, 4).to(torch.float8_e4m3fn), "q.weight_scale_inv": torch.ones(8, 1)},
+              str(source / "model.safetensors"))
+    (source / "config.json").write_text("{}")
+    rules = rules_from_text("remap 1\ndequantize q.weight, q.weight_scale_inv -> q | fp8_block(block=[1, 4], "
+                            "to=float32)\nq -> w0 | slice(dim=0, start=1, stop=2)\n"
+                            "q -> w.{a,b} | reshape([4, 2, 4]) | split(dim=1, sizes=[1, 1])\n", "t.remap")
+    state = {"w0": torch.zeros(1, 4), "w.a": torch.zeros(4, 1, 4), "w.b": torch.zeros(4, 1, 4)}
+    remapdsl.load(state, source, rules, config={})
+    with pytest.raises(RemapError) as caught:
+        remapdsl.save(state, tmp_path / "out", rules, like=source)
+    (d,) = caught.value.diagnostics
+    assert d.code == "E503" and d.message.startswith("`w.a` holds a strided part of `q`")
+    assert (d.span.path, d.span.line) == ("t.remap", 4)
+
+
 def test_a_scalar_tensor_plans_its_read_and_its_write(tmp_path):
     """A 0-d tensor (no first dim to index its blocks by) is read and written whole: 4 bytes each."""
     from remapdsl.compile.inverse import writers
