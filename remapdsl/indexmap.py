@@ -29,7 +29,10 @@ class Block(NamedTuple):
     `base + coeff . (x - offsets)` of tensor `source_key` (coeff: [source dim][runtime dim]): a
     checkpoint key, or the logical key of a tensor a `dequantize` made (`Compiled.logical`),
     then its value `steps`: ("cast", dtype), ("scale", x) or ("add", x). A block without a key is
-    a fill with `fill`, never read.
+    a fill with `fill`, never read. `view` is the shape `base` and `coeff` index: the source's own
+    shape, or its flat view (one dim) once a reshape merged dims that are affine only in its flat
+    index (`w [N, 2] -> reshape([2N])`); () where no view may be taken (a dequantized, quantized or
+    chunked source keeps its dims), meaning the source's own shape.
 
     A named tuple, not a model: a DeepSeek-V3-sized checkpoint compiles to ~10^5 blocks, and the
     compiler's own ops build them; pydantic still checks and writes them as fields of RuntimeTensor.
@@ -42,6 +45,7 @@ class Block(NamedTuple):
     coeff: tuple[tuple[int, ...], ...] = ()
     steps: tuple[tuple[str, str | float], ...] = ()
     fill: float | None = None
+    view: tuple[int, ...] = ()
 
 
 def volume(sizes) -> int:
@@ -113,7 +117,7 @@ def intersect(block: Block, offsets, sizes) -> Block | None:
     if moved and block.source_key is not None:
         shift = [lo - o for lo, o in zip(low, block.offsets)]
         base = tuple(b + sum(c * m for c, m in zip(row, shift)) for b, row in zip(block.base, block.coeff))
-    return Block(tuple(low), tuple(size), block.source_key, base, block.coeff, block.steps, block.fill)
+    return Block(tuple(low), tuple(size), block.source_key, base, block.coeff, block.steps, block.fill, block.view)
 
 
 class Runs(NamedTuple):
@@ -224,7 +228,7 @@ def block_runs(block: Block, shape, byte_offset: int, itemsize: int
                ) -> tuple[Runs, tuple[int, ...], tuple[int, ...]]:
     """A block's byte runs in its source (row-major `shape`, data at `byte_offset`), the element
     strides into their concatenation, and each runtime dim's flat stride in the source."""
-    major, flat, runs, strides = run_layout(tuple(shape), block.coeff, block.sizes, itemsize)
+    major, flat, runs, strides = run_layout(block.view or tuple(shape), block.coeff, block.sizes, itemsize)
     first = byte_offset + itemsize * sum(map(mul, major, block.base))
     return Runs(first, runs.length, runs.counts, runs.strides), strides, flat
 
@@ -256,6 +260,8 @@ def source_box(block: Block, shape) -> tuple[Progression, ...] | None:
     indices it takes. None where its map is not one box (a runtime dim that moves two source dims
     or none, runtime dims that move one source dim other than as one progression, a negative step):
     cut such a block along its dims until each piece is one."""
+    if block.view and block.view != tuple(shape):
+        return _view_box(block, tuple(shape))
     moves: list[list[tuple[int, int]]] = [[] for _ in shape]
     for j, n in enumerate(block.sizes):
         if n <= 1:
@@ -264,6 +270,12 @@ def source_box(block: Block, shape) -> tuple[Progression, ...] | None:
         if len(dims) != 1 or block.coeff[dims[0]][j] < 0:
             return None
         moves[dims[0]].append((block.coeff[dims[0]][j], n))
+    return _progressions(block.base, moves)
+
+
+def _progressions(base, moves: list[list[tuple[int, int]]]) -> tuple[Progression, ...] | None:
+    """Per source dim, the one progression its moves (step, count) walk from `base`, or None where
+    they leave gaps or overlap."""
     box = []
     for k, moving in enumerate(moves):
         step, count = 1, 1
@@ -273,8 +285,46 @@ def source_box(block: Block, shape) -> tuple[Progression, ...] | None:
             if count == 1:
                 step = c
             count *= n
-        box.append((block.base[k], count, step))
+        box.append((base[k], count, step))
     return tuple(box)
+
+
+def _view_box(block: Block, shape: tuple[int, ...]) -> tuple[Progression, ...] | None:
+    """`source_box` of a block that indexes a view of its source: its flat map taken apart onto the
+    source's dims. A runtime dim walks one source dim, or whole rows of it and on into the dim
+    outside (each row walked alike); None where some dim does neither, or a row is cut."""
+    viewed = row_major_strides(block.view)
+    start = sum(map(mul, viewed, block.base))
+    flat = [sum(map(mul, viewed, col)) for col in zip(*block.coeff)]
+    major = row_major_strides(shape)
+    base = [start // m % n for m, n in zip(major, shape)]
+    walks: list[list[int]] = []  # (flat step, count), runtime dims that continue each other merged
+    for t, n in sorted((t, n) for t, n in zip(flat, block.sizes) if n > 1):
+        if walks and t == walks[-1][0] * walks[-1][1]:
+            walks[-1][1] *= n
+        else:
+            walks.append([t, n])
+    moves: list[list[tuple[int, int]]] = [[] for _ in shape]
+    for t, n in walks:
+        while n > 1:
+            if t <= 0:
+                return None
+            k = next(k for k, m in enumerate(major) if m <= t)  # the dim whose rows the step fits in
+            c = t // major[k]
+            if t % major[k]:
+                return None
+            if base[k] + c * (n - 1) < shape[k]:
+                moves[k].append((c, n))
+                break
+            per_row = shape[k] // c  # the walk leaves the row: it must take every c-th index of it
+            if k == 0 or shape[k] % c or base[k] >= c or n % per_row:
+                return None
+            moves[k].append((c, per_row))
+            t, n = major[k] * shape[k], n // per_row
+    box = _progressions(base, moves)
+    if box is None or any(b + s * (n - 1) >= extent for (b, n, s), extent in zip(box, shape)):
+        return None  # runtime dims that together pass the end of a row
+    return box
 
 
 def box_volume(box: tuple[Progression, ...]) -> int:

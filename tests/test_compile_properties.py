@@ -88,8 +88,9 @@ def check_tiling(compiled: remapdsl.compile.Compiled) -> None:
             assert len(b.offsets) == len(b.sizes) == len(d.shape)
             assert all(o >= 0 and o + s <= n for o, s, n in zip(b.offsets, b.sizes, d.shape)), b
             count[tuple(slice(o, o + s) for o, s in zip(b.offsets, b.sizes))] += 1
-            if b.source_key is not None:  # the corners of the box read inside the source
-                source = shapes[b.source_key]
+            if b.source_key is not None:  # the corners of the box read inside the source (or its view)
+                source = b.view or shapes[b.source_key]
+                assert math.prod(source) == math.prod(shapes[b.source_key]), (d.runtime_key, b)
                 for k, n in enumerate(source):
                     low = b.base[k] + sum(min(0, c * (s - 1)) for c, s in zip(b.coeff[k], b.sizes))
                     high = b.base[k] + sum(max(0, c * (s - 1)) for c, s in zip(b.coeff[k], b.sizes))

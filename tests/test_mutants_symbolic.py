@@ -356,18 +356,20 @@ def test_counts_of_groups_and_heads_are_bounded(text, config, diagnostic):
 
 
 def test_a_reshape_that_drops_trailing_unit_dims_drops_their_columns_of_the_map(tmp_path):
-    """w [4, 1] -> [4] and v [2, 3, 1, 1] -> [6]: each block's map keeps one column per runtime dim
-    (`explain` reads them), the dropped unit dims' source index staying 0."""
+    """w [4, 1] -> [4] and v [2, 3, 1, 1] -> [6]: w's block keeps one column per runtime dim
+    (`explain` reads them), the dropped unit dim's source index staying 0; v's rows follow each other
+    in its bytes, so its one block indexes v's flat view (not a block per row), which `explain`
+    shows as the box of v it reads."""
     from remapdsl.indexmap import Block
 
     source = _write(tmp_path / "src", {"w": torch.zeros(4, 1), "v": torch.zeros(2, 3, 1, 1)})
     compiled = remapdsl.compile_rules(rules_from_text("remap 1\nw -> s | reshape([4])\nv -> t | reshape([6])\n",
                                                       "t.remap"), source, {})
     blocks = {d.runtime_key: d.blocks for d in compiled.runtime_tensors}
-    assert blocks == {"s": (Block((0,), (4,), "w", (0, 0), ((1,), (0,))),),
-                      "t": (Block((0,), (3,), "v", (0, 0, 0, 0), ((0,), (1,), (0,), (0,))),
-                            Block((3,), (3,), "v", (1, 0, 0, 0), ((0,), (1,), (0,), (0,))))}
+    assert blocks == {"s": (Block((0,), (4,), "w", (0, 0), ((1,), (0,)), view=(4, 1)),),
+                      "t": (Block((0,), (6,), "v", (0,), ((1,),), view=(6,)),)}
     assert "[0:4] <- w [0:4, 0]" in remapdsl.explain(compiled, "s")
+    assert "[0:6] <- v [0:2, 0:3, 0, 0] flattened" in remapdsl.explain(compiled, "t")
 
 
 def test_a_pad_s_fill_block_has_an_empty_map(tmp_path):
@@ -383,7 +385,7 @@ def test_a_pad_s_fill_block_has_an_empty_map(tmp_path):
     (s,) = compiled.runtime_tensors
     assert s.blocks[1] == Block((4, 0), (2, 2), None, (), (), (("cast", "float32"),), 1.5)
     assert json.loads(compiled.model_dump_json())["runtime_tensors"][0]["blocks"][1] == [
-        [4, 0], [2, 2], None, [], [], [["cast", "float32"]], 1.5]
+        [4, 0], [2, 2], None, [], [], [["cast", "float32"]], 1.5, []]
 
 
 def test_merging_dims_a_split_made_keeps_one_block():
@@ -394,7 +396,7 @@ def test_merging_dims_a_split_made_keeps_one_block():
     inventory = remapdsl.Inventory.from_shapes({"x": ("float32", (24,))})
     rules = rules_from_text("remap 1\nx -> s | reshape([2, 3, 4]) | reshape([2, 12])\n", "t.remap")
     (s,) = remapdsl.compile_rules(rules, inventory, {}).runtime_tensors
-    assert s.blocks == (Block((0, 0), (2, 12), "x", (0,), ((12, 1),)),)
+    assert s.blocks == (Block((0, 0), (2, 12), "x", (0,), ((12, 1),), view=(24,)),)
 
 
 def test_a_repeat_past_the_largest_size_is_e209():

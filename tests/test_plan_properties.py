@@ -90,7 +90,7 @@ def _oracle(compiled, inventory, key: str, index: tuple[int, ...]) -> tuple[str,
             source = [base + sum(c * (i - o) for c, i, o in zip(row, index, b.offsets))
                       for base, row in zip(b.base, b.coeff)]
             itemsize = BY_NAME[info.dtype].bits // 8
-            flat = sum(s * t for s, t in zip(source, row_major_strides(info.shape)))
+            flat = sum(s * t for s, t in zip(source, row_major_strides(b.view or info.shape)))
             return info.file, info.byte_offset + flat * itemsize, itemsize
     raise AssertionError(f"{key}{index} is in no block")
 

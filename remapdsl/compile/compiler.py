@@ -296,10 +296,14 @@ class _Compiler:
     def sources(self) -> Callable[[str], sym.Sym]:
         """The function from a key (a logical tensor's or a checkpoint tensor's) to its symbolic tensor."""
         logical, stored, make = self.logical.get, self.inventory.tensors, sym.source
+        kept = self.stored.keys() | self.inventory.chunks.keys()  # read by their dims: no flat view
 
         def source(ckpt_key: str) -> sym.Sym:
-            info = logical(ckpt_key) or stored[ckpt_key]
-            return make(ckpt_key, tuple(info.shape), info.dtype)
+            info = logical(ckpt_key)
+            if info is not None:
+                return make(ckpt_key, tuple(info.shape), info.dtype)
+            info = stored[ckpt_key]
+            return make(ckpt_key, tuple(info.shape), info.dtype, ckpt_key not in kept)
         return source
 
     def apply(self, rule: ir.Rule, op: ir.Op, env: dict, state: dict, keys: tuple) -> dict:

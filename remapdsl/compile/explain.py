@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import fnmatch
 
-from ..indexmap import nbytes
+from ..indexmap import nbytes, source_box
 from .model import Block, Compiled, RuntimeTensor
 
 
@@ -40,7 +40,9 @@ def _destination(d: RuntimeTensor, sources, max_blocks: int) -> list[str]:
     where = f"  ({d.rule.path}:{d.rule.line})" if d.rule else ""
     out = [f"{d.runtime_key}  {list(d.shape)} {d.dtype}{where}"]
     for b in d.blocks[:max_blocks]:
-        out.append(f"    {_box(b.offsets, b.sizes)} <- {_source(b)}")
+        source = sources.get(b.source_key)
+        viewed = b.view and source is not None and b.view != tuple(source.shape)
+        out.append(f"    {_box(b.offsets, b.sizes)} <- {_viewed(b, source.shape) if viewed else _source(b)}")
     if len(d.blocks) > max_blocks:
         out.append(f"    ... and {len(d.blocks) - max_blocks} more blocks")
     return out
@@ -69,6 +71,18 @@ def _source(b: Block) -> str:
     order = _dim_order(b)
     moved = f" (dims {order})" if order and order != sorted(order) else ""
     return f"{b.source_key} [{', '.join(region)}]{moved}{steps}"
+
+
+def _viewed(b: Block, shape) -> str:
+    """A block that indexes its source's flat view (a reshape merged its dims): the source box it
+    reads where it is one, else its flat map."""
+    steps = "".join(f" | {kind}({value if kind == 'cast' else f'{value:g}'})" for kind, value in b.steps)
+    box = source_box(b, shape)
+    if box is None:
+        return f"{b.source_key} flattened, from {b.base[0]}, steps {list(b.coeff[0])}{steps}"
+    region = [str(first) if count == 1 else f"{first}:{first + count}" if step == 1
+              else f"{first}:{first + step * (count - 1) + 1}:{step}" for first, count, step in box]
+    return f"{b.source_key} [{', '.join(region)}] flattened{steps}"
 
 
 def _dim_order(b: Block) -> list[int]:

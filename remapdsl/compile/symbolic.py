@@ -10,10 +10,10 @@ where a map is affine only piecewise (reshape across a partial row), blocks are 
 from __future__ import annotations
 
 import itertools
-from operator import add, attrgetter, itemgetter, lt, mod
+from operator import add, attrgetter, itemgetter, lt, mod, mul
 from typing import NamedTuple
 
-from ..indexmap import Block, advance, column, cut, volume
+from ..indexmap import Block, advance, column, cut, row_major_strides, volume
 from ..language.limits import MAX_BLOCKS, MAX_PIECES, MAX_SIZE
 
 
@@ -64,14 +64,16 @@ _IDENTITY = {n: tuple(tuple(1 if i == j else 0 for j in range(n)) for i in range
 _ZEROS = {n: (0,) * n for n in range(9)}
 
 
-def source(ckpt_key: str, shape: tuple[int, ...], dtype: str) -> Sym:
-    """A checkpoint tensor as one block that maps each index to itself."""
+def source(ckpt_key: str, shape: tuple[int, ...], dtype: str, viewable: bool = False) -> Sym:
+    """A checkpoint tensor as one block that maps each index to itself. `viewable`: a later reshape
+    may index its flat view (`Block.view`), which suits a tensor read as plain bytes."""
     n = len(shape)
     if 0 in shape:
         return Sym(shape, dtype, ())
     identity = _IDENTITY.get(n) or tuple(tuple(1 if i == j else 0 for j in range(n)) for i in range(n))
     zeros = _ZEROS.get(n) or (0,) * n
-    return _new(Sym, (shape, dtype, (_new(Block, (zeros, shape, ckpt_key, zeros, identity, (), None)),)))
+    block = _new(Block, (zeros, shape, ckpt_key, zeros, identity, (), None, shape if viewable else ()))
+    return _new(Sym, (shape, dtype, (block,)))
 
 
 def _dim(dim: int, ndim: int, what: str = "dim") -> int:
@@ -81,9 +83,9 @@ def _dim(dim: int, ndim: int, what: str = "dim") -> int:
 
 
 def _shift(b: Block, dim: int, delta: int) -> Block:
-    offsets, sizes, key, base, coeff, steps, fill = b
+    offsets, sizes, key, base, coeff, steps, fill, view = b
     return _new(Block, (offsets[:dim] + (offsets[dim] + delta,) + offsets[dim + 1:], sizes, key, base, coeff,
-                        steps, fill))
+                        steps, fill, view))
 
 
 def narrow(t: Sym, dim: int, start: int, stop: int) -> Sym:
@@ -119,7 +121,7 @@ def stack(parts: list[Sym], dim: int) -> Sym:
     widened: dict[tuple, tuple] = {}  # parts usually share one coeff and one shape: widen them once
     grown: dict[tuple, tuple] = {}
     for i, p in enumerate(parts):
-        for offsets, sizes, key, base, coeff, steps, fill in p.blocks:
+        for offsets, sizes, key, base, coeff, steps, fill, view in p.blocks:
             wide = widened.get(coeff)
             if wide is None:
                 wide = widened[coeff] = tuple(row[:dim] + (0,) + row[dim:] for row in coeff)
@@ -127,7 +129,7 @@ def stack(parts: list[Sym], dim: int) -> Sym:
             if size is None:
                 size = grown[sizes] = sizes[:dim] + (1,) + sizes[dim:]
             at = offsets[:dim] + (i,) + offsets[dim:]
-            blocks.append(_new(Block, (at, size, key, base, wide, steps, fill)))
+            blocks.append(_new(Block, (at, size, key, base, wide, steps, fill, view)))
     shape = first.shape[:dim] + (len(parts),) + first.shape[dim:]
     return Sym(shape, first.dtype, tuple(blocks))
 
@@ -142,7 +144,7 @@ def unstack(t: Sym, dim: int) -> list[Sym]:
         piece = narrow(t, dim, i, i + 1)
         blocks = tuple(Block(b.offsets[:dim] + b.offsets[dim + 1:], b.sizes[:dim] + b.sizes[dim + 1:],
                            b.source_key, b.base, tuple(row[:dim] + row[dim + 1:] for row in b.coeff),
-                           b.steps, b.fill) for b in piece.blocks)
+                           b.steps, b.fill, b.view) for b in piece.blocks)
         out.append(Sym(t.shape[:dim] + t.shape[dim + 1:], t.dtype, blocks))
     return out
 
@@ -427,6 +429,10 @@ def _merge(t: Sym, dim: int) -> Sym:
         col_a, col_b = column(b, dim), column(b, dim + 1)
         whole_rows = b_off == 0 and b_size == inner
         affine = b.source_key is None or all(x == inner * y for x, y in zip(col_a, col_b))
+        if whole_rows and not affine and b.view and len(b.view) > 1:
+            flat = _flat_view(b)  # rows that follow each other in the source's bytes: one block still
+            if column(flat, dim)[0] == inner * column(flat, dim + 1)[0]:
+                b, affine = flat, True
         if whole_rows and affine:
             pieces = [(a_off * inner, a_size * inner, b.base)]
         else:  # one piece per row of the outer dim
@@ -442,6 +448,13 @@ def _merge(t: Sym, dim: int) -> Sym:
                 base=base, coeff=tuple(r[:dim] + (r[dim + 1],) + r[dim + 2:] for r in b.coeff)))
     shape = t.shape[:dim] + (t.shape[dim] * inner,) + t.shape[dim + 2:]
     return Sym(shape, t.dtype, tuple(blocks))
+
+
+def _flat_view(b: Block) -> Block:
+    """The same block indexing its source's flat view: one source dim, row-major strides."""
+    major = row_major_strides(b.view)
+    return b._replace(base=(sum(map(mul, major, b.base)),),
+                      coeff=(tuple(sum(map(mul, major, col)) for col in zip(*b.coeff)),), view=(volume(b.view),))
 
 
 def _split(t: Sym, dim: int, sizes: tuple[int, ...]) -> Sym:
