@@ -24,14 +24,30 @@ def restore(work: Path) -> None:
 
 
 def save(work: Path) -> None:
-    """Write WORK's results, one compact JSON file a module (durations to 0.01 s)."""
+    """Write WORK's results, one compact JSON file a module (durations to 0.01 s), keeping each kept
+    result WORK lacks for a function whose source is the same in both: two scratch copies (say, runs
+    with different test selections) save in either order without losing each other's results."""
     for meta in sorted((work / "mutants").rglob("*.py.meta")):
         data = json.loads(meta.read_text())
+        target = RESULTS / meta.relative_to(work / "mutants")
+        if target.exists():
+            _keep_results(data, json.loads(target.read_text()))
         for key in ("durations_by_key", "estimated_durations_by_key"):
             data[key] = {name: round(seconds, 2) for name, seconds in data.get(key, {}).items()}
-        target = RESULTS / meta.relative_to(work / "mutants")
         target.parent.mkdir(parents=True, exist_ok=True)
         target.write_text(json.dumps(data, sort_keys=True, separators=(",", ":")) + "\n")
+
+
+def _keep_results(data: dict, kept: dict) -> None:
+    """Into `data` (a module's results), the results of `kept` for mutants `data` has not run, where
+    the mutant's function has the same hash in both (so the same mutants)."""
+    same = {f for f, h in data["hash_by_function_name"].items() if kept["hash_by_function_name"].get(f) == h}
+    for name, code in kept["exit_code_by_key"].items():
+        function = name.rpartition(".")[2].split("__mutmut_")[0]
+        if code is not None and data["exit_code_by_key"].get(name, 0) is None and function in same:
+            data["exit_code_by_key"][name] = code
+            if name in kept.get("durations_by_key", {}):
+                data.setdefault("durations_by_key", {})[name] = kept["durations_by_key"][name]
 
 
 if __name__ == "__main__":
