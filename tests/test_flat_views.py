@@ -174,3 +174,21 @@ def test_two_flat_readers_cut_inside_rows_save_each_element_once_first_rule_firs
     remapdsl.save(state, tmp_path / "out", rules, like=folder)
     saved = load_file(str(tmp_path / "out" / "model.safetensors"))["w"].flatten()
     assert torch.equal(saved, torch.cat([w.flatten()[:10] + 100, w.flatten()[10:] + 200]))
+
+
+@pytest.mark.parametrize("shape, start, steps, sizes, box", [
+    # runtime dims that continue each other merge first, even past a unit dim: the whole tensor
+    ((2, 3, 3), 0, (6, 2, 1), (3, 1, 6), ((0, 2, 1), (0, 3, 1), (0, 3, 1))),
+    ((2, 3), 0, (0,), (3,), None),  # a dim that moves nothing
+    ((4, 3), 0, (2,), (3,), None),  # every other element: 0, 2 of row 0, then 1 of row 1
+    ((2, 2), 0, (2,), (4,), None),  # a walk past the tensor's last row
+    ((2, 3), 0, (1,), (4,), None),  # row 0 and the first element of row 1
+    ((2, 4), 2, (2,), (2,), None),  # columns 2 of row 0 and 0 of row 1
+    ((2, 4), 1, (2,), (4,), ((0, 2, 1), (1, 2, 2))),  # columns 1 and 3 of both rows
+])
+def test_the_box_of_a_flat_view_block_at_its_edges(shape, start, steps, sizes, box):
+    n = 1
+    for size in shape:
+        n *= size
+    block = remapdsl.indexmap.Block((0,) * len(sizes), sizes, "w", (start,), (steps,), view=(n,))
+    assert source_box(block, shape) == box
