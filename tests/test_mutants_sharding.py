@@ -597,17 +597,26 @@ def test_a_save_reports_every_file_it_wrote_into(tmp_path):
         assert report.files == ("a.safetensors", "b.safetensors"), requantize
 
 
-def test_a_strided_part_of_a_dequantized_tensor_is_e503_on_save(tmp_path):
-    """q [8, 4] (FP8, a scale a row) seen as [2, 4, 4] and cut in two on the middle dim: w.a holds
-    rows 0, 1, 4, 5, not one box of q, which its format cannot encode: E503 naming both, and no
-    output is written."""
+_DEQUANTIZE_Q = "remap 1\ndequantize q.weight, q.weight_scale_inv -> q | fp8_block(block=[1, 4], to=float32)\n"
+
+
+def _fp8_rows(tmp_path: Path) -> Path:
+    """A checkpoint of q [8, 4] in FP8 with a scale a row."""
     source = tmp_path / "src"
     source.mkdir()
     save_file({"q.weight": torch.ones(8, 4).to(torch.float8_e4m3fn), "q.weight_scale_inv": torch.ones(8, 1)},
               str(source / "model.safetensors"))
     (source / "config.json").write_text("{}")
-    rules = rules_from_text("remap 1\ndequantize q.weight, q.weight_scale_inv -> q | fp8_block(block=[1, 4], "
-                            "to=float32)\nq -> w.{a,b} | reshape([2, 4, 4]) | split(dim=1, sizes=[2, 2])\n", "t.remap")
+    return source
+
+
+def test_a_strided_part_of_a_dequantized_tensor_is_e503_on_save(tmp_path):
+    """q [8, 4] (FP8, a scale a row) seen as [2, 4, 4] and cut in two on the middle dim: w.a holds
+    rows 0, 1, 4, 5, not one box of q, which its format cannot encode: E503 naming both, and no
+    output is written."""
+    source = _fp8_rows(tmp_path)
+    rules = rules_from_text(_DEQUANTIZE_Q + "q -> w.{a,b} | reshape([2, 4, 4]) | split(dim=1, sizes=[2, 2])\n",
+                            "t.remap")
     state = {"w.a": torch.zeros(2, 2, 4), "w.b": torch.zeros(2, 2, 4)}
     remapdsl.load(state, source, rules, config={})
     with pytest.raises(RemapError) as caught:
@@ -624,13 +633,8 @@ def test_a_strided_part_a_later_rule_writes_is_e503_at_that_rule(tmp_path):
     """q seen as [4, 2, 4] and cut in two on the middle dim: w.a holds the even rows of q (one
     strided box); a first rule reads row 1, so w.a is written as the new part of a later writer,
     and E503 still names the rule that made w.a (line 4)."""
-    source = tmp_path / "src"
-    source.mkdir()
-    save_file({"q.weight": torch.ones(8, 4).to(torch.float8_e4m3fn), "q.weight_scale_inv": torch.ones(8, 1)},
-              str(source / "model.safetensors"))
-    (source / "config.json").write_text("{}")
-    rules = rules_from_text("remap 1\ndequantize q.weight, q.weight_scale_inv -> q | fp8_block(block=[1, 4], "
-                            "to=float32)\nq -> w0 | slice(dim=0, start=1, stop=2)\n"
+    source = _fp8_rows(tmp_path)
+    rules = rules_from_text(_DEQUANTIZE_Q + "q -> w0 | slice(dim=0, start=1, stop=2)\n"
                             "q -> w.{a,b} | reshape([4, 2, 4]) | split(dim=1, sizes=[1, 1])\n", "t.remap")
     state = {"w0": torch.zeros(1, 4), "w.a": torch.zeros(4, 1, 4), "w.b": torch.zeros(4, 1, 4)}
     remapdsl.load(state, source, rules, config={})
