@@ -14,6 +14,7 @@ import itertools
 from collections.abc import Iterator, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from operator import mul
+from queue import SimpleQueue
 from typing import NamedTuple
 
 import torch
@@ -30,28 +31,52 @@ def run_load_plan(plan: LoadPlan, inventory: Inventory, tensors: Mapping[str, to
     """Execute one rank's plan into its local tensors. Items that continue each other both in the
     file and in runtime tensor memory (a layer's gate and up slabs, consecutive experts) are read with
     one call; reads run on `threads` threads (positioned reads release the GIL), each into its own
-    region, so no two threads write one byte; on one thread where the units are small on average
-    (thousands of kB-sized tensors: the per-unit Python work dominates, and threads contend for it).
+    region, so no two threads write one byte, and start while this thread still works out the later
+    units; on this thread alone where the items are small on average (thousands of kB-sized
+    tensors: the per-unit Python work dominates, and threads contend for it).
     `reader`: where the bytes come from (default: `inventory`'s files; a MemoryReader for ingest)."""
     with reader or CheckpointReader(inventory) as reader, torch.no_grad():
-        work = _work(plan.items, tensors)
-        work += [_Decode(item, region(tensors[item.runtime_key], item)) for item in plan.decodes]
-        in_flight: list = [None] * len(work)
-        if threads <= 1 or len(work) < 2 or plan.bytes_read < SMALL_UNIT * len(work):
-            _drain(work, itertools.count(), reader, in_flight)
-        else:  # each thread takes the next unit in file order; no future per unit
-            taken = itertools.count()
-            with ThreadPoolExecutor(threads) as pool:
-                for f in [pool.submit(_drain, work, taken, reader, in_flight) for _ in range(threads)]:
-                    f.result()
+        units = itertools.chain(_work(plan.items, tensors),
+                                (_Decode(item, region(tensors[item.runtime_key], item)) for item in plan.decodes))
+        count = len(plan.items) + len(plan.decodes)
+        if threads <= 1 or count < 2 or plan.bytes_read < SMALL_UNIT * count:
+            in_flight = [_run_batch(unit, reader) for unit in units]
+        else:
+            in_flight = _run_threaded(units, reader, threads)
         if any(buffer is not None for buffer in in_flight):
             torch.cuda.synchronize()  # the asynchronous copies from pinned staging are done
 
 
-def _drain(work: list, taken: Iterator[int], reader: CheckpointReader, in_flight: list) -> None:
-    """Run units of work until none is left; `taken` hands out each index once (atomic in CPython)."""
-    while (i := next(taken)) < len(work):
-        in_flight[i] = _run_batch(work[i], reader)
+def _run_threaded(units: Iterator, reader: CheckpointReader, threads: int) -> list:
+    """Run the units on `threads` threads, in the order this thread hands them out, as it works
+    them out; returns what they left in flight. The first error is raised once every thread stopped."""
+    queue: SimpleQueue = SimpleQueue()
+    in_flight: list = []
+    errors: list[BaseException] = []
+
+    def drain() -> None:
+        while (unit := queue.get()) is not None:
+            if not errors:  # after an error the rest is only taken off the queue
+                try:
+                    in_flight.append(_run_batch(unit, reader))
+                except BaseException as exc:  # noqa: BLE001 - raised by the caller's thread
+                    errors.append(exc)
+
+    with ThreadPoolExecutor(threads) as pool:
+        running = [pool.submit(drain) for _ in range(threads)]
+        try:
+            for unit in units:
+                if errors:
+                    break
+                queue.put(unit)
+        finally:
+            for _ in running:
+                queue.put(None)
+            for f in running:
+                f.result()
+    if errors:
+        raise errors[0]
+    return in_flight
 
 
 class _Memory(NamedTuple):
@@ -131,11 +156,10 @@ class _Item(NamedTuple):
     tensor: torch.Tensor
 
 
-def _work(items, tensors) -> list:
+def _work(items, tensors) -> Iterator:
     """The units of work of the plain items, in file order: direct reads (consecutive items that
     continue each other in the file merged into one read, cut into chunks), and the other items as
     they are. No tensor view is made here: addresses are computed from offsets."""
-    work: list = []
     memories: dict[str, _Memory] = {}
     names: dict = {}
     merged: list | None = None  # [file, first byte, bytes, places] of the open single-range read
@@ -145,36 +169,37 @@ def _work(items, tensors) -> list:
             memory = memories[item.runtime_key] = _memory(tensors[item.runtime_key], names)
         address = _address(memory, item)
         if address is None:
-            work.append(_Item(item, tensors[item.runtime_key]))
+            yield _Item(item, tensors[item.runtime_key])
             continue
         runs = item.runs
         if runs.counts and runs.count != 1:
             for chunk in runs.chunks(max(1, CHUNK // max(1, runs.length))):
-                work.append(_Direct(item.file, chunk, address))
+                yield _Direct(item.file, chunk, address)
                 address += chunk.total
             continue
         if merged is not None and merged[0] == item.file and merged[1] + merged[2] == runs.first:
             places = merged[3]
-            last, size = places[-1]
-            if last + size == address:  # continues in memory too
-                places[-1] = (last, size + runs.length)
+            if places and places[-1][0] + places[-1][1] == address:  # continues in memory too
+                places[-1] = (places[-1][0], places[-1][1] + runs.length)
             else:
                 places.append((address, runs.length))
             merged[2] += runs.length
+            if merged[2] >= CHUNK or len(places) >= files.IOV_MAX:  # whole chunks go out now
+                yield from _cut(merged, whole=False)
             continue
         if merged is not None:
-            _cut(merged, work)
+            yield from _cut(merged)
         merged = [item.file, runs.first, runs.length, [(address, runs.length)]]
     if merged is not None:
-        _cut(merged, work)
-    return work
+        yield from _cut(merged)
 
 
-def _cut(merged: list, work: list) -> None:
-    """One file range read as chunks of at most CHUNK bytes and IOV_MAX places each."""
+def _cut(merged: list, whole: bool = True) -> Iterator:
+    """One file range read as chunks of at most CHUNK bytes and IOV_MAX places each. `whole=False`:
+    only the full chunks, the rest left in `merged` for the items that continue it."""
     file, first, nbytes, places = merged
-    if len(places) == 1 and nbytes <= CHUNK:
-        work.append(_Span(file, first, places[0][0], nbytes))
+    if whole and len(places) == 1 and nbytes <= CHUNK:
+        yield _Span(file, first, places[0][0], nbytes)
         return
     chunk: list[tuple[int, int]] = []
     size = 0
@@ -184,10 +209,12 @@ def _cut(merged: list, work: list) -> None:
             chunk.append((address, take))
             size, address, nbytes = size + take, address + take, nbytes - take
             if size == CHUNK or len(chunk) == files.IOV_MAX:
-                work.append(_Scatter(file, first, tuple(chunk)))
+                yield _Scatter(file, first, tuple(chunk))
                 first, chunk, size = first + size, [], 0
-    if chunk:
-        work.append(_Scatter(file, first, tuple(chunk)))
+    if not whole:
+        merged[1:] = [first, size, chunk]
+    elif chunk:
+        yield _Scatter(file, first, tuple(chunk))
 
 
 class _Decode(NamedTuple):
