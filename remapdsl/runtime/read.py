@@ -81,12 +81,13 @@ def _run_threaded(units: Iterator, reader: CheckpointReader, threads: int) -> li
 
 class _Memory(NamedTuple):
     """What the work list needs of a runtime tensor, read once per tensor: its first byte's address
-    (None unless a contiguous CPU tensor), element size, dtype name and shape."""
+    (None unless a contiguous CPU tensor), dtype name, shape, and the bytes a step along each dim
+    moves."""
 
     address: int | None
-    itemsize: int
     dtype: str
     shape: tuple[int, ...]
+    steps: tuple[int, ...]
 
 
 def _memory(tensor: torch.Tensor, names: dict) -> _Memory:
@@ -95,7 +96,9 @@ def _memory(tensor: torch.Tensor, names: dict) -> _Memory:
     if name is None:  # torch.bfloat16 -> bfloat16, once a dtype
         name = names[dtype] = str(dtype).removeprefix("torch.")
     direct = tensor.is_cpu and tensor.is_contiguous()
-    return _Memory(tensor.data_ptr() if direct else None, tensor.element_size(), name, tuple(tensor.shape))
+    shape, itemsize = tuple(tensor.shape), tensor.element_size()
+    return _Memory(tensor.data_ptr() if direct else None, name, shape,
+                   tuple(itemsize * n for n in row_major_strides(shape)))
 
 
 def _address(memory: _Memory, item: ReadItem) -> int | None:
@@ -116,7 +119,7 @@ def _address(memory: _Memory, item: ReadItem) -> int | None:
     offsets = item.local_offsets
     if not any(offsets):
         return memory.address
-    return memory.address + memory.itemsize * sum(map(mul, offsets, row_major_strides(memory.shape)))
+    return memory.address + sum(map(mul, offsets, memory.steps))
 
 
 CHUNK = 32 << 20  # direct reads are cut to about this size, so both threads stay busy to the end
