@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from safetensors.torch import save_file
 
 import remapdsl
 from remapdsl.errors import RemapError
@@ -34,7 +35,7 @@ def private(tmp_path, monkeypatch):
 
 def entries(root: Path) -> dict[str, int]:
     folder = root / "cache" / "remapdsl" / "loads"
-    return {kind: len(list((folder / kind).glob("*.pickle"))) for kind in ("inventories", "compiled", "plans")}
+    return {kind: len(list((folder / kind).rglob("*.pickle"))) for kind in ("inventories", "compiled", "plans")}
 
 
 class Calls:
@@ -160,7 +161,7 @@ def test_remapdsl_cache_off_keeps_nothing(private, monkeypatch, off):
 def test_a_damaged_entry_is_made_again_and_replaced(private, monkeypatch):
     first = load_tiny(private)
     folder = private / "cache" / "remapdsl" / "loads"
-    for entry in folder.glob("*/*.pickle"):
+    for entry in folder.rglob("*.pickle"):
         entry.write_bytes(b"not a pickle")
     calls = Calls(monkeypatch)
     again = load_tiny(private)
@@ -223,15 +224,62 @@ def test_the_folder_keeps_its_newest_entries(private, monkeypatch):
     for n in range(6):
         cache._put("plans", f"{n:040d}", n)
         time.sleep(0.01)
-    kept = sorted(p.stem for p in (private / "cache" / "remapdsl" / "loads" / "plans").glob("*.pickle"))
+    kept = sorted(p.stem for p in (private / "cache" / "remapdsl" / "loads" / "plans").rglob("*.pickle"))
     assert len(kept) == 3 and kept[-1] == f"{5:040d}"  # trimmed to two past four, then one more written
-    assert cache._get("plans", f"{5:040d}") == 5 and cache._get("plans", f"{0:040d}") is None
+    assert cache._get("plans", f"{5:040d}") == (True, 5) and cache._get("plans", f"{0:040d}") == (False, None)
+
+
+def test_a_shard_in_a_subfolder_rewritten_since_is_read_anew(private):
+    """An index may name shards in subfolders, which the folder's listing does not show: a kept
+    inventory is checked against every file it was read from, so a shard rewritten in place, its
+    modification time put back, is read again, not through stale offsets."""
+    ckpt = private / "nested"
+    (ckpt / "sub").mkdir(parents=True)
+    tensors = {k: torch.full((2, 3), float(i)) for i, k in enumerate(["a.w", "b.w"])}
+    save_file(tensors, str(ckpt / "sub" / "part.safetensors"))
+    (ckpt / "model.safetensors.index.json").write_text(json.dumps(
+        {"metadata": {}, "weight_map": {k: "sub/part.safetensors" for k in tensors}}))
+    rules = private / "same.remap"
+    rules.write_text("remap 1\na.w -> a.w\nb.w -> b.w\n")
+
+    def load_nested() -> dict:
+        state = {k: torch.zeros(2, 3) for k in tensors}
+        remapdsl.load(state, str(ckpt), str(rules))
+        return state
+
+    assert torch.equal(load_nested()["b.w"], tensors["b.w"])
+    assert entries(private)["inventories"] == 1
+    shard = ckpt / "sub" / "part.safetensors"
+    before = os.stat(shard)
+    save_file({"a.w": torch.full((2, 3), 7.0), "b.w": torch.full((2, 3), 9.0)}, str(shard), {"v": "2"})
+    os.utime(shard, ns=(before.st_atime_ns, before.st_mtime_ns))
+    got = load_nested()
+    assert torch.equal(got["a.w"], torch.full((2, 3), 7.0)) and torch.equal(got["b.w"], torch.full((2, 3), 9.0))
+
+
+def test_a_config_with_look_alike_values_is_not_kept(private, monkeypatch):
+    """A config whose JSON text stands for another config (a tuple read back as a list) is compiled
+    each time."""
+    config = {**json.loads((private / "ckpt" / "config.json").read_text()), "extra": (1, 2)}
+    calls = Calls(monkeypatch)
+    load_tiny(private, config=config)
+    load_tiny(private, config=config)
+    assert calls.take().count("compile_rules") == 2
+
+
+def test_the_cache_is_not_read_from_a_folder_others_can_write(private, monkeypatch):
+    load_tiny(private)
+    (private / "cache" / "remapdsl" / "loads" / "compiled").chmod(0o777)
+    calls = Calls(monkeypatch)
+    load_tiny(private)
+    assert calls.take() == ["compile_rules"]  # not read from there; the plan, kept elsewhere, is
 
 
 def _worker(rank: int, folder: str, out: str) -> None:
     import torch.distributed as dist
 
     os.environ["XDG_CACHE_HOME"] = str(Path(folder) / "cache")
+    os.environ.pop("REMAPDSL_CACHE", None)  # on, whatever the run around the test says
     dist.init_process_group("gloo", init_method=f"file://{folder}/rendezvous", rank=rank, world_size=2)
     result: dict = {}
     try:

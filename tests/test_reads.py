@@ -3,6 +3,8 @@ worked out fill the same bytes as one thread reading whole ranges; an error on a
 
 from __future__ import annotations
 
+import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -107,3 +109,59 @@ def _plan():
 def _tensors():
     compiled = remapdsl.compile_rules(remapdsl.load_rules(RULES), TINY)
     return compiled.empty_state_dict()
+
+
+def test_readers_start_on_the_first_units_while_later_ones_are_worked_out(monkeypatch):
+    monkeypatch.setattr(read, "SMALL_UNIT", 0)
+    monkeypatch.setattr(read, "CHUNK", 4096)
+    events = []
+    work, run = read._work, read._run_batch
+
+    def slow_work(items, tensors):
+        for unit in work(items, tensors):
+            events.append("worked out")
+            yield unit
+            time.sleep(0.01)  # the readers have time to take what was handed out
+
+    def recorded(unit, reader):
+        events.append("read")
+        return run(unit, reader)
+
+    monkeypatch.setattr(read, "_work", slow_work)
+    monkeypatch.setattr(read, "_run_batch", recorded)
+    expected_units = sum(1 for _ in work(_plan().items, _tensors()))
+    loaded()
+    assert events.count("read") == events.count("worked out") == expected_units > 3
+    assert events.index("read") < len(events) - 1 - events[::-1].index("worked out")  # a read before the last unit
+
+
+def test_an_error_while_units_are_worked_out_stops_the_readers_and_is_raised(monkeypatch):
+    monkeypatch.setattr(read, "SMALL_UNIT", 0)
+    monkeypatch.setattr(read, "CHUNK", 4096)
+    work = read._work
+
+    def failing_work(items, tensors):
+        for n, unit in enumerate(work(items, tensors)):
+            if n == 2:
+                raise KeyError("a runtime tensor the plan names")
+            yield unit
+
+    monkeypatch.setattr(read, "_work", failing_work)
+    with pytest.raises(KeyError, match="a runtime tensor the plan names"):
+        loaded()  # and returns: the reader threads were told to stop
+
+
+def test_small_units_run_on_the_calling_thread_and_large_ones_on_readers(monkeypatch):
+    monkeypatch.setattr(read, "CHUNK", 4096)
+    monkeypatch.setattr(read, "SMALL_UNIT", 4096)  # whole chunks go to readers, the ends of ranges not
+    where = []
+    run = read._run_batch
+
+    def recorded(unit, reader):
+        where.append((read._nbytes(unit) >= 4096, threading.current_thread() is threading.main_thread()))
+        return run(unit, reader)
+
+    monkeypatch.setattr(read, "_run_batch", recorded)
+    loaded()
+    assert {on_main for large, on_main in where if large} == {False}
+    assert {on_main for large, on_main in where if not large} == {True}

@@ -6,23 +6,26 @@ is a pure function of its inputs, and a job restarted from the same checkpoint w
 does it all again: for a small model that is most of a load's fixed cost, for DeepSeek-V3 about a
 second a rank. Each result is kept under a key that holds every input it was made from:
 
-- an inventory: the path given and, for every `*.safetensors` and `*.safetensors.index.json` entry
-  of its folder, the name, size, inode, and modification and change times (a file written,
-  replaced, renamed or touched since is another key; the change time cannot be set back). Files
-  changed in the last two seconds are not kept at all: their times could still be those of a
-  rewrite in the same clock tick;
-- a compiled program: the inventory's key, each rule file's path and text, the config, strictness;
+- an inventory: the path given and, for every `*.safetensors` and `*.safetensors.index.json` file
+  of its folder, the name, size, device, inode, and modification and change times (a file written,
+  replaced, renamed or touched since is another key; the change time cannot be set back); an entry
+  also holds the same of every file the inventory was read from (shards an index names in
+  subfolders too), checked again when it is read back. Files changed in the last two seconds are
+  not kept at all: their times could still be those of a rewrite in the same clock tick;
+- a compiled program: the inventory's key, each rule file's path and text, the config (plain JSON
+  only), strictness, the names of the registered quantized formats;
 - a load plan: the compiled program's key, what this rank holds of each runtime tensor, its rank;
 
-and each also by remapdsl's own code (`language.cache.code_version`: every source file, by size
-and modification time, as Python's bytecode cache checks them, and its dependencies' versions). Nothing is kept
-when a `dequantize` names a format registered by the program (its code is not remapdsl's), when a
-config value is not plain JSON, or when the checkpoint is an Inventory object rather than files.
-Errors are never kept: a compile that fails runs, and fails, again.
+and each also by remapdsl's own code (`language.cache.code_version`: every source file, by size and
+modification time, as Python's bytecode cache checks them, and its dependencies' versions). No
+compiled program or plan is kept while the program has registered a quantized format of its own
+(its code is not remapdsl's), nor anything for a checkpoint given as an Inventory object. Errors are
+never kept: a compile that fails runs, and fails, again.
 
 The entries are pickles, so they live only in the user's private cache folder (the parser's:
-`language/cache.cache_folder`), never in a shared one; `REMAPDSL_CACHE=0` turns every cache off.
-Each kind keeps its newest entries (`ENTRIES`); deleting the folder is always safe.
+`language/cache.cache_folder`), each folder on the way checked to be this user's alone; plans in a
+folder per host. `REMAPDSL_CACHE=0` turns every cache off. Each kind keeps the entries used last
+(`ENTRIES`); deleting the folder is always safe.
 """
 
 from __future__ import annotations
@@ -32,6 +35,8 @@ import json
 import logging
 import os
 import pickle
+import socket
+import tempfile
 import time
 from collections.abc import Callable, Mapping
 from pathlib import Path
@@ -48,100 +53,173 @@ ENTRIES = 64  # entries kept of each kind (inventories, compiled programs, plans
 _log = logging.getLogger("remapdsl")
 
 
-def _key(*parts: Any) -> str:
-    digest = hashlib.sha256(code_version().encode())
+def _key(*parts: Any) -> str | None:
+    """sha256 of remapdsl's code version and the parts; None when it cannot be made (a source file
+    that cannot be looked at): no key, no cache, never a failed load."""
+    try:
+        digest = hashlib.sha256(code_version().encode())
+    except OSError:
+        return None
     for part in parts:
         digest.update(b"\0" + (part if isinstance(part, bytes) else str(part).encode()))
     return digest.hexdigest()
 
 
-def _folder(kind: str) -> Path | None:
-    folder = cache_folder()
-    return None if folder is None else folder / "loads" / kind
+def _folder(kind: str, make: bool = False) -> Path | None:
+    """The folder of one kind of entry, inside the private cache folder, or None: caching off, or a
+    folder on the way that is not this user's alone (its entries are unpickled). Plans are kept per
+    host: the ranks of a job on a shared home folder would otherwise push each other's out."""
+    base = cache_folder()
+    if base is None:
+        return None
+    parts = ["loads", kind] + ([_host()] if kind == "plans" else [])
+    folder = base
+    for part in parts:
+        folder = folder / part
+        try:
+            if make:
+                folder.mkdir(mode=0o700, exist_ok=True)
+            stat = folder.stat()
+        except OSError:
+            return None
+        if hasattr(os, "getuid") and (stat.st_uid != os.getuid() or stat.st_mode & 0o022):
+            return None
+    return folder
 
 
-def _get(kind: str, key: str | None) -> Any:
-    """The value kept under `key`, or None (none kept, unreadable, or not that key's)."""
+def _host() -> str:
+    return "".join(c if c.isalnum() or c in "-_." else "_" for c in socket.gethostname()) or "host"
+
+
+def _get(kind: str, key: str | None) -> tuple[bool, Any]:
+    """Whether an entry is there for `key`, and its value (None: none kept, unreadable, or not that
+    key's)."""
     folder = None if key is None else _folder(kind)
     if folder is None:
-        return None
+        return False, None
+    entry = folder / f"{key[:40]}.pickle"
     try:
-        kept_key, value = pickle.loads((folder / f"{key[:40]}.pickle").read_bytes())
-    except Exception:  # noqa: BLE001 - none yet, or a damaged entry (an interrupted writer, another version)
-        return None
+        data = entry.read_bytes()
+    except OSError:
+        return False, None
+    try:
+        kept_key, value = pickle.loads(data)
+    except Exception:  # noqa: BLE001 - a damaged entry (an interrupted writer, another version)
+        return True, None
     if kept_key != key:
-        return None
+        return True, None
+    try:
+        os.utime(entry)  # used: the trimming keeps the entries used last
+    except OSError:
+        pass
     _log.debug("remapdsl: %s read back from the cache (%s)", kind, folder)
-    return value
+    return True, value
 
 
-def _put(kind: str, key: str | None, value: Any) -> None:
-    """Keep `value` under `key` (best effort: a cache that cannot be written is no cache)."""
-    folder = None if key is None else _folder(kind)
+def _put(kind: str, key: str | None, value: Any, replace: bool = False) -> None:
+    """Keep `value` under `key` (best effort: a cache that cannot be written is no cache). An entry
+    another process kept under the same key meanwhile (the ranks of a node) is left as it is,
+    unless `replace` (the one there could not be read)."""
+    folder = None if key is None else _folder(kind, make=True)
     if folder is None:
         return
     entry = folder / f"{key[:40]}.pickle"
-    partial = entry.with_name(f"{entry.name}.{os.getpid()}.tmp")
+    if entry.exists() and not replace:
+        return
+    partial = None
     try:
-        folder.mkdir(mode=0o700, parents=True, exist_ok=True)
-        partial.write_bytes(pickle.dumps((key, value), protocol=pickle.HIGHEST_PROTOCOL))
+        fd, partial = tempfile.mkstemp(dir=folder, suffix=".tmp")  # private and unique to this writer
+        with os.fdopen(fd, "wb") as out:
+            out.write(pickle.dumps((key, value), protocol=pickle.HIGHEST_PROTOCOL))
         os.replace(partial, entry)  # readers see the whole entry or none
         _trim(folder)
     except Exception:  # noqa: BLE001 - unwritable folder, a value that does not pickle: no entry
-        partial.unlink(missing_ok=True)
+        if partial is not None:
+            Path(partial).unlink(missing_ok=True)
 
 
 def _trim(folder: Path) -> None:
-    """Past twice ENTRIES entries, keep the newest ENTRIES (so the folder is listed in full only
-    once in that many writes)."""
+    """Past twice ENTRIES entries, keep the ENTRIES used last (so the folder is listed in full only
+    once in that many writes), and drop what writers that died left behind."""
     entries = list(folder.glob("*.pickle"))
     if len(entries) <= 2 * ENTRIES:
         return
-    by_age = sorted(entries, key=lambda p: p.stat().st_mtime_ns)
-    for old in by_age[: len(entries) - ENTRIES]:
+    by_use = sorted(entries, key=lambda p: p.stat().st_mtime_ns)
+    for old in by_use[: len(entries) - ENTRIES]:
         old.unlink(missing_ok=True)
+    for partial in folder.glob("*.tmp"):
+        if time.time() - partial.stat().st_mtime > 3600:
+            partial.unlink(missing_ok=True)
 
 
 def _cached(kind: str, key: str | None, make: Callable[[], T]) -> T:
-    value = _get(kind, key)
+    there, value = _get(kind, key)
     if value is None:
         value = make()
-        _put(kind, key, value)
+        _put(kind, key, value, replace=there)
     return value
 
 
-def _files_signature(path: str) -> str | None:
-    """What identifies the files `open_inventory(path)` may read, without reading them; None where
-    the folder cannot be listed (opening it reports why), or where a file changed in the last
+def _stats(paths: list[tuple[str, str]]) -> str | None:
+    """(name, path) of files -> what identifies each without reading it: size, device, inode,
+    modification and change times; None where one cannot be looked at, or changed in the last
     SETTLED_SECONDS: a file's times move in clock ticks, so a file rewritten within the tick of an
     earlier look could keep every number of it (git's "racy" entries); such files are not kept."""
+    seen = []
+    now = time.time_ns()
+    for name, path in paths:
+        try:
+            s = os.stat(path)
+        except OSError:
+            return None
+        if now - max(s.st_mtime_ns, s.st_ctime_ns) < SETTLED_SECONDS * 1e9:
+            return None
+        seen.append((name, s.st_size, s.st_dev, s.st_ino, s.st_mtime_ns, s.st_ctime_ns))
+    return repr(seen)
+
+
+def _folder_signature(path: str) -> str | None:
+    """The files `open_inventory(path)` may look at in its folder, identified without reading them."""
     root = path if os.path.isdir(path) else os.path.dirname(path)
     try:
         with os.scandir(root) as entries:
-            stats = sorted((e.name, e.stat()) for e in entries if e.name.endswith((SUFFIX, INDEX_SUFFIX)))
+            names = sorted(e.name for e in entries if e.name.endswith((SUFFIX, INDEX_SUFFIX)))
     except OSError:
         return None
-    newest = max((max(s.st_mtime_ns, s.st_ctime_ns) for _, s in stats), default=0)
-    if time.time_ns() - newest < SETTLED_SECONDS * 1e9:
-        return None
-    return repr([path] + [(name, s.st_size, s.st_ino, s.st_mtime_ns, s.st_ctime_ns) for name, s in stats])
+    listed = _stats([(name, os.path.join(root, name)) for name in names])
+    return None if listed is None else repr([path, listed])
+
+
+def _read_signature(inventory: Inventory) -> str | None:
+    """Every file an inventory was read from (its index and the files it names, in subfolders too),
+    identified without reading them."""
+    names = sorted({*inventory.files, *inventory.ignored_files, *filter(None, [inventory.index_file])})
+    return _stats([(name, inventory.path(name)) for name in names])
 
 
 def open_checkpoint(checkpoint) -> tuple[Inventory, str | None]:
-    """A checkpoint's Inventory (`open_inventory`) and its key: read back when none of its files
-    changed since it was kept. An Inventory given stays as it is, without a key."""
+    """A checkpoint's Inventory (`open_inventory`) and its key: read back when none of the files it
+    was read from changed since it was kept. An Inventory given stays as it is, without a key. The
+    key stands for the folder's listing and every file read, so what is kept under it (compiled
+    programs, plans) is made anew when any of them changes."""
     if isinstance(checkpoint, Inventory):
         return checkpoint, None
     path = os.path.abspath(os.fspath(checkpoint))
-    before = _files_signature(path) if _folder("inventories") is not None else None
-    key = None if before is None else _key("inventory", before)
-    inventory = _get("inventories", key)
-    if inventory is None:
-        inventory = open_inventory(path)
-        if key is not None and _files_signature(path) != before:  # changed while it was read
-            key = None
-        _put("inventories", key, inventory)
-    return inventory, key
+    listed = _folder_signature(path) if cache_folder() is not None else None
+    entry = None if listed is None else _key("inventory", listed)
+    there, kept = _get("inventories", entry)
+    if kept is not None:
+        inventory, read_from = kept
+        if _read_signature(inventory) == read_from:
+            return inventory, _key("files", entry, read_from)
+    inventory = open_inventory(path)
+    if entry is None:
+        return inventory, None
+    read_from = _read_signature(inventory)
+    if read_from is None or _folder_signature(path) != listed:  # too new, or changed while read
+        return inventory, None
+    _put("inventories", entry, (inventory, read_from), replace=there)
+    return inventory, _key("files", entry, read_from)
 
 
 def compiled(inventory_key: str | None, rule_files: list[tuple[str, str]], config: Mapping[str, Any],
@@ -152,10 +230,13 @@ def compiled(inventory_key: str | None, rule_files: list[tuple[str, str]], confi
     if inventory_key is not None and _builtin_formats_only():
         try:
             config_text = json.dumps(config, sort_keys=True)
+            plain = json.loads(config_text) == dict(config)  # no tuple, int key or other look-alike
         except (TypeError, ValueError):  # not plain JSON: no text that stands for it
-            config_text = None
-        if config_text is not None:
-            key = _key("compiled", inventory_key, json.dumps(rule_files), config_text, strict)
+            plain = False
+        if plain:
+            from ..quant.registry import format_names
+
+            key = _key("compiled", inventory_key, json.dumps(rule_files), config_text, strict, format_names())
     return _cached("compiled", key, make), key
 
 
@@ -163,8 +244,11 @@ def load_plan(compiled_key: str | None, held: Mapping[str, Any], rank: int, make
     """`make()` (this rank's load plan), or what it gave before for the same compiled program, the
     same holdings and rank."""
     key = None
-    if compiled_key is not None and _folder("plans") is not None:
-        key = _key("plan", compiled_key, rank, pickle.dumps(dict(held), protocol=pickle.HIGHEST_PROTOCOL))
+    if compiled_key is not None and cache_folder() is not None:
+        try:
+            key = _key("plan", compiled_key, rank, pickle.dumps(dict(held), protocol=pickle.HIGHEST_PROTOCOL))
+        except Exception:  # noqa: BLE001 - holdings that do not pickle: no key, no cache
+            key = None
     return _cached("plans", key, make)
 
 

@@ -13,6 +13,7 @@ import ctypes
 import itertools
 from collections.abc import Iterator, Mapping
 from concurrent.futures import ThreadPoolExecutor
+from math import prod
 from operator import mul
 from queue import SimpleQueue
 from typing import NamedTuple
@@ -30,16 +31,16 @@ def run_load_plan(plan: LoadPlan, inventory: Inventory, tensors: Mapping[str, to
              threads: int = 2, reader: CheckpointReader | None = None) -> None:
     """Execute one rank's plan into its local tensors. Items that continue each other both in the
     file and in runtime tensor memory (a layer's gate and up slabs, consecutive experts) are read with
-    one call; reads run on `threads` threads (positioned reads release the GIL), each into its own
-    region, so no two threads write one byte, and start while this thread still works out the later
-    units; on this thread alone where the items are small on average (thousands of kB-sized
-    tensors: the per-unit Python work dominates, and threads contend for it).
-    `reader`: where the bytes come from (default: `inventory`'s files; a MemoryReader for ingest)."""
+    one call, cut into chunks of at most CHUNK bytes; each chunk goes to one of `threads` reader
+    threads (positioned reads release the GIL) as soon as it is worked out, each into its own
+    region, so no two threads write one byte. Units under SMALL_UNIT run on this thread as they come
+    (thousands of kB-sized tensors: the per-unit Python work dominates, and threads would only
+    contend for it). `reader`: where the bytes come from (default: `inventory`'s files; a
+    MemoryReader for ingest)."""
     with reader or CheckpointReader(inventory) as reader, torch.no_grad():
         units = itertools.chain(_work(plan.items, tensors),
                                 (_Decode(item, region(tensors[item.runtime_key], item)) for item in plan.decodes))
-        count = len(plan.items) + len(plan.decodes)
-        if threads <= 1 or count < 2 or plan.bytes_read < SMALL_UNIT * count:
+        if threads <= 1:
             in_flight = [_run_batch(unit, reader) for unit in units]
         else:
             in_flight = _run_threaded(units, reader, threads)
@@ -48,8 +49,9 @@ def run_load_plan(plan: LoadPlan, inventory: Inventory, tensors: Mapping[str, to
 
 
 def _run_threaded(units: Iterator, reader: CheckpointReader, threads: int) -> list:
-    """Run the units on `threads` threads, in the order this thread hands them out, as it works
-    them out; returns what they left in flight. The first error is raised once every thread stopped."""
+    """Run the units in the order they come: the large ones on `threads` threads (started at the
+    first), the small ones here; returns what they left in flight. The first error is raised once
+    every thread stopped."""
     queue: SimpleQueue = SimpleQueue()
     in_flight: list = []
     errors: list[BaseException] = []
@@ -63,11 +65,16 @@ def _run_threaded(units: Iterator, reader: CheckpointReader, threads: int) -> li
                     errors.append(exc)
 
     with ThreadPoolExecutor(threads) as pool:
-        running = [pool.submit(drain) for _ in range(threads)]
+        running: list = []
         try:
             for unit in units:
                 if errors:
                     break
+                if _nbytes(unit) < SMALL_UNIT:
+                    in_flight.append(_run_batch(unit, reader))
+                    continue
+                if not running:
+                    running = [pool.submit(drain) for _ in range(threads)]
                 queue.put(unit)
         finally:
             for _ in running:
@@ -77,6 +84,17 @@ def _run_threaded(units: Iterator, reader: CheckpointReader, threads: int) -> li
     if errors:
         raise errors[0]
     return in_flight
+
+
+def _nbytes(unit) -> int:
+    """About how many bytes a unit moves (a decode or a staged item: its elements, at 4 bytes)."""
+    if isinstance(unit, _Span):
+        return unit.nbytes
+    if isinstance(unit, _Scatter):
+        return sum(n for _, n in unit.places)
+    if isinstance(unit, _Direct):
+        return unit.runs.total
+    return 4 * prod(unit.item.sizes)
 
 
 class _Memory(NamedTuple):
