@@ -4,7 +4,8 @@ A process's first parse would otherwise build Lark's parser (its tables unpickle
 pattern compiled) and run it: about 15 ms, the largest fixed cost of a small load. A rule file
 parsed once is read back as its IR in well under a millisecond. Both caches are pickles, so they
 live only in a folder this user alone can write; an entry is keyed by the file's path and text and
-by the parser's own code, so an edited file or another remapdsl version never reads a stale one.
+by remapdsl's own code, so an edited file or another remapdsl version never reads a stale one. The
+load cache (remapdsl/runtime/cache.py) keeps its entries in the same folder, under the same code version.
 """
 
 from __future__ import annotations
@@ -21,7 +22,10 @@ _PARSED_ENTRIES = 256  # rule files kept; the oldest go first
 
 def cache_folder() -> Path | None:
     """$XDG_CACHE_HOME/remapdsl or ~/.cache/remapdsl, made with mode 0700; None where it cannot be
-    made, or is someone else's or writable by others (what it holds is unpickled)."""
+    made, or is someone else's or writable by others (what it holds is unpickled), or where
+    `REMAPDSL_CACHE=0` turns caching off."""
+    if os.environ.get("REMAPDSL_CACHE", "").strip().lower() in ("0", "off", "no", "false"):
+        return None
     base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
     folder = Path(base) / "remapdsl"
     try:
@@ -36,20 +40,33 @@ def cache_folder() -> Path | None:
 
 @functools.cache
 def code_version() -> str:
-    """A digest of what a parse depends on: the grammar, the language package's and the base
-    modules' sources (by size and modification time, as Python's own bytecode cache checks them),
-    and Lark's, pydantic's and Python's versions."""
+    """A digest of the code a cached result came from: every source file of the package and its
+    grammar (by size and modification time, as Python's own bytecode cache checks them), and
+    Lark's, pydantic's, numpy's and Python's versions."""
     import lark
+    import numpy
     import pydantic
 
-    here = Path(__file__).parent
-    digest = hashlib.sha256(f"{lark.__version__} {pydantic.VERSION} {sys.version_info[:2]}".encode())
-    base = [here.parent / name for name in ("errors.py", "params.py", "dtypes.py", "trusted.py")]
-    grammars = [p for folder in (here.parent, here.parent.parent) for p in folder.glob("grammars/*.lark")]
-    for source in sorted(here.glob("*.py")) + base + grammars:
-        stat = source.stat()
-        digest.update(f"\0{source.name} {stat.st_size} {stat.st_mtime_ns}".encode())
+    digest = hashlib.sha256(f"{lark.__version__} {pydantic.VERSION} {numpy.__version__} {sys.version}".encode())
+    package = Path(__file__).resolve().parent.parent
+    folders, grammars = [package], [package / "grammars", package.parent / "grammars"]
+    while folders:
+        for entry in sorted(os.scandir(folders.pop()), key=lambda e: e.name):
+            if entry.name.endswith(".py"):
+                _add_file(digest, entry)
+            elif entry.is_dir() and entry.name != "__pycache__" and not entry.name.startswith("."):
+                folders.append(Path(entry.path))
+    for folder in grammars:  # the grammar: beside the package in a checkout, inside it when installed
+        if folder.is_dir():
+            for entry in sorted(os.scandir(folder), key=lambda e: e.name):
+                if entry.name.endswith(".lark"):
+                    _add_file(digest, entry)
     return digest.hexdigest()
+
+
+def _add_file(digest, entry: os.DirEntry) -> None:
+    stat = entry.stat()
+    digest.update(f"\0{entry.path} {stat.st_size} {stat.st_mtime_ns}".encode())
 
 
 def parsed(path: str, text: str):

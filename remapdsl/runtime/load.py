@@ -23,8 +23,8 @@ from ..language import RuleSet
 from ..language.library import resolve_rules_path
 from ..sharding.holdings import hold
 from ..sharding.plans import make_load_plan
-from . import dist
-from .prepare import check_mesh, compile_everywhere, layout_agreement
+from . import cache, dist
+from .prepare import check_mesh, layout_agreement, prepare_everywhere
 from .read import run_load_plan
 
 
@@ -52,7 +52,7 @@ def load(state_dict, checkpoint, rules, *, config: Mapping[str, Any] | None = No
 
 def _load(state_dict, checkpoint, rules, config, strict, layout, mesh, read_replicated_once) -> LoadReport:
 
-    inventory, compiled = compile_everywhere(rules, checkpoint, config, strict)
+    inventory, compiled, compiled_key = prepare_everywhere(rules, checkpoint, config, strict)
     rules_path = rules.path if isinstance(rules, RuleSet) else os.fspath(resolve_rules_path(rules))
     tensors = state_dict.state_dict(keep_vars=True) if hasattr(state_dict, "state_dict") else state_dict
     rank = dist.rank()
@@ -66,7 +66,7 @@ def _load(state_dict, checkpoint, rules, config, strict, layout, mesh, read_repl
         if rank != 0:  # rank 0 reads what every rank holds whole, and broadcasts it
             for key in shared:
                 del held[key]
-        plan = make_load_plan(compiled, inventory, held, rank)
+        plan = cache.load_plan(compiled_key, held, rank, lambda: make_load_plan(compiled, inventory, held, rank))
         run_load_plan(plan, inventory, holding.local)
         report = LoadReport(loaded=tuple(d.runtime_key for d in compiled.runtime_tensors),
                             ckpt_keys=tuple(sorted({i.ckpt_key for i in plan.items if i.ckpt_key}

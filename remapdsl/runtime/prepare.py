@@ -22,6 +22,7 @@ from ..checkpoint import Inventory, read_config
 from ..compile import Compiled, compile_rules
 from ..errors import Diagnostic, RemapError, shorten
 from ..language.includes import RuleSet, load_rules
+from . import cache
 
 MAX_LISTED = 5  # differences listed per aspect when ranks disagree; the rest counted
 
@@ -75,6 +76,7 @@ class _Prepared(NamedTuple):
     compiled: Compiled
     inventory: Inventory  # rank 0's headers, with this rank's own files' modification times
     headers: dict[str, str]  # each file's header bytes as this rank reads them, hashed (a job only)
+    key: str | None = None  # the compiled program's key in the load cache
 
     def digests(self) -> dict[str, str]:
         return {**self.inputs.digests(), "file headers": _sha(self.headers)}
@@ -100,6 +102,21 @@ def header_digests(inventory: Inventory) -> dict[str, str]:
 
 def compile_everywhere(rules, checkpoint, config=None, strict: bool = True,
                        check: Callable[[], None] | None = None, on_disk: bool = True) -> tuple[Inventory, Compiled]:
+    """`prepare_everywhere`'s inventory and compiled program."""
+    prepared = prepare_everywhere(rules, checkpoint, config, strict, check, on_disk)
+    return prepared.inventory, prepared.compiled
+
+
+class Ready(NamedTuple):
+    """What every rank has before it touches tensor data."""
+
+    inventory: Inventory  # rank 0's headers, with this rank's own files' modification times
+    compiled: Compiled
+    key: str | None  # the compiled program's key in the load cache (None: not cached)
+
+
+def prepare_everywhere(rules, checkpoint, config=None, strict: bool = True,
+                       check: Callable[[], None] | None = None, on_disk: bool = True) -> Ready:
     """Every rank: the rules, rank 0's headers of `checkpoint` shared, the config, compiled
     identically, before any data is read. Compiling is a pure function of its inputs, so the ranks
     compare digests of those (cheaper than hashing what they compiled), and of each file's header
@@ -107,19 +124,20 @@ def compile_everywhere(rules, checkpoint, config=None, strict: bool = True,
     copy with another header on any rank fails every rank (E410), naming the file, line, key, size
     or header that differs. `check` (the caller's own checks of its arguments) runs first, on
     every rank. `on_disk=False`: an Inventory of files not written yet (a derived layout), whose
-    headers no rank reads.
+    headers no rank reads. The headers and the compiled program are read back from the load cache
+    (remapdsl/runtime/cache.py) when a process made them from the same inputs before.
 
     Two exchanges: rank 0's headers (a broadcast carrying them or rank 0's error), then every
     rank's rules, config and compile (one exchange carrying each rank's error or digests)."""
     from . import dist  # torch is imported only here
 
-    def first() -> Inventory:
+    def first() -> tuple[Inventory, str | None]:
         if check is not None:
             check()
-        return checkpoint if isinstance(checkpoint, Inventory) else _open(checkpoint)
+        return cache.open_checkpoint(checkpoint)
 
     # always one broadcast (an Inventory given too): every rank makes the same collectives
-    inventory = dist.from_first(first, "reading the checkpoint's headers")
+    inventory, inventory_key = dist.from_first(first, "reading the checkpoint's headers")
 
     def prepare() -> _Prepared:
         if check is not None:
@@ -131,19 +149,15 @@ def compile_everywhere(rules, checkpoint, config=None, strict: bool = True,
         # hashed after the times were taken: a later change is E342 at the data reads, an earlier
         # one is in these bytes; only in a job (one process has nothing to compare them with)
         headers = header_digests(own) if dist.world_size() > 1 and on_disk else {}
-        return _Prepared(_inputs(ruleset, given, strict, checkpoint),
-                         compile_rules(ruleset, inventory, given, strict=strict), own, headers)
+        inputs = _inputs(ruleset, given, strict, checkpoint)
+        compiled, key = cache.compiled(inventory_key, inputs.rules, given, strict,
+                                       lambda: compile_rules(ruleset, inventory, given, strict=strict))
+        return _Prepared(inputs, compiled, own, headers, key)
 
     agreement = dist.Agreement("compiled rules and checkpoint", _Prepared.digests, _Prepared.detail,
                                explain_difference)
     prepared = dist.together(prepare, agree_on=agreement, phase="compiling")
-    return prepared.inventory, prepared.compiled
-
-
-def _open(checkpoint) -> Inventory:
-    from ..checkpoint import open_inventory
-
-    return open_inventory(checkpoint)
+    return Ready(prepared.inventory, prepared.compiled, prepared.key)
 
 
 def explain_difference(aspect: str, details: dict[int, Any]) -> list[str]:

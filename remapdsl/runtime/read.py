@@ -13,7 +13,9 @@ import ctypes
 import itertools
 from collections.abc import Iterator, Mapping
 from concurrent.futures import ThreadPoolExecutor
+from math import prod
 from operator import mul
+from queue import SimpleQueue
 from typing import NamedTuple
 
 import torch
@@ -29,39 +31,81 @@ def run_load_plan(plan: LoadPlan, inventory: Inventory, tensors: Mapping[str, to
              threads: int = 2, reader: CheckpointReader | None = None) -> None:
     """Execute one rank's plan into its local tensors. Items that continue each other both in the
     file and in runtime tensor memory (a layer's gate and up slabs, consecutive experts) are read with
-    one call; reads run on `threads` threads (positioned reads release the GIL), each into its own
-    region, so no two threads write one byte; on one thread where the units are small on average
-    (thousands of kB-sized tensors: the per-unit Python work dominates, and threads contend for it).
-    `reader`: where the bytes come from (default: `inventory`'s files; a MemoryReader for ingest)."""
+    one call, cut into chunks of at most CHUNK bytes; each chunk goes to one of `threads` reader
+    threads (positioned reads release the GIL) as soon as it is worked out, each into its own
+    region, so no two threads write one byte. Units under SMALL_UNIT run on this thread as they come
+    (thousands of kB-sized tensors: the per-unit Python work dominates, and threads would only
+    contend for it). `reader`: where the bytes come from (default: `inventory`'s files; a
+    MemoryReader for ingest)."""
     with reader or CheckpointReader(inventory) as reader, torch.no_grad():
-        work = _work(plan.items, tensors)
-        work += [_Decode(item, region(tensors[item.runtime_key], item)) for item in plan.decodes]
-        in_flight: list = [None] * len(work)
-        if threads <= 1 or len(work) < 2 or plan.bytes_read < SMALL_UNIT * len(work):
-            _drain(work, itertools.count(), reader, in_flight)
-        else:  # each thread takes the next unit in file order; no future per unit
-            taken = itertools.count()
-            with ThreadPoolExecutor(threads) as pool:
-                for f in [pool.submit(_drain, work, taken, reader, in_flight) for _ in range(threads)]:
-                    f.result()
+        units = itertools.chain(_work(plan.items, tensors),
+                                (_Decode(item, region(tensors[item.runtime_key], item)) for item in plan.decodes))
+        if threads <= 1:
+            in_flight = [_run_batch(unit, reader) for unit in units]
+        else:
+            in_flight = _run_threaded(units, reader, threads)
         if any(buffer is not None for buffer in in_flight):
             torch.cuda.synchronize()  # the asynchronous copies from pinned staging are done
 
 
-def _drain(work: list, taken: Iterator[int], reader: CheckpointReader, in_flight: list) -> None:
-    """Run units of work until none is left; `taken` hands out each index once (atomic in CPython)."""
-    while (i := next(taken)) < len(work):
-        in_flight[i] = _run_batch(work[i], reader)
+def _run_threaded(units: Iterator, reader: CheckpointReader, threads: int) -> list:
+    """Run the units in the order they come: the large ones on `threads` threads (started at the
+    first), the small ones here; returns what they left in flight. The first error is raised once
+    every thread stopped."""
+    queue: SimpleQueue = SimpleQueue()
+    in_flight: list = []
+    errors: list[BaseException] = []
+
+    def drain() -> None:
+        while (unit := queue.get()) is not None:
+            if not errors:  # after an error the rest is only taken off the queue
+                try:
+                    in_flight.append(_run_batch(unit, reader))
+                except BaseException as exc:  # noqa: BLE001 - raised by the caller's thread
+                    errors.append(exc)
+
+    with ThreadPoolExecutor(threads) as pool:
+        running: list = []
+        try:
+            for unit in units:
+                if errors:
+                    break
+                if _nbytes(unit) < SMALL_UNIT:
+                    in_flight.append(_run_batch(unit, reader))
+                    continue
+                if not running:
+                    running = [pool.submit(drain) for _ in range(threads)]
+                queue.put(unit)
+        finally:
+            for _ in running:
+                queue.put(None)
+            for f in running:
+                f.result()
+    if errors:
+        raise errors[0]
+    return in_flight
+
+
+def _nbytes(unit) -> int:
+    """About how many bytes a unit moves (a decode or a staged item: its elements, at 4 bytes)."""
+    if isinstance(unit, _Span):
+        return unit.nbytes
+    if isinstance(unit, _Scatter):
+        return sum(n for _, n in unit.places)
+    if isinstance(unit, _Direct):
+        return unit.runs.total
+    return 4 * prod(unit.item.sizes)
 
 
 class _Memory(NamedTuple):
     """What the work list needs of a runtime tensor, read once per tensor: its first byte's address
-    (None unless a contiguous CPU tensor), element size, dtype name and shape."""
+    (None unless a contiguous CPU tensor), dtype name, shape, and the bytes a step along each dim
+    moves."""
 
     address: int | None
-    itemsize: int
     dtype: str
     shape: tuple[int, ...]
+    steps: tuple[int, ...]
 
 
 def _memory(tensor: torch.Tensor, names: dict) -> _Memory:
@@ -70,7 +114,9 @@ def _memory(tensor: torch.Tensor, names: dict) -> _Memory:
     if name is None:  # torch.bfloat16 -> bfloat16, once a dtype
         name = names[dtype] = str(dtype).removeprefix("torch.")
     direct = tensor.is_cpu and tensor.is_contiguous()
-    return _Memory(tensor.data_ptr() if direct else None, tensor.element_size(), name, tuple(tensor.shape))
+    shape, itemsize = tuple(tensor.shape), tensor.element_size()
+    return _Memory(tensor.data_ptr() if direct else None, name, shape,
+                   tuple(itemsize * n for n in row_major_strides(shape)))
 
 
 def _address(memory: _Memory, item: ReadItem) -> int | None:
@@ -91,7 +137,7 @@ def _address(memory: _Memory, item: ReadItem) -> int | None:
     offsets = item.local_offsets
     if not any(offsets):
         return memory.address
-    return memory.address + memory.itemsize * sum(map(mul, offsets, row_major_strides(memory.shape)))
+    return memory.address + sum(map(mul, offsets, memory.steps))
 
 
 CHUNK = 32 << 20  # direct reads are cut to about this size, so both threads stay busy to the end
@@ -131,11 +177,10 @@ class _Item(NamedTuple):
     tensor: torch.Tensor
 
 
-def _work(items, tensors) -> list:
+def _work(items, tensors) -> Iterator:
     """The units of work of the plain items, in file order: direct reads (consecutive items that
     continue each other in the file merged into one read, cut into chunks), and the other items as
     they are. No tensor view is made here: addresses are computed from offsets."""
-    work: list = []
     memories: dict[str, _Memory] = {}
     names: dict = {}
     merged: list | None = None  # [file, first byte, bytes, places] of the open single-range read
@@ -145,36 +190,37 @@ def _work(items, tensors) -> list:
             memory = memories[item.runtime_key] = _memory(tensors[item.runtime_key], names)
         address = _address(memory, item)
         if address is None:
-            work.append(_Item(item, tensors[item.runtime_key]))
+            yield _Item(item, tensors[item.runtime_key])
             continue
         runs = item.runs
         if runs.counts and runs.count != 1:
             for chunk in runs.chunks(max(1, CHUNK // max(1, runs.length))):
-                work.append(_Direct(item.file, chunk, address))
+                yield _Direct(item.file, chunk, address)
                 address += chunk.total
             continue
         if merged is not None and merged[0] == item.file and merged[1] + merged[2] == runs.first:
             places = merged[3]
-            last, size = places[-1]
-            if last + size == address:  # continues in memory too
-                places[-1] = (last, size + runs.length)
+            if places and places[-1][0] + places[-1][1] == address:  # continues in memory too
+                places[-1] = (places[-1][0], places[-1][1] + runs.length)
             else:
                 places.append((address, runs.length))
             merged[2] += runs.length
+            if merged[2] >= CHUNK or len(places) >= files.IOV_MAX:  # whole chunks go out now
+                yield from _cut(merged, whole=False)
             continue
         if merged is not None:
-            _cut(merged, work)
+            yield from _cut(merged)
         merged = [item.file, runs.first, runs.length, [(address, runs.length)]]
     if merged is not None:
-        _cut(merged, work)
-    return work
+        yield from _cut(merged)
 
 
-def _cut(merged: list, work: list) -> None:
-    """One file range read as chunks of at most CHUNK bytes and IOV_MAX places each."""
+def _cut(merged: list, whole: bool = True) -> Iterator:
+    """One file range read as chunks of at most CHUNK bytes and IOV_MAX places each. `whole=False`:
+    only the full chunks, the rest left in `merged` for the items that continue it."""
     file, first, nbytes, places = merged
-    if len(places) == 1 and nbytes <= CHUNK:
-        work.append(_Span(file, first, places[0][0], nbytes))
+    if whole and len(places) == 1 and nbytes <= CHUNK:
+        yield _Span(file, first, places[0][0], nbytes)
         return
     chunk: list[tuple[int, int]] = []
     size = 0
@@ -184,10 +230,12 @@ def _cut(merged: list, work: list) -> None:
             chunk.append((address, take))
             size, address, nbytes = size + take, address + take, nbytes - take
             if size == CHUNK or len(chunk) == files.IOV_MAX:
-                work.append(_Scatter(file, first, tuple(chunk)))
+                yield _Scatter(file, first, tuple(chunk))
                 first, chunk, size = first + size, [], 0
-    if chunk:
-        work.append(_Scatter(file, first, tuple(chunk)))
+    if not whole:
+        merged[1:] = [first, size, chunk]
+    elif chunk:
+        yield _Scatter(file, first, tuple(chunk))
 
 
 class _Decode(NamedTuple):

@@ -1,0 +1,262 @@
+"""What a load keeps for the next process: each checkpoint's inventory, each compiled program and
+each rank's load plan, read back when a later process is given the same inputs.
+
+Everything a load does before its first byte (reading and checking the headers, compiling, planning)
+is a pure function of its inputs, and a job restarted from the same checkpoint with the same rules
+does it all again: for a small model that is most of a load's fixed cost, for DeepSeek-V3 about a
+second a rank. Each result is kept under a key that holds every input it was made from:
+
+- an inventory: the path given and, for every `*.safetensors` and `*.safetensors.index.json` file
+  of its folder, the name, size, device, inode, and modification and change times (a file written,
+  replaced, renamed or touched since is another key; the change time cannot be set back); an entry
+  also holds the same of every file the inventory was read from (shards an index names in
+  subfolders too), checked again when it is read back. Files changed in the last two seconds are
+  not kept at all: their times could still be those of a rewrite in the same clock tick;
+- a compiled program: the inventory's key, each rule file's path and text, the config (plain JSON
+  only), strictness, the names of the registered quantized formats;
+- a load plan: the compiled program's key, what this rank holds of each runtime tensor, its rank;
+
+and each also by remapdsl's own code (`language.cache.code_version`: every source file, by size and
+modification time, as Python's bytecode cache checks them, and its dependencies' versions). No
+compiled program or plan is kept while the program has registered a quantized format of its own
+(its code is not remapdsl's), nor anything for a checkpoint given as an Inventory object. Errors are
+never kept: a compile that fails runs, and fails, again.
+
+The entries are pickles, so they live only in the user's private cache folder (the parser's:
+`language/cache.cache_folder`), each folder on the way checked to be this user's alone; plans in a
+folder per host. `REMAPDSL_CACHE=0` turns every cache off. Each kind keeps the entries used last
+(`ENTRIES`); deleting the folder is always safe.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import pickle
+import socket
+import tempfile
+import time
+from collections.abc import Callable, Mapping
+from pathlib import Path
+from typing import Any, TypeVar
+
+from ..checkpoint import Inventory, open_inventory
+from ..checkpoint.inventory import INDEX_SUFFIX, SUFFIX
+from ..language.cache import cache_folder, code_version
+
+T = TypeVar("T")
+
+SETTLED_SECONDS = 2.0  # files changed more recently than this are not kept (see _files_signature)
+ENTRIES = 64  # entries kept of each kind (inventories, compiled programs, plans); the oldest go first
+_log = logging.getLogger("remapdsl")
+
+
+def _key(*parts: Any) -> str | None:
+    """sha256 of remapdsl's code version and the parts; None when it cannot be made (a source file
+    that cannot be looked at): no key, no cache, never a failed load."""
+    try:
+        digest = hashlib.sha256(code_version().encode())
+    except OSError:
+        return None
+    for part in parts:
+        digest.update(b"\0" + (part if isinstance(part, bytes) else str(part).encode()))
+    return digest.hexdigest()
+
+
+def _folder(kind: str, make: bool = False) -> Path | None:
+    """The folder of one kind of entry, inside the private cache folder, or None: caching off, or a
+    folder on the way that is not this user's alone (its entries are unpickled). Plans are kept per
+    host: the ranks of a job on a shared home folder would otherwise push each other's out."""
+    base = cache_folder()
+    if base is None:
+        return None
+    parts = ["loads", kind] + ([_host()] if kind == "plans" else [])
+    folder = base
+    for part in parts:
+        folder = folder / part
+        try:
+            if make:
+                folder.mkdir(mode=0o700, exist_ok=True)
+            stat = folder.stat()
+        except OSError:
+            return None
+        if hasattr(os, "getuid") and (stat.st_uid != os.getuid() or stat.st_mode & 0o022):
+            return None
+    return folder
+
+
+def _host() -> str:
+    return "".join(c if c.isalnum() or c in "-_." else "_" for c in socket.gethostname()) or "host"
+
+
+def _get(kind: str, key: str | None) -> tuple[bool, Any]:
+    """Whether an entry is there for `key`, and its value (None: none kept, unreadable, or not that
+    key's)."""
+    folder = None if key is None else _folder(kind)
+    if folder is None:
+        return False, None
+    entry = folder / f"{key[:40]}.pickle"
+    try:
+        data = entry.read_bytes()
+    except OSError:
+        return False, None
+    try:
+        kept_key, value = pickle.loads(data)
+    except Exception:  # noqa: BLE001 - a damaged entry (an interrupted writer, another version)
+        return True, None
+    if kept_key != key:
+        return True, None
+    try:
+        os.utime(entry)  # used: the trimming keeps the entries used last
+    except OSError:
+        pass
+    _log.debug("remapdsl: %s read back from the cache (%s)", kind, folder)
+    return True, value
+
+
+def _put(kind: str, key: str | None, value: Any, replace: bool = False) -> None:
+    """Keep `value` under `key` (best effort: a cache that cannot be written is no cache). An entry
+    another process kept under the same key meanwhile (the ranks of a node) is left as it is,
+    unless `replace` (the one there could not be read)."""
+    folder = None if key is None else _folder(kind, make=True)
+    if folder is None:
+        return
+    entry = folder / f"{key[:40]}.pickle"
+    if entry.exists() and not replace:
+        return
+    partial = None
+    try:
+        fd, partial = tempfile.mkstemp(dir=folder, suffix=".tmp")  # private and unique to this writer
+        with os.fdopen(fd, "wb") as out:
+            out.write(pickle.dumps((key, value), protocol=pickle.HIGHEST_PROTOCOL))
+        os.replace(partial, entry)  # readers see the whole entry or none
+        _trim(folder)
+    except Exception:  # noqa: BLE001 - unwritable folder, a value that does not pickle: no entry
+        if partial is not None:
+            Path(partial).unlink(missing_ok=True)
+
+
+def _trim(folder: Path) -> None:
+    """Past twice ENTRIES entries, keep the ENTRIES used last (so the folder is listed in full only
+    once in that many writes), and drop what writers that died left behind."""
+    entries = list(folder.glob("*.pickle"))
+    if len(entries) <= 2 * ENTRIES:
+        return
+    by_use = sorted(entries, key=lambda p: p.stat().st_mtime_ns)
+    for old in by_use[: len(entries) - ENTRIES]:
+        old.unlink(missing_ok=True)
+    for partial in folder.glob("*.tmp"):
+        if time.time() - partial.stat().st_mtime > 3600:
+            partial.unlink(missing_ok=True)
+
+
+def _cached(kind: str, key: str | None, make: Callable[[], T]) -> T:
+    there, value = _get(kind, key)
+    if value is None:
+        value = make()
+        _put(kind, key, value, replace=there)
+    return value
+
+
+def _stats(paths: list[tuple[str, str]]) -> str | None:
+    """(name, path) of files -> what identifies each without reading it: size, device, inode,
+    modification and change times; None where one cannot be looked at, or changed in the last
+    SETTLED_SECONDS: a file's times move in clock ticks, so a file rewritten within the tick of an
+    earlier look could keep every number of it (git's "racy" entries); such files are not kept."""
+    seen = []
+    now = time.time_ns()
+    for name, path in paths:
+        try:
+            s = os.stat(path)
+        except OSError:
+            return None
+        if now - max(s.st_mtime_ns, s.st_ctime_ns) < SETTLED_SECONDS * 1e9:
+            return None
+        seen.append((name, s.st_size, s.st_dev, s.st_ino, s.st_mtime_ns, s.st_ctime_ns))
+    return repr(seen)
+
+
+def _folder_signature(path: str) -> str | None:
+    """The files `open_inventory(path)` may look at in its folder, identified without reading them."""
+    root = path if os.path.isdir(path) else os.path.dirname(path)
+    try:
+        with os.scandir(root) as entries:
+            names = sorted(e.name for e in entries if e.name.endswith((SUFFIX, INDEX_SUFFIX)))
+    except OSError:
+        return None
+    listed = _stats([(name, os.path.join(root, name)) for name in names])
+    return None if listed is None else repr([path, listed])
+
+
+def _read_signature(inventory: Inventory) -> str | None:
+    """Every file an inventory was read from (its index and the files it names, in subfolders too),
+    identified without reading them."""
+    names = sorted({*inventory.files, *inventory.ignored_files, *filter(None, [inventory.index_file])})
+    return _stats([(name, inventory.path(name)) for name in names])
+
+
+def open_checkpoint(checkpoint) -> tuple[Inventory, str | None]:
+    """A checkpoint's Inventory (`open_inventory`) and its key: read back when none of the files it
+    was read from changed since it was kept. An Inventory given stays as it is, without a key. The
+    key stands for the folder's listing and every file read, so what is kept under it (compiled
+    programs, plans) is made anew when any of them changes."""
+    if isinstance(checkpoint, Inventory):
+        return checkpoint, None
+    path = os.path.abspath(os.fspath(checkpoint))
+    listed = _folder_signature(path) if cache_folder() is not None else None
+    entry = None if listed is None else _key("inventory", listed)
+    there, kept = _get("inventories", entry)
+    if kept is not None:
+        inventory, read_from = kept
+        if _read_signature(inventory) == read_from:
+            return inventory, _key("files", entry, read_from)
+    inventory = open_inventory(path)
+    if entry is None:
+        return inventory, None
+    read_from = _read_signature(inventory)
+    if read_from is None or _folder_signature(path) != listed:  # too new, or changed while read
+        return inventory, None
+    _put("inventories", entry, (inventory, read_from), replace=there)
+    return inventory, _key("files", entry, read_from)
+
+
+def compiled(inventory_key: str | None, rule_files: list[tuple[str, str]], config: Mapping[str, Any],
+             strict: bool, make: Callable[[], T]) -> tuple[T, str | None]:
+    """`make()` (compiling the rules against the inventory), or what it gave before for the same
+    inventory, rule files, config and strictness; with the key it is kept under."""
+    key = None
+    if inventory_key is not None and _builtin_formats_only():
+        try:
+            config_text = json.dumps(config, sort_keys=True)
+            plain = json.loads(config_text) == dict(config)  # no tuple, int key or other look-alike
+        except (TypeError, ValueError):  # not plain JSON: no text that stands for it
+            plain = False
+        if plain:
+            from ..quant.registry import format_names
+
+            key = _key("compiled", inventory_key, json.dumps(rule_files), config_text, strict, format_names())
+    return _cached("compiled", key, make), key
+
+
+def load_plan(compiled_key: str | None, held: Mapping[str, Any], rank: int, make: Callable[[], T]) -> T:
+    """`make()` (this rank's load plan), or what it gave before for the same compiled program, the
+    same holdings and rank."""
+    key = None
+    if compiled_key is not None and cache_folder() is not None:
+        try:
+            key = _key("plan", compiled_key, rank, pickle.dumps(dict(held), protocol=pickle.HIGHEST_PROTOCOL))
+        except Exception:  # noqa: BLE001 - holdings that do not pickle: no key, no cache
+            key = None
+    return _cached("plans", key, make)
+
+
+def _builtin_formats_only() -> bool:
+    """True when every registered quantized format is one of remapdsl's own, as it ships them."""
+    from ..quant import get_format
+    from ..quant.builtin import BUILTIN_FORMATS
+    from ..quant.registry import format_names
+
+    builtin = {f.name: f for f in BUILTIN_FORMATS}
+    return all(builtin.get(name) is get_format(name) for name in format_names())

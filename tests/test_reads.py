@@ -1,0 +1,167 @@
+"""The read executor's units: file ranges cut into chunks and handed to reader threads as they are
+worked out fill the same bytes as one thread reading whole ranges; an error on a thread is raised."""
+
+from __future__ import annotations
+
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+import remapdsl
+from remapdsl.checkpoint import reader as files
+from remapdsl.errors import CheckpointError, Diagnostic
+from remapdsl.runtime import read
+from remapdsl.sharding import Mesh, read_layout
+from remapdsl.sharding.holdings import held_by_layout
+
+TINY = Path(__file__).resolve().parent.parent / "examples" / "tiny-qwen3-moe"
+RULES = "qwen3_moe"
+
+
+def loaded(layout=None, rank: int = 0) -> dict:
+    """The tiny checkpoint loaded through the Qwen3-MoE rules: fused experts (a layer's experts read
+    as one file range into many places), whole or as one tensor-parallel rank's shards."""
+    compiled = remapdsl.compile_rules(remapdsl.load_rules(RULES), TINY)
+    if layout is None:
+        state = {k: torch.full_like(v, -1) for k, v in compiled.empty_state_dict().items()}
+        remapdsl.load(state, str(TINY), RULES)
+        return state
+    mesh = Mesh.of({"tp": 2})
+    held = held_by_layout(compiled, layout, mesh, rank)
+    state = {k: torch.full(s.shape, -1, dtype=getattr(torch, compiled.runtime_tensor(k).dtype))
+             for k, s in held.items()}
+    remapdsl.load(state, str(TINY), RULES, layout=layout, mesh=mesh)
+    return state
+
+
+@pytest.mark.parametrize("chunk, iov_max", [(64, 1024), (4096, 3), (1 << 20, 2), (1 << 20, 1024)])
+@pytest.mark.parametrize("sharded", [False, True])
+def test_threads_and_small_chunks_fill_what_one_thread_fills(monkeypatch, chunk, iov_max, sharded):
+    layout = read_layout(TINY.parent / "tp2_layout.json") if sharded else None
+    expected = loaded(layout)
+    units: list = []
+    run = read._run_batch
+
+    def recorded(unit, reader):
+        units.append(type(unit).__name__)
+        return run(unit, reader)
+
+    monkeypatch.setattr(read, "_run_batch", recorded)
+    monkeypatch.setattr(read, "SMALL_UNIT", 0)  # threads however small the items
+    monkeypatch.setattr(read, "CHUNK", chunk)
+    monkeypatch.setattr(files, "IOV_MAX", iov_max)
+    got = loaded(layout)
+    assert got.keys() == expected.keys()
+    for key in expected:
+        assert torch.equal(got[key], expected[key]), key
+    assert "_Scatter" in units  # experts merged into one range, then cut
+    if chunk == 64:
+        assert len(units) > 100  # many chunks, handed out while later ones were worked out
+
+
+def test_a_file_range_cut_where_chunks_end_keeps_its_places(monkeypatch):
+    """A range that goes on past a whole chunk is cut there and the rest carried on: every byte of
+    each place is read once, in file order, whatever the chunk and place limits."""
+    monkeypatch.setattr(read, "CHUNK", 10)
+    monkeypatch.setattr(files, "IOV_MAX", 3)
+    merged = ["f", 100, 25, [(1000, 7), (2000, 18)]]
+    out = list(read._cut(merged, whole=False))
+    assert out == [read._Scatter("f", 100, ((1000, 7), (2000, 3))), read._Scatter("f", 110, ((2003, 10),))]
+    assert merged == ["f", 120, 5, [(2013, 5)]]  # the rest, for the items that continue it
+    merged[3].append((3000, 12))
+    merged[2] += 12
+    assert list(read._cut(merged)) == [read._Scatter("f", 120, ((2013, 5), (3000, 5))),
+                                       read._Scatter("f", 130, ((3005, 7),))]
+    assert list(read._cut(["f", 0, 4, [(50, 4)]])) == [read._Span("f", 0, 50, 4)]
+
+
+def test_an_error_on_a_reader_thread_is_raised_and_the_other_units_stop(monkeypatch):
+    monkeypatch.setattr(read, "SMALL_UNIT", 0)
+    monkeypatch.setattr(read, "CHUNK", 4096)
+    calls = []
+    run = read._run_batch
+
+    def failing(unit, reader):
+        calls.append(unit)
+        if len(calls) == 3:
+            raise CheckpointError(Diagnostic(code="E343", message="a read failed"))  # as a failing read would
+        return run(unit, reader)
+
+    monkeypatch.setattr(read, "_run_batch", failing)
+    with pytest.raises(CheckpointError, match="a read failed"):
+        loaded()
+    units = sum(1 for _ in read._work(_plan().items, _tensors()))
+    assert len(calls) < units  # the units after the error were only taken off the queue
+
+
+def _plan():
+    compiled = remapdsl.compile_rules(remapdsl.load_rules(RULES), TINY)
+    from remapdsl.sharding.holdings import whole_shard
+    from remapdsl.sharding.plans import make_load_plan
+
+    held = {d.runtime_key: whole_shard(d.shape) for d in compiled.runtime_tensors}
+    return make_load_plan(compiled, remapdsl.open_checkpoint(TINY), held)
+
+
+def _tensors():
+    compiled = remapdsl.compile_rules(remapdsl.load_rules(RULES), TINY)
+    return compiled.empty_state_dict()
+
+
+def test_readers_start_on_the_first_units_while_later_ones_are_worked_out(monkeypatch):
+    monkeypatch.setattr(read, "SMALL_UNIT", 0)
+    monkeypatch.setattr(read, "CHUNK", 4096)
+    events = []
+    work, run = read._work, read._run_batch
+
+    def slow_work(items, tensors):
+        for unit in work(items, tensors):
+            events.append("worked out")
+            yield unit
+            time.sleep(0.01)  # the readers have time to take what was handed out
+
+    def recorded(unit, reader):
+        events.append("read")
+        return run(unit, reader)
+
+    monkeypatch.setattr(read, "_work", slow_work)
+    monkeypatch.setattr(read, "_run_batch", recorded)
+    expected_units = sum(1 for _ in work(_plan().items, _tensors()))
+    loaded()
+    assert events.count("read") == events.count("worked out") == expected_units > 3
+    assert events.index("read") < len(events) - 1 - events[::-1].index("worked out")  # a read before the last unit
+
+
+def test_an_error_while_units_are_worked_out_stops_the_readers_and_is_raised(monkeypatch):
+    monkeypatch.setattr(read, "SMALL_UNIT", 0)
+    monkeypatch.setattr(read, "CHUNK", 4096)
+    work = read._work
+
+    def failing_work(items, tensors):
+        for n, unit in enumerate(work(items, tensors)):
+            if n == 2:
+                raise KeyError("a runtime tensor the plan names")
+            yield unit
+
+    monkeypatch.setattr(read, "_work", failing_work)
+    with pytest.raises(KeyError, match="a runtime tensor the plan names"):
+        loaded()  # and returns: the reader threads were told to stop
+
+
+def test_small_units_run_on_the_calling_thread_and_large_ones_on_readers(monkeypatch):
+    monkeypatch.setattr(read, "CHUNK", 4096)
+    monkeypatch.setattr(read, "SMALL_UNIT", 4096)  # whole chunks go to readers, the ends of ranges not
+    where = []
+    run = read._run_batch
+
+    def recorded(unit, reader):
+        where.append((read._nbytes(unit) >= 4096, threading.current_thread() is threading.main_thread()))
+        return run(unit, reader)
+
+    monkeypatch.setattr(read, "_run_batch", recorded)
+    loaded()
+    assert {on_main for large, on_main in where if large} == {False}
+    assert {on_main for large, on_main in where if not large} == {True}
