@@ -15,6 +15,8 @@ import hashlib
 import os
 import pickle
 import sys
+import tempfile
+import time
 from pathlib import Path
 
 _PARSED_ENTRIES = 256  # rule files kept; the oldest go first
@@ -28,14 +30,19 @@ def cache_folder() -> Path | None:
         return None
     base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
     folder = Path(base) / "remapdsl"
+    return folder if private(folder, make=True, parents=True) else None
+
+
+def private(folder: Path, make: bool = False, parents: bool = False) -> bool:
+    """Whether `folder` is there (made with mode 0700 if `make`), this user's, and writable by no one
+    else: the only kind of folder whose files may be unpickled."""
     try:
-        folder.mkdir(mode=0o700, parents=True, exist_ok=True)
+        if make:
+            folder.mkdir(mode=0o700, parents=parents, exist_ok=True)
         mode = folder.stat()
     except OSError:
-        return None
-    if hasattr(os, "getuid") and (mode.st_uid != os.getuid() or mode.st_mode & 0o022):
-        return None
-    return folder
+        return False
+    return not (hasattr(os, "getuid") and (mode.st_uid != os.getuid() or mode.st_mode & 0o022))
 
 
 @functools.cache
@@ -89,16 +96,25 @@ def parsed(path: str, text: str):
 def keep(rule_file) -> None:
     """Store a parsed file's IR (best effort: a cache that cannot be written is no cache)."""
     entry = _entry(rule_file.path, rule_file.source)
-    if entry is None:
-        return
+    if entry is not None and private(entry.parent, make=True):
+        write_entry(entry, pickle.dumps(rule_file, protocol=pickle.HIGHEST_PROTOCOL), _PARSED_ENTRIES)
+
+
+def write_entry(entry: Path, data: bytes, kept: int) -> bool:
+    """Write one cache entry whole (through a temporary file of this writer's own, renamed: readers
+    see the whole entry or none), then trim its folder; False where it could not be written."""
+    partial = None
     try:
-        entry.parent.mkdir(mode=0o700, exist_ok=True)
-        partial = entry.with_name(f"{entry.name}.{os.getpid()}.tmp")
-        partial.write_bytes(pickle.dumps(rule_file, protocol=pickle.HIGHEST_PROTOCOL))
-        os.replace(partial, entry)  # readers see the whole entry or none
-        _trim(entry.parent)
+        fd, partial = tempfile.mkstemp(dir=entry.parent, suffix=".tmp")
+        with os.fdopen(fd, "wb") as out:
+            out.write(data)
+        os.replace(partial, entry)
     except OSError:
-        pass
+        if partial is not None:
+            Path(partial).unlink(missing_ok=True)
+        return False
+    _trim(entry.parent, kept)
+    return True
 
 
 def _entry(path: str, text: str) -> Path | None:
@@ -109,12 +125,18 @@ def _entry(path: str, text: str) -> Path | None:
     return folder / "parsed" / f"{key[:32]}.pickle"
 
 
-def _trim(folder: Path) -> None:
-    """Past twice _PARSED_ENTRIES entries, keep the newest _PARSED_ENTRIES (stat-ing them all only
-    once in that many writes)."""
-    entries = list(folder.glob("*.pickle"))
-    if len(entries) <= 2 * _PARSED_ENTRIES:
-        return
-    by_age = sorted(entries, key=lambda p: p.stat().st_mtime)
-    for old in by_age[: len(entries) - _PARSED_ENTRIES]:
-        old.unlink(missing_ok=True)
+def _trim(folder: Path, kept: int) -> None:
+    """Past twice `kept` entries, keep the `kept` used or written last (so the folder is listed in
+    full only once in that many writes), and drop what writers that died left behind."""
+    try:
+        entries = list(folder.glob("*.pickle"))
+        if len(entries) <= 2 * kept:
+            return
+        by_use = sorted(entries, key=lambda p: p.stat().st_mtime_ns)
+        for old in by_use[: len(entries) - kept]:
+            old.unlink(missing_ok=True)
+        for partial in folder.glob("*.tmp"):
+            if time.time() - partial.stat().st_mtime > 3600:
+                partial.unlink(missing_ok=True)
+    except OSError:  # another process trimming at the same time
+        pass

@@ -36,7 +36,6 @@ import logging
 import os
 import pickle
 import socket
-import tempfile
 import time
 from collections.abc import Callable, Mapping
 from pathlib import Path
@@ -44,7 +43,7 @@ from typing import Any, TypeVar
 
 from ..checkpoint import Inventory, open_inventory
 from ..checkpoint.inventory import INDEX_SUFFIX, SUFFIX
-from ..language.cache import cache_folder, code_version
+from ..language.cache import cache_folder, code_version, private, write_entry
 
 T = TypeVar("T")
 
@@ -76,13 +75,7 @@ def _folder(kind: str, make: bool = False) -> Path | None:
     folder = base
     for part in parts:
         folder = folder / part
-        try:
-            if make:
-                folder.mkdir(mode=0o700, exist_ok=True)
-            stat = folder.stat()
-        except OSError:
-            return None
-        if hasattr(os, "getuid") and (stat.st_uid != os.getuid() or stat.st_mode & 0o022):
+        if not private(folder, make):
             return None
     return folder
 
@@ -126,30 +119,11 @@ def _put(kind: str, key: str | None, value: Any, replace: bool = False) -> None:
     entry = folder / f"{key[:40]}.pickle"
     if entry.exists() and not replace:
         return
-    partial = None
     try:
-        fd, partial = tempfile.mkstemp(dir=folder, suffix=".tmp")  # private and unique to this writer
-        with os.fdopen(fd, "wb") as out:
-            out.write(pickle.dumps((key, value), protocol=pickle.HIGHEST_PROTOCOL))
-        os.replace(partial, entry)  # readers see the whole entry or none
-        _trim(folder)
-    except Exception:  # noqa: BLE001 - unwritable folder, a value that does not pickle: no entry
-        if partial is not None:
-            Path(partial).unlink(missing_ok=True)
-
-
-def _trim(folder: Path) -> None:
-    """Past twice ENTRIES entries, keep the ENTRIES used last (so the folder is listed in full only
-    once in that many writes), and drop what writers that died left behind."""
-    entries = list(folder.glob("*.pickle"))
-    if len(entries) <= 2 * ENTRIES:
+        data = pickle.dumps((key, value), protocol=pickle.HIGHEST_PROTOCOL)
+    except Exception:  # noqa: BLE001 - a value that does not pickle: no entry
         return
-    by_use = sorted(entries, key=lambda p: p.stat().st_mtime_ns)
-    for old in by_use[: len(entries) - ENTRIES]:
-        old.unlink(missing_ok=True)
-    for partial in folder.glob("*.tmp"):
-        if time.time() - partial.stat().st_mtime > 3600:
-            partial.unlink(missing_ok=True)
+    write_entry(entry, data, ENTRIES)
 
 
 def _cached(kind: str, key: str | None, make: Callable[[], T]) -> T:
