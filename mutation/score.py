@@ -49,7 +49,7 @@ def main(patterns: list[str]) -> None:
         if not name or not any(fnmatch.fnmatch(name, p) for p in patterns):
             continue
         counts = by_module[name.split(".x_")[0].split(".x\u01c1")[0]]
-        if status in ("survived", "no tests") and name in elsewhere:
+        if status in ("survived", "no tests", "segfault") and name in elsewhere:
             status = "killed elsewhere"
         counts[status] += 1
         if status == "survived" and name in equivalent:

@@ -6,6 +6,7 @@ failed rule's keys are not reported again as E202. Rules are compiled against a 
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -397,3 +398,24 @@ def test_compile_rules_is_strict_by_default_and_e202_shows_eight_keys(checkpoint
     shown = "`a.3.w`, `b.0.w`, `b.1.w`, `e.0.0.w`, `e.0.1.w`, `f.0.0.w`, `m.0.gate`, `m.0.up`" if guard else \
         "`b.0.w`, `b.1.w`, `e.0.0.w`, `e.0.1.w`, `f.0.0.w`, `m.0.gate`, `m.0.up`, `m.1.up`"
     assert (d.code, d.message) == ("E202", f"{9 if guard else 8} checkpoint tensors taken by no rule: {shown}{more}")
+
+
+# -- sources: which checkpoint tensors a reshape may read as a flat view --
+
+def test_a_tensor_in_chunks_flattened_keeps_a_block_a_row_and_loads(tmp_path):
+    """`a` [6, 4] saved by torch.distributed.checkpoint in two chunks of 3 rows, one a file: its
+    bytes are not one run, so a reshape to [24] reads it by its own dims (a block per row, no flat
+    view) and loads its elements in order."""
+    a = torch.arange(24, dtype=torch.float32).reshape(6, 4)
+    for name, part, offsets in (("shard-00001", a[:3], [0, 0]), ("shard-00002", a[3:].clone(), [3, 0])):
+        save_file({"a": part}, str(tmp_path / f"{name}-model-00001-of-00001.safetensors"),
+                  metadata={"DCP_SHARDING_INFO": json.dumps({"a": {"saved_offsets": offsets}}),
+                            "DCP_VERSION": "1.0", "format": "pt"})
+    inventory = remapdsl.open_checkpoint(tmp_path)
+    assert set(inventory.chunks) == {"a"}
+    rules = rules_from_text("remap 1\na -> s | reshape([24])\n", "t.remap")
+    (s,) = remapdsl.compile_rules(rules, inventory, {}).runtime_tensors
+    assert [(b.offsets, b.base, b.view) for b in s.blocks] == [((4 * r,), (r, 0), ()) for r in range(6)]
+    state = {"s": torch.zeros(24)}
+    remapdsl.load(state, tmp_path, rules, config={})
+    assert torch.equal(state["s"], a.reshape(24))

@@ -311,6 +311,24 @@ def test_the_tiling_check_tells_a_fill_and_a_read_at_one_place():
     assert tiles((_block((0,), (2,), None), _block((0,), (2,)), _block((2,), (2,))), (4,)) is False
 
 
+@pytest.mark.parametrize("blocks, shape, tiles", [
+    ([((0, 0), (2, 4))], (2, 4), True),  # the whole tensor
+    ([((0,), (5,))], (4,), False),  # at the origin, but longer than the tensor
+    ([((1,), (4,))], (4,), False),  # the tensor's size, but not at the origin
+    ([((0, 0), (1, 4)), ((1, 0), (1, 4))], (2, 4), True),  # what `stack` makes: a grid of one size
+    ([((0,), (2,)), ((4,), (2,))], (4,), False),  # on the grid, the second past the end
+    ([((-2,), (2,)), ((0,), (2,))], (4,), False),  # on the grid, the first before the start
+    ([((0,), (2,)), ((1,), (2,))], (4,), False),  # one size, off the grid: they overlap
+    ([((0,), (0,)), ((1,), (0,))], (4,), True),  # empty blocks cover nothing (no grid of size 0)
+])
+def test_the_tiling_check_s_fast_paths_tell_blocks_outside_or_overlapping(blocks, shape, tiles):
+    """One block, and blocks of one size (the shortcuts before the general sweep): each as the
+    sweep would tell it."""
+    from remapdsl.compile.symbolic import tiles as check
+
+    assert check(tuple(_block(o, n) for o, n in blocks), shape) is tiles
+
+
 _LIMIT_HINT = "sizes and counts this large cannot be a model's tensors (limits: docs/errors.md)"
 
 
@@ -407,6 +425,18 @@ def test_a_repeat_past_the_largest_size_is_e209():
         f"2^48 = {2**48}, the largest size", 10, 36, _LIMIT_HINT)
 
 
+def test_a_repeat_one_block_past_the_limit_is_refused_before_it_is_built():
+    """17 blocks repeated 61,681 times would be 1,048,577 blocks, one more than a tensor may have."""
+    from remapdsl.compile import symbolic as sym
+
+    t = sym.repeat(sym.source("w", (4, 2), "float32"), 0, 17)
+    assert len(t.blocks) == 17
+    with pytest.raises(sym.LimitError) as info:
+        sym.repeat(t, 1, 61681)
+    assert str(info.value) == ("repeat 61681 times would describe one tensor by 1048577 blocks: more than "
+                               "2^20 = 1048576, the most one tensor may have")
+
+
 def test_unstacking_up_to_the_limit_makes_that_many_tensors_and_one_more_is_e209():
     from remapdsl.compile import symbolic as sym
     from remapdsl.language.limits import MAX_PIECES
@@ -492,6 +522,16 @@ def test_reshapes_that_add_and_remove_dims_of_one_load_as_torch_reshapes(tmp_pat
     want = {"a": (1, 8, 1), "b": (8,), "c": (8, 1), "d": (1, 4, 1, 2), "e": (2, 4)}
     assert {k: v.shape for k, v in state.items()} == want
     assert all(torch.equal(state[k], w.reshape(shape)) for k, shape in want.items())
+
+
+def test_rows_cut_and_padded_back_to_their_width_load_flattened_as_torch_does(tmp_path):
+    """Columns 0:2 of w [4, 4] padded back to 4 columns, then flattened: each row's two elements
+    are not whole rows of w, so each is a block of w's own dims (not of its flat view)."""
+    w = torch.arange(16, dtype=torch.float32).reshape(4, 4)
+    state, _ = _load("w -> s | slice(dim=1, start=0, stop=2) | pad(dim=1, to=4) | reshape([16])\n",
+                     _write(tmp_path / "src", {"w": w}))
+    want = torch.nn.functional.pad(w[:, :2], (0, 2)).reshape(16)
+    assert torch.equal(state["s"], want)
 
 
 def test_a_reshape_undone_by_a_reshape_is_one_block_however_many_rows(tmp_path):
