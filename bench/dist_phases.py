@@ -120,10 +120,16 @@ def _one_load(targets: dict) -> tuple[dict, dict, dict, object]:
         digest = compile_digest(rules, config, True, str(FOLDER))
         lap("digest")
         rule_files = [(f.path, f.source) for f in rules.files]
-        compiled, key = shared.together(
-            lambda: cache.compiled(inventory_key, rule_files, config, True,
-                                   lambda: remapdsl.compile_rules(rules, inv, config, strict=True)),
-            agree_on=("compiled rules and checkpoint", lambda _: digest))
+
+        def compiled_once():
+            key = cache.compiled_key(inventory_key, rule_files, config, True)
+            there, compiled = cache.kept_compiled(key)
+            if compiled is None:
+                compiled = remapdsl.compile_rules(rules, inv, config, strict=True)
+                cache.keep_compiled(key, compiled, replace=there)
+            return compiled, key
+
+        compiled, key = shared.together(compiled_once, agree_on=("compiled rules and checkpoint", lambda _: digest))
         lap("compile + agreement")
 
         def plan_and_read():

@@ -432,14 +432,17 @@ def main() -> None:
             growth = statistics.median(x["maxrss"] - x["rss0"] for x in results[mode]) / dest_bytes
             print(f"  {mode}: RSS growth {growth:.2f}x the destination bytes, goal <= {RSS_GOAL:.2f}x -> "
                   f"{'meets' if growth <= RSS_GOAL else 'MISSES'}")
-    print("ratios of median times (lower is better for the first name):")
+    print("ratios of median times (lower is better for the first name), and the median of each round's "
+          "own ratio (its two processes ran back to back: steadier where the machine's speed drifts):")
     for a, b, goal in RATIOS:
         if a in median and b in median:
             ratio = median[a] / median[b] if median[a] and median[b] else None
+            pairs = [x["seconds"] / y["seconds"] for x, y in zip(results[a], results[b])]
+            paired = f" (per round {statistics.median(pairs):5.2f}x)" if ratio and len(pairs) == args.runs else ""
             verdict = ""
             if goal is not None and ratio is not None:
                 verdict = f"  goal <= {goal:.2f}x -> {'meets' if ratio <= goal else 'MISSES'}"
-            print(f"  {a:16s} / {b:16s} = " + (f"{ratio:5.2f}x" if ratio else "  n/a") + verdict)
+            print(f"  {a:16s} / {b:16s} = " + (f"{ratio:5.2f}x" if ratio else "  n/a") + paired + verdict)
 
 
 def _prod(shape) -> int:

@@ -15,6 +15,8 @@ from safetensors.torch import save_file
 
 import remapdsl
 from remapdsl.errors import RemapError
+from remapdsl.language.includes import load_rules, rule_sources
+from remapdsl.language.library import display_path
 from remapdsl.runtime import cache, load, prepare
 from gloo import CHECK_FAILURES, shut_down
 
@@ -84,9 +86,48 @@ def test_what_is_read_back_equals_what_is_made(private):
     ruleset = remapdsl.load_rules(RULES)
     rule_files = [(f.path, f.source) for f in ruleset.files]
     config = json.loads((private / "ckpt" / "config.json").read_text())
-    compiled, compiled_key = cache.compiled(key, rule_files, config, True, lambda: pytest.fail("compiled again"))
+    compiled_key = cache.compiled_key(key, rule_files, config, True)
+    there, compiled = cache.kept_compiled(compiled_key)
+    assert there and compiled_key is not None
     assert compiled.digest() == remapdsl.compile_rules(ruleset, private / "ckpt").digest()
-    assert compiled_key is not None
+    assert rule_sources(RULES) == rule_files  # and the files the program was read from, unchanged
+
+
+def test_a_program_loaded_before_is_not_parsed_again(private, monkeypatch):
+    """A load whose compiled program is kept reads its rule files' text, not their IR; whatever
+    would change which files the program reads (a file's text, a file appearing where an include
+    looks) makes it parse and check the rules again."""
+    rules = private / "rules"
+    rules.mkdir()
+    (rules / "top.remap").write_text('remap 1\ninclude "qwen3_moe"\n')
+    load_tiny(private, rules / "top.remap")
+    parsed = []
+    monkeypatch.setattr(prepare, "load_rules", lambda *a, **k: parsed.append(1) or load_rules(*a, **k))
+    calls = Calls(monkeypatch)
+    first = load_tiny(private, rules / "top.remap")
+    assert parsed == [] and calls.take() == []
+    # a file of the shipped name beside the top-level file: the include now reads it instead
+    shutil.copy(RULES, rules / "qwen3_moe")
+    (rules / "qwen3_moe").write_text((rules / "qwen3_moe").read_text() + "\n# a local copy\n")
+    assert rule_sources(rules / "top.remap") is None
+    again = load_tiny(private, rules / "top.remap")
+    assert parsed == [1] and calls.take() == ["compile_rules", "make_load_plan"]
+    assert all(torch.equal(again[k], first[k]) for k in first)
+    assert [path for path, _ in rule_sources(rules / "top.remap")] == \
+        [str(rules / "top.remap"), display_path((rules / "qwen3_moe").resolve())]
+    (rules / "qwen3_moe").write_text((rules / "qwen3_moe").read_text() + "# edited\n")  # an included file's text
+    assert rule_sources(rules / "top.remap") is None
+    load_tiny(private, rules / "top.remap")
+    assert parsed == [1, 1] and calls.take() == ["compile_rules", "make_load_plan"]
+
+
+def test_rules_read_back_but_compiled_anew_are_parsed_from_the_files(private, monkeypatch):
+    """The files are unchanged, the config is not: the program is compiled again, from the files."""
+    load_tiny(private)
+    calls = Calls(monkeypatch)
+    config = {**json.loads((private / "ckpt" / "config.json").read_text()), "unused_by_the_rules": 2}
+    load_tiny(private, config=config)
+    assert calls.take() == ["compile_rules", "make_load_plan"]
 
 
 @pytest.mark.parametrize("change, made", [

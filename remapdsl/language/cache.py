@@ -1,8 +1,10 @@
-"""The parser's private cache folder: Lark's tables, and the IR of rule files parsed before.
+"""The parser's private cache folder: Lark's tables, the IR of rule files parsed before, and the
+files a checked rule program was read from.
 
 A process's first parse would otherwise build Lark's parser (its tables unpickled, its lexer's
 pattern compiled) and run it: about 15 ms, the largest fixed cost of a small load. A rule file
-parsed once is read back as its IR in well under a millisecond. Both caches are pickles, so they
+parsed once is read back as its IR in well under a millisecond; a load whose compiled program is
+kept needs only the text of the files a program was read from, not the program (`sources`). Both caches are pickles, so they
 live only in a folder this user alone can write; an entry is keyed by the file's path and text and
 by remapdsl's own code, so an edited file or another remapdsl version never reads a stale one. The
 load cache (remapdsl/runtime/cache.py) keeps its entries in the same folder, under the same code version.
@@ -19,7 +21,7 @@ import tempfile
 import time
 from pathlib import Path
 
-_PARSED_ENTRIES = 256  # rule files kept; the oldest go first
+_PARSED_ENTRIES = 256  # rule files kept; the oldest go first (and as many programs' sources)
 
 
 def cache_folder() -> Path | None:
@@ -98,6 +100,39 @@ def keep(rule_file) -> None:
     entry = _entry(rule_file.path, rule_file.source)
     if entry is not None and private(entry.parent, make=True):
         write_entry(entry, pickle.dumps(rule_file, protocol=pickle.HIGHEST_PROTOCOL), _PARSED_ENTRIES)
+
+
+def sources(path: str, text: str, root: str):
+    """What `keep_sources` kept for a top-level rule file of this path, text and include root (read
+    from the working folder it is read from now), or None."""
+    entry = _sources_entry(path, text, root)
+    try:
+        kept = pickle.loads(entry.read_bytes()) if entry is not None else None
+    except Exception:  # noqa: BLE001 - none yet, or a damaged one: the program is loaded again
+        return None
+    return kept[1] if isinstance(kept, tuple) and len(kept) == 2 and kept[0] == entry.name else None
+
+
+def keep_sources(path: str, text: str, root: str, value) -> None:
+    """Keep what a top-level rule file's program was read from (best effort), in place of what was
+    kept for the same top-level file before (its includes lead elsewhere now)."""
+    if sources(path, text, root) == value:
+        return
+    entry = _sources_entry(path, text, root)
+    if entry is not None and private(entry.parent, make=True):
+        write_entry(entry, pickle.dumps((entry.name, value), protocol=pickle.HIGHEST_PROTOCOL), _PARSED_ENTRIES)
+
+
+def _sources_entry(path: str, text: str, root: str) -> Path | None:
+    folder = cache_folder()
+    try:
+        here = os.getcwd()
+    except OSError:  # the working folder is gone
+        return None
+    if folder is None:
+        return None
+    key = hashlib.sha256(f"{code_version()}\0{here}\0{path}\0{root}\0".encode() + text.encode())
+    return folder / "sources" / f"{key.hexdigest()[:32]}.pickle"
 
 
 def write_entry(entry: Path, data: bytes, kept: int) -> bool:

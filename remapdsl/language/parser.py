@@ -84,6 +84,17 @@ def parse_text(text: str, path: str = "<text>") -> ir.RuleFile:
 def parse_file(path: str | Path) -> ir.RuleFile:
     """Read and parse one rule file (UTF-8); a file parsed before, unchanged, is read back from the
     parser's cache."""
+    text = read_rule_text(path)
+    rule_file = cache.parsed(str(path), text)  # parsed before: its IR, without building the parser
+    if rule_file is None:
+        rule_file = parse_text(text, str(path))
+        cache.keep(rule_file)
+    return rule_file
+
+
+def read_rule_text(path: str | Path) -> str:
+    """A rule file's text as the parser reads it: UTF-8, without a byte-order mark, LF line ends
+    (E009 unreadable, E008 not UTF-8, E001 a stray carriage return)."""
     try:
         data = Path(path).read_bytes()
     except (OSError, ValueError) as exc:
@@ -102,12 +113,7 @@ def parse_file(path: str | Path) -> ir.RuleFile:
             span=Span(path=str(path), line=line, column=column, end_line=line, end_column=column + 1),
             line_text=line_text, hint="save the file as UTF-8",
         )) from None
-    text = _normalize(text, str(path))
-    rule_file = cache.parsed(str(path), text)  # parsed before: its IR, without building the parser
-    if rule_file is None:
-        rule_file = parse_text(text, str(path))
-        cache.keep(rule_file)
-    return rule_file
+    return _normalize(text, str(path))
 
 
 def _normalize(text: str, path: str) -> str:

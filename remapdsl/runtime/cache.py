@@ -196,22 +196,34 @@ def open_checkpoint(checkpoint) -> tuple[Inventory, str | None]:
     return inventory, _key("files", entry, read_from)
 
 
-def compiled(inventory_key: str | None, rule_files: list[tuple[str, str]], config: Mapping[str, Any],
-             strict: bool, make: Callable[[], T]) -> tuple[T, str | None]:
-    """`make()` (compiling the rules against the inventory), or what it gave before for the same
-    inventory, rule files, config and strictness; with the key it is kept under."""
-    key = None
-    if inventory_key is not None and _builtin_formats_only():
-        try:
-            config_text = json.dumps(config, sort_keys=True)
-            plain = json.loads(config_text) == dict(config)  # no tuple, int key or other look-alike
-        except (TypeError, ValueError):  # not plain JSON: no text that stands for it
-            plain = False
-        if plain:
-            from ..quant.registry import format_names
+def compiled_key(inventory_key: str | None, rule_files: list[tuple[str, str]], config: Mapping[str, Any],
+                 strict: bool) -> str | None:
+    """The key of the program compiled from these rule files ((path, text) each), config and
+    strictness against the inventory of `inventory_key`; None where it is not kept (an inventory
+    without a key, a config that is not plain JSON, a quantized format of the program's own)."""
+    if inventory_key is None or not _builtin_formats_only():
+        return None
+    try:
+        config_text = json.dumps(config, sort_keys=True)
+        plain = json.loads(config_text) == dict(config)  # no tuple, int key or other look-alike
+    except (TypeError, ValueError):  # not plain JSON: no text that stands for it
+        return None
+    if not plain:
+        return None
+    from ..quant.registry import format_names
 
-            key = _key("compiled", inventory_key, json.dumps(rule_files), config_text, strict, format_names())
-    return _cached("compiled", key, make), key
+    return _key("compiled", inventory_key, json.dumps(rule_files), config_text, strict, format_names())
+
+
+def kept_compiled(key: str | None) -> tuple[bool, Any]:
+    """Whether an entry is there for `key`, and the compiled program kept under it (None: none kept
+    or unreadable)."""
+    return _get("compiled", key)
+
+
+def keep_compiled(key: str | None, compiled: Any, replace: bool) -> None:
+    """Keep a compiled program under `key`; `replace`: the entry there could not be read."""
+    _put("compiled", key, compiled, replace=replace)
 
 
 def load_plan(compiled_key: str | None, held: Mapping[str, Any], rank: int, make: Callable[[], T]) -> T:

@@ -21,7 +21,7 @@ from typing import Any, NamedTuple
 from ..checkpoint import Inventory, read_config
 from ..compile import Compiled, compile_rules
 from ..errors import Diagnostic, RemapError, shorten
-from ..language.includes import RuleSet, load_rules
+from ..language.includes import RuleSet, load_rules, rule_sources, sources_of
 from . import cache
 
 MAX_LISTED = 5  # differences listed per aspect when ranks disagree; the rest counted
@@ -33,7 +33,7 @@ def compile_digest(ruleset: RuleSet, config: Mapping[str, Any], strict: bool, ch
     sizes of its safetensors files, listed without opening them, so a rank given another checkpoint
     than rank 0 is caught even though it reads rank 0's headers). Equal inputs, equal digests."""
     digest = hashlib.sha256()
-    for value in _inputs(ruleset, config, strict, checkpoint).digests().values():
+    for value in _inputs(sources_of(ruleset), config, strict, checkpoint).digests().values():
         digest.update(value.encode())
     return digest.hexdigest()
 
@@ -55,7 +55,7 @@ class _Inputs(NamedTuple):
                 "checkpoint": self.checkpoint}[aspect]
 
 
-def _inputs(ruleset: RuleSet, config, strict: bool, checkpoint) -> _Inputs:
+def _inputs(sources: list[tuple[str, str]], config, strict: bool, checkpoint) -> _Inputs:
     from ..checkpoint.inventory import listing
 
     if isinstance(checkpoint, Inventory):
@@ -64,7 +64,7 @@ def _inputs(ruleset: RuleSet, config, strict: bool, checkpoint) -> _Inputs:
         seen = None if checkpoint is None else [f"{os.path.basename(os.path.abspath(checkpoint))} (missing)", []]
     else:
         seen = listing(checkpoint)
-    return _Inputs([(f.path, f.source) for f in ruleset.files], config, strict, seen)
+    return _Inputs(sources, config, strict, seen)
 
 
 def _sha(value) -> str:
@@ -142,16 +142,28 @@ def prepare_everywhere(rules, checkpoint, config=None, strict: bool = True,
     def prepare() -> _Prepared:
         if check is not None:
             check()
-        ruleset = rules if isinstance(rules, RuleSet) else load_rules(rules)
+        # a program loaded before, unchanged, is parsed again only if it must be compiled again
+        ruleset = rules if isinstance(rules, RuleSet) else None
+        sources = sources_of(ruleset) if ruleset is not None else rule_sources(rules)
+        if sources is None:
+            ruleset = load_rules(rules)
+            sources = sources_of(ruleset)
         given = read_config(inventory) if config is None else config
         # a rank that did not read the headers reads its own copy, checked against that copy's times
         own = inventory if dist.rank() == 0 or isinstance(checkpoint, Inventory) else inventory.restamped(checkpoint)
         # hashed after the times were taken: a later change is E342 at the data reads, an earlier
         # one is in these bytes; only in a job (one process has nothing to compare them with)
         headers = header_digests(own) if dist.world_size() > 1 and on_disk else {}
-        inputs = _inputs(ruleset, given, strict, checkpoint)
-        compiled, key = cache.compiled(inventory_key, inputs.rules, given, strict,
-                                       lambda: compile_rules(ruleset, inventory, given, strict=strict))
+        key = cache.compiled_key(inventory_key, sources, given, strict)
+        there, compiled = cache.kept_compiled(key)
+        if compiled is None:
+            if ruleset is None:  # read again: what is compiled is what the files hold now
+                ruleset = load_rules(rules)
+                sources = sources_of(ruleset)
+                key = cache.compiled_key(inventory_key, sources, given, strict)
+            compiled = compile_rules(ruleset, inventory, given, strict=strict)
+            cache.keep_compiled(key, compiled, replace=there)
+        inputs = _inputs(sources, given, strict, checkpoint)
         return _Prepared(inputs, compiled, own, headers, key)
 
     agreement = dist.Agreement("compiled rules and checkpoint", _Prepared.digests, _Prepared.detail,
