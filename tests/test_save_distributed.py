@@ -1,12 +1,15 @@
 """Saving from real gloo process groups (2 and 4 ranks): every rank writes only the bytes it is the
-lowest holder of, straight into the output files; the result is byte-identical to the checkpoint
+lowest holder of, straight into the output files, and syncs them itself; the result is byte-identical to the checkpoint
 the shards were loaded from, for TP, EP, FSDP and FSDP x TP layouts, as plain tensors with a layout
 and as DTensors. A rank that fails mid-save fails every rank and leaves nothing behind."""
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import filecmp
+import json
+import os
 import traceback
 from pathlib import Path
 
@@ -55,9 +58,12 @@ def _worker(rank: int, world: int, rendezvous: str, out: str) -> None:
                                         mesh.coordinate(rank))
                     local[key] = torch.full(shard.shape, float("nan"), dtype=tensor.dtype)
                 remapdsl.load(local, str(CHECKPOINT), RULES, layout=plan, mesh=mesh)
-                report = remapdsl.save(local, Path(out) / f"{name}-plain", RULES, like=str(CHECKPOINT),
-                                       layout=plan, mesh=mesh)
+                synced: list[str] = []
+                with _fsyncs_counted(synced):
+                    report = remapdsl.save(local, Path(out) / f"{name}-plain", RULES, like=str(CHECKPOINT),
+                                           layout=plan, mesh=mesh)
                 Path(out, f"{name}-plain-rank{rank}.bytes").write_text(str(report.bytes_written))
+                Path(out, f"{name}-plain-rank{rank}.synced").write_text(json.dumps([report.files, synced]))
                 targets, _ = distributed_like(full, mesh, plan)
                 remapdsl.load(targets, str(CHECKPOINT), RULES)
                 remapdsl.save(targets, Path(out) / f"{name}-dtensor", RULES, like=str(CHECKPOINT))
@@ -70,6 +76,22 @@ def _worker(rank: int, world: int, rendezvous: str, out: str) -> None:
     finally:
         Path(out, f"rank{rank}.txt").write_text("\n".join(failures))
         shut_down()
+
+
+@contextlib.contextmanager
+def _fsyncs_counted(synced: list[str]):
+    """Record the name of every file this process syncs (os.fsync) meanwhile."""
+    real = os.fsync
+
+    def counting(fd: int) -> None:
+        synced.append(os.path.basename(os.readlink(f"/proc/self/fd/{fd}")))
+        real(fd)
+
+    os.fsync = counting
+    try:
+        yield
+    finally:
+        os.fsync = real
 
 
 def _failing_rank_fails_everyone(rank: int, full, out: Path) -> None:
@@ -110,6 +132,9 @@ def test_sharded_saves_reproduce_the_checkpoint(world, tmp_path):
                 assert filecmp.cmp(CHECKPOINT / file, out / file, shallow=False), (name, kind, file)
         written = sum(int(Path(tmp_path, f"{name}-plain-rank{r}.bytes").read_text()) for r in range(world))
         assert written == total, (name, written, total)  # every byte written once, by one rank
+        for r in range(world):  # durable on every rank, not only where the commit runs (other hosts)
+            files, synced = json.loads(Path(tmp_path, f"{name}-plain-rank{r}.synced").read_text())
+            assert files and set(files) <= set(synced), (name, r, files, synced)  # every rank writes here
     assert not (tmp_path / "failed").exists()
     assert not [p for p in tmp_path.iterdir() if ".remapdsl-" in p.name]
 
