@@ -25,9 +25,11 @@ against the model's own state_dict (a blake2b per tensor, recorded when the chec
 The checkpoint is made once, by transformers (`from_config` under a fixed seed, `save_pretrained`,
 which writes the per-expert layout), and cached under bench/out/ (git-ignored).
 
-Goals, as ratios to baselines of the same run: remapdsl-touched <= 1.25x preadv-touched;
-remapdsl-fresh <= 1.25x preadv-fresh and <= 1.25x mmap-fresh; remapdsl-fresh faster than
-transformers; RSS growth of remapdsl within 1.1x of the destination bytes.
+Each ratio of medians is shown with the median of each round's own ratio (its two processes ran
+back to back), steadier where the machine's speed drifts. Goals, as ratios to baselines of the
+same run: remapdsl-touched <= 1.25x preadv-touched; remapdsl-fresh <= 1.25x preadv-fresh and
+<= 1.25x mmap-fresh; remapdsl-fresh faster than transformers; RSS growth of remapdsl within 1.1x
+of the destination bytes.
 
     python bench/load_bench.py [--runs 5] [--modes remapdsl-fresh,transformers,...] [--rebuild]
 """

@@ -1,7 +1,8 @@
 """Saving from real gloo process groups (2 and 4 ranks): every rank writes only the bytes it is the
-lowest holder of, straight into the output files, and syncs them itself; the result is byte-identical to the checkpoint
-the shards were loaded from, for TP, EP, FSDP and FSDP x TP layouts, as plain tensors with a layout
-and as DTensors. A rank that fails mid-save fails every rank and leaves nothing behind."""
+lowest holder of, straight into the output files, and syncs them itself; the result is
+byte-identical to the checkpoint the shards were loaded from, for TP, EP, FSDP and FSDP x TP
+layouts, as plain tensors with a layout and as DTensors. A rank that fails mid-save fails every
+rank and leaves nothing behind."""
 
 from __future__ import annotations
 
