@@ -4,10 +4,11 @@ files a checked rule program was read from.
 A process's first parse would otherwise build Lark's parser (its tables unpickled, its lexer's
 pattern compiled) and run it: about 15 ms, the largest fixed cost of a small load. A rule file
 parsed once is read back as its IR in well under a millisecond; a load whose compiled program is
-kept needs only the text of the files a program was read from, not the program (`sources`). Both caches are pickles, so they
-live only in a folder this user alone can write; an entry is keyed by the file's path and text and
-by remapdsl's own code, so an edited file or another remapdsl version never reads a stale one. The
-load cache (remapdsl/runtime/cache.py) keeps its entries in the same folder, under the same code version.
+kept needs only the text of the files a program was read from, not the program (`sources`). These
+caches are pickles, so they live only in a folder this user alone can write; an entry is keyed by
+the file's path and text and by remapdsl's own code, so an edited file or another remapdsl version
+never reads a stale one. The load cache (remapdsl/runtime/cache.py) keeps its entries in the same
+folder, under the same code version.
 """
 
 from __future__ import annotations
@@ -19,7 +20,9 @@ import pickle
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 _PARSED_ENTRIES = 256  # rule files kept; the oldest go first (and as many programs' sources)
 
@@ -113,23 +116,25 @@ def sources(path: str, text: str, root: str):
     return kept[1] if isinstance(kept, tuple) and len(kept) == 2 and kept[0] == entry.name else None
 
 
-def keep_sources(path: str, text: str, root: str, value) -> None:
-    """Keep what a top-level rule file's program was read from (best effort), in place of what was
-    kept for the same top-level file before (its includes lead elsewhere now)."""
-    if sources(path, text, root) == value:
-        return
+def keep_sources(path: str, text: str, root: str, make: Callable[[], Any]) -> None:
+    """Keep what a top-level rule file's program was read from, `make()` (best effort; made only
+    while caching is on), in place of what was kept for the same top-level file before (its
+    includes lead elsewhere now)."""
     entry = _sources_entry(path, text, root)
-    if entry is not None and private(entry.parent, make=True):
+    if entry is None:
+        return
+    value = make()
+    if sources(path, text, root) != value and private(entry.parent, make=True):
         write_entry(entry, pickle.dumps((entry.name, value), protocol=pickle.HIGHEST_PROTOCOL), _PARSED_ENTRIES)
 
 
 def _sources_entry(path: str, text: str, root: str) -> Path | None:
     folder = cache_folder()
+    if folder is None:
+        return None
     try:
         here = os.getcwd()
     except OSError:  # the working folder is gone
-        return None
-    if folder is None:
         return None
     key = hashlib.sha256(f"{code_version()}\0{here}\0{path}\0{root}\0".encode() + text.encode())
     return folder / "sources" / f"{key.hexdigest()[:32]}.pickle"

@@ -55,7 +55,7 @@ def load_rules(path: str | os.PathLike, root: str | os.PathLike | None = None) -
     path = resolve_rules_path(path)  # a shipped name: its file
     top = parse_file(path)
     ruleset = _resolve(top, Path(root) if root is not None else Path(path).resolve().parent)
-    cache.keep_sources(top.path, top.source, str(root), (sources_of(ruleset), _lookups(ruleset.files)))
+    cache.keep_sources(top.path, top.source, str(root), lambda: (sources_of(ruleset), _lookups(ruleset.files)))
     return ruleset
 
 
