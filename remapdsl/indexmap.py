@@ -11,7 +11,7 @@ from __future__ import annotations
 from bisect import bisect_left, bisect_right
 from functools import lru_cache
 from math import gcd, prod
-from operator import mul
+from operator import le, mul
 from typing import NamedTuple
 
 from .dtypes import BY_NAME
@@ -241,9 +241,13 @@ class FirstDimIndex:
     __slots__ = ("entries", "starts", "reach")
 
     def __init__(self, entries, blocks) -> None:
-        pairs = sorted(zip((b.offsets[0] for b in blocks), range(len(entries)), entries))
-        self.entries = [e for _, _, e in pairs]
-        self.starts = [s for s, _, _ in pairs]
+        starts = [b.offsets[0] for b in blocks]
+        if all(map(le, starts, starts[1:])):  # in order already, as a stack's experts are
+            self.entries, self.starts = list(entries), starts
+        else:
+            order = sorted(range(len(starts)), key=starts.__getitem__)  # stable: ties keep their order
+            self.entries = list(map(entries.__getitem__, order))
+            self.starts = list(map(starts.__getitem__, order))
         self.reach = max((b.sizes[0] for b in blocks), default=0)
 
     def meeting(self, offsets, sizes) -> list:

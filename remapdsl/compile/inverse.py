@@ -11,7 +11,9 @@ chose what happens to the dropped tensors (`dropped="copy"` or `"omit"`, remapds
 
 from __future__ import annotations
 
+from itertools import chain
 from math import prod
+from operator import attrgetter
 from typing import NamedTuple
 
 from ..dtypes import BY_NAME
@@ -35,6 +37,7 @@ class Writer(NamedTuple):
     rule: Span | None = None  # the rule that made the runtime tensor, for errors found when planning
 
 
+_CKPT_KEY, _PARTS = attrgetter("ckpt_key"), attrgetter("parts")
 DROPPED = ("error", "copy", "omit")  # what a save does with the checkpoint tensors the rules drop
 
 
@@ -44,16 +47,21 @@ def writers(compiled: Compiled, *, allow_lossy: bool = False, requantize: bool =
     raises RemapError naming every tensor that cannot be written back. A tensor the rules drop is
     an error only with `dropped="error"`: otherwise the caller copies or omits it (`dropped_keys`)."""
     logical = compiled.logical_by_key()
-    sources = {s.ckpt_key: s for s in compiled.ckpt_tensors}
+    ckpt = compiled.ckpt_tensors
+    ckpt_keys = list(map(_CKPT_KEY, ckpt))
     order = sorted(compiled.runtime_tensors, key=lambda d: (d.rule.path, d.rule.line, d.rule.column)
                    if d.rule else ("", 0, 0))
-    chosen: dict[str, list[Writer]] = {}
+    first: dict[str, Writer] = {}  # key -> its first writer (most tensors have no other)
+    more: dict[str, list[Writer]] = {}  # key -> the parts of later blocks that earlier ones left
     covered: dict[str, _Covered] = {}
+    partial: dict[str, _Covered] = {}  # the tensors whose first writer does not cover them whole
     problems: list[Diagnostic] = []
     refused: set[str] = set()  # reported already (E502, E503): one error per tensor
     undone: dict[tuple, tuple] = {}  # (load steps, checkpoint dtype) -> (inverse steps, lossy cast)
     writable: dict[str, bool] = {}  # format -> whether it writes back (as asked)
-    known = {**sources, **logical}  # key -> the checkpoint tensor or logical tensor it names
+    known = dict(zip(ckpt_keys, ckpt))  # key -> the checkpoint tensor or logical tensor it names
+    known.update(logical)
+    new = tuple.__new__  # a Writer without its Python-level argument handling
     for d in order:
         for block in d.blocks:
             key = block.source_key
@@ -80,25 +88,31 @@ def writers(compiled: Compiled, *, allow_lossy: bool = False, requantize: bool =
                     hint="pass allow_lossy=True to write the rounded values"))
                 continue
             if cover is None:  # the tensor's first writer: all of its block is new
-                covered[key] = _ALL if prod(block.sizes) == prod(source.shape) else _Covered(source.shape, block)
-                chosen[key] = [Writer(d.runtime_key, block, steps, d.rule)]
+                if prod(block.sizes) == prod(source.shape):
+                    covered[key] = _ALL
+                else:
+                    covered[key] = partial[key] = _Covered(source.shape, block)
+                first[key] = new(Writer, (d.runtime_key, block, steps, d.rule))
                 continue
             for piece in _new_parts(block, source.shape, cover):  # what earlier rules left: first rule wins
-                chosen[key].append(Writer(d.runtime_key, piece, steps, d.rule))
-    dequantized = {part for source in logical.values() for part in source.parts}
+                more.setdefault(key, []).append(Writer(d.runtime_key, piece, steps, d.rule))
+    # what is not written whole: the checkpoint tensors the rules read as they are (the parts of
+    # a dequantized tensor go through it, its scales are copied) and the logical tensors
+    whole = first.keys() - {k for k, c in partial.items() if c.left}
+    dequantized = set(chain.from_iterable(map(_PARTS, logical.values())))
+    left = set(ckpt_keys).difference(dequantized, whole, refused)
+    checked = [(k, s) for k, s in zip(ckpt_keys, ckpt) if k in left] if left else []
+    left = logical.keys() - whole - refused
+    checked += [(k, s) for k, s in logical.items() if k in left] if left else []
     choice, dropped = dropped, set(compiled.dropped)
-    checked = [(k, s) for k, s in sources.items() if k not in dequantized] + list(logical.items())
-    incomplete = {k for k, c in covered.items() if c.left}
     bound = None  # the keys the rules read, made only for an empty tensor (no block names it)
-    for key, source in checked:  # the parts of a dequantized tensor: its values through it, scales copied
-        if key in refused or (key in chosen and key not in incomplete):
-            continue  # E502 or E503 above, or written whole
+    for key, source in checked:
         total = volume(source.shape)
         if total == 0:
             bound = bound if bound is not None else {k for b in compiled.bindings for k in b.ckpt_keys}
             if key in bound:
                 continue  # no element to write; its file keeps its (empty) entry
-        held = total - covered[key].left if key in chosen else 0  # blocks stay inside their source
+        held = total - covered[key].left if key in first else 0  # blocks stay inside their source
         if key in dropped and not held and choice != "error":
             continue  # copied from `like` or left out by the caller
         if key in dropped and not held:
@@ -118,7 +132,9 @@ def writers(compiled: Compiled, *, allow_lossy: bool = False, requantize: bool =
                                        hint="the save writes back only what the load read"))
     if problems:
         raise RemapError(tuple(problems))
-    return [w for pieces in chosen.values() for w in pieces]
+    if not more:
+        return list(first.values())
+    return [w for key, head in first.items() for w in (head, *more.get(key, ()))]
 
 
 def _writes_back(format_name: str, requantize: bool) -> bool:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import bisect
 import hashlib
 from collections.abc import Iterable
+from operator import attrgetter
 from typing import NamedTuple
 
 from pydantic import BaseModel, ConfigDict, PrivateAttr
@@ -120,7 +121,7 @@ class Compiled(_Frozen):
         return {d.runtime_key: torch.empty(d.shape, dtype=getattr(torch, d.dtype), device=device) for d in chosen}
 
     def logical_by_key(self) -> dict[str, LogicalTensor]:
-        return {s.logical_key: s for s in self.logical}
+        return dict(zip(map(attrgetter("logical_key"), self.logical), self.logical))
 
     def digest(self) -> str:
         """sha256 of the canonical JSON form: equal for equal inputs, in any process."""

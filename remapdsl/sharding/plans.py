@@ -15,7 +15,7 @@ import hashlib
 from collections.abc import Mapping
 from functools import lru_cache
 from math import prod
-from operator import add, mul
+from operator import add, attrgetter, mul
 from typing import NamedTuple
 
 from pydantic import BaseModel, ConfigDict
@@ -175,26 +175,31 @@ def _file_order(item: ReadItem) -> tuple:
 
 
 def _decode_item(runtime_key: str, local: tuple[int, ...], piece: Block, source, inventory: Inventory,
-                 layouts: dict) -> DecodeItem:
+                 layouts: dict, steps: tuple | None = None) -> DecodeItem:
     """The logical box a piece reads (its bounding box: the piece itself for every layout op but a
-    strided one), the covering box of each part, and where the piece sits in the decoded box.
-    `layouts` keeps, per format, parameters, parts' dtypes and shapes and box, what a format says
-    from those alone (its views and covers) and their run layouts: a plan's thousands of experts
-    share a few."""
+    strided one), the covering box of each part, and where the piece sits in the decoded box, then
+    `steps` (the piece's own by default). `layouts` keeps, per format, parameters, parts' dtypes and
+    shapes and box, what a format says from those alone (its views and covers) and their run
+    layouts: a plan's thousands of experts share a few."""
     shift, size, strides, offset = _box_geometry(piece.coeff, piece.sizes)
     box = (tuple(map(add, piece.base, shift)), size)
     if inventory.chunks:
         _refuse_chunked_parts(source, inventory)
-    infos = [inventory.tensors[k] for k in source.parts]
-    signature = (source.format, source.params, box, *((i.dtype, i.shape) for i in infos))
+    infos = list(map(inventory.tensors.__getitem__, source.parts))
+    signature = (source.format, source.params, box, *map(_DTYPE_SHAPE, infos))
     layout = layouts.get(signature)
     if layout is None:
         layout = layouts[signature] = _part_layouts(source, infos, box)
-    reads = tuple(PartRead(info.ckpt_key, info.file, info.dtype, offsets, sizes,
-                           Runs(info.byte_offset + itemsize * sum(map(mul, offsets, major)), *runs), major)
+    new = tuple.__new__  # named tuples of checked values, without their Python-level argument handling
+    reads = tuple(new(PartRead, (info.ckpt_key, info.file, info.dtype, offsets, sizes,
+                                 new(Runs, (info.byte_offset + itemsize * sum(map(mul, offsets, major)), *runs)),
+                                 major))
                   for info, (offsets, sizes, itemsize, major, runs) in zip(infos, layout))
-    return DecodeItem(runtime_key, local, piece.sizes, source.logical_key, source.format, source.params, box,
-                      reads, strides, offset, source.dtype, piece.steps)
+    return new(DecodeItem, (runtime_key, local, piece.sizes, source.logical_key, source.format, source.params,
+                            box, reads, strides, offset, source.dtype, piece.steps if steps is None else steps))
+
+
+_DTYPE_SHAPE = attrgetter("dtype", "shape")
 
 
 def _part_layouts(source, infos, box) -> list[tuple]:
@@ -362,8 +367,7 @@ def _write_piece(w, box, local_offsets, inventory: Inventory, logical: Mapping, 
             items.append(WriteItem(w.runtime_key, at, part.sizes, piece.source_key, item.file, info.dtype,
                                    item.runs, item.strides, w.steps, item.source_strides))
         return
-    piece = piece._replace(steps=w.steps)
-    item = _decode_item(w.runtime_key, local, piece, logical[piece.source_key], inventory, layouts)
+    item = _decode_item(w.runtime_key, local, piece, logical[piece.source_key], inventory, layouts, w.steps)
     if item.offset or volume(item.box[1]) != volume(item.sizes):
         raise RemapError(Diagnostic(
             code="E503", span=w.rule, message=f"`{w.runtime_key}` holds a strided part of `{piece.source_key}`: "
