@@ -11,14 +11,14 @@ binding (whose errors name their own keys).
 from __future__ import annotations
 
 import pytest
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 import remapdsl
 from remapdsl.checkpoint.inventory import Inventory
 from remapdsl.compile import symbolic as sym
 from remapdsl.compile.bind import Binding, Bound, KeyPool, Partial, bind, compile_pattern, list_axis
-from remapdsl.compile.model import LogicalTensor
+from remapdsl.compile.model import Compiled, LogicalTensor, StoredQuantized
 from remapdsl.indexmap import Block
 from remapdsl.language import ir, rules_from_text
 from remapdsl.language.parser import parse_text
@@ -154,12 +154,12 @@ def test_tiles_says_what_the_pairwise_check_says(boxes, grid, shape):
 
 
 def test_construct_makes_the_model_validation_makes():
-    values = {"logical_key": "a.weight", "format": "fp8_block", "params": (("to", "bfloat16"),),
-              "parts": ("a.weight", "a.s"), "shape": (4, 4), "dtype": "bfloat16"}
-    built = ir.construct(LogicalTensor, **values)
-    assert built == LogicalTensor(**values)
+    values = {"values": "a.weight", "format": "fp8_block", "params": (("to", "bfloat16"),),
+              "parts": ("a.weight", "a.s"), "grid": (2, 2)}
+    built = ir.construct(StoredQuantized, **values)
+    assert built == StoredQuantized(**values)
     assert built.model_fields_set == set(values)
-    assert built.model_dump_json() == LogicalTensor(**values).model_dump_json()
+    assert built.model_dump_json() == StoredQuantized(**values).model_dump_json()
 
 
 FP8 = """remap 1
@@ -185,9 +185,83 @@ def test_bindings_of_one_shape_share_the_format_s_answer():
     shapes = {f"{name}.weight": ("F8_E4M3", (4, 6)) for name in ("a", "b")}
     shapes |= {f"{name}.weight_scale_inv": ("F32", (2, 3)) for name in ("a", "b")}
     compiled = remapdsl.compile_rules(rules_from_text(FP8, "t.remap"), Inventory.from_shapes(shapes), {})
-    for made in compiled.logical:
-        assert made == LogicalTensor(**made.model_dump())
-        assert made.model_fields_set == set(LogicalTensor.model_fields)
+    for made in compiled.logical:  # built as tuples: what the named tuple's own constructor makes
+        assert type(made) is LogicalTensor and made == LogicalTensor(**made._asdict())
+    assert Compiled.model_validate_json(compiled.model_dump_json()).logical == compiled.logical
     assert [(t.logical_key, t.shape, t.parts) for t in compiled.logical] == [
         ("a.weight", (4, 6), ("a.weight", "a.weight_scale_inv")),
         ("b.weight", (4, 6), ("b.weight", "b.weight_scale_inv"))]
+
+
+DEQUANTIZE = """remap 1
+dequantize {{P:path}}.weight, {scales} -> {target}
+    | fp8_block(block=[2, 2], scale=float32, to=bfloat16)
+{{X:path}} -> {{X}}
+"""
+NAMES = ("a", "b", "a.s", "b.s", "c")
+
+
+def _outcome(text: str, inventory: Inventory):
+    try:
+        return remapdsl.compile_rules(rules_from_text(text, "t.remap"), inventory, {}).model_dump_json()
+    except remapdsl.RemapError as exc:
+        return [(d.code, d.message) for d in exc.diagnostics]
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@example(names={"a", "b"}, scales=[(2, 2), None, None, None, None], others=set(), target="{P}.weight_scale_inv",
+         shared=True)  # binding b takes a's scale, after binding a made a logical tensor of that name
+@given(names=st.sets(st.sampled_from(NAMES), min_size=1),
+       scales=st.lists(st.sampled_from([(2, 2), (3, 2), None]), min_size=len(NAMES), max_size=len(NAMES)),
+       others=st.sets(st.sampled_from(("a.deq", "b.deq", "a.s.weight", "z", "c.weight_scale_inv"))),
+       target=st.sampled_from(("{P}.weight", "{P}.deq", "{P}.weight_scale_inv", "{P}.s.weight", "z",
+                               "{P}.s.weight_scale_inv")),
+       shared=st.booleans())
+def test_dequantize_takes_bindings_at_once_as_one_by_one(names, scales, others, target, shared):
+    """All bindings taken at once (the common case: `{P}.weight` named after its values) give the
+    Compiled, or the errors, that taking them one by one gives: names made twice, names of another
+    binding's parts or of free checkpoint keys, parts that do not fit, a scale that every binding
+    takes (`shared`: then a name made from one binding's parts may be a part of the next)."""
+    from unittest import mock
+
+    from remapdsl.compile import quantized
+
+    shapes = {}
+    for name, scale in zip(NAMES, scales):
+        if name in names:
+            shapes[f"{name}.weight"] = ("F8_E4M3", (4, 4))
+            if scale is not None:
+                shapes[f"{name}.weight_scale_inv"] = ("F32", scale)
+    shapes |= {key: ("F32", (2, 2)) for key in others if key not in shapes}
+    text = DEQUANTIZE.format(scales="a.weight_scale_inv" if shared else "{P}.weight_scale_inv", target=target)
+    inventory = Inventory.from_shapes(shapes)
+    taken, real = [], quantized._at_once
+
+    def spy(*args):
+        taken.append(real(*args))
+        return taken[-1]
+
+    with mock.patch.object(quantized, "_at_once", spy):
+        fast = _outcome(text, inventory)
+    with mock.patch.object(quantized, "_at_once", return_value=False):
+        assert _outcome(text, inventory) == fast
+    if target == "{P}.weight" and not shared and (3, 2) not in [s for n, s in zip(NAMES, scales) if n in names]:
+        assert taken == [True]  # the common case is taken at once
+
+
+def test_dequantize_names_made_twice_are_reported_as_one_by_one():
+    """Two bindings that name one logical tensor (`{L // 2}`): the second is E223, at once or not."""
+    from unittest import mock
+
+    from remapdsl.compile import quantized
+
+    text = """remap 1
+dequantize w.{L}, s.{L} -> m.{L // 2} | fp8_block(block=[2, 2], scale=float32, to=bfloat16)
+{X:path} -> {X}
+"""
+    shapes = {f"w.{i}": ("F8_E4M3", (4, 4)) for i in range(3)} | {f"s.{i}": ("F32", (2, 2)) for i in range(3)}
+    inventory = Inventory.from_shapes(shapes)
+    fast = _outcome(text, inventory)
+    with mock.patch.object(quantized, "_at_once", return_value=False):
+        assert _outcome(text, inventory) == fast
+    assert [code for code, _ in fast] == ["E223"] and "`m.0` is made twice" in fast[0][1]

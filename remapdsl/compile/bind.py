@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import re
 from itertools import chain, compress, repeat
-from operator import itemgetter, methodcaller
+from operator import contains, itemgetter, methodcaller
 from collections.abc import Iterable
 from typing import NamedTuple
 
@@ -276,16 +276,22 @@ def bind(patterns: tuple[ir.Pattern, ...], keys: Iterable[str] | KeyPool) -> Bou
         joined = zip(ordered, zip(*[_entries(*taken[p], choice, ordered) for p, choice in axis]))
     else:
         ordered = list(seen)
-        joined = _join(dict(zip(ordered, zip(*[_entries(*taken[p], choice, ordered) for p, choice in axis]))))
-    bindings, partial = [], []
+        joined = [(k, tuple(e)) for k, e in
+                  _join(dict(zip(ordered, zip(*[_entries(*taken[p], choice, ordered) for p, choice in axis]))))]
+    values, entries = rows if (rows := list(zip(*joined))) else ((), ())
+    # the captures of each binding, made in C: {name: value}, or a dict of the names and values
+    captures = list(map(dict.fromkeys, repeat(names), values) if scalar else
+                    map(dict, map(zip, repeat(names), values)))
     new = tuple.__new__  # named tuples without their Python-level argument handling
-    for values, entries in joined:
-        captures = {names[0]: values} if scalar else dict(zip(names, values))
-        if None not in entries:
-            bindings.append(new(Binding, (captures, tuple(entries))))
+    if not any(map(contains, entries, repeat(None))):  # every source of every binding present
+        return Bound(list(map(new, repeat(Binding), zip(captures, entries))), [], unmatched, ambiguous)
+    bindings, partial = [], []
+    for found, row in zip(captures, entries):
+        if None not in row:
+            bindings.append(new(Binding, (found, row)))
         else:
-            partial.append(Partial(captures, tuple(e for e in entries if e is not None),
-                                   tuple(i for i, e in enumerate(entries) if e is None)))
+            partial.append(Partial(found, tuple(e for e in row if e is not None),
+                                   tuple(i for i, e in enumerate(row) if e is None)))
     return Bound(bindings, partial, unmatched, ambiguous)
 
 

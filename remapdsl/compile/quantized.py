@@ -11,12 +11,13 @@ values but no scale is not quantized and passes through; scales without their va
 from __future__ import annotations
 
 from collections.abc import Callable
+from itertools import chain, repeat
 from operator import attrgetter
 from typing import Any
 
+from ..errors import RemapError
 from ..language import ir
 from ..quant import FormatError, Part, QuantFormat, get_format
-from ..trusted import construct_rows
 from .bind import bind
 from .evaluate import Evaluator
 from .model import LogicalTensor, StoredQuantized
@@ -53,6 +54,8 @@ def bind_dequantize(s: ir.Dequantize, available: set[str], inventory_tensors, ev
     name = ev.namer(s.target)
     shape_of = _memo(lambda parts: tuple(fmt.logical_shape(parts, params)), inventory_tensors)
     plain = _plain_params(params)
+    if _at_once(s, fmt, params, plain, bindings, name, shape_of, available, logical):
+        return
     made: dict[str, tuple] = {}  # logical key -> the fields of its LogicalTensor, all built at the end
     try:
         for captures, keys in bindings:
@@ -76,10 +79,34 @@ def bind_dequantize(s: ir.Dequantize, available: set[str], inventory_tensors, ev
             available.add(key)
             made[key] = (key, fmt.name, plain, tuple(keys), shape, params["to"], s.span)
     finally:  # what was made before an error stays made
-        logical.update(zip(made, construct_rows(LogicalTensor, _LOGICAL_FIELDS, made.values())))
+        logical.update(zip(made, map(tuple.__new__, repeat(LogicalTensor), made.values())))
 
 
-_LOGICAL_FIELDS = ("logical_key", "format", "params", "parts", "shape", "dtype", "rule")
+_CAPTURES, _KEYS = attrgetter("captures"), attrgetter("keys")
+
+
+def _at_once(s: ir.Dequantize, fmt, params, plain, bindings, name, shape_of, available: set[str],
+             logical: dict) -> bool:
+    """Take the bindings all at once where that gives what taking them one by one gives (False,
+    taking nothing, where it may not): each binding makes a new key that no other makes, takes
+    keys no other takes, fits the format, and makes a key that is no checkpoint key or one of its
+    own parts (`{P}.weight` from `{P}.weight`, ...)."""
+    try:
+        names = list(map(name, map(_CAPTURES, bindings)))
+        parts = list(map(_KEYS, bindings))
+        taken = list(chain.from_iterable(parts))
+        if len(set(names)) != len(names) or not logical.keys().isdisjoint(names) or len(set(taken)) != len(taken) \
+                or not all(key in keys for key, keys in zip(names, parts) if key in available):
+            return False
+        shapes = list(map(shape_of, parts))
+    except (FormatError, RemapError):  # reported one by one, with what was made before it
+        return False
+    available.difference_update(taken)
+    available.update(names)
+    rows = zip(names, repeat(fmt.name), repeat(plain), parts, shapes, repeat(params["to"]), repeat(s.span))
+    logical.update(zip(names, map(tuple.__new__, repeat(LogicalTensor), rows)))  # named tuples, built in C
+    return True
+
 
 
 def _memo(compute: Callable[[list[Part]], Any], inventory_tensors) -> Callable[[tuple[str, ...]], Any]:
