@@ -8,7 +8,7 @@ import itertools
 import math
 
 import pytest
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from remapdsl.indexmap import (
@@ -296,6 +296,7 @@ def test_box_overlap_counts_the_shared_elements_of_two_boxes(pairs):
 
 @FAST
 @given(st.lists(st.tuples(st.integers(0, 20), st.integers(1, 6)), max_size=8), st.integers(0, 24), st.integers(1, 6))
+@example([(0, 2), (10, 2), (5, 2), (15, 2)], 5, 1)  # out of order between neighbours only
 def test_first_dim_index_finds_every_block_meeting_a_box_and_none_past_it(spans, start, size):
     blocks_ = [Block((o, 0), (n, 1), "w", (0,), ((1, 0),)) for o, n in spans]
     entries = [f"e{i}" for i in range(len(blocks_))]

@@ -514,6 +514,27 @@ def test_a_dequantized_load_saves_back_byte_for_byte(tmp_path, fmt, rows, to):
     assert filecmp.cmp(source / "model.safetensors", tmp_path / "out" / "model.safetensors", shallow=False)
 
 
+def test_a_dequantized_tensor_read_through_value_steps_saves_back_byte_for_byte(tmp_path):
+    """`scale(2) | add(1)` on decoded values: the save undoes them (`add(-1)`, then `scale(0.5)`)
+    before encoding with the stored scales, so the bytes come back; applying the load's steps
+    again, or none, would encode other values."""
+    import filecmp
+
+    g = torch.Generator().manual_seed(7)
+    signed = [c for c in SAFE_E4M3 if c != 0x80]  # -0 comes back +0 through `add`
+    codes = torch.tensor(signed, dtype=torch.uint8)[torch.randint(0, len(signed), (130, 64), generator=g)]
+    (tmp_path / "src").mkdir()
+    source = write(tmp_path / "src", {"w.weight": codes.view(torch.float8_e4m3fn),
+                                      "w.weight_scale_inv": torch.rand(2, 1, generator=g) + 0.5})
+    text = "remap 1\ndequantize {P:path}.weight, {P}.weight_scale_inv -> {P}.weight | " \
+           "fp8_block(block=[128, 128], to=float64)\nw.weight -> w | scale(2) | add(1)\n"
+    got, _, _ = load_text(text, source)
+    plain, _, _ = load_text(text.replace(" | scale(2) | add(1)", ""), source)
+    assert torch.allclose(got["w"], plain["w"] * 2 + 1, rtol=1e-6, atol=0)
+    remapdsl.save(got, tmp_path / "out", rules_from_text(text, "t.remap"), like=source)
+    assert filecmp.cmp(source / "model.safetensors", tmp_path / "out" / "model.safetensors", shallow=False)
+
+
 def test_a_value_beyond_the_stored_scale_cannot_be_saved(tmp_path):
     (tmp_path / "src").mkdir()
     source = write(tmp_path / "src", {"w.weight": torch.ones(4, 4).to(torch.float8_e4m3fn),
