@@ -108,7 +108,6 @@ def _at_once(s: ir.Dequantize, fmt, params, plain, bindings, name, shape_of, ava
     return True
 
 
-
 def _memo(compute: Callable[[list[Part]], Any], inventory_tensors) -> Callable[[tuple[str, ...]], Any]:
     """`compute(parts)` of a binding's keys, remembered by the parts' dtypes and shapes: a format
     decides from those alone (quant/format.py), and the weights of a model repeat a few of them.
