@@ -11,16 +11,16 @@ chose what happens to the dropped tensors (`dropped="copy"` or `"omit"`, remapds
 
 from __future__ import annotations
 
-from itertools import chain
+from itertools import chain, repeat
 from math import prod
-from operator import attrgetter
+from operator import attrgetter, eq
 from typing import NamedTuple
 
 from ..dtypes import BY_NAME
 from ..errors import Diagnostic, RemapError, Span
 from ..indexmap import box_overlap, cut, source_box, volume
 from ..quant import get_format
-from .model import Block, Compiled
+from .model import Block, Compiled, LogicalTensor
 
 # (exponent bits, mantissa bits) of the float types: a cast keeps every value iff neither shrinks
 _FLOAT_BITS = {"float64": (11, 52), "float32": (8, 23), "bfloat16": (8, 7), "float16": (5, 10),
@@ -38,6 +38,8 @@ class Writer(NamedTuple):
 
 
 _CKPT_KEY, _PARTS = attrgetter("ckpt_key"), attrgetter("parts")
+_SOURCE_KEY, _STEPS, _SIZES = attrgetter("source_key"), attrgetter("steps"), attrgetter("sizes")
+_DTYPE, _SHAPE, _FORMAT = attrgetter("dtype"), attrgetter("shape"), attrgetter("format")
 DROPPED = ("error", "copy", "omit")  # what a save does with the checkpoint tensors the rules drop
 
 
@@ -62,7 +64,49 @@ def writers(compiled: Compiled, *, allow_lossy: bool = False, requantize: bool =
     known = dict(zip(ckpt_keys, ckpt))  # key -> the checkpoint tensor or logical tensor it names
     known.update(logical)
     new = tuple.__new__  # a Writer without its Python-level argument handling
+
+    def at_once(d) -> bool:
+        """Make every block of `d` its tensor's first writer, as the loop below would, where it
+        would: keys all distinct, none written or refused yet, one load step chain and checkpoint
+        dtype that undo without loss (or are allowed to), formats that write back. False, with
+        nothing done, otherwise. A stack of experts is one such tensor of hundreds of blocks."""
+        blocks = d.blocks
+        keys = list(map(_SOURCE_KEY, blocks))
+        if None in keys or len(set(keys)) != len(keys) or not covered.keys().isdisjoint(keys) \
+                or not refused.isdisjoint(keys):
+            return False
+        sources = list(map(known.__getitem__, keys))
+        chains = set(zip(map(_STEPS, blocks), map(_DTYPE, sources)))
+        if len(chains) != 1:
+            return False
+        pair = chains.pop()
+        found = undone.get(pair)
+        if found is None:
+            found = undone[pair] = _inverse_steps(*pair)
+        steps, lossy = found
+        if lossy and not allow_lossy:
+            return False
+        kinds = set(map(type, sources))  # checkpoint tensors, logical tensors: one kind at once
+        if len(kinds) != 1:
+            return False
+        for name in set(map(_FORMAT, sources)) if kinds == {LogicalTensor} else ():
+            if name not in writable:
+                writable[name] = _writes_back(name, requantize)
+            if not writable[name]:
+                return False
+        made = map(new, repeat(Writer), zip(repeat(d.runtime_key), blocks, repeat(steps), repeat(d.rule)))
+        first.update(zip(keys, made))
+        if all(map(eq, map(_SIZES, blocks), map(_SHAPE, sources))):  # each block its source's shape
+            covered.update(dict.fromkeys(keys, _ALL))
+            return True
+        for key, block, source in zip(keys, blocks, sources):
+            whole = prod(block.sizes) == prod(source.shape)
+            covered[key] = _ALL if whole else partial.setdefault(key, _Covered(source.shape, block))
+        return True
+
     for d in order:
+        if at_once(d):
+            continue
         for block in d.blocks:
             key = block.source_key
             if key is None or key in refused:
