@@ -67,13 +67,13 @@ def writers(compiled: Compiled, *, allow_lossy: bool = False, requantize: bool =
 
     def at_once(d) -> bool:
         """Make every block of `d` its tensor's first writer, as the loop below would, where it
-        would: keys all distinct, none written or refused yet, one load step chain and checkpoint
-        dtype that undo without loss (or are allowed to), formats that write back. False, with
-        nothing done, otherwise. A stack of experts is one such tensor of hundreds of blocks."""
+        would: keys all distinct, none written yet (a refused key has problems raised anyway), one
+        load step chain and checkpoint dtype that undo without loss (or are allowed to), formats
+        that write back. False, with nothing done, otherwise. A stack of experts is one such tensor
+        of hundreds of blocks."""
         blocks = d.blocks
         keys = list(map(_SOURCE_KEY, blocks))
-        if None in keys or len(set(keys)) != len(keys) or not covered.keys().isdisjoint(keys) \
-                or not refused.isdisjoint(keys):
+        if None in keys or len(set(keys)) != len(keys) or not covered.keys().isdisjoint(keys):
             return False
         sources = list(map(known.__getitem__, keys))
         chains = set(zip(map(_STEPS, blocks), map(_DTYPE, sources)))
