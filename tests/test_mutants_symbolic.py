@@ -547,3 +547,72 @@ def test_a_reshape_to_a_size_of_zero_from_the_config_is_e207(shapes):
     """Nothing to infer -1 from: the op's error, not a division by zero."""
     assert _op_error(shapes, "w -> s | reshape([config.z, -1])", {"z": 0}) == (
         "E207", "`reshape`: cannot reshape [4, 2] into [0, -1]", 10, 33, "while binding `w`")
+
+
+# -- inverse.py: a runtime tensor's blocks made first writers at once, or one by one --
+
+
+def test_blocks_of_two_step_chains_are_each_undone_with_their_own(tmp_path):
+    """s concatenates a bfloat16 and a float16 tensor, both cast to float32: each writer casts back
+    to its own checkpoint dtype (two chains in one tensor are never given one inverse)."""
+    from remapdsl.compile.inverse import writers
+
+    source = _write(tmp_path / "src", {"a": torch.tensor([[1.5, -2.25, 3.0]], dtype=torch.bfloat16),
+                                       "b": torch.tensor([[0.1, 65504.0, -7.0]], dtype=torch.float16)})
+    state, rules = _load("a, b -> s | cast(float32) | concat(dim=0)\n", source)
+    compiled = remapdsl.compile_rules(rules, source, {})
+    assert [(w.block.source_key, w.steps) for w in writers(compiled)] == [
+        ("a", (("cast", "bfloat16"),)), ("b", (("cast", "float16"),))]
+    remapdsl.save(state, tmp_path / "out", rules, like=source)
+    assert (tmp_path / "out" / "model.safetensors").read_bytes() == (source / "model.safetensors").read_bytes()
+
+
+def test_a_tensor_of_a_dequantized_and_a_plain_source_saves_back(tmp_path, fp8_tensor_checkpoint):
+    """q (fp8_tensor, dequantized) and k (float32) concatenated into one runtime tensor: each block
+    writes its own tensor back, the values encoded with the stored scale."""
+    k = torch.arange(8, dtype=torch.float32).reshape(2, 4)
+    source = _write(tmp_path / "src", {**load_file(str(fp8_tensor_checkpoint / "model.safetensors")), "k": k})
+    state, rules = _load(_FP8_TENSOR.replace("q.weight -> q\n", "q.weight, k -> s | concat(dim=0)\n"), source)
+    assert torch.equal(state["s"][4:], k)
+    remapdsl.save(state, tmp_path / "out", rules, like=source)
+    assert load_file(str(tmp_path / "out" / "model.safetensors")).keys() == {"q.weight", "q.weight_scale", "k"}
+    assert (tmp_path / "out" / "model.safetensors").read_bytes() == (source / "model.safetensors").read_bytes()
+
+
+def test_a_format_that_cannot_encode_is_e503_beside_a_plain_source(tmp_path, int8_row_readonly):
+    """a.weight (a format that cannot write back) and b (float32, exact) in one runtime tensor: E503
+    for a.weight, whatever shares its tensor."""
+    source = _write(tmp_path / "src", {"a.qweight": torch.ones(2, 3, dtype=torch.int8), "a.scales": torch.ones(2),
+                                       "b": torch.ones(2, 3)})
+    state, rules = _load("dequantize {P:path}.qweight, {P}.scales -> {P}.weight | int8_row_readonly(to=float32)\n"
+                         "a.weight, b -> s | concat(dim=0)\n", source)
+    assert [(code, message) for code, message, _, _ in _save_error(state, tmp_path / "out", rules, source)] == [
+        ("E503", "`s` holds `a.weight` dequantized (int8_row_readonly); writing it back in that format is not "
+         "supported yet")]
+
+
+@pytest.mark.parametrize("requantize", [False, True])
+def test_a_padded_dequantized_tensor_is_written_back_as_its_format_allows(tmp_path, fp8_tensor_checkpoint, requantize):
+    """q padded to 6 rows (a fill block beside its block): a plain save writes the stored bytes back;
+    asking fp8_tensor for new scales is E503, as for the tensor alone."""
+    state, rules = _load(_FP8_TENSOR.replace("q.weight -> q\n", "q.weight -> q | pad(dim=0, to=6)\n"),
+                         fp8_tensor_checkpoint)
+    if requantize:
+        assert [code for code, *_ in _save_error(state, tmp_path / "out", rules, fp8_tensor_checkpoint,
+                                                 requantize=True)] == ["E503"]
+        return
+    remapdsl.save(state, tmp_path / "out", rules, like=fp8_tensor_checkpoint)
+    assert (tmp_path / "out" / "model.safetensors").read_bytes() == \
+        (fp8_tensor_checkpoint / "model.safetensors").read_bytes()
+
+
+def test_the_first_copy_of_a_repeat_is_the_one_written_back(tmp_path):
+    """w repeated twice along dim 0: both copies read all of w, and the first writes it; a change to
+    the second copy alone is not saved."""
+    w = torch.arange(6, dtype=torch.float32).reshape(2, 3)
+    source = _write(tmp_path / "src", {"w": w})
+    state, rules = _load("w -> s | repeat(dim=0, times=2)\n", source)
+    assert torch.equal(state["s"], torch.cat([w, w]))
+    state["s"][2:] = -1.0
+    remapdsl.save(state, tmp_path / "out", rules, like=source)
+    assert torch.equal(load_file(str(tmp_path / "out" / "model.safetensors"))["w"], w)
