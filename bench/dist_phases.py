@@ -93,6 +93,7 @@ def _one_load(targets: dict) -> tuple[dict, dict, dict, object]:
     import remapdsl
     from remapdsl.checkpoint import read_config
     from remapdsl.gcpause import paused_gc
+    from remapdsl.language.includes import sources_of
     from remapdsl.runtime import cache
     from remapdsl.runtime import dist as shared
     from remapdsl.runtime.prepare import compile_digest
@@ -119,7 +120,7 @@ def _one_load(targets: dict) -> tuple[dict, dict, dict, object]:
         lap("config")
         digest = compile_digest(rules, config, True, str(FOLDER))
         lap("digest")
-        rule_files = [(f.path, f.source) for f in rules.files]
+        rule_files = sources_of(rules)
 
         def compiled_once():
             key = cache.compiled_key(inventory_key, rule_files, config, True)

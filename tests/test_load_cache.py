@@ -15,7 +15,7 @@ from safetensors.torch import save_file
 
 import remapdsl
 from remapdsl.errors import RemapError
-from remapdsl.language.includes import load_rules, rule_sources
+from remapdsl.language.includes import load_rules, rule_sources, sources_of
 from remapdsl.language.library import display_path
 from remapdsl.runtime import cache, load, prepare
 from gloo import CHECK_FAILURES, shut_down
@@ -84,7 +84,7 @@ def test_what_is_read_back_equals_what_is_made(private):
     inventory, key = cache.open_checkpoint(private / "ckpt")
     assert key is not None and inventory == remapdsl.open_checkpoint(private / "ckpt")
     ruleset = remapdsl.load_rules(RULES)
-    rule_files = [(f.path, f.source) for f in ruleset.files]
+    rule_files = sources_of(ruleset)
     config = json.loads((private / "ckpt" / "config.json").read_text())
     compiled_key = cache.compiled_key(key, rule_files, config, True)
     there, compiled = cache.kept_compiled(compiled_key)
