@@ -114,7 +114,7 @@ def plan_rank(compiled: Compiled, inventory: Inventory, layout, mesh, rank: int)
 
 
 def load(state_dict, checkpoint, rules, *, config: Mapping[str, Any] | None = None, strict: bool = True,
-         layout=None, mesh=None, read_replicated_once: bool = False):
+         layout=None, mesh=None, read_replicated_once: bool = False, timeout=None):
     """Fill existing tensors in place from a checkpoint, through a rule file; returns a LoadReport.
 
     In a torch.distributed job every rank calls it: rank 0 reads the headers once and shares them,
@@ -134,18 +134,21 @@ def load(state_dict, checkpoint, rules, *, config: Mapping[str, Any] | None = No
         mesh: the `remapdsl.sharding.Mesh` of the job, with `layout`.
         read_replicated_once: tensors that every rank holds whole are read by rank 0 and broadcast,
             instead of read by every rank.
+        timeout: how long this rank waits at any one exchange for the others (seconds or a
+            `datetime.timedelta`; default 300 s), independent of the process group's own timeout.
+            A rank that does not arrive in time is named on every rank that did (E415).
     """
     from .runtime.load import load as _load
 
     require_data(checkpoint, "a load")
     rules = _rules_for(rules, checkpoint, config)
     return _load(state_dict, checkpoint, rules, config=config, strict=strict, layout=layout, mesh=mesh,
-                 read_replicated_once=read_replicated_once)
+                 read_replicated_once=read_replicated_once, timeout=timeout)
 
 
 def save(state_dict, folder, rules, *, like=None, config: Mapping[str, Any] | None = None, layout=None,
          mesh=None, overwrite: bool = False, allow_lossy: bool = False, requantize: bool = False,
-         dropped: str = "error", max_shard_size: int | str = "5GB"):
+         dropped: str = "error", max_shard_size: int | str = "5GB", timeout=None):
     """Write runtime tensors back to the checkpoint layout `like` through the rules that load it,
     every rank its own bytes (no gather); returns a SaveReport.
 
@@ -177,6 +180,7 @@ def save(state_dict, folder, rules, *, like=None, config: Mapping[str, Any] | No
             not written). Copies are split among the ranks by bytes, no gather.
         max_shard_size: without `like`: start a new output file past this size (bytes, or a text
             such as "5GB" or "2GiB", as for `save_pretrained`).
+        timeout: as for `load`.
     """
     from .runtime.save import save as _save
 
@@ -184,12 +188,12 @@ def save(state_dict, folder, rules, *, like=None, config: Mapping[str, Any] | No
     rules = _rules_for(rules, like, config)
     return _save(state_dict, folder, rules, like=like, config=config, layout=layout, mesh=mesh,
                  overwrite=overwrite, allow_lossy=allow_lossy, requantize=requantize, dropped=dropped,
-                 max_shard_size=max_shard_size)
+                 max_shard_size=max_shard_size, timeout=timeout)
 
 
 def export(state_dict, rules, *, like=None, config: Mapping[str, Any] | None = None, gather=(),
            bucket_bytes: int = 256 << 20, layout=None, mesh=None, allow_lossy: bool = False,
-           regions: bool = False):
+           regions: bool = False, timeout=None):
     """The checkpoint layout of a sharded runtime state dict, in memory: an iterator of
     (checkpoint key, tensor) pairs, each a whole checkpoint tensor, for weight sync without files.
 
@@ -214,16 +218,18 @@ def export(state_dict, rules, *, like=None, config: Mapping[str, Any] | None = N
         regions: yield `(key, offsets, tensor)` instead: each box of a checkpoint tensor this rank
             holds and no lower rank does (the bytes a save would have it write), no communication;
             a piece that is no box (rows strided by a rope order) is E549.
+        timeout: as for `load`.
     """
     from .runtime.export import export as _export
 
     require_data(like, "an export (`like`)")
     return _export(state_dict, _rules_for(rules, like, config), like=like, config=config, gather=gather,
-                   bucket_bytes=bucket_bytes, layout=layout, mesh=mesh, allow_lossy=allow_lossy, regions=regions)
+                   bucket_bytes=bucket_bytes, layout=layout, mesh=mesh, allow_lossy=allow_lossy, regions=regions,
+                   timeout=timeout)
 
 
 def ingest(state_dict, pairs, rules, *, like=None, config: Mapping[str, Any] | None = None, layout=None,
-           mesh=None):
+           mesh=None, timeout=None):
     """Fill a runtime state dict in place from (checkpoint key, tensor) pairs, through the rules:
     the mirror of `export`, a load from memory instead of files. Returns an IngestReport.
 
@@ -238,17 +244,18 @@ def ingest(state_dict, pairs, rules, *, like=None, config: Mapping[str, Any] | N
         rules: as for `load`.
         like: the checkpoint whose layout the pairs are in (its headers only); None: derived from
             the state dict's shapes, as a save without `like` does.
-        config, layout, mesh: as for `load`.
+        config, layout, mesh, timeout: as for `load`.
     """
     from .runtime.ingest import ingest as _ingest
 
     require_data(like, "an ingest (`like`)")
     return _ingest(state_dict, pairs, _rules_for(rules, like, config), like=like, config=config, layout=layout,
-                   mesh=mesh)
+                   mesh=mesh, timeout=timeout)
 
 
 def convert(src, dst, rules, *, reverse: bool = False, like=None, max_shard_bytes: int = 5 * 10**9,
-            budget_bytes: int = 1 << 30, overwrite: bool = False, progress=None, dropped: str = "error"):
+            budget_bytes: int = 1 << 30, overwrite: bool = False, progress=None, dropped: str = "error",
+            timeout=None):
     """Convert checkpoint `src` into `dst` through `rules`, offline, in batches, on any number of
     ranks; returns a ConvertReport.
 
@@ -267,6 +274,7 @@ def convert(src, dst, rules, *, reverse: bool = False, like=None, max_shard_byte
         progress: called with (bytes done, bytes in all) on this rank after each batch.
         dropped: reverse only: `"error"`, `"copy"` or `"omit"` for the tensors of `like` the rules
             drop, as for `save`.
+        timeout: as for `load`.
     """
     from .runtime.convert import convert as _convert
 
@@ -274,7 +282,8 @@ def convert(src, dst, rules, *, reverse: bool = False, like=None, max_shard_byte
     require_data(like, "a conversion (`like`)")
     rules = _rules_for(rules, like if reverse else src)
     return _convert(src, dst, rules, reverse=reverse, like=like, max_shard_bytes=max_shard_bytes,
-                    budget_bytes=budget_bytes, overwrite=overwrite, progress=progress, dropped=dropped)
+                    budget_bytes=budget_bytes, overwrite=overwrite, progress=progress, dropped=dropped,
+                    timeout=timeout)
 
 
 __all__ = [

@@ -25,7 +25,7 @@ from . import save
 from .dcp import RuleStorageReader
 from .errors import Diagnostic, RemapError
 from .language import RuleSet
-from .runtime.dist import together
+from .runtime import dist
 
 _log = logging.getLogger("remapdsl")
 
@@ -62,6 +62,8 @@ class RuleStateDictAdapter(BaseStateDictAdapter):
             class's own (`with_rules`).
         config: the model config the rules read; by default the folder's config.json.
         strict: refuse checkpoint tensors that no rule takes and no `drop` names.
+        timeout: how long a rank waits at any one of the adapter's exchanges for the others
+            (seconds or a `datetime.timedelta`; default 300 s), as for `remapdsl.load`.
     """
 
     default_rules: str | os.PathLike | RuleSet | None = None
@@ -70,7 +72,7 @@ class RuleStateDictAdapter(BaseStateDictAdapter):
 
     def __init__(self, model_config: Any, hf_assets_path: str | os.PathLike | None, *,
                  rules: str | os.PathLike | RuleSet | None = None, config: Mapping[str, Any] | None = None,
-                 strict: bool | None = None):
+                 strict: bool | None = None, timeout=None):
         rules = type(self).default_rules if rules is None else rules
         if rules is None:
             raise _fail("E610", "RuleStateDictAdapter was made without a rule file",
@@ -81,6 +83,7 @@ class RuleStateDictAdapter(BaseStateDictAdapter):
         self.rules = rules
         self.config = type(self).default_config if config is None else config
         self.strict = type(self).default_strict if strict is None else strict
+        self.timeout = dist.seconds(timeout)
         self.match: Match | None = None
         self._reader: RuleStorageReader | None = None
 
@@ -106,8 +109,9 @@ class RuleStateDictAdapter(BaseStateDictAdapter):
         loaded = tuple(k for k in state_dict if k in made)
         not_in_rules = tuple(k for k in state_dict if k not in made)
         self.match = Match(loaded, not_in_rules, tuple(sorted(made.keys() - state_dict.keys())))
-        together(lambda: self._check(state_dict, made, not_in_rules),
-                 phase="checking the state dict against the rules")
+        with dist.bounded(self.timeout):
+            dist.together(lambda: self._check(state_dict, made, not_in_rules),
+                          phase="checking the state dict against the rules")
         _log.info("torchtitan adapter: %d tensors from the rules, %d state-dict keys not made by them, "
                   "%d made but not in this state dict", len(loaded), len(not_in_rules),
                   len(self.match.not_in_state_dict))
@@ -162,17 +166,19 @@ class RuleStateDictAdapter(BaseStateDictAdapter):
         with `like=hf_assets_path`; DTensors each rank its own bytes, no gather); returns its
         SaveReport. Every rank calls it with the whole model's state dict. State-dict keys the
         rules do not make (buffers such as expert biases) are left out. `kwargs`: remapdsl.save's
-        `overwrite`, `allow_lossy`, `requantize`."""
+        `overwrite`, `allow_lossy`, `requantize`, `timeout` (by default the adapter's)."""
         made = self._open(self.hf_assets_path).read_metadata().state_dict_metadata.keys()
         runtime = {k: v for k, v in state_dict.items() if k in made}
-        return save(runtime, folder, self.rules, like=self.hf_assets_path, config=self.config, **kwargs)
+        return save(runtime, folder, self.rules, like=self.hf_assets_path, config=self.config,
+                    **{"timeout": self.timeout, **kwargs})
 
     def _open(self, path: str | os.PathLike | None) -> RuleStorageReader:
         """The reader of `path`, opened once per folder (every rank together)."""
         path = self._folder(path)
         reader = self._reader
         if reader is None or os.path.abspath(os.fspath(reader.checkpoint_id)) != os.path.abspath(path):
-            reader = self._reader = RuleStorageReader(path, self.rules, config=self.config, strict=self.strict)
+            reader = self._reader = RuleStorageReader(path, self.rules, config=self.config, strict=self.strict,
+                                                            timeout=self.timeout)
         return reader
 
     @staticmethod

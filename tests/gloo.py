@@ -9,6 +9,21 @@ import pytest
 # BaseException and would otherwise end the worker as a crash without the check's message.
 CHECK_FAILURES = (Exception, pytest.fail.Exception, pytest.skip.Exception)
 
+# The default groups a distributed test runs under: plain gloo, and `cuda:gloo`, a group with
+# NCCL's device contract (a backend for CUDA tensors only, as `init_process_group("nccl")` gives):
+# every collective remapdsl makes on CPU tensors must go over a CPU-capable group of its own.
+BACKENDS = ("gloo", "cuda:gloo")
+
+
+def join_group(rank: int, world: int, rendezvous: str, backend: str = "gloo", seconds: float = 60) -> None:
+    """Join a `world`-rank default group through a file rendezvous (no TCP port to race for)."""
+    import datetime
+
+    import torch.distributed as dist
+
+    dist.init_process_group(backend, init_method=f"file://{rendezvous}", rank=rank, world_size=world,
+                            timeout=datetime.timedelta(seconds=seconds))
+
 
 def shut_down() -> None:
     """Leave the group together: a rank tearing down gloo while its peer is still in a collective
@@ -17,8 +32,10 @@ def shut_down() -> None:
     helper), and collecting here would hide it if they did."""
     import torch.distributed as dist
 
+    from remapdsl.runtime.dist import control_group
+
     try:
-        dist.barrier()
+        dist.barrier(group=control_group())  # a CPU-capable group: the default may have none
     finally:
         dist.destroy_process_group()
 
@@ -26,7 +43,9 @@ def shut_down() -> None:
 def distributed_like(expected: dict, mesh, plan) -> tuple[dict, dict]:
     """For each full tensor of `expected`: a zeroed DTensor placed as `plan` places it on `mesh`
     (remapdsl.sharding.placements types, turned into torch's), and the local shard torch's own
-    `distribute_tensor` gives this rank of the full tensor: the targets and what they must hold."""
+    `distribute_tensor` gives this rank of the full tensor (split locally, `src_data_rank=None`: no
+    collective, so a default group without a CPU backend serves too): the targets and what they
+    must hold."""
     import torch
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import Replicate, Shard, distribute_tensor
@@ -46,8 +65,8 @@ def distributed_like(expected: dict, mesh, plan) -> tuple[dict, dict]:
     targets, wanted = {}, {}
     for key, full in expected.items():
         placements = [torch_placement(p) for p in layout_for(key, full.shape, plan, mesh)]
-        targets[key] = distribute_tensor(torch.zeros_like(full), device_mesh, placements)
-        wanted[key] = distribute_tensor(full, device_mesh, placements).to_local()
+        targets[key] = distribute_tensor(torch.zeros_like(full), device_mesh, placements, src_data_rank=None)
+        wanted[key] = distribute_tensor(full, device_mesh, placements, src_data_rank=None).to_local()
     return targets, wanted
 
 

@@ -60,12 +60,16 @@ class RuleStorageReader(StorageReader):
             `remapdsl.load`.
         config: the model config; by default the folder's config.json.
         strict: refuse checkpoint tensors that no rule takes and no `drop` names.
+        timeout: how long a rank waits at any one of the reader's exchanges for the others
+            (seconds or a `datetime.timedelta`; default 300 s), as for `remapdsl.load`. DCP's own
+            collectives are bounded by its process group's timeout.
     """
 
     def __init__(self, path: str | os.PathLike, rules: str | os.PathLike | RuleSet, *,
-                 config: Mapping[str, Any] | None = None, strict: bool = True):
+                 config: Mapping[str, Any] | None = None, strict: bool = True, timeout=None):
         super().__init__()
         self._rules, self._config, self._strict = rules, config, strict
+        self._timeout = dist.seconds(timeout)
         self.report: ReadReport | None = None
         self._open(path)
 
@@ -73,7 +77,7 @@ class RuleStorageReader(StorageReader):
         """Compile the rules against `path` on every rank together (errors: RemapError, every rank);
         the cyclic collector paused throughout, as `remapdsl.load` does (parsing and compiling make
         many short-lived objects, and each full collection walks torch's whole heap)."""
-        with paused_gc():
+        with paused_gc(), dist.bounded(self._timeout):
             self._compile(path)
 
     def _compile(self, path) -> None:

@@ -62,9 +62,10 @@ class ConvertReport(BaseModel):
 
 def convert(src, dst, rules, *, reverse: bool = False, like=None, max_shard_bytes: int = 5 * 10**9,
             budget_bytes: int = 1 << 30, overwrite: bool = False,
-            progress: Callable[[int, int], None] | None = None, dropped: str = "error") -> ConvertReport:
+            progress: Callable[[int, int], None] | None = None, dropped: str = "error",
+            timeout=None) -> ConvertReport:
     """Convert checkpoint `src` into `dst` through `rules`; the arguments are `remapdsl.convert`'s."""
-    with paused_gc():
+    with paused_gc(), dist.bounded(timeout):
         return _convert(src, Path(dst).absolute(), rules, reverse, like, max_shard_bytes, budget_bytes,
                         overwrite, progress, dropped)
 

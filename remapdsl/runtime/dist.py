@@ -7,6 +7,13 @@ instead of a hang; with `agree_on`, the ranks also compare digests of what they 
 a difference say what differs), `broadcast_from_first` (tensors every rank holds whole). Each
 exchange is one collective (two for objects: their sizes, then their bytes).
 
+Control exchanges (errors, digests, headers, plans, sizes; CPU tensors) go over a CPU-capable group:
+the default group when it has a backend for CPU tensors (gloo, `"cpu:gloo,cuda:nccl"`), else one
+gloo group over the same ranks, made once per default group (an NCCL-only job). Tensors a caller
+moves (`broadcast_from_first`) go over the default group when they live on a device, the control
+group when on the CPU. Every wait for other ranks is bounded by the call's own timeout (`bounded`),
+not the group's; a rank that does not arrive in time is named on every rank that did (E415).
+
 Every collective here is issued by this module on buffers it keeps referenced until the backend has
 released them: gloo's worker threads hold each finished work (its tensors) for a moment after the
 caller wakes, and a tensor whose last reference is dropped on such a thread needs the interpreter's
@@ -17,10 +24,13 @@ exception"). So when a call returns, no thread of the backend holds anything of 
 
 from __future__ import annotations
 
+import datetime
 import pickle
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from contextvars import ContextVar
 from typing import Any, NamedTuple, TypeVar
 
 import torch
@@ -37,6 +47,13 @@ T = TypeVar("T")
 SETTLE_SECONDS = 5.0
 ROLL_CALL_SECONDS = 2.0  # after a failed collective: how long survivors wait to hear from the others
 _COLLECTIVES = 0  # collectives this process has made through this module (a roll call's name)
+DEFAULT_TIMEOUT = 300.0  # seconds a call waits at one exchange for the other ranks, unless told otherwise
+# A wait for the other ranks longer than this writes this rank's arrival into the group's store, so
+# that a rank that never arrives can be named; faster exchanges touch no store.
+ARRIVAL_SECONDS = 1.0
+_timeout: ContextVar[float] = ContextVar("remapdsl_timeout", default=DEFAULT_TIMEOUT)
+_control: tuple[Any, Any] | None = None  # (the default group, the group control exchanges go over)
+_GROUPS_MADE = 0  # control groups this process has made (their meeting's name in the store)
 # On a disagreement, how many distinct versions of one aspect are described (the first rank of each).
 MAX_VERSIONS = 4
 
@@ -51,6 +68,43 @@ def rank() -> int:
 
 def world_size() -> int:
     return dist.get_world_size() if active() else 1
+
+
+def seconds(timeout) -> float:
+    """A call's `timeout=` (seconds, a `datetime.timedelta`, or None for DEFAULT_TIMEOUT) in seconds;
+    E416 if not positive."""
+    if timeout is None:
+        return DEFAULT_TIMEOUT
+    value = timeout.total_seconds() if isinstance(timeout, datetime.timedelta) else timeout
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0 or value == float("inf"):
+        raise RemapError(Diagnostic(code="E416", message=f"timeout={timeout!r} is not a positive, finite number "
+                                    "of seconds (or a datetime.timedelta)",
+                                    hint=f"the default is {DEFAULT_TIMEOUT:g} s: how long a rank waits at one "
+                                         "exchange for the others"))
+    return float(value)
+
+
+@contextmanager
+def bounded(timeout) -> Iterator[None]:
+    """Every exchange made inside waits at most `timeout` for the other ranks (a call's `timeout=`)."""
+    token = _timeout.set(seconds(timeout))
+    try:
+        yield
+    finally:
+        _timeout.reset(token)
+
+
+def bounded_iter(items: Iterator[T], timeout) -> Iterator[T]:
+    """`items` (a generator making exchanges) with each step run under `bounded(timeout)`, so the
+    bound holds in the generator and never leaks into the caller's code between steps."""
+    limit = seconds(timeout)
+    while True:
+        with bounded(limit):
+            try:
+                item = next(items)
+            except StopIteration:
+                return
+        yield item
 
 
 def share_inventory(checkpoint, phase: str = "reading the checkpoint's headers") -> Inventory:
@@ -215,15 +269,18 @@ def _error_class(name: str) -> type[RemapError]:
 
 
 def broadcast_from_first(tensors: list) -> None:
-    """Rank 0's contents of each tensor, on every rank. Bytes travel as uint8, so dtypes the
-    backend cannot carry (FP8 on gloo) pass unchanged."""
+    """Rank 0's contents of each tensor, on every rank: a device tensor over the default group, a
+    CPU one over the control group. Bytes travel as uint8, so dtypes the backend cannot carry (FP8
+    on gloo) pass unchanged."""
     if not active():
         return
     for tensor in tensors:
         buffer = tensor if tensor.is_contiguous() else tensor.contiguous()
         flat = buffer.view(torch.uint8) if buffer.dim() else buffer.reshape(1).view(torch.uint8)
-        _settled(lambda flat=flat: dist.broadcast(flat, src=0, async_op=True), [flat],
-                 "broadcasting replicated tensors")
+        on_device = flat.device.type != "cpu"
+        group = None if on_device else control_group()
+        _settled(lambda flat=flat, group=group: dist.broadcast(flat, src=0, group=group, async_op=True), [flat],
+                 "broadcasting replicated tensors", bound=not on_device)
         if buffer is not tensor:
             tensor.copy_(buffer)
 
@@ -236,15 +293,17 @@ def gather_all(value: T, phase: str = "exchanging") -> list[T]:
 
 
 def exchange(send: torch.Tensor, sizes: list[int], phase: str = "exchanging") -> list[torch.Tensor]:
-    """All to all: the first `sizes[0]` bytes of `send` (flat uint8) go to rank 0, the next
-    `sizes[1]` to rank 1, ...; returns what each rank sent this one, in rank order (views of one
-    buffer; one exchange of the sizes, one of the bytes)."""
+    """All to all over the control group: the first `sizes[0]` bytes of `send` (flat uint8, on the
+    CPU) go to rank 0, the next `sizes[1]` to rank 1, ...; returns what each rank sent this one, in
+    rank order (views of one buffer; one exchange of the sizes, one of the bytes)."""
+    group = control_group()
     outgoing = torch.tensor(sizes, dtype=torch.int64)
     incoming = torch.empty(len(sizes), dtype=torch.int64)
-    _settled(lambda: dist.all_to_all_single(incoming, outgoing, async_op=True), [outgoing, incoming], phase)
+    _settled(lambda: dist.all_to_all_single(incoming, outgoing, group=group, async_op=True),
+             [outgoing, incoming], phase)
     counts = incoming.tolist()
     received = torch.empty(sum(counts), dtype=torch.uint8)
-    _settled(lambda: dist.all_to_all_single(received, send, counts, list(sizes), async_op=True),
+    _settled(lambda: dist.all_to_all_single(received, send, counts, list(sizes), group=group, async_op=True),
              [send, received], phase)
     return list(torch.split(received, counts))
 
@@ -255,29 +314,83 @@ def _dumps(value) -> bytes:
 
 def _broadcast_bytes(payload: bytes | None, source: int, phase: str) -> bytes:
     """`payload` of rank `source` on every rank: its size, then its bytes (two broadcasts)."""
+    group = control_group()
     size = torch.tensor([len(payload) if payload is not None else 0], dtype=torch.int64)
-    _settled(lambda: dist.broadcast(size, src=source, async_op=True), [size], phase)
+    _settled(lambda: dist.broadcast(size, src=source, group=group, async_op=True), [size], phase)
     data = torch.frombuffer(bytearray(payload), dtype=torch.uint8) if payload is not None \
         else torch.empty(int(size.item()), dtype=torch.uint8)
-    _settled(lambda: dist.broadcast(data, src=source, async_op=True), [data], phase)
+    _settled(lambda: dist.broadcast(data, src=source, group=group, async_op=True), [data], phase)
     return payload if payload is not None else data.numpy().tobytes()
 
 
 def _all_gather_bytes(payload: bytes, phase: str) -> list[bytes]:
     """Every rank's `payload`, in rank order: the sizes, then the bytes padded to the longest."""
+    group = control_group()
     world = dist.get_world_size()
     size = torch.tensor([len(payload)], dtype=torch.int64)
     sizes = [torch.zeros(1, dtype=torch.int64) for _ in range(world)]
-    _settled(lambda: dist.all_gather(sizes, size, async_op=True), [size, *sizes], phase)
+    _settled(lambda: dist.all_gather(sizes, size, group=group, async_op=True), [size, *sizes], phase)
     lengths = [int(s.item()) for s in sizes]
     data = torch.zeros(max(lengths), dtype=torch.uint8)
     data[:len(payload)] = torch.frombuffer(bytearray(payload), dtype=torch.uint8)
     out = [torch.empty(max(lengths), dtype=torch.uint8) for _ in range(world)]
-    _settled(lambda: dist.all_gather(out, data, async_op=True), [data, *out], phase)
+    _settled(lambda: dist.all_gather(out, data, group=group, async_op=True), [data, *out], phase)
     return [o[:n].numpy().tobytes() for o, n in zip(out, lengths)]
 
 
-def _settled(start: Callable[[], Any], buffers: list[torch.Tensor], phase: str) -> None:
+def control_group():
+    """The group control exchanges go over: the default group when it has a backend for CPU
+    tensors, else a gloo group over the same ranks, made once per default group by every rank at
+    the same exchange (its first). The ranks first meet in the group's store, so a rank that
+    never arrives is named within the call's timeout instead of blocking the group's creation."""
+    global _control, _GROUPS_MADE
+    default = dist.group.WORLD
+    if _control is not None and _control[0] is default:
+        return _control[1]
+    group = None
+    if not any(part.strip().startswith("cpu:") for part in dist.get_backend_config(default).split(",")):
+        _GROUPS_MADE += 1
+        _meet(f"remapdsl/control-group/{_GROUPS_MADE}", "making the group for control exchanges")
+        group = dist.new_group(backend="gloo")
+    _control = (default, group)
+    return group
+
+
+def _meet(name: str, phase: str) -> None:
+    """Wait, at most the call's timeout, until every rank has reached `name` (through the store:
+    one entry and one count a rank); else E415 naming the ranks that did not."""
+    store = _store()
+    me, world = dist.get_rank(), dist.get_world_size()
+    store.set(f"{name}/{me}", b"1")
+    if store.add(f"{name}/count", 1) == world:
+        store.set(f"{name}/all", b"1")
+    limit = _timeout.get()
+    try:
+        store.wait([f"{name}/all"], datetime.timedelta(seconds=limit))
+    except Exception:  # noqa: BLE001 - the store's timeout error differs by store and version
+        missing = [r for r in range(world) if not store.check([f"{name}/{r}"])]
+        raise _late(missing, limit, phase) from None
+
+
+def _store():
+    """The store the default group was made with (where the ranks meet and answer roll calls)."""
+    return dist.distributed_c10d._get_default_store()
+
+
+def _late(missing: list[int], limit: float, phase: str) -> RemapError:
+    """E415: this rank waited `limit` seconds while `phase` for `missing`, which never arrived."""
+    what = f"{_ranks(missing)} never arrived" if missing else \
+        "every rank arrived, at different exchanges (the ranks made different calls)"
+    error = RemapError(Diagnostic(
+        code="E415", message=f"rank {dist.get_rank()} waited {limit:g} s while {phase}: {what}",
+        hint="every rank must make the same remapdsl calls in the same order; the rank named is stuck, "
+             "slower (still working on an earlier step), or never made this call: its own log says which. "
+             "Raise `timeout=` if ranks legitimately arrive further apart"))
+    error.failed_ranks = tuple(missing)
+    return error
+
+
+def _settled(start: Callable[[], Any], buffers: list[torch.Tensor], phase: str, bound: bool = True) -> None:
     """Run one collective to completion and return only once the backend holds none of `buffers`.
 
     A finished work stays referenced by the backend's worker thread for a moment after `wait()`
@@ -286,15 +399,22 @@ def _settled(start: Callable[[], Any], buffers: list[torch.Tensor], phase: str) 
     for that here (the interpreter lock released, so the thread can finish) means no buffer of
     this module is ever freed on a backend thread, and none is left for interpreter shutdown.
 
-    A collective the backend fails (a peer process gone, the group's timeout passed) is E413 on
-    this rank, naming the phase; the waits are bounded by the process group's timeout.
+    With `bound` (a control exchange), the wait is bounded by the call's timeout: past
+    ARRIVAL_SECONDS this rank notes its arrival in the store; past the timeout, the ranks that did
+    not note theirs are named (E415). A collective the backend fails (a peer process gone, the
+    group's own timeout passed) is E413 on this rank, naming the phase and the ranks lost.
     """
     global _COLLECTIVES
     _COLLECTIVES += 1
     before = _references(buffers)
     try:
         work = start()
-        work.wait()
+        if bound:
+            _wait_bounded(work, phase)
+        else:
+            work.wait()
+    except RemapError:
+        raise
     except Exception as exc:  # noqa: BLE001 - the backend's own error types differ by backend and version
         raise RemapError(Diagnostic(
             code="E413", message=f"rank {dist.get_rank()} lost the group while {phase}: "
@@ -308,23 +428,66 @@ def _settled(start: Callable[[], Any], buffers: list[torch.Tensor], phase: str) 
         pause = min(pause * 2, 1e-2)
 
 
-def _roll_call(collective: int) -> str:
-    """Which ranks are gone, after a collective failed: every survivor writes its rank under this
-    collective's number (the same on every rank: each makes the same collectives in the same order)
-    into the process group's store, then waits up to ROLL_CALL_SECONDS for the others' entries.
-    The store is the one the group was made with; if it is gone too (rank 0 hosts a TCPStore), so
-    is rank 0, most likely."""
-    world, me = dist.get_world_size(), dist.get_rank()
+def _wait_bounded(work, phase: str) -> None:
+    """Wait for `work` at most the call's timeout; a wait past ARRIVAL_SECONDS notes this rank's
+    arrival in the store first. A backend error is raised as it is (its work is then completed)."""
+    limit = _timeout.get()
+    first = min(ARRIVAL_SECONDS, limit)
+    if _waited(work, first):
+        return
+    store, key = _store(), _waiting(dist.get_rank())
+    store.set(key, str(_COLLECTIVES))
+    if _waited(work, limit - first):
+        store.set(key, "")
+        return
+    raise _late(_missing(), limit, phase)
+
+
+def _waited(work, limit: float) -> bool:
+    """True once `work` finished within `limit` seconds, False if it has not; its error if it failed."""
     try:
-        store = dist.distributed_c10d._get_default_store()
-        prefix = f"remapdsl/roll-call/{collective}/"
-        store.set(prefix + str(me), b"1")
-        missing = [r for r in range(world) if r != me]
-        deadline = time.monotonic() + ROLL_CALL_SECONDS
-        while missing and time.monotonic() < deadline:
-            missing = [r for r in missing if not store.check([prefix + str(r)])]
-            if missing:
-                time.sleep(0.05)
+        work.wait(timeout=datetime.timedelta(seconds=limit))
+    except Exception:
+        if work.is_completed():  # it failed: the backend's own error
+            raise
+        return False
+    return True
+
+
+def _waiting(rank: int) -> str:
+    """The store's entry saying at which collective `rank` is waiting long ("" once it is not)."""
+    return f"remapdsl/waiting/{rank}"
+
+
+def _missing() -> list[int]:
+    """The ranks not waiting in an exchange (at this collective or any other: a broadcast's
+    receivers may finish it and wait at the next while its root still waits for a rank that never
+    came), after waiting up to ROLL_CALL_SECONDS for them (a rank that arrived a moment ago notes
+    it within ARRIVAL_SECONDS)."""
+    store, world, me = _store(), dist.get_world_size(), dist.get_rank()
+
+    def behind(r: int) -> bool:
+        key = _waiting(r)
+        return not store.check([key]) or not store.get(key)
+
+    missing = [r for r in range(world) if r != me]
+    deadline = time.monotonic() + ROLL_CALL_SECONDS
+    while True:
+        missing = [r for r in missing if behind(r)]
+        if not missing or time.monotonic() >= deadline:
+            return missing
+        time.sleep(0.05)
+
+
+def _roll_call(collective: int) -> str:
+    """Which ranks are gone, after a collective failed: every survivor notes in the process
+    group's store that it is waiting at this collective, then waits up to ROLL_CALL_SECONDS for
+    the others to be noted waiting too. The store is
+    the one the group was made with; if it is gone too (rank 0 hosts a TCPStore), so is rank 0,
+    most likely."""
+    try:
+        _store().set(_waiting(dist.get_rank()), str(collective))
+        missing = _missing()
     except Exception as exc:  # noqa: BLE001 - a store that is gone fails with the backend's own errors
         return (f"the group's store cannot be reached either ({type(exc).__name__}): rank 0, which "
                 "usually hosts it, may be the one lost")

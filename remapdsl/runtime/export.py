@@ -40,9 +40,16 @@ from .write import run_write_plan
 
 def export(state_dict, rules, *, like=None, config: Mapping[str, Any] | None = None, gather=(),
            bucket_bytes: int = 256 << 20, layout=None, mesh=None, allow_lossy: bool = False,
-           regions: bool = False) -> Iterator[tuple]:
+           regions: bool = False, timeout=None) -> Iterator[tuple]:
     """(checkpoint key, tensor) pairs this rank is responsible for, or with `regions` (key,
     offsets, tensor) boxes of them; see `remapdsl.export`."""
+    dist.seconds(timeout)  # a bad timeout is refused at the call, before the first item is asked for
+    return dist.bounded_iter(_export(state_dict, rules, like, config, gather, bucket_bytes, layout, mesh,
+                                     allow_lossy, regions), timeout)
+
+
+def _export(state_dict, rules, like, config, gather, bucket_bytes: int, layout, mesh, allow_lossy: bool,
+            regions: bool) -> Iterator[tuple]:
     gather = (gather,) if isinstance(gather, str) else tuple(gather)
     if regions and gather:
         raise RemapError(Diagnostic(code="E542", message=f"regions=True yields the boxes each rank holds and "

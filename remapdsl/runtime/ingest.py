@@ -43,8 +43,13 @@ class IngestReport(BaseModel):
 
 
 def ingest(state_dict, pairs, rules, *, like=None, config: Mapping[str, Any] | None = None, layout=None,
-           mesh=None) -> IngestReport:
+           mesh=None, timeout=None) -> IngestReport:
     """Fill this rank's part of `state_dict` from (checkpoint key, tensor) pairs; see `remapdsl.ingest`."""
+    with dist.bounded(timeout):
+        return _ingest(state_dict, pairs, rules, like, config, layout, mesh)
+
+
+def _ingest(state_dict, pairs, rules, like, config, layout, mesh) -> IngestReport:
     start = time.perf_counter()
     tensors = state_dict.state_dict(keep_vars=True) if hasattr(state_dict, "state_dict") else state_dict
     inventory, compiled, _ = checkpoint_layout(rules, like, config, tensors, layout, Path("<ingest>"))

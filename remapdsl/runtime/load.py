@@ -44,9 +44,9 @@ class LoadReport(BaseModel):
 
 
 def load(state_dict, checkpoint, rules, *, config: Mapping[str, Any] | None = None, strict: bool = True,
-         layout=None, mesh=None, read_replicated_once: bool = False) -> LoadReport:
+         layout=None, mesh=None, read_replicated_once: bool = False, timeout=None) -> LoadReport:
     """Fill existing tensors in place from a checkpoint, through a rule file; see `remapdsl.load`."""
-    with paused_gc():
+    with paused_gc(), dist.bounded(timeout):
         return _load(state_dict, checkpoint, rules, config, strict, layout, mesh, read_replicated_once)
 
 

@@ -73,10 +73,10 @@ class SaveReport(BaseModel):
 
 def save(state_dict, folder, rules, *, like=None, config: Mapping[str, Any] | None = None, layout=None, mesh=None,
          overwrite: bool = False, allow_lossy: bool = False, requantize: bool = False,
-         dropped: str = "error", max_shard_size: int | str = "5GB") -> SaveReport:
+         dropped: str = "error", max_shard_size: int | str = "5GB", timeout=None) -> SaveReport:
     """Write runtime tensors back to the checkpoint layout `like` (or the one the rules derive
     without it); the arguments are `remapdsl.save`'s."""
-    with paused_gc():
+    with paused_gc(), dist.bounded(timeout):
         return _save(state_dict, Path(folder).absolute(), rules, like, config, layout, mesh, overwrite, allow_lossy,
                      requantize, dropped, max_shard_size)
 

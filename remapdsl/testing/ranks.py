@@ -34,9 +34,14 @@ from remapdsl.sharding import (
 )
 
 
-def run_ranks(fn: Callable[..., Any], world: int = 2, *args: Any, timeout: float = 120.0) -> list[Any]:
+def run_ranks(fn: Callable[..., Any], world: int = 2, *args: Any, timeout: float = 120.0,
+              backend: str = "gloo") -> list[Any]:
     """Run `fn(rank, world, *args)` on `world` gloo processes in one process group; returns each
     rank's return value, in rank order.
+
+    `backend` is the default group's: `"gloo"`, or `"cuda:gloo"` for a group with NCCL's device
+    contract (a backend for CUDA tensors only, as an `init_process_group("nccl")` job has), so that
+    what a GPU job does to CPU tensors is tried on the CPU.
 
     Raises:
         AssertionError: every rank that raised, with its message (an AssertionError's) or traceback;
@@ -45,7 +50,7 @@ def run_ranks(fn: Callable[..., Any], world: int = 2, *args: Any, timeout: float
     import torch.multiprocessing as mp
 
     with tempfile.TemporaryDirectory(prefix="remapdsl-ranks-") as folder:
-        context = mp.start_processes(_entry, args=(world, folder, fn, args, timeout), nprocs=world, join=False,
+        context = mp.start_processes(_entry, args=(world, folder, fn, args, timeout, backend), nprocs=world, join=False,
                                      start_method="spawn")
         deadline = time.monotonic() + timeout + 30
         died = None
@@ -78,12 +83,14 @@ def run_ranks(fn: Callable[..., Any], world: int = 2, *args: Any, timeout: float
     return results
 
 
-def _entry(rank: int, world: int, folder: str, fn, args, timeout: float) -> None:
+def _entry(rank: int, world: int, folder: str, fn, args, timeout: float, backend: str) -> None:
     import torch
     import torch.distributed as dist
 
+    from remapdsl.runtime.dist import control_group
+
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{folder}/rendezvous", rank=rank, world_size=world,
+    dist.init_process_group(backend, init_method=f"file://{folder}/rendezvous", rank=rank, world_size=world,
                             timeout=datetime.timedelta(seconds=timeout))
     outcome: tuple[bool, Any]
     try:
@@ -99,7 +106,7 @@ def _entry(rank: int, world: int, folder: str, fn, args, timeout: float) -> None
     with open(os.path.join(folder, f"rank{rank}.pickle"), "wb") as f:
         f.write(data)
     try:
-        dist.barrier()  # leave together: a rank tearing gloo down while a peer is in a collective can abort it
+        dist.barrier(group=control_group())  # leave together: a rank tearing gloo down while a peer is in a collective can abort it
     finally:
         dist.destroy_process_group()
 

@@ -1,0 +1,114 @@
+"""remapdsl under any default process group, with its own bound on every wait.
+
+A GPU job's default group is usually NCCL's, which has no backend for CPU tensors; `cuda:gloo`
+gives a CPU machine a group with that contract. Every control exchange must go over a CPU-capable
+group of remapdsl's own, made once per default group. And a rank that never makes a call must be
+named by every rank that did, within the call's `timeout`, not after the group's 30 minutes.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+import traceback
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+from gloo import BACKENDS, CHECK_FAILURES, join_group, run_with_bound
+
+import remapdsl
+from remapdsl.runtime import dist as remap_dist
+from remapdsl.testing.ranks import run_ranks
+
+ROOT = Path(__file__).resolve().parent.parent
+CHECKPOINT = str(ROOT / "examples" / "tiny-qwen3-moe")
+RULES = str(ROOT / "rules" / "qwen3_moe.remap")
+
+pytestmark = pytest.mark.distributed
+
+
+def _whole() -> dict[str, torch.Tensor]:
+    state = remapdsl.compile_rules(remapdsl.load_rules(RULES), CHECKPOINT).empty_state_dict()
+    remapdsl.load(state, CHECKPOINT, RULES)
+    return state
+
+
+def _cuda_only_group(rank: int, world: int) -> dict:
+    """On a `cuda:gloo` default group: torch's own broadcast of a CPU tensor fails (what every
+    exchange of remapdsl did before it had a control group), and two loads succeed over one
+    control group made for them."""
+    with pytest.raises(RuntimeError, match="No backend type associated with device type cpu"):
+        dist.broadcast(torch.zeros(1), src=0)
+    made = []
+    new_group = dist.new_group
+
+    def counted(*args, **kwargs):
+        made.append(kwargs.get("backend"))
+        return new_group(*args, **kwargs)
+
+    dist.new_group = counted
+    try:
+        whole = _whole()
+        state = {k: torch.full_like(v, float("nan")) for k, v in whole.items()}
+        remapdsl.load(state, CHECKPOINT, RULES)
+        remapdsl.load(state, CHECKPOINT, RULES)
+    finally:
+        dist.new_group = new_group
+    assert all(torch.equal(state[k], whole[k]) for k in whole)
+    return {"groups made": made}
+
+
+def test_a_cuda_only_default_group_refuses_cpu_collectives_and_loads_still_work():
+    results = run_ranks(_cuda_only_group, 2, backend="cuda:gloo")
+    assert results == [{"groups made": ["gloo"]}] * 2  # one control group, made once, reused
+
+
+def _one_rank_never_calls(rank: int, rendezvous: str, out: str, backend: str, timeout: float) -> None:
+    """Ranks 0 and 1 load; rank 2 joins the group and never calls remapdsl, staying alive until
+    the others have reported."""
+    join_group(rank, 3, rendezvous, backend, seconds=600)  # the group's own timeout: far beyond the call's
+    if rank == 2:
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline and not all(Path(out, f"late{r}.json").exists() for r in (0, 1)):
+            time.sleep(0.2)
+        os._exit(0)
+    state = remapdsl.compile_rules(remapdsl.load_rules(RULES), CHECKPOINT).empty_state_dict()
+    start = time.monotonic()
+    try:
+        remapdsl.load(state, CHECKPOINT, RULES, timeout=timeout)
+        seen = {"type": None}
+    except remapdsl.RemapError as exc:
+        seen = {"type": type(exc).__name__, "codes": [d.code for d in exc.diagnostics], "text": str(exc),
+                "failed_ranks": list(getattr(exc, "failed_ranks", ()))}
+    except CHECK_FAILURES:
+        seen = {"type": "escaped", "text": traceback.format_exc()}
+    seen["seconds"] = time.monotonic() - start
+    Path(out, f"late{rank}.json").write_text(json.dumps(seen))
+    os._exit(1)  # the group is broken: leave as a job's rank does on an uncaught error
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_a_rank_that_never_calls_is_named_by_the_others_within_the_timeout(backend, tmp_path):
+    timeout = 4.0
+    alive = run_with_bound(_one_rank_never_calls, 3, (str(tmp_path / "rendezvous"), str(tmp_path), backend, timeout),
+                           90)
+    assert not alive, f"ranks {alive} still running"
+    phase = "reading the checkpoint's headers" if backend == "gloo" else "making the group for control exchanges"
+    for r in (0, 1):
+        seen = json.loads((tmp_path / f"late{r}.json").read_text())
+        assert seen["type"] == "RemapError" and seen["codes"] == ["E415"], seen
+        assert f"rank {r} waited 4 s while {phase}: rank 2 never arrived" in seen["text"], seen
+        assert seen["failed_ranks"] == [2], seen
+        assert seen["seconds"] < timeout + remap_dist.ROLL_CALL_SECONDS + 3, seen
+
+
+@pytest.mark.parametrize("timeout", [0, -1.0, float("nan"), float("inf"), "60", True])
+def test_a_timeout_that_is_no_positive_duration_is_refused(timeout):
+    state = remapdsl.compile_rules(remapdsl.load_rules(RULES), CHECKPOINT).empty_state_dict()
+    with pytest.raises(remapdsl.RemapError) as info:
+        remapdsl.load(state, CHECKPOINT, RULES, timeout=timeout)
+    assert info.value.diagnostic.code == "E416", str(info.value)
+    assert f"timeout={timeout!r} is not a positive, finite number of seconds" in str(info.value)
