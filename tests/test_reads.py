@@ -45,9 +45,9 @@ def test_threads_and_small_chunks_fill_what_one_thread_fills(monkeypatch, chunk,
     units: list = []
     run = read._run_batch
 
-    def recorded(unit, reader):
+    def recorded(unit, reader, rings):
         units.append(type(unit).__name__)
-        return run(unit, reader)
+        return run(unit, reader, rings)
 
     monkeypatch.setattr(read, "_run_batch", recorded)
     monkeypatch.setattr(read, "SMALL_UNIT", 0)  # threads however small the items
@@ -84,16 +84,16 @@ def test_an_error_on_a_reader_thread_is_raised_and_the_other_units_stop(monkeypa
     calls = []
     run = read._run_batch
 
-    def failing(unit, reader):
+    def failing(unit, reader, rings):
         calls.append(unit)
         if len(calls) == 3:
             raise CheckpointError(Diagnostic(code="E343", message="a read failed"))  # as a failing read would
-        return run(unit, reader)
+        return run(unit, reader, rings)
 
     monkeypatch.setattr(read, "_run_batch", failing)
     with pytest.raises(CheckpointError, match="a read failed"):
         loaded()
-    units = sum(1 for _ in read._work(_plan().items, _tensors()))
+    units = sum(1 for _ in read._work(_plan().items, _tensors(), False))
     assert len(calls) < units  # the units after the error were only taken off the queue
 
 
@@ -117,19 +117,19 @@ def test_readers_start_on_the_first_units_while_later_ones_are_worked_out(monkey
     events = []
     work, run = read._work, read._run_batch
 
-    def slow_work(items, tensors):
-        for unit in work(items, tensors):
+    def slow_work(items, tensors, staged):
+        for unit in work(items, tensors, staged):
             events.append("worked out")
             yield unit
             time.sleep(0.01)  # the readers have time to take what was handed out
 
-    def recorded(unit, reader):
+    def recorded(unit, reader, rings):
         events.append("read")
-        return run(unit, reader)
+        return run(unit, reader, rings)
 
     monkeypatch.setattr(read, "_work", slow_work)
     monkeypatch.setattr(read, "_run_batch", recorded)
-    expected_units = sum(1 for _ in work(_plan().items, _tensors()))
+    expected_units = sum(1 for _ in work(_plan().items, _tensors(), False))
     loaded()
     assert events.count("read") == events.count("worked out") == expected_units > 3
     assert events.index("read") < len(events) - 1 - events[::-1].index("worked out")  # a read before the last unit
@@ -140,8 +140,8 @@ def test_an_error_while_units_are_worked_out_stops_the_readers_and_is_raised(mon
     monkeypatch.setattr(read, "CHUNK", 4096)
     work = read._work
 
-    def failing_work(items, tensors):
-        for n, unit in enumerate(work(items, tensors)):
+    def failing_work(items, tensors, staged):
+        for n, unit in enumerate(work(items, tensors, staged)):
             if n == 2:
                 raise KeyError("a runtime tensor the plan names")
             yield unit
@@ -157,9 +157,9 @@ def test_small_units_run_on_the_calling_thread_and_large_ones_on_readers(monkeyp
     where = []
     run = read._run_batch
 
-    def recorded(unit, reader):
+    def recorded(unit, reader, rings):
         where.append((read._nbytes(unit) >= 4096, threading.current_thread() is threading.main_thread()))
-        return run(unit, reader)
+        return run(unit, reader, rings)
 
     monkeypatch.setattr(read, "_run_batch", recorded)
     loaded()

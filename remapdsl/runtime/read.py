@@ -4,13 +4,17 @@ Each read item reads exactly its byte runs: straight into the runtime tensor's m
 they are its region as it is (no value step, a contiguous region in source order: a row shard, a
 column shard); else many short runs are copied in runtime order from the mapped file, a few are read
 into one staging buffer, each then through a strided view with its value steps. A piece of a logical tensor reads each part's
-covering box and decodes it. Reads run on two threads. The executor only runs the plan it is given.
+covering box and decodes it. Reads run on two threads. A device (CUDA) runtime tensor gets its
+bytes through a bounded ring of pinned buffers per reader thread (remapdsl/runtime/staging.py),
+copied asynchronously; value steps and strided placement then run on the device. The executor only
+runs the plan it is given.
 """
 
 from __future__ import annotations
 
 import ctypes
 import itertools
+import threading
 from collections.abc import Iterator, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from math import prod
@@ -25,10 +29,11 @@ from ..checkpoint import reader as files
 from ..indexmap import Runs, is_row_major, row_major_strides
 from ..sharding.plans import DecodeItem, LoadPlan, ReadItem
 from .pieces import apply_steps, mapped_values, read_part, region, torch_dtype
+from .staging import STAGING, Staging, StagingRing, run_pieces, tensor_pieces
 
 
 def run_load_plan(plan: LoadPlan, inventory: Inventory, tensors: Mapping[str, torch.Tensor],
-             threads: int = 2, reader: CheckpointReader | None = None) -> None:
+                  threads: int = 2, reader: CheckpointReader | None = None, staging: Staging = STAGING) -> None:
     """Execute one rank's plan into its local tensors. Items that continue each other both in the
     file and in runtime tensor memory (a layer's gate and up slabs, consecutive experts) are read with
     one call, cut into chunks of at most CHUNK bytes; each chunk goes to one of `threads` reader
@@ -36,31 +41,68 @@ def run_load_plan(plan: LoadPlan, inventory: Inventory, tensors: Mapping[str, to
     region, so no two threads write one byte. Units under SMALL_UNIT run on this thread as they come
     (thousands of kB-sized tensors: the per-unit Python work dominates, and threads would only
     contend for it). `reader`: where the bytes come from (default: `inventory`'s files; a
-    MemoryReader for ingest)."""
+    MemoryReader for ingest). `staging`: the ring a thread's device-bound bytes pass through (at
+    most `staging.bound(threads)` bytes in all); every copy has finished when this returns, on
+    success and on failure alike."""
     with reader or CheckpointReader(inventory) as reader, torch.no_grad():
-        units = itertools.chain(_work(plan.items, tensors),
+        units = itertools.chain(_work(plan.items, tensors, staging.everything),
                                 (_Decode(item, region(tensors[item.runtime_key], item)) for item in plan.decodes))
-        if threads <= 1:
-            in_flight = [_run_batch(unit, reader) for unit in units]
-        else:
-            in_flight = _run_threaded(units, reader, threads)
-        if any(buffer is not None for buffer in in_flight):
-            torch.cuda.synchronize()  # the asynchronous copies from pinned staging are done
+        rings = _Rings(staging)
+        try:
+            if threads <= 1:
+                for unit in units:
+                    _run_batch(unit, reader, rings)
+            else:
+                _run_threaded(units, reader, threads, rings)
+        finally:
+            rings.close()
 
 
-def _run_threaded(units: Iterator, reader: CheckpointReader, threads: int) -> list:
-    """Run the units in the order they come: the large ones on `threads` threads (started at the
-    first), the small ones here; returns what they left in flight. The first error is raised once
-    every thread stopped."""
+class _Rings:
+    """One staging ring per thread that stages bytes, made when the thread first needs it."""
+
+    def __init__(self, staging: Staging):
+        self.staging = staging
+        self._rings: dict[int, StagingRing] = {}
+        self._lock = threading.Lock()
+
+    def staged(self, tensor: torch.Tensor) -> bool:
+        """Whether bytes bound for `tensor` go through a ring (a device tensor, or `everything`)."""
+        return tensor.device.type != "cpu" or self.staging.everything
+
+    def ring(self) -> StagingRing:
+        thread = threading.get_ident()
+        with self._lock:
+            ring = self._rings.get(thread)
+            if ring is None:
+                ring = self._rings[thread] = StagingRing(self.staging)
+        return ring
+
+    @property
+    def allocated(self) -> int:
+        return sum(r.allocated for r in self._rings.values())
+
+    def close(self) -> None:
+        """Wait for every copy in flight (each ring's events), then for the device's work on the
+        copied bytes (value steps, placement) so the tensors are ready on any stream."""
+        for ring in self._rings.values():
+            ring.close()
+        if self._rings and torch.cuda.is_available() and torch.cuda.is_initialized():
+            torch.cuda.synchronize()
+
+
+def _run_threaded(units: Iterator, reader: CheckpointReader, threads: int, rings: _Rings) -> None:
+    """Run the units in the order they come: the large ones, and all that are staged for a
+    device, on `threads` threads (started at the first), the small ones here. The first error is
+    raised once every thread stopped."""
     queue: SimpleQueue = SimpleQueue()
-    in_flight: list = []
     errors: list[BaseException] = []
 
     def drain() -> None:
         while (unit := queue.get()) is not None:
             if not errors:  # after an error the rest is only taken off the queue
                 try:
-                    in_flight.append(_run_batch(unit, reader))
+                    _run_batch(unit, reader, rings)
                 except BaseException as exc:  # noqa: BLE001 - raised by the caller's thread
                     errors.append(exc)
 
@@ -70,8 +112,8 @@ def _run_threaded(units: Iterator, reader: CheckpointReader, threads: int) -> li
             for unit in units:
                 if errors:
                     break
-                if _nbytes(unit) < SMALL_UNIT:
-                    in_flight.append(_run_batch(unit, reader))
+                if _nbytes(unit) < SMALL_UNIT and not _staged(unit, rings):
+                    _run_batch(unit, reader, rings)
                     continue
                 if not running:
                     running = [pool.submit(drain) for _ in range(threads)]
@@ -83,7 +125,13 @@ def _run_threaded(units: Iterator, reader: CheckpointReader, threads: int) -> li
                 f.result()
     if errors:
         raise errors[0]
-    return in_flight
+
+
+def _staged(unit, rings: _Rings) -> bool:
+    """Whether a unit's bytes go through a staging ring (only items and decodes ever do)."""
+    if isinstance(unit, _Item):
+        return rings.staged(unit.tensor)
+    return isinstance(unit, _Decode) and rings.staged(unit.view)
 
 
 def _nbytes(unit) -> int:
@@ -108,12 +156,12 @@ class _Memory(NamedTuple):
     steps: tuple[int, ...]
 
 
-def _memory(tensor: torch.Tensor, names: dict) -> _Memory:
+def _memory(tensor: torch.Tensor, names: dict, staged: bool) -> _Memory:
     dtype = tensor.dtype
     name = names.get(dtype)
     if name is None:  # torch.bfloat16 -> bfloat16, once a dtype
         name = names[dtype] = str(dtype).removeprefix("torch.")
-    direct = tensor.is_cpu and tensor.is_contiguous()
+    direct = tensor.is_cpu and tensor.is_contiguous() and not staged
     shape, itemsize = tuple(tensor.shape), tensor.element_size()
     return _Memory(tensor.data_ptr() if direct else None, name, shape,
                    tuple(itemsize * n for n in row_major_strides(shape)))
@@ -177,17 +225,18 @@ class _Item(NamedTuple):
     tensor: torch.Tensor
 
 
-def _work(items, tensors) -> Iterator:
+def _work(items, tensors, staged: bool) -> Iterator:
     """The units of work of the plain items, in file order: direct reads (consecutive items that
     continue each other in the file merged into one read, cut into chunks), and the other items as
-    they are. No tensor view is made here: addresses are computed from offsets."""
+    they are (every item, with `staged`). No tensor view is made here: addresses are computed from
+    offsets."""
     memories: dict[str, _Memory] = {}
     names: dict = {}
     merged: list | None = None  # [file, first byte, bytes, places] of the open single-range read
     for item in items:
         memory = memories.get(item.runtime_key)
         if memory is None:
-            memory = memories[item.runtime_key] = _memory(tensors[item.runtime_key], names)
+            memory = memories[item.runtime_key] = _memory(tensors[item.runtime_key], names, staged)
         address = _address(memory, item)
         if address is None:
             yield _Item(item, tensors[item.runtime_key])
@@ -245,23 +294,29 @@ class _Decode(NamedTuple):
     view: torch.Tensor
 
 
-def _run_decode(unit: _Decode, reader: CheckpointReader) -> torch.Tensor | None:
+def _run_decode(unit: _Decode, reader: CheckpointReader, rings: _Rings) -> None:
     """Read each part's covering box, decode the logical box, place the piece: straight into the
-    runtime tensor when the piece is the box in its own order, else through the decoded box."""
+    runtime tensor when the piece is the box in its own order, else through the decoded box (on a
+    device: decoded here, then staged to the device and placed there)."""
     from ..quant import get_format
 
     item, view = unit
     parts = [read_part(part, reader) for part in item.parts]
     dtype = torch_dtype(item.dtype)
     covers = tuple((p.offsets, p.sizes) for p in item.parts)
-    in_place = (view.device.type == "cpu" and view.dtype == dtype and not item.steps and item.offset == 0
+    staged = rings.staged(view)
+    in_place = (not staged and view.dtype == dtype and not item.steps and item.offset == 0
                 and tuple(item.box[1]) == tuple(item.sizes) and is_row_major(item.strides, item.sizes))
     out = view if in_place else torch.empty(item.box[1], dtype=dtype)
     get_format(item.format).decode(parts, item.box, covers, dict(item.params), out)
     if in_place:
-        return None
+        return
+    if staged:
+        ring = rings.ring()
+        moved = torch.empty(out.numel() * out.element_size(), dtype=torch.uint8, device=view.device)
+        ring.upload(moved, tensor_pieces(out, ring.staging.buffer_bytes))
+        out = moved.view(dtype)
     view.copy_(apply_steps(out.view(-1).as_strided(item.sizes, item.strides, item.offset), item.steps))
-    return None
 
 
 def _bytes_at(address: int, nbytes: int) -> memoryview:
@@ -269,10 +324,10 @@ def _bytes_at(address: int, nbytes: int) -> memoryview:
     return memoryview((ctypes.c_ubyte * nbytes).from_address(address)).cast("B")
 
 
-def _run_batch(batch, reader: CheckpointReader) -> torch.Tensor | None:
-    """Run one unit of work; for a device runtime tensor, return the pinned buffer still being copied."""
+def _run_batch(batch, reader: CheckpointReader, rings: _Rings) -> None:
+    """Run one unit of work."""
     if isinstance(batch, _Decode):
-        return _run_decode(batch, reader)
+        return _run_decode(batch, reader, rings)
     if isinstance(batch, _Span):  # straight into the runtime tensor's memory
         reader.read_into(batch.file, batch.first, _bytes_at(batch.address, batch.nbytes))
         return None
@@ -287,17 +342,26 @@ def _run_batch(batch, reader: CheckpointReader) -> torch.Tensor | None:
     if item.ckpt_key is None:  # a pad region: made in its dtype, then the later value steps
         view.copy_(apply_steps(torch.full(item.sizes, item.fill, dtype=torch.float64), item.steps))
         return None
-    device = view.device.type != "cpu"  # a CUDA runtime tensor: pinned staging, asynchronous copy
+    if rings.staged(tensor):
+        return _run_staged(item, view, reader, rings.ring())
     values = mapped_values(reader, item) if item.runs.count > files.MANY_RUNS else None
     if values is None:  # a few runs (or an unaligned first byte): read into staging, in source order
-        staging = torch.empty(item.runs.total, dtype=torch.uint8, pin_memory=device)
+        staging = torch.empty(item.runs.total, dtype=torch.uint8)
         reader.read_runs_into(item.file, item.runs, staging)
         values = staging.view(torch_dtype(item.dtype)).as_strided(item.sizes, item.strides)
-    values = apply_steps(values, item.steps)
-    if not device:
-        view.copy_(values)
-        return None
-    if not values.is_contiguous() or not values.is_pinned():
-        values = values.contiguous().pin_memory()
-    view.copy_(values, non_blocking=True)
-    return values
+    view.copy_(apply_steps(values, item.steps))
+    return None
+
+
+def _run_staged(item: ReadItem, view: torch.Tensor, reader: CheckpointReader, ring: StagingRing) -> None:
+    """An item's bytes through the ring: straight into its region when that is one contiguous
+    range in source order with no value step; else into a scratch tensor on the region's device,
+    then viewed, stepped and placed there."""
+    dtype = torch_dtype(item.dtype)
+    whole = (not item.steps and view.dtype == dtype and view.is_contiguous()
+             and is_row_major(item.strides, item.sizes))
+    raw = view.reshape(-1).view(torch.uint8) if whole else \
+        torch.empty(item.runs.total, dtype=torch.uint8, device=view.device)
+    ring.upload(raw, run_pieces(item.file, item.runs, reader, ring.staging.buffer_bytes))
+    if not whole:
+        view.copy_(apply_steps(raw.view(dtype).as_strided(item.sizes, item.strides), item.steps))

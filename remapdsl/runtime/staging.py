@@ -1,0 +1,147 @@
+"""Bounded host staging for bytes bound for a device: a ring of reused buffers, never one a read.
+
+Bytes read from a file cannot land in GPU memory directly: they land in host memory first, page-locked
+(pinned) so that the copy to the device runs asynchronously. A `StagingRing` holds at most `buffers`
+buffers of `buffer_bytes` each, allocated on first use and reused as soon as the asynchronous copy
+out of each has finished (a CUDA event recorded after the copy says when). So a rank pins at most
+the ring's bound, whatever it loads, and pays one page-locking allocation per buffer, not per item.
+Each reader thread has its own ring (`Staging.rings`): a thread waits only for its own copies.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Callable, Iterable
+from typing import NamedTuple
+
+import torch
+
+
+class Staging(NamedTuple):
+    """How device-bound bytes are staged: `buffers` buffers of `buffer_bytes` per reader thread,
+    pinned (`pin`) when a CUDA device is there to copy them asynchronously. `everything` routes
+    CPU destinations through the ring too (what tests and benchmarks measure on a CPU machine)."""
+
+    buffer_bytes: int = 64 << 20
+    buffers: int = 2
+    pin: bool = True
+    everything: bool = False
+
+    def bound(self, threads: int) -> int:
+        """The most staging bytes a load on `threads` reader threads allocates."""
+        return max(1, threads) * self.buffers * self.buffer_bytes
+
+
+STAGING = Staging()
+
+# (bytes, fill): a piece of a destination in order; `fill(buffer)` writes its bytes into `buffer`
+Piece = tuple[int, Callable[[torch.Tensor], object]]
+
+
+class StagingRing:
+    """At most `buffers` host buffers of `buffer_bytes`; `upload` fills them in turn and copies each
+    to its place in a destination, asynchronously where the destination is a CUDA device.
+
+    Bookkeeping, all plain attributes: `allocated` (bytes of buffers made, never more than the
+    bound), `in_flight` (copies not known to be finished). `close` waits for every copy in flight,
+    on success and on failure alike, so no copy outlives the call that started it.
+    """
+
+    def __init__(self, staging: Staging = STAGING, event: Callable[[torch.device], object] | None = None):
+        if staging.buffer_bytes < 1 or staging.buffers < 1:
+            raise ValueError(f"a staging ring needs at least one buffer of at least one byte, not {staging}")
+        self.staging = staging
+        self.allocated = 0
+        self._made = 0  # buffers made
+        self._free: list[torch.Tensor] = []
+        self._busy: deque[tuple[torch.Tensor, object]] = deque()  # (buffer, event), oldest first
+        self._event = event or _event_after_copy
+
+    @property
+    def in_flight(self) -> int:
+        return len(self._busy)
+
+    def upload(self, destination: torch.Tensor, pieces: Iterable[Piece]) -> None:
+        """Fill `destination` (flat uint8, any device) from `pieces` in order: each piece's bytes go
+        through one buffer (a piece is at most `buffer_bytes`), then to their place, copied
+        asynchronously; every byte of the destination is written once."""
+        at = 0
+        for nbytes, fill in pieces:
+            if nbytes > self.staging.buffer_bytes:
+                raise ValueError(f"a piece of {nbytes} bytes does not fit a {self.staging.buffer_bytes}-byte buffer")
+            buffer = self._take()
+            piece = buffer[:nbytes]
+            try:
+                fill(piece)
+                destination[at:at + nbytes].copy_(piece, non_blocking=True)
+            except BaseException:
+                self._free.append(buffer)  # its copy never started
+                raise
+            self._busy.append((buffer, self._event(destination.device)))
+            at += nbytes
+        if at != destination.numel():
+            raise ValueError(f"the pieces hold {at} bytes, the destination {destination.numel()}")
+
+    def _take(self) -> torch.Tensor:
+        """A free buffer: one made before, a new one while fewer than `buffers` exist, else the
+        oldest in flight once its copy has finished."""
+        if self._free:
+            return self._free.pop()
+        if self._made < self.staging.buffers:
+            buffer = torch.empty(self.staging.buffer_bytes, dtype=torch.uint8,
+                                 pin_memory=self.staging.pin and torch.cuda.is_available())
+            self._made += 1
+            self.allocated += buffer.numel()
+            return buffer
+        buffer, event = self._busy.popleft()
+        _wait(event)
+        return buffer
+
+    def close(self) -> None:
+        """Wait for every copy still in flight; the buffers are kept for the next upload."""
+        while self._busy:
+            buffer, event = self._busy.popleft()
+            _wait(event)
+            self._free.append(buffer)
+
+    def __enter__(self) -> StagingRing:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def _event_after_copy(device: torch.device):
+    """A CUDA event recorded after the copy just issued on `device`'s current stream; None where
+    the copy was synchronous (a CPU destination)."""
+    if device.type != "cuda":
+        return None
+    event = torch.cuda.Event()
+    event.record(torch.cuda.current_stream(device))
+    return event
+
+
+def _wait(event) -> None:
+    if event is not None:
+        event.synchronize()
+
+
+def run_pieces(file: str, runs, reader, most: int) -> Iterable[Piece]:
+    """The bytes of a strided run set of `file`, in order, as pieces of at most `most` bytes: whole
+    runs where one fits (a chunk of runs read with one call), else each run cut in pieces."""
+    if runs.length <= most:
+        for chunk in runs.chunks(max(1, most // max(1, runs.length))):
+            yield chunk.total, lambda buffer, chunk=chunk: reader.read_runs_into(file, chunk, buffer)
+        return
+    for start in runs.starts():
+        for at in range(0, runs.length, most):
+            n = min(most, runs.length - at)
+            yield n, lambda buffer, offset=start + at: reader.read_into(file, offset, buffer)
+
+
+def tensor_pieces(source: torch.Tensor, most: int) -> Iterable[Piece]:
+    """The bytes of a contiguous CPU tensor, in order, as pieces of at most `most` bytes."""
+    flat = source.reshape(-1).view(torch.uint8)
+    for at in range(0, flat.numel(), most):
+        piece = flat[at:at + most]
+        yield piece.numel(), lambda buffer, piece=piece: buffer.copy_(piece)
