@@ -114,7 +114,7 @@ def plan_rank(compiled: Compiled, inventory: Inventory, layout, mesh, rank: int)
 
 
 def load(state_dict, checkpoint, rules, *, config: Mapping[str, Any] | None = None, strict: bool = True,
-         layout=None, mesh=None, read_replicated_once: bool = False, timeout=None):
+         layout=None, mesh=None, read_replicated_once: bool = False, timeout=None, staging_bytes: int | None = None):
     """Fill existing tensors in place from a checkpoint, through a rule file; returns a LoadReport.
 
     In a torch.distributed job every rank calls it: rank 0 reads the headers once and shares them,
@@ -137,13 +137,16 @@ def load(state_dict, checkpoint, rules, *, config: Mapping[str, Any] | None = No
         timeout: how long this rank waits at any one exchange for the others (seconds or a
             `datetime.timedelta`; default 300 s), independent of the process group's own timeout.
             A rank that does not arrive in time is named on every rank that did (E415).
+        staging_bytes: the most host memory the call pins to copy bytes into device (CUDA) tensors:
+            two reusable buffers per reader thread (default 256 MiB in all); CPU tensors are read
+            into directly.
     """
     from .runtime.load import load as _load
 
     require_data(checkpoint, "a load")
     rules = _rules_for(rules, checkpoint, config)
     return _load(state_dict, checkpoint, rules, config=config, strict=strict, layout=layout, mesh=mesh,
-                 read_replicated_once=read_replicated_once, timeout=timeout)
+                 read_replicated_once=read_replicated_once, timeout=timeout, staging_bytes=staging_bytes)
 
 
 def save(state_dict, folder, rules, *, like=None, config: Mapping[str, Any] | None = None, layout=None,
@@ -229,7 +232,7 @@ def export(state_dict, rules, *, like=None, config: Mapping[str, Any] | None = N
 
 
 def ingest(state_dict, pairs, rules, *, like=None, config: Mapping[str, Any] | None = None, layout=None,
-           mesh=None, timeout=None):
+           mesh=None, timeout=None, staging_bytes: int | None = None):
     """Fill a runtime state dict in place from (checkpoint key, tensor) pairs, through the rules:
     the mirror of `export`, a load from memory instead of files. Returns an IngestReport.
 
@@ -244,13 +247,13 @@ def ingest(state_dict, pairs, rules, *, like=None, config: Mapping[str, Any] | N
         rules: as for `load`.
         like: the checkpoint whose layout the pairs are in (its headers only); None: derived from
             the state dict's shapes, as a save without `like` does.
-        config, layout, mesh, timeout: as for `load`.
+        config, layout, mesh, timeout, staging_bytes: as for `load`.
     """
     from .runtime.ingest import ingest as _ingest
 
     require_data(like, "an ingest (`like`)")
     return _ingest(state_dict, pairs, _rules_for(rules, like, config), like=like, config=config, layout=layout,
-                   mesh=mesh, timeout=timeout)
+                   mesh=mesh, timeout=timeout, staging_bytes=staging_bytes)
 
 
 def convert(src, dst, rules, *, reverse: bool = False, like=None, max_shard_bytes: int = 5 * 10**9,

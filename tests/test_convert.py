@@ -4,15 +4,14 @@ the command line, and on 2 gloo ranks sharing the work."""
 
 from __future__ import annotations
 
-import datetime
 import filecmp
 import json
 from pathlib import Path
 
+import pytest
 import torch
-import torch.distributed as dist
 import torch.multiprocessing as mp
-from gloo import shut_down
+from gloo import BACKENDS, join_group, shut_down
 from safetensors.torch import load_file, save_file
 
 import remapdsl
@@ -91,26 +90,34 @@ def test_reverse_refuses_a_source_in_another_layout(tmp_path):
 
 
 def _worker(rank: int, world: int, rendezvous: str, out: str) -> None:
-    dist.init_process_group("gloo", init_method=f"file://{rendezvous}", rank=rank, world_size=world,
-                            timeout=datetime.timedelta(seconds=60))
-    try:
-        forward = convert(EXAMPLE, Path(out) / "fused", RULES, max_shard_bytes=10_000, budget_bytes=4000)
-        back = convert(Path(out) / "fused", Path(out) / "back", RULES, reverse=True, like=EXAMPLE)
-        Path(out, f"rank{rank}.json").write_text(json.dumps([forward.bytes_written, back.bytes_written]))
-    finally:
-        shut_down()
+    """Forward and back under each default group in turn (plain gloo, then `cuda:gloo`: NCCL's
+    device contract), each into a folder of its own."""
+    for backend in BACKENDS:
+        join_group(rank, world, f"{rendezvous}-{backend}", backend)
+        try:
+            folder = Path(out, backend.replace(":", "-"))
+            folder.mkdir(exist_ok=True)
+            forward = convert(EXAMPLE, folder / "fused", RULES, max_shard_bytes=10_000, budget_bytes=4000)
+            back = convert(folder / "fused", folder / "back", RULES, reverse=True, like=EXAMPLE)
+            Path(out, f"{folder.name}-rank{rank}.json").write_text(json.dumps([forward.bytes_written,
+                                                                              back.bytes_written]))
+        finally:
+            shut_down()
 
 
+@pytest.mark.distributed
 def test_two_ranks_share_the_work_and_write_the_same_files(tmp_path):
     mp.spawn(_worker, args=(2, str(tmp_path / "rendezvous"), str(tmp_path)), nprocs=2, join=True)
     convert(EXAMPLE, tmp_path / "single", RULES, max_shard_bytes=10_000)
-    for file in (tmp_path / "single").iterdir():
-        assert filecmp.cmp(file, tmp_path / "fused" / file.name, shallow=False), file.name
-    assert filecmp.cmp(EXAMPLE / "model.safetensors", tmp_path / "back" / "model.safetensors", shallow=False)
-    shares = [json.loads(Path(tmp_path, f"rank{r}.json").read_text()) for r in range(2)]
     total = sum(t.nbytes for t in runtime_state().values())
-    assert sum(s[0] for s in shares) == total and all(s[0] > 0 for s in shares)
-    assert sum(s[1] for s in shares) == total
+    for backend in BACKENDS:
+        folder = tmp_path / backend.replace(":", "-")
+        for file in (tmp_path / "single").iterdir():
+            assert filecmp.cmp(file, folder / "fused" / file.name, shallow=False), (backend, file.name)
+        assert filecmp.cmp(EXAMPLE / "model.safetensors", folder / "back" / "model.safetensors", shallow=False)
+        shares = [json.loads(Path(tmp_path, f"{folder.name}-rank{r}.json").read_text()) for r in range(2)]
+        assert sum(s[0] for s in shares) == total and all(s[0] > 0 for s in shares), backend
+        assert sum(s[1] for s in shares) == total, backend
 
 
 def test_a_quantized_checkpoint_converts_there_and_back(tmp_path):

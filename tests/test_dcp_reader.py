@@ -5,7 +5,9 @@ through `remapdsl.load`, and the two must agree bit for bit (DTensors sharded on
 replicated, 2-D meshes, and plain tensors), with each rank reading exactly the bytes `remapdsl.load`
 reads for the same shards. Identity rules must also agree with DCP's own HuggingFaceStorageReader.
 Errors (a key the rules do not make, a rule error, a missing checkpoint, a file gone before the
-reads) must reach every rank as RemapErrors. One spawn of ranks runs many checks.
+reads) must reach every rank as RemapErrors. One spawn of ranks runs many checks: the 2-rank one
+under a default group with NCCL's device contract (`cuda:gloo`), DCP's own collectives on a CPU
+group (`process_group=`) as an NCCL job loading CPU tensors has them.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ import pytest
 import torch
 
 import remapdsl
+from remapdsl.runtime.dist import control_group
 from remapdsl.testing.ranks import run_ranks
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -75,7 +78,7 @@ def _dcp_load(state_dict: dict, reader) -> None:
 
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        dcp.load(state_dict, storage_reader=reader)
+        dcp.load(state_dict, storage_reader=reader, process_group=control_group())
 
 
 def _dcp_load_from(state_dict: dict, reader, checkpoint_id: str) -> None:
@@ -83,7 +86,7 @@ def _dcp_load_from(state_dict: dict, reader, checkpoint_id: str) -> None:
 
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        dcp.load(state_dict, checkpoint_id=checkpoint_id, storage_reader=reader)
+        dcp.load(state_dict, checkpoint_id=checkpoint_id, storage_reader=reader, process_group=control_group())
 
 
 def _differing(got: dict, want: dict) -> list[str]:
@@ -179,7 +182,7 @@ def _identity_and_errors(rank: int, world: int, folder: str, broken: str) -> dic
     gone = RuleStorageReader(broken, identity)
     if rank == 0:
         Path(broken, "model.safetensors").unlink()
-    torch.distributed.barrier()
+    torch.distributed.barrier(group=control_group())
     record("file gone before the reads", lambda: _dcp_load(dict(ours), gone))
     return seen
 
@@ -201,11 +204,12 @@ def _from_dcp_sharded(rank: int, world: int, original: str, out: str) -> bool:
     full = load_file(str(Path(original) / "model.safetensors"))
     keys = sorted(full)
     mapping = {k: 1 + (i * 2 // len(keys)) for i, k in enumerate(keys)}  # two output files
-    state = {k: distribute_tensor(t, mesh, [Shard(0)]) for k, t in full.items()}
-    dcp.save(state, storage_writer=HuggingFaceStorageWriter(out, save_distributed=True, fqn_to_index_mapping=mapping))
+    state = {k: distribute_tensor(t, mesh, [Shard(0)], src_data_rank=None) for k, t in full.items()}
+    dcp.save(state, storage_writer=HuggingFaceStorageWriter(out, save_distributed=True, fqn_to_index_mapping=mapping),
+             process_group=control_group())
     if rank == 0:
         shutil.copyfile(Path(original) / "config.json", Path(out) / "config.json")
-    torch.distributed.barrier()
+    torch.distributed.barrier(group=control_group())
     rules = str(ROOT / "rules" / "qwen3_moe.remap")
     whole = remapdsl.compile_rules(rules, original).empty_state_dict()
     by_dcp, by_remapdsl = _dtensors(whole, mesh), _dtensors(whole, mesh)
@@ -231,7 +235,7 @@ def two_ranks(checkpoints, tmp_path_factory) -> list[dict]:
     broken = tmp_path_factory.mktemp("broken") / "tiny"
     shutil.copytree(QWEN3_MOE, broken)
     sharded = tmp_path_factory.mktemp("dcp_sharded") / "tiny"
-    return run_ranks(_two_ranks, 2, checkpoints, QWEN3_MOE, str(broken), str(sharded))
+    return run_ranks(_two_ranks, 2, checkpoints, QWEN3_MOE, str(broken), str(sharded), backend="cuda:gloo")
 
 
 def test_two_ranks_equal_remapdsl_load(two_ranks, checkpoints):

@@ -9,7 +9,6 @@ rank must read exactly the bytes it owns. A rank with other rules, or a bad tens
 
 from __future__ import annotations
 
-import datetime
 import functools
 import re
 import traceback
@@ -19,7 +18,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-from gloo import CHECK_FAILURES, distributed_like, shut_down
+from gloo import BACKENDS, CHECK_FAILURES, distributed_like, join_group, shut_down
 
 import remapdsl
 from remapdsl.sharding import LayoutPlan, Mesh, Replicate, Shard, layout_for, local_shard
@@ -49,29 +48,38 @@ def full_state() -> dict[str, torch.Tensor]:
 
 
 def _worker(rank: int, world: int, rendezvous: str, out: str) -> None:
-    # a file rendezvous: no TCP port to race for with other tests or jobs on the machine
-    dist.init_process_group("gloo", init_method=f"file://{rendezvous}", rank=rank, world_size=world,
-                            timeout=datetime.timedelta(seconds=60))
+    """Every case under each default group in turn: plain gloo, then one with NCCL's device
+    contract (`cuda:gloo`), each a group of its own."""
     failures: list[str] = []
     try:
-        expected = full_state()
-        remapdsl.load(expected, CHECKPOINT, RULES)  # the single-process load every shard must match
-        for name, dims, plan_map, mesh_dim in CASES[world]:
+        for backend in BACKENDS:
+            join_group(rank, world, f"{rendezvous}-{backend}", backend)
             try:
-                _plain_case(rank, expected, Mesh.of(dims), LayoutPlan.from_mapping(plan_map, mesh_dim=mesh_dim))
-                _dtensor_case(rank, expected, Mesh.of(dims), LayoutPlan.from_mapping(plan_map, mesh_dim=mesh_dim))
-            except CHECK_FAILURES:  # reported by the parent, pytest's outcomes included
-                failures.append(f"{name}: {traceback.format_exc()}")
-        for check in (functools.partial(_disagreeing_rules_fail_everyone, other=Path(out) / "other"),
-                      _one_bad_rank_fails_everyone, _replicated_tensors_read_once,
-                      functools.partial(_another_checkpoint_fails_everyone, other=Path(out) / "other")):
-            try:
-                check(rank)
-            except CHECK_FAILURES:
-                failures.append(f"{getattr(check, 'func', check).__name__}: {traceback.format_exc()}")
+                failures.extend(f"[{backend}] {f}" for f in _cases(rank, world, out))
+            finally:
+                shut_down()
     finally:
         Path(out, f"rank{rank}.txt").write_text("\n".join(failures))
-        shut_down()
+
+
+def _cases(rank: int, world: int, out: str) -> list[str]:
+    failures: list[str] = []
+    expected = full_state()
+    remapdsl.load(expected, CHECKPOINT, RULES)  # the single-process load every shard must match
+    for name, dims, plan_map, mesh_dim in CASES[world]:
+        try:
+            _plain_case(rank, expected, Mesh.of(dims), LayoutPlan.from_mapping(plan_map, mesh_dim=mesh_dim))
+            _dtensor_case(rank, expected, Mesh.of(dims), LayoutPlan.from_mapping(plan_map, mesh_dim=mesh_dim))
+        except CHECK_FAILURES:  # reported by the parent, pytest's outcomes included
+            failures.append(f"{name}: {traceback.format_exc()}")
+    for check in (functools.partial(_disagreeing_rules_fail_everyone, other=Path(out) / "other"),
+                  _one_bad_rank_fails_everyone, _replicated_tensors_read_once,
+                  functools.partial(_another_checkpoint_fails_everyone, other=Path(out) / "other")):
+        try:
+            check(rank)
+        except CHECK_FAILURES:
+            failures.append(f"{getattr(check, 'func', check).__name__}: {traceback.format_exc()}")
+    return failures
 
 
 def _plain_case(rank, expected, mesh, plan) -> None:
@@ -159,6 +167,7 @@ def _one_bad_rank_fails_everyone(rank: int) -> None:
 
 
 
+@pytest.mark.distributed
 @pytest.mark.parametrize("world", [2, 4])
 def test_sharded_loads_equal_the_sliced_single_process_load(world, tmp_path):
     from safetensors.torch import load_file, save_file

@@ -153,7 +153,7 @@ def two_ranks(tmp_path_factory) -> tuple[list[dict], dict]:
              ("rows", "_regions_on_ranks", (str(EXAMPLE), QWEN, {"*": [Shard(dim=0)]})),
              ("columns", "_regions_on_ranks", (str(EXAMPLE), QWEN, {"*norm*": "replicate", "*": [Shard(dim=1)]})),
              ("strided", "_regions_on_ranks", (str(folders["llama"][0]), titan, {"*": [Shard(dim=0)]}))]
-    return run_ranks(_several, 2, calls, timeout=300), folders
+    return run_ranks(_several, 2, calls, timeout=300, backend="cuda:gloo"), folders
 
 
 def test_tp_shards_under_a_layout_plan_on_two_ranks(two_ranks):

@@ -264,8 +264,8 @@ def _save_dtensors(rank: int, world: int, rules: str, source: str, out: str) -> 
 
     state, config, _ = _runtime(rules, Path(source))
     mesh = init_device_mesh("cpu", (world,))
-    sharded = {k: distribute_tensor(v, mesh, [Shard(0)]) if v.dim() and v.shape[0] % world == 0 else
-               distribute_tensor(v, mesh, []) for k, v in state.items()}
+    sharded = {k: distribute_tensor(v, mesh, [Shard(0)] if v.dim() and v.shape[0] % world == 0 else [],
+                                    src_data_rank=None) for k, v in state.items()}
     return remapdsl.save(sharded, out, rules, config=config, max_shard_size="20kB").bytes_written
 
 
@@ -274,7 +274,8 @@ def test_two_ranks_save_dtensors_without_like_to_the_one_process_files(checkpoin
     source = checkpoints("qwen3_moe")
     state, config, _ = _runtime(rules, source)
     remapdsl.save(state, tmp_path / "one", rules, config=config, max_shard_size="20kB")
-    written = run_ranks(_save_dtensors, 2, rules, str(source), str(tmp_path / "two"), timeout=90)
+    written = run_ranks(_save_dtensors, 2, rules, str(source), str(tmp_path / "two"), timeout=90,
+                        backend="cuda:gloo")
     one = sorted(p.name for p in (tmp_path / "one").iterdir())
     assert one == sorted(p.name for p in (tmp_path / "two").iterdir())
     assert all((tmp_path / "one" / n).read_bytes() == (tmp_path / "two" / n).read_bytes() for n in one)

@@ -18,7 +18,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-from gloo import CHECK_FAILURES, distributed_like, shut_down
+from gloo import BACKENDS, CHECK_FAILURES, distributed_like, join_group, shut_down
 
 import remapdsl
 from remapdsl.sharding import LayoutPlan, Mesh, Replicate, Shard, layout_for, local_shard
@@ -42,41 +42,57 @@ def _layout(name: str, world: int):
 
 
 def _worker(rank: int, world: int, rendezvous: str, out: str) -> None:
-    dist.init_process_group("gloo", init_method=f"file://{rendezvous}", rank=rank, world_size=world,
-                            timeout=datetime.timedelta(seconds=60))
+    """Every case under each default group in turn (plain gloo, then `cuda:gloo`: NCCL's device
+    contract), each writing into a folder of its own."""
     failures: list[str] = []
     try:
-        inventory = remapdsl.open_checkpoint(CHECKPOINT)
-        compiled = remapdsl.compile_rules(remapdsl.load_rules(RULES), inventory)
-        full = compiled.empty_state_dict()
-        remapdsl.load(full, str(CHECKPOINT), RULES)
-        for name in CASES[world]:
-            mesh, plan = _layout(name, world)
+        for backend in BACKENDS:
+            join_group(rank, world, f"{rendezvous}-{backend}", backend)
             try:
-                local = {}
-                for key, tensor in full.items():
-                    shard = local_shard(tensor.shape, mesh.sizes, layout_for(key, tensor.shape, plan, mesh),
-                                        mesh.coordinate(rank))
-                    local[key] = torch.full(shard.shape, float("nan"), dtype=tensor.dtype)
-                remapdsl.load(local, str(CHECKPOINT), RULES, layout=plan, mesh=mesh)
-                synced: list[str] = []
-                with _fsyncs_counted(synced):
-                    report = remapdsl.save(local, Path(out) / f"{name}-plain", RULES, like=str(CHECKPOINT),
-                                           layout=plan, mesh=mesh)
-                Path(out, f"{name}-plain-rank{rank}.bytes").write_text(str(report.bytes_written))
-                Path(out, f"{name}-plain-rank{rank}.synced").write_text(json.dumps([report.files, synced]))
-                targets, _ = distributed_like(full, mesh, plan)
-                remapdsl.load(targets, str(CHECKPOINT), RULES)
-                remapdsl.save(targets, Path(out) / f"{name}-dtensor", RULES, like=str(CHECKPOINT))
-            except CHECK_FAILURES:  # reported by the parent
-                failures.append(f"{name}: {traceback.format_exc()}")
-        try:
-            _failing_rank_fails_everyone(rank, full, Path(out))
-        except CHECK_FAILURES:
-            failures.append(f"failing rank: {traceback.format_exc()}")
+                folder = Path(out, _folder(backend))
+                folder.mkdir(exist_ok=True)
+                failures.extend(f"[{backend}] {f}" for f in _cases(rank, world, folder))
+            finally:
+                shut_down()
     finally:
         Path(out, f"rank{rank}.txt").write_text("\n".join(failures))
-        shut_down()
+
+
+def _folder(backend: str) -> str:
+    return backend.replace(":", "-")
+
+
+def _cases(rank: int, world: int, out: Path) -> list[str]:
+    failures: list[str] = []
+    inventory = remapdsl.open_checkpoint(CHECKPOINT)
+    compiled = remapdsl.compile_rules(remapdsl.load_rules(RULES), inventory)
+    full = compiled.empty_state_dict()
+    remapdsl.load(full, str(CHECKPOINT), RULES)
+    for name in CASES[world]:
+        mesh, plan = _layout(name, world)
+        try:
+            local = {}
+            for key, tensor in full.items():
+                shard = local_shard(tensor.shape, mesh.sizes, layout_for(key, tensor.shape, plan, mesh),
+                                    mesh.coordinate(rank))
+                local[key] = torch.full(shard.shape, float("nan"), dtype=tensor.dtype)
+            remapdsl.load(local, str(CHECKPOINT), RULES, layout=plan, mesh=mesh)
+            synced: list[str] = []
+            with _fsyncs_counted(synced):
+                report = remapdsl.save(local, Path(out) / f"{name}-plain", RULES, like=str(CHECKPOINT),
+                                       layout=plan, mesh=mesh)
+            Path(out, f"{name}-plain-rank{rank}.bytes").write_text(str(report.bytes_written))
+            Path(out, f"{name}-plain-rank{rank}.synced").write_text(json.dumps([report.files, synced]))
+            targets, _ = distributed_like(full, mesh, plan)
+            remapdsl.load(targets, str(CHECKPOINT), RULES)
+            remapdsl.save(targets, Path(out) / f"{name}-dtensor", RULES, like=str(CHECKPOINT))
+        except CHECK_FAILURES:  # reported by the parent
+            failures.append(f"{name}: {traceback.format_exc()}")
+    try:
+        _failing_rank_fails_everyone(rank, full, Path(out))
+    except CHECK_FAILURES:
+        failures.append(f"failing rank: {traceback.format_exc()}")
+    return failures
 
 
 @contextlib.contextmanager
@@ -120,24 +136,32 @@ def _failing_rank_fails_everyone(rank: int, full, out: Path) -> None:
     assert "rank 1" in str(info.value) and "Input/output error" in str(info.value), str(info.value)
 
 
+@pytest.mark.distributed
 @pytest.mark.parametrize("world", [2, 4])
 def test_sharded_saves_reproduce_the_checkpoint(world, tmp_path):
     mp.spawn(_worker, args=(world, str(tmp_path / "rendezvous"), str(tmp_path)), nprocs=world, join=True)
     failures = [Path(tmp_path, f"rank{r}.txt").read_text() for r in range(world)]
     assert failures == [""] * world, "\n\n".join(f for f in failures if f)
+    for backend in BACKENDS:
+        _saved_whole(tmp_path / _folder(backend), world)
+
+
+def _saved_whole(folder: Path, world: int) -> None:
+    """What the ranks saved under one default group: the checkpoint, byte for byte, every byte
+    written once and synced by the rank that wrote it; nothing of the failed save left."""
     total = sum(t.nbytes for t in remapdsl.open_checkpoint(CHECKPOINT).tensors.values())
     for name in CASES[world]:
         for kind in ("plain", "dtensor"):
-            out = tmp_path / f"{name}-{kind}"
+            out = folder / f"{name}-{kind}"
             for file in ("model.safetensors", "config.json"):
                 assert filecmp.cmp(CHECKPOINT / file, out / file, shallow=False), (name, kind, file)
-        written = sum(int(Path(tmp_path, f"{name}-plain-rank{r}.bytes").read_text()) for r in range(world))
+        written = sum(int(Path(folder, f"{name}-plain-rank{r}.bytes").read_text()) for r in range(world))
         assert written == total, (name, written, total)  # every byte written once, by one rank
         for r in range(world):  # durable on every rank, not only where the commit runs (other hosts)
-            files, synced = json.loads(Path(tmp_path, f"{name}-plain-rank{r}.synced").read_text())
+            files, synced = json.loads(Path(folder, f"{name}-plain-rank{r}.synced").read_text())
             assert files and set(files) <= set(synced), (name, r, files, synced)  # every rank writes here
-    assert not (tmp_path / "failed").exists()
-    assert not [p for p in tmp_path.iterdir() if ".remapdsl-" in p.name]
+    assert not (folder / "failed").exists()
+    assert not [p for p in folder.iterdir() if ".remapdsl-" in p.name]
 
 
 # -- the shipped rule files on transformers-saved checkpoints ------------------------------------------
@@ -179,6 +203,7 @@ def _hf_worker(rank: int, world: int, rendezvous: str, folders: dict, out: str) 
         shut_down()
 
 
+@pytest.mark.distributed
 @pytest.mark.parametrize("world", [2, 4])
 def test_transformers_checkpoints_round_trip_on_every_mesh(world, tmp_path):
     """Llama (tied), Mixtral and DeepSeek-V3 saved by transformers' `save_pretrained`, loaded in

@@ -19,7 +19,7 @@ import remapdsl
 from remapdsl.language import rules_from_text
 from remapdsl.runtime import read
 from remapdsl.runtime.read import run_load_plan
-from remapdsl.runtime.staging import Staging, StagingRing, run_pieces, tensor_pieces
+from remapdsl.runtime.staging import Rings, Staging, StagingRing, run_pieces, tensor_pieces
 from remapdsl.sharding import LayoutPlan, Mesh, Shard, layout_for, local_shard, read_layout
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -128,26 +128,13 @@ def test_run_pieces_cover_a_run_set_in_order_whatever_the_buffer(tmp_path, most)
     assert at == runs.total and torch.equal(got, want)
 
 
-def _staged_rings(monkeypatch) -> list[StagingRing]:
-    made: list[StagingRing] = []
-    init = StagingRing.__init__
-
-    def recording(self, *args, **kwargs):
-        init(self, *args, **kwargs)
-        made.append(self)
-
-    monkeypatch.setattr(StagingRing, "__init__", recording)
-    return made
-
-
 @pytest.mark.parametrize("threads", [1, 2])
 @pytest.mark.parametrize("sharded", [False, True])
-def test_loads_through_the_ring_fill_what_direct_reads_fill(monkeypatch, threads, sharded):
+def test_loads_through_the_ring_fill_what_direct_reads_fill(threads, sharded):
     compiled = remapdsl.compile_rules(remapdsl.load_rules(RULES), TINY)
     inventory = remapdsl.open_checkpoint(TINY)
     layout, mesh = (read_layout(TINY.parent / "tp2_layout.json"), Mesh.of({"tp": 2})) if sharded else (None, None)
-    staging = Staging(buffer_bytes=4096, buffers=2, pin=False, everything=True)
-    rings = _staged_rings(monkeypatch)
+    rings = Rings(Staging(buffer_bytes=4096, buffers=2, pin=False, everything=True))
     for rank in (0, 1) if sharded else (0,):
         if sharded:
             plan = remapdsl.plan_rank(compiled, inventory, layout, mesh, rank)
@@ -164,13 +151,14 @@ def test_loads_through_the_ring_fill_what_direct_reads_fill(monkeypatch, threads
         direct = {k: torch.full(s, float("nan"), dtype=dtypes[k]) for k, s in shapes.items()}
         staged = {k: torch.full(s, float("nan"), dtype=dtypes[k]) for k, s in shapes.items()}
         run_load_plan(plan, inventory, direct, threads=threads)
-        run_load_plan(plan, inventory, staged, threads=threads, staging=staging)
+        run_load_plan(plan, inventory, staged, threads=threads, rings=rings)
         assert all(torch.equal(staged[k], direct[k]) for k in direct)
-    assert rings and all(r.allocated <= staging.buffers * staging.buffer_bytes and r.in_flight == 0 for r in rings)
-    assert len(rings) <= max(1, threads) * (2 if sharded else 1)  # one ring a reader thread, per load
+    rings.close()
+    assert 1 <= rings.count <= max(1, threads)  # one ring a reader thread, reused by the next plan's threads
+    assert 0 < rings.allocated <= rings.staging.bound(threads)
 
 
-def test_dequantized_fp8_and_value_steps_through_the_ring_equal_direct_reads(tmp_path, monkeypatch):
+def test_dequantized_fp8_and_value_steps_through_the_ring_equal_direct_reads(tmp_path):
     g = torch.Generator().manual_seed(5)
     codes = torch.randint(0, 256, (40, 48), generator=g, dtype=torch.uint8)
     codes[codes & 0x7F == 0x7F] = 0  # no NaN codes: equal values compare equal
@@ -186,8 +174,7 @@ n.weight -> n | scale(2) | cast(bfloat16)
     compiled = remapdsl.compile_rules(rules, inventory, {})
     mesh = Mesh.of({"tp": 2})
     layout = LayoutPlan.from_mapping({"q": [Shard(dim=1)], "n": [Shard(dim=1)]}, mesh_dim="tp")
-    staging = Staging(buffer_bytes=100, buffers=2, pin=False, everything=True)
-    rings = _staged_rings(monkeypatch)
+    rings = Rings(Staging(buffer_bytes=100, buffers=2, pin=False, everything=True))
     for rank in (0, 1):
         plan = remapdsl.plan_rank(compiled, inventory, layout, mesh, rank)
         shapes = {d.runtime_key: local_shard(d.shape, mesh.sizes, layout_for(d.runtime_key, d.shape, layout, mesh),
@@ -195,9 +182,10 @@ n.weight -> n | scale(2) | cast(bfloat16)
         direct = {k: torch.zeros(s, dtype=torch.bfloat16) for k, s in shapes.items()}
         staged = {k: torch.zeros(s, dtype=torch.bfloat16) for k, s in shapes.items()}
         run_load_plan(plan, inventory, direct)
-        run_load_plan(plan, inventory, staged, staging=staging)
+        run_load_plan(plan, inventory, staged, rings=rings)
         assert plan.decodes and all(torch.equal(staged[k], direct[k]) for k in direct)
-    assert all(r.allocated <= 200 for r in rings)
+    rings.close()
+    assert 0 < rings.allocated <= rings.staging.bound(2)
 
 
 def test_device_tensors_never_take_the_direct_memory_path():

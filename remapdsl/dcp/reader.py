@@ -32,6 +32,7 @@ from ..language.library import resolve_rules_path
 from ..runtime import dist
 from ..runtime.prepare import compile_everywhere
 from ..runtime.read import run_load_plan
+from ..runtime.staging import Rings, staging_within
 from ..sharding.placements import LocalShard
 from ..sharding.plans import make_load_plan
 from . import errors
@@ -63,13 +64,17 @@ class RuleStorageReader(StorageReader):
         timeout: how long a rank waits at any one of the reader's exchanges for the others
             (seconds or a `datetime.timedelta`; default 300 s), as for `remapdsl.load`. DCP's own
             collectives are bounded by its process group's timeout.
+        staging_bytes: the most host memory a `read_data` pins to copy bytes to device tensors
+            (two buffers per reader thread; default 256 MiB), as for `remapdsl.load`.
     """
 
     def __init__(self, path: str | os.PathLike, rules: str | os.PathLike | RuleSet, *,
-                 config: Mapping[str, Any] | None = None, strict: bool = True, timeout=None):
+                 config: Mapping[str, Any] | None = None, strict: bool = True, timeout=None,
+                 staging_bytes: int | None = None):
         super().__init__()
         self._rules, self._config, self._strict = rules, config, strict
         self._timeout = dist.seconds(timeout)
+        self._staging = staging_within(staging_bytes)
         self.report: ReadReport | None = None
         self._open(path)
 
@@ -140,12 +145,16 @@ class RuleStorageReader(StorageReader):
         start = time.perf_counter()
         rounds = _rounds(plan.items, self._metadata.state_dict_metadata)
         read = owned = 0
+        rings = Rings(self._staging)  # one staging ring per reader thread, over every round
         for requests in rounds:  # one round unless a key is asked for in several pieces
             views = {key: planner.resolve_tensor(item) for key, item in requests.items()}
             held = {key: _shard(item) for key, item in requests.items()}
             _check_views(views, held, self._compiled)
             load_plan = make_load_plan(self._compiled, self._inventory, held, dist.rank())
-            run_load_plan(load_plan, self._inventory, views)
+            try:
+                run_load_plan(load_plan, self._inventory, views, rings=rings)
+            finally:
+                rings.close()  # every copy to a device finished before the planner commits the views
             for key, item in requests.items():
                 planner.commit_tensor(item, views[key])
             read, owned = read + load_plan.bytes_read, owned + load_plan.bytes_owned

@@ -339,11 +339,14 @@ def _all_gather_bytes(payload: bytes, phase: str) -> list[bytes]:
 
 
 def control_group():
-    """The group control exchanges go over: the default group when it has a backend for CPU
-    tensors, else a gloo group over the same ranks, made once per default group by every rank at
-    the same exchange (its first). The ranks first meet in the group's store, so a rank that
-    never arrives is named within the call's timeout instead of blocking the group's creation."""
+    """The group control exchanges go over: None (the default group) when that has a backend for
+    CPU tensors or there is no group, else a gloo group over the same ranks, made once per default
+    group by every rank at the same exchange (its first). The ranks first meet in the group's
+    store, so a rank that never arrives is named within the call's timeout instead of blocking
+    the group's creation. A caller's own collectives on CPU tensors can use it too (`group=`)."""
     global _control, _GROUPS_MADE
+    if not active():
+        return None
     default = dist.group.WORLD
     if _control is not None and _control[0] is default:
         return _control[1]

@@ -27,6 +27,7 @@ from . import dist
 from .export import check_unquantized
 from .prepare import check_mesh
 from .read import run_load_plan
+from .staging import Rings, staging_within
 from .save import checkpoint_layout
 
 
@@ -43,13 +44,14 @@ class IngestReport(BaseModel):
 
 
 def ingest(state_dict, pairs, rules, *, like=None, config: Mapping[str, Any] | None = None, layout=None,
-           mesh=None, timeout=None) -> IngestReport:
+           mesh=None, timeout=None, staging_bytes: int | None = None) -> IngestReport:
     """Fill this rank's part of `state_dict` from (checkpoint key, tensor) pairs; see `remapdsl.ingest`."""
-    with dist.bounded(timeout):
-        return _ingest(state_dict, pairs, rules, like, config, layout, mesh)
+    staging = staging_within(staging_bytes)
+    with dist.bounded(timeout), Rings(staging) as rings:  # one ring per reader thread, over all pairs
+        return _ingest(state_dict, pairs, rules, like, config, layout, mesh, rings)
 
 
-def _ingest(state_dict, pairs, rules, like, config, layout, mesh) -> IngestReport:
+def _ingest(state_dict, pairs, rules, like, config, layout, mesh, rings: Rings) -> IngestReport:
     start = time.perf_counter()
     tensors = state_dict.state_dict(keep_vars=True) if hasattr(state_dict, "state_dict") else state_dict
     inventory, compiled, _ = checkpoint_layout(rules, like, config, tensors, layout, Path("<ingest>"))
@@ -74,7 +76,8 @@ def _ingest(state_dict, pairs, rules, like, config, layout, mesh) -> IngestRepor
     count = used = 0
     dropped = set(compiled.dropped)
     if fills:
-        run_load_plan(load_plan.model_copy(update={"items": tuple(fills), "decodes": ()}), memory, holding.local)
+        run_load_plan(load_plan.model_copy(update={"items": tuple(fills), "decodes": ()}), memory, holding.local,
+                      rings=rings)
     for key, tensor in (pairs.items() if isinstance(pairs, Mapping) else pairs):
         count += 1
         problem = _check_pair(key, tensor, memory, seen, dropped)
@@ -90,7 +93,7 @@ def _ingest(state_dict, pairs, rules, like, config, layout, mesh) -> IngestRepor
         if source.device.type != "cpu" or not source.is_contiguous():
             source = source.contiguous().cpu()
         run_load_plan(load_plan.model_copy(update={"items": tuple(items), "decodes": ()}), memory, holding.local,
-                      reader=MemoryReader(memory, {key: source}))
+                      reader=MemoryReader(memory, {key: source}), rings=rings)
     missing = sorted(set(reads) - seen)
     if missing:
         problems.append(Diagnostic(code="E547", message=f"{len(missing)} checkpoint tensor(s) this rank needs "

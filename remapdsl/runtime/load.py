@@ -26,6 +26,7 @@ from ..sharding.plans import make_load_plan
 from . import cache, dist
 from .prepare import check_mesh, layout_agreement, prepare_everywhere
 from .read import run_load_plan
+from .staging import Rings, staging_within
 
 
 class LoadReport(BaseModel):
@@ -44,13 +45,15 @@ class LoadReport(BaseModel):
 
 
 def load(state_dict, checkpoint, rules, *, config: Mapping[str, Any] | None = None, strict: bool = True,
-         layout=None, mesh=None, read_replicated_once: bool = False, timeout=None) -> LoadReport:
+         layout=None, mesh=None, read_replicated_once: bool = False, timeout=None,
+         staging_bytes: int | None = None) -> LoadReport:
     """Fill existing tensors in place from a checkpoint, through a rule file; see `remapdsl.load`."""
+    staging = staging_within(staging_bytes)
     with paused_gc(), dist.bounded(timeout):
-        return _load(state_dict, checkpoint, rules, config, strict, layout, mesh, read_replicated_once)
+        return _load(state_dict, checkpoint, rules, config, strict, layout, mesh, read_replicated_once, staging)
 
 
-def _load(state_dict, checkpoint, rules, config, strict, layout, mesh, read_replicated_once) -> LoadReport:
+def _load(state_dict, checkpoint, rules, config, strict, layout, mesh, read_replicated_once, staging) -> LoadReport:
 
     inventory, compiled, compiled_key = prepare_everywhere(rules, checkpoint, config, strict)
     rules_path = rules.path if isinstance(rules, RuleSet) else os.fspath(resolve_rules_path(rules))
@@ -67,7 +70,8 @@ def _load(state_dict, checkpoint, rules, config, strict, layout, mesh, read_repl
             for key in shared:
                 del held[key]
         plan = cache.load_plan(compiled_key, held, rank, lambda: make_load_plan(compiled, inventory, held, rank))
-        run_load_plan(plan, inventory, holding.local)
+        with Rings(staging) as rings:
+            run_load_plan(plan, inventory, holding.local, rings=rings)
         report = LoadReport(loaded=tuple(d.runtime_key for d in compiled.runtime_tensors),
                             ckpt_keys=tuple(sorted({i.ckpt_key for i in plan.items if i.ckpt_key}
                                                    | {p.ckpt_key for i in plan.decodes for p in i.parts})),

@@ -29,11 +29,11 @@ from ..checkpoint import reader as files
 from ..indexmap import Runs, is_row_major, row_major_strides
 from ..sharding.plans import DecodeItem, LoadPlan, ReadItem
 from .pieces import apply_steps, mapped_values, read_part, region, torch_dtype
-from .staging import STAGING, Staging, StagingRing, run_pieces, tensor_pieces
+from .staging import STAGING, Rings, StagingRing, run_pieces, tensor_pieces
 
 
 def run_load_plan(plan: LoadPlan, inventory: Inventory, tensors: Mapping[str, torch.Tensor],
-                  threads: int = 2, reader: CheckpointReader | None = None, staging: Staging = STAGING) -> None:
+                  threads: int = 2, reader: CheckpointReader | None = None, rings: Rings | None = None) -> None:
     """Execute one rank's plan into its local tensors. Items that continue each other both in the
     file and in runtime tensor memory (a layer's gate and up slabs, consecutive experts) are read with
     one call, cut into chunks of at most CHUNK bytes; each chunk goes to one of `threads` reader
@@ -41,57 +41,29 @@ def run_load_plan(plan: LoadPlan, inventory: Inventory, tensors: Mapping[str, to
     region, so no two threads write one byte. Units under SMALL_UNIT run on this thread as they come
     (thousands of kB-sized tensors: the per-unit Python work dominates, and threads would only
     contend for it). `reader`: where the bytes come from (default: `inventory`'s files; a
-    MemoryReader for ingest). `staging`: the ring a thread's device-bound bytes pass through (at
-    most `staging.bound(threads)` bytes in all); every copy has finished when this returns, on
-    success and on failure alike."""
+    MemoryReader for ingest). `rings`: the staging rings device-bound bytes pass through, one per
+    reader thread (a caller's, kept over several plans; by default made and closed here: every
+    copy has finished when this returns, on success and on failure alike)."""
+    own = rings is None
+    rings = Rings(STAGING) if own else rings
     with reader or CheckpointReader(inventory) as reader, torch.no_grad():
-        units = itertools.chain(_work(plan.items, tensors, staging.everything),
+        units = itertools.chain(_work(plan.items, tensors, rings.staging.everything),
                                 (_Decode(item, region(tensors[item.runtime_key], item)) for item in plan.decodes))
-        rings = _Rings(staging)
         try:
             if threads <= 1:
-                for unit in units:
-                    _run_batch(unit, reader, rings)
+                try:
+                    for unit in units:
+                        _run_batch(unit, reader, rings)
+                finally:
+                    rings.release()
             else:
                 _run_threaded(units, reader, threads, rings)
         finally:
-            rings.close()
+            if own:
+                rings.close()
 
 
-class _Rings:
-    """One staging ring per thread that stages bytes, made when the thread first needs it."""
-
-    def __init__(self, staging: Staging):
-        self.staging = staging
-        self._rings: dict[int, StagingRing] = {}
-        self._lock = threading.Lock()
-
-    def staged(self, tensor: torch.Tensor) -> bool:
-        """Whether bytes bound for `tensor` go through a ring (a device tensor, or `everything`)."""
-        return tensor.device.type != "cpu" or self.staging.everything
-
-    def ring(self) -> StagingRing:
-        thread = threading.get_ident()
-        with self._lock:
-            ring = self._rings.get(thread)
-            if ring is None:
-                ring = self._rings[thread] = StagingRing(self.staging)
-        return ring
-
-    @property
-    def allocated(self) -> int:
-        return sum(r.allocated for r in self._rings.values())
-
-    def close(self) -> None:
-        """Wait for every copy in flight (each ring's events), then for the device's work on the
-        copied bytes (value steps, placement) so the tensors are ready on any stream."""
-        for ring in self._rings.values():
-            ring.close()
-        if self._rings and torch.cuda.is_available() and torch.cuda.is_initialized():
-            torch.cuda.synchronize()
-
-
-def _run_threaded(units: Iterator, reader: CheckpointReader, threads: int, rings: _Rings) -> None:
+def _run_threaded(units: Iterator, reader: CheckpointReader, threads: int, rings: Rings) -> None:
     """Run the units in the order they come: the large ones, and all that are staged for a
     device, on `threads` threads (started at the first), the small ones here. The first error is
     raised once every thread stopped."""
@@ -99,12 +71,15 @@ def _run_threaded(units: Iterator, reader: CheckpointReader, threads: int, rings
     errors: list[BaseException] = []
 
     def drain() -> None:
-        while (unit := queue.get()) is not None:
-            if not errors:  # after an error the rest is only taken off the queue
-                try:
-                    _run_batch(unit, reader, rings)
-                except BaseException as exc:  # noqa: BLE001 - raised by the caller's thread
-                    errors.append(exc)
+        try:
+            while (unit := queue.get()) is not None:
+                if not errors:  # after an error the rest is only taken off the queue
+                    try:
+                        _run_batch(unit, reader, rings)
+                    except BaseException as exc:  # noqa: BLE001 - raised by the caller's thread
+                        errors.append(exc)
+        finally:
+            rings.release()
 
     with ThreadPoolExecutor(threads) as pool:
         running: list = []
@@ -127,7 +102,7 @@ def _run_threaded(units: Iterator, reader: CheckpointReader, threads: int, rings
         raise errors[0]
 
 
-def _staged(unit, rings: _Rings) -> bool:
+def _staged(unit, rings: Rings) -> bool:
     """Whether a unit's bytes go through a staging ring (only items and decodes ever do)."""
     if isinstance(unit, _Item):
         return rings.staged(unit.tensor)
@@ -294,7 +269,7 @@ class _Decode(NamedTuple):
     view: torch.Tensor
 
 
-def _run_decode(unit: _Decode, reader: CheckpointReader, rings: _Rings) -> None:
+def _run_decode(unit: _Decode, reader: CheckpointReader, rings: Rings) -> None:
     """Read each part's covering box, decode the logical box, place the piece: straight into the
     runtime tensor when the piece is the box in its own order, else through the decoded box (on a
     device: decoded here, then staged to the device and placed there)."""
@@ -324,7 +299,7 @@ def _bytes_at(address: int, nbytes: int) -> memoryview:
     return memoryview((ctypes.c_ubyte * nbytes).from_address(address)).cast("B")
 
 
-def _run_batch(batch, reader: CheckpointReader, rings: _Rings) -> None:
+def _run_batch(batch, reader: CheckpointReader, rings: Rings) -> None:
     """Run one unit of work."""
     if isinstance(batch, _Decode):
         return _run_decode(batch, reader, rings)

@@ -10,6 +10,7 @@ Each reader thread has its own ring (`Staging.rings`): a thread waits only for i
 
 from __future__ import annotations
 
+import threading
 from collections import deque
 from collections.abc import Callable, Iterable
 from typing import NamedTuple
@@ -32,7 +33,24 @@ class Staging(NamedTuple):
         return max(1, threads) * self.buffers * self.buffer_bytes
 
 
+STAGING_BYTES = 256 << 20  # a call's default bound: two 64 MiB buffers for each of two reader threads
 STAGING = Staging()
+
+
+def staging_within(staging_bytes: int | None, threads: int = 2) -> Staging:
+    """Two buffers per reader thread within `staging_bytes` (a call's `staging_bytes=`; None: the
+    default, STAGING_BYTES); E416 unless a whole number of at least one kB a buffer."""
+    if staging_bytes is None:
+        return STAGING
+    buffers = 2 * max(1, threads)
+    if isinstance(staging_bytes, bool) or not isinstance(staging_bytes, int) or staging_bytes < buffers << 10:
+        from ..errors import Diagnostic, RemapError
+
+        raise RemapError(Diagnostic(code="E416", message=f"staging_bytes={staging_bytes!r} is not a whole number of "
+                                    f"bytes of at least {buffers} kB ({buffers} staging buffers of at least 1 kB)",
+                                    hint=f"the default is {STAGING_BYTES >> 20} MiB: the most host memory a call "
+                                         "pins to copy bytes to a device"))
+    return Staging(buffer_bytes=staging_bytes // buffers, buffers=2)
 
 # (bytes, fill): a piece of a destination in order; `fill(buffer)` writes its bytes into `buffer`
 Piece = tuple[int, Callable[[torch.Tensor], object]]
@@ -105,6 +123,66 @@ class StagingRing:
             self._free.append(buffer)
 
     def __enter__(self) -> StagingRing:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+class Rings:
+    """The staging rings of a call, one per reader thread at a time: a thread takes its ring at
+    its first staged item (an idle one if there is, else a new one) and hands it back when it
+    stops (`release`), so a caller running several plans with the same `Rings` (ingest, pair by
+    pair) makes no more rings than it runs threads at once. `close` waits for every copy."""
+
+    def __init__(self, staging: Staging = STAGING):
+        self.staging = staging
+        self._held: dict[int, StagingRing] = {}
+        self._idle: list[StagingRing] = []
+        self._made: list[StagingRing] = []
+        self._lock = threading.Lock()
+
+    def staged(self, tensor: torch.Tensor) -> bool:
+        """Whether bytes bound for `tensor` go through a ring (a device tensor, or `everything`)."""
+        return tensor.device.type != "cpu" or self.staging.everything
+
+    def ring(self) -> StagingRing:
+        """This thread's ring."""
+        thread = threading.get_ident()
+        with self._lock:
+            ring = self._held.get(thread)
+            if ring is None:
+                ring = self._idle.pop() if self._idle else StagingRing(self.staging)
+                if ring not in self._made:
+                    self._made.append(ring)
+                self._held[thread] = ring
+        return ring
+
+    def release(self) -> None:
+        """This thread stops staging: its ring (copies still in flight included) goes idle."""
+        with self._lock:
+            ring = self._held.pop(threading.get_ident(), None)
+            if ring is not None:
+                self._idle.append(ring)
+
+    @property
+    def allocated(self) -> int:
+        """Bytes of staging buffers made, over all rings."""
+        return sum(r.allocated for r in self._made)
+
+    @property
+    def count(self) -> int:
+        return len(self._made)
+
+    def close(self) -> None:
+        """Wait for every copy in flight (each ring's events), then for the device's work on the
+        copied bytes (value steps, placement), so the tensors are ready on any stream."""
+        for ring in self._made:
+            ring.close()
+        if self._made and torch.cuda.is_available() and torch.cuda.is_initialized():
+            torch.cuda.synchronize()
+
+    def __enter__(self) -> Rings:
         return self
 
     def __exit__(self, *exc) -> None:
