@@ -137,6 +137,9 @@ RULE_FILES = {name: OUT / f"dist_rules_{name}.remap" for name in RULES}
 SINGLE_MODES = ("preadv-touched", "remapdsl-concat", "remapdsl-transpose", "copy-transpose")
 SINGLE_GOALS = (("remapdsl-concat", 0.85), ("remapdsl-transpose", 0.5))  # fraction of preadv-touched
 DCP_MODES = ("dist-remapdsl", "dist-dcp", "dist-dcp-t2")
+# --dcp, shown with --modes: the same load under a default group with NCCL's device contract (a backend
+# for CUDA tensors only, so remapdsl makes its gloo control group), and under another checkout (--base)
+EXTRA_DCP_MODES = ("dist-remapdsl-nccl", "dist-remapdsl@base")
 DCP_GOALS = {"deepseek": 5.0}  # dist-dcp median / dist-remapdsl median at least this, by --dcp-spec
 DCP_GOAL = 3.0  # ... for the other specs
 TP = 4
@@ -403,12 +406,12 @@ def child_copy_transpose(folder: Path) -> dict:
 # ----------------------------------------------------------------------------------- child: 2-rank DCP
 
 
-def init_group(rank: int, world: int, port: int) -> None:
+def init_group(rank: int, world: int, port: int, backend: str = "gloo") -> None:
     import datetime
 
     import torch.distributed as dist
 
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
+    dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
                             timeout=datetime.timedelta(seconds=300))
 
 
@@ -442,7 +445,14 @@ def child_dist(mode: str, folder: Path, rank: int, world: int, port: int, verify
     import remapdsl
     import remapdsl.runtime.load  # noqa: F401  (imports stay out of the timing)
 
-    init_group(rank, world, port)
+    init_group(rank, world, port, "cuda:gloo" if mode == "dist-remapdsl-nccl" else "gloo")
+    # the timing's barriers: a gloo group of the benchmark's own under the NCCL-like group (one that
+    # remapdsl's first load does not know of: it makes its own control group inside the timing)
+    timing = dist.new_group(backend="gloo") if mode == "dist-remapdsl-nccl" else None
+
+    def barrier():
+        dist.barrier(group=timing)
+
     try:
         mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("dp",))
         inventory = remapdsl.open_checkpoint(str(folder))
@@ -465,15 +475,15 @@ def child_dist(mode: str, folder: Path, rank: int, world: int, port: int, verify
         def timed() -> tuple[float, object]:
             if rank == 0:
                 (evict if cold else warm)(files)
-            dist.barrier()
+            barrier()
             start = time.perf_counter()
             report = None
-            if mode == "dist-remapdsl":
+            if mode.startswith("dist-remapdsl"):
                 report = remapdsl.load(targets, str(folder), str(rules))
             else:
                 reader = HuggingFaceStorageReader(str(folder), thread_count=2 if mode == "dist-dcp-t2" else 1)
                 dcp.load(targets, storage_reader=reader)
-            dist.barrier()
+            barrier()
             return time.perf_counter() - start, report
 
         seconds, report = timed()  # the process's first load: the figure
@@ -589,7 +599,7 @@ def run_child(args) -> dict:
         return child_remapdsl_single(folder, args.child.removeprefix("remapdsl-"), args.verify)
     if args.child == "copy-transpose":
         return child_copy_transpose(folder)
-    if args.child in DCP_MODES:
+    if args.child in DCP_MODES + EXTRA_DCP_MODES:
         return child_dist(args.child, folder, args.rank, args.world, args.port, args.verify, args.cold,
                           args.shard_dim)
     if args.child == "tp-plan":
@@ -606,10 +616,13 @@ def rel(path: Path) -> str:
     return str(path.relative_to(HERE.parent)) if path.is_relative_to(HERE.parent) else str(path)
 
 
-def child_env(ranks: bool = False) -> dict:
+def child_env(ranks: bool = False, base: str | None = None) -> dict:
     """A child's environment; rank processes get OMP_NUM_THREADS=1 unless it is set, as torchrun does
-    (with 2 intra-op threads per rank on 2 cores, DCP's single-thread `copy_` ran 4-5x slower)."""
+    (with 2 intra-op threads per rank on 2 cores, DCP's single-thread `copy_` ran 4-5x slower).
+    `base`: a checkout whose remapdsl the child imports instead of this one's."""
     env = dict(os.environ, PYTHONWARNINGS="ignore")
+    if base:
+        env["PYTHONPATH"] = os.pathsep.join(filter(None, [base, env.get("PYTHONPATH")]))
     if ranks:
         env.setdefault("OMP_NUM_THREADS", "1")
     return env
@@ -630,16 +643,17 @@ def spawn(extra: list[str], timeout: float = 600) -> dict:
     return parse_result(proc.stdout, proc.stderr, proc.returncode)
 
 
-def spawn_ranks(extra: list[str], world: int, timeout: float = 600, script: str = __file__) -> list[dict]:
-    """`world` fresh processes of `script` (this one by default), one per rank, on a fresh TCP port;
-    their results by rank."""
+def spawn_ranks(extra: list[str], world: int, timeout: float = 600, script: str = __file__,
+                base: str | None = None) -> list[dict]:
+    """`world` fresh processes of `script` (this one by default), one per rank, on a fresh TCP port
+    (importing `base`'s remapdsl where given); their results by rank."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     command = [sys.executable, str(Path(script).resolve()), *extra,
                "--world", str(world), "--port", str(port)]
     procs = [subprocess.Popen(command + ["--rank", str(r)], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                              text=True, env=child_env(ranks=True), cwd=str(HERE.parent))
+                              text=True, env=child_env(ranks=True, base=base), cwd=str(HERE.parent))
              for r in range(world)]
     results = []
     for proc in procs:
@@ -731,7 +745,8 @@ def bench_single(runs: int, rebuild: bool) -> None:
               "views (1st calls)")
 
 
-def bench_dcp(runs: int, rebuild: bool, cold: bool, dim: int, spec: str) -> None:
+def bench_dcp(runs: int, rebuild: bool, cold: bool, dim: int, spec: str, modes=DCP_MODES,
+              base: str | None = None) -> None:
     folder = ensure_checkpoint(spec, rebuild)
     files = tensor_files(folder)
     data = sum(n for _, _, n in data_sections(files))
@@ -745,8 +760,10 @@ def bench_dcp(runs: int, rebuild: bool, cold: bool, dim: int, spec: str) -> None
     digests: dict[str, list] = {}
 
     def one(mode, verify):
-        ranks = spawn_ranks(["--child", mode, "--spec", spec] + (["--verify"] if verify else [])
-                            + (["--cold"] if cold else []) + ["--shard-dim", str(dim)], 2)
+        child = "dist-remapdsl" if mode == "dist-remapdsl@base" else mode
+        ranks = spawn_ranks(["--child", child, "--spec", spec] + (["--verify"] if verify else [])
+                            + (["--cold"] if cold else []) + ["--shard-dim", str(dim)], 2,
+                            base=base if mode == "dist-remapdsl@base" else None)
         bad = [r for r in ranks if "error" in r]
         if bad:
             return bad[0]
@@ -758,31 +775,35 @@ def bench_dcp(runs: int, rebuild: bool, cold: bool, dim: int, spec: str) -> None
         merged["ranks"] = ranks
         return merged
 
-    results, errors = interleaved(DCP_MODES, runs, one)
-    print(f"  {runs} rounds of {len(DCP_MODES)} fresh 2-process jobs in {time.perf_counter() - start:.0f} s; "
+    results, errors = interleaved(modes, runs, one)
+    print(f"  {runs} rounds of {len(modes)} fresh 2-process jobs in {time.perf_counter() - start:.0f} s; "
           f"seconds between barriers (slowest rank), GB/s of all {data / 1e9:.3f} GB; destinations zeroed "
           "before the timing; 1st call: the processes' first load (the figure), 2nd call: again")
-    first, second = table(DCP_MODES, results, errors, data)
+    first, second = table(modes, results, errors, data)
     for mode, ranks in digests.items():
         bad = [p for r in ranks for p in r["problems"]]
         print(f"  {mode}: {sum(r['checked'] for r in ranks)} local shards checked against the checkpoint: "
               + ("all equal" if not bad else f"WRONG: {bad[:3]}"))
     if "dist-remapdsl" in digests:
-        for mode in DCP_MODES[1:]:
+        for mode in modes:
+            if mode == "dist-remapdsl":
+                continue
             if mode in digests:
                 same = all(a["digest"] == b["digest"]
                            for a, b in zip(digests["dist-remapdsl"], digests[mode]))
                 print(f"  dist-remapdsl vs {mode}: local shards "
                       + ("identical on both ranks" if same else "DIFFER"))
-    if results["dist-remapdsl"]:
+    if results.get("dist-remapdsl"):
         for k, x in enumerate(results["dist-remapdsl"][0]["ranks"]):
             print(f"  dist-remapdsl rank {k}: bytes_read {x['bytes_read'] / 1e6:.1f} MB, bytes_owned "
                   f"{x['bytes_owned'] / 1e6:.1f} MB, local shards {x['local_bytes'] / 1e6:.1f} MB")
         inner = statistics.median(r["inner"] for x in results["dist-remapdsl"] for r in x["ranks"])
         print(f"  dist-remapdsl: of the 1st call, {inner:.3f} s (median over ranks and rounds) in plan + "
               "reads (report.seconds); the rest is rules, shared headers, compile and agreement")
-    print("speed-up (DCP median / dist-remapdsl median; higher is better for remapdsl):")
-    for mode in DCP_MODES[1:]:
+    print("speed-up (mode median / dist-remapdsl median; higher is better for remapdsl):")
+    for mode in modes:
+        if mode == "dist-remapdsl":
+            continue
         if first.get(mode) and first.get("dist-remapdsl"):
             ratio = first[mode] / first["dist-remapdsl"]
             ratio2 = (f"2nd call {second[mode] / second['dist-remapdsl']:5.2f}x"
@@ -790,7 +811,7 @@ def bench_dcp(runs: int, rebuild: bool, cold: bool, dim: int, spec: str) -> None
             goal = DCP_GOALS.get(spec, DCP_GOAL)
             verdict = (f"goal >= {goal:.1f}x -> {'meets' if ratio >= goal else 'MISSES'} "
                        "(on the 1st call)" if mode == "dist-dcp" else "(shown only)")
-            print(f"  {mode:12s} 1st call {ratio:5.2f}x  {ratio2}   {verdict}")
+            print(f"  {mode:18s} 1st call {ratio:5.2f}x  {ratio2}   {verdict}")
 
 
 def bench_tp(rebuild: bool, rebuild_small: bool) -> None:
@@ -852,6 +873,9 @@ def main() -> None:
     parser.add_argument("--dcp-spec", choices=("400mb", "moe", "deepseek"), default="400mb",
                         help="[2] only: the checkpoint (moe: ~1,000 tensors, norms and per-expert weights; "
                              "deepseek: 23,123 small tensors in DeepSeek-V3's key layout)")
+    parser.add_argument("--modes", default=",".join(DCP_MODES),
+                        help=f"[2] only: the modes to run, of {', '.join(DCP_MODES + EXTRA_DCP_MODES)}")
+    parser.add_argument("--base", help="[2] only: a checkout of another commit, for dist-remapdsl@base")
     parser.add_argument("--runs", type=int, default=5)
     parser.add_argument("--rebuild", action="store_true", help="write the checkpoints again")
     parser.add_argument("--child", help=argparse.SUPPRESS)
@@ -879,7 +903,12 @@ def main() -> None:
     if "single" in chosen:
         bench_single(args.runs, fresh("1gb"))
     if "dcp" in chosen:
-        bench_dcp(args.runs, fresh(args.dcp_spec), args.cold, args.shard_dim, args.dcp_spec)
+        modes = tuple(args.modes.split(","))
+        unknown = set(modes) - set(DCP_MODES + EXTRA_DCP_MODES)
+        if unknown or ("dist-remapdsl@base" in modes) != bool(args.base):
+            parser.error(f"unknown modes {sorted(unknown)}" if unknown else "dist-remapdsl@base goes with --base")
+        bench_dcp(args.runs, fresh(args.dcp_spec), args.cold, args.shard_dim, args.dcp_spec, modes,
+                  args.base and os.path.abspath(args.base))
     if "tp" in chosen:
         bench_tp(fresh("1gb"), fresh("tiny"))
     print(f"\nload average {load_before:.1f} before, {os.getloadavg()[0]:.1f} after, on {os.cpu_count()} "

@@ -194,3 +194,13 @@ def test_device_tensors_never_take_the_direct_memory_path():
     assert read._memory(tensor, {}, staged=False).address == tensor.data_ptr()
     assert read._memory(tensor, {}, staged=True).address is None
     assert read._memory(tensor.t(), {}, staged=False).address is None
+
+
+@pytest.mark.parametrize("staging_bytes", [0, 1000, 4.5e6, True, "256MB"])
+def test_a_staging_bound_too_small_or_not_a_whole_number_is_refused(staging_bytes):
+    state = remapdsl.compile_rules(remapdsl.load_rules(RULES), TINY).empty_state_dict()
+    with pytest.raises(remapdsl.RemapError) as info:
+        remapdsl.load(state, str(TINY), RULES, staging_bytes=staging_bytes)
+    assert info.value.diagnostic.code == "E416", str(info.value)
+    assert f"staging_bytes={staging_bytes!r} is not a whole number of bytes of at least 4 kB" in str(info.value)
+

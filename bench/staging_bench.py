@@ -1,0 +1,106 @@
+"""The staging ring on the CPU: a ~1 GB load through it against the direct reads, side by side.
+
+A CUDA destination gets its bytes through a bounded ring of pinned host buffers
+(remapdsl/runtime/staging.py). On this CPU machine the same path is taken with pinning off and the
+"device" copy a host `copy_` (`Staging(everything=True)`): every byte is read into a ring buffer,
+then copied to its place. Measured in one process, the two orders alternated round by round, the
+files warmed with `cat` before each load:
+
+  direct   run_load_plan into CPU tensors: reads straight into tensor memory (the default path).
+  staged   the same plan, every item through the ring (two 64 MiB buffers per reader thread).
+
+Two layouts of the same checkpoint (dist_bench's ~1.04 GB Llama-shaped `1gb` one, identity rules):
+whole tensors (one run per tensor) and rank 0 of tp=2 column shards (one run per row). Printed: the
+median seconds and GB/s of each, the staged/direct throughput ratio (goal >= 0.9 for whole tensors),
+and the staging bytes the ring allocated (never above its bound), checked against the direct load.
+
+    python bench/staging_bench.py [--runs 5]
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import subprocess
+import time
+from pathlib import Path
+
+import torch
+
+import remapdsl
+from remapdsl.runtime.read import run_load_plan
+from remapdsl.runtime.staging import STAGING, Rings
+from remapdsl.sharding import LayoutPlan, Mesh, Shard, layout_for, local_shard
+
+HERE = Path(__file__).resolve().parent
+GOAL = 0.9
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--runs", type=int, default=5)
+    args = parser.parse_args()
+    import dist_bench
+
+    folder = dist_bench.ensure_checkpoint("1gb", False)
+    dist_bench.write_rules()
+    rules = remapdsl.load_rules(str(dist_bench.RULE_FILES["identity"]))
+    inventory = remapdsl.open_checkpoint(str(folder))
+    compiled = remapdsl.compile_rules(rules, inventory)
+    files = [str(folder / f) for f in inventory.files]
+    staging = STAGING._replace(pin=False, everything=True)
+    print(f"{folder.relative_to(HERE.parent)}: {sum(t.nbytes for t in inventory.tensors.values()) / 1e9:.3f} GB in {len(inventory.tensors)} tensors; "
+          f"ring: {staging.buffers} buffers of {staging.buffer_bytes >> 20} MiB per reader thread, 2 threads "
+          f"(bound {staging.bound(2) >> 20} MiB), pinning off; {args.runs} rounds")
+    for name, layout, mesh in (("whole tensors", None, None),
+                               ("tp=2 columns, rank 0", LayoutPlan.from_mapping({"*": [Shard(dim=1)]},
+                                                                               mesh_dim="tp"), Mesh.of({"tp": 2}))):
+        if layout is None:
+            from remapdsl.sharding.holdings import whole_shard
+            from remapdsl.sharding.plans import make_load_plan
+
+            plan = make_load_plan(compiled, inventory, {d.runtime_key: whole_shard(d.shape)
+                                                        for d in compiled.runtime_tensors})
+            shapes = {d.runtime_key: d.shape for d in compiled.runtime_tensors}
+        else:
+            plan = remapdsl.plan_rank(compiled, inventory, layout, mesh, 0)
+            shapes = {d.runtime_key: local_shard(d.shape, mesh.sizes, layout_for(d.runtime_key, d.shape, layout, mesh),
+                                                 mesh.coordinate(0)).shape for d in compiled.runtime_tensors}
+        dtypes = {d.runtime_key: getattr(torch, d.dtype) for d in compiled.runtime_tensors}
+        direct = {k: torch.zeros(s, dtype=dtypes[k]) for k, s in shapes.items()}
+        staged = {k: torch.zeros(s, dtype=dtypes[k]) for k, s in shapes.items()}
+        times: dict[str, list[float]] = {"direct": [], "staged": []}
+        peak = 0
+        for r in range(args.runs):
+            for mode in ("direct", "staged") if r % 2 == 0 else ("staged", "direct"):
+                subprocess.run(["cat", *files], stdout=subprocess.DEVNULL, check=True)
+                rings = Rings(staging) if mode == "staged" else None
+                start = time.perf_counter()
+                if rings is None:
+                    run_load_plan(plan, inventory, direct)
+                else:
+                    with rings:
+                        run_load_plan(plan, inventory, staged, rings=rings)
+                times[mode].append(time.perf_counter() - start)
+                if rings is not None:
+                    peak = max(peak, rings.allocated)
+        same = all(torch.equal(staged[k], direct[k]) for k in direct)
+        nbytes = plan.bytes_read
+        medians = {m: statistics.median(t) for m, t in times.items()}
+        ratio = medians["direct"] / medians["staged"]
+        per_round = statistics.median(d / s for d, s in zip(times["direct"], times["staged"]))
+        print(f"\n{name}: {nbytes / 1e9:.3f} GB read, {len(plan.items)} items")
+        for mode, t in medians.items():
+            print(f"  {mode:7s} {t:.3f} s  {nbytes / t / 1e9:5.2f} GB/s  (min {min(times[mode]):.3f}, "
+                  f"max {max(times[mode]):.3f})")
+        print(f"  staged throughput / direct: {ratio:.2f} (per round {per_round:.2f})"
+              + (f"; goal >= {GOAL} -> {'meets' if ratio >= GOAL else 'MISSES'}" if layout is None else " (shown only)"))
+        print(f"  staging allocated at most {peak >> 20} MiB (bound {staging.bound(2) >> 20} MiB: "
+              f"{'within' if peak <= staging.bound(2) else 'OVER'}); staged == direct: {same}")
+
+
+if __name__ == "__main__":
+    import sys
+
+    sys.path.insert(0, str(HERE))
+    main()
