@@ -7,7 +7,13 @@ then copied to its place. Measured in one process, the two orders alternated rou
 files warmed with `cat` before each load:
 
   direct   run_load_plan into CPU tensors: reads straight into tensor memory (the default path).
-  staged   the same plan, every item through the ring (two 64 MiB buffers per reader thread).
+  staged   the same plan, every item through the ring (remapdsl.runtime.staging.STAGING: four 2 MiB
+           buffers per reader thread).
+
+and, for the whole-tensor layout, two limits of this machine outside remapdsl, on 2 threads into
+touched memory: `one copy` (os.preadv straight into the destination, 32 MiB a call) and `two
+copies` (os.preadv into a 2 MiB buffer of the thread's own, then `copy_` to the destination: what
+any staged path does on a CPU, where the second copy is no copy engine's but the CPU's own).
 
 Two layouts of the same checkpoint (dist_bench's ~1.04 GB Llama-shaped `1gb` one, identity rules):
 whole tensors (one run per tensor) and rank 0 of tp=2 column shards (one run per row). Printed: the
@@ -20,8 +26,10 @@ and the staging bytes the ring allocated (never above its bound), checked agains
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import subprocess
+import threading
 import time
 from pathlib import Path
 
@@ -34,6 +42,44 @@ from remapdsl.sharding import LayoutPlan, Mesh, Shard, layout_for, local_shard
 
 HERE = Path(__file__).resolve().parent
 GOAL = 0.9
+
+
+def limit(files: list[str], two_copies: bool) -> float:
+    """Seconds to read every file's bytes after its first 4 kB page into one touched buffer on 2
+    threads: straight in (32 MiB a call), or through a 2 MiB buffer per thread then `copy_`."""
+    pieces, total = [], 0
+    step = (2 << 20) if two_copies else (32 << 20)
+    for path in files:
+        size = os.path.getsize(path) - 4096
+        pieces += [(path, 4096 + at, total + at, min(step, size - at)) for at in range(0, size, step)]
+        total += size
+    destination = getattr(limit, "destination", None)
+    if destination is None or destination.numel() < total:
+        destination = limit.destination = torch.zeros(total, dtype=torch.uint8)
+    fds = {path: os.open(path, os.O_RDONLY) for path in files}
+    view = memoryview(destination.numpy())
+
+    def work(mine) -> None:
+        buffer = torch.empty(step, dtype=torch.uint8)
+        scratch = memoryview(buffer.numpy())
+        for path, offset, at, n in mine:
+            if two_copies:
+                os.preadv(fds[path], [scratch[:n]], offset)
+                destination[at:at + n].copy_(buffer[:n])
+            else:
+                os.preadv(fds[path], [view[at:at + n]], offset)
+
+    subprocess.run(["cat", *files], stdout=subprocess.DEVNULL, check=True)
+    threads = [threading.Thread(target=work, args=(pieces[k::2],)) for k in range(2)]
+    start = time.perf_counter()
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    seconds = time.perf_counter() - start
+    for fd in fds.values():
+        os.close(fd)
+    return seconds
 
 
 def main() -> None:
@@ -50,7 +96,7 @@ def main() -> None:
     files = [str(folder / f) for f in inventory.files]
     staging = STAGING._replace(pin=False, everything=True)
     print(f"{folder.relative_to(HERE.parent)}: {sum(t.nbytes for t in inventory.tensors.values()) / 1e9:.3f} GB in {len(inventory.tensors)} tensors; "
-          f"ring: {staging.buffers} buffers of {staging.buffer_bytes >> 20} MiB per reader thread, 2 threads "
+          f"ring: {staging.buffers} buffers of {staging.buffer_bytes >> 10} kB per reader thread, 2 threads "
           f"(bound {staging.bound(2) >> 20} MiB), pinning off; {args.runs} rounds")
     for name, layout, mesh in (("whole tensors", None, None),
                                ("tp=2 columns, rank 0", LayoutPlan.from_mapping({"*": [Shard(dim=1)]},
@@ -95,6 +141,11 @@ def main() -> None:
                   f"max {max(times[mode]):.3f})")
         print(f"  staged throughput / direct: {ratio:.2f} (per round {per_round:.2f})"
               + (f"; goal >= {GOAL} -> {'meets' if ratio >= GOAL else 'MISSES'}" if layout is None else " (shown only)"))
+        if layout is None:
+            one = statistics.median(limit(files, False) for _ in range(args.runs))
+            two = statistics.median(limit(files, True) for _ in range(args.runs))
+            print(f"  limits: one copy {one:.3f} s, two copies {two:.3f} s: two / one copy {one / two:.2f}; "
+                  f"staged / two copies {two / medians['staged']:.2f}")
         print(f"  staging allocated at most {peak >> 20} MiB (bound {staging.bound(2) >> 20} MiB: "
               f"{'within' if peak <= staging.bound(2) else 'OVER'}); staged == direct: {same}")
 

@@ -138,8 +138,8 @@ def load(state_dict, checkpoint, rules, *, config: Mapping[str, Any] | None = No
             `datetime.timedelta`; default 300 s), independent of the process group's own timeout.
             A rank that does not arrive in time is named on every rank that did (E415).
         staging_bytes: the most host memory the call pins to copy bytes into device (CUDA) tensors:
-            two reusable buffers per reader thread (default 256 MiB in all); CPU tensors are read
-            into directly.
+            reusable 2 MiB buffers for each of two reader threads (default 16 MiB in all); CPU
+            tensors are read into directly.
     """
     from .runtime.load import load as _load
 

@@ -39,6 +39,9 @@ class Pending:
     def synchronize(self) -> None:
         self.done = True
 
+    def query(self) -> bool:
+        return self.done
+
 
 @pytest.fixture
 def pending():
@@ -202,5 +205,5 @@ def test_a_staging_bound_too_small_or_not_a_whole_number_is_refused(staging_byte
     with pytest.raises(remapdsl.RemapError) as info:
         remapdsl.load(state, str(TINY), RULES, staging_bytes=staging_bytes)
     assert info.value.diagnostic.code == "E416", str(info.value)
-    assert f"staging_bytes={staging_bytes!r} is not a whole number of bytes of at least 4 kB" in str(info.value)
+    assert f"staging_bytes={staging_bytes!r} is not a whole number of bytes of at least 4 kB (two staging buffers" in str(info.value)
 

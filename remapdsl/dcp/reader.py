@@ -65,7 +65,7 @@ class RuleStorageReader(StorageReader):
             (seconds or a `datetime.timedelta`; default 300 s), as for `remapdsl.load`. DCP's own
             collectives are bounded by its process group's timeout.
         staging_bytes: the most host memory a `read_data` pins to copy bytes to device tensors
-            (two buffers per reader thread; default 256 MiB), as for `remapdsl.load`.
+            (default 16 MiB), as for `remapdsl.load`.
     """
 
     def __init__(self, path: str | os.PathLike, rules: str | os.PathLike | RuleSet, *,

@@ -48,8 +48,8 @@ SETTLE_SECONDS = 5.0
 ROLL_CALL_SECONDS = 2.0  # after a failed collective: how long survivors wait to hear from the others
 _COLLECTIVES = 0  # collectives this process has made through this module (a roll call's name)
 DEFAULT_TIMEOUT = 300.0  # seconds a call waits at one exchange for the other ranks, unless told otherwise
-# A wait for the other ranks longer than this writes this rank's arrival into the group's store, so
-# that a rank that never arrives can be named; faster exchanges touch no store.
+# A rank waiting at an exchange longer than this notes it in the group's store, so that a rank that
+# never arrives can be named; faster exchanges touch no store.
 ARRIVAL_SECONDS = 1.0
 _timeout: ContextVar[float] = ContextVar("remapdsl_timeout", default=DEFAULT_TIMEOUT)
 _control: tuple[Any, Any] | None = None  # (the default group, the group control exchanges go over)
@@ -86,8 +86,9 @@ def seconds(timeout) -> float:
 
 @contextmanager
 def bounded(timeout) -> Iterator[None]:
-    """Every exchange made inside waits at most `timeout` for the other ranks (a call's `timeout=`)."""
-    token = _timeout.set(seconds(timeout))
+    """Every exchange made inside waits at most `timeout` for the other ranks (a call's `timeout=`;
+    None keeps the bound in force: DEFAULT_TIMEOUT, or an enclosing call's)."""
+    token = _timeout.set(_timeout.get() if timeout is None else seconds(timeout))
     try:
         yield
     finally:
@@ -97,14 +98,17 @@ def bounded(timeout) -> Iterator[None]:
 def bounded_iter(items: Iterator[T], timeout) -> Iterator[T]:
     """`items` (a generator making exchanges) with each step run under `bounded(timeout)`, so the
     bound holds in the generator and never leaks into the caller's code between steps."""
-    limit = seconds(timeout)
-    while True:
-        with bounded(limit):
-            try:
-                item = next(items)
-            except StopIteration:
-                return
-        yield item
+    limit = _timeout.get() if timeout is None else seconds(timeout)
+    try:
+        while True:
+            with bounded(limit):
+                try:
+                    item = next(items)
+                except StopIteration:
+                    return
+            yield item
+    finally:
+        items.close()
 
 
 def share_inventory(checkpoint, phase: str = "reading the checkpoint's headers") -> Inventory:
@@ -432,8 +436,9 @@ def _settled(start: Callable[[], Any], buffers: list[torch.Tensor], phase: str, 
 
 
 def _wait_bounded(work, phase: str) -> None:
-    """Wait for `work` at most the call's timeout; a wait past ARRIVAL_SECONDS notes this rank's
-    arrival in the store first. A backend error is raised as it is (its work is then completed)."""
+    """Wait for `work` at most the call's timeout. Past ARRIVAL_SECONDS this rank notes in the
+    store that it waits here (cleared once the work is done), so that after a timeout the ranks
+    not waiting can be named (E415). A backend error is raised as it is (its work is completed)."""
     limit = _timeout.get()
     first = min(ARRIVAL_SECONDS, limit)
     if _waited(work, first):

@@ -21,10 +21,15 @@ import torch
 class Staging(NamedTuple):
     """How device-bound bytes are staged: `buffers` buffers of `buffer_bytes` per reader thread,
     pinned (`pin`) when a CUDA device is there to copy them asynchronously. `everything` routes
-    CPU destinations through the ring too (what tests and benchmarks measure on a CPU machine)."""
+    CPU destinations through the ring too (what tests and benchmarks measure on a CPU machine).
 
-    buffer_bytes: int = 64 << 20
-    buffers: int = 2
+    Buffers of 2 MiB: a read lands in a buffer still in the CPU's cache, so the host side of the
+    copy costs little more than a read straight into memory (bench/staging_bench.py: 1 to 4 MiB
+    were fastest, 64 MiB about half as fast), and a host-to-device copy of 2 MiB is long enough
+    to keep the copy engine busy; four a thread let reads run ahead of the copies."""
+
+    buffer_bytes: int = 2 << 20
+    buffers: int = 4
     pin: bool = True
     everything: bool = False
 
@@ -33,24 +38,30 @@ class Staging(NamedTuple):
         return max(1, threads) * self.buffers * self.buffer_bytes
 
 
-STAGING_BYTES = 256 << 20  # a call's default bound: two 64 MiB buffers for each of two reader threads
 STAGING = Staging()
+STAGING_BYTES = STAGING.bound(2)  # a call's default bound: 16 MiB, four 2 MiB buffers for each of two threads
 
 
 def staging_within(staging_bytes: int | None, threads: int = 2) -> Staging:
-    """Two buffers per reader thread within `staging_bytes` (a call's `staging_bytes=`; None: the
-    default, STAGING_BYTES); E416 unless a whole number of at least one kB a buffer."""
+    """The staging of a call's `staging_bytes=` (None: STAGING) on `threads` reader threads: buffers
+    of 2 MiB, as many as fit a thread's share; where fewer than two fit, two of half its share. E416
+    unless a whole number of bytes of at least two 1 kB buffers a thread."""
     if staging_bytes is None:
         return STAGING
-    buffers = 2 * max(1, threads)
-    if isinstance(staging_bytes, bool) or not isinstance(staging_bytes, int) or staging_bytes < buffers << 10:
+    threads = max(1, threads)
+    least = 2 * threads << 10
+    if isinstance(staging_bytes, bool) or not isinstance(staging_bytes, int) or staging_bytes < least:
         from ..errors import Diagnostic, RemapError
 
         raise RemapError(Diagnostic(code="E416", message=f"staging_bytes={staging_bytes!r} is not a whole number of "
-                                    f"bytes of at least {buffers} kB ({buffers} staging buffers of at least 1 kB)",
+                                    f"bytes of at least {least >> 10} kB (two staging buffers of at least 1 kB for "
+                                    f"each of {threads} reader threads)",
                                     hint=f"the default is {STAGING_BYTES >> 20} MiB: the most host memory a call "
                                          "pins to copy bytes to a device"))
-    return Staging(buffer_bytes=staging_bytes // buffers, buffers=2)
+    share = staging_bytes // threads
+    if share >= 2 * STAGING.buffer_bytes:
+        return STAGING._replace(buffers=share // STAGING.buffer_bytes)
+    return STAGING._replace(buffer_bytes=share // 2, buffers=2)
 
 # (bytes, fill): a piece of a destination in order; `fill(buffer)` writes its bytes into `buffer`
 Piece = tuple[int, Callable[[torch.Tensor], object]]
@@ -101,8 +112,15 @@ class StagingRing:
             raise ValueError(f"the pieces hold {at} bytes, the destination {destination.numel()}")
 
     def _take(self) -> torch.Tensor:
-        """A free buffer: one made before, a new one while fewer than `buffers` exist, else the
-        oldest in flight once its copy has finished."""
+        """A free buffer: the one whose copy finished last (most likely still in the CPU's cache),
+        a new one while fewer than `buffers` exist, else the oldest in flight once its copy has
+        finished."""
+        for _ in range(len(self._busy)):  # those finished, in order: the newest ends on top
+            buffer, event = self._busy.popleft()
+            if event is None or event.query():
+                self._free.append(buffer)
+            else:
+                self._busy.append((buffer, event))
         if self._free:
             return self._free.pop()
         if self._made < self.staging.buffers:
