@@ -25,7 +25,7 @@ from . import save
 from .dcp import RuleStorageReader
 from .errors import Diagnostic, RemapError
 from .language import RuleSet
-from .runtime import dist
+from .runtime import bounds, dist
 
 _log = logging.getLogger("remapdsl")
 
@@ -83,7 +83,7 @@ class RuleStateDictAdapter(BaseStateDictAdapter):
         self.rules = rules
         self.config = type(self).default_config if config is None else config
         self.strict = type(self).default_strict if strict is None else strict
-        self.timeout = dist.seconds(timeout)
+        self.timeout = bounds.seconds(timeout)
         self.match: Match | None = None
         self._reader: RuleStorageReader | None = None
 
@@ -109,7 +109,7 @@ class RuleStateDictAdapter(BaseStateDictAdapter):
         loaded = tuple(k for k in state_dict if k in made)
         not_in_rules = tuple(k for k in state_dict if k not in made)
         self.match = Match(loaded, not_in_rules, tuple(sorted(made.keys() - state_dict.keys())))
-        with dist.bounded(self.timeout):
+        with bounds.bounded(self.timeout):
             dist.together(lambda: self._check(state_dict, made, not_in_rules),
                           phase="checking the state dict against the rules")
         _log.info("torchtitan adapter: %d tensors from the rules, %d state-dict keys not made by them, "

@@ -32,7 +32,7 @@ def shut_down() -> None:
     helper), and collecting here would hide it if they did."""
     import torch.distributed as dist
 
-    from remapdsl.runtime.dist import control_group
+    from remapdsl.runtime.bounds import control_group
 
     try:
         dist.barrier(group=control_group())  # a CPU-capable group: the default may have none

@@ -20,7 +20,7 @@ import pytest
 import torch
 
 import remapdsl
-from remapdsl.runtime.dist import control_group
+from remapdsl.runtime.bounds import control_group
 from remapdsl.testing.ranks import run_ranks
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -20,7 +20,7 @@ import torch.distributed as dist
 from gloo import BACKENDS, CHECK_FAILURES, join_group, run_with_bound
 
 import remapdsl
-from remapdsl.runtime import dist as remap_dist
+from remapdsl.runtime import bounds
 from remapdsl.testing.ranks import run_ranks
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -102,7 +102,7 @@ def test_a_rank_that_never_calls_is_named_by_the_others_within_the_timeout(backe
         assert seen["type"] == "RemapError" and seen["codes"] == ["E415"], seen
         assert f"rank {r} waited 4 s while {phase}: rank 2 never arrived" in seen["text"], seen
         assert seen["failed_ranks"] == [2], seen
-        assert seen["seconds"] < timeout + remap_dist.ROLL_CALL_SECONDS + 3, seen
+        assert seen["seconds"] < timeout + bounds.ROLL_CALL_SECONDS + 3, seen
 
 
 @pytest.mark.parametrize("timeout", [0, -1.0, float("nan"), float("inf"), "60", True])

@@ -29,7 +29,7 @@ from ..gcpause import paused_gc
 from ..indexmap import Box
 from ..language.includes import RuleSet
 from ..language.library import resolve_rules_path
-from ..runtime import dist
+from ..runtime import bounds, dist
 from ..runtime.prepare import compile_everywhere
 from ..runtime.read import run_load_plan
 from ..runtime.staging import Rings, staging_within
@@ -73,7 +73,7 @@ class RuleStorageReader(StorageReader):
                  staging_bytes: int | None = None):
         super().__init__()
         self._rules, self._config, self._strict = rules, config, strict
-        self._timeout = dist.seconds(timeout)
+        self._timeout = bounds.seconds(timeout)
         self._staging = staging_within(staging_bytes)
         self.report: ReadReport | None = None
         self._open(path)
@@ -82,11 +82,13 @@ class RuleStorageReader(StorageReader):
         """Compile the rules against `path` on every rank together (errors: RemapError, every rank);
         the cyclic collector paused throughout, as `remapdsl.load` does (parsing and compiling make
         many short-lived objects, and each full collection walks torch's whole heap)."""
-        with paused_gc(), dist.bounded(self._timeout):
+        with paused_gc(), bounds.bounded(self._timeout):
             self._compile(path)
 
     def _compile(self, path) -> None:
-        from .. import _rules_for  # `auto`: chosen from config.json (or the config given), logged as load does
+        from .. import (
+            _rules_for,  # `auto`: chosen from config.json (or the config given), logged as load does
+        )
 
         require_data(path, "dcp.load")
         path = os.fspath(path)

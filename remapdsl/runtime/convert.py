@@ -32,7 +32,7 @@ from ..gcpause import paused_gc
 from ..indexmap import nbytes
 from ..sharding.holdings import whole_shard
 from ..sharding.plans import make_load_plan, make_write_plan
-from . import dist
+from . import bounds, dist
 from .prepare import compile_everywhere
 from .read import run_load_plan
 from .save import (
@@ -65,7 +65,7 @@ def convert(src, dst, rules, *, reverse: bool = False, like=None, max_shard_byte
             progress: Callable[[int, int], None] | None = None, dropped: str = "error",
             timeout=None) -> ConvertReport:
     """Convert checkpoint `src` into `dst` through `rules`; the arguments are `remapdsl.convert`'s."""
-    with paused_gc(), dist.bounded(timeout):
+    with paused_gc(), bounds.bounded(timeout):
         return _convert(src, Path(dst).absolute(), rules, reverse, like, max_shard_bytes, budget_bytes,
                         overwrite, progress, dropped)
 

@@ -1,4 +1,4 @@
-"""The only caller of torch.distributed: share headers, agree on the compiled rules, fail together.
+"""The ranks' exchanges: share headers, agree on the compiled rules, fail together.
 
 Interface (every rank calls each function, in this order, as DCP's planners do):
 `share_inventory` (rank 0 reads the headers, the others receive them), `together(fn[, agree_on])`
@@ -7,12 +7,10 @@ instead of a hang; with `agree_on`, the ranks also compare digests of what they 
 a difference say what differs), `broadcast_from_first` (tensors every rank holds whole). Each
 exchange is one collective (two for objects: their sizes, then their bytes).
 
-Control exchanges (errors, digests, headers, plans, sizes; CPU tensors) go over a CPU-capable group:
-the default group when it has a backend for CPU tensors (gloo, `"cpu:gloo,cuda:nccl"`), else one
-gloo group over the same ranks, made once per default group (an NCCL-only job). Tensors a caller
-moves (`broadcast_from_first`) go over the default group when they live on a device, the control
-group when on the CPU. Every wait for other ranks is bounded by the call's own timeout (`bounded`),
-not the group's; a rank that does not arrive in time is named on every rank that did (E415).
+With remapdsl/runtime/bounds.py, the only caller of torch.distributed. Control exchanges go over
+its control group (the default group, or a gloo group where that has no CPU backend), each wait
+bounded by the call's timeout; tensors a caller moves (`broadcast_from_first`) go over the default
+group when they live on a device, the control group when on the CPU.
 
 Every collective here is issued by this module on buffers it keeps referenced until the backend has
 released them: gloo's worker threads hold each finished work (its tensors) for a moment after the
@@ -24,13 +22,10 @@ exception"). So when a call returns, no thread of the backend holds anything of 
 
 from __future__ import annotations
 
-import datetime
 import pickle
 import sys
 import time
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
-from contextvars import ContextVar
+from collections.abc import Callable
 from typing import Any, NamedTuple, TypeVar
 
 import torch
@@ -39,21 +34,14 @@ import torch.distributed as dist
 from .. import errors
 from ..checkpoint import Inventory, open_inventory
 from ..errors import Diagnostic, RemapError
+from .bounds import control_group, ranks_text, roll_call, wait_bounded
 
 T = TypeVar("T")
 
 # How long a finished collective may wait for the backend's threads to let go of its buffers (in
 # practice microseconds; the bound only keeps a backend that never lets go from hanging a call).
 SETTLE_SECONDS = 5.0
-ROLL_CALL_SECONDS = 2.0  # after a failed collective: how long survivors wait to hear from the others
 _COLLECTIVES = 0  # collectives this process has made through this module (a roll call's name)
-DEFAULT_TIMEOUT = 300.0  # seconds a call waits at one exchange for the other ranks, unless told otherwise
-# A rank waiting at an exchange longer than this notes it in the group's store, so that a rank that
-# never arrives can be named; faster exchanges touch no store.
-ARRIVAL_SECONDS = 1.0
-_timeout: ContextVar[float] = ContextVar("remapdsl_timeout", default=DEFAULT_TIMEOUT)
-_control: tuple[Any, Any] | None = None  # (the default group, the group control exchanges go over)
-_GROUPS_MADE = 0  # control groups this process has made (their meeting's name in the store)
 # On a disagreement, how many distinct versions of one aspect are described (the first rank of each).
 MAX_VERSIONS = 4
 
@@ -68,47 +56,6 @@ def rank() -> int:
 
 def world_size() -> int:
     return dist.get_world_size() if active() else 1
-
-
-def seconds(timeout) -> float:
-    """A call's `timeout=` (seconds, a `datetime.timedelta`, or None for DEFAULT_TIMEOUT) in seconds;
-    E416 if not positive."""
-    if timeout is None:
-        return DEFAULT_TIMEOUT
-    value = timeout.total_seconds() if isinstance(timeout, datetime.timedelta) else timeout
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0 or value == float("inf"):
-        raise RemapError(Diagnostic(code="E416", message=f"timeout={timeout!r} is not a positive, finite number "
-                                    "of seconds (or a datetime.timedelta)",
-                                    hint=f"the default is {DEFAULT_TIMEOUT:g} s: how long a rank waits at one "
-                                         "exchange for the others"))
-    return float(value)
-
-
-@contextmanager
-def bounded(timeout) -> Iterator[None]:
-    """Every exchange made inside waits at most `timeout` for the other ranks (a call's `timeout=`;
-    None keeps the bound in force: DEFAULT_TIMEOUT, or an enclosing call's)."""
-    token = _timeout.set(_timeout.get() if timeout is None else seconds(timeout))
-    try:
-        yield
-    finally:
-        _timeout.reset(token)
-
-
-def bounded_iter(items: Iterator[T], timeout) -> Iterator[T]:
-    """`items` (a generator making exchanges) with each step run under `bounded(timeout)`, so the
-    bound holds in the generator and never leaks into the caller's code between steps."""
-    limit = _timeout.get() if timeout is None else seconds(timeout)
-    try:
-        while True:
-            with bounded(limit):
-                try:
-                    item = next(items)
-                except StopIteration:
-                    return
-            yield item
-    finally:
-        items.close()
 
 
 def share_inventory(checkpoint, phase: str = "reading the checkpoint's headers") -> Inventory:
@@ -201,7 +148,7 @@ def _agree(agreement: Agreement, result, digests: list[dict[str, str]]) -> None:
         if len(versions) < 2:
             continue
         groups = list(versions.values())
-        lines.append(f"{aspect}: " + "; ".join(f"{_ranks(g)} {'has' if len(g) == 1 else 'have'} {str(v)[:12]}"
+        lines.append(f"{aspect}: " + "; ".join(f"{ranks_text(g)} {'has' if len(g) == 1 else 'have'} {str(v)[:12]}"
                                              for v, g in versions.items()))
         if agreement.detail is None or agreement.explain is None:
             continue
@@ -223,18 +170,6 @@ def _safely(fn, *args):
         return f"<{type(exc).__name__}: {exc}>"
 
 
-def _ranks(ranks: list[int]) -> str:
-    """`rank 3`, `ranks 0-2, 5`: a list of ranks, runs collapsed."""
-    runs: list[list[int]] = []
-    for r in ranks:
-        if runs and runs[-1][1] == r - 1:
-            runs[-1][1] = r
-        else:
-            runs.append([r, r])
-    text = ", ".join(str(a) if a == b else f"{a}-{b}" for a, b in runs)
-    return f"rank {text}" if len(ranks) == 1 else f"ranks {text}"
-
-
 def _report(error: BaseException) -> tuple:
     """What other ranks need to raise the same error: its kind, text and diagnostics."""
     return type(error).__name__, str(error), error.diagnostics if isinstance(error, RemapError) else None
@@ -250,12 +185,12 @@ def _raise(failed: list[tuple[int, tuple]], world: int) -> None:
             for d in rep[2]:
                 seen.setdefault(d.render(), (d, []))[1].append(r)
         shown = tuple(d if len(ranks) == world else
-                      d.model_copy(update={"message": f"{d.message} (on {_ranks(ranks)})"})
+                      d.model_copy(update={"message": f"{d.message} (on {ranks_text(ranks)})"})
                       for d, ranks in seen.values())
         kinds = {rep[0] for _, rep in failed}
         error = _error_class(kinds.pop() if len(kinds) == 1 else "RemapError")(shown)
     else:
-        lines = [f"{_ranks([r])}: {kind}: {errors.shorten(text, 500)}" for r, (kind, text, _) in failed]
+        lines = [f"{ranks_text([r])}: {kind}: {errors.shorten(text, 500)}" for r, (kind, text, _) in failed]
         error = RemapError(Diagnostic(code="E411", message=f"{len(failed)} of {world} ranks failed:\n"
                                       + "\n".join(lines)))
     error.failed_ranks = tuple(r for r, _ in failed)
@@ -342,61 +277,6 @@ def _all_gather_bytes(payload: bytes, phase: str) -> list[bytes]:
     return [o[:n].numpy().tobytes() for o, n in zip(out, lengths)]
 
 
-def control_group():
-    """The group control exchanges go over: None (the default group) when that has a backend for
-    CPU tensors or there is no group, else a gloo group over the same ranks, made once per default
-    group by every rank at the same exchange (its first). The ranks first meet in the group's
-    store, so a rank that never arrives is named within the call's timeout instead of blocking
-    the group's creation. A caller's own collectives on CPU tensors can use it too (`group=`)."""
-    global _control, _GROUPS_MADE
-    if not active():
-        return None
-    default = dist.group.WORLD
-    if _control is not None and _control[0] is default:
-        return _control[1]
-    group = None
-    if not any(part.strip().startswith("cpu:") for part in dist.get_backend_config(default).split(",")):
-        _GROUPS_MADE += 1
-        _meet(f"remapdsl/control-group/{_GROUPS_MADE}", "making the group for control exchanges")
-        group = dist.new_group(backend="gloo")
-    _control = (default, group)
-    return group
-
-
-def _meet(name: str, phase: str) -> None:
-    """Wait, at most the call's timeout, until every rank has reached `name` (through the store:
-    one entry and one count a rank); else E415 naming the ranks that did not."""
-    store = _store()
-    me, world = dist.get_rank(), dist.get_world_size()
-    store.set(f"{name}/{me}", b"1")
-    if store.add(f"{name}/count", 1) == world:
-        store.set(f"{name}/all", b"1")
-    limit = _timeout.get()
-    try:
-        store.wait([f"{name}/all"], datetime.timedelta(seconds=limit))
-    except Exception:  # noqa: BLE001 - the store's timeout error differs by store and version
-        missing = [r for r in range(world) if not store.check([f"{name}/{r}"])]
-        raise _late(missing, limit, phase) from None
-
-
-def _store():
-    """The store the default group was made with (where the ranks meet and answer roll calls)."""
-    return dist.distributed_c10d._get_default_store()
-
-
-def _late(missing: list[int], limit: float, phase: str) -> RemapError:
-    """E415: this rank waited `limit` seconds while `phase` for `missing`, which never arrived."""
-    what = f"{_ranks(missing)} never arrived" if missing else \
-        "every rank arrived, at different exchanges (the ranks made different calls)"
-    error = RemapError(Diagnostic(
-        code="E415", message=f"rank {dist.get_rank()} waited {limit:g} s while {phase}: {what}",
-        hint="every rank must make the same remapdsl calls in the same order; the rank named is stuck, "
-             "slower (still working on an earlier step), or never made this call: its own log says which. "
-             "Raise `timeout=` if ranks legitimately arrive further apart"))
-    error.failed_ranks = tuple(missing)
-    return error
-
-
 def _settled(start: Callable[[], Any], buffers: list[torch.Tensor], phase: str, bound: bool = True) -> None:
     """Run one collective to completion and return only once the backend holds none of `buffers`.
 
@@ -417,7 +297,7 @@ def _settled(start: Callable[[], Any], buffers: list[torch.Tensor], phase: str, 
     try:
         work = start()
         if bound:
-            _wait_bounded(work, phase)
+            wait_bounded(work, phase, _COLLECTIVES)
         else:
             work.wait()
     except RemapError:
@@ -425,7 +305,7 @@ def _settled(start: Callable[[], Any], buffers: list[torch.Tensor], phase: str, 
     except Exception as exc:  # noqa: BLE001 - the backend's own error types differ by backend and version
         raise RemapError(Diagnostic(
             code="E413", message=f"rank {dist.get_rank()} lost the group while {phase}: "
-            f"{_roll_call(_COLLECTIVES)}; {type(exc).__name__}: {_first_sentence(exc)}",
+            f"{roll_call(_COLLECTIVES)}; {type(exc).__name__}: {_first_sentence(exc)}",
             hint="a rank died, was killed or left, or did not reach this step within the process "
                  "group's timeout (`init_process_group(timeout=...)`); its own log says why")) from None
     del work
@@ -433,77 +313,6 @@ def _settled(start: Callable[[], Any], buffers: list[torch.Tensor], phase: str, 
     while _references(buffers) > before and time.monotonic() < deadline:
         time.sleep(pause)
         pause = min(pause * 2, 1e-2)
-
-
-def _wait_bounded(work, phase: str) -> None:
-    """Wait for `work` at most the call's timeout. Past ARRIVAL_SECONDS this rank notes in the
-    store that it waits here (cleared once the work is done), so that after a timeout the ranks
-    not waiting can be named (E415). A backend error is raised as it is (its work is completed)."""
-    limit = _timeout.get()
-    first = min(ARRIVAL_SECONDS, limit)
-    if _waited(work, first):
-        return
-    store, key = _store(), _waiting(dist.get_rank())
-    store.set(key, str(_COLLECTIVES))
-    if _waited(work, limit - first):
-        store.set(key, "")
-        return
-    raise _late(_missing(), limit, phase)
-
-
-def _waited(work, limit: float) -> bool:
-    """True once `work` finished within `limit` seconds, False if it has not; its error if it failed."""
-    try:
-        work.wait(timeout=datetime.timedelta(seconds=limit))
-    except Exception:
-        if work.is_completed():  # it failed: the backend's own error
-            raise
-        return False
-    return True
-
-
-def _waiting(rank: int) -> str:
-    """The store's entry saying at which collective `rank` is waiting long ("" once it is not)."""
-    return f"remapdsl/waiting/{rank}"
-
-
-def _missing() -> list[int]:
-    """The ranks not waiting in an exchange (at this collective or any other: a broadcast's
-    receivers may finish it and wait at the next while its root still waits for a rank that never
-    came), after waiting up to ROLL_CALL_SECONDS for them (a rank that arrived a moment ago notes
-    it within ARRIVAL_SECONDS)."""
-    store, world, me = _store(), dist.get_world_size(), dist.get_rank()
-
-    def behind(r: int) -> bool:
-        key = _waiting(r)
-        return not store.check([key]) or not store.get(key)
-
-    missing = [r for r in range(world) if r != me]
-    deadline = time.monotonic() + ROLL_CALL_SECONDS
-    while True:
-        missing = [r for r in missing if behind(r)]
-        if not missing or time.monotonic() >= deadline:
-            return missing
-        time.sleep(0.05)
-
-
-def _roll_call(collective: int) -> str:
-    """Which ranks are gone, after a collective failed: every survivor notes in the process
-    group's store that it is waiting at this collective, then waits up to ROLL_CALL_SECONDS for
-    the others to be noted waiting too. The store is
-    the one the group was made with; if it is gone too (rank 0 hosts a TCPStore), so is rank 0,
-    most likely."""
-    try:
-        _store().set(_waiting(dist.get_rank()), str(collective))
-        missing = _missing()
-    except Exception as exc:  # noqa: BLE001 - a store that is gone fails with the backend's own errors
-        return (f"the group's store cannot be reached either ({type(exc).__name__}): rank 0, which "
-                "usually hosts it, may be the one lost")
-    if not missing:
-        return "every rank answered a roll call afterwards (a rank left the group, or a network fault)"
-    named = ", ".join(map(str, missing))
-    return (f"rank{'s' if len(missing) > 1 else ''} {named} did not answer a roll call within "
-            f"{ROLL_CALL_SECONDS:g} s (lost or stuck)")
 
 
 def _first_sentence(exc: BaseException) -> str:

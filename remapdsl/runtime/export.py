@@ -31,7 +31,7 @@ from ..compile.inverse import writers as derive_writers
 from ..errors import Diagnostic, RemapError
 from ..sharding.holdings import hold, owned
 from ..sharding.plans import make_write_plan
-from . import dist
+from . import bounds, dist
 from .pieces import torch_dtype
 from .prepare import check_mesh
 from .save import checkpoint_layout
@@ -43,8 +43,8 @@ def export(state_dict, rules, *, like=None, config: Mapping[str, Any] | None = N
            regions: bool = False, timeout=None) -> Iterator[tuple]:
     """(checkpoint key, tensor) pairs this rank is responsible for, or with `regions` (key,
     offsets, tensor) boxes of them; see `remapdsl.export`."""
-    dist.seconds(timeout)  # a bad timeout is refused at the call, before the first item is asked for
-    return dist.bounded_iter(_export(state_dict, rules, like, config, gather, bucket_bytes, layout, mesh,
+    bounds.seconds(timeout)  # a bad timeout is refused at the call, before the first item is asked for
+    return bounds.bounded_iter(_export(state_dict, rules, like, config, gather, bucket_bytes, layout, mesh,
                                      allow_lossy, regions), timeout)
 
 

@@ -23,12 +23,12 @@ from ..checkpoint.memory import MemoryReader, in_memory
 from ..errors import Diagnostic, RemapError, suggest
 from ..sharding.holdings import hold
 from ..sharding.plans import make_load_plan
-from . import dist
+from . import bounds, dist
 from .export import check_unquantized
 from .prepare import check_mesh
 from .read import run_load_plan
-from .staging import Rings, staging_within
 from .save import checkpoint_layout
+from .staging import Rings, staging_within
 
 
 class IngestReport(BaseModel):
@@ -47,7 +47,7 @@ def ingest(state_dict, pairs, rules, *, like=None, config: Mapping[str, Any] | N
            mesh=None, timeout=None, staging_bytes: int | None = None) -> IngestReport:
     """Fill this rank's part of `state_dict` from (checkpoint key, tensor) pairs; see `remapdsl.ingest`."""
     staging = staging_within(staging_bytes)
-    with dist.bounded(timeout), Rings(staging) as rings:  # one ring per reader thread, over all pairs
+    with bounds.bounded(timeout), Rings(staging) as rings:  # one ring per reader thread, over all pairs
         return _ingest(state_dict, pairs, rules, like, config, layout, mesh, rings)
 
 

@@ -23,7 +23,7 @@ from ..language import RuleSet
 from ..language.library import resolve_rules_path
 from ..sharding.holdings import hold
 from ..sharding.plans import make_load_plan
-from . import cache, dist
+from . import bounds, cache, dist
 from .prepare import check_mesh, layout_agreement, prepare_everywhere
 from .read import run_load_plan
 from .staging import Rings, staging_within
@@ -49,7 +49,7 @@ def load(state_dict, checkpoint, rules, *, config: Mapping[str, Any] | None = No
          staging_bytes: int | None = None) -> LoadReport:
     """Fill existing tensors in place from a checkpoint, through a rule file; see `remapdsl.load`."""
     staging = staging_within(staging_bytes)
-    with paused_gc(), dist.bounded(timeout):
+    with paused_gc(), bounds.bounded(timeout):
         return _load(state_dict, checkpoint, rules, config, strict, layout, mesh, read_replicated_once, staging)
 
 

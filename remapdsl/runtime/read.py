@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import ctypes
 import itertools
-import threading
 from collections.abc import Iterator, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from math import prod

@@ -50,7 +50,7 @@ from ..language.includes import RuleSet, load_rules
 from ..sharding.holdings import hold, owned
 from ..sharding.plans import make_write_plan
 from ..sizes import parse_size
-from . import dist
+from . import bounds, dist
 from .prepare import check_mesh, compile_everywhere, layout_agreement
 from .write import run_write_plan
 
@@ -76,7 +76,7 @@ def save(state_dict, folder, rules, *, like=None, config: Mapping[str, Any] | No
          dropped: str = "error", max_shard_size: int | str = "5GB", timeout=None) -> SaveReport:
     """Write runtime tensors back to the checkpoint layout `like` (or the one the rules derive
     without it); the arguments are `remapdsl.save`'s."""
-    with paused_gc(), dist.bounded(timeout):
+    with paused_gc(), bounds.bounded(timeout):
         return _save(state_dict, Path(folder).absolute(), rules, like, config, layout, mesh, overwrite, allow_lossy,
                      requantize, dropped, max_shard_size)
 

@@ -87,7 +87,7 @@ def _entry(rank: int, world: int, folder: str, fn, args, timeout: float, backend
     import torch
     import torch.distributed as dist
 
-    from remapdsl.runtime.dist import control_group
+    from remapdsl.runtime.bounds import control_group
 
     torch.set_num_threads(1)
     dist.init_process_group(backend, init_method=f"file://{folder}/rendezvous", rank=rank, world_size=world,

@@ -1,0 +1,213 @@
+"""How long a rank waits for the others, and over which group: the call's own bound on every wait.
+
+Control exchanges (errors, digests, headers, plans, sizes: CPU tensors) go over a CPU-capable
+group: the default group when it has a backend for CPU tensors (gloo, `"cpu:gloo,cuda:nccl"`),
+else one gloo group over the same ranks, made once per default group (an NCCL-only job;
+`control_group`). Every wait at one of them is bounded by the call's `timeout=` (`bounded`), not
+the group's: a rank waiting longer than ARRIVAL_SECONDS notes it in the default group's store, so
+that past the bound every rank that arrived names those that did not (E415, `late`). After a
+collective fails, the survivors name the ranks lost the same way (`roll_call`).
+"""
+
+from __future__ import annotations
+
+import datetime
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from contextvars import ContextVar
+from typing import Any, TypeVar
+
+import torch.distributed as dist
+
+from ..errors import Diagnostic, RemapError
+
+T = TypeVar("T")
+
+DEFAULT_TIMEOUT = 300.0  # seconds a call waits at one exchange for the other ranks, unless told otherwise
+# A rank waiting at an exchange longer than this notes it in the group's store, so that a rank that
+# never arrives can be named; faster exchanges touch no store.
+ARRIVAL_SECONDS = 1.0
+ROLL_CALL_SECONDS = 2.0  # after a timeout or a failed collective: how long to wait to hear from the others
+_timeout: ContextVar[float] = ContextVar("remapdsl_timeout", default=DEFAULT_TIMEOUT)
+_control: tuple[Any, Any] | None = None  # (the default group, the group control exchanges go over)
+_GROUPS_MADE = 0  # control groups this process has made (their meeting's name in the store)
+
+
+def ranks_text(ranks: list[int]) -> str:
+    """`rank 3`, `ranks 0-2, 5`: a list of ranks, runs collapsed."""
+    runs: list[list[int]] = []
+    for r in ranks:
+        if runs and runs[-1][1] == r - 1:
+            runs[-1][1] = r
+        else:
+            runs.append([r, r])
+    text = ", ".join(str(a) if a == b else f"{a}-{b}" for a, b in runs)
+    return f"rank {text}" if len(ranks) == 1 else f"ranks {text}"
+
+
+def seconds(timeout) -> float:
+    """A call's `timeout=` (seconds, a `datetime.timedelta`, or None for DEFAULT_TIMEOUT) in seconds;
+    E416 if not positive."""
+    if timeout is None:
+        return DEFAULT_TIMEOUT
+    value = timeout.total_seconds() if isinstance(timeout, datetime.timedelta) else timeout
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0 or value == float("inf"):
+        raise RemapError(Diagnostic(code="E416", message=f"timeout={timeout!r} is not a positive, finite number "
+                                    "of seconds (or a datetime.timedelta)",
+                                    hint=f"the default is {DEFAULT_TIMEOUT:g} s: how long a rank waits at one "
+                                         "exchange for the others"))
+    return float(value)
+
+
+@contextmanager
+def bounded(timeout) -> Iterator[None]:
+    """Every exchange made inside waits at most `timeout` for the other ranks (a call's `timeout=`;
+    None keeps the bound in force: DEFAULT_TIMEOUT, or an enclosing call's)."""
+    token = _timeout.set(_timeout.get() if timeout is None else seconds(timeout))
+    try:
+        yield
+    finally:
+        _timeout.reset(token)
+
+
+def bounded_iter(items: Iterator[T], timeout) -> Iterator[T]:
+    """`items` (a generator making exchanges) with each step run under `bounded(timeout)`, so the
+    bound holds in the generator and never leaks into the caller's code between steps."""
+    limit = _timeout.get() if timeout is None else seconds(timeout)
+    try:
+        while True:
+            with bounded(limit):
+                try:
+                    item = next(items)
+                except StopIteration:
+                    return
+            yield item
+    finally:
+        items.close()
+
+
+def control_group():
+    """The group control exchanges go over: None (the default group) when that has a backend for
+    CPU tensors or there is no group, else a gloo group over the same ranks, made once per default
+    group by every rank at the same exchange (its first). The ranks first meet in the group's
+    store, so a rank that never arrives is named within the call's timeout instead of blocking
+    the group's creation. A caller's own collectives on CPU tensors can use it too (`group=`)."""
+    global _control, _GROUPS_MADE
+    if not (dist.is_available() and dist.is_initialized()):
+        return None
+    default = dist.group.WORLD
+    if _control is not None and _control[0] is default:
+        return _control[1]
+    group = None
+    if not any(part.strip().startswith("cpu:") for part in dist.get_backend_config(default).split(",")):
+        _GROUPS_MADE += 1
+        _meet(f"remapdsl/control-group/{_GROUPS_MADE}", "making the group for control exchanges")
+        group = dist.new_group(backend="gloo")
+    _control = (default, group)
+    return group
+
+
+def _meet(name: str, phase: str) -> None:
+    """Wait, at most the call's timeout, until every rank has reached `name` (through the store:
+    one entry and one count a rank); else E415 naming the ranks that did not."""
+    store = _store()
+    me, world = dist.get_rank(), dist.get_world_size()
+    store.set(f"{name}/{me}", b"1")
+    if store.add(f"{name}/count", 1) == world:
+        store.set(f"{name}/all", b"1")
+    limit = _timeout.get()
+    try:
+        store.wait([f"{name}/all"], datetime.timedelta(seconds=limit))
+    except Exception:  # noqa: BLE001 - the store's timeout error differs by store and version
+        missing = [r for r in range(world) if not store.check([f"{name}/{r}"])]
+        raise late(missing, limit, phase) from None
+
+
+def _store():
+    """The store the default group was made with (where the ranks meet and answer roll calls)."""
+    return dist.distributed_c10d._get_default_store()
+
+
+def late(missing: list[int], limit: float, phase: str) -> RemapError:
+    """E415: this rank waited `limit` seconds while `phase` for `missing`, which never arrived."""
+    what = f"{ranks_text(missing)} never arrived" if missing else \
+        "every rank arrived, at different exchanges (the ranks made different calls)"
+    error = RemapError(Diagnostic(
+        code="E415", message=f"rank {dist.get_rank()} waited {limit:g} s while {phase}: {what}",
+        hint="every rank must make the same remapdsl calls in the same order; the rank named is stuck, "
+             "slower (still working on an earlier step), or never made this call: its own log says which. "
+             "Raise `timeout=` if ranks legitimately arrive further apart"))
+    error.failed_ranks = tuple(missing)
+    return error
+
+
+def wait_bounded(work, phase: str, collective: int) -> None:
+    """Wait for `work` at most the call's timeout. Past ARRIVAL_SECONDS this rank notes in the
+    store that it waits here (cleared once the work is done), so that after a timeout the ranks
+    not waiting can be named (E415). A backend error is raised as it is (its work is completed)."""
+    limit = _timeout.get()
+    first = min(ARRIVAL_SECONDS, limit)
+    if _waited(work, first):
+        return
+    store, key = _store(), _waiting(dist.get_rank())
+    store.set(key, str(collective))
+    if _waited(work, limit - first):
+        store.set(key, "")
+        return
+    raise late(_missing(), limit, phase)
+
+
+def _waited(work, limit: float) -> bool:
+    """True once `work` finished within `limit` seconds, False if it has not; its error if it failed."""
+    try:
+        work.wait(timeout=datetime.timedelta(seconds=limit))
+    except Exception:
+        if work.is_completed():  # it failed: the backend's own error
+            raise
+        return False
+    return True
+
+
+def _waiting(rank: int) -> str:
+    """The store's entry saying at which collective `rank` is waiting long ("" once it is not)."""
+    return f"remapdsl/waiting/{rank}"
+
+
+def _missing() -> list[int]:
+    """The ranks not waiting in an exchange (at this collective or any other: a broadcast's
+    receivers may finish it and wait at the next while its root still waits for a rank that never
+    came), after waiting up to ROLL_CALL_SECONDS for them (a rank that arrived a moment ago notes
+    it within ARRIVAL_SECONDS)."""
+    store, world, me = _store(), dist.get_world_size(), dist.get_rank()
+
+    def behind(r: int) -> bool:
+        key = _waiting(r)
+        return not store.check([key]) or not store.get(key)
+
+    missing = [r for r in range(world) if r != me]
+    deadline = time.monotonic() + ROLL_CALL_SECONDS
+    while True:
+        missing = [r for r in missing if behind(r)]
+        if not missing or time.monotonic() >= deadline:
+            return missing
+        time.sleep(0.05)
+
+
+def roll_call(collective: int) -> str:
+    """Which ranks are gone, after a collective failed: every survivor notes in the process
+    group's store that it is waiting at this collective, then waits up to ROLL_CALL_SECONDS for
+    the others to be noted waiting too. The store is
+    the one the group was made with; if it is gone too (rank 0 hosts a TCPStore), so is rank 0,
+    most likely."""
+    try:
+        _store().set(_waiting(dist.get_rank()), str(collective))
+        missing = _missing()
+    except Exception as exc:  # noqa: BLE001 - a store that is gone fails with the backend's own errors
+        return (f"the group's store cannot be reached either ({type(exc).__name__}): rank 0, which "
+                "usually hosts it, may be the one lost")
+    if not missing:
+        return "every rank answered a roll call afterwards (a rank left the group, or a network fault)"
+    named = ", ".join(map(str, missing))
+    return (f"rank{'s' if len(missing) > 1 else ''} {named} did not answer a roll call within "
+            f"{ROLL_CALL_SECONDS:g} s (lost or stuck)")
