@@ -623,6 +623,7 @@ def child_env(ranks: bool = False, base: str | None = None) -> dict:
     env = dict(os.environ, PYTHONWARNINGS="ignore")
     if base:
         env["PYTHONPATH"] = os.pathsep.join(filter(None, [base, env.get("PYTHONPATH")]))
+        env["XDG_CACHE_HOME"] = os.path.join(base, ".cache-bench")  # its load cache apart from this tree's
     if ranks:
         env.setdefault("OMP_NUM_THREADS", "1")
     return env

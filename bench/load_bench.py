@@ -31,7 +31,10 @@ same run: remapdsl-touched <= 1.25x preadv-touched; remapdsl-fresh <= 1.25x prea
 <= 1.25x mmap-fresh; remapdsl-fresh faster than transformers; RSS growth of remapdsl within 1.1x
 of the destination bytes.
 
-    python bench/load_bench.py [--runs 5] [--modes remapdsl-fresh,transformers,...] [--rebuild]
+`--base DIR` (a checkout of another commit) adds `remapdsl-touched@base`: remapdsl-touched with that
+checkout's remapdsl, shown beside this one's (`remapdsl-touched / remapdsl-touched@base`).
+
+    python bench/load_bench.py [--runs 5] [--modes remapdsl-fresh,transformers,...] [--rebuild] [--base DIR]
 """
 
 from __future__ import annotations
@@ -79,6 +82,7 @@ RSS_GOAL = 1.1  # remapdsl's peak RSS growth, as a multiple of the destination b
 # (mode, baseline, goal as the most the ratio of median times may be; None: shown only)
 RATIOS = (
     ("remapdsl-touched", "preadv-touched", 1.25),
+    ("remapdsl-touched", "remapdsl-touched@base", None),
     ("remapdsl-fresh", "preadv-fresh", 1.25),
     ("remapdsl-fresh", "mmap-fresh", 1.25),
     ("remapdsl-fresh", "transformers", 1.0),
@@ -323,8 +327,13 @@ def run_child(mode: str, folder: Path, verify: bool) -> dict:
 # --------------------------------------------------------------------------------------------- parent
 
 
-def spawn(mode: str, folder: Path, verify: bool = False, timeout: float = 600) -> dict:
+def spawn(mode: str, folder: Path, verify: bool = False, timeout: float = 600, base: str | None = None) -> dict:
+    """`mode` in a fresh process; a mode ending in `@base` imports the remapdsl of the checkout `base`."""
     env = dict(os.environ, TRANSFORMERS_VERBOSITY="error", HF_HUB_OFFLINE="1", PYTHONWARNINGS="ignore")
+    if mode.endswith("@base"):
+        mode = mode.removesuffix("@base")
+        env["PYTHONPATH"] = os.pathsep.join(filter(None, [base, env.get("PYTHONPATH")]))
+        env["XDG_CACHE_HOME"] = os.path.join(base, ".cache-bench")  # its load cache apart from this tree's
     command = [sys.executable, str(Path(__file__).resolve()), "--child", mode, "--out", str(folder)]
     if verify:
         command.append("--verify")
@@ -357,6 +366,7 @@ def main() -> None:
                         help="comma-separated subset of " + ", ".join(MODES))
     parser.add_argument("--out", type=Path, default=DEFAULT_OUT, help="checkpoint folder (cached)")
     parser.add_argument("--rebuild", action="store_true", help="make the checkpoint again")
+    parser.add_argument("--base", help="a checkout of another commit: adds remapdsl-touched@base")
     parser.add_argument("--child", help=argparse.SUPPRESS)
     parser.add_argument("--verify", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -365,8 +375,9 @@ def main() -> None:
         print("RESULT " + json.dumps(run_child(args.child, folder, args.verify)), flush=True)
         return
 
-    modes = [m for m in args.modes.split(",") if m]
-    unknown = set(modes) - set(MODES)
+    modes = [m for m in args.modes.split(",") if m] + (["remapdsl-touched@base"] if args.base else [])
+    base = args.base and os.path.abspath(args.base)
+    unknown = set(modes) - set(MODES) - {"remapdsl-touched@base"}
     if unknown:
         raise SystemExit(f"unknown modes: {', '.join(sorted(unknown))}")
     ensure_checkpoint(folder, args.rebuild)
@@ -390,7 +401,7 @@ def main() -> None:
             if mode in errors:
                 continue
             verify = r == 0 and mode in ("remapdsl-touched", "remapdsl-fresh", "transformers")
-            result = spawn(mode, folder, verify=verify)
+            result = spawn(mode, folder, verify=verify, base=base)
             if "error" in result:
                 errors[mode] = result["error"]
                 continue

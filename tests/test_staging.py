@@ -207,3 +207,26 @@ def test_a_staging_bound_too_small_or_not_a_whole_number_is_refused(staging_byte
     assert info.value.diagnostic.code == "E416", str(info.value)
     assert f"staging_bytes={staging_bytes!r} is not a whole number of bytes of at least 4 kB (two staging buffers" in str(info.value)
 
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device: loads into CUDA tensors")
+def test_cuda_destinations_through_pinned_staging_equal_cpu_loads():
+    """CUDA shards of the bundled example under its tp=2 layout (row and column shards of stacked,
+    fused experts) through pinned 4 kB buffers: each equals the CPU load, within the bound."""
+    compiled = remapdsl.compile_rules(remapdsl.load_rules(RULES), TINY)
+    inventory = remapdsl.open_checkpoint(TINY)
+    layout, mesh = read_layout(TINY.parent / "tp2_layout.json"), Mesh.of({"tp": 2})
+    for rank in (0, 1):
+        plan = remapdsl.plan_rank(compiled, inventory, layout, mesh, rank)
+        shapes = {d.runtime_key: local_shard(d.shape, mesh.sizes, layout_for(d.runtime_key, d.shape, layout, mesh),
+                                             mesh.coordinate(rank)).shape for d in compiled.runtime_tensors}
+        dtypes = {d.runtime_key: getattr(torch, d.dtype) for d in compiled.runtime_tensors}
+        on_cpu = {k: torch.zeros(s, dtype=dtypes[k]) for k, s in shapes.items()}
+        on_cuda = {k: torch.zeros(s, dtype=dtypes[k], device="cuda") for k, s in shapes.items()}
+        rings = Rings(Staging(buffer_bytes=4096, buffers=2))
+        run_load_plan(plan, inventory, on_cpu)
+        with rings:
+            run_load_plan(plan, inventory, on_cuda, rings=rings)
+        assert all(torch.equal(on_cuda[k].cpu(), on_cpu[k]) for k in on_cpu)
+        assert 0 < rings.allocated <= rings.staging.bound(2)
