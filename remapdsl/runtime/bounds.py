@@ -118,7 +118,7 @@ def _meet(name: str, phase: str) -> None:
         store.set(f"{name}/all", b"1")
     limit = _timeout.get()
     try:
-        store.wait([f"{name}/all"], datetime.timedelta(seconds=limit))
+        store.wait([f"{name}/all"], _at_least_a_millisecond(limit))
     except Exception:  # noqa: BLE001 - the store's timeout error differs by store and version
         missing = [r for r in range(world) if not store.check([f"{name}/{r}"])]
         raise late(missing, limit, phase) from None
@@ -161,12 +161,17 @@ def wait_bounded(work, phase: str, collective: int) -> None:
 def _waited(work, limit: float) -> bool:
     """True once `work` finished within `limit` seconds, False if it has not; its error if it failed."""
     try:
-        work.wait(timeout=datetime.timedelta(seconds=limit))
+        work.wait(timeout=_at_least_a_millisecond(limit))
     except Exception:
         if work.is_completed():  # it failed: the backend's own error
             raise
         return False
     return True
+
+
+def _at_least_a_millisecond(limit: float) -> datetime.timedelta:
+    """A wait's bound as torch takes it: in whole milliseconds, where 0 means no bound at all."""
+    return datetime.timedelta(milliseconds=max(1, round(limit * 1000)))
 
 
 def _waiting(rank: int) -> str:
