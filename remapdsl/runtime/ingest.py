@@ -21,6 +21,7 @@ from pydantic import BaseModel, ConfigDict
 
 from ..checkpoint.memory import MemoryReader, in_memory
 from ..errors import Diagnostic, RemapError, suggest
+from ..gcpause import paused_gc
 from ..sharding.holdings import hold
 from ..sharding.plans import make_load_plan
 from . import bounds, dist
@@ -61,9 +62,10 @@ def _ingest(state_dict, pairs, rules, like, config, layout, mesh, rings: Rings) 
         check_mesh(mesh)
         check_unquantized(compiled, "an ingest takes the checkpoint tensors' own values, and decoding streamed "
                           "quantized parts is not supported", "ingest with the rule file of the unquantized layout")
-        holding = hold(compiled, tensors, layout, mesh, rank)
-        memory = in_memory(inventory)
-        return memory, make_load_plan(compiled, memory, holding.held(), rank), holding
+        with paused_gc():  # planning: many small objects, none in a cycle
+            holding = hold(compiled, tensors, layout, mesh, rank)
+            memory = in_memory(inventory)
+            return memory, make_load_plan(compiled, memory, holding.held(), rank), holding
 
     memory, load_plan, holding = dist.together(plan, phase="planning the ingest")
     reads = defaultdict(list)
