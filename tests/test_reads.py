@@ -191,3 +191,42 @@ def test_the_collector_is_paused_while_planning_and_on_while_reading(monkeypatch
     assert gc.isenabled()
     loaded()
     assert seen == {"planning": False, "reading": True} and gc.isenabled()
+
+
+def _one_item_plan(change):
+    """The plan of the bundled example's `model.norm.weight` alone (a direct read: one run into a
+    contiguous CPU tensor), its item changed by `change`."""
+    plan = _plan()
+    (item,) = [i for i in plan.items if i.runtime_key == "model.norm.weight"]
+    return plan.model_copy(update={"items": (change(item),), "decodes": ()}), item
+
+
+@pytest.mark.parametrize("case", ["offset past the end", "runs longer than the region", "offset before the start"])
+def test_a_plan_item_outside_its_tensor_is_e417_naming_it_and_writes_nothing(case):
+    from remapdsl.indexmap import Runs
+
+    change = {
+        "offset past the end": lambda i: i._replace(local_offsets=(8,)),
+        "runs longer than the region": lambda i: i._replace(runs=Runs(i.runs.first, i.runs.length + 4)),
+        "offset before the start": lambda i: i._replace(local_offsets=(-4,)),
+    }[case]
+    plan, item = _one_item_plan(change)
+    tensors = _tensors()
+    tensors["model.norm.weight"] = torch.full((16,), 3.0)
+    with pytest.raises(remapdsl.RemapError) as info:
+        read.run_load_plan(plan, remapdsl.open_checkpoint(TINY), tensors)
+    (d,) = info.value.diagnostics
+    assert d.code == "E417" and "a plan item for `model.norm.weight` from `model.norm.weight`" in d.message, d
+    assert "nothing of it was read or written" in d.message
+    assert torch.equal(tensors["model.norm.weight"], torch.full((16,), 3.0))
+
+
+def test_a_plan_item_outside_a_strided_tensor_is_e417_too():
+    """A destination that is no contiguous CPU tensor (a transposed view) is filled through torch
+    views: a region the view cannot hold whole is refused, not cut short."""
+    plan, _ = _one_item_plan(lambda i: i._replace(local_offsets=(8,)))
+    tensors = _tensors()
+    tensors["model.norm.weight"] = torch.zeros(2, 16).t()[:, 0]  # 16 elements, stride 2
+    with pytest.raises(remapdsl.RemapError) as info:
+        read.run_load_plan(plan, remapdsl.open_checkpoint(TINY), tensors)
+    assert info.value.diagnostic.code == "E417" and "a tensor of shape [16]" in str(info.value)

@@ -9,6 +9,7 @@ import torch
 
 from ..checkpoint import CheckpointReader
 from ..dtypes import BY_NAME
+from ..errors import Diagnostic, RemapError
 
 
 def torch_dtype(name: str) -> torch.dtype:
@@ -16,8 +17,24 @@ def torch_dtype(name: str) -> torch.dtype:
 
 
 def region(tensor: torch.Tensor, item) -> torch.Tensor:
-    """The local region [local_offsets, local_offsets + sizes) of a plan item."""
-    return tensor[tuple(slice(o, o + s) for o, s in zip(item.local_offsets, item.sizes))]
+    """The local region [local_offsets, local_offsets + sizes) of a plan item; E417 where the
+    tensor does not hold it whole (slicing would silently cut it short)."""
+    view = tensor[tuple(slice(o, o + s) for o, s in zip(item.local_offsets, item.sizes))]
+    if tuple(view.shape) != tuple(item.sizes) or len(item.sizes) != tensor.dim():
+        raise outside(item, f"a tensor of shape {list(tensor.shape)}")
+    return view
+
+
+def outside(item, what: str) -> RemapError:
+    """E417: a plan item whose region does not lie in its runtime tensor, named; nothing of it is
+    read or written. A plan is made for the tensors it runs on, so this is a defect of remapdsl."""
+    ckpt = getattr(item, "ckpt_key", None) or getattr(item, "logical_key", None)
+    source = f" from `{ckpt}`" if ckpt else ""
+    return RemapError(Diagnostic(
+        code="E417", message=f"a plan item for `{item.runtime_key}`{source}, offsets {list(item.local_offsets)} "
+        f"sizes {list(item.sizes)}, does not lie in {what}: nothing of it was read or written",
+        hint="the plan does not fit the tensors it runs on: a defect of remapdsl; please report it with "
+             "the rule file, the checkpoint's headers and the layout"))
 
 
 def mapped_values(reader: CheckpointReader, item) -> torch.Tensor | None:

@@ -27,7 +27,7 @@ from ..checkpoint import CheckpointReader, Inventory
 from ..checkpoint import reader as files
 from ..indexmap import Runs, is_row_major, row_major_strides
 from ..sharding.plans import DecodeItem, LoadPlan, ReadItem
-from .pieces import apply_steps, mapped_values, read_part, region, torch_dtype
+from .pieces import apply_steps, mapped_values, outside, read_part, region, torch_dtype
 from .staging import STAGING, Rings, StagingRing, run_pieces, tensor_pieces
 
 
@@ -121,13 +121,15 @@ def _nbytes(unit) -> int:
 
 class _Memory(NamedTuple):
     """What the work list needs of a runtime tensor, read once per tensor: its first byte's address
-    (None unless a contiguous CPU tensor), dtype name, shape, and the bytes a step along each dim
-    moves."""
+    (None unless a contiguous CPU tensor), dtype name, shape, the bytes a step along each dim
+    moves, and its size in bytes (every direct read is checked to lie within it)."""
 
     address: int | None
     dtype: str
     shape: tuple[int, ...]
     steps: tuple[int, ...]
+    itemsize: int
+    nbytes: int
 
 
 def _memory(tensor: torch.Tensor, names: dict, staged: bool) -> _Memory:
@@ -138,7 +140,7 @@ def _memory(tensor: torch.Tensor, names: dict, staged: bool) -> _Memory:
     direct = tensor.is_cpu and tensor.is_contiguous() and not staged
     shape, itemsize = tuple(tensor.shape), tensor.element_size()
     return _Memory(tensor.data_ptr() if direct else None, name, shape,
-                   tuple(itemsize * n for n in row_major_strides(shape)))
+                   tuple(itemsize * n for n in row_major_strides(shape)), itemsize, tensor.numel() * itemsize)
 
 
 def _address(memory: _Memory, item: ReadItem) -> int | None:
@@ -157,9 +159,13 @@ def _address(memory: _Memory, item: ReadItem) -> int | None:
     if not is_row_major(item.strides, sizes):
         return None
     offsets = item.local_offsets
-    if not any(offsets):
-        return memory.address
-    return memory.address + sum(map(mul, offsets, memory.steps))
+    start = sum(map(mul, offsets, memory.steps)) if any(offsets) else 0
+    # every direct read's bounds check: the bytes its runs fill are its region's, inside the tensor
+    size = prod(sizes) * memory.itemsize
+    if not 0 <= start <= memory.nbytes - size or item.runs.total != size or len(offsets) != len(memory.shape):
+        raise outside(item, f"a tensor of shape {list(memory.shape)} ({memory.nbytes} bytes) as {item.runs.total} "
+                      f"bytes at byte {start}")
+    return memory.address + start
 
 
 CHUNK = 32 << 20  # direct reads are cut to about this size, so both threads stay busy to the end
