@@ -9,28 +9,32 @@ placements, layout plans, per-rank plans), `remapdsl.runtime`. Importing it does
 
 from __future__ import annotations
 
-import logging
 import os
 from collections.abc import Mapping
-from pathlib import Path
 from typing import Any
 
 from .checkpoint import Inventory, open_inventory
-from .checkpoint.inventory import read_config_file
-from .checkpoint.snapshot import SnapshotInventory, checkpoint_config, is_snapshot, open_snapshot, require_data
+from .checkpoint.snapshot import (
+    SnapshotInventory,
+    checkpoint_config,
+    config_of,
+    is_snapshot,
+    open_snapshot,
+    require_data,
+)
 from .checkpoint.snapshot import write_snapshot as _write_snapshot
 from .compile import Compiled
 from .compile import compile_rules as _compile_rules
 from .compile.explain import explain
 from .errors import BindError, CheckpointError, Diagnostic, RemapError, RuleCheckError, RuleSyntaxError, Span
 from .language import RuleSet, load_rules
-from .language.library import AUTO, ShippedRules, shipped_rules
+from .language.library import ShippedRules, shipped_rules
 from .language.library import choose_rules as _choose_rules
+from .runtime.prepare import rules_for
 from .sharding.placements import LayoutError
 
 __version__ = "0.1.0"
 
-_log = logging.getLogger("remapdsl")
 
 
 def choose_rules(checkpoint: str | os.PathLike | Inventory,
@@ -42,27 +46,7 @@ def choose_rules(checkpoint: str | os.PathLike | Inventory,
         config: the model config; by default the checkpoint's config.json. Matched by `model_type`,
             else `architectures`, then `quantization_config.quant_method` (E147 when none fits).
     """
-    return _choose_rules(_config_of(checkpoint) if config is None else config)
-
-
-def _config_of(checkpoint) -> dict[str, Any]:
-    """config.json of a checkpoint, without reading its safetensors headers."""
-    if isinstance(checkpoint, Inventory) or is_snapshot(checkpoint):
-        return checkpoint_config(open_checkpoint(checkpoint))
-    folder = Path(checkpoint)
-    return read_config_file((folder if folder.is_dir() else folder.parent) / "config.json")
-
-
-def _rules_for(rules, checkpoint, config: Mapping[str, Any] | None = None):
-    """`auto` -> the path of the shipped file that fits the checkpoint (logged); anything else as given
-    (a path, a shipped name or a RuleSet: load_rules resolves names)."""
-    if isinstance(rules, RuleSet) or os.fspath(rules) != AUTO or Path(AUTO).is_file():
-        return rules
-    if checkpoint is None:
-        return rules  # load_rules explains (E148)
-    chosen, reason = choose_rules(checkpoint, config)
-    _log.info("rules auto: chose %s (%s)", chosen.name, reason)
-    return chosen.path
+    return _choose_rules(config_of(checkpoint) if config is None else config)
 
 
 def open_checkpoint(checkpoint: str | os.PathLike | Inventory) -> Inventory:
@@ -98,7 +82,7 @@ def compile_rules(rules: str | os.PathLike | RuleSet, checkpoint: str | os.PathL
         strict: refuse checkpoint tensors that no rule takes and no `drop` names.
     """
     inventory = open_checkpoint(checkpoint)
-    rules = _rules_for(rules, inventory, config)
+    rules = rules_for(rules, inventory, config)
     ruleset = rules if isinstance(rules, RuleSet) else load_rules(rules)
     return _compile_rules(ruleset, inventory, checkpoint_config(inventory) if config is None else config,
                           strict=strict)
@@ -144,7 +128,7 @@ def load(state_dict, checkpoint, rules, *, config: Mapping[str, Any] | None = No
     from .runtime.load import load as _load
 
     require_data(checkpoint, "a load")
-    rules = _rules_for(rules, checkpoint, config)
+    rules = rules_for(rules, checkpoint, config)
     return _load(state_dict, checkpoint, rules, config=config, strict=strict, layout=layout, mesh=mesh,
                  read_replicated_once=read_replicated_once, timeout=timeout, staging_bytes=staging_bytes)
 
@@ -188,7 +172,7 @@ def save(state_dict, folder, rules, *, like=None, config: Mapping[str, Any] | No
     from .runtime.save import save as _save
 
     require_data(like, "a save (`like`)")
-    rules = _rules_for(rules, like, config)
+    rules = rules_for(rules, like, config)
     return _save(state_dict, folder, rules, like=like, config=config, layout=layout, mesh=mesh,
                  overwrite=overwrite, allow_lossy=allow_lossy, requantize=requantize, dropped=dropped,
                  max_shard_size=max_shard_size, timeout=timeout)
@@ -226,7 +210,7 @@ def export(state_dict, rules, *, like=None, config: Mapping[str, Any] | None = N
     from .runtime.export import export as _export
 
     require_data(like, "an export (`like`)")
-    return _export(state_dict, _rules_for(rules, like, config), like=like, config=config, gather=gather,
+    return _export(state_dict, rules_for(rules, like, config), like=like, config=config, gather=gather,
                    bucket_bytes=bucket_bytes, layout=layout, mesh=mesh, allow_lossy=allow_lossy, regions=regions,
                    timeout=timeout)
 
@@ -252,7 +236,7 @@ def ingest(state_dict, pairs, rules, *, like=None, config: Mapping[str, Any] | N
     from .runtime.ingest import ingest as _ingest
 
     require_data(like, "an ingest (`like`)")
-    return _ingest(state_dict, pairs, _rules_for(rules, like, config), like=like, config=config, layout=layout,
+    return _ingest(state_dict, pairs, rules_for(rules, like, config), like=like, config=config, layout=layout,
                    mesh=mesh, timeout=timeout, staging_bytes=staging_bytes)
 
 
@@ -283,7 +267,7 @@ def convert(src, dst, rules, *, reverse: bool = False, like=None, max_shard_byte
 
     require_data(src, "a conversion")
     require_data(like, "a conversion (`like`)")
-    rules = _rules_for(rules, like if reverse else src)
+    rules = rules_for(rules, like if reverse else src)
     return _convert(src, dst, rules, reverse=reverse, like=like, max_shard_bytes=max_shard_bytes,
                     budget_bytes=budget_bytes, overwrite=overwrite, progress=progress, dropped=dropped,
                     timeout=timeout)

@@ -86,6 +86,26 @@ def test_every_import_flows_down_the_layers():
     assert not problems, "\n".join(problems)
 
 
+def test_no_private_name_is_imported_across_packages():
+    """`from remapdsl.x import _name` is a module's own business within its package only."""
+    problems = []
+    for module, path in _modules().items():
+        package = module if path.name == "__init__.py" else module.rpartition(".")[0]
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if not isinstance(node, ast.ImportFrom):
+                continue
+            if node.level:
+                base = package.split(".")[: len(package.split(".")) - node.level + 1]
+                target = ".".join(base + ([node.module] if node.module else []))
+            else:
+                target = node.module or ""
+            if target.split(".")[0] != "remapdsl" or target.split(".")[:2] == module.split(".")[:2]:
+                continue
+            problems += [f"{path.relative_to(PACKAGE.parent)}:{node.lineno}: {module} imports {target}.{a.name}"
+                         for a in node.names if a.name.startswith("_") and not a.name.startswith("__")]
+    assert not problems, "\n".join(problems)
+
+
 def test_nothing_imports_the_command_line():
     users = [f"{module} imports {target}" for module, path in _modules().items()
              if _layer(module) != len(LAYERS) - 1

@@ -16,6 +16,7 @@ import copy
 import json
 import os
 from collections.abc import Mapping
+from pathlib import Path
 from typing import Any
 
 from remapdsl.checkpoint.chunks import assemble_chunked, has_sharding_info
@@ -35,6 +36,7 @@ from remapdsl.checkpoint.inventory import (
     _unsafe_name,
     open_inventory,
     read_config,
+    read_config_file,
 )
 from remapdsl.dtypes import BY_NAME
 from remapdsl.errors import CheckpointError, Diagnostic, RemapError
@@ -81,6 +83,16 @@ def checkpoint_config(inventory: Inventory) -> dict[str, Any]:
     if isinstance(inventory, SnapshotInventory):
         return copy.deepcopy(inventory.config)
     return read_config(inventory)
+
+
+def config_of(checkpoint) -> dict[str, Any]:
+    """The model config of a checkpoint folder (or its index or .safetensors file), a snapshot or
+    an Inventory, without reading a folder's safetensors headers."""
+    if isinstance(checkpoint, Inventory) or is_snapshot(checkpoint):
+        inventory = checkpoint if isinstance(checkpoint, Inventory) else open_snapshot(checkpoint)
+        return checkpoint_config(inventory)
+    folder = Path(checkpoint)
+    return read_config_file((folder if folder.is_dir() else folder.parent) / "config.json")
 
 
 def require_data(checkpoint: object, what: str) -> None:

@@ -30,7 +30,7 @@ from ..indexmap import Box
 from ..language.includes import RuleSet
 from ..language.library import resolve_rules_path
 from ..runtime import bounds, dist
-from ..runtime.prepare import compile_everywhere
+from ..runtime.prepare import compile_everywhere, rules_for
 from ..runtime.read import run_load_plan
 from ..runtime.staging import Rings, staging_within
 from ..sharding.placements import LocalShard
@@ -84,13 +84,9 @@ class RuleStorageReader(StorageReader):
             self._compile(path)
 
     def _compile(self, path) -> None:
-        from .. import (
-            _rules_for,  # `auto`: chosen from config.json (or the config given), logged as load does
-        )
-
         require_data(path, "dcp.load")
         path = os.fspath(path)
-        rules = _rules_for(self._rules, path, self._config)
+        rules = rules_for(self._rules, path, self._config)  # `auto`: chosen and logged as load does
         self._inventory, self._compiled = compile_everywhere(rules, path, self._config, self._strict)
         self.checkpoint_id: str | os.PathLike = path
         self._metadata = runtime_metadata(self._compiled, path, _rules_named(rules))  # the runtime layout

@@ -14,15 +14,19 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import os
 from collections.abc import Callable, Mapping
+from pathlib import Path
 from typing import Any, NamedTuple
 
 from ..checkpoint import Inventory, read_config
+from ..checkpoint.snapshot import config_of
 from ..compile import Compiled, compile_rules
 from ..errors import Diagnostic, RemapError, shorten
 from ..gcpause import paused_gc
 from ..language.includes import RuleSet, load_rules, rule_sources, sources_of
+from ..language.library import AUTO, choose_rules
 from . import cache
 
 MAX_LISTED = 5  # differences listed per aspect when ranks disagree; the rest counted
@@ -99,6 +103,18 @@ def header_digests(inventory: Inventory) -> dict[str, str]:
         except OSError as exc:
             out[name] = f"cannot be read ({exc.strerror})"
     return out
+
+
+def rules_for(rules, checkpoint, config: Mapping[str, Any] | None = None):
+    """`auto` -> the path of the shipped file that fits the checkpoint (logged on the `remapdsl`
+    logger); anything else as given (a path, a shipped name or a RuleSet: load_rules resolves names)."""
+    if isinstance(rules, RuleSet) or os.fspath(rules) != AUTO or Path(AUTO).is_file():
+        return rules
+    if checkpoint is None:
+        return rules  # load_rules explains (E148)
+    chosen, reason = choose_rules(config_of(checkpoint) if config is None else config)
+    logging.getLogger("remapdsl").info("rules auto: chose %s (%s)", chosen.name, reason)
+    return chosen.path
 
 
 def compile_everywhere(rules, checkpoint, config=None, strict: bool = True,
