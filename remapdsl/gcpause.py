@@ -4,9 +4,7 @@ Compiling and planning build tens of thousands of short-lived tuples; in a proce
 holds a large heap (a model, torch.distributed state) each full collection walks every object, and
 on a 1,000-tensor sharded load those walks cost more than the compile itself (seen profiling the
 load of bench/dist_phases.py by hand: compile 0.18 s with collections, 0.04 s without).
-Nothing made here forms reference cycles that must be freed mid-phase. Only those phases are
-paused (the drivers' parse and compile, holdings and plans): reads, writes and collectives, which
-may run for hours in a conversion, run with the collector on.
+Nothing made here forms reference cycles that must be freed mid-phase.
 """
 
 from __future__ import annotations

@@ -167,32 +167,6 @@ def test_small_units_run_on_the_calling_thread_and_large_ones_on_readers(monkeyp
     assert {on_main for large, on_main in where if not large} == {True}
 
 
-def test_the_collector_is_paused_while_planning_and_on_while_reading(monkeypatch):
-    """Compiling and planning make many small objects (paused: full collections of a large heap
-    cost more than the work); reads, writes and collectives may run for hours (not paused)."""
-    import gc
-
-    from remapdsl.runtime import load as load_driver
-
-    seen = {}
-    plan, run = load_driver.make_load_plan, load_driver.run_load_plan
-
-    def planning(*args, **kwargs):
-        seen["planning"] = gc.isenabled()
-        return plan(*args, **kwargs)
-
-    def reading(*args, **kwargs):
-        seen["reading"] = gc.isenabled()
-        return run(*args, **kwargs)
-
-    monkeypatch.setattr(load_driver, "make_load_plan", planning)
-    monkeypatch.setattr(load_driver, "run_load_plan", reading)
-    monkeypatch.setenv("REMAPDSL_CACHE", "0")  # a plan made here, not read back
-    assert gc.isenabled()
-    loaded()
-    assert seen == {"planning": False, "reading": True} and gc.isenabled()
-
-
 def _one_item_plan(change):
     """The plan of the bundled example's `model.norm.weight` alone (a direct read: one run into a
     contiguous CPU tensor), its item changed by `change`."""

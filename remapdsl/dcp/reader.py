@@ -79,8 +79,10 @@ class RuleStorageReader(StorageReader):
         self._open(path)
 
     def _open(self, path) -> None:
-        """Compile the rules against `path` on every rank together (errors: RemapError, every rank)."""
-        with bounds.bounded(self._timeout):
+        """Compile the rules against `path` on every rank together (errors: RemapError, every rank);
+        the cyclic collector paused throughout, as `remapdsl.load` does (parsing and compiling make
+        many short-lived objects, and each full collection walks torch's whole heap)."""
+        with paused_gc(), bounds.bounded(self._timeout):
             self._compile(path)
 
     def _compile(self, path) -> None:
@@ -121,7 +123,8 @@ class RuleStorageReader(StorageReader):
 
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
         """Read every request of `plan` into the tensors `planner` resolves, then commit them."""
-        self.report = self._read(plan, planner)  # a RemapError raised here crosses DCP's exchange pickled, intact
+        with paused_gc():  # a RemapError raised here crosses DCP's exchange pickled, intact
+            self.report = self._read(plan, planner)
         done: Future[None] = Future()
         done.set_result(None)
         return done
@@ -145,8 +148,7 @@ class RuleStorageReader(StorageReader):
             views = {key: planner.resolve_tensor(item) for key, item in requests.items()}
             held = {key: _shard(item) for key, item in requests.items()}
             _check_views(views, held, self._compiled)
-            with paused_gc():  # planning: many small objects, none in a cycle
-                load_plan = make_load_plan(self._compiled, self._inventory, held, dist.rank())
+            load_plan = make_load_plan(self._compiled, self._inventory, held, dist.rank())
             try:
                 run_load_plan(load_plan, self._inventory, views, rings=rings)
             finally:

@@ -65,7 +65,7 @@ def convert(src, dst, rules, *, reverse: bool = False, like=None, max_shard_byte
             progress: Callable[[int, int], None] | None = None, dropped: str = "error",
             timeout=None) -> ConvertReport:
     """Convert checkpoint `src` into `dst` through `rules`; the arguments are `remapdsl.convert`'s."""
-    with bounds.bounded(timeout):
+    with paused_gc(), bounds.bounded(timeout):
         return _convert(src, Path(dst).absolute(), rules, reverse, like, max_shard_bytes, budget_bytes,
                         overwrite, progress, dropped)
 
@@ -90,12 +90,9 @@ def _convert(src, dst: Path, rules, reverse, like, max_shard_bytes, budget_bytes
     if reverse:
         dist.together(lambda: _check_runtime_source(compiled, runtime_source, src),
                       phase="checking the runtime checkpoint")
-        def derive():
-            with paused_gc():  # planning: many small objects, none in a cycle
-                return derive_writers(compiled, dropped=dropped), \
-                    derived or output_layout(compiled, checkpoint, dropped, False)
-
-        chosen, out = dist.together(derive, phase="deriving the writers")
+        chosen, out = dist.together(lambda: (derive_writers(compiled, dropped=dropped),
+                                             derived or output_layout(compiled, checkpoint, dropped, False)),
+                                    phase="deriving the writers")
         out_inventory, headers = out.inventory, out.headers or None
         copy_from = str(src) if derived else checkpoint.root  # a derived layout: the runtime folder's config.json
         index = out.index or (omitted_index(checkpoint, out_inventory) if rank == 0 and headers else None)
@@ -128,14 +125,11 @@ def _convert(src, dst: Path, rules, reverse, like, max_shard_bytes, budget_bytes
                     if reverse:  # runtime tensors read whole from src, written through the save direction
                         for k, t in tensors.items():
                             read_whole(reader, k, t)
-                        with paused_gc():
-                            plan = make_write_plan(chosen, out_inventory, whole, rank, logical)
+                        plan = make_write_plan(chosen, out_inventory, whole, rank, logical)
                         run_write_plan(plan, writer, tensors, reader=scales)
                         written += plan.bytes_written
                     else:  # runtime tensors made by the rules, written whole at their offsets
-                        with paused_gc():
-                            plan = make_load_plan(compiled, checkpoint, whole, rank)
-                        run_load_plan(plan, checkpoint, tensors)
+                        run_load_plan(make_load_plan(compiled, checkpoint, whole, rank), checkpoint, tensors)
                         if pending is not None:
                             pending.result()  # the previous batch is written (and freed) first
                         pending = pool.submit(_write_whole, writer, out_inventory, tensors)

@@ -29,7 +29,6 @@ import torch
 
 from ..compile.inverse import writers as derive_writers
 from ..errors import Diagnostic, RemapError
-from ..gcpause import paused_gc
 from ..sharding.holdings import hold, owned
 from ..sharding.plans import make_write_plan
 from . import bounds, dist
@@ -67,12 +66,10 @@ def _export(state_dict, rules, like, config, gather, bucket_bytes: int, layout, 
         check_unquantized(compiled, "an export streams the runtime tensors' own values, and re-encoding them in "
                           "the stored format is not supported", "export with the rule file of the unquantized "
                           "layout (`deepseek_v3`, not `deepseek_v3_fp8`); the engine quantizes what it loads")
-        with paused_gc():  # planning: many small objects, none in a cycle
-            chosen = derive_writers(compiled, allow_lossy=allow_lossy, dropped="omit")
-            holding = hold(compiled, tensors, layout, mesh, rank)
+        chosen = derive_writers(compiled, allow_lossy=allow_lossy, dropped="omit")
+        holding = hold(compiled, tensors, layout, mesh, rank)
         # the replica that writes a replicated tensor chosen by its key, so no one group assembles them all
-            plan = make_write_plan(chosen, out, owned(holding, rank, spread_over=world), rank,
-                                   compiled.logical_by_key())
+        plan = make_write_plan(chosen, out, owned(holding, rank, spread_over=world), rank, compiled.logical_by_key())
         return plan, holding, {w.block.source_key: w.runtime_key for w in chosen}
 
     plan, holding, producer = dist.together(prepare, phase="planning the export")

@@ -21,7 +21,6 @@ from pydantic import BaseModel, ConfigDict
 
 from ..checkpoint.memory import MemoryReader, in_memory
 from ..errors import Diagnostic, RemapError, suggest
-from ..gcpause import paused_gc
 from ..sharding.holdings import hold
 from ..sharding.plans import make_load_plan
 from . import bounds, dist
@@ -62,10 +61,9 @@ def _ingest(state_dict, pairs, rules, like, config, layout, mesh, rings: Rings) 
         check_mesh(mesh)
         check_unquantized(compiled, "an ingest takes the checkpoint tensors' own values, and decoding streamed "
                           "quantized parts is not supported", "ingest with the rule file of the unquantized layout")
-        with paused_gc():  # planning: many small objects, none in a cycle
-            holding = hold(compiled, tensors, layout, mesh, rank)
-            memory = in_memory(inventory)
-            return memory, make_load_plan(compiled, memory, holding.held(), rank), holding
+        holding = hold(compiled, tensors, layout, mesh, rank)
+        memory = in_memory(inventory)
+        return memory, make_load_plan(compiled, memory, holding.held(), rank), holding
 
     memory, load_plan, holding = dist.together(plan, phase="planning the ingest")
     reads = defaultdict(list)

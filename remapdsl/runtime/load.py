@@ -49,7 +49,7 @@ def load(state_dict, checkpoint, rules, *, config: Mapping[str, Any] | None = No
          staging_bytes: int | None = None) -> LoadReport:
     """Fill existing tensors in place from a checkpoint, through a rule file; see `remapdsl.load`."""
     staging = staging_within(staging_bytes)
-    with bounds.bounded(timeout):
+    with paused_gc(), bounds.bounded(timeout):
         return _load(state_dict, checkpoint, rules, config, strict, layout, mesh, read_replicated_once, staging)
 
 
@@ -63,14 +63,13 @@ def _load(state_dict, checkpoint, rules, config, strict, layout, mesh, read_repl
     def read():
         start = time.perf_counter()
         check_mesh(mesh)
-        with paused_gc():  # planning: many small objects, none in a cycle
-            holding = hold(compiled, tensors, layout, mesh, rank)
-            held = holding.held()
-            shared = holding.everywhere() if read_replicated_once and dist.active() else []
-            if rank != 0:  # rank 0 reads what every rank holds whole, and broadcasts it
-                for key in shared:
-                    del held[key]
-            plan = cache.load_plan(compiled_key, held, rank, lambda: make_load_plan(compiled, inventory, held, rank))
+        holding = hold(compiled, tensors, layout, mesh, rank)
+        held = holding.held()
+        shared = holding.everywhere() if read_replicated_once and dist.active() else []
+        if rank != 0:  # rank 0 reads what every rank holds whole, and broadcasts it
+            for key in shared:
+                del held[key]
+        plan = cache.load_plan(compiled_key, held, rank, lambda: make_load_plan(compiled, inventory, held, rank))
         with Rings(staging) as rings:
             run_load_plan(plan, inventory, holding.local, rings=rings)
         report = LoadReport(loaded=tuple(d.runtime_key for d in compiled.runtime_tensors),

@@ -24,7 +24,6 @@ from ..checkpoint import Inventory, read_config
 from ..checkpoint.snapshot import config_of
 from ..compile import Compiled, compile_rules
 from ..errors import Diagnostic, RemapError, shorten
-from ..gcpause import paused_gc
 from ..language.includes import RuleSet, load_rules, rule_sources, sources_of
 from ..language.library import AUTO, choose_rules
 from . import cache
@@ -157,10 +156,6 @@ def prepare_everywhere(rules, checkpoint, config=None, strict: bool = True,
     inventory, inventory_key = dist.from_first(first, "reading the checkpoint's headers")
 
     def prepare() -> _Prepared:
-        with paused_gc():  # parsing and compiling: many small objects, none in a cycle
-            return _prepare()
-
-    def _prepare() -> _Prepared:
         if check is not None:
             check()
         # a program loaded before, unchanged, is parsed again only if it must be compiled again

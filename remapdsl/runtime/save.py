@@ -76,7 +76,7 @@ def save(state_dict, folder, rules, *, like=None, config: Mapping[str, Any] | No
          dropped: str = "error", max_shard_size: int | str = "5GB", timeout=None) -> SaveReport:
     """Write runtime tensors back to the checkpoint layout `like` (or the one the rules derive
     without it); the arguments are `remapdsl.save`'s."""
-    with bounds.bounded(timeout):
+    with paused_gc(), bounds.bounded(timeout):
         return _save(state_dict, Path(folder).absolute(), rules, like, config, layout, mesh, overwrite, allow_lossy,
                      requantize, dropped, max_shard_size)
 
@@ -91,12 +91,11 @@ def _save(state_dict, folder: Path, rules, like, config, layout, mesh, overwrite
 
     def prepare():
         check_mesh(mesh)
-        with paused_gc():  # planning: many small objects, none in a cycle
-            chosen = derive_writers(compiled, allow_lossy=allow_lossy, requantize=requantize, dropped=dropped)
-            out = derived or output_layout(compiled, inventory, dropped, requantize)
-            holding = hold(compiled, tensors, layout, mesh, rank)
-            return (make_write_plan(chosen, out.inventory, owned(holding, rank), rank, compiled.logical_by_key(),
-                                    requantize), holding, out)
+        chosen = derive_writers(compiled, allow_lossy=allow_lossy, requantize=requantize, dropped=dropped)
+        out = derived or output_layout(compiled, inventory, dropped, requantize)
+        holding = hold(compiled, tensors, layout, mesh, rank)
+        return (make_write_plan(chosen, out.inventory, owned(holding, rank), rank, compiled.logical_by_key(),
+                                requantize), holding, out)
 
     plan, holding, out = dist.together(prepare, agree_on=layout_agreement("tensor layouts", lambda r: r[1], mesh),
                                        phase="planning the writes")
