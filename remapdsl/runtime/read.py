@@ -139,33 +139,43 @@ def _memory(tensor: torch.Tensor, names: dict, staged: bool) -> _Memory:
         name = names[dtype] = str(dtype).removeprefix("torch.")
     direct = tensor.is_cpu and tensor.is_contiguous() and not staged
     shape, itemsize = tuple(tensor.shape), tensor.element_size()
-    return _Memory(tensor.data_ptr() if direct else None, name, shape,
-                   tuple(itemsize * n for n in row_major_strides(shape)), itemsize, tensor.numel() * itemsize)
+    steps = tuple(itemsize * n for n in row_major_strides(shape))
+    return _Memory(tensor.data_ptr() if direct else None, name, shape, steps, itemsize,
+                   steps[0] * shape[0] if shape else itemsize)
 
 
 def _address(memory: _Memory, item: ReadItem) -> int | None:
     """Where an item's region starts in its tensor's memory, if the region is one contiguous range
-    that its runs fill in order (no value step, the same dtype, source order); else None."""
+    that its runs fill in order (no value step, the same dtype, source order); else None. Every
+    such range is checked to be the region's bytes, inside the tensor (E417 naming the item)."""
     if memory.address is None or item.ckpt_key is None or item.steps or memory.dtype != item.dtype:
         return None
-    sizes = item.sizes
-    if sizes != memory.shape:  # a part of the tensor: contiguous if size 1 on the leading dims, then
-        outer = True           # one partial dim, then whole dims
-        for n, extent in zip(sizes, memory.shape):
-            if not outer and n != extent:
-                return None
-            if n != 1:
-                outer = False
+    sizes, offsets, runs = item.sizes, item.local_offsets, item.runs
+    total = runs.length * prod(runs.counts) if runs.counts else runs.length
+    if sizes == memory.shape:  # the whole tensor
+        if not is_row_major(item.strides, sizes):
+            return None
+        if total != memory.nbytes or any(offsets):
+            raise _outside(memory, item, total, 0)
+        return memory.address
+    outer = True  # a part of the tensor: contiguous if size 1 on the leading dims, then one partial
+    for n, extent in zip(sizes, memory.shape):  # dim, then whole dims
+        if not outer and n != extent:
+            return None
+        if n != 1:
+            outer = False
     if not is_row_major(item.strides, sizes):
         return None
-    offsets = item.local_offsets
-    start = sum(map(mul, offsets, memory.steps)) if any(offsets) else 0
-    # every direct read's bounds check: the bytes its runs fill are its region's, inside the tensor
-    size = prod(sizes) * memory.itemsize
-    if not 0 <= start <= memory.nbytes - size or item.runs.total != size or len(offsets) != len(memory.shape):
-        raise outside(item, f"a tensor of shape {list(memory.shape)} ({memory.nbytes} bytes) as {item.runs.total} "
-                      f"bytes at byte {start}")
+    start = sum(map(mul, offsets, memory.steps))
+    if start < 0 or start + total > memory.nbytes or total != prod(sizes) * memory.itemsize \
+            or len(offsets) != len(memory.shape):
+        raise _outside(memory, item, total, start)
     return memory.address + start
+
+
+def _outside(memory: _Memory, item: ReadItem, total: int, start: int):
+    return outside(item, f"a tensor of shape {list(memory.shape)} ({memory.nbytes} bytes) as {total} bytes at "
+                   f"byte {start}")
 
 
 CHUNK = 32 << 20  # direct reads are cut to about this size, so both threads stay busy to the end
