@@ -12,6 +12,7 @@ collective fails, the survivors name the ranks lost the same way (`roll_call`).
 from __future__ import annotations
 
 import datetime
+import json
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -155,7 +156,7 @@ def wait_bounded(work, phase: str, collective: int) -> None:
     if _waited(work, limit - first):
         store.set(key, "")
         return
-    raise late(_missing(), limit, phase)
+    raise late(_missing(collective), limit, phase)
 
 
 def _waited(work, limit: float) -> bool:
@@ -179,12 +180,19 @@ def _waiting(rank: int) -> str:
     return f"remapdsl/waiting/{rank}"
 
 
-def _missing() -> list[int]:
+def _missing(collective: int) -> list[int]:
     """The ranks not waiting in an exchange (at this collective or any other: a broadcast's
     receivers may finish it and wait at the next while its root still waits for a rank that never
     came), after waiting up to ROLL_CALL_SECONDS for them (a rank that arrived a moment ago notes
-    it within ARRIVAL_SECONDS)."""
+    it within ARRIVAL_SECONDS). The first rank to ask at this collective looks (a check per rank,
+    then per rank still missing) and leaves the answer in the store for the others, who read it:
+    store traffic grows with the ranks, not their square."""
     store, world, me = _store(), dist.get_world_size(), dist.get_rank()
+    answer = f"remapdsl/missing/{collective}"
+    if store.add(answer + "/asked", 1) != 1:
+        found = _answer(store, answer)
+        if found is not None:  # else the rank looking is gone too: look here
+            return [r for r in found if r != me]
 
     def behind(r: int) -> bool:
         key = _waiting(r)
@@ -195,8 +203,19 @@ def _missing() -> list[int]:
     while True:
         missing = [r for r in missing if behind(r)]
         if not missing or time.monotonic() >= deadline:
-            return missing
+            break
         time.sleep(0.05)
+    store.set(answer, json.dumps(missing))
+    return missing
+
+
+def _answer(store, key: str) -> list[int] | None:
+    """The ranks another rank found missing, once it has written them (None if it never does)."""
+    try:
+        store.wait([key], _at_least_a_millisecond(ROLL_CALL_SECONDS + 1))
+        return json.loads(store.get(key))
+    except Exception:  # noqa: BLE001 - the store's timeout error differs by store and version
+        return None
 
 
 def roll_call(collective: int) -> str:
@@ -207,7 +226,7 @@ def roll_call(collective: int) -> str:
     most likely."""
     try:
         _store().set(_waiting(dist.get_rank()), str(collective))
-        missing = _missing()
+        missing = _missing(collective)
     except Exception as exc:  # noqa: BLE001 - a store that is gone fails with the backend's own errors
         return (f"the group's store cannot be reached either ({type(exc).__name__}): rank 0, which "
                 "usually hosts it, may be the one lost")
