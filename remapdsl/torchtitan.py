@@ -178,7 +178,7 @@ class RuleStateDictAdapter(BaseStateDictAdapter):
         reader = self._reader
         if reader is None or os.path.abspath(os.fspath(reader.checkpoint_id)) != os.path.abspath(path):
             reader = self._reader = RuleStorageReader(path, self.rules, config=self.config, strict=self.strict,
-                                                            timeout=self.timeout)
+                                                      timeout=self.timeout)
         return reader
 
     @staticmethod

@@ -151,6 +151,7 @@ def _address(memory: _Memory, item: ReadItem) -> int | None:
     if memory.address is None or item.ckpt_key is None or item.steps or memory.dtype != item.dtype:
         return None
     sizes, offsets, runs = item.sizes, item.local_offsets, item.runs
+    # runs.total without its two property calls: this runs once an item (23,123 items: ~20 ms)
     total = runs.length * prod(runs.counts) if runs.counts else runs.length
     if sizes == memory.shape:  # the whole tensor
         if not is_row_major(item.strides, sizes):

@@ -170,8 +170,10 @@ class Rings:
         with self._lock:
             ring = self._held.get(thread)
             if ring is None:
-                ring = self._idle.pop() if self._idle else StagingRing(self.staging)
-                if ring not in self._made:
+                if self._idle:
+                    ring = self._idle.pop()
+                else:
+                    ring = StagingRing(self.staging)
                     self._made.append(ring)
                 self._held[thread] = ring
         return ring
