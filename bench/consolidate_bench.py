@@ -116,7 +116,7 @@ def child(mode: str, src: str, dst: str, memory: int) -> None:
     from torch.distributed.checkpoint._consolidate_hf_safetensors import consolidate_safetensors_files
 
     import remapdsl
-    import remapdsl.runtime.convert
+    import remapdsl.drivers.convert
 
     _warm(Path(src))
     start = time.perf_counter()

@@ -1,16 +1,15 @@
-"""Where the time of a 2-rank sharded load goes, phase by phase (warm cache, steady state).
+"""Where the time of a 2-rank sharded load goes, phase by phase (first round and steady state).
 
 Each of 2 gloo ranks loads its Shard(0) DTensors (built with `DTensor.from_local`, as dist_bench.py
 does: `distribute_tensor` would be one collective a tensor) of the 400 MB checkpoint that
 dist_bench.py writes (run `python bench/dist_bench.py --dcp` once first), three times, timing the
-phases of `remapdsl.load` separately, in the order `compile_everywhere` and `load` run them: rules,
+phases of `remapdsl.load` separately, in the order `prepare_everywhere` and `load` run them: rules,
 shared headers (rank 0 reads them, one broadcast), config, compile digest (of the inputs), compile +
 agreement (one exchange), then this rank's holdings (`hold`), its plan (`make_load_plan`) and the
 reads (`run_load_plan`), those three inside one `together` exchange as in `load`; "plan + reads" is
-their sum. The headers, the compiled program and the plan come from the load cache as in `load`
-(runtime/cache.py): the first round of a first run makes and keeps them, later ones read them back
-(`REMAPDSL_CACHE=0` makes every round make them). GC is paused throughout, as `remapdsl.load` does. The last two rounds show the steady
-state; the first includes one-time costs. Each round's lines also give rank 0's CPU time per phase
+their sum. Every round makes everything anew, as a one-shot `remapdsl.load` does; the collector is
+paused inside compile and plan only, as there. The last two rounds show the steady state; the first
+includes one-time costs (building the parser). Each round's lines also give rank 0's CPU time per phase
 (`time.process_time`, less sensitive than wall time to other work on the machine) and the wall time
 a tensor of each phase (microseconds per checkpoint tensor).
 
@@ -92,11 +91,9 @@ def _one_load(targets: dict) -> tuple[dict, dict, dict, object]:
     plan + reads, and the plan."""
     import remapdsl
     from remapdsl.checkpoint import read_config
-    from remapdsl.gcpause import paused_gc
-    from remapdsl.language.includes import sources_of
-    from remapdsl.runtime import cache
+    from remapdsl.checkpoint import open_inventory
+    from remapdsl.drivers.prepare import compile_digest
     from remapdsl.runtime import dist as shared
-    from remapdsl.runtime.prepare import compile_digest
     from remapdsl.runtime.read import run_load_plan
     from remapdsl.sharding.holdings import hold
     from remapdsl.sharding.plans import make_load_plan
@@ -110,43 +107,33 @@ def _one_load(targets: dict) -> tuple[dict, dict, dict, object]:
         cpu[name] = (time.process_time() - cpu_mark) * 1e3
         mark, cpu_mark = time.perf_counter(), time.process_time()
 
-    with paused_gc():  # as remapdsl.load does
-        rules = remapdsl.load_rules(RULES)
-        lap("rules")
-        inv, inventory_key = shared.from_first(lambda: cache.open_checkpoint(str(FOLDER)))
-        inv = inv.restamped(str(FOLDER)) if shared.rank() else inv
-        lap("shared headers")
-        config = read_config(inv)
-        lap("config")
-        digest = compile_digest(rules, config, True, str(FOLDER))
-        lap("digest")
-        rule_files = sources_of(rules)
+    rules = remapdsl.load_rules(RULES)
+    lap("rules")
+    inv = shared.from_first(lambda: open_inventory(str(FOLDER)))
+    inv = inv.restamped(str(FOLDER)) if shared.rank() else inv
+    lap("shared headers")
+    config = read_config(inv)
+    lap("config")
+    digest = compile_digest(rules, config, True, str(FOLDER))
+    lap("digest")
+    compiled = shared.together(lambda: remapdsl.compile_rules(rules, inv, config, strict=True),
+                               agree_on=("compiled rules and checkpoint", lambda _: digest))
+    lap("compile + agreement")
 
-        def compiled_once():
-            key = cache.compiled_key(inventory_key, rule_files, config, True)
-            there, compiled = cache.kept_compiled(key)
-            if compiled is None:
-                compiled = remapdsl.compile_rules(rules, inv, config, strict=True)
-                cache.keep_compiled(key, compiled, replace=there)
-            return compiled, key
+    def plan_and_read():
+        t0 = time.perf_counter()
+        holding = hold(compiled, targets, rank=shared.rank())
+        t1 = time.perf_counter()
+        held = holding.held()
+        plan = make_load_plan(compiled, inv, held, shared.rank())
+        t2 = time.perf_counter()
+        run_load_plan(plan, inv, holding.local)
+        t3 = time.perf_counter()
+        inner.update(hold=(t1 - t0) * 1e3, plan=(t2 - t1) * 1e3, reads=(t3 - t2) * 1e3)
+        return plan
 
-        compiled, key = shared.together(compiled_once, agree_on=("compiled rules and checkpoint", lambda _: digest))
-        lap("compile + agreement")
-
-        def plan_and_read():
-            t0 = time.perf_counter()
-            holding = hold(compiled, targets, rank=shared.rank())
-            t1 = time.perf_counter()
-            held = holding.held()
-            plan = cache.load_plan(key, held, shared.rank(), lambda: make_load_plan(compiled, inv, held, shared.rank()))
-            t2 = time.perf_counter()
-            run_load_plan(plan, inv, holding.local)
-            t3 = time.perf_counter()
-            inner.update(hold=(t1 - t0) * 1e3, plan=(t2 - t1) * 1e3, reads=(t3 - t2) * 1e3)
-            return plan
-
-        report = shared.together(plan_and_read)
-        lap("plan + reads")
+    report = shared.together(plan_and_read)
+    lap("plan + reads")
     return phases, cpu, inner, report
 
 

@@ -26,7 +26,7 @@ from compile_bench import deepseek_v3_config, deepseek_v3_shapes
 from derive_bench import median_seconds
 
 from remapdsl.checkpoint.inventory import Inventory
-from remapdsl.runtime.export import _schedule
+from remapdsl.drivers.export import _schedule
 from remapdsl.sharding import Mesh
 
 EXPERT = re.compile(r"\.experts\.(\d+)\.")

@@ -167,7 +167,7 @@ def child_remapdsl(folder: Path, manifest: dict, touched: bool, verify: bool) ->
     if not hasattr(remapdsl, "load"):
         return {"error": "remapdsl.load is not available"}
     try:
-        import remapdsl.runtime.load  # noqa: F401  (remapdsl imports its torch side lazily, in load)
+        import remapdsl.drivers.load  # noqa: F401  (remapdsl imports its torch side lazily, in load)
     except ImportError:
         pass
     files = tensor_files(folder)

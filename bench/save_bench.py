@@ -58,8 +58,8 @@ def child_speed(mode: str, verify: bool) -> dict:
     from safetensors.torch import save_file
 
     import remapdsl
-    import remapdsl.runtime.load  # noqa: F401
-    import remapdsl.runtime.save  # noqa: F401
+    import remapdsl.drivers.load  # noqa: F401
+    import remapdsl.drivers.save  # noqa: F401
 
     folder = FOLDERS["1gb"]
     out = OUT / f"{mode}-{os.getpid()}"
@@ -106,8 +106,8 @@ def child_rank(rank: int, world: int, port: int) -> dict:
     import torch.distributed as dist
 
     import remapdsl
-    import remapdsl.runtime.load  # noqa: F401
-    import remapdsl.runtime.save  # noqa: F401
+    import remapdsl.drivers.load  # noqa: F401
+    import remapdsl.drivers.save  # noqa: F401
     from remapdsl.sharding import LayoutPlan, Mesh, Shard, layout_for, local_shard
 
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,

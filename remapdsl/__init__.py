@@ -30,7 +30,8 @@ from .errors import BindError, CheckpointError, Diagnostic, RemapError, RuleChec
 from .language import RuleSet, load_rules
 from .language.library import ShippedRules, shipped_rules
 from .language.library import choose_rules as _choose_rules
-from .runtime.prepare import rules_for
+from .drivers.prepare import rules_for
+from .drivers.prepared import Prepared
 from .sharding.placements import LayoutError
 
 __version__ = "0.1.0"
@@ -97,6 +98,33 @@ def plan_rank(compiled: Compiled, inventory: Inventory, layout, mesh, rank: int)
     return make_load_plan(compiled, inventory, held_by_layout(compiled, layout, mesh, rank), rank)
 
 
+def prepare(rules, checkpoint, *, config: Mapping[str, Any] | None = None, strict: bool = True, timeout=None):
+    """Read a checkpoint's headers and compile the rules against them once, for many loads, saves,
+    exports and ingests of one job; returns a `Prepared` that the caller keeps.
+
+    Every rank calls it, as the first phase of `load`: rank 0 reads the headers, the ranks check
+    that they compiled the same rules against the same checkpoint. `prepared.load(...)`,
+    `.save(...)`, `.export(...)` and `.ingest(...)` take the arguments of the functions of the same
+    names, less the rules, the checkpoint (it is their `like`) and the config. Each call first
+    checks, on every rank, that the rule files and the checkpoint's files are unchanged (else every
+    rank prepares again), and reuses this rank's plan for a holding it planned before. Everything
+    is kept in the object, in memory: nothing is written anywhere.
+
+    Args:
+        rules, checkpoint, config, strict, timeout: as for `load` (a save of a checkpoint holding
+            tensors no rule reads needs strict=False).
+    """
+    from .drivers.prepared import prepare as _prepare
+
+    require_data(checkpoint, "a prepared load")
+    if checkpoint is None:
+        raise RemapError(Diagnostic(code="E418", message="prepare needs the checkpoint the calls load from, or "
+                                    "save, export and ingest in the layout of (their `like`)",
+                                    hint="a save without `like` derives its layout from the tensors: call "
+                                    "`remapdsl.save` itself, or prepare with the folder it wrote"))
+    return _prepare(rules_for(rules, checkpoint, config), checkpoint, config=config, strict=strict, timeout=timeout)
+
+
 def load(state_dict, checkpoint, rules, *, config: Mapping[str, Any] | None = None, strict: bool = True,
          layout=None, mesh=None, read_replicated_once: bool = False, timeout=None, staging_bytes: int | None = None):
     """Fill existing tensors in place from a checkpoint, through a rule file; returns a LoadReport.
@@ -125,12 +153,13 @@ def load(state_dict, checkpoint, rules, *, config: Mapping[str, Any] | None = No
             reusable 2 MiB buffers for each of two reader threads (default 16 MiB in all); CPU
             tensors are read into directly.
     """
-    from .runtime.load import load as _load
+    from .drivers.prepared import prepare as _prepare
 
     require_data(checkpoint, "a load")
-    rules = rules_for(rules, checkpoint, config)
-    return _load(state_dict, checkpoint, rules, config=config, strict=strict, layout=layout, mesh=mesh,
-                 read_replicated_once=read_replicated_once, timeout=timeout, staging_bytes=staging_bytes)
+    prepared = _prepare(rules_for(rules, checkpoint, config), checkpoint, config=config, strict=strict,
+                        timeout=timeout, watched=False)
+    return prepared.load(state_dict, layout=layout, mesh=mesh, read_replicated_once=read_replicated_once,
+                         timeout=timeout, staging_bytes=staging_bytes)
 
 
 def save(state_dict, folder, rules, *, like=None, config: Mapping[str, Any] | None = None, layout=None,
@@ -169,11 +198,11 @@ def save(state_dict, folder, rules, *, like=None, config: Mapping[str, Any] | No
             such as "5GB" or "2GiB", as for `save_pretrained`).
         timeout: as for `load`.
     """
-    from .runtime.save import save as _save
+    from .drivers.save import save_once
 
     require_data(like, "a save (`like`)")
     rules = rules_for(rules, like, config)
-    return _save(state_dict, folder, rules, like=like, config=config, layout=layout, mesh=mesh,
+    return save_once(state_dict, folder, rules, like=like, config=config, layout=layout, mesh=mesh,
                  overwrite=overwrite, allow_lossy=allow_lossy, requantize=requantize, dropped=dropped,
                  max_shard_size=max_shard_size, timeout=timeout)
 
@@ -207,10 +236,10 @@ def export(state_dict, rules, *, like=None, config: Mapping[str, Any] | None = N
             a piece that is no box (rows strided by a rope order) is E549.
         timeout: as for `load`.
     """
-    from .runtime.export import export as _export
+    from .drivers.export import export_once
 
     require_data(like, "an export (`like`)")
-    return _export(state_dict, rules_for(rules, like, config), like=like, config=config, gather=gather,
+    return export_once(state_dict, rules_for(rules, like, config), like=like, config=config, gather=gather,
                    bucket_bytes=bucket_bytes, layout=layout, mesh=mesh, allow_lossy=allow_lossy, regions=regions,
                    timeout=timeout)
 
@@ -233,10 +262,10 @@ def ingest(state_dict, pairs, rules, *, like=None, config: Mapping[str, Any] | N
             the state dict's shapes, as a save without `like` does.
         config, layout, mesh, timeout, staging_bytes: as for `load`.
     """
-    from .runtime.ingest import ingest as _ingest
+    from .drivers.ingest import ingest_once
 
     require_data(like, "an ingest (`like`)")
-    return _ingest(state_dict, pairs, rules_for(rules, like, config), like=like, config=config, layout=layout,
+    return ingest_once(state_dict, pairs, rules_for(rules, like, config), like=like, config=config, layout=layout,
                    mesh=mesh, timeout=timeout, staging_bytes=staging_bytes)
 
 
@@ -263,7 +292,7 @@ def convert(src, dst, rules, *, reverse: bool = False, like=None, max_shard_byte
             drop, as for `save`.
         timeout: as for `load`.
     """
-    from .runtime.convert import convert as _convert
+    from .drivers.convert import convert as _convert
 
     require_data(src, "a conversion")
     require_data(like, "a conversion (`like`)")
@@ -278,6 +307,7 @@ __all__ = [
     "CheckpointError",
     "Diagnostic",
     "LayoutError",
+    "Prepared",
     "RemapError",
     "RuleCheckError",
     "RuleSyntaxError",
@@ -294,6 +324,7 @@ __all__ = [
     "load_rules",
     "open_checkpoint",
     "plan_rank",
+    "prepare",
     "save",
     "shipped_rules",
     "write_snapshot",

@@ -211,7 +211,7 @@ def source_runs(start: int, flat: list[int], sizes: tuple[int, ...]) -> tuple[Ru
 
 
 @lru_cache(maxsize=4096)
-def run_layout(shape: tuple[int, ...], coeff: tuple[tuple[int, ...], ...], sizes: tuple[int, ...],
+def byte_runs(shape: tuple[int, ...], coeff: tuple[tuple[int, ...], ...], sizes: tuple[int, ...],
                itemsize: int) -> tuple[tuple[int, ...], tuple[int, ...], Runs, tuple[int, ...]]:
     """A block map's layout in its source's row-major flat index, for every block of one map and size,
     whatever its base:
@@ -228,7 +228,7 @@ def block_runs(block: Block, shape, byte_offset: int, itemsize: int
                ) -> tuple[Runs, tuple[int, ...], tuple[int, ...]]:
     """A block's byte runs in its source (row-major `shape`, data at `byte_offset`), the element
     strides into their concatenation, and each runtime dim's flat stride in the source."""
-    major, flat, runs, strides = run_layout(block.view or tuple(shape), block.coeff, block.sizes, itemsize)
+    major, flat, runs, strides = byte_runs(block.view or tuple(shape), block.coeff, block.sizes, itemsize)
     first = byte_offset + itemsize * sum(map(mul, major, block.base))
     return Runs(first, runs.length, runs.counts, runs.strides), strides, flat
 

@@ -16,7 +16,7 @@ from safetensors.torch import load_file, save_file
 
 import remapdsl
 from remapdsl.cli import main
-from remapdsl.runtime.convert import convert
+from remapdsl.drivers.convert import convert
 
 ROOT = Path(__file__).resolve().parent.parent
 EXAMPLE = ROOT / "examples" / "tiny-qwen3-moe"

@@ -77,7 +77,7 @@ def _own_copy(tmp: Path, name: str, keep_times: bool) -> str:
 def _edit_before_reading(rank: int, edit):
     """`make_load_plan` (run after the headers were read and compiled, before any data read) wrapped
     to `edit()` this rank's copy first."""
-    import remapdsl.runtime.load as load_module
+    import remapdsl.drivers.load as load_module
 
     original = load_module.make_load_plan
 

@@ -101,7 +101,7 @@ _SAFETENSORS_ORDER = ("BOOL", "F4", "F6_E2M3", "F6_E3M2", "U8", "I8", "F8_E5M2",
                       "U64", "C64")
 
 
-class NewLayout(NamedTuple):
+class NewCheckpoint(NamedTuple):
     """A checkpoint layout made here (no `like`): the inventory of the files to write, each file's
     header bytes, and the index (None for a single file)."""
 
@@ -110,8 +110,8 @@ class NewLayout(NamedTuple):
     index: dict | None
 
 
-def new_layout(root: str, tensors: Mapping[str, tuple[str, tuple[int, ...]]], max_shard_bytes: int,
-               metadata: Mapping[str, str] | None = None) -> NewLayout:
+def new_checkpoint(root: str, tensors: Mapping[str, tuple[str, tuple[int, ...]]], max_shard_bytes: int,
+               metadata: Mapping[str, str] | None = None) -> NewCheckpoint:
     """Files for `tensors` (key -> (dtype name, shape)) as Hugging Face shards them: keys in order,
     a new file when the next tensor would pass `max_shard_bytes`, named `model-0000i-of-0000N`
     (`model.safetensors` alone when one file does), each laid out as `safetensors` lays out a file."""
@@ -135,7 +135,7 @@ def new_layout(root: str, tensors: Mapping[str, tuple[str, tuple[int, ...]]], ma
         "weight_map": {k: infos[k].file for k in sorted(infos)}}
     inventory = Inventory(root=root, tensors=infos, files=files,
                           index_file=None if index is None else "model.safetensors.index.json")
-    return NewLayout(inventory, headers, index)
+    return NewCheckpoint(inventory, headers, index)
 
 
 def _lay_out_file(name: str, keys: list[str], tensors: Mapping[str, tuple[str, tuple[int, ...]]],
@@ -160,9 +160,9 @@ def _lay_out_file(name: str, keys: list[str], tensors: Mapping[str, tuple[str, t
     return header, FileInfo(file=name, nbytes=len(header) + at, data_offset=len(header), metadata=dict(meta))
 
 
-def without(like: Inventory, omitted) -> NewLayout:
+def without(like: Inventory, omitted) -> NewCheckpoint:
     """`like`'s layout less the tensors `omitted`: the same files, each holding the rest of its
-    tensors laid out as `new_layout` lays out a file (with its own `__metadata__`); a file left
+    tensors laid out as `new_checkpoint` lays out a file (with its own `__metadata__`); a file left
     empty is not written and the index does not name it (a checkpoint without an index keeps its
     one file). The index is `like`'s own with its weight map and total size cut to match (None
     here: `omitted_index` reads it, on the rank that commits)."""
@@ -177,7 +177,7 @@ def without(like: Inventory, omitted) -> NewLayout:
         if keys or like.index_file is None:
             headers[name], files[name] = _lay_out_file(name, keys, shapes, like.files[name].metadata, infos)
     inventory = Inventory(root=like.root, tensors=infos, files=files, index_file=like.index_file)
-    return NewLayout(inventory, headers, None)
+    return NewCheckpoint(inventory, headers, None)
 
 
 def omitted_index(like: Inventory, out: Inventory) -> dict | None:

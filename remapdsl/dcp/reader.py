@@ -25,12 +25,11 @@ from torch.distributed.checkpoint.storage import StorageReader
 from torch.futures import Future
 
 from ..checkpoint.snapshot import require_data
-from ..gcpause import paused_gc
 from ..indexmap import Box
 from ..language.includes import RuleSet
 from ..language.library import resolve_rules_path
 from ..runtime import bounds, dist
-from ..runtime.prepare import compile_everywhere, rules_for
+from ..drivers.prepare import prepare_everywhere, rules_for
 from ..runtime.read import run_load_plan
 from ..runtime.staging import Rings, staging_within
 from ..sharding.placements import LocalShard
@@ -82,14 +81,14 @@ class RuleStorageReader(StorageReader):
         """Compile the rules against `path` on every rank together (errors: RemapError, every rank);
         the cyclic collector paused throughout, as `remapdsl.load` does (parsing and compiling make
         many short-lived objects, and each full collection walks torch's whole heap)."""
-        with paused_gc(), bounds.bounded(self._timeout):
+        with bounds.bounded(self._timeout):
             self._compile(path)
 
     def _compile(self, path) -> None:
         require_data(path, "dcp.load")
         path = os.fspath(path)
         rules = rules_for(self._rules, path, self._config)  # `auto`: chosen and logged as load does
-        self._inventory, self._compiled = compile_everywhere(rules, path, self._config, self._strict)
+        self._inventory, self._compiled, _ = prepare_everywhere(rules, path, self._config, self._strict)
         self.checkpoint_id: str | os.PathLike = path
         self._metadata = runtime_metadata(self._compiled, path, _rules_named(rules))  # the runtime layout
 
@@ -123,8 +122,7 @@ class RuleStorageReader(StorageReader):
 
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
         """Read every request of `plan` into the tensors `planner` resolves, then commit them."""
-        with paused_gc():  # a RemapError raised here crosses DCP's exchange pickled, intact
-            self.report = self._read(plan, planner)
+        self.report = self._read(plan, planner)  # a RemapError raised here crosses DCP's exchange pickled, intact
         done: Future[None] = Future()
         done.set_result(None)
         return done

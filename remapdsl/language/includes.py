@@ -14,9 +14,9 @@ from pathlib import Path
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from . import cache, ir
+from . import ir
 from ..errors import Diagnostic, RemapError, RuleCheckError, Span
-from .parser import parse_file, parse_text, read_rule_text
+from .parser import parse_file, parse_text
 from .check import check_program
 from .library import display_path, is_name, names_hint, resolve_rules_path, shipped_path
 from .limits import MAX_INCLUDE_DEPTH
@@ -54,51 +54,12 @@ def load_rules(path: str | os.PathLike, root: str | os.PathLike | None = None) -
     """
     path = resolve_rules_path(path)  # a shipped name: its file
     top = parse_file(path)
-    ruleset = _resolve(top, Path(root) if root is not None else Path(path).resolve().parent)
-    cache.keep_sources(top.path, top.source, str(root), lambda: (sources_of(ruleset), _lookups(ruleset.files)))
-    return ruleset
+    return _resolve(top, Path(root) if root is not None else Path(path).resolve().parent)
 
 
-def sources_of(ruleset: RuleSet) -> list[tuple[str, str]]:
+def rule_texts(ruleset: RuleSet) -> list[tuple[str, str]]:
     """(path, text) of every file of a rule program, the top-level one first: all it was made from."""
     return [(f.path, f.source) for f in ruleset.files]
-
-
-def rule_sources(path: str | os.PathLike, root: str | os.PathLike | None = None) -> list[tuple[str, str]] | None:
-    """`sources_of(load_rules(path, root))` without parsing or checking anything, when this process's
-    working folder loaded that program without error before and neither the text of any of its
-    files nor where any of its includes lead has changed since; None otherwise (then `load_rules`)."""
-    try:
-        path = resolve_rules_path(path)
-        text = read_rule_text(path)
-    except RemapError:
-        return None
-    kept = cache.sources(str(path), text, str(root))
-    if kept is None:
-        return None
-    files, lookups = kept
-    try:
-        if any(read_rule_text(name) != source for name, source in files[1:]):
-            return None
-        if any(Path(target).is_file() != found for target, found in lookups):
-            return None
-    except (RemapError, OSError, ValueError):
-        return None
-    return files
-
-
-def _lookups(files: tuple[ir.RuleFile, ...]) -> list[tuple[str, bool]]:
-    """Where each include of `files` was looked for, and whether a file was there: besides the
-    files' text, all that decides which files a program reads (a name no file answers is a shipped
-    rule file)."""
-    out = []
-    for file in files:
-        base = Path(file.path).resolve().parent
-        for statement in file.statements:
-            if isinstance(statement, ir.Include):
-                target = (base / statement.path).resolve()
-                out.append((str(target), target.is_file()))
-    return out
 
 
 def rules_from_text(text: str, path: str = "<text>", root: str | os.PathLike | None = None) -> RuleSet:

@@ -14,7 +14,7 @@ from pathlib import Path
 
 from lark import Lark, UnexpectedInput
 
-from . import cache, ir
+from . import ir
 from ..errors import Diagnostic, RemapError, RuleSyntaxError, Span
 from .builder import Builder
 from .comments import attach_trivia
@@ -38,27 +38,9 @@ def grammar_text() -> str:
 
 @functools.cache
 def lark_parser() -> Lark:
-    """The parser, built once (the only module-level state: immutable; its callbacks are stateless)."""
-    # Lark keeps its analysis of the grammar in a cache file, so a process's first parse does not
-    # pay for building the LALR tables again; never in the shared temp folder, where another user
-    # could leave a file of that predictable name for Lark to unpickle
-    return Lark(grammar_text(), parser="lalr", lexer=RuleLexer, transformer=Builder(),
-                maybe_placeholders=True, cache=lark_cache())
-
-
-def lark_cache() -> str | bool:
-    """The cache file for Lark's tables in the parser's private folder (see cache.py); False (no
-    cache) where there is none. The name carries the grammar's, Lark's and Python's versions."""
-    import hashlib
-    import sys
-
-    import lark
-
-    folder = cache.cache_folder()
-    if folder is None:
-        return False
-    key = hashlib.sha256((grammar_text() + lark.__version__ + str(sys.version_info[:2])).encode()).hexdigest()
-    return str(folder / f"lark-{key[:16]}.pickle")
+    """The parser, built at its first use in the process (the only module-level state: immutable;
+    its callbacks are stateless). Nothing is read from or written to disk but the grammar."""
+    return Lark(grammar_text(), parser="lalr", lexer=RuleLexer, transformer=Builder(), maybe_placeholders=True)
 
 
 def parse_text(text: str, path: str = "<text>") -> ir.RuleFile:
@@ -82,14 +64,8 @@ def parse_text(text: str, path: str = "<text>") -> ir.RuleFile:
 
 
 def parse_file(path: str | Path) -> ir.RuleFile:
-    """Read and parse one rule file (UTF-8); a file parsed before, unchanged, is read back from the
-    parser's cache."""
-    text = read_rule_text(path)
-    rule_file = cache.parsed(str(path), text)  # parsed before: its IR, without building the parser
-    if rule_file is None:
-        rule_file = parse_text(text, str(path))
-        cache.keep(rule_file)
-    return rule_file
+    """Read and parse one rule file (UTF-8)."""
+    return parse_text(read_rule_text(path), str(path))
 
 
 def read_rule_text(path: str | Path) -> str:

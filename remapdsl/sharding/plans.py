@@ -24,6 +24,7 @@ from ..checkpoint import Inventory
 from ..compile.model import FEW_BLOCKS, Compiled
 from ..dtypes import BY_NAME
 from ..errors import Diagnostic, RemapError
+from ..gcpause import paused_gc
 from ..indexmap import (
     Block,
     FirstDimIndex,
@@ -31,7 +32,7 @@ from ..indexmap import (
     block_runs,
     intersect,
     row_major_strides,
-    run_layout,
+    byte_runs,
     volume,
 )
 from ..quant import Part, get_format
@@ -116,6 +117,11 @@ def make_load_plan(compiled: Compiled, inventory: Inventory, held: Mapping[str, 
                    rank: int = 0) -> LoadPlan:
     """The plan of one rank. `held` maps a runtime key to what the rank holds of it; a runtime tensor
     missing from `held` is not loaded by this rank."""
+    with paused_gc():
+        return _load_plan(compiled, inventory, held, rank)
+
+
+def _load_plan(compiled: Compiled, inventory: Inventory, held: Mapping[str, LocalShard], rank: int) -> LoadPlan:
     items: list[ReadItem] = []
     decodes: list[DecodeItem] = []
     logical = compiled.logical_by_key()
@@ -189,7 +195,7 @@ def _decode_item(runtime_key: str, local: tuple[int, ...], piece: Block, source,
     signature = (source.format, source.params, box, *map(_DTYPE_SHAPE, infos))
     layout = layouts.get(signature)
     if layout is None:
-        layout = layouts[signature] = _part_layouts(source, infos, box)
+        layout = layouts[signature] = _part_runs(source, infos, box)
     new = tuple.__new__  # named tuples of checked values, without their Python-level argument handling
     reads = tuple(new(PartRead, (info.ckpt_key, info.file, info.dtype, offsets, sizes,
                                  new(Runs, (info.byte_offset + itemsize * sum(map(mul, offsets, major)), *runs)),
@@ -202,7 +208,7 @@ def _decode_item(runtime_key: str, local: tuple[int, ...], piece: Block, source,
 _DTYPE_SHAPE = attrgetter("dtype", "shape")
 
 
-def _part_layouts(source, infos, box) -> list[tuple]:
+def _part_runs(source, infos, box) -> list[tuple]:
     """Per part of a logical source: its covering box of `box` (offsets, sizes), item size, the
     row-major strides of its view and the run layout of the box (length, counts, strides)."""
     fmt = get_format(source.format)
@@ -211,7 +217,7 @@ def _part_layouts(source, infos, box) -> list[tuple]:
     out = []
     for info, view, (offsets, sizes) in zip(infos, fmt.views(parts, params), fmt.cover(box, parts, params)):
         itemsize = BY_NAME[info.dtype].bits // 8
-        major, _, runs, _ = run_layout(tuple(view), _identity(len(view)), tuple(sizes), itemsize)
+        major, _, runs, _ = byte_runs(tuple(view), _identity(len(view)), tuple(sizes), itemsize)
         out.append((tuple(offsets), tuple(sizes), itemsize, major, (runs.length, runs.counts, runs.strides)))
     return out
 
@@ -323,6 +329,12 @@ def make_write_plan(writers, inventory: Inventory, owned: Mapping[str, LocalShar
     """The plan of one rank: `writers` (remapdsl.compile.inverse) cut to the boxes this rank owns.
     A piece of a dequantized tensor (`logical`: key -> LogicalTensor) becomes an encode item: its
     values part's runs are where it is written, its scales' runs where the stored scales are read."""
+    with paused_gc():
+        return _write_plan(writers, inventory, owned, rank, logical, requantize)
+
+
+def _write_plan(writers, inventory: Inventory, owned: Mapping[str, LocalShard], rank: int,
+                logical: Mapping | None, requantize: bool) -> WritePlan:
     items: list[WriteItem] = []
     encodes: list[DecodeItem] = []
     logical = logical or {}

@@ -27,52 +27,67 @@ from typing import Any, NamedTuple
 import numpy as np
 import torch
 
-from ..compile.inverse import writers as derive_writers
 from ..errors import Diagnostic, RemapError
 from ..sharding.holdings import hold, owned
 from ..sharding.plans import make_write_plan
-from . import bounds, dist
-from .pieces import torch_dtype
+from ..runtime import bounds, dist
+from ..runtime.pieces import torch_dtype
 from .prepare import check_mesh
-from .save import checkpoint_layout
-from .write import run_write_plan
+from .save import prepared_checkpoint, tensors_of, writers_paused
+from ..runtime.write import run_write_plan
 
 
-def export(state_dict, rules, *, like=None, config: Mapping[str, Any] | None = None, gather=(),
-           bucket_bytes: int = 256 << 20, layout=None, mesh=None, allow_lossy: bool = False,
-           regions: bool = False, timeout=None) -> Iterator[tuple]:
-    """(checkpoint key, tensor) pairs this rank is responsible for, or with `regions` (key,
-    offsets, tensor) boxes of them; see `remapdsl.export`."""
+def export(prepared, state_dict, *, gather=(), bucket_bytes: int = 256 << 20, layout=None, mesh=None,
+           allow_lossy: bool = False, regions: bool = False, timeout=None) -> Iterator[tuple]:
+    """(checkpoint key, tensor) pairs this rank is responsible for in the prepared checkpoint's
+    layout, or with `regions` (key, offsets, tensor) boxes of them; see `remapdsl.export`."""
     bounds.seconds(timeout)  # a bad timeout is refused at the call, before the first item is asked for
-    return bounds.bounded_iter(_export(state_dict, rules, like, config, gather, bucket_bytes, layout, mesh,
-                                     allow_lossy, regions), timeout)
+    return bounds.bounded_iter(_export(lambda _: prepared, state_dict, gather, bucket_bytes, layout, mesh,
+                                       allow_lossy, regions), timeout)
 
 
-def _export(state_dict, rules, like, config, gather, bucket_bytes: int, layout, mesh, allow_lossy: bool,
+def export_once(state_dict, rules, *, like=None, config: Mapping[str, Any] | None = None, gather=(),
+                bucket_bytes: int = 256 << 20, layout=None, mesh=None, allow_lossy: bool = False,
+                regions: bool = False, timeout=None) -> Iterator[tuple]:
+    """`remapdsl.export`: the layout of `like` (or the one derived without it) prepared for this
+    call, then streamed."""
+    bounds.seconds(timeout)
+
+    def prepared(tensors):  # the layout streamed: `like`'s, or the derived one (headers needed by no file here)
+        return prepared_checkpoint(rules, like, config, tensors, layout, Path("<export>"))[0]
+
+    return bounds.bounded_iter(_export(prepared, state_dict, gather, bucket_bytes, layout, mesh, allow_lossy,
+                                       regions), timeout)
+
+
+def _export(prepared_for, state_dict, gather, bucket_bytes: int, layout, mesh, allow_lossy: bool,
             regions: bool) -> Iterator[tuple]:
     gather = (gather,) if isinstance(gather, str) else tuple(gather)
     if regions and gather:
         raise RemapError(Diagnostic(code="E542", message=f"regions=True yields the boxes each rank holds and "
                                     f"moves nothing, so it takes no gather (got gather={gather!r})",
                                     hint="drop `gather`, or drop `regions` to assemble whole tensors"))
-    tensors = state_dict.state_dict(keep_vars=True) if hasattr(state_dict, "state_dict") else state_dict
-    # the layout streamed: `like`'s, or the derived one (headers needed by no file here)
-    out, compiled, _ = checkpoint_layout(rules, like, config, tensors, layout, Path("<export>"),
-                                         check=lambda: _check_bucket(bucket_bytes))
+    tensors = tensors_of(state_dict)
+    prepared = prepared_for(tensors)
+    out, compiled, _ = prepared.current()
     rank, world = dist.rank(), dist.world_size()
 
-    def prepare():
+    def plan():
+        _check_bucket(bucket_bytes)
         check_mesh(mesh)
         check_unquantized(compiled, "an export streams the runtime tensors' own values, and re-encoding them in "
                           "the stored format is not supported", "export with the rule file of the unquantized "
                           "layout (`deepseek_v3`, not `deepseek_v3_fp8`); the engine quantizes what it loads")
-        chosen = derive_writers(compiled, allow_lossy=allow_lossy, dropped="omit")
+        chosen = prepared.kept("writers", (allow_lossy, False, "omit"), lambda: writers_paused(
+            compiled, allow_lossy=allow_lossy, dropped="omit"))
         holding = hold(compiled, tensors, layout, mesh, rank)
         # the replica that writes a replicated tensor chosen by its key, so no one group assembles them all
-        plan = make_write_plan(chosen, out, owned(holding, rank, spread_over=world), rank, compiled.logical_by_key())
-        return plan, holding, {w.block.source_key: w.runtime_key for w in chosen}
+        boxes = owned(holding, rank, spread_over=world)
+        plan = prepared.kept("export", (allow_lossy, boxes, rank), lambda: make_write_plan(
+            chosen, out, boxes, rank, compiled.logical_by_key()))
+        return plan, {w.block.source_key: w.runtime_key for w in chosen}, holding
 
-    plan, holding, producer = dist.together(prepare, phase="planning the export")
+    plan, producer, holding = dist.together(plan, phase="planning the export")
     dropped = set(compiled.dropped)
     empty = [k for k, t in out.tensors.items() if not t.nbytes and k not in dropped]
     if regions:
@@ -82,8 +97,8 @@ def _export(state_dict, rules, like, config, gather, bucket_bytes: int, layout, 
     for item in plan.items:
         mine[item.ckpt_key] += item.runs.total
     everyone = dist.gather_all(dict(mine), "sharing what each rank exports")
-    schedule = dist.together(lambda: _schedule(everyone, out, bucket_bytes, gather, producer, tensors, layout, mesh,
-                                               empty), phase="scheduling the export")
+    schedule = dist.together(lambda: prepared.kept("schedule", (everyone, bucket_bytes, gather), lambda: _schedule(
+        everyone, out, bucket_bytes, gather, producer, tensors, layout, mesh, empty)), phase="scheduling the export")
     yield from _rounds(plan, schedule, out, holding.local, rank, world)
 
 

@@ -2,7 +2,7 @@
 the model config, and the rules compiled identically on every rank, the ranks agreeing on it.
 
 `load`, `save` and `convert` all start here. torch is imported only in a distributed job's path
-(`remapdsl.runtime.dist`), when `compile_everywhere` runs.
+(`remapdsl.runtime.dist`), when `prepare_everywhere` runs.
 
 Every failure of these steps on any rank (a rule file that does not parse, a config that cannot be
 read, a checkpoint that cannot be opened, rules that do not fit it) goes through the ranks' error
@@ -20,13 +20,12 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any, NamedTuple
 
-from ..checkpoint import Inventory, read_config
+from ..checkpoint import Inventory, open_inventory, read_config
 from ..checkpoint.snapshot import config_of
 from ..compile import Compiled, compile_rules
 from ..errors import Diagnostic, RemapError, shorten
-from ..language.includes import RuleSet, load_rules, rule_sources, sources_of
+from ..language.includes import RuleSet, load_rules, rule_texts
 from ..language.library import AUTO, choose_rules
-from . import cache
 
 MAX_LISTED = 5  # differences listed per aspect when ranks disagree; the rest counted
 
@@ -37,7 +36,7 @@ def compile_digest(ruleset: RuleSet, config: Mapping[str, Any], strict: bool, ch
     sizes of its safetensors files, listed without opening them, so a rank given another checkpoint
     than rank 0 is caught even though it reads rank 0's headers). Equal inputs, equal digests."""
     digest = hashlib.sha256()
-    for value in _inputs(sources_of(ruleset), config, strict, checkpoint).digests().values():
+    for value in _inputs(rule_texts(ruleset), config, strict, checkpoint).digests().values():
         digest.update(value.encode())
     return digest.hexdigest()
 
@@ -59,7 +58,7 @@ class _Inputs(NamedTuple):
                 "checkpoint": self.checkpoint}[aspect]
 
 
-def _inputs(sources: list[tuple[str, str]], config, strict: bool, checkpoint) -> _Inputs:
+def _inputs(texts: list[tuple[str, str]], config, strict: bool, checkpoint) -> _Inputs:
     from ..checkpoint.inventory import listing
 
     if isinstance(checkpoint, Inventory):
@@ -68,19 +67,18 @@ def _inputs(sources: list[tuple[str, str]], config, strict: bool, checkpoint) ->
         seen = None if checkpoint is None else [f"{os.path.basename(os.path.abspath(checkpoint))} (missing)", []]
     else:
         seen = listing(checkpoint)
-    return _Inputs(sources, config, strict, seen)
+    return _Inputs(texts, config, strict, seen)
 
 
 def _sha(value) -> str:
     return hashlib.sha256(json.dumps(value, sort_keys=True, default=str).encode()).hexdigest()
 
 
-class _Prepared(NamedTuple):
+class _Outcome(NamedTuple):
     inputs: _Inputs
     compiled: Compiled
     inventory: Inventory  # rank 0's headers, with this rank's own files' modification times
     headers: dict[str, str]  # each file's header bytes as this rank reads them, hashed (a job only)
-    key: str | None = None  # the compiled program's key in the load cache
 
     def digests(self) -> dict[str, str]:
         return {**self.inputs.digests(), "file headers": _sha(self.headers)}
@@ -116,19 +114,12 @@ def rules_for(rules, checkpoint, config: Mapping[str, Any] | None = None):
     return chosen.path
 
 
-def compile_everywhere(rules, checkpoint, config=None, strict: bool = True,
-                       check: Callable[[], None] | None = None, on_disk: bool = True) -> tuple[Inventory, Compiled]:
-    """`prepare_everywhere`'s inventory and compiled program."""
-    prepared = prepare_everywhere(rules, checkpoint, config, strict, check, on_disk)
-    return prepared.inventory, prepared.compiled
-
-
 class Ready(NamedTuple):
     """What every rank has before it touches tensor data."""
 
     inventory: Inventory  # rank 0's headers, with this rank's own files' modification times
     compiled: Compiled
-    key: str | None  # the compiled program's key in the load cache (None: not cached)
+    rule_texts: list[tuple[str, str]]  # (path, text) of every rule file compiled, the top-level one first
 
 
 def prepare_everywhere(rules, checkpoint, config=None, strict: bool = True,
@@ -140,52 +131,37 @@ def prepare_everywhere(rules, checkpoint, config=None, strict: bool = True,
     copy with another header on any rank fails every rank (E410), naming the file, line, key, size
     or header that differs. `check` (the caller's own checks of its arguments) runs first, on
     every rank. `on_disk=False`: an Inventory of files not written yet (a derived layout), whose
-    headers no rank reads. The headers and the compiled program are read back from the load cache
-    (remapdsl/runtime/cache.py) when a process made them from the same inputs before.
+    headers no rank reads.
 
     Two exchanges: rank 0's headers (a broadcast carrying them or rank 0's error), then every
     rank's rules, config and compile (one exchange carrying each rank's error or digests)."""
-    from . import dist  # torch is imported only here
+    from ..runtime import dist  # torch is imported only here
 
-    def first() -> tuple[Inventory, str | None]:
+    def first() -> Inventory:
         if check is not None:
             check()
-        return cache.open_checkpoint(checkpoint)
+        return checkpoint if isinstance(checkpoint, Inventory) else open_inventory(checkpoint)
 
     # always one broadcast (an Inventory given too): every rank makes the same collectives
-    inventory, inventory_key = dist.from_first(first, "reading the checkpoint's headers")
+    inventory = dist.from_first(first, "reading the checkpoint's headers")
 
-    def prepare() -> _Prepared:
+    def prepare() -> _Outcome:
         if check is not None:
             check()
-        # a program loaded before, unchanged, is parsed again only if it must be compiled again
-        ruleset = rules if isinstance(rules, RuleSet) else None
-        sources = sources_of(ruleset) if ruleset is not None else rule_sources(rules)
-        if sources is None:
-            ruleset = load_rules(rules)
-            sources = sources_of(ruleset)
+        ruleset = rules if isinstance(rules, RuleSet) else load_rules(rules)
         given = read_config(inventory) if config is None else config
         # a rank that did not read the headers reads its own copy, checked against that copy's times
         own = inventory if dist.rank() == 0 or isinstance(checkpoint, Inventory) else inventory.restamped(checkpoint)
         # hashed after the times were taken: a later change is E342 at the data reads, an earlier
         # one is in these bytes; only in a job (one process has nothing to compare them with)
         headers = header_digests(own) if dist.world_size() > 1 and on_disk else {}
-        key = cache.compiled_key(inventory_key, sources, given, strict)
-        there, compiled = cache.kept_compiled(key)
-        if compiled is None:
-            if ruleset is None:  # read again: what is compiled is what the files hold now
-                ruleset = load_rules(rules)
-                sources = sources_of(ruleset)
-                key = cache.compiled_key(inventory_key, sources, given, strict)
-            compiled = compile_rules(ruleset, inventory, given, strict=strict)
-            cache.keep_compiled(key, compiled, replace=there)
-        inputs = _inputs(sources, given, strict, checkpoint)
-        return _Prepared(inputs, compiled, own, headers, key)
+        compiled = compile_rules(ruleset, inventory, given, strict=strict)
+        return _Outcome(_inputs(rule_texts(ruleset), given, strict, checkpoint), compiled, own, headers)
 
-    agreement = dist.Agreement("compiled rules and checkpoint", _Prepared.digests, _Prepared.detail,
+    agreement = dist.Agreement("compiled rules and checkpoint", _Outcome.digests, _Outcome.detail,
                                explain_difference)
     prepared = dist.together(prepare, agree_on=agreement, phase="compiling")
-    return Ready(prepared.inventory, prepared.compiled, prepared.key)
+    return Ready(prepared.inventory, prepared.compiled, prepared.inputs.rules)
 
 
 def explain_difference(aspect: str, details: dict[int, Any]) -> list[str]:
@@ -275,7 +251,7 @@ def _checkpoint_difference(ours, theirs) -> list[str]:
 def check_mesh(mesh) -> None:
     """A mesh given with a layout must be the job's: as many ranks as the group (E414), else each
     rank would hold the shard of another job's rank. Run inside a phase, on every rank."""
-    from . import dist
+    from ..runtime import dist
 
     if mesh is None or not dist.active() or mesh.size == dist.world_size():
         return
@@ -294,7 +270,7 @@ def layout_agreement(what: str, holding_of: Callable[[Any], Any], mesh=None):
     each rank's own holding says (a DTensor's, or its layout plan's), and the `mesh` argument
     itself (its dim names and sizes). A rank given another layout or mesh fails every rank (E410),
     naming the meshes and the tensors that differ, before its plan is used."""
-    from . import dist
+    from ..runtime import dist
 
     def describe(result) -> dict[str, str]:
         shown: dict[int, str] = {}  # tensors of one spec share their Placed: described once

@@ -30,12 +30,12 @@ from pydantic import BaseModel, ConfigDict
 from ..checkpoint import CheckpointReader
 from ..checkpoint.writer import (
     FileWriter,
-    NewLayout,
+    NewCheckpoint,
     check_destination,
     commit,
     create_files,
     discard,
-    new_layout,
+    new_checkpoint,
     omitted_index,
     remove_stale_staging,
     staging_path,
@@ -50,9 +50,9 @@ from ..language.includes import RuleSet, load_rules
 from ..sharding.holdings import hold, owned
 from ..sharding.plans import make_write_plan
 from ..sizes import parse_size
-from . import bounds, dist
-from .prepare import check_mesh, compile_everywhere, layout_agreement
-from .write import run_write_plan
+from ..runtime import bounds, dist
+from .prepare import check_mesh, layout_agreement, prepare_everywhere
+from ..runtime.write import run_write_plan
 
 _log = logging.getLogger("remapdsl")
 
@@ -71,33 +71,53 @@ class SaveReport(BaseModel):
     bytes_copied: int = 0  # of `bytes_written`, copied unchanged from `like` (dropped tensors, stored scales)
 
 
-def save(state_dict, folder, rules, *, like=None, config: Mapping[str, Any] | None = None, layout=None, mesh=None,
-         overwrite: bool = False, allow_lossy: bool = False, requantize: bool = False,
-         dropped: str = "error", max_shard_size: int | str = "5GB", timeout=None) -> SaveReport:
-    """Write runtime tensors back to the checkpoint layout `like` (or the one the rules derive
-    without it); the arguments are `remapdsl.save`'s."""
-    with paused_gc(), bounds.bounded(timeout):
-        return _save(state_dict, Path(folder).absolute(), rules, like, config, layout, mesh, overwrite, allow_lossy,
-                     requantize, dropped, max_shard_size)
+def save(prepared, state_dict, folder, *, config=None, layout=None, mesh=None, overwrite: bool = False,
+         allow_lossy: bool = False, requantize: bool = False, dropped: str = "error", timeout=None,
+         derived: NewCheckpoint | None = None) -> SaveReport:
+    """Write runtime tensors back to the prepared checkpoint's layout (`like`), or to `derived` (the
+    layout a save without `like` derives: `prepared_checkpoint`); the arguments are `remapdsl.save`'s."""
+    with bounds.bounded(timeout):
+        return _save(prepared, state_dict, Path(folder).absolute(), config, layout, mesh, overwrite, allow_lossy,
+                     requantize, dropped, derived)
 
 
-def _save(state_dict, folder: Path, rules, like, config, layout, mesh, overwrite, allow_lossy,
-          requantize, dropped, max_shard_size) -> SaveReport:
+def save_once(state_dict, folder, rules, *, like=None, config=None, layout=None, mesh=None, overwrite: bool = False,
+              allow_lossy: bool = False, requantize: bool = False, dropped: str = "error",
+              max_shard_size: int | str = "5GB", timeout=None) -> SaveReport:
+    """`remapdsl.save`: the layout of `like` (or the one derived without it) prepared for this call, then saved."""
+    with bounds.bounded(timeout):
+        folder = Path(folder).absolute()
+        prepared, derived = prepared_checkpoint(rules, like, config, tensors_of(state_dict), layout, folder,
+                                            max_shard_size)
+        return _save(prepared, state_dict, folder, config, layout, mesh, overwrite, allow_lossy, requantize, dropped,
+                     derived)
+
+
+def tensors_of(state_dict) -> Mapping[str, Any]:
+    """A state dict's tensors (a module's parameters and buffers as they are, not detached)."""
+    return state_dict.state_dict(keep_vars=True) if hasattr(state_dict, "state_dict") else state_dict
+
+
+def _save(prepared, state_dict, folder: Path, config, layout, mesh, overwrite, allow_lossy, requantize, dropped,
+          derived) -> SaveReport:
     start = time.perf_counter()
-    tensors = state_dict.state_dict(keep_vars=True) if hasattr(state_dict, "state_dict") else state_dict
-    inventory, compiled, derived = checkpoint_layout(rules, like, config, tensors, layout, folder, max_shard_size,
-                                                     check=lambda: check_dropped(dropped))
+    tensors = tensors_of(state_dict)
+    inventory, compiled, _ = prepared.current()
     rank, world = dist.rank(), dist.world_size()
 
-    def prepare():
+    def plan():
+        check_dropped(dropped)
         check_mesh(mesh)
-        chosen = derive_writers(compiled, allow_lossy=allow_lossy, requantize=requantize, dropped=dropped)
-        out = derived or output_layout(compiled, inventory, dropped, requantize)
+        chosen = prepared.kept("writers", (allow_lossy, requantize, dropped), lambda: writers_paused(
+            compiled, allow_lossy=allow_lossy, requantize=requantize, dropped=dropped))
+        out = derived or prepared.kept("output", (dropped, requantize),
+                                       lambda: output_checkpoint(compiled, inventory, dropped, requantize))
         holding = hold(compiled, tensors, layout, mesh, rank)
-        return (make_write_plan(chosen, out.inventory, owned(holding, rank), rank, compiled.logical_by_key(),
-                                requantize), holding, out)
+        mine = owned(holding, rank)
+        return prepared.kept("save", (allow_lossy, requantize, dropped, mine, rank), lambda: make_write_plan(
+            chosen, out.inventory, mine, rank, compiled.logical_by_key(), requantize)), out, holding
 
-    plan, holding, out = dist.together(prepare, agree_on=layout_agreement("tensor layouts", lambda r: r[1], mesh),
+    plan, out, holding = dist.together(plan, agree_on=layout_agreement("tensor layouts", lambda r: r[2], mesh),
                                        phase="planning the writes")
     local = holding.local
     copies = copy_share(copied_keys(compiled, inventory, dropped, requantize), inventory, out.inventory, rank, world)
@@ -120,6 +140,12 @@ def _save(state_dict, folder: Path, rules, like, config, layout, mesh, overwrite
                       seconds=time.perf_counter() - start, sync_seconds=sync_seconds, bytes_copied=copied)
 
 
+def writers_paused(compiled, **options):
+    """`remapdsl.compile.inverse.writers`, the collector paused: it builds many small objects."""
+    with paused_gc():
+        return derive_writers(compiled, **options)
+
+
 def check_dropped(dropped) -> None:
     """E523: `dropped` is one of the three choices."""
     if dropped not in DROPPED:
@@ -129,13 +155,13 @@ def check_dropped(dropped) -> None:
                                     "\"error\" (the default) refuses the save"))
 
 
-def output_layout(compiled, like, dropped: str, requantize: bool) -> NewLayout:
+def output_checkpoint(compiled, like, dropped: str, requantize: bool) -> NewCheckpoint:
     """The layout the save writes: `like`'s (no headers: copied from its files), or, when dropped
     tensors are omitted, `like`'s without them (new headers). E524 where omitting cannot be done:
     a DCP-sharded `like`, or stored scales read back at `like`'s offsets."""
     omitted = dropped_keys(compiled, like) if dropped == "omit" else []
     if not omitted:
-        return NewLayout(like, {}, None)
+        return NewCheckpoint(like, {}, None)
     why = ("`like` is a DCP checkpoint (its tensors stored in chunks)" if like.chunks else
            "the rules dequantize tensors whose stored scales are written back from `like`"
            if compiled.logical and not requantize else None)
@@ -193,22 +219,26 @@ def copy_bytes(pieces, reader, writer) -> None:
             writer.write_at(dst, dst_offset + step, data)
 
 
-def checkpoint_layout(rules, like, config, tensors, layout, root: Path, max_shard_size: int | str = "5GB",
-                      check=None):
-    """Every rank: the checkpoint layout a save (or an export) writes, compiled: `like`'s, or,
-    without it, the one rank 0 derives from the rules and its tensors' shapes (NewLayout, else
-    None). Every rank makes the same exchanges, so ranks given and not given `like` fail together.
-    Without `like` and a config, the config is empty (never read from the destination)."""
+def prepared_checkpoint(rules, like, config, tensors, layout, root: Path, max_shard_size: int | str = "5GB",
+                    check=None):
+    """Every rank: the checkpoint layout a save (or an export, an ingest) of one call writes,
+    compiled and kept in a Prepared made for the call: `like`'s, or, without it, the one rank 0
+    derives from the rules and its tensors' shapes (then also returned, a NewCheckpoint; else None).
+    Every rank makes the same exchanges, so ranks given and not given `like` fail together.
+    Without `like` and a config, the config is empty (never read from the destination). `check`:
+    the caller's checks of its arguments, run first on every rank."""
+    from .prepared import Prepared
+
     given, check = like, check or (lambda: None)
     if like is None and config is None:
         config = {}
-    derived = dist.from_first(lambda: (check(), None if given is not None else derived_layout(
+    derived = dist.from_first(lambda: (check(), None if given is not None else derived_checkpoint(
         rules, config, tensors, layout, root, max_shard_size))[1], "deriving the checkpoint layout")
     like = like if derived is None else derived.inventory
     # not strict: a checkpoint tensor no rule reads is the save's own error (E501)
-    inventory, compiled = compile_everywhere(rules, like, config, strict=False, on_disk=derived is None,
-                                             check=lambda: (check(), same_like(given, derived)))
-    return inventory, compiled, derived
+    ready = prepare_everywhere(rules, like, config, strict=False, on_disk=derived is None,
+                               check=lambda: (check(), same_like(given, derived)))
+    return Prepared(rules, like, config, False, ready, watched=False), derived
 
 
 def same_like(like, derived) -> None:
@@ -220,7 +250,7 @@ def same_like(like, derived) -> None:
                                     hint="give every rank the same `like`, or none to derive the layout"))
 
 
-def derived_layout(rules, config, tensors, layout, folder: Path, max_shard_size: int | str) -> NewLayout:
+def derived_checkpoint(rules, config, tensors, layout, folder: Path, max_shard_size: int | str) -> NewCheckpoint:
     """The checkpoint files a save without `like` writes: the tensors the rules derive from the
     runtime tensors' global shapes (remapdsl/compile/derive.py), sharded as Hugging Face shards."""
     if layout is not None:
@@ -232,14 +262,14 @@ def derived_layout(rules, config, tensors, layout, folder: Path, max_shard_size:
     ruleset = rules if isinstance(rules, RuleSet) else load_rules(rules)
     runtime = {k: (tuple(v.shape), str(v.dtype).removeprefix("torch.")) for k, v in tensors.items()
                if hasattr(v, "shape") and hasattr(v, "dtype")}
-    return new_layout(str(folder), derive_checkpoint(ruleset, runtime, config), max_shard_bytes)
+    return new_checkpoint(str(folder), derive_checkpoint(ruleset, runtime, config), max_shard_bytes)
 
 
-def write_output(folder: Path, layout, *, headers=None, index=None, copy_from=None, files=None, overwrite: bool,
+def write_output(folder: Path, inventory, *, headers=None, index=None, copy_from=None, files=None, overwrite: bool,
                  write, planned: int = 0) -> float:
     """The phases every rank runs to write a checkpoint in place: rank 0 checks the destination,
     removes (and logs) the staging folders of earlier saves there whose process died, and creates
-    the staging files of `layout` (an Inventory: `like`'s, or a new one with `headers` and
+    the staging files of `inventory` (the files to write: `like`'s, or a new one with `headers` and
     `index`), every rank runs `write(writer)`, rank 0 commits. An error on any rank, in any phase,
     is raised on every rank and the staging folder is removed. `planned`: the bytes this rank writes
     (named when the disk fills up). Returns this rank's fsync seconds."""
@@ -257,7 +287,7 @@ def write_output(folder: Path, layout, *, headers=None, index=None, copy_from=No
     staging = staging_path(folder, token)
     writer = FileWriter(staging, planned)
     try:
-        dist.together(lambda: create_files(staging, layout, headers) if rank == 0 else None,
+        dist.together(lambda: create_files(staging, inventory, headers) if rank == 0 else None,
                       phase="creating the files")
         try:
             dist.together(lambda: write(writer), phase="writing")
@@ -265,7 +295,7 @@ def write_output(folder: Path, layout, *, headers=None, index=None, copy_from=No
             synced = time.perf_counter()
             writer.close(sync=True)
             sync_seconds = time.perf_counter() - synced
-        dist.together(lambda: commit(staging, folder, layout, token, overwrite, index=index, copy_from=copy_from,
+        dist.together(lambda: commit(staging, folder, inventory, token, overwrite, index=index, copy_from=copy_from,
                                      files=files) if rank == 0 else None, phase="committing")
     except BaseException:
         if rank == 0:

@@ -1,8 +1,8 @@
 """`remapdsl.load`: fill a state dict in place from a checkpoint through a rule file, every rank its own bytes.
 
-The phases, on every rank: the shared compile (remapdsl/runtime/prepare.py), this rank's holdings
-(remapdsl/sharding/holdings.py), its plan (remapdsl/sharding/plans.py), the reads
-(remapdsl/runtime/read.py); tensors every rank holds whole may be read once and broadcast. Each
+The phases, on every rank: the shared compile (remapdsl/drivers/prepare.py, kept in a Prepared:
+prepared.py), this rank's holdings (remapdsl/sharding/holdings.py), its plan
+(remapdsl/sharding/plans.py), the reads (remapdsl/runtime/read.py); tensors every rank holds whole may be read once and broadcast. Each
 phase fails on every rank together.
 
 The driver imports what it runs at module level (torch among it): the api imports this module
@@ -11,22 +11,16 @@ only when the call is made, so `import remapdsl` stays free of torch.
 
 from __future__ import annotations
 
-import os
 import time
-from collections.abc import Mapping
-from typing import Any
 
 from pydantic import BaseModel, ConfigDict
 
-from ..gcpause import paused_gc
-from ..language import RuleSet
-from ..language.library import resolve_rules_path
 from ..sharding.holdings import hold
 from ..sharding.plans import make_load_plan
-from . import bounds, cache, dist
-from .prepare import check_mesh, layout_agreement, prepare_everywhere
-from .read import run_load_plan
-from .staging import Rings, staging_within
+from ..runtime import bounds, dist
+from .prepare import check_mesh, layout_agreement
+from ..runtime.read import run_load_plan
+from ..runtime.staging import Rings, staging_within
 
 
 class LoadReport(BaseModel):
@@ -44,19 +38,17 @@ class LoadReport(BaseModel):
     rules: str = ""  # the top-level rule file compiled (the one `auto` chose, a shipped name's file)
 
 
-def load(state_dict, checkpoint, rules, *, config: Mapping[str, Any] | None = None, strict: bool = True,
-         layout=None, mesh=None, read_replicated_once: bool = False, timeout=None,
+def load(prepared, state_dict, *, layout=None, mesh=None, read_replicated_once: bool = False, timeout=None,
          staging_bytes: int | None = None) -> LoadReport:
-    """Fill existing tensors in place from a checkpoint, through a rule file; see `remapdsl.load`."""
+    """Fill existing tensors in place from a prepared checkpoint (remapdsl/drivers/prepared.py);
+    the arguments are `remapdsl.load`'s."""
     staging = staging_within(staging_bytes)
-    with paused_gc(), bounds.bounded(timeout):
-        return _load(state_dict, checkpoint, rules, config, strict, layout, mesh, read_replicated_once, staging)
+    with bounds.bounded(timeout):
+        return _load(prepared, state_dict, layout, mesh, read_replicated_once, staging)
 
 
-def _load(state_dict, checkpoint, rules, config, strict, layout, mesh, read_replicated_once, staging) -> LoadReport:
-
-    inventory, compiled, compiled_key = prepare_everywhere(rules, checkpoint, config, strict)
-    rules_path = rules.path if isinstance(rules, RuleSet) else os.fspath(resolve_rules_path(rules))
+def _load(prepared, state_dict, layout, mesh, read_replicated_once, staging) -> LoadReport:
+    inventory, compiled, _ = prepared.current()
     tensors = state_dict.state_dict(keep_vars=True) if hasattr(state_dict, "state_dict") else state_dict
     rank = dist.rank()
 
@@ -69,14 +61,14 @@ def _load(state_dict, checkpoint, rules, config, strict, layout, mesh, read_repl
         if rank != 0:  # rank 0 reads what every rank holds whole, and broadcasts it
             for key in shared:
                 del held[key]
-        plan = cache.load_plan(compiled_key, held, rank, lambda: make_load_plan(compiled, inventory, held, rank))
+        plan = prepared.kept("load", (held, rank), lambda: make_load_plan(compiled, inventory, held, rank))
         with Rings(staging) as rings:
             run_load_plan(plan, inventory, holding.local, rings=rings)
         report = LoadReport(loaded=tuple(d.runtime_key for d in compiled.runtime_tensors),
                             ckpt_keys=tuple(sorted({i.ckpt_key for i in plan.items if i.ckpt_key}
                                                    | {p.ckpt_key for i in plan.decodes for p in i.parts})),
                             bytes_read=plan.bytes_read, bytes_owned=plan.bytes_owned,
-                            scale_bytes_read=plan.scale_bytes_read, rank=rank, rules=rules_path,
+                            scale_bytes_read=plan.scale_bytes_read, rank=rank, rules=prepared.rules_path,
                             seconds=time.perf_counter() - start)
         return report, [holding.local[k] for k in shared], holding
 

@@ -25,26 +25,25 @@ from pydantic import BaseModel, ConfigDict
 
 from ..checkpoint import CheckpointReader, read_config
 from ..checkpoint.reader import as_byte_view
-from ..checkpoint.writer import new_layout, omitted_index
-from ..compile.inverse import writers as derive_writers
+from ..checkpoint.writer import new_checkpoint, omitted_index
 from ..errors import Diagnostic, RemapError
-from ..gcpause import paused_gc
 from ..indexmap import nbytes
 from ..sharding.holdings import whole_shard
 from ..sharding.plans import make_load_plan, make_write_plan
-from . import bounds, dist
-from .prepare import compile_everywhere
-from .read import run_load_plan
+from ..runtime import bounds, dist
+from .prepare import prepare_everywhere
+from ..runtime.read import run_load_plan
 from .save import (
     check_dropped,
-    checkpoint_layout,
+    prepared_checkpoint,
+    writers_paused,
     copied_keys,
     copy_bytes,
     copy_share,
-    output_layout,
+    output_checkpoint,
     write_output,
 )
-from .write import run_write_plan
+from ..runtime.write import run_write_plan
 
 BATCH_BYTES = 64 << 20  # the most a forward batch holds, whatever the budget
 
@@ -65,7 +64,7 @@ def convert(src, dst, rules, *, reverse: bool = False, like=None, max_shard_byte
             progress: Callable[[int, int], None] | None = None, dropped: str = "error",
             timeout=None) -> ConvertReport:
     """Convert checkpoint `src` into `dst` through `rules`; the arguments are `remapdsl.convert`'s."""
-    with paused_gc(), bounds.bounded(timeout):
+    with bounds.bounded(timeout):
         return _convert(src, Path(dst).absolute(), rules, reverse, like, max_shard_bytes, budget_bytes,
                         overwrite, progress, dropped)
 
@@ -78,28 +77,28 @@ def _convert(src, dst: Path, rules, reverse, like, max_shard_bytes, budget_bytes
     runtime_source = dist.share_inventory(src, "reading the runtime checkpoint's headers") if reverse else None
     derived = None
     if reverse and like is None:
-        checkpoint, compiled, derived = checkpoint_layout(rules, None, read_config(runtime_source),
-                                                          runtime_source.tensors, None, dst, max_shard_bytes,
-                                                          check=lambda: check_dropped(dropped))
+        prepared, derived = prepared_checkpoint(rules, None, read_config(runtime_source), runtime_source.tensors,
+                                            None, dst, max_shard_bytes, check=lambda: check_dropped(dropped))
+        checkpoint, compiled = prepared.inventory, prepared.compiled
     else:
-        checkpoint, compiled = compile_everywhere(rules, like if reverse else src,
-                                                  check=lambda: check_dropped(dropped))
+        checkpoint, compiled, _ = prepare_everywhere(rules, like if reverse else src,
+                                                     check=lambda: check_dropped(dropped))
     runtime = {d.runtime_key: d for d in compiled.runtime_tensors}
     rank, world = dist.rank(), dist.world_size()
 
     if reverse:
         dist.together(lambda: _check_runtime_source(compiled, runtime_source, src),
                       phase="checking the runtime checkpoint")
-        chosen, out = dist.together(lambda: (derive_writers(compiled, dropped=dropped),
-                                             derived or output_layout(compiled, checkpoint, dropped, False)),
+        chosen, out = dist.together(lambda: (writers_paused(compiled, dropped=dropped),
+                                             derived or output_checkpoint(compiled, checkpoint, dropped, False)),
                                     phase="deriving the writers")
         out_inventory, headers = out.inventory, out.headers or None
         copy_from = str(src) if derived else checkpoint.root  # a derived layout: the runtime folder's config.json
         index = out.index or (omitted_index(checkpoint, out_inventory) if rank == 0 and headers else None)
         copies = copy_share(copied_keys(compiled, checkpoint, dropped, False), checkpoint, out_inventory, rank, world)
     else:
-        layout = new_layout(str(dst), {k: (d.dtype, d.shape) for k, d in runtime.items()}, max_shard_bytes)
-        out_inventory, headers, index, copy_from = layout.inventory, layout.headers, layout.index, checkpoint.root
+        new = new_checkpoint(str(dst), {k: (d.dtype, d.shape) for k, d in runtime.items()}, max_shard_bytes)
+        out_inventory, headers, index, copy_from = new.inventory, new.headers, new.index, checkpoint.root
     mine = _share(sorted(runtime), lambda k: _size(runtime[k]), rank, world)
     total, done, written = sum(_size(runtime[k]) for k in mine), 0, 0
     logical = compiled.logical_by_key()
@@ -170,10 +169,10 @@ def _carve(arenas: list, slot: int, tensors) -> dict:
             for d, start in zip(tensors, ends)}
 
 
-def _write_whole(writer, layout, tensors) -> None:
-    """Each tensor of a batch written whole at its offset in the output layout."""
+def _write_whole(writer, inventory, tensors) -> None:
+    """Each tensor of a batch written whole at its offset in the output files."""
     for k, t in tensors.items():
-        info = layout.tensors[k]
+        info = inventory.tensors[k]
         writer.write_at(info.file, info.byte_offset, as_byte_view(t))
 
 

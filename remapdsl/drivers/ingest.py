@@ -23,12 +23,12 @@ from ..checkpoint.memory import MemoryReader, in_memory
 from ..errors import Diagnostic, RemapError, suggest
 from ..sharding.holdings import hold
 from ..sharding.plans import make_load_plan
-from . import bounds, dist
+from ..runtime import bounds, dist
 from .export import check_unquantized
 from .prepare import check_mesh
-from .read import run_load_plan
-from .save import checkpoint_layout
-from .staging import Rings, staging_within
+from ..runtime.read import run_load_plan
+from .save import prepared_checkpoint, tensors_of
+from ..runtime.staging import Rings, staging_within
 
 
 class IngestReport(BaseModel):
@@ -43,18 +43,28 @@ class IngestReport(BaseModel):
     seconds: float
 
 
-def ingest(state_dict, pairs, rules, *, like=None, config: Mapping[str, Any] | None = None, layout=None,
-           mesh=None, timeout=None, staging_bytes: int | None = None) -> IngestReport:
-    """Fill this rank's part of `state_dict` from (checkpoint key, tensor) pairs; see `remapdsl.ingest`."""
+def ingest(prepared, state_dict, pairs, *, layout=None, mesh=None, timeout=None,
+           staging_bytes: int | None = None) -> IngestReport:
+    """Fill this rank's part of `state_dict` from (checkpoint key, tensor) pairs in the prepared
+    checkpoint's layout; see `remapdsl.ingest`."""
     staging = staging_within(staging_bytes)
     with bounds.bounded(timeout), Rings(staging) as rings:  # one ring per reader thread, over all pairs
-        return _ingest(state_dict, pairs, rules, like, config, layout, mesh, rings)
+        return _ingest(prepared, state_dict, pairs, layout, mesh, rings)
 
 
-def _ingest(state_dict, pairs, rules, like, config, layout, mesh, rings: Rings) -> IngestReport:
+def ingest_once(state_dict, pairs, rules, *, like=None, config: Mapping[str, Any] | None = None, layout=None,
+                mesh=None, timeout=None, staging_bytes: int | None = None) -> IngestReport:
+    """`remapdsl.ingest`: the layout of `like` (or the one derived without it) prepared for this call."""
+    staging = staging_within(staging_bytes)
+    with bounds.bounded(timeout), Rings(staging) as rings:
+        prepared = prepared_checkpoint(rules, like, config, tensors_of(state_dict), layout, Path("<ingest>"))[0]
+        return _ingest(prepared, state_dict, pairs, layout, mesh, rings)
+
+
+def _ingest(prepared, state_dict, pairs, layout, mesh, rings: Rings) -> IngestReport:
     start = time.perf_counter()
-    tensors = state_dict.state_dict(keep_vars=True) if hasattr(state_dict, "state_dict") else state_dict
-    inventory, compiled, _ = checkpoint_layout(rules, like, config, tensors, layout, Path("<ingest>"))
+    tensors = tensors_of(state_dict)
+    inventory, compiled, _ = prepared.current()
     rank = dist.rank()
 
     def plan():
@@ -62,8 +72,10 @@ def _ingest(state_dict, pairs, rules, like, config, layout, mesh, rings: Rings) 
         check_unquantized(compiled, "an ingest takes the checkpoint tensors' own values, and decoding streamed "
                           "quantized parts is not supported", "ingest with the rule file of the unquantized layout")
         holding = hold(compiled, tensors, layout, mesh, rank)
-        memory = in_memory(inventory)
-        return memory, make_load_plan(compiled, memory, holding.held(), rank), holding
+        held = holding.held()
+        memory = prepared.kept("memory", None, lambda: in_memory(inventory))
+        return memory, prepared.kept("ingest", (held, rank), lambda: make_load_plan(compiled, memory, held, rank)), \
+            holding
 
     memory, load_plan, holding = dist.together(plan, phase="planning the ingest")
     reads = defaultdict(list)

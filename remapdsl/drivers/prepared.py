@@ -1,0 +1,161 @@
+"""`remapdsl.prepare`: a checkpoint's headers, its rules compiled and this rank's plans, kept in
+memory by the caller for the next load, save, export or ingest of the same job.
+
+A long-running job (an RL loop exporting after every step, a trainer that reloads) calls the same
+entry point many times with the same rules and checkpoint, and everything before the first byte
+(headers, compile, plans) comes out the same. A Prepared holds it in the object the caller keeps;
+nothing is written anywhere. Each call first checks, on every rank, that the rule files' text and
+the checkpoint's files (size, inode, modification and change times) are as they were, and the
+ranks agree: a change seen by any rank makes every rank prepare again. Plans are kept for the last
+few holdings (the shards a rank holds and the call's options), found again by value.
+
+The one-shot entry points (`remapdsl.load`, `save`, ...) run the same code through a Prepared made
+for the call, so there is one path.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+from ..checkpoint import Inventory
+from ..language import RuleSet
+from ..language.parser import read_rule_text
+from ..errors import RemapError
+from .prepare import Ready, prepare_everywhere
+
+T = TypeVar("T")
+KEPT = 4  # plans kept of each kind: the last holdings seen (a trainer alternates few)
+
+
+class Prepared:
+    """Rank 0's headers of a checkpoint and the rules compiled against them, and this rank's plans
+    for each holding seen; from `remapdsl.prepare`, kept by the caller. Every rank calls each
+    method, as for the one-shot functions of the same names."""
+
+    def __init__(self, rules, checkpoint, config, strict: bool, ready: Ready, watched: bool = True):
+        self._rules, self._checkpoint, self._config, self._strict = rules, checkpoint, config, strict
+        self._watched = watched  # False: made for one call (or a derived layout): never looked at again
+        self._ready, self._files = ready, self._look(ready)[1] if watched else None
+        self._kept: dict[str, list[tuple[Any, Any]]] = {}
+
+    @property
+    def inventory(self) -> Inventory:
+        """The checkpoint's headers (rank 0's, with this rank's own files' modification times)."""
+        return self._ready.inventory
+
+    @property
+    def compiled(self):
+        """The compiled program (`remapdsl.compile.Compiled`)."""
+        return self._ready.compiled
+
+    @property
+    def rules_path(self) -> str:
+        """The top-level rule file compiled."""
+        return self._ready.rule_texts[0][0] if self._ready.rule_texts else ""
+
+    def current(self) -> Ready:
+        """The headers and compiled program, prepared again on every rank when any rank sees a rule
+        file or a checkpoint file changed since (one exchange of a flag each call)."""
+        if not self._watched:
+            return self._ready
+        from ..runtime import dist
+
+        same, files = self._look(self._ready)
+        changed = not same or files != self._files
+        if dist.active():
+            changed = any(dist.gather_all(changed, "checking the prepared rules and checkpoint"))
+        if changed:
+            self._kept.clear()
+            ready = prepare_everywhere(self._rules, self._checkpoint, self._config, self._strict)
+            self._ready, self._files = ready, self._look(ready)[1]
+        return self._ready
+
+    def kept(self, kind: str, key: Any, make: Callable[[], T]) -> T:
+        """`make()`, or what it gave before for a key equal to `key` (the last KEPT of `kind`)."""
+        entries = self._kept.setdefault(kind, [])
+        for i, (seen, value) in enumerate(entries):
+            if seen == key:
+                entries.append(entries.pop(i))
+                return value
+        value = make()
+        entries.append((key, value))
+        del entries[:-KEPT]
+        return value
+
+    def _look(self, ready: Ready) -> tuple[bool, tuple]:
+        """What identifies the inputs now, without parsing them: whether each rule file still holds
+        the text compiled (a RuleSet given is the caller's, unchanging), and each checkpoint file's
+        size, inode and times (an Inventory given is the caller's)."""
+        same = isinstance(self._rules, RuleSet) or all(_text(path) == text for path, text in ready.rule_texts)
+        if isinstance(self._checkpoint, Inventory):
+            return same, ()
+        inventory = ready.inventory
+        names = [*inventory.files, *filter(None, [inventory.index_file])]
+        paths = [inventory.path(name) for name in names]
+        if self._config is None:
+            paths.append(os.path.join(inventory.root, "config.json"))
+        return same, tuple(_stat(path) for path in paths)
+
+    # -------------------------------------------------------------------------------- the calls
+
+    def load(self, state_dict, *, layout=None, mesh=None, read_replicated_once: bool = False, timeout=None,
+             staging_bytes: int | None = None):
+        """Fill existing tensors in place from the checkpoint; the arguments are `remapdsl.load`'s."""
+        from .load import load
+
+        return load(self, state_dict, layout=layout, mesh=mesh, read_replicated_once=read_replicated_once,
+                    timeout=timeout, staging_bytes=staging_bytes)
+
+    def save(self, state_dict, folder, *, layout=None, mesh=None, overwrite: bool = False,
+             allow_lossy: bool = False, requantize: bool = False, dropped: str = "error", timeout=None):
+        """Write runtime tensors back to the checkpoint's layout (it is `like`); the arguments are
+        `remapdsl.save`'s."""
+        from .save import save
+
+        return save(self, state_dict, folder, config=self._config, layout=layout, mesh=mesh, overwrite=overwrite,
+                    allow_lossy=allow_lossy, requantize=requantize, dropped=dropped, timeout=timeout)
+
+    def export(self, state_dict, *, gather=(), bucket_bytes: int = 256 << 20, layout=None, mesh=None,
+               allow_lossy: bool = False, regions: bool = False, timeout=None):
+        """The checkpoint's layout of a sharded runtime state dict, in memory (it is `like`); the
+        arguments are `remapdsl.export`'s."""
+        from .export import export
+
+        return export(self, state_dict, gather=gather, bucket_bytes=bucket_bytes, layout=layout, mesh=mesh,
+                      allow_lossy=allow_lossy, regions=regions, timeout=timeout)
+
+    def ingest(self, state_dict, pairs, *, layout=None, mesh=None, timeout=None, staging_bytes: int | None = None):
+        """Fill a runtime state dict from (checkpoint key, tensor) pairs in the checkpoint's layout
+        (it is `like`); the arguments are `remapdsl.ingest`'s."""
+        from .ingest import ingest
+
+        return ingest(self, state_dict, pairs, layout=layout, mesh=mesh, timeout=timeout,
+                      staging_bytes=staging_bytes)
+
+
+def prepare(rules, checkpoint, *, config=None, strict: bool = True, timeout=None, watched: bool = True) -> Prepared:
+    """Every rank: rank 0's headers of `checkpoint` shared and the rules compiled, the ranks agreeing
+    (as the first phase of a load), kept in a Prepared; `watched=False` for one call's (its inputs
+    are never looked at again)."""
+    from ..runtime import bounds
+
+    with bounds.bounded(timeout):
+        ready = prepare_everywhere(rules, checkpoint, config, strict)
+        return Prepared(rules, checkpoint, config, strict, ready, watched)
+
+
+def _text(path: str) -> str | None:
+    try:
+        return read_rule_text(path)
+    except RemapError:  # gone or unreadable: a change; preparing again says what is wrong
+        return None
+
+
+def _stat(path: str) -> tuple | None:
+    try:
+        s = os.stat(path)
+    except OSError:
+        return None
+    return s.st_size, s.st_dev, s.st_ino, s.st_mtime_ns, s.st_ctime_ns

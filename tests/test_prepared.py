@@ -1,0 +1,160 @@
+"""Reuse across calls is an object the caller keeps (`remapdsl.prepare`), in memory; the library
+writes nothing but where it is told, and a fresh process reads nothing it did not produce."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+import remapdsl
+from remapdsl.drivers import load as load_driver
+from remapdsl.drivers import prepare as prepare_step
+from remapdsl.testing.ranks import run_ranks
+
+ROOT = Path(__file__).resolve().parent.parent
+CHECKPOINT = ROOT / "examples" / "tiny-qwen3-moe"
+RULES = ROOT / "rules" / "qwen3_moe.remap"
+
+
+def _whole() -> dict[str, torch.Tensor]:
+    state = remapdsl.compile_rules(str(RULES), str(CHECKPOINT)).empty_state_dict()
+    remapdsl.load(state, str(CHECKPOINT), str(RULES))
+    return state
+
+
+def _nan_like(state: dict) -> dict:
+    return {k: torch.full_like(v, float("nan")) if v.is_floating_point() else torch.zeros_like(v)
+            for k, v in state.items()}
+
+
+def _equal(a: dict, b: dict) -> bool:
+    return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+class _Counted:
+    """Counts the calls of a module function while installed (monkeypatch undoes it)."""
+
+    def __init__(self, monkeypatch, module, name: str):
+        self.calls = 0
+        original = getattr(module, name)
+
+        def counted(*args, **kwargs):
+            self.calls += 1
+            return original(*args, **kwargs)
+
+        monkeypatch.setattr(module, name, counted)
+
+
+def test_a_second_load_reuses_the_compiled_program_and_the_plan_and_fills_the_same_values(monkeypatch):
+    whole = _whole()
+    compiles = _Counted(monkeypatch, prepare_step, "compile_rules")
+    plans = _Counted(monkeypatch, load_driver, "make_load_plan")
+    prepared = remapdsl.prepare(str(RULES), str(CHECKPOINT))
+    for _ in range(3):
+        state = _nan_like(whole)
+        report = prepared.load(state)
+        assert _equal(state, whole)
+    assert (compiles.calls, plans.calls) == (1, 1)
+    assert report.rules == str(RULES) and report.bytes_read > 0
+
+
+def test_an_edited_rule_file_or_a_rewritten_checkpoint_file_is_prepared_again(tmp_path, monkeypatch):
+    folder = tmp_path / "ckpt"
+    shutil.copytree(CHECKPOINT, folder)
+    rules = tmp_path / "rules.remap"
+    rules.write_text(RULES.read_text())
+    whole = _whole()
+    compiles = _Counted(monkeypatch, prepare_step, "compile_rules")
+    prepared = remapdsl.prepare(str(rules), str(folder))
+    prepared.load(_nan_like(whole))
+    rules.write_text(RULES.read_text() + "# edited\n")
+    state = _nan_like(whole)
+    prepared.load(state)
+    assert compiles.calls == 2 and _equal(state, whole)
+    shard = sorted(folder.glob("*.safetensors"))[0]
+    time.sleep(0.01)
+    shard.write_bytes(shard.read_bytes())  # same bytes, a new file time: read again, not trusted
+    prepared.load(_nan_like(whole))
+    assert compiles.calls == 3
+    prepared.load(_nan_like(whole))
+    assert compiles.calls == 3
+    rules.write_text("remap 1\nnot a rule\n")
+    with pytest.raises(remapdsl.RuleSyntaxError):
+        prepared.load(_nan_like(whole))
+
+
+def test_a_prepared_save_export_and_ingest_match_the_one_shot_calls(tmp_path):
+    whole = _whole()
+    prepared = remapdsl.prepare(str(RULES), str(CHECKPOINT))
+    for n in range(2):
+        prepared.save(whole, tmp_path / f"saved{n}")
+        for original in sorted(CHECKPOINT.glob("*.safetensors")):
+            assert (tmp_path / f"saved{n}" / original.name).read_bytes() == original.read_bytes()
+    once = dict(remapdsl.export(whole, str(RULES), like=str(CHECKPOINT)))
+    for _ in range(2):
+        pairs = dict(prepared.export(whole))
+        assert _equal(pairs, once)
+    state = _nan_like(whole)
+    report = prepared.ingest(state, pairs)
+    assert _equal(state, whole) and report.used == len(pairs)
+
+
+def test_prepare_needs_the_checkpoint_and_refuses_a_snapshot(tmp_path):
+    with pytest.raises(remapdsl.RemapError) as info:
+        remapdsl.prepare(str(RULES), None)
+    assert info.value.diagnostics[0].code == "E418"
+    snapshot = tmp_path / "m.headers.json"
+    remapdsl.write_snapshot(str(CHECKPOINT), snapshot)
+    with pytest.raises(remapdsl.RemapError) as info:
+        remapdsl.prepare(str(RULES), str(snapshot))
+    assert info.value.diagnostics[0].code == "E331"
+
+
+def test_a_fresh_process_writes_nothing_outside_its_destination(tmp_path):
+    """Loading, saving and compiling in a new process (the parser built there) leave the home,
+    cache and temp folders as they were: no cache on disk, nothing to read back later."""
+    home, cache, temp = (tmp_path / name for name in ("home", "cache", "tmp"))
+    for folder in (home, cache, temp):
+        folder.mkdir()
+    script = (
+        "import remapdsl\n"
+        f"state = remapdsl.compile_rules({str(RULES)!r}, {str(CHECKPOINT)!r}).empty_state_dict()\n"
+        f"remapdsl.load(state, {str(CHECKPOINT)!r}, 'auto')\n"
+        f"remapdsl.save(state, {str(tmp_path / 'out')!r}, {str(RULES)!r}, like={str(CHECKPOINT)!r})\n"
+    )
+    env = dict(os.environ, HOME=str(home), XDG_CACHE_HOME=str(cache), TMPDIR=str(temp))
+    subprocess.run([sys.executable, "-c", script], env=env, check=True, cwd=tmp_path, timeout=120)
+    assert (tmp_path / "out").is_dir()
+    assert [p for folder in (home, cache, temp) for p in folder.rglob("*")] == []
+
+
+def _ranks_prepare_again_together(rank: int, world: int, folder: str, backend_note: str) -> dict:
+    """Rank 1 edits its own copy of the rule file between two loads: both ranks prepare again (no
+    rank left in a collective alone) and, the texts now differing, both refuse it (E410)."""
+    whole = _whole()
+    rules = Path(folder) / f"rules{rank}.remap"
+    rules.write_text(RULES.read_text())
+    prepared = remapdsl.prepare(str(rules), str(CHECKPOINT))
+    prepared.load(_nan_like(whole))
+    if rank == 1:
+        rules.write_text(RULES.read_text() + "# edited on rank 1 only\n")
+    try:
+        prepared.load(_nan_like(whole))
+    except remapdsl.RemapError as exc:
+        return {"codes": [d.code for d in exc.diagnostics], "text": str(exc)}
+    return {"codes": []}
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("backend", ["gloo", "cuda:gloo"])
+def test_a_change_seen_by_one_rank_prepares_every_rank_again(backend, tmp_path):
+    results = run_ranks(_ranks_prepare_again_together, 2, str(tmp_path), backend, backend=backend, timeout=60)
+    assert [r["codes"] for r in results] == [["E410"], ["E410"]]
+    assert all("rules1.remap" in r["text"] or "line" in r["text"] for r in results)
