@@ -10,7 +10,7 @@ layout (E4M3 weights of every linear projection, float32 scales per 128 x 128 bl
 lm_head, norms and router stay BF16/F32, as released) and compiles `rules/deepseek_v3_fp8.remap`,
 which dequantizes on read. `--experts 512` gives a BF16 inventory of that size instead.
 
-One process: the first call (cold: the parser is built, caches are empty) is reported on its own,
+One process: the first call (cold: the parser is built) is reported on its own,
 then the median of 5 further calls. Memory is measured on one more call under tracemalloc (Python
 allocations made during the call, the result included) and as the process's peak RSS (ru_maxrss),
 shown before and after the compile calls so that the inventory's own share is visible. A yardstick

@@ -333,7 +333,7 @@ def spawn(mode: str, folder: Path, verify: bool = False, timeout: float = 600, b
     if mode.endswith("@base"):
         mode = mode.removesuffix("@base")
         env["PYTHONPATH"] = os.pathsep.join(filter(None, [base, env.get("PYTHONPATH")]))
-        env["XDG_CACHE_HOME"] = os.path.join(base, ".cache-bench")  # its load cache apart from this tree's
+        env["REMAPDSL_CACHE"] = "0"  # a checkout from before the disk caches were removed: theirs off
     command = [sys.executable, str(Path(__file__).resolve()), "--child", mode, "--out", str(folder)]
     if verify:
         command.append("--verify")

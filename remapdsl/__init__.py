@@ -27,15 +27,26 @@ from .compile import Compiled
 from .compile import compile_rules as _compile_rules
 from .compile.explain import explain
 from .errors import BindError, CheckpointError, Diagnostic, RemapError, RuleCheckError, RuleSyntaxError, Span
-from .language import RuleSet, load_rules
+from .language import RuleSet, format_rules, load_rules
+from .language import ir as _ir
+from .language.library import resolve_rules_path as _resolve_rules_path
+from .language.parser import parse_file as _parse_file
 from .language.library import ShippedRules, shipped_rules
 from .language.library import choose_rules as _choose_rules
 from .drivers.prepare import rules_for
 from .drivers.prepared import Prepared
+from .sharding import parse_mesh, read_layout
 from .sharding.placements import LayoutError
+from .sizes import parse_size
 
 __version__ = "0.1.0"
 
+
+
+def parse_rules(rules: str | os.PathLike) -> _ir.RuleFile:
+    """One rule file parsed, its includes not followed nor anything checked: its statements with
+    their comments, as `format_rules` prints them back (a path, or a shipped name)."""
+    return _parse_file(_resolve_rules_path(rules))
 
 
 def choose_rules(checkpoint: str | os.PathLike | Inventory,
@@ -319,12 +330,17 @@ __all__ = [
     "convert",
     "explain",
     "export",
+    "format_rules",
     "ingest",
     "load",
     "load_rules",
     "open_checkpoint",
+    "parse_mesh",
+    "parse_rules",
+    "parse_size",
     "plan_rank",
     "prepare",
+    "read_layout",
     "save",
     "shipped_rules",
     "write_snapshot",

@@ -15,8 +15,6 @@ from collections.abc import Sequence
 from pathlib import Path
 
 import remapdsl
-from remapdsl import language, sharding
-from remapdsl.sizes import parse_size
 
 EXIT_OK, EXIT_DIFFERS, EXIT_USER_ERROR, EXIT_BUG = 0, 1, 2, 3
 RULES_HELP = ("a .remap file, the name of a shipped one (`remapdsl rules` lists them), or `auto`: the "
@@ -263,9 +261,9 @@ def _snapshot(args: argparse.Namespace) -> int:
 def _fmt(args: argparse.Namespace) -> int:
     differs = False
     for name in args.files:
-        name = str(language.resolve_rules_path(name))  # a shipped name: its file
-        rules = language.parse_file(name)
-        canonical = language.format_rules(rules)
+        rules = remapdsl.parse_rules(name)  # a shipped name: its file
+        name = rules.path
+        canonical = remapdsl.format_rules(rules)
         if canonical == rules.source:
             continue
         differs = True
@@ -300,8 +298,8 @@ def _plan(args: argparse.Namespace) -> int:
     rules = remapdsl.load_rules(_rules_arg(args.rules, args.checkpoint))
     inventory = remapdsl.open_checkpoint(args.checkpoint)
     compiled = remapdsl.compile_rules(rules, inventory)
-    mesh = sharding.parse_mesh(args.mesh)
-    layout = sharding.read_layout(args.layout)
+    mesh = remapdsl.parse_mesh(args.mesh)
+    layout = remapdsl.read_layout(args.layout)
     ranks = [args.rank] if args.rank is not None else _ranks(args.ranks, mesh.size)
     total_read = total_owned = total_scales = 0
     for rank in ranks:
@@ -386,7 +384,7 @@ def _runs(runs) -> str:
 
 
 def _size(text: str, option: str) -> int:
-    return parse_size(text, f"{option} {text}")
+    return remapdsl.parse_size(text, f"{option} {text}")
 
 
 def _convert(args: argparse.Namespace) -> int:
@@ -447,7 +445,7 @@ def _ir(args: argparse.Namespace) -> int:
         statements = rules.statements
         payload = rules.model_dump_json(indent=2) if args.json else None
     else:
-        parsed = language.parse_file(language.resolve_rules_path(args.file))
+        parsed = remapdsl.parse_rules(args.file)
         statements = parsed.statements
         payload = parsed.model_dump_json(indent=2) if args.json else None
     if payload is not None:

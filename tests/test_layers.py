@@ -24,6 +24,7 @@ LAYERS = (
     ("compile", ("remapdsl.compile",)),
     ("sharding", ("remapdsl.sharding",)),
     ("runtime", ("remapdsl.runtime",)),
+    ("drivers", ("remapdsl.drivers",)),
     ("api", ("remapdsl",)),
     ("integrations", ("remapdsl.dcp", "remapdsl.torchtitan")),
     ("testing", ("remapdsl.testing",)),
@@ -111,6 +112,12 @@ def test_nothing_imports_the_command_line():
              if _layer(module) != len(LAYERS) - 1
              for target, _ in _imports(module, path) if _layer(target) == len(LAYERS) - 1]
     assert not users
+
+
+def test_the_command_line_uses_the_public_api_only():
+    """The CLI is a view of `remapdsl`'s public functions (and the testing kit's, for `verify`)."""
+    used = sorted({target for target, _ in _imports("remapdsl.cli", _modules()["remapdsl.cli"])})
+    assert [t for t in used if t != "remapdsl" and not t.startswith("remapdsl.testing")] == []
 
 
 def test_the_checker_sees_a_violation(tmp_path):

@@ -78,9 +78,7 @@ class RuleStorageReader(StorageReader):
         self._open(path)
 
     def _open(self, path) -> None:
-        """Compile the rules against `path` on every rank together (errors: RemapError, every rank);
-        the cyclic collector paused throughout, as `remapdsl.load` does (parsing and compiling make
-        many short-lived objects, and each full collection walks torch's whole heap)."""
+        """Compile the rules against `path` on every rank together (errors: RemapError, every rank)."""
         with bounds.bounded(self._timeout):
             self._compile(path)
 

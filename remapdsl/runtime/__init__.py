@@ -1,1 +1,2 @@
-"""Executors that run plans, the only torch.distributed caller, and the load / save / convert drivers."""
+"""What runs plans: the reads and writes of tensor bytes, the staging ring, the ranks' exchanges and
+the bounds on waiting; no rule file, compile or plan is made here."""

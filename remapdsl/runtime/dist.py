@@ -17,7 +17,7 @@ released them: gloo's worker threads hold each finished work (its tensors) for a
 caller wakes, and a tensor whose last reference is dropped on such a thread needs the interpreter's
 lock; during interpreter shutdown that aborts the process ("terminate called without an active
 exception"). So when a call returns, no thread of the backend holds anything of it
-(docs/distributed.md, "Leaving the group clean").
+(docs/architecture.md, "Leaving the group clean").
 """
 
 from __future__ import annotations

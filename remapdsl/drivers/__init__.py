@@ -1,0 +1,2 @@
+"""The entry points' drivers: each prepares (rules, headers, compile, agreement), plans, and hands
+the plans to the executors of remapdsl.runtime; `Prepared` keeps what was prepared for the next call."""
