@@ -357,7 +357,10 @@ def child_remapdsl_single(folder: Path, rules: str, verify: bool) -> dict:
     import torch  # noqa: F401  (imports stay out of the timing)
 
     import remapdsl
-    import remapdsl.drivers.load  # noqa: F401  (imports stay out of the timing)
+    try:
+        import remapdsl.drivers.load  # noqa: F401  (imports stay out of the timing)
+    except ModuleNotFoundError:  # a --base checkout from before remapdsl/drivers/
+        import remapdsl.runtime.load  # noqa: F401
 
     spec = json.loads((folder / MANIFEST).read_text())["spec"]
     files = tensor_files(folder)
@@ -443,7 +446,10 @@ def child_dist(mode: str, folder: Path, rank: int, world: int, port: int, verify
     from torch.distributed.tensor import DTensor, Shard
 
     import remapdsl
-    import remapdsl.drivers.load  # noqa: F401  (imports stay out of the timing)
+    try:
+        import remapdsl.drivers.load  # noqa: F401  (imports stay out of the timing)
+    except ModuleNotFoundError:  # a --base checkout from before remapdsl/drivers/
+        import remapdsl.runtime.load  # noqa: F401
 
     init_group(rank, world, port, "cuda:gloo" if mode == "dist-remapdsl-nccl" else "gloo")
     # the timing's barriers: a gloo group of the benchmark's own under the NCCL-like group (one that
@@ -549,7 +555,10 @@ def child_tp_load(folder: Path, rank: int, world: int, port: int) -> dict:
     from safetensors import safe_open
 
     import remapdsl
-    import remapdsl.drivers.load  # noqa: F401  (imports stay out of the timing)
+    try:
+        import remapdsl.drivers.load  # noqa: F401  (imports stay out of the timing)
+    except ModuleNotFoundError:  # a --base checkout from before remapdsl/drivers/
+        import remapdsl.runtime.load  # noqa: F401
     from remapdsl.sharding import Mesh, layout_for, local_shard
 
     init_group(rank, world, port)

@@ -167,7 +167,10 @@ def child_remapdsl(folder: Path, manifest: dict, touched: bool, verify: bool) ->
     if not hasattr(remapdsl, "load"):
         return {"error": "remapdsl.load is not available"}
     try:
-        import remapdsl.drivers.load  # noqa: F401  (remapdsl imports its torch side lazily, in load)
+        try:
+            import remapdsl.drivers.load  # noqa: F401  (imports stay out of the timing)
+        except ModuleNotFoundError:  # a --base checkout from before remapdsl/drivers/
+            import remapdsl.runtime.load  # noqa: F401
     except ImportError:
         pass
     files = tensor_files(folder)

@@ -158,3 +158,37 @@ def test_a_change_seen_by_one_rank_prepares_every_rank_again(backend, tmp_path):
     results = run_ranks(_ranks_prepare_again_together, 2, str(tmp_path), backend, backend=backend, timeout=60)
     assert [r["codes"] for r in results] == [["E410"], ["E410"]]
     assert all("rules1.remap" in r["text"] or "line" in r["text"] for r in results)
+
+
+def test_a_load_leaves_the_collector_as_it_found_it_and_collects_during_its_reads(monkeypatch):
+    """The heap is frozen only during a call, and a caller's own frozen objects stay frozen; a
+    collection that runs during the reads finds garbage made then (the collector is not off)."""
+    import gc
+
+    import remapdsl.drivers.load as load_driver
+
+    whole = _whole()
+    seen = {}
+    original = load_driver.run_load_plan
+
+    def reads(*args, **kwargs):
+        class Cycle:
+            pass
+
+        a, b = Cycle(), Cycle()
+        a.other, b.other = b, a
+        del a, b
+        seen["enabled"], seen["collected"] = gc.isenabled(), gc.collect()
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(load_driver, "run_load_plan", reads)
+    assert gc.get_freeze_count() == 0
+    remapdsl.load(_nan_like(whole), str(CHECKPOINT), str(RULES))
+    assert seen["enabled"] and seen["collected"] >= 2 and gc.get_freeze_count() == 0 and gc.isenabled()
+    gc.freeze()  # the caller's own: left as it is
+    try:
+        frozen = gc.get_freeze_count()
+        remapdsl.load(_nan_like(whole), str(CHECKPOINT), str(RULES))
+        assert 0 < gc.get_freeze_count() <= frozen  # none unfrozen nor added (a few died meanwhile)
+    finally:
+        gc.unfreeze()

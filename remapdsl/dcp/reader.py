@@ -30,6 +30,7 @@ from ..language.includes import RuleSet
 from ..language.library import resolve_rules_path
 from ..runtime import bounds, dist
 from ..drivers.prepare import prepare_everywhere, rules_for
+from ..gcpause import frozen_heap
 from ..runtime.read import run_load_plan
 from ..runtime.staging import Rings, staging_within
 from ..sharding.placements import LocalShard
@@ -79,7 +80,7 @@ class RuleStorageReader(StorageReader):
 
     def _open(self, path) -> None:
         """Compile the rules against `path` on every rank together (errors: RemapError, every rank)."""
-        with bounds.bounded(self._timeout):
+        with bounds.bounded(self._timeout), frozen_heap():
             self._compile(path)
 
     def _compile(self, path) -> None:
@@ -120,7 +121,8 @@ class RuleStorageReader(StorageReader):
 
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
         """Read every request of `plan` into the tensors `planner` resolves, then commit them."""
-        self.report = self._read(plan, planner)  # a RemapError raised here crosses DCP's exchange pickled, intact
+        with frozen_heap():  # a RemapError raised here crosses DCP's exchange pickled, intact
+            self.report = self._read(plan, planner)
         done: Future[None] = Future()
         done.set_result(None)
         return done

@@ -27,6 +27,7 @@ from ..checkpoint import CheckpointReader, read_config
 from ..checkpoint.reader import as_byte_view
 from ..checkpoint.writer import new_checkpoint, omitted_index
 from ..errors import Diagnostic, RemapError
+from ..gcpause import frozen_heap
 from ..indexmap import nbytes
 from ..sharding.holdings import whole_shard
 from ..sharding.plans import make_load_plan, make_write_plan
@@ -64,7 +65,7 @@ def convert(src, dst, rules, *, reverse: bool = False, like=None, max_shard_byte
             progress: Callable[[int, int], None] | None = None, dropped: str = "error",
             timeout=None) -> ConvertReport:
     """Convert checkpoint `src` into `dst` through `rules`; the arguments are `remapdsl.convert`'s."""
-    with bounds.bounded(timeout):
+    with bounds.bounded(timeout), frozen_heap():
         return _convert(src, Path(dst).absolute(), rules, reverse, like, max_shard_bytes, budget_bytes,
                         overwrite, progress, dropped)
 

@@ -28,6 +28,7 @@ import numpy as np
 import torch
 
 from ..errors import Diagnostic, RemapError
+from ..gcpause import frozen_heap
 from ..sharding.holdings import hold, owned
 from ..sharding.plans import make_write_plan
 from ..runtime import bounds, dist
@@ -68,37 +69,41 @@ def _export(prepared_for, state_dict, gather, bucket_bytes: int, layout, mesh, a
                                     f"moves nothing, so it takes no gather (got gather={gather!r})",
                                     hint="drop `gather`, or drop `regions` to assemble whole tensors"))
     tensors = tensors_of(state_dict)
-    prepared = prepared_for(tensors)
-    out, compiled, _ = prepared.current()
-    rank, world = dist.rank(), dist.world_size()
+    with frozen_heap():  # until the first item: the consumer's own code runs between items
+        prepared = prepared_for(tensors)
+        out, compiled, _ = prepared.current()
+        rank, world = dist.rank(), dist.world_size()
 
-    def plan():
-        _check_bucket(bucket_bytes)
-        check_mesh(mesh)
-        check_unquantized(compiled, "an export streams the runtime tensors' own values, and re-encoding them in "
-                          "the stored format is not supported", "export with the rule file of the unquantized "
-                          "layout (`deepseek_v3`, not `deepseek_v3_fp8`); the engine quantizes what it loads")
-        chosen = prepared.kept("writers", (allow_lossy, False, "omit"), lambda: writers_paused(
-            compiled, allow_lossy=allow_lossy, dropped="omit"))
-        holding = hold(compiled, tensors, layout, mesh, rank)
-        # the replica that writes a replicated tensor chosen by its key, so no one group assembles them all
-        boxes = owned(holding, rank, spread_over=world)
-        plan = prepared.kept("export", (allow_lossy, boxes, rank), lambda: make_write_plan(
-            chosen, out, boxes, rank, compiled.logical_by_key()))
-        return plan, {w.block.source_key: w.runtime_key for w in chosen}, holding
+        def plan():
+            _check_bucket(bucket_bytes)
+            check_mesh(mesh)
+            check_unquantized(compiled, "an export streams the runtime tensors' own values, and re-encoding them "
+                              "in the stored format is not supported", "export with the rule file of the "
+                              "unquantized layout (`deepseek_v3`, not `deepseek_v3_fp8`); the engine quantizes what "
+                              "it loads")
+            chosen = prepared.kept("writers", (allow_lossy, False, "omit"), lambda: writers_paused(
+                compiled, allow_lossy=allow_lossy, dropped="omit"))
+            holding = hold(compiled, tensors, layout, mesh, rank)
+            # the replica that writes a replicated tensor chosen by its key, so no one group assembles them all
+            boxes = owned(holding, rank, spread_over=world)
+            plan = prepared.kept("export", (allow_lossy, boxes, rank), lambda: make_write_plan(
+                chosen, out, boxes, rank, compiled.logical_by_key()))
+            return plan, {w.block.source_key: w.runtime_key for w in chosen}, holding
 
-    plan, producer, holding = dist.together(plan, phase="planning the export")
-    dropped = set(compiled.dropped)
-    empty = [k for k, t in out.tensors.items() if not t.nbytes and k not in dropped]
+        plan, producer, holding = dist.together(plan, phase="planning the export")
+        dropped = set(compiled.dropped)
+        empty = [k for k, t in out.tensors.items() if not t.nbytes and k not in dropped]
+        if not regions:
+            mine: dict[str, int] = defaultdict(int)
+            for item in plan.items:
+                mine[item.ckpt_key] += item.runs.total
+            everyone = dist.gather_all(dict(mine), "sharing what each rank exports")
+            schedule = dist.together(lambda: prepared.kept("schedule", (everyone, bucket_bytes, gather), lambda: (
+                _schedule(everyone, out, bucket_bytes, gather, producer, tensors, layout, mesh, empty))),
+                phase="scheduling the export")
     if regions:
         yield from _regions(plan, out, holding.local, bucket_bytes, empty if rank == 0 else [])
         return
-    mine: dict[str, int] = defaultdict(int)
-    for item in plan.items:
-        mine[item.ckpt_key] += item.runs.total
-    everyone = dist.gather_all(dict(mine), "sharing what each rank exports")
-    schedule = dist.together(lambda: prepared.kept("schedule", (everyone, bucket_bytes, gather), lambda: _schedule(
-        everyone, out, bucket_bytes, gather, producer, tensors, layout, mesh, empty)), phase="scheduling the export")
     yield from _rounds(plan, schedule, out, holding.local, rank, world)
 
 

@@ -20,6 +20,7 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict
 
 from ..checkpoint.memory import MemoryReader, in_memory
+from ..gcpause import frozen_heap
 from ..errors import Diagnostic, RemapError, suggest
 from ..sharding.holdings import hold
 from ..sharding.plans import make_load_plan
@@ -48,7 +49,7 @@ def ingest(prepared, state_dict, pairs, *, layout=None, mesh=None, timeout=None,
     """Fill this rank's part of `state_dict` from (checkpoint key, tensor) pairs in the prepared
     checkpoint's layout; see `remapdsl.ingest`."""
     staging = staging_within(staging_bytes)
-    with bounds.bounded(timeout), Rings(staging) as rings:  # one ring per reader thread, over all pairs
+    with bounds.bounded(timeout), frozen_heap(), Rings(staging) as rings:  # one ring per reader thread, over all pairs
         return _ingest(prepared, state_dict, pairs, layout, mesh, rings)
 
 
@@ -56,7 +57,7 @@ def ingest_once(state_dict, pairs, rules, *, like=None, config: Mapping[str, Any
                 mesh=None, timeout=None, staging_bytes: int | None = None) -> IngestReport:
     """`remapdsl.ingest`: the layout of `like` (or the one derived without it) prepared for this call."""
     staging = staging_within(staging_bytes)
-    with bounds.bounded(timeout), Rings(staging) as rings:
+    with bounds.bounded(timeout), frozen_heap(), Rings(staging) as rings:
         prepared = prepared_checkpoint(rules, like, config, tensors_of(state_dict), layout, Path("<ingest>"))[0]
         return _ingest(prepared, state_dict, pairs, layout, mesh, rings)
 

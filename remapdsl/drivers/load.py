@@ -17,6 +17,7 @@ from pydantic import BaseModel, ConfigDict
 
 from ..sharding.holdings import hold
 from ..sharding.plans import make_load_plan
+from ..gcpause import frozen_heap
 from ..runtime import bounds, dist
 from .prepare import check_mesh, layout_agreement
 from ..runtime.read import run_load_plan
@@ -43,7 +44,7 @@ def load(prepared, state_dict, *, layout=None, mesh=None, read_replicated_once: 
     """Fill existing tensors in place from a prepared checkpoint (remapdsl/drivers/prepared.py);
     the arguments are `remapdsl.load`'s."""
     staging = staging_within(staging_bytes)
-    with bounds.bounded(timeout):
+    with bounds.bounded(timeout), frozen_heap():
         return _load(prepared, state_dict, layout, mesh, read_replicated_once, staging)
 
 

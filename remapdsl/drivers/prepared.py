@@ -139,9 +139,10 @@ def prepare(rules, checkpoint, *, config=None, strict: bool = True, timeout=None
     """Every rank: rank 0's headers of `checkpoint` shared and the rules compiled, the ranks agreeing
     (as the first phase of a load), kept in a Prepared; `watched=False` for one call's (its inputs
     are never looked at again)."""
+    from ..gcpause import frozen_heap
     from ..runtime import bounds
 
-    with bounds.bounded(timeout):
+    with bounds.bounded(timeout), frozen_heap():
         ready = prepare_everywhere(rules, checkpoint, config, strict)
         return Prepared(rules, checkpoint, config, strict, ready, watched)
 

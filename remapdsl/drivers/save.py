@@ -45,7 +45,7 @@ from ..compile.derive import derive_checkpoint
 from ..compile.inverse import DROPPED, copied_parts, dropped_keys
 from ..compile.inverse import writers as derive_writers
 from ..errors import Diagnostic, RemapError
-from ..gcpause import paused_gc
+from ..gcpause import frozen_heap, paused_gc
 from ..language.includes import RuleSet, load_rules
 from ..sharding.holdings import hold, owned
 from ..sharding.plans import make_write_plan
@@ -76,7 +76,7 @@ def save(prepared, state_dict, folder, *, config=None, layout=None, mesh=None, o
          derived: NewCheckpoint | None = None) -> SaveReport:
     """Write runtime tensors back to the prepared checkpoint's layout (`like`), or to `derived` (the
     layout a save without `like` derives: `prepared_checkpoint`); the arguments are `remapdsl.save`'s."""
-    with bounds.bounded(timeout):
+    with bounds.bounded(timeout), frozen_heap():
         return _save(prepared, state_dict, Path(folder).absolute(), config, layout, mesh, overwrite, allow_lossy,
                      requantize, dropped, derived)
 
@@ -85,7 +85,7 @@ def save_once(state_dict, folder, rules, *, like=None, config=None, layout=None,
               allow_lossy: bool = False, requantize: bool = False, dropped: str = "error",
               max_shard_size: int | str = "5GB", timeout=None) -> SaveReport:
     """`remapdsl.save`: the layout of `like` (or the one derived without it) prepared for this call, then saved."""
-    with bounds.bounded(timeout):
+    with bounds.bounded(timeout), frozen_heap():
         folder = Path(folder).absolute()
         prepared, derived = prepared_checkpoint(rules, like, config, tensors_of(state_dict), layout, folder,
                                             max_shard_size)
