@@ -86,25 +86,36 @@ def _export(prepared_for, state_dict, gather, bucket_bytes: int, layout, mesh, a
             holding = hold(compiled, tensors, layout, mesh, rank)
             # the replica that writes a replicated tensor chosen by its key, so no one group assembles them all
             boxes = owned(holding, rank, spread_over=world)
-            plan = prepared.kept("export", (allow_lossy, boxes, rank), lambda: make_write_plan(
-                chosen, out, boxes, rank, compiled.logical_by_key()))
-            return plan, {w.block.source_key: w.runtime_key for w in chosen}, holding
+            return (*prepared.kept("export", (allow_lossy, boxes, rank), lambda: _export_plan(
+                chosen, out, boxes, rank, compiled)), holding)
 
-        plan, producer, holding = dist.together(plan, phase="planning the export")
-        dropped = set(compiled.dropped)
-        empty = [k for k, t in out.tensors.items() if not t.nbytes and k not in dropped]
+        plan, producer, mine, holding = dist.together(plan, phase="planning the export")
+        empty = prepared.kept("empty", None, lambda: _empty(out, compiled))
         if not regions:
-            mine: dict[str, int] = defaultdict(int)
-            for item in plan.items:
-                mine[item.ckpt_key] += item.runs.total
-            everyone = dist.gather_all(dict(mine), "sharing what each rank exports")
-            schedule = dist.together(lambda: prepared.kept("schedule", (everyone, bucket_bytes, gather), lambda: (
+            everyone = dist.gather_all(mine, "sharing what each rank exports")
+            schedule = dist.together(lambda: prepared.kept("schedule", (everyone, bucket_bytes, gather, layout, mesh), lambda: (
                 _schedule(everyone, out, bucket_bytes, gather, producer, tensors, layout, mesh, empty))),
                 phase="scheduling the export")
     if regions:
         yield from _regions(plan, out, holding.local, bucket_bytes, empty if rank == 0 else [])
         return
     yield from _rounds(plan, schedule, out, holding.local, rank, world)
+
+
+def _export_plan(chosen, out, boxes, rank: int, compiled) -> tuple:
+    """This rank's write plan into memory, which checkpoint tensor each runtime tensor makes, and
+    the bytes of each checkpoint tensor the rank holds (what the ranks exchange to schedule)."""
+    plan = make_write_plan(chosen, out, boxes, rank, compiled.logical_by_key())
+    mine: dict[str, int] = defaultdict(int)
+    for item in plan.items:
+        mine[item.ckpt_key] += item.runs.total
+    return plan, {w.block.source_key: w.runtime_key for w in chosen}, dict(mine)
+
+
+def _empty(out, compiled) -> list[str]:
+    """The checkpoint tensors without bytes (no writer holds any): rank 0 yields them."""
+    dropped = set(compiled.dropped)
+    return [k for k, t in out.tensors.items() if not t.nbytes and k not in dropped]
 
 
 class _Schedule(NamedTuple):

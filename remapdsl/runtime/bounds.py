@@ -78,11 +78,13 @@ def bounded_iter(items: Iterator[T], timeout) -> Iterator[T]:
     limit = _timeout.get() if timeout is None else seconds(timeout)
     try:
         while True:
-            with bounded(limit):
-                try:
-                    item = next(items)
-                except StopIteration:
-                    return
+            token = _timeout.set(limit)
+            try:
+                item = next(items)
+            except StopIteration:
+                return
+            finally:
+                _timeout.reset(token)
             yield item
     finally:
         items.close()
