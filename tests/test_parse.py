@@ -320,3 +320,13 @@ def test_the_parse_cache_is_private_and_bounded(tmp_path, monkeypatch):
     (tmp_path / "r7.remap").write_text("remap 1\na7 -> b\n")
     parser.parse_file(tmp_path / "r7.remap")
     assert [e.read_bytes() for e in entries.glob("*.pickle")] == [b"not a pickle"] * 3  # none written
+
+
+def test_every_terminal_has_a_name_of_the_grammar():
+    """syntax.py tells errors apart by terminal names: none may be one Lark generates (`__ANON_n`),
+    which would change with the order of the strings in grammars/remap.lark."""
+    from remapdsl.language.parser import lark_parser
+
+    names = {t.name for t in lark_parser().terminals}
+    assert not {n for n in names if n.startswith("__")}
+    assert {"ARROW", "EQUAL", "COMMA", "WHEN"} <= names
