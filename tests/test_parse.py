@@ -226,3 +226,13 @@ def test_an_expression_nested_too_deeply_is_reported_and_parsing_goes_on():
         parse_text("let x = " + "(" * 100 + "a" + " + 1)" * 100 + "\n", "t.remap")
     assert [d.code for d in info.value.diagnostics] == ["E039"]
     parse_text("let x = " + "not " * 60 + "a\n", "t.remap")  # within the limit
+
+
+def test_every_terminal_has_a_name_of_the_grammar():
+    """syntax.py tells errors apart by terminal names: none may be one Lark generates (`__ANON_n`),
+    which would change with the order of the strings in grammars/remap.lark."""
+    from remapdsl.language.parser import lark_parser
+
+    names = {t.name for t in lark_parser().terminals}
+    assert not {n for n in names if n.startswith("__")}
+    assert {"ARROW", "EQUAL", "COMMA", "WHEN"} <= names

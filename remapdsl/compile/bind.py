@@ -282,13 +282,12 @@ def bind(patterns: tuple[ir.Pattern, ...], keys: Iterable[str] | KeyPool) -> Bou
     # the captures of each binding, made in C: {name: value}, or a dict of the names and values
     captures = list(map(dict.fromkeys, repeat(names), values) if scalar else
                     map(dict, map(zip, repeat(names), values)))
-    new = tuple.__new__  # named tuples without their Python-level argument handling
     if not any(map(contains, entries, repeat(None))):  # every source of every binding present
-        return Bound(list(map(new, repeat(Binding), zip(captures, entries))), [], unmatched, ambiguous)
+        return Bound(list(map(Binding._make, zip(captures, entries))), [], unmatched, ambiguous)
     bindings, partial = [], []
     for found, row in zip(captures, entries):
         if None not in row:
-            bindings.append(new(Binding, (found, row)))
+            bindings.append(Binding(found, row))
         else:
             partial.append(Partial(found, tuple(e for e in row if e is not None),
                                    tuple(i for i, e in enumerate(row) if e is None)))

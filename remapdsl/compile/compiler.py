@@ -12,7 +12,7 @@ import re
 from collections import defaultdict
 from operator import attrgetter, itemgetter
 from collections.abc import Callable, Mapping
-from itertools import chain, compress, repeat
+from itertools import chain, compress
 from typing import Any
 
 from ..language import ir
@@ -102,7 +102,7 @@ class _Compiler:
         infos = list(map(self.inventory.tensors.__getitem__, keys))
         fields = zip(keys, map(attrgetter("file"), infos), map(attrgetter("dtype"), infos),
                      map(tuple, map(_SHAPE, infos)))
-        ckpt_tensors = tuple(map(tuple.__new__, repeat(CkptTensor), fields))  # named tuples, built in C
+        ckpt_tensors = tuple(map(CkptTensor._make, fields))
         return ir.construct(Compiled,
                             runtime_tensors=tuple(self.runtime_tensors[k] for k in sorted(self.runtime_tensors)),
                             ckpt_tensors=ckpt_tensors,

@@ -6,21 +6,21 @@ the same region of S (a tied embedding taken by two rules, `repeat`), the first 
 order writes it. A region of S that no runtime tensor holds (a `slice` dropped it, a `drop`
 removed S) cannot be written, and a cast that loses values on load (float32 read into bfloat16)
 cannot be undone: both fail the save before any byte is written (E501-E503), unless the caller
-chose what happens to the dropped tensors (`dropped="copy"` or `"omit"`, remapdsl/runtime/save.py).
+chose what happens to the dropped tensors (`dropped="copy"` or `"omit"`, remapdsl/drivers/save.py).
 """
 
 from __future__ import annotations
 
-from itertools import chain, repeat
+from itertools import chain
 from math import prod
-from operator import attrgetter, eq
+from operator import attrgetter
 from typing import NamedTuple
 
 from ..dtypes import BY_NAME
 from ..errors import Diagnostic, RemapError, Span
 from ..indexmap import box_overlap, cut, source_box, volume
 from ..quant import get_format
-from .model import Block, Compiled, LogicalTensor
+from .model import Block, Compiled, LogicalTensor, RuntimeTensor
 
 # (exponent bits, mantissa bits) of the float types: a cast keeps every value iff neither shrinks
 _FLOAT_BITS = {"float64": (11, 52), "float32": (8, 23), "bfloat16": (8, 7), "float16": (5, 10),
@@ -38,8 +38,6 @@ class Writer(NamedTuple):
 
 
 _CKPT_KEY, _PARTS = attrgetter("ckpt_key"), attrgetter("parts")
-_SOURCE_KEY, _STEPS, _SIZES = attrgetter("source_key"), attrgetter("steps"), attrgetter("sizes")
-_DTYPE, _SHAPE, _FORMAT = attrgetter("dtype"), attrgetter("shape"), attrgetter("format")
 DROPPED = ("error", "copy", "omit")  # what a save does with the checkpoint tensors the rules drop
 
 
@@ -47,119 +45,139 @@ def writers(compiled: Compiled, *, allow_lossy: bool = False, requantize: bool =
             dropped: str = "error") -> list[Writer]:
     """The blocks that write every checkpoint tensor the compiled rules read, each region once;
     raises RemapError naming every tensor that cannot be written back. A tensor the rules drop is
-    an error only with `dropped="error"`: otherwise the caller copies or omits it (`dropped_keys`)."""
+    an error only with `dropped="error"`: otherwise the caller copies or omits it (`dropped_keys`).
+
+    The runtime tensors are taken in rule-file order (`_rule_order`), each block in turn
+    (`_Writing.take`): its tensor's first writer, the parts of it no earlier block wrote, or a
+    refusal (E502, E503); then the tensors no block writes whole are named (`_unwritten`, E501)."""
     logical = compiled.logical_by_key()
-    ckpt = compiled.ckpt_tensors
-    ckpt_keys = list(map(_CKPT_KEY, ckpt))
-    order = sorted(compiled.runtime_tensors, key=lambda d: (d.rule.path, d.rule.line, d.rule.column)
-                   if d.rule else ("", 0, 0))
-    first: dict[str, Writer] = {}  # key -> its first writer (most tensors have no other)
-    more: dict[str, list[Writer]] = {}  # key -> the parts of later blocks that earlier ones left
-    covered: dict[str, _Covered] = {}
-    partial: dict[str, _Covered] = {}  # the tensors whose first writer does not cover them whole
-    problems: list[Diagnostic] = []
-    refused: set[str] = set()  # reported already (E502, E503): one error per tensor
-    undone: dict[tuple, tuple] = {}  # (load steps, checkpoint dtype) -> (inverse steps, lossy cast)
-    writable: dict[str, bool] = {}  # format -> whether it writes back (as asked)
-    known = dict(zip(ckpt_keys, ckpt))  # key -> the checkpoint tensor or logical tensor it names
-    known.update(logical)
-    new = tuple.__new__  # a Writer without its Python-level argument handling
+    writing = _Writing(compiled, logical, allow_lossy, requantize)
+    for d in _rule_order(compiled.runtime_tensors):
+        writing.take(d)
+    problems = writing.problems + _unwritten(compiled, logical, writing, dropped)
+    if problems:
+        raise RemapError(tuple(problems))
+    return writing.ordered()
 
-    def at_once(d) -> bool:
-        """Make every block of `d` its tensor's first writer, as the loop below would, where it
-        would: keys all distinct, none written yet (a refused key has problems raised anyway), one
-        load step chain and checkpoint dtype that undo without loss (or are allowed to), formats
-        that write back. False, with nothing done, otherwise. A stack of experts is one such tensor
-        of hundreds of blocks."""
-        blocks = d.blocks
-        keys = list(map(_SOURCE_KEY, blocks))
-        if None in keys or len(set(keys)) != len(keys) or not covered.keys().isdisjoint(keys):
-            return False
-        sources = list(map(known.__getitem__, keys))
-        chains = set(zip(map(_STEPS, blocks), map(_DTYPE, sources)))
-        if len(chains) != 1:
-            return False
-        pair = chains.pop()
-        found = undone.get(pair)
-        if found is None:
-            found = undone[pair] = _inverse_steps(*pair)
-        steps, lossy = found
-        if lossy and not allow_lossy:
-            return False
-        kinds = set(map(type, sources))  # checkpoint tensors, logical tensors: one kind at once
-        if len(kinds) != 1:
-            return False
-        for name in set(map(_FORMAT, sources)) if kinds == {LogicalTensor} else ():
-            if name not in writable:
-                writable[name] = _writes_back(name, requantize)
-            if not writable[name]:
-                return False
-        made = map(new, repeat(Writer), zip(repeat(d.runtime_key), blocks, repeat(steps), repeat(d.rule)))
-        first.update(zip(keys, made))
-        if all(map(eq, map(_SIZES, blocks), map(_SHAPE, sources))):  # each block its source's shape
-            covered.update(dict.fromkeys(keys, _ALL))
-            return True
-        for key, block, source in zip(keys, blocks, sources):
-            whole = prod(block.sizes) == prod(source.shape)
-            covered[key] = _ALL if whole else partial.setdefault(key, _Covered(source.shape, block))
-        return True
 
-    for d in order:
-        if at_once(d):
-            continue
+def _rule_order(runtime_tensors) -> list[RuntimeTensor]:
+    """The runtime tensors in the order of their rules in the rule files, where the first rule wins
+    a region several read (a tensor without a rule span first, as `("", 0, 0)`)."""
+    return sorted(runtime_tensors, key=lambda d: (d.rule.path, d.rule.line, d.rule.column) if d.rule else ("", 0, 0))
+
+
+class _Computed(dict):
+    """A dict that computes a missing value once, `compute(key)`: a checkpoint has a few step chains
+    and formats, read by thousands of blocks, and a hit stays a plain dict lookup."""
+
+    def __init__(self, compute) -> None:
+        super().__init__()
+        self.compute = compute
+
+    def __missing__(self, key):
+        value = self[key] = self.compute(key)
+        return value
+
+
+class _Writing:
+    """The writers found so far, taking the runtime tensors in rule-file order: each checkpoint
+    tensor's first writer, the parts of later blocks that earlier ones left, and what cannot be
+    written back (one error a tensor)."""
+
+    def __init__(self, compiled: Compiled, logical: dict[str, LogicalTensor], allow_lossy: bool,
+                 requantize: bool) -> None:
+        self.known = dict(zip(map(_CKPT_KEY, compiled.ckpt_tensors), compiled.ckpt_tensors))  # key -> what it names
+        self.known.update(logical)
+        self.logical, self.allow_lossy, self.requantize = logical, allow_lossy, requantize
+        self.first: dict[str, Writer] = {}  # key -> its first writer (most tensors have no other)
+        self.more: dict[str, list[Writer]] = {}  # key -> the parts of later blocks that earlier ones left
+        self.partial: dict[str, _Covered] = {}  # the tensors whose first writer does not cover them whole
+        self.problems: list[Diagnostic] = []
+        self.refused: set[str] = set()  # reported already (E502, E503): one error per tensor
+        # (load steps, checkpoint dtype) -> (inverse steps, lossy cast); format -> whether it writes back
+        self.undone = _Computed(lambda pair: _inverse_steps(*pair))
+        self.writable = _Computed(lambda name: _writes_back(name, requantize))
+
+    def take(self, d: RuntimeTensor) -> None:
+        """Each block of `d` in turn: a pad's fill (no source) and a tensor already refused are
+        passed over; a tensor held in a format that cannot write it back is E503 at its first
+        block, a block read through a lossy cast E502 (unless allowed); else the block is its
+        tensor's first writer, or a later one that writes only what the earlier left."""
+        known, logical, first, refused, undone = self.known, self.logical, self.first, self.refused, self.undone
+        runtime_key, rule = d.runtime_key, d.rule
         for block in d.blocks:
             key = block.source_key
             if key is None or key in refused:
-                continue  # a pad region (not in the checkpoint), or a tensor already reported
-            cover = covered.get(key)
+                continue
             source = known[key]
-            if cover is None and key in logical:
-                if source.format not in writable:
-                    writable[source.format] = _writes_back(source.format, requantize)
-                if not writable[source.format]:
-                    refused.add(key)
-                    problems.append(_unwritable(d, source, requantize))
-                    continue
-            found = undone.get(pair := (block.steps, source.dtype))
-            if found is None:
-                found = undone[pair] = _inverse_steps(block.steps, source.dtype)
-            steps, lossy = found
-            if lossy and not allow_lossy:
-                refused.add(key)
-                problems.append(Diagnostic(
-                    code="E502", span=d.rule, message=f"`{d.runtime_key}` reads `{key}` through "
-                    f"`{lossy}`, which loses values: the checkpoint cannot be written back exactly",
-                    hint="pass allow_lossy=True to write the rounded values"))
+            fresh = key not in first
+            if fresh and key in logical and not self.writable[source.format]:
+                self.refuse(key, _unwritable(d, source, self.requantize))
                 continue
-            if cover is None:  # the tensor's first writer: all of its block is new
-                if prod(block.sizes) == prod(source.shape):
-                    covered[key] = _ALL
-                else:
-                    covered[key] = partial[key] = _Covered(source.shape, block)
-                first[key] = new(Writer, (d.runtime_key, block, steps, d.rule))
+            steps, lossy = undone[block.steps, source.dtype]
+            if lossy and not self.allow_lossy:
+                self.refuse(key, _lossy(d, key, lossy))
                 continue
-            for piece in _new_parts(block, source.shape, cover):  # what earlier rules left: first rule wins
-                more.setdefault(key, []).append(Writer(d.runtime_key, piece, steps, d.rule))
-    # what is not written whole: the checkpoint tensors the rules read as they are (the parts of
-    # a dequantized tensor go through it, its scales are copied) and the logical tensors
+            writer = Writer(runtime_key, block, steps, rule)
+            if fresh:  # the tensor's first writer: all of its block is new
+                first[key] = writer
+                if prod(block.sizes) != prod(source.shape):
+                    self.partial[key] = _Covered(source.shape, block)
+            else:
+                self.later(key, writer, source.shape)
+
+    def refuse(self, key: str, problem: Diagnostic) -> None:
+        """A tensor that cannot be written back: its error, and none of its later blocks looked at."""
+        self.refused.add(key)
+        self.problems.append(problem)
+
+    def later(self, key: str, writer: Writer, shape: tuple[int, ...]) -> None:
+        """A block of a tensor an earlier block writes: its parts that no earlier block covers (the
+        first rule wins; nothing if the first writer covers the tensor whole)."""
+        for piece in _new_parts(writer.block, shape, self.partial.get(key, _ALL)):
+            self.more.setdefault(key, []).append(writer._replace(block=piece))
+
+    def ordered(self) -> list[Writer]:
+        """Every writer, each tensor's first one followed by its later parts."""
+        more = self.more
+        return [w for key, head in self.first.items() for w in (head, *more.get(key, ()))]
+
+
+def _lossy(d: RuntimeTensor, key: str, cast: str) -> Diagnostic:
+    """E502: a tensor read through a cast that loses values cannot be written back exactly."""
+    return Diagnostic(code="E502", span=d.rule, message=f"`{d.runtime_key}` reads `{key}` through `{cast}`, which "
+                      "loses values: the checkpoint cannot be written back exactly",
+                      hint="pass allow_lossy=True to write the rounded values")
+
+
+def _unwritten(compiled: Compiled, logical: dict[str, LogicalTensor], writing: _Writing,
+               dropped: str) -> list[Diagnostic]:
+    """E501 for each tensor that must be written and that no block writes whole: dropped by the
+    rules (unless the caller copies or omits those), read by no rule, or read in part. Only the
+    tensors not written whole are looked at: the checkpoint tensors the rules read as they are (the
+    parts of a dequantized tensor go through it, its scales are copied) and the logical tensors; a
+    tensor already refused (E502, E503) is not named again."""
+    first, partial, refused = writing.first, writing.partial, writing.refused
+    ckpt_keys = list(map(_CKPT_KEY, compiled.ckpt_tensors))
     whole = first.keys() - {k for k, c in partial.items() if c.left}
     dequantized = set(chain.from_iterable(map(_PARTS, logical.values())))
     left = set(ckpt_keys).difference(dequantized, whole, refused)
-    checked = [(k, s) for k, s in zip(ckpt_keys, ckpt) if k in left] if left else []
+    checked = [(k, s) for k, s in zip(ckpt_keys, compiled.ckpt_tensors) if k in left] if left else []
     left = logical.keys() - whole - refused
     checked += [(k, s) for k, s in logical.items() if k in left] if left else []
-    choice, dropped = dropped, set(compiled.dropped)
+    dropped_keys = set(compiled.dropped)
     bound = None  # the keys the rules read, made only for an empty tensor (no block names it)
+    problems: list[Diagnostic] = []
     for key, source in checked:
         total = volume(source.shape)
         if total == 0:
             bound = bound if bound is not None else {k for b in compiled.bindings for k in b.ckpt_keys}
             if key in bound:
                 continue  # no element to write; its file keeps its (empty) entry
-        held = total - covered[key].left if key in first else 0  # blocks stay inside their source
-        if key in dropped and not held and choice != "error":
+        held = total - partial.get(key, _ALL).left if key in first else 0  # blocks stay inside their source
+        if key in dropped_keys and not held and dropped != "error":
             continue  # copied from `like` or left out by the caller
-        if key in dropped and not held:
+        if key in dropped_keys and not held:
             problems.append(Diagnostic(code="E501", message=f"checkpoint tensor `{key}` is dropped by the "
                                        "rules: no runtime tensor holds it",
                                        hint="the save writes back only what the load read: pass "
@@ -174,11 +192,7 @@ def writers(compiled: Compiled, *, allow_lossy: bool = False, requantize: bool =
                                        f"the runtime tensors hold {held} of its {total} "
                                        "elements (a `slice` left the rest out)",
                                        hint="the save writes back only what the load read"))
-    if problems:
-        raise RemapError(tuple(problems))
-    if not more:
-        return list(first.values())
-    return [w for key, head in first.items() for w in (head, *more.get(key, ()))]
+    return problems
 
 
 def _writes_back(format_name: str, requantize: bool) -> bool:

@@ -79,7 +79,7 @@ def bind_dequantize(s: ir.Dequantize, available: set[str], inventory_tensors, ev
             available.add(key)
             made[key] = (key, fmt.name, plain, tuple(keys), shape, params["to"], s.span)
     finally:  # what was made before an error stays made
-        logical.update(zip(made, map(tuple.__new__, repeat(LogicalTensor), made.values())))
+        logical.update(zip(made, map(LogicalTensor._make, made.values())))
 
 
 _CAPTURES, _KEYS = attrgetter("captures"), attrgetter("keys")
@@ -104,7 +104,7 @@ def _at_once(s: ir.Dequantize, fmt, params, plain, bindings, name, shape_of, ava
     available.difference_update(taken)
     available.update(names)
     rows = zip(names, repeat(fmt.name), repeat(plain), parts, shapes, repeat(params["to"]), repeat(s.span))
-    logical.update(zip(names, map(tuple.__new__, repeat(LogicalTensor), rows)))  # named tuples, built in C
+    logical.update(zip(names, map(LogicalTensor._make, rows)))
     return True
 
 

@@ -17,8 +17,6 @@ from ..indexmap import Block, advance, column, cut, row_major_strides, volume
 from ..language.limits import MAX_BLOCKS, MAX_PIECES, MAX_SIZE
 
 
-_new = tuple.__new__  # a named tuple from a plain tuple, without its Python-level argument handling
-
 
 class Sym(NamedTuple):
     shape: tuple[int, ...]
@@ -72,8 +70,8 @@ def source(ckpt_key: str, shape: tuple[int, ...], dtype: str, viewable: bool = F
         return Sym(shape, dtype, ())
     identity = _IDENTITY.get(n) or tuple(tuple(1 if i == j else 0 for j in range(n)) for i in range(n))
     zeros = _ZEROS.get(n) or (0,) * n
-    block = _new(Block, (zeros, shape, ckpt_key, zeros, identity, (), None, shape if viewable else ()))
-    return _new(Sym, (shape, dtype, (block,)))
+    block = Block(zeros, shape, ckpt_key, zeros, identity, (), None, shape if viewable else ())
+    return Sym(shape, dtype, (block,))
 
 
 def _dim(dim: int, ndim: int, what: str = "dim") -> int:
@@ -84,8 +82,8 @@ def _dim(dim: int, ndim: int, what: str = "dim") -> int:
 
 def _shift(b: Block, dim: int, delta: int) -> Block:
     offsets, sizes, key, base, coeff, steps, fill, view = b
-    return _new(Block, (offsets[:dim] + (offsets[dim] + delta,) + offsets[dim + 1:], sizes, key, base, coeff,
-                        steps, fill, view))
+    return Block(offsets[:dim] + (offsets[dim] + delta,) + offsets[dim + 1:], sizes, key, base, coeff, steps, fill,
+                 view)
 
 
 def narrow(t: Sym, dim: int, start: int, stop: int) -> Sym:
@@ -129,7 +127,7 @@ def stack(parts: list[Sym], dim: int) -> Sym:
             if size is None:
                 size = grown[sizes] = sizes[:dim] + (1,) + sizes[dim:]
             at = offsets[:dim] + (i,) + offsets[dim:]
-            blocks.append(_new(Block, (at, size, key, base, wide, steps, fill, view)))
+            blocks.append(Block(at, size, key, base, wide, steps, fill, view))
     shape = first.shape[:dim] + (len(parts),) + first.shape[dim:]
     return Sym(shape, first.dtype, tuple(blocks))
 

@@ -17,7 +17,6 @@ from . import ir
 from ..errors import Diagnostic, Span
 
 new = ir.construct  # the callbacks build nodes without validating them again (see builder.py)
-tuple_new = tuple.__new__  # Span(...) without the named tuple's argument handling
 
 
 @dataclass
@@ -38,7 +37,7 @@ def span_of(first: Any, last: Any = None) -> Span:
     last = first if last is None else last
     a = first.span if not isinstance(first, Token) else first
     b = last.span if not isinstance(last, Token) else last
-    return tuple_new(Span, (CONTEXT.get().path, a.line, a.column, b.end_line, b.end_column))
+    return Span(CONTEXT.get().path, a.line, a.column, b.end_line, b.end_column)
 
 
 def error(code: str, message: str, span: Span, hint: str | None = None) -> None:

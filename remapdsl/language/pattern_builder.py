@@ -14,7 +14,7 @@ from lark import Token
 
 from . import ir
 from ..errors import Span, did_you_mean
-from .context import CONTEXT, error, identifier, new, span_of, tuple_new
+from .context import CONTEXT, error, identifier, new, span_of
 
 
 class Brace(NamedTuple):
@@ -159,8 +159,7 @@ def _part(item: Any, side: str, types: dict[str, str]) -> ir.Node | None:
             if not ir.identifier_problem(name):
                 if side == "source":
                     return new(ir.Capture, name=name, type=types.get(name, "int"), span=span)
-                inner = tuple_new(Span, (span.path, span.line, span.column + 1, span.line,
-                                         span.end_column - 1))
+                inner = Span(span.path, span.line, span.column + 1, span.line, span.end_column - 1)
                 return new(ir.Subst, expr=new(ir.Name, id=name, span=inner), span=span)
         if kind in ("CAPTURE", "ALTERNATIVES"):
             return _part(_brace_token(item), side, types)

@@ -1,6 +1,8 @@
 """Lark's parse failures -> diagnostics in words: what was found, what was expected, a likely fix.
 
-Lark reports terminal names (`__ANON_0`, `_NL`); a model author should read "expected `->`".
+Lark reports terminal names (`ARROW`, `_NL`); a model author should read "expected `->`". Every
+terminal has a name of the grammar's (grammars/remap.lark), never one Lark generates, so the cases below
+are keyed on names that stay the same when the grammar changes.
 The common mistakes get their own codes and messages: a missing arrow, an unclosed bracket, a `|`
 that continues nothing, an op missing after `|`, a misspelled statement keyword.
 """
@@ -100,10 +102,10 @@ def syntax_diagnostic(exc: UnexpectedInput, text: str, path: str, parser: Lark) 
     if statement in _EXAMPLES and kind in ("_NL", "$END"):
         return diag("E006", f"`{statement}` needs {_EXAMPLES[statement][0]}",
                     f"for example `{_EXAMPLES[statement][1]}`")
-    if kind == "__ANON_0" and first_word in ("drop", "keep"):
+    if kind == "ARROW" and first_word in ("drop", "keep"):
         return diag("E006", f"`{first_word}` takes key patterns only, no target",
                     f"to rename, write a rule without `{first_word}`")
-    if kind == "__ANON_0" and statement == "":
+    if kind == "ARROW" and statement == "":
         return diag("E006", "a rule needs source patterns before `->`")
     if kind == "BINARY" and found == "`//`" and statement == "":
         return diag("E006", "unexpected `//`", "comments start with `#`")
@@ -118,13 +120,13 @@ def syntax_diagnostic(exc: UnexpectedInput, text: str, path: str, parser: Lark) 
                     "write `cast bfloat16` for every rule; `| cast(bfloat16)` casts in one rule's pipe")
     if kind == "STRING" and first_word == "include":
         return diag("E006", "unexpected second path", "one `include` per line")
-    if "__ANON_0" in expected and "->" not in line_text:
+    if "ARROW" in expected and "->" not in line_text:
         keyword = suggest(first_word, STATEMENT_KEYWORDS)
         if keyword and first_word != keyword and "." not in first_word:
             at = Span(path=path, line=line, column=len(before) - len(before.lstrip()) + 1,
                       end_line=line, end_column=len(before) - len(before.lstrip()) + 1 + len(first_word))
             return diag("E007", f"unknown statement `{first_word}`", f"did you mean `{keyword}`?", at)
-    if "__ANON_0" in expected and not expected & {"EQUAL"}:
+    if "ARROW" in expected and not expected & {"EQUAL"}:
         if kind == "EQUAL" and line_text[column:column + 1] == ">":
             at = Span(path=path, line=line, column=column, end_line=line, end_column=column + 2)
             return diag("E002", "expected `->` between the source and target patterns, found `=>`",

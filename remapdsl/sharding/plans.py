@@ -196,13 +196,11 @@ def _decode_item(runtime_key: str, local: tuple[int, ...], piece: Block, source,
     layout = layouts.get(signature)
     if layout is None:
         layout = layouts[signature] = _part_runs(source, infos, box)
-    new = tuple.__new__  # named tuples of checked values, without their Python-level argument handling
-    reads = tuple(new(PartRead, (info.ckpt_key, info.file, info.dtype, offsets, sizes,
-                                 new(Runs, (info.byte_offset + itemsize * sum(map(mul, offsets, major)), *runs)),
-                                 major))
+    reads = tuple(PartRead(info.ckpt_key, info.file, info.dtype, offsets, sizes,
+                           Runs(info.byte_offset + itemsize * sum(map(mul, offsets, major)), *runs), major)
                   for info, (offsets, sizes, itemsize, major, runs) in zip(infos, layout))
-    return new(DecodeItem, (runtime_key, local, piece.sizes, source.logical_key, source.format, source.params,
-                            box, reads, strides, offset, source.dtype, piece.steps if steps is None else steps))
+    return DecodeItem(runtime_key, local, piece.sizes, source.logical_key, source.format, source.params,
+                      box, reads, strides, offset, source.dtype, piece.steps if steps is None else steps)
 
 
 _DTYPE_SHAPE = attrgetter("dtype", "shape")
