@@ -1,9 +1,7 @@
 """The protocol of a quantized format: QuantFormat (shapes, covers, decode, encode), Part, FormatError.
 
-A format says, from shapes alone, what logical tensor its physical parts make, which box of each
-part any box of the logical tensor needs, and how to decode those boxes. The compiler and the plan
-use the first two (no torch); the executor calls `decode`. The built-in formats (quant/builtin.py)
-and those a program writes in Python implement it; quant/registry.py finds them by name.
+From shapes alone a format says what logical tensor its parts make and which box of each part a
+logical box needs (what the compiler and plans use, no torch); the executor calls `decode`.
 """
 
 from __future__ import annotations
