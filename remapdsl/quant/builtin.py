@@ -1,7 +1,6 @@
 """The built-in formats fp8_block, fp8_tensor, fp8_channel, mxfp4, nvfp4: parts -> logical shape, covers, values.
 
-Each class here is the one definition of its format: its parts, its parameters, the shapes its
-parts must have, and how to decode and encode them. What the codes mean, from the public specs:
+Each class is the one definition of its format. What the codes mean, from the public specs:
 - F8_E4M3 (OCP's 8-bit float, also an MX element type): 4 exponent bits with bias 7, subnormals,
   no infinities, NaN at 0x7F and 0xFF; every value is exact in any float of 16 bits or more.
 - E8M0 (the OCP Microscaling (MX) Formats Specification v1.0, its shared scale): a byte b is

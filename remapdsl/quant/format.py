@@ -29,11 +29,10 @@ class FormatError(ValueError):
 class QuantFormat:
     """A quantized storage format. Subclass it, set the class attributes, implement the methods.
 
-    `parts` names what each source of the `dequantize` statement holds, in order (the first is
-    always the packed values; the others are scales). `params` declares the arguments the rule
-    writes (`remapdsl.params.Param`), with their kinds (`ints`, `int`, `number`, `dtype`,
-    `scale_dtype`); the static checks hold a rule's arguments to them. Every format takes `to=`,
-    the logical dtype.
+    `parts` names what each source of the `dequantize` statement holds, in order (the packed values
+    first, then scales). `params` declares the arguments a rule writes (`remapdsl.params.Param`: `ints`,
+    `int`, `number`, `dtype`, `scale_dtype`), which the static checks hold it to; every format takes
+    `to=`, the logical dtype.
     """
 
     name: ClassVar[str]
