@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import argparse
 import difflib
+import json
+import os
 import sys
 import textwrap
 import traceback
@@ -47,11 +49,8 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
-        prog="remapdsl",
-        description="Declarative, exact checkpoint remapping: check, format and inspect .remap rule "
-        "files, and see how they map a checkpoint.",
-    )
+    parser = argparse.ArgumentParser(prog="remapdsl", description="Declarative, exact checkpoint remapping: check, "
+                                     "format and inspect .remap rule files, and see how they map a checkpoint.")
     parser.add_argument("--version", action="version", version=f"remapdsl {remapdsl.__version__}")
     commands = parser.add_subparsers(title="commands", metavar="COMMAND")
 
@@ -84,8 +83,7 @@ def _parser() -> argparse.ArgumentParser:
                          "snapshot (`remapdsl snapshot`)")
     explain.add_argument("--key", metavar="PATTERN",
                          help="only runtime tensors (or their checkpoint keys) matching this glob")
-    explain.add_argument("--blocks", type=int, default=8, metavar="N",
-                         help="blocks shown per tensor (default 8)")
+    explain.add_argument("--blocks", type=int, default=8, metavar="N", help="blocks shown per tensor (default 8)")
     explain.add_argument("--json", action="store_true", help="print the compiled form as JSON")
     explain.add_argument("--lenient", action="store_true",
                          help="leave out checkpoint tensors no rule takes, instead of failing")
@@ -173,8 +171,7 @@ def _parser() -> argparse.ArgumentParser:
                                description="Print the typed IR of a rule file, for editors and tools.")
     show.add_argument("file", metavar="FILE", help="a .remap file, or the name of a shipped one")
     show.add_argument("--json", action="store_true", help="print the IR as JSON (with source spans)")
-    show.add_argument("--resolved", action="store_true",
-                      help="print the checked program with includes expanded")
+    show.add_argument("--resolved", action="store_true", help="print the checked program with includes expanded")
     show.set_defaults(run=_ir)
 
     library = commands.add_parser(
@@ -199,8 +196,6 @@ def _rules_arg(rules: str, checkpoint: str | None) -> str:
 def _rules(args: argparse.Namespace) -> int:
     entries = remapdsl.shipped_rules()
     if args.json:
-        import json
-
         rows = [dict(e.model_dump(), summary=e.summary) for e in entries]
         print(json.dumps(rows, indent=2))
         return EXIT_OK
@@ -222,18 +217,13 @@ def _check(args: argparse.Namespace) -> int:
     for name in args.files:
         try:
             rules = remapdsl.load_rules(_rules_arg(name, args.checkpoint), root=args.root)
+            against = _against_checkpoint(rules, args.checkpoint) if args.checkpoint else ""
         except remapdsl.RemapError as exc:
             errors.append(exc)
             continue
         included = len(rules.files) - 1
         more = f", {included} included file{'s' if included != 1 else ''}" if included else ""
-        if args.checkpoint:
-            try:
-                more += _against_checkpoint(rules, args.checkpoint)
-            except remapdsl.RemapError as exc:
-                errors.append(exc)
-                continue
-        print(f"ok: {name} ({len(rules.statements)} statements{more})")
+        print(f"ok: {name} ({len(rules.statements)} statements{more}{against})")
     for exc in errors:
         print(exc.render(), file=sys.stderr)
     return EXIT_USER_ERROR if errors else EXIT_OK
@@ -282,8 +272,7 @@ def _fmt(args: argparse.Namespace) -> int:
 def _explain(args: argparse.Namespace) -> int:
     rules = remapdsl.load_rules(_rules_arg(args.rules, args.checkpoint))
     inventory = remapdsl.open_checkpoint(args.checkpoint)
-    compiled = remapdsl.compile_rules(rules, inventory,
-                                      strict=not args.lenient)
+    compiled = remapdsl.compile_rules(rules, inventory, strict=not args.lenient)
     if args.json:
         print(compiled.model_dump_json(indent=2))
     else:
@@ -320,14 +309,12 @@ def _plan(args: argparse.Namespace) -> int:
                       f"{nbytes / 1e6:.2f} MB")
         if args.rank is not None:
             for item in plan.items:
-                where = ", ".join(f"{o}:{o + n}" for o, n in zip(item.local_offsets, item.sizes))
                 source = f"{item.ckpt_key} ({_runs(item.runs)})" if item.ckpt_key else f"fill {item.fill:g}"
-                print(f"    {item.runtime_key}[{where}] <- {source}")
+                print(f"    {item.runtime_key}[{_box(item.local_offsets, item.sizes)}] <- {source}")
             for item in plan.decodes:
-                where = ", ".join(f"{o}:{o + n}" for o, n in zip(item.local_offsets, item.sizes))
-                box = ", ".join(f"{o}:{o + n}" for o, n in zip(*item.box))
                 parts = ", ".join(f"{p.ckpt_key} ({_runs(p.runs)})" for p in item.parts)
-                print(f"    {item.runtime_key}[{where}] <- {item.format} {item.logical}[{box}] of {parts}")
+                print(f"    {item.runtime_key}[{_box(item.local_offsets, item.sizes)}] <- {item.format} "
+                      f"{item.logical}[{_box(*item.box)}] of {parts}")
     ratio = (f" ({total_read / total_owned:.2f}x owned"
              + (f"; {total_read / (total_owned + total_scales):.2f}x owned values + covering scales"
                 if total_scales else "") + ")") if total_owned else ""
@@ -335,6 +322,10 @@ def _plan(args: argparse.Namespace) -> int:
     print(f"total: {total_read / 1e6:.2f} MB read{ratio} over {len(ranks)} rank{'s' if len(ranks) != 1 else ''}"
           f"{shown}")
     return EXIT_OK
+
+
+def _box(offsets, sizes) -> str:
+    return ", ".join(f"{o}:{o + n}" for o, n in zip(offsets, sizes))
 
 
 def _ranks(text: str | None, size: int) -> list[int]:
@@ -388,8 +379,6 @@ def _size(text: str, option: str) -> int:
 
 
 def _convert(args: argparse.Namespace) -> int:
-    import os
-
     started = _join_torchrun()
     try:
         rank = int(os.environ.get("RANK", "0"))
@@ -427,8 +416,6 @@ def _bytes(n: int) -> str:
 
 def _join_torchrun() -> bool:
     """Under torchrun (WORLD_SIZE > 1), join the process group; True if this call started it."""
-    import os
-
     if int(os.environ.get("WORLD_SIZE", "1")) <= 1:
         return False
     import torch.distributed as dist
@@ -440,18 +427,11 @@ def _join_torchrun() -> bool:
 
 
 def _ir(args: argparse.Namespace) -> int:
-    if args.resolved:
-        rules = remapdsl.load_rules(args.file)
-        statements = rules.statements
-        payload = rules.model_dump_json(indent=2) if args.json else None
+    rules = remapdsl.load_rules(args.file) if args.resolved else remapdsl.parse_rules(args.file)
+    if args.json:
+        print(rules.model_dump_json(indent=2))
     else:
-        parsed = remapdsl.parse_rules(args.file)
-        statements = parsed.statements
-        payload = parsed.model_dump_json(indent=2) if args.json else None
-    if payload is not None:
-        print(payload)
-    else:
-        for statement in statements:
+        for statement in rules.statements:
             print(repr(statement))
     return EXIT_OK
 
@@ -459,10 +439,9 @@ def _ir(args: argparse.Namespace) -> int:
 def _verify(args: argparse.Namespace) -> int:
     from remapdsl.testing.verify import DEFAULT_MESHES, verify
 
-    result = verify(_rules_arg(args.rules, args.checkpoint), args.checkpoint, args.mesh or DEFAULT_MESHES, args.layout, args.against)
+    result = verify(_rules_arg(args.rules, args.checkpoint), args.checkpoint, args.mesh or DEFAULT_MESHES,
+                    args.layout, args.against)
     if args.json:
-        import json
-
         print(json.dumps(result.as_json(), indent=2))
     else:
         print(_verification_table(result))

@@ -1,8 +1,5 @@
-"""Source spans, diagnostics and the RemapError family: every user error, rendered for a person.
-
-A diagnostic names a file, a line and a column, shows the source line with carets under the
-offending span, says what was expected, and adds a hint when one can be computed. Errors are
-collected per pass and raised once, so a user fixes a file in one round instead of twenty.
+"""Source spans, diagnostics and the RemapError family: every user error, rendered for a person
+(file:line:column, the source line with carets, a hint). Errors are collected per pass and raised once.
 """
 
 from __future__ import annotations
@@ -15,23 +12,17 @@ from typing import Annotated, Any, NamedTuple
 
 from pydantic import BaseModel, BeforeValidator, ConfigDict, PlainSerializer, field_validator
 
-# What one error may show, so a hostile file or checkpoint cannot make a message unreadable
-# (docs/errors.md, "Limits"): the first MAX_SHOWN diagnostics of an error; a message or hint of at
-# most MAX_TEXT characters; a quoted `...` key, name or value of at most MAX_QUOTED; and of a
-# long source line, a window of at most MAX_WINDOW characters around the span.
-MAX_SHOWN = 20
-MAX_TEXT = 2000
-MAX_QUOTED = 200
-MAX_WINDOW = 240
+# What one error may show, so a hostile file or checkpoint cannot make a message unreadable (docs/errors.md)
+MAX_SHOWN = 20  # diagnostics of one error
+MAX_TEXT = 2000  # characters of a message or hint
+MAX_QUOTED = 200  # characters of a quoted `...` key, name or value
+MAX_WINDOW = 240  # characters of a long source line shown around the span
 ELLIPSIS = "\u2026"
 
 
 class Span(NamedTuple):
-    """A region of a source file: 1-based line and column, end exclusive, columns in characters.
-
-    A named tuple rather than a model: the parser makes one per token-sized IR node, and a tuple
-    is the cheapest immutable value Python builds. In JSON it is an object (see SpanField).
-    """
+    """A region of a source file: 1-based line and column, end exclusive, columns in characters. A
+    named tuple (the parser makes one per token-sized node), in JSON an object (SpanField)."""
 
     path: str
     line: int
@@ -48,11 +39,8 @@ def _span_from_json(value: Any) -> Any:
 
 
 # A span as a pydantic field: validated from an object or a Span, written as an object.
-SpanField = Annotated[
-    Span,
-    BeforeValidator(_span_from_json),
-    PlainSerializer(lambda span: span._asdict(), return_type=dict),
-]
+SpanField = Annotated[Span, BeforeValidator(_span_from_json),
+                      PlainSerializer(lambda span: span._asdict(), return_type=dict)]
 
 
 class Diagnostic(BaseModel):
@@ -104,9 +92,8 @@ class RemapError(Exception):
         return self.diagnostics[0]
 
     def __reduce__(self):
-        """Rebuilt from its diagnostics (and any attributes set on it, such as `failed_ranks`): the
-        default would call the class with the rendered text. torch.distributed.checkpoint pickles
-        what a rank raised inside its steps to send it to the others."""
+        """Rebuilt from its diagnostics and attributes (`failed_ranks`), not the rendered text: DCP
+        pickles what a rank raised to send it to the others."""
         return type(self), (self.diagnostics,), self.__dict__ or None
 
     def render(self) -> str:
@@ -179,9 +166,8 @@ def _width(text: str) -> int:
 
 
 def _excerpt(span: Span, line_text: str) -> list[str]:
-    """The numbered source line and a caret run under the span (to the line's end if it spans
-    lines); of a line longer than MAX_WINDOW characters, a window around the span's start, its
-    cut ends shown as an ellipsis."""
+    """The numbered source line and carets under the span (to the line's end if it spans lines); of a
+    longer line than MAX_WINDOW, a window around the span's start."""
     text = line_text.rstrip("\r\n")
     number = str(span.line)
     pad = " " * len(number)
@@ -194,15 +180,12 @@ def _excerpt(span: Span, line_text: str) -> list[str]:
         text, start, stop = _window(text, start, stop)
     lead = _width(text[:start])
     carets = max(_width(text[start:stop]), 1)
-    return [
-        f"  {number} | {text.expandtabs(4)}",
-        f"  {pad} | {' ' * lead}{'^' * carets}",
-    ]
+    return [f"  {number} | {text.expandtabs(4)}", f"  {pad} | {' ' * lead}{'^' * carets}"]
 
 
 def _window(text: str, start: int, stop: int) -> tuple[str, int, int]:
-    """At most MAX_WINDOW characters of a long line, from a little before the span's start, with
-    an ellipsis for each cut end; the span's start and stop within it."""
+    """At most MAX_WINDOW characters of a long line from a little before the span, an ellipsis at each
+    cut end; and the span's start and stop within it."""
     first = min(max(start - MAX_WINDOW // 3, 0), max(len(text) - MAX_WINDOW, 0))
     last = min(first + MAX_WINDOW, len(text))
     left = ELLIPSIS if first > 0 else ""

@@ -1,10 +1,5 @@
-"""Boxes and affine index maps: the one place for the arithmetic of regions, blocks and byte runs.
-
-A `Box` is a region of a tensor; a `Block` maps a box of a runtime tensor affinely onto a source
-tensor. What the compiler, the plans and the save derive from them (a block cut to a box, the
-contiguous runs of source elements it covers, element and byte counts) is computed here, in plain
-ints: no torch, no tensor data, no per-element loop.
-"""
+"""Boxes and affine index maps: the one place for the arithmetic of regions, blocks and byte runs,
+in plain ints (no torch, no per-element loop)."""
 
 from __future__ import annotations
 
@@ -27,16 +22,10 @@ class Box(NamedTuple):
 class Block(NamedTuple):
     """The runtime box [offsets, offsets + sizes) takes, at index x, element
     `base + coeff . (x - offsets)` of tensor `source_key` (coeff: [source dim][runtime dim]): a
-    checkpoint key, or the logical key of a tensor a `dequantize` made (`Compiled.logical`),
-    then its value `steps`: ("cast", dtype), ("scale", x) or ("add", x). A block without a key is
-    a fill with `fill`, never read. `view` is the shape `base` and `coeff` index: the source's own
-    shape, or its flat view (one dim) once a reshape merged dims that are affine only in its flat
-    index (`w [N, 2] -> reshape([2N])`); () where no view may be taken (a dequantized, quantized or
-    chunked source keeps its dims), meaning the source's own shape.
-
-    A named tuple, not a model: a DeepSeek-V3-sized checkpoint compiles to ~10^5 blocks, and the
-    compiler's own ops build them; pydantic still checks and writes them as fields of RuntimeTensor.
-    """
+    checkpoint key, or a `dequantize`'s logical key, then its value `steps`: ("cast", dtype),
+    ("scale", x) or ("add", x). A block without a key is a fill with `fill`, never read. `view` is the
+    shape `base` and `coeff` index: the source's flat view (one dim) once a reshape merged dims affine
+    only in its flat index; () for the source's own shape. A named tuple: checkpoints compile to ~10^5."""
 
     offsets: tuple[int, ...]
     sizes: tuple[int, ...]
@@ -99,8 +88,8 @@ def cut(b: Block, dim: int, start: int, stop: int) -> Block | None:
 
 
 def intersect(block: Block, offsets, sizes) -> Block | None:
-    """The part of a block inside the box [offsets, offsets + sizes), re-based: `cut` on every dim
-    at once, in one pass (the plans call it once a piece: plain comparisons, no min/max calls)."""
+    """The part of a block inside the box [offsets, offsets + sizes), re-based: `cut` on every dim at
+    once (called once a piece: plain comparisons, no min/max calls)."""
     if block.offsets == offsets and block.sizes == sizes:  # the box is the block: nothing to cut
         return block
     low, size = [], []
@@ -121,11 +110,9 @@ def intersect(block: Block, offsets, sizes) -> Block | None:
 
 
 class Runs(NamedTuple):
-    """Runs of a file or a flat index that repeat with constant strides: one run of `length` units
-    at `first`, repeated along each dim (outermost first) `counts[d]` times, `strides[d]` apart.
-    Units are elements or bytes (`in_bytes`). With non-negative strides, outermost first, the runs
-    come in ascending order. Plans hold this description, never one Python object a run: a column
-    shard of a tall matrix is one `Runs`, whatever its number of rows."""
+    """Runs of a file or a flat index repeating with constant strides: one run of `length` units (elements
+    or bytes) at `first`, repeated along each dim (outermost first) `counts[d]` times, `strides[d]`
+    apart. Plans hold this, never an object a run: a column shard is one `Runs`, whatever its rows."""
 
     first: int
     length: int
@@ -156,8 +143,7 @@ class Runs(NamedTuple):
         return firsts
 
     def chunks(self, most: int):
-        """The runs, in order, as `Runs` of at most `most` runs each: the inner dims that fit are
-        kept whole and the next one is cut in pieces, so no chunk lists the runs it holds."""
+        """The runs, in order, as `Runs` of at most `most` runs each (the inner dims that fit kept whole)."""
         inner, kept = 1, len(self.counts)
         while kept > 0 and inner * self.counts[kept - 1] <= most:
             kept -= 1
@@ -181,9 +167,8 @@ class Runs(NamedTuple):
 
 def source_runs(start: int, flat: list[int], sizes: tuple[int, ...]) -> tuple[Runs, tuple[int, ...]]:
     """The contiguous runs of source elements a block covers (flat map `start`, `flat`, runtime
-    `sizes`), and each runtime dim's stride into their concatenation. Dims are taken by ascending
-    source stride: the inner ones that continue a contiguous run merge into it; each remaining dim
-    repeats the runs, and an outer dim that continues the one inside it merges with it."""
+    `sizes`), and each runtime dim's stride into their concatenation. By ascending source stride, dims
+    continuing a run merge into it; the rest repeat the runs, merged where one continues the next."""
     moving = sorted((abs(t), j) for j, t in enumerate(flat) if sizes[j] > 1)
     if any(flat[j] < 0 for _, j in moving):  # no op of the language reverses a dim today
         raise NotImplementedError("negative source strides")
@@ -213,11 +198,9 @@ def source_runs(start: int, flat: list[int], sizes: tuple[int, ...]) -> tuple[Ru
 @lru_cache(maxsize=4096)
 def byte_runs(shape: tuple[int, ...], coeff: tuple[tuple[int, ...], ...], sizes: tuple[int, ...],
                itemsize: int) -> tuple[tuple[int, ...], tuple[int, ...], Runs, tuple[int, ...]]:
-    """A block map's layout in its source's row-major flat index, for every block of one map and size,
-    whatever its base:
-    the source's row-major strides, the flat stride per runtime dim, the byte runs of items of
-    `itemsize` bytes starting at byte 0, and the element strides into their concatenation. Cached:
-    the pieces of a checkpoint's many blocks share a few."""
+    """A block map's layout in its source's row-major flat index, whatever its base: the source's
+    strides, the flat stride per runtime dim, the byte runs from byte 0, and the element strides into
+    their concatenation. Cached: a checkpoint's many blocks share a few."""
     major = row_major_strides(shape)
     flat = tuple(sum(major[k] * coeff[k][j] for k in range(len(shape))) for j in range(len(sizes)))
     runs, strides = source_runs(0, list(flat), sizes)
@@ -234,9 +217,8 @@ def block_runs(block: Block, shape, byte_offset: int, itemsize: int
 
 
 class FirstDimIndex:
-    """Entries with blocks of one tensor, ordered by the blocks' first offset, so that the few
-    meeting a box are found by bisection instead of trying every block (a tensor stacked from
-    hundreds of experts has one or two blocks an expert)."""
+    """Entries with blocks of one tensor, ordered by the blocks' first offset, so that the few meeting a
+    box are found by bisection instead of trying every block."""
 
     __slots__ = ("entries", "starts", "reach")
 
@@ -260,10 +242,8 @@ Progression = tuple[int, int, int]  # (first, count, step) of indices along one 
 
 
 def source_box(block: Block, shape) -> tuple[Progression, ...] | None:
-    """The source elements a block reads, as a strided box: per source dim, the progression of
-    indices it takes. None where its map is not one box (a runtime dim that moves two source dims
-    or none, runtime dims that move one source dim other than as one progression, a negative step):
-    cut such a block along its dims until each piece is one."""
+    """The source elements a block reads, as a strided box: per source dim, the progression of indices
+    it takes. None where its map is not one box (cut such a block along its dims until each piece is)."""
     if block.view and block.view != tuple(shape):
         return _view_box(block, tuple(shape))
     moves: list[list[tuple[int, int]]] = [[] for _ in shape]
@@ -294,9 +274,8 @@ def _progressions(base, moves: list[list[tuple[int, int]]]) -> tuple[Progression
 
 
 def _view_box(block: Block, shape: tuple[int, ...]) -> tuple[Progression, ...] | None:
-    """`source_box` of a block that indexes a view of its source: its flat map taken apart onto the
-    source's dims. A runtime dim walks one source dim, or whole rows of it and on into the dim
-    outside (each row walked alike); None where some dim does neither, or a row is cut."""
+    """`source_box` of a block indexing a flat view of its source: each runtime dim must walk one source
+    dim, or whole rows of it and on into the dim outside; else None."""
     viewed = row_major_strides(block.view)
     start = sum(map(mul, viewed, block.base))
     flat = [sum(map(mul, viewed, col)) for col in zip(*block.coeff)]

@@ -1,13 +1,9 @@
 """torchtitan's state-dict adapter protocol, driven by a rule file: `RuleStateDictAdapter`
 (docs/torchtitan.md).
 
-torchtitan's checkpointer loads a Hugging Face checkpoint as
-`dcp.load(adapter.to_hf(sd), storage_reader=adapter.get_hf_storage_reader(path))`, then
-`model.load_state_dict(adapter.from_hf(...))`. Here the storage reader does the whole conversion:
-`to_hf` keeps the model's tensors that the rules make, under their own (runtime) keys;
-`remapdsl.dcp.RuleStorageReader` serves exactly those, each rank reading only its shards' bytes;
-`from_hf` hands them back as they are. The save direction is `save_hf` (remapdsl.save, every rank
-writing its own bytes); the checkpointer's own HF save is refused (E612), as it would write the
+The storage reader (`remapdsl.dcp.RuleStorageReader`) does the whole conversion: `to_hf` keeps the
+model's tensors the rules make under their runtime keys, `from_hf` hands them back as they are. The
+save direction is `save_hf`; the checkpointer's own HF save is refused (E612), as it would write the
 runtime layout under Hugging Face file names. Importing this module imports torch and torchtitan.
 """
 
@@ -47,13 +43,9 @@ class Match(NamedTuple):
 
 
 class RuleStateDictAdapter(BaseStateDictAdapter):
-    """A torchtitan `BaseStateDictAdapter` whose conversion is a rule file.
-
-    torchtitan constructs the adapter as `cls(model_config, hf_assets_path)` on every rank, so a
-    model spec names a class with its rules bound: `RuleStateDictAdapter.with_rules("m.remap")`.
-    Call order (the checkpointer's, on every rank): `to_hf` (opens the reader, which compiles the
-    rules on all ranks together: a collective), `get_hf_storage_reader` (that reader), `dcp.load`,
-    `from_hf`.
+    """A torchtitan `BaseStateDictAdapter` whose conversion is a rule file. torchtitan makes it as
+    `cls(model_config, hf_assets_path)`, so a model spec names a class with its rules bound:
+    `RuleStateDictAdapter.with_rules("m.remap")`. `to_hf` is a collective (it compiles the rules).
 
     Args:
         model_config: the torchtitan model config (kept; the rules read the checkpoint's config.json).
@@ -62,8 +54,8 @@ class RuleStateDictAdapter(BaseStateDictAdapter):
             class's own (`with_rules`).
         config: the model config the rules read; by default the folder's config.json.
         strict: refuse checkpoint tensors that no rule takes and no `drop` names.
-        timeout: how long a rank waits at any one of the adapter's exchanges for the others
-            (seconds or a `datetime.timedelta`; default 300 s), as for `remapdsl.load`.
+        timeout: the most a rank waits at one of the adapter's exchanges (seconds or a timedelta;
+            default 300 s), as for `remapdsl.load`.
     """
 
     default_rules: str | os.PathLike | RuleSet | None = None
@@ -99,11 +91,9 @@ class RuleStateDictAdapter(BaseStateDictAdapter):
     # ------------------------------------------------------------------ the protocol, in call order
 
     def to_hf(self, state_dict: dict[str, Any]) -> dict[str, Any]:
-        """The tensors of `state_dict` that the rules make, as they are (the reader presents the
-        checkpoint under these runtime keys). Every rank calls it: it opens the reader (the rules
-        compiled on all ranks together). A state-dict tensor the rules neither make nor `keep` is an
-        error (E613) unless `strict=False`; one the rules make with another shape is E614. Tensors
-        the rules make that this state dict lacks are not (a pipeline stage holds only its layers)."""
+        """The tensors of `state_dict` the rules make, as they are; every rank calls it (it opens the
+        reader). A tensor the rules neither make nor `keep` is E613 unless `strict=False`, one of
+        another shape E614; tensors this state dict lacks are not (a pipeline stage has its layers only)."""
         entries = self._open(self.hf_assets_path).read_metadata().state_dict_metadata
         made = {k: tuple(v.size) for k, v in entries.items()}  # items(): no E600 lookups
         loaded = tuple(k for k in state_dict if k in made)
@@ -119,8 +109,7 @@ class RuleStateDictAdapter(BaseStateDictAdapter):
 
     def _check(self, state_dict: Mapping[str, Any], made: Mapping[str, tuple[int, ...]],
                not_in_rules: tuple[str, ...]) -> None:
-        """E613 / E614 for this rank's state dict (`to_hf` runs it on every rank together, so a
-        problem on some ranks, such as one pipeline stage, fails all of them instead of a hang)."""
+        """E613 / E614 for this rank's state dict (run on every rank together: one stage failing fails all)."""
         keep = [re.compile(p) for p in self._open(self.hf_assets_path).compiled.keep]
         unknown = [k for k in not_in_rules if not any(r.fullmatch(k) for r in keep)]
         if unknown and self.strict:
@@ -138,9 +127,8 @@ class RuleStateDictAdapter(BaseStateDictAdapter):
                         hint="the model config and the checkpoint's config.json describe different sizes")
 
     def get_hf_storage_reader(self, path: str | os.PathLike, from_quantized: bool = False) -> RuleStorageReader:
-        """The rule reader of `path` (the one `to_hf` opened when it is the same folder). Quantized
-        checkpoints need no other reader: the rule file's `dequantize` statements say how to read
-        them, and `from_quantized` changes nothing."""
+        """The rule reader of `path` (`to_hf`'s for the same folder); `from_quantized` changes nothing:
+        the rules' `dequantize` statements say how to read a quantized checkpoint."""
         return self._open(path)
 
     def from_hf(self, hf_state_dict: dict[str, Any]) -> dict[str, Any]:
@@ -149,8 +137,7 @@ class RuleStateDictAdapter(BaseStateDictAdapter):
 
     @property
     def fqn_to_index_mapping(self) -> dict[Any, int] | None:
-        """Read by torchtitan's checkpointer only to save in the HF layout (`last_save_in_hf`),
-        after `to_hf`, which here keeps the runtime layout: refused (E612), use `save_hf`."""
+        """Read by torchtitan's checkpointer only to save in the HF layout: refused (E612), use `save_hf`."""
         raise _fail("E612", "torchtitan's checkpointer cannot save through RuleStateDictAdapter in the Hugging "
                             "Face layout (last_save_in_hf): to_hf keeps the runtime layout, so its files would "
                             "hold torchtitan's tensors under Hugging Face file names",
@@ -162,11 +149,9 @@ class RuleStateDictAdapter(BaseStateDictAdapter):
     # ------------------------------------------------------------------ the save direction
 
     def save_hf(self, state_dict: Mapping[str, Any], folder: str | os.PathLike, **kwargs: Any):
-        """Write the model back to the layout of `hf_assets_path` through the rules (remapdsl.save
-        with `like=hf_assets_path`; DTensors each rank its own bytes, no gather); returns its
-        SaveReport. Every rank calls it with the whole model's state dict. State-dict keys the
-        rules do not make (buffers such as expert biases) are left out. `kwargs`: remapdsl.save's
-        `overwrite`, `allow_lossy`, `requantize`, `timeout` (by default the adapter's)."""
+        """Write the model back to the layout of `hf_assets_path` (remapdsl.save with `like=`, each rank
+        its own bytes); returns its SaveReport. Every rank calls it with the whole state dict; keys the
+        rules do not make are left out. `kwargs`: remapdsl.save's (`timeout` by default the adapter's)."""
         made = self._open(self.hf_assets_path).read_metadata().state_dict_metadata.keys()
         runtime = {k: v for k, v in state_dict.items() if k in made}
         return save(runtime, folder, self.rules, like=self.hf_assets_path, config=self.config,

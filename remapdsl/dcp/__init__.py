@@ -1,7 +1,6 @@
 """remapdsl for torch.distributed.checkpoint: `dcp.load` through a rule file (docs/dcp.md).
 
-`RuleStorageReader(path, rules)` presents a checkpoint folder in the runtime layout its rules make,
-so DCP's default planner fills DTensors or plain tensors from it, each rank reading its own bytes.
+`RuleStorageReader(path, rules)` presents a checkpoint folder in the runtime layout its rules make.
 Importing this package imports torch.
 """
 

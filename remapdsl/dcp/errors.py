@@ -1,9 +1,5 @@
-"""The reader's errors, and errors made fit to cross DCP's collectives (codes E600-E609).
-
-DCP runs a StorageReader's and its planner's steps inside its own exchanges, which pickle whatever a
-rank raised to send it to the others (torch.distributed.checkpoint.utils `_DistWrapper`): every
-RemapError is rebuilt from its pickle with its class and diagnostics (`RemapError.__reduce__`), and
-`remap_errors` takes it back out of the CheckpointException DCP wraps it in.
+"""The reader's errors (E600-E609), and `remap_errors`, which takes a RemapError back out of the
+CheckpointException DCP wraps what ranks raise in (pickled intact: `RemapError.__reduce__`).
 """
 
 from __future__ import annotations
@@ -24,9 +20,8 @@ def fail(code: str, message: str, hint: str | None = None, path: str | None = No
 
 @contextmanager
 def remap_errors() -> Iterator[None]:
-    """Around `dcp.load`: a CheckpointException that DCP raised for RemapErrors (its planning or
-    reading steps wrap what ranks raise) re-raised as the RemapError of the lowest failing rank,
-    with `failed_ranks`; any other exception passes unchanged. Every rank gets the same one."""
+    """Around `dcp.load`: a CheckpointException DCP raised for RemapErrors re-raised as the lowest
+    failing rank's RemapError, with `failed_ranks` (the same on every rank); anything else unchanged."""
     from torch.distributed.checkpoint.api import CheckpointException
 
     try:

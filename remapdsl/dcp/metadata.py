@@ -1,20 +1,12 @@
-"""Compiled rules -> the DCP `Metadata` of the checkpoint as the runtime sees it.
-
-Each runtime tensor the rules make is presented with its runtime key, shape and dtype, stored as
-one chunk: the whole tensor at the origin. DCP's default planner then makes one read request per
-destination shard, whose (storage_offsets, lengths) is exactly the box of the runtime tensor the
-shard holds; the reader serves it through remapdsl's plans, whatever files and blocks lie behind it.
+"""Compiled rules -> the DCP `Metadata` of the checkpoint as the runtime sees it: each runtime tensor
+one whole chunk, so DCP's default planner asks exactly the box each destination shard holds.
 """
 
 from __future__ import annotations
 
 import torch
-from torch.distributed.checkpoint.metadata import (
-    ChunkStorageMetadata,
-    Metadata,
-    TensorProperties,
-    TensorStorageMetadata,
-)
+from torch.distributed.checkpoint.metadata import (ChunkStorageMetadata, Metadata, TensorProperties,
+                                                  TensorStorageMetadata)
 
 from ..compile.model import Compiled
 from ..errors import suggest
@@ -22,9 +14,8 @@ from .errors import fail
 
 
 class RuntimeTensors(dict):
-    """runtime key -> TensorStorageMetadata; asking whether it holds a key the rules do not make
-    raises E600 naming the key (DCP's default planner asks that of every state-dict key before it
-    plans, and would otherwise say only "Missing key in checkpoint state_dict")."""
+    """runtime key -> TensorStorageMetadata; `in` with a key the rules do not make is E600 (DCP's
+    default planner asks it of every state-dict key, and would say only "Missing key ...")."""
 
     def __init__(self, entries, checkpoint: str, rules: str):
         super().__init__(entries)
@@ -48,8 +39,8 @@ class RuntimeTensors(dict):
 
 
 def runtime_metadata(compiled: Compiled, checkpoint: str, rules: str) -> Metadata:
-    """The Metadata of every runtime tensor of `compiled`, each one whole chunk (`checkpoint`, the
-    folder, and `rules`, the rules in words, are named by its messages)."""
+    """The Metadata of every runtime tensor of `compiled`, each one whole chunk (`checkpoint` and
+    `rules`, in words, are named by its messages)."""
     entries = {}
     properties: dict[str, TensorProperties] = {}  # one per dtype
     for d in compiled.runtime_tensors:

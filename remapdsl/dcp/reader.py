@@ -1,15 +1,9 @@
 """`RuleStorageReader`: a torch.distributed.checkpoint StorageReader that serves `dcp.load` from a
 checkpoint folder through a rule file, every rank reading only its own bytes.
 
-Call order (torch.distributed.checkpoint.storage.StorageReader, every rank unless said):
-construction (collective: rank 0 reads the headers, every rank compiles the rules, the ranks agree;
-any error is a RemapError on every rank, before DCP starts), then inside `dcp.load`: `reset`
-(with a `checkpoint_id` only: re-opens, collectively, if it names another checkpoint),
-`read_metadata` (the runtime layout, docs/dcp.md), `set_up_storage_reader`, `prepare_local_plan`,
-`prepare_global_plan` (coordinator), `read_data`. `read_data` turns the planner's requests into
-the `LocalShard`s of each runtime tensor (the box of the tensor each request asks for, at offset 0
-of the view the planner resolves), makes one remapdsl load plan of them and runs it: planning
-grows with the tensors, not with the requests' rows.
+Construction is collective (the rules compiled on every rank, any error a RemapError on all before
+DCP starts). `read_data` turns the planner's requests into one box per runtime tensor and runs one
+remapdsl load plan of them: planning grows with the tensors, not with the requests' rows.
 """
 
 from __future__ import annotations
@@ -50,10 +44,8 @@ class ReadReport(NamedTuple):
 
 
 class RuleStorageReader(StorageReader):
-    """Serves `dcp.load` from `path` through `rules`, with the checkpoint presented in the runtime
-    layout (the runtime keys, shapes and dtypes the rules make).
-
-    Every rank constructs it (a collective when torch.distributed is initialized).
+    """Serves `dcp.load` from `path` through `rules`, the checkpoint presented in the runtime layout
+    (the keys, shapes and dtypes the rules make). Every rank constructs it (a collective).
 
     Args:
         path: a checkpoint folder (or its index or .safetensors file).
@@ -61,11 +53,9 @@ class RuleStorageReader(StorageReader):
             `remapdsl.load`.
         config: the model config; by default the folder's config.json.
         strict: refuse checkpoint tensors that no rule takes and no `drop` names.
-        timeout: how long a rank waits at any one of the reader's exchanges for the others
-            (seconds or a `datetime.timedelta`; default 300 s), as for `remapdsl.load`. DCP's own
-            collectives are bounded by its process group's timeout.
-        staging_bytes: the most host memory a `read_data` pins to copy bytes to device tensors
-            (default 16 MiB), as for `remapdsl.load`.
+        timeout: the most a rank waits at one of the reader's exchanges (seconds or a timedelta; default
+            300 s), as for `remapdsl.load`; DCP's own collectives are bounded by its group's timeout.
+        staging_bytes: the most host memory a `read_data` pins for device tensors (default 16 MiB).
     """
 
     def __init__(self, path: str | os.PathLike, rules: str | os.PathLike | RuleSet, *,
@@ -99,9 +89,8 @@ class RuleStorageReader(StorageReader):
     # ------------------------------------------------------------------ StorageReader, in call order
 
     def reset(self, checkpoint_id: str | os.PathLike | None = None) -> None:
-        """A new read: with a `checkpoint_id` naming another checkpoint, every rank re-opens and
-        re-compiles against it (DCP calls this on every rank before its own collectives). The same
-        checkpoint is not re-opened: files rewritten since are refused at the reads (E342)."""
+        """A new read: a `checkpoint_id` naming another checkpoint is opened on every rank together; the
+        same one is not re-opened (files rewritten since are refused at the reads, E342)."""
         self.report = None
         if checkpoint_id is not None and os.path.abspath(checkpoint_id) != os.path.abspath(self.checkpoint_id):
             self._open(checkpoint_id)
@@ -168,10 +157,9 @@ def _rules_named(rules) -> str:
 
 
 def _rounds(items: list[ReadItem], made) -> list[dict[str, ReadItem]]:
-    """The requests grouped into rounds holding at most one request per runtime key, the first
-    request of every key in the first round (DCP's default planner asks once per local shard).
-    `made` is the metadata's tensors: a key it lacks is E600 (a planner other than DCP's default
-    may ask for one without checking)."""
+    """The requests in rounds of at most one request per runtime key, every key's first in the first
+    (DCP's default planner asks once per local shard). A key `made` lacks is E600 (another planner
+    may ask without checking)."""
     rounds: list[dict[str, ReadItem]] = []
     for item in items:
         made.require(item.dest_index.fqn)
@@ -197,8 +185,8 @@ def _shard(item: ReadItem) -> LocalShard:
 
 
 def _check_views(views: dict, held: dict[str, LocalShard], compiled) -> None:
-    """Every resolved view has the request's shape and the dtype the rules make, its box inside the
-    runtime tensor; all problems at once (E601, E604)."""
+    """Every resolved view has the request's shape and the rules' dtype, its box inside the tensor;
+    all problems at once (E601, E604)."""
     problems = []
     for key, view in views.items():
         d = compiled.runtime_tensor(key)

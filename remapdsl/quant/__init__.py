@@ -1,8 +1,7 @@
 """Quantized formats: logical tensors stored as packed values plus scales (docs/quantized.md).
 
 `get_format(name)` finds a format, `register_format(fmt)` adds one written in Python (a subclass of
-`QuantFormat`). The protocol is in format.py, the built-in formats in builtin.py, the registry in
-registry.py. Importing this package does not import torch.
+`QuantFormat`). Importing this package does not import torch.
 """
 
 from .format import FormatError, Part, QuantFormat

@@ -1,7 +1,6 @@
 """The built-in formats fp8_block, fp8_tensor, fp8_channel, mxfp4, nvfp4: parts -> logical shape, covers, values.
 
-Each class here is the one definition of its format: its parts, its parameters, the shapes its
-parts must have, and how to decode and encode them. What the codes mean, from the public specs:
+Each class is the one definition of its format. What the codes mean, from the public specs:
 - F8_E4M3 (OCP's 8-bit float, also an MX element type): 4 exponent bits with bias 7, subnormals,
   no infinities, NaN at 0x7F and 0xFF; every value is exact in any float of 16 bits or more.
 - E8M0 (the OCP Microscaling (MX) Formats Specification v1.0, its shared scale): a byte b is
@@ -14,10 +13,8 @@ parts must have, and how to decode and encode them. What the codes mean, from th
   `weight_block_size` (its quantization config, [128, 128]), multiplied despite the name
   `weight_scale_inv`.
 Every product is computed in float32 and rounded once to `to` (as transformers' Fp8Dequantize
-does); NVFP4 multiplies value by block scale (exact), then by the global scale.
-
-Shapes and covers are integer arithmetic (no torch); `decode` imports torch when it runs. This
-module defines the formats; quant/registry.py registers them.
+does); NVFP4 multiplies value by block scale (exact), then by the global scale. Shapes and covers
+are integer arithmetic; only `decode` and `encode` import torch.
 """
 
 from __future__ import annotations
@@ -60,6 +57,13 @@ def _last_dim_cover(box: Box, per: int) -> tuple[int, int]:
     start, size = box[0][-1], box[1][-1]
     first = start // per
     return first, _ceil(start + size, per) - first
+
+
+def _packed_cover(box: Box, per: int) -> tuple[Box, Box]:
+    """The covers of packed E2M1 pairs (two a byte) and of their scales (one per `per` values)."""
+    offsets, sizes = box
+    return tuple((offsets[:-1] + (first,), sizes[:-1] + (count,))
+                 for first, count in (_last_dim_cover(box, 2), _last_dim_cover(box, per)))
 
 
 class Fp8Block(QuantFormat):
@@ -348,11 +352,7 @@ class Mxfp4(QuantFormat):
         return (*blocks.shape[:-2], blocks.shape[-2] * 16), tuple(scales.shape)
 
     def cover(self, box, parts, params):
-        offsets, sizes = box
-        byte0, nbytes = _last_dim_cover(box, 2)
-        group0, groups = _last_dim_cover(box, 32)
-        return ((offsets[:-1] + (byte0,), sizes[:-1] + (nbytes,)),
-                (offsets[:-1] + (group0,), sizes[:-1] + (groups,)))
+        return _packed_cover(box, 32)
 
     def value_grid(self, parts, params):  # the 16 bytes of a group stay together
         return (1,) * (len(parts[0].shape) - 1) + (16,)
@@ -396,11 +396,7 @@ class Nvfp4(QuantFormat):
         return (*lead, 2 * half)
 
     def cover(self, box, parts, params):
-        offsets, sizes = box
-        byte0, nbytes = _last_dim_cover(box, 2)
-        group0, groups = _last_dim_cover(box, 16)
-        return ((offsets[:-1] + (byte0,), sizes[:-1] + (nbytes,)),
-                (offsets[:-1] + (group0,), sizes[:-1] + (groups,)), _whole(parts[2].shape))
+        return (*_packed_cover(box, 16), _whole(parts[2].shape))
 
     def value_grid(self, parts, params):  # 16 values (8 bytes) share a scale
         return (1,) * (len(parts[0].shape) - 1) + (8,)

@@ -1,9 +1,7 @@
 """The protocol of a quantized format: QuantFormat (shapes, covers, decode, encode), Part, FormatError.
 
-A format says, from shapes alone, what logical tensor its physical parts make, which box of each
-part any box of the logical tensor needs, and how to decode those boxes. The compiler and the plan
-use the first two (no torch); the executor calls `decode`. The built-in formats (quant/builtin.py)
-and those a program writes in Python implement it; quant/registry.py finds them by name.
+From shapes alone a format says what logical tensor its parts make and which box of each part a
+logical box needs (what the compiler and plans use, no torch); the executor calls `decode`.
 """
 
 from __future__ import annotations
@@ -31,11 +29,10 @@ class FormatError(ValueError):
 class QuantFormat:
     """A quantized storage format. Subclass it, set the class attributes, implement the methods.
 
-    `parts` names what each source of the `dequantize` statement holds, in order (the first is
-    always the packed values; the others are scales). `params` declares the arguments the rule
-    writes (`remapdsl.params.Param`), with their kinds (`ints`, `int`, `number`, `dtype`,
-    `scale_dtype`); the static checks hold a rule's arguments to them. Every format takes `to=`,
-    the logical dtype.
+    `parts` names what each source of the `dequantize` statement holds, in order (the packed values
+    first, then scales). `params` declares the arguments a rule writes (`remapdsl.params.Param`: `ints`,
+    `int`, `number`, `dtype`, `scale_dtype`), which the static checks hold it to; every format takes
+    `to=`, the logical dtype.
     """
 
     name: ClassVar[str]

@@ -1,11 +1,9 @@
 """Decoding kernels: torch ops over row chunks small enough to stay in cache.
 
-E4M3 to float32 without torch's element-by-element conversion (slow on CPU): a
-code's low seven bits, placed at bit 20 of an int32 with its sign at bit 31, are the bits of the
-float32 equal to the E4M3 value times 2^-120, subnormal codes included. Multiplying by 2^120 is
-exact, and multiplying by the scale then rounds once, as `float(q) * s` does. The NaN codes (0x7F,
-0xFF) come out as ±480 * 2^-120, beyond every finite code (at most 448), and are made NaN.
-Chunks of rows keep each step's work in cache; their count depends on the box size only.
+E4M3 to float32 without torch's slow element-wise conversion: a code's low seven bits at bit 20 of an
+int32, its sign at bit 31, are the float32 of the E4M3 value times 2^-120, subnormals included.
+Multiplying by 2^120 is exact, by the scale then rounds once, as `float(q) * s` does. The NaN codes
+(0x7F, 0xFF) come out as ±480 * 2^-120, beyond every finite code (at most 448), and are made NaN.
 """
 
 from __future__ import annotations

@@ -1,8 +1,7 @@
-"""The registry of quantized formats: a `dequantize` statement's format name -> the QuantFormat it means.
+"""The registry of quantized formats: a `dequantize` statement's format name -> its QuantFormat.
 
-Formats are looked up by name; the built-in ones (quant/builtin.py) are registered on import, and a
-program may register its own (`register_format`) before it loads rules that name them. Rule files
-only name formats, they never define one.
+The built-in ones are registered on import; a program registers its own before it loads rules that
+name them (rule files only name formats).
 """
 
 from __future__ import annotations

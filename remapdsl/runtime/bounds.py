@@ -1,12 +1,10 @@
-"""How long a rank waits for the others, and over which group: the call's own bound on every wait.
+"""How long a rank waits for the others, and over which group.
 
-Control exchanges (errors, digests, headers, plans, sizes: CPU tensors) go over a CPU-capable
-group: the default group when it has a backend for CPU tensors (gloo, `"cpu:gloo,cuda:nccl"`),
-else one gloo group over the same ranks, made once per default group (an NCCL-only job;
-`control_group`). Every wait at one of them is bounded by the call's `timeout=` (`bounded`), not
-the group's: a rank waiting longer than ARRIVAL_SECONDS notes it in the default group's store, so
-that past the bound every rank that arrived names those that did not (E415, `late`). After a
-collective fails, the survivors name the ranks lost the same way (`roll_call`).
+Control exchanges (CPU tensors) go over the default group when it has a CPU backend, else over one
+gloo group of the same ranks (`control_group`). Every wait is bounded by the call's `timeout=`
+(`bounded`), not the group's: a rank waiting past ARRIVAL_SECONDS notes it in the store, so that past
+the bound the ranks that never arrived are named (E415, `late`); after a failed collective, the
+survivors name the lost ranks the same way (`roll_call`).
 """
 
 from __future__ import annotations
@@ -26,9 +24,7 @@ from ..errors import Diagnostic, RemapError
 T = TypeVar("T")
 
 DEFAULT_TIMEOUT = 300.0  # seconds a call waits at one exchange for the other ranks, unless told otherwise
-# A rank waiting at an exchange longer than this notes it in the group's store, so that a rank that
-# never arrives can be named; faster exchanges touch no store.
-ARRIVAL_SECONDS = 1.0
+ARRIVAL_SECONDS = 1.0  # a rank waiting longer notes it in the store (faster exchanges touch no store)
 ROLL_CALL_SECONDS = 2.0  # after a timeout or a failed collective: how long to wait to hear from the others
 _timeout: ContextVar[float] = ContextVar("remapdsl_timeout", default=DEFAULT_TIMEOUT)
 _control: tuple[Any, Any] | None = None  # (the default group, the group control exchanges go over)
@@ -48,8 +44,7 @@ def ranks_text(ranks: list[int]) -> str:
 
 
 def seconds(timeout) -> float:
-    """A call's `timeout=` (seconds, a `datetime.timedelta`, or None for DEFAULT_TIMEOUT) in seconds;
-    E416 if not positive."""
+    """A call's `timeout=` (seconds, a timedelta, or None: DEFAULT_TIMEOUT) in seconds; E416 if not positive."""
     if timeout is None:
         return DEFAULT_TIMEOUT
     value = timeout.total_seconds() if isinstance(timeout, datetime.timedelta) else timeout
@@ -63,8 +58,7 @@ def seconds(timeout) -> float:
 
 @contextmanager
 def bounded(timeout) -> Iterator[None]:
-    """Every exchange made inside waits at most `timeout` for the other ranks (a call's `timeout=`;
-    None keeps the bound in force: DEFAULT_TIMEOUT, or an enclosing call's)."""
+    """Every exchange inside waits at most `timeout` (None: the bound in force, an enclosing call's)."""
     token = _timeout.set(_timeout.get() if timeout is None else seconds(timeout))
     try:
         yield
@@ -73,8 +67,7 @@ def bounded(timeout) -> Iterator[None]:
 
 
 def bounded_iter(items: Iterator[T], timeout) -> Iterator[T]:
-    """`items` (a generator making exchanges) with each step run under `bounded(timeout)`, so the
-    bound holds in the generator and never leaks into the caller's code between steps."""
+    """`items` (a generator making exchanges), each step under `bounded(timeout)`, never the caller's code."""
     limit = _timeout.get() if timeout is None else seconds(timeout)
     try:
         while True:
@@ -91,11 +84,9 @@ def bounded_iter(items: Iterator[T], timeout) -> Iterator[T]:
 
 
 def control_group():
-    """The group control exchanges go over: None (the default group) when that has a backend for
-    CPU tensors or there is no group, else a gloo group over the same ranks, made once per default
-    group by every rank at the same exchange (its first). The ranks first meet in the group's
-    store, so a rank that never arrives is named within the call's timeout instead of blocking
-    the group's creation. A caller's own collectives on CPU tensors can use it too (`group=`)."""
+    """The group control exchanges go over: None (the default group) when that has a CPU backend or
+    there is no group, else a gloo group over the same ranks, made once per default group. The ranks
+    first meet in the store, so a rank that never arrives is named (E415) instead of blocking its creation."""
     global _control, _GROUPS_MADE
     if not (dist.is_available() and dist.is_initialized()):
         return None
@@ -112,8 +103,7 @@ def control_group():
 
 
 def _meet(name: str, phase: str) -> None:
-    """Wait, at most the call's timeout, until every rank has reached `name` (through the store:
-    one entry and one count a rank); else E415 naming the ranks that did not."""
+    """Wait, at most the call's timeout, until every rank reached `name` in the store; else E415."""
     store = _store()
     me, world = dist.get_rank(), dist.get_world_size()
     store.set(f"{name}/{me}", b"1")
@@ -128,7 +118,7 @@ def _meet(name: str, phase: str) -> None:
 
 
 def _store():
-    """The store the default group was made with (where the ranks meet and answer roll calls)."""
+    """The default group's store (where the ranks meet and answer roll calls)."""
     return dist.distributed_c10d._get_default_store()
 
 
@@ -146,9 +136,8 @@ def late(missing: list[int], limit: float, phase: str) -> RemapError:
 
 
 def wait_bounded(work, phase: str, collective: int) -> None:
-    """Wait for `work` at most the call's timeout. Past ARRIVAL_SECONDS this rank notes in the
-    store that it waits here (cleared once the work is done), so that after a timeout the ranks
-    not waiting can be named (E415). A backend error is raised as it is (its work is completed)."""
+    """Wait for `work` at most the call's timeout; past ARRIVAL_SECONDS noted in the store (cleared when
+    done), so that after a timeout the ranks not waiting are named (E415). A backend error is raised as is."""
     limit = _timeout.get()
     first = min(ARRIVAL_SECONDS, limit)
     if _waited(work, first):
@@ -162,7 +151,7 @@ def wait_bounded(work, phase: str, collective: int) -> None:
 
 
 def _waited(work, limit: float) -> bool:
-    """True once `work` finished within `limit` seconds, False if it has not; its error if it failed."""
+    """Whether `work` finished within `limit` seconds; its error if it failed."""
     try:
         work.wait(timeout=_at_least_a_millisecond(limit))
     except Exception:
@@ -173,7 +162,7 @@ def _waited(work, limit: float) -> bool:
 
 
 def _at_least_a_millisecond(limit: float) -> datetime.timedelta:
-    """A wait's bound as torch takes it: in whole milliseconds, where 0 means no bound at all."""
+    """A wait's bound in whole milliseconds, as torch takes it (0 would mean no bound)."""
     return datetime.timedelta(milliseconds=max(1, round(limit * 1000)))
 
 
@@ -183,12 +172,9 @@ def _waiting(rank: int) -> str:
 
 
 def _missing(collective: int) -> list[int]:
-    """The ranks not waiting in an exchange (at this collective or any other: a broadcast's
-    receivers may finish it and wait at the next while its root still waits for a rank that never
-    came), after waiting up to ROLL_CALL_SECONDS for them (a rank that arrived a moment ago notes
-    it within ARRIVAL_SECONDS). The first rank to ask at this collective looks (a check per rank,
-    then per rank still missing) and leaves the answer in the store for the others, who read it:
-    store traffic grows with the ranks, not their square."""
+    """The ranks not waiting in any exchange (a broadcast's receivers may wait at the next one while its
+    root still waits), after up to ROLL_CALL_SECONDS. The first rank to ask looks and leaves the answer
+    in the store for the others: store traffic grows with the ranks, not their square."""
     store, world, me = _store(), dist.get_world_size(), dist.get_rank()
     answer = f"remapdsl/missing/{collective}"
     if store.add(answer + "/asked", 1) != 1:
@@ -221,11 +207,8 @@ def _answer(store, key: str) -> list[int] | None:
 
 
 def roll_call(collective: int) -> str:
-    """Which ranks are gone, after a collective failed: every survivor notes in the process
-    group's store that it is waiting at this collective, then waits up to ROLL_CALL_SECONDS for
-    the others to be noted waiting too. The store is
-    the one the group was made with; if it is gone too (rank 0 hosts a TCPStore), so is rank 0,
-    most likely."""
+    """Which ranks are gone after a collective failed: each survivor notes in the store that it waits,
+    then waits up to ROLL_CALL_SECONDS for the others. A store gone too means rank 0 (its host), likely."""
     try:
         _store().set(_waiting(dist.get_rank()), str(collective))
         missing = _missing(collective)

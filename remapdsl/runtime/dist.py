@@ -1,23 +1,14 @@
 """The ranks' exchanges: share headers, agree on the compiled rules, fail together.
 
-Interface (every rank calls each function, in this order, as DCP's planners do):
-`share_inventory` (rank 0 reads the headers, the others receive them), `together(fn[, agree_on])`
-(run a phase; an error on any rank becomes the same error, naming every failing rank, on all ranks,
-instead of a hang; with `agree_on`, the ranks also compare digests of what they were given, and on
-a difference say what differs), `broadcast_from_first` (tensors every rank holds whole). Each
-exchange is one collective (two for objects: their sizes, then their bytes).
+Every rank calls each function in the same order: `share_inventory` (rank 0 reads the headers),
+`together(fn[, agree_on])` (an error on any rank becomes the same error on all, naming the failing
+ranks, instead of a hang; `agree_on` also compares digests and says what differs),
+`broadcast_from_first`. With runtime/bounds.py, the only caller of torch.distributed; control
+exchanges go over its control group, device tensors over the default group.
 
-With remapdsl/runtime/bounds.py, the only caller of torch.distributed. Control exchanges go over
-its control group (the default group, or a gloo group where that has no CPU backend), each wait
-bounded by the call's timeout; tensors a caller moves (`broadcast_from_first`) go over the default
-group when they live on a device, the control group when on the CPU.
-
-Every collective here is issued by this module on buffers it keeps referenced until the backend has
-released them: gloo's worker threads hold each finished work (its tensors) for a moment after the
-caller wakes, and a tensor whose last reference is dropped on such a thread needs the interpreter's
-lock; during interpreter shutdown that aborts the process ("terminate called without an active
-exception"). So when a call returns, no thread of the backend holds anything of it
-(docs/architecture.md, "Leaving the group clean").
+Every buffer of a collective stays referenced until the backend released it (`_settled`): a tensor
+freed on a gloo worker thread during interpreter shutdown aborts the process (docs/architecture.md,
+"Leaving the group clean").
 """
 
 from __future__ import annotations
@@ -38,12 +29,9 @@ from .bounds import control_group, ranks_text, roll_call, wait_bounded
 
 T = TypeVar("T")
 
-# How long a finished collective may wait for the backend's threads to let go of its buffers (in
-# practice microseconds; the bound only keeps a backend that never lets go from hanging a call).
-SETTLE_SECONDS = 5.0
+SETTLE_SECONDS = 5.0  # the most a finished collective waits for the backend to let go of its buffers
 _COLLECTIVES = 0  # collectives this process has made through this module (a roll call's name)
-# On a disagreement, how many distinct versions of one aspect are described (the first rank of each).
-MAX_VERSIONS = 4
+MAX_VERSIONS = 4  # on a disagreement, the distinct versions of one aspect described
 
 
 def active() -> bool:
@@ -59,9 +47,8 @@ def world_size() -> int:
 
 
 def share_inventory(checkpoint, phase: str = "reading the checkpoint's headers") -> Inventory:
-    """Rank 0 reads the checkpoint's headers once; every rank gets the same Inventory (one
-    broadcast, carrying either the inventory or rank 0's error), read from this rank's own
-    `checkpoint`, checked against its own files' modification times (`Inventory.restamped`)."""
+    """Rank 0 reads the headers once; every rank gets the Inventory (or rank 0's error), checked
+    against its own files' modification times (`Inventory.restamped`)."""
     if isinstance(checkpoint, Inventory):
         return checkpoint
     inventory = from_first(lambda: open_inventory(checkpoint), phase)  # pickled: rank 0 validated it
@@ -90,12 +77,9 @@ def from_rank(source: int, fn: Callable[[], T], phase: str = "sharing a rank's r
 
 
 class Agreement(NamedTuple):
-    """What the ranks must have been given alike, for `together(..., agree_on=...)`.
-
-    `digests(result)` maps each aspect (the rules, the config, ...) to a digest of this rank's; all
-    ranks exchange those. Where an aspect differs, the first rank of each version sends
-    `detail(result, aspect)` and `explain(aspect, {rank: detail})` says, in sentences, what differs.
-    """
+    """What the ranks must have been given alike, for `together(..., agree_on=...)`: `digests(result)`
+    maps each aspect to a digest; where one differs, the first rank of each version sends
+    `detail(result, aspect)` and `explain(aspect, {rank: detail})` says in sentences what differs."""
 
     what: str
     digests: Callable[[Any], dict[str, str]]
@@ -107,12 +91,8 @@ class Agreement(NamedTuple):
 def together(fn: Callable[[], T], agree_on: Agreement | tuple[str, Callable[[T], str]] | None = None,
              phase: str = "a phase") -> T:
     """Run one phase on every rank; if any rank fails, all raise the same error naming the ranks.
-
-    With `agree_on` (an Agreement, or `(what, digest)`), the ranks also compare digests of their
-    results in the same exchange: a rank given something else (other rules, another checkpoint or
-    config, another layout) makes every rank fail with E410 saying what differs, instead of a hang
-    or a silently different result.
-    """
+    With `agree_on` (an Agreement, or `(what, digest)`), results whose digests differ are E410 on
+    every rank, saying what differs, instead of a hang or a silently different result."""
     if agree_on is not None and not isinstance(agree_on, Agreement):
         what, digest = agree_on
         agree_on = Agreement(what, lambda result: {what: digest(result)})
@@ -138,8 +118,7 @@ def together(fn: Callable[[], T], agree_on: Agreement | tuple[str, Callable[[T],
 
 
 def _agree(agreement: Agreement, result, digests: list[dict[str, str]]) -> None:
-    """E410 on every rank when the ranks' digests differ: per aspect, which ranks have which
-    version, and (from the first rank of each version) what the difference is."""
+    """E410 when the digests differ: per aspect, which ranks have which version, and what differs."""
     lines: list[str] = []
     for aspect in sorted({a for d in digests for a in d}):
         versions: dict[str | None, list[int]] = {}
@@ -176,9 +155,8 @@ def _report(error: BaseException) -> tuple:
 
 
 def _raise(failed: list[tuple[int, tuple]], world: int) -> None:
-    """The one error every rank raises for the failures of `failed` (rank, report): user errors
-    keep their diagnostics and class, each message naming the ranks it came from unless every rank
-    raised it; anything else is E411, naming each rank with its error."""
+    """The one error every rank raises for `failed` (rank, report): user errors keep diagnostics and
+    class, naming their ranks unless all raised them; anything else is E411, each rank with its error."""
     if all(rep[2] is not None for _, rep in failed):  # user errors: the same diagnostics everywhere
         seen: dict[str, tuple[Diagnostic, list[int]]] = {}
         for r, rep in failed:
@@ -208,9 +186,8 @@ def _error_class(name: str) -> type[RemapError]:
 
 
 def broadcast_from_first(tensors: list) -> None:
-    """Rank 0's contents of each tensor, on every rank: a device tensor over the default group, a
-    CPU one over the control group. Bytes travel as uint8, so dtypes the backend cannot carry (FP8
-    on gloo) pass unchanged."""
+    """Rank 0's contents of each tensor on every rank, as uint8 (FP8 passes gloo): a device tensor over
+    the default group, a CPU one over the control group."""
     if not active():
         return
     for tensor in tensors:
@@ -232,9 +209,8 @@ def gather_all(value: T, phase: str = "exchanging") -> list[T]:
 
 
 def exchange(send: torch.Tensor, sizes: list[int], phase: str = "exchanging") -> list[torch.Tensor]:
-    """All to all over the control group: the first `sizes[0]` bytes of `send` (flat uint8, on the
-    CPU) go to rank 0, the next `sizes[1]` to rank 1, ...; returns what each rank sent this one, in
-    rank order (views of one buffer; one exchange of the sizes, one of the bytes)."""
+    """All to all over the control group: the first `sizes[0]` bytes of `send` (flat CPU uint8) go to
+    rank 0, the next `sizes[1]` to rank 1, ...; returns what each rank sent this one, in rank order."""
     group = control_group()
     outgoing = torch.tensor(sizes, dtype=torch.int64)
     incoming = torch.empty(len(sizes), dtype=torch.int64)
@@ -278,19 +254,9 @@ def _all_gather_bytes(payload: bytes, phase: str) -> list[bytes]:
 
 
 def _settled(start: Callable[[], Any], buffers: list[torch.Tensor], phase: str, bound: bool = True) -> None:
-    """Run one collective to completion and return only once the backend holds none of `buffers`.
-
-    A finished work stays referenced by the backend's worker thread for a moment after `wait()`
-    returns; the tensors it holds keep a reference to their Python objects, so each buffer's
-    reference count is above what it was before the collective until the backend lets go. Waiting
-    for that here (the interpreter lock released, so the thread can finish) means no buffer of
-    this module is ever freed on a backend thread, and none is left for interpreter shutdown.
-
-    With `bound` (a control exchange), the wait is bounded by the call's timeout: past
-    ARRIVAL_SECONDS this rank notes its arrival in the store; past the timeout, the ranks that did
-    not note theirs are named (E415). A collective the backend fails (a peer process gone, the
-    group's own timeout passed) is E413 on this rank, naming the phase and the ranks lost.
-    """
+    """Run one collective to completion; return once the backend holds none of `buffers` (their
+    reference counts back to what they were), so none is ever freed on a backend thread. With
+    `bound`, the wait is the call's timeout (E415); a collective the backend fails is E413."""
     global _COLLECTIVES
     _COLLECTIVES += 1
     before = _references(buffers)
@@ -323,7 +289,4 @@ def _first_sentence(exc: BaseException) -> str:
 
 def _references(buffers: list[torch.Tensor]) -> int:
     """The references to all of `buffers` together (counted the same way before and after)."""
-    total = 0
-    for buffer in buffers:
-        total += sys.getrefcount(buffer)
-    return total
+    return sum(sys.getrefcount(buffer) for buffer in buffers)

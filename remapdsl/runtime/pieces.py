@@ -17,8 +17,7 @@ def torch_dtype(name: str) -> torch.dtype:
 
 
 def region(tensor: torch.Tensor, item) -> torch.Tensor:
-    """The local region [local_offsets, local_offsets + sizes) of a plan item; E417 where the
-    tensor does not hold it whole (slicing would silently cut it short)."""
+    """A plan item's local region; E417 where the tensor does not hold it whole (slicing would cut it)."""
     view = tensor[tuple(slice(o, o + s) for o, s in zip(item.local_offsets, item.sizes))]
     if tuple(view.shape) != tuple(item.sizes) or len(item.sizes) != tensor.dim():
         raise outside(item, f"a tensor of shape {list(tensor.shape)}")
@@ -26,8 +25,7 @@ def region(tensor: torch.Tensor, item) -> torch.Tensor:
 
 
 def outside(item, what: str) -> RemapError:
-    """E417: a plan item whose region does not lie in its runtime tensor, named; nothing of it is
-    read or written. A plan is made for the tensors it runs on, so this is a defect of remapdsl."""
+    """E417: a plan item whose region does not lie in its runtime tensor (a defect of remapdsl)."""
     ckpt = getattr(item, "ckpt_key", None) or getattr(item, "logical_key", None)
     source = f" from `{ckpt}`" if ckpt else ""
     return RemapError(Diagnostic(
@@ -38,9 +36,8 @@ def outside(item, what: str) -> RemapError:
 
 
 def mapped_values(reader: CheckpointReader, item) -> torch.Tensor | None:
-    """A read item's elements as a strided view of the mapped file, in runtime order (many short
-    runs: one copy from the map, not a read call each; only their pages are touched), or None
-    where the item's first byte is not aligned to its dtype."""
+    """A read item's elements as a strided view of the mapped file (many short runs: one copy, not a
+    read each), or None where its first byte is not aligned to its dtype."""
     dtype = torch_dtype(item.dtype)
     if item.runs.first % dtype.itemsize:
         return None

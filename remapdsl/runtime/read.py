@@ -1,13 +1,10 @@
 """A rank's LoadPlan + its local tensors -> the tensors filled from the checkpoint files.
 
-Each read item reads exactly its byte runs: straight into the runtime tensor's memory when, concatenated,
-they are its region as it is (no value step, a contiguous region in source order: a row shard, a
-column shard); else many short runs are copied in runtime order from the mapped file, a few are read
-into one staging buffer, each then through a strided view with its value steps. A piece of a logical tensor reads each part's
-covering box and decodes it. Reads run on two threads. A device (CUDA) runtime tensor gets its
-bytes through a bounded ring of pinned buffers per reader thread (remapdsl/runtime/staging.py),
-copied asynchronously; value steps and strided placement then run on the device. The executor only
-runs the plan it is given.
+Each item reads exactly its byte runs: straight into tensor memory when they are its region as it is
+(no value step, contiguous, source order); else many short runs are copied from the mapped file, a few
+read into a staging buffer, then placed through a strided view with their value steps. A piece of a
+logical tensor decodes its parts' covering boxes. A device tensor's bytes go through the pinned
+staging rings (runtime/staging.py); value steps and placement then run on the device.
 """
 
 from __future__ import annotations
@@ -33,16 +30,12 @@ from .staging import STAGING, Rings, StagingRing, run_pieces, tensor_pieces
 
 def run_load_plan(plan: LoadPlan, inventory: Inventory, tensors: Mapping[str, torch.Tensor],
                   threads: int = 2, reader: CheckpointReader | None = None, rings: Rings | None = None) -> None:
-    """Execute one rank's plan into its local tensors. Items that continue each other both in the
-    file and in runtime tensor memory (a layer's gate and up slabs, consecutive experts) are read with
-    one call, cut into chunks of at most CHUNK bytes; each chunk goes to one of `threads` reader
-    threads (positioned reads release the GIL) as soon as it is worked out, each into its own
-    region, so no two threads write one byte. Units under SMALL_UNIT run on this thread as they come
-    (thousands of kB-sized tensors: the per-unit Python work dominates, and threads would only
-    contend for it). `reader`: where the bytes come from (default: `inventory`'s files; a
-    MemoryReader for ingest). `rings`: the staging rings device-bound bytes pass through, one per
-    reader thread (a caller's, kept over several plans; by default made and closed here: every
-    copy has finished when this returns, on success and on failure alike)."""
+    """Execute one rank's plan into its local tensors. Items that continue each other in the file and
+    in memory are read with one call, cut into chunks of at most CHUNK bytes, each run by one of
+    `threads` reader threads into its own region; units under SMALL_UNIT run on this thread (their
+    Python work dominates). `reader`: where the bytes come from (default `inventory`'s files).
+    `rings`: a caller's staging rings, kept over several plans; by default made and closed here, so
+    every copy has finished when this returns, on success and failure alike."""
     own = rings is None
     rings = Rings(STAGING) if own else rings
     with reader or CheckpointReader(inventory) as reader, torch.no_grad():
@@ -63,9 +56,8 @@ def run_load_plan(plan: LoadPlan, inventory: Inventory, tensors: Mapping[str, to
 
 
 def _run_threaded(units: Iterator, reader: CheckpointReader, threads: int, rings: Rings) -> None:
-    """Run the units in the order they come: the large ones, and all that are staged for a
-    device, on `threads` threads (started at the first), the small ones here. The first error is
-    raised once every thread stopped."""
+    """Run the units in order: large and staged ones on `threads` threads (started at the first), small
+    ones here. The first error is raised once every thread stopped."""
     queue: SimpleQueue = SimpleQueue()
     errors: list[BaseException] = []
 
@@ -120,9 +112,8 @@ def _nbytes(unit) -> int:
 
 
 class _Memory(NamedTuple):
-    """What the work list needs of a runtime tensor, read once per tensor: its first byte's address
-    (None unless a contiguous CPU tensor), dtype name, shape, the bytes a step along each dim
-    moves, and its size in bytes (every direct read is checked to lie within it)."""
+    """A runtime tensor as the work list needs it, read once: its first byte's address (None unless a
+    contiguous, unstaged CPU tensor), dtype name, shape, bytes per step along each dim, size in bytes."""
 
     address: int | None
     dtype: str
@@ -145,9 +136,8 @@ def _memory(tensor: torch.Tensor, names: dict, staged: bool) -> _Memory:
 
 
 def _address(memory: _Memory, item: ReadItem) -> int | None:
-    """Where an item's region starts in its tensor's memory, if the region is one contiguous range
-    that its runs fill in order (no value step, the same dtype, source order); else None. Every
-    such range is checked to be the region's bytes, inside the tensor (E417 naming the item)."""
+    """Where an item's region starts in its tensor's memory, if its runs fill one contiguous range in
+    order (no value step, the same dtype); else None. The range is checked to lie in the tensor (E417)."""
     if memory.address is None or item.ckpt_key is None or item.steps or memory.dtype != item.dtype:
         return None
     sizes, offsets, runs = item.sizes, item.local_offsets, item.runs
@@ -201,8 +191,7 @@ class _Span(NamedTuple):
 
 
 class _Scatter(NamedTuple):
-    """One range of a file read with one call into several places of runtime tensor memory (items
-    that continue each other in the file: a layer's experts, in the file's key order)."""
+    """One range of a file read with one call into several places of runtime tensor memory."""
 
     file: str
     first: int
@@ -217,10 +206,9 @@ class _Item(NamedTuple):
 
 
 def _work(items, tensors, staged: bool) -> Iterator:
-    """The units of work of the plain items, in file order: direct reads (consecutive items that
-    continue each other in the file merged into one read, cut into chunks), and the other items as
-    they are (every item, with `staged`). No tensor view is made here: addresses are computed from
-    offsets."""
+    """The units of work of the plain items, in file order: direct reads (items continuing each other
+    in the file merged, cut into chunks), and the others as they are (all, with `staged`). No view is
+    made here: addresses are computed from offsets."""
     memories: dict[str, _Memory] = {}
     names: dict = {}
     merged: list | None = None  # [file, first byte, bytes, places] of the open single-range read
@@ -286,9 +274,8 @@ class _Decode(NamedTuple):
 
 
 def _run_decode(unit: _Decode, reader: CheckpointReader, rings: Rings) -> None:
-    """Read each part's covering box, decode the logical box, place the piece: straight into the
-    runtime tensor when the piece is the box in its own order, else through the decoded box (on a
-    device: decoded here, then staged to the device and placed there)."""
+    """Decode the parts' covering boxes, straight into the tensor when the piece is the box in its own
+    order; else into a scratch box (staged to the device for a device tensor), then placed."""
     from ..quant import get_format
 
     item, view = unit
@@ -345,9 +332,8 @@ def _run_batch(batch, reader: CheckpointReader, rings: Rings) -> None:
 
 
 def _run_staged(item: ReadItem, view: torch.Tensor, reader: CheckpointReader, ring: StagingRing) -> None:
-    """An item's bytes through the ring: straight into its region when that is one contiguous
-    range in source order with no value step; else into a scratch tensor on the region's device,
-    then viewed, stepped and placed there."""
+    """An item's bytes through the ring: straight into its region when contiguous in source order with
+    no value step; else into a scratch tensor on the region's device, then stepped and placed there."""
     dtype = torch_dtype(item.dtype)
     whole = (not item.steps and view.dtype == dtype and view.is_contiguous()
              and is_row_major(item.strides, item.sizes))

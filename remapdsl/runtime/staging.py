@@ -1,11 +1,8 @@
-"""Bounded host staging for bytes bound for a device: a ring of reused buffers, never one a read.
+"""Bounded host staging for bytes bound for a device: a ring of reused pinned buffers, never one a read.
 
-Bytes read from a file cannot land in GPU memory directly: they land in host memory first, page-locked
-(pinned) so that the copy to the device runs asynchronously. A `StagingRing` holds at most `buffers`
-buffers of `buffer_bytes` each, allocated on first use and reused as soon as the asynchronous copy
-out of each has finished (a CUDA event recorded after the copy says when). So a rank pins at most
-the ring's bound, whatever it loads, and pays one page-locking allocation per buffer, not per item.
-Each reader thread has its own ring (`Staging.rings`): a thread waits only for its own copies.
+A `StagingRing` holds at most `buffers` buffers of `buffer_bytes`, allocated on first use and reused
+once the asynchronous copy out of each has finished (a CUDA event says when): a rank pins at most the
+bound, whatever it loads. Each reader thread has its own ring (`Rings`), waiting only for its own copies.
 """
 
 from __future__ import annotations
@@ -19,14 +16,10 @@ import torch
 
 
 class Staging(NamedTuple):
-    """How device-bound bytes are staged: `buffers` buffers of `buffer_bytes` per reader thread,
-    pinned (`pin`) when a CUDA device is there to copy them asynchronously. `everything` routes
-    CPU destinations through the ring too (what tests and benchmarks measure on a CPU machine).
-
-    Buffers of 2 MiB: a read lands in a buffer still in the CPU's cache, so the host side of the
-    copy costs little more than a read straight into memory (bench/staging_bench.py: 1 to 4 MiB
-    were fastest, 64 MiB about half as fast), and a host-to-device copy of 2 MiB is long enough
-    to keep the copy engine busy; four a thread let reads run ahead of the copies."""
+    """How device-bound bytes are staged: `buffers` buffers of `buffer_bytes` per reader thread, pinned
+    (`pin`) when CUDA is there. `everything` routes CPU destinations through the ring too (for tests).
+    2 MiB buffers stay in the CPU's cache yet keep the copy engine busy (bench/staging_bench.py); four
+    a thread let reads run ahead of the copies."""
 
     buffer_bytes: int = 2 << 20
     buffers: int = 4
@@ -43,9 +36,8 @@ STAGING_BYTES = STAGING.bound(2)  # a call's default bound: 16 MiB, four 2 MiB b
 
 
 def staging_within(staging_bytes: int | None, threads: int = 2) -> Staging:
-    """The staging of a call's `staging_bytes=` (None: STAGING) on `threads` reader threads: buffers
-    of 2 MiB, as many as fit a thread's share; where fewer than two fit, two of half its share. E416
-    unless a whole number of bytes of at least two 1 kB buffers a thread."""
+    """The staging of a call's `staging_bytes=` (None: STAGING) on `threads` threads: as many 2 MiB
+    buffers as fit a thread's share, else two of half of it. E416 under two 1 kB buffers a thread."""
     if staging_bytes is None:
         return STAGING
     threads = max(1, threads)
@@ -68,13 +60,9 @@ Piece = tuple[int, Callable[[torch.Tensor], object]]
 
 
 class StagingRing:
-    """At most `buffers` host buffers of `buffer_bytes`; `upload` fills them in turn and copies each
-    to its place in a destination, asynchronously where the destination is a CUDA device.
-
-    Bookkeeping, all plain attributes: `allocated` (bytes of buffers made, never more than the
-    bound), `in_flight` (copies not known to be finished). `close` waits for every copy in flight,
-    on success and on failure alike, so no copy outlives the call that started it.
-    """
+    """At most `buffers` host buffers of `buffer_bytes`; `upload` fills them in turn and copies each to
+    its place in a destination (asynchronously to a CUDA device). `allocated`: bytes of buffers made;
+    `in_flight`: copies not known finished. `close` waits for every copy, so none outlives its call."""
 
     def __init__(self, staging: Staging = STAGING, event: Callable[[torch.device], object] | None = None):
         if staging.buffer_bytes < 1 or staging.buffers < 1:
@@ -91,9 +79,8 @@ class StagingRing:
         return len(self._busy)
 
     def upload(self, destination: torch.Tensor, pieces: Iterable[Piece]) -> None:
-        """Fill `destination` (flat uint8, any device) from `pieces` in order: each piece's bytes go
-        through one buffer (a piece is at most `buffer_bytes`), then to their place, copied
-        asynchronously; every byte of the destination is written once."""
+        """Fill `destination` (flat uint8, any device) from `pieces` in order, each piece (at most
+        `buffer_bytes`) through one buffer; every byte of the destination is written once."""
         at = 0
         for nbytes, fill in pieces:
             if nbytes > self.staging.buffer_bytes:
@@ -112,9 +99,8 @@ class StagingRing:
             raise ValueError(f"the pieces hold {at} bytes, the destination {destination.numel()}")
 
     def _take(self) -> torch.Tensor:
-        """A free buffer: the one whose copy finished last (most likely still in the CPU's cache),
-        a new one while fewer than `buffers` exist, else the oldest in flight once its copy has
-        finished."""
+        """A free buffer: the one whose copy finished last (likely still in cache), a new one while
+        fewer than `buffers` exist, else the oldest in flight once its copy finished."""
         for _ in range(len(self._busy)):  # those finished, in order: the newest ends on top
             buffer, event = self._busy.popleft()
             if event is None or event.query():
@@ -148,10 +134,9 @@ class StagingRing:
 
 
 class Rings:
-    """The staging rings of a call, one per reader thread at a time: a thread takes its ring at
-    its first staged item (an idle one if there is, else a new one) and hands it back when it
-    stops (`release`), so a caller running several plans with the same `Rings` (ingest, pair by
-    pair) makes no more rings than it runs threads at once. `close` waits for every copy."""
+    """The staging rings of a call, one per reader thread at a time: a thread takes one (idle, or new)
+    at its first staged item and hands it back when it stops (`release`), so several plans run with the
+    same `Rings` make no more rings than threads run at once. `close` waits for every copy."""
 
     def __init__(self, staging: Staging = STAGING):
         self.staging = staging
@@ -195,8 +180,8 @@ class Rings:
         return len(self._made)
 
     def close(self) -> None:
-        """Wait for every copy in flight (each ring's events), then for the device's work on the
-        copied bytes (value steps, placement), so the tensors are ready on any stream."""
+        """Wait for every copy in flight, then for the device's work on them, so the tensors are ready
+        on any stream."""
         for ring in self._made:
             ring.close()
         if self._made and torch.cuda.is_available() and torch.cuda.is_initialized():
@@ -210,8 +195,7 @@ class Rings:
 
 
 def _event_after_copy(device: torch.device):
-    """A CUDA event recorded after the copy just issued on `device`'s current stream; None where
-    the copy was synchronous (a CPU destination)."""
+    """A CUDA event recorded after the copy just issued on `device`; None for a (synchronous) CPU copy."""
     if device.type != "cuda":
         return None
     event = torch.cuda.Event()
@@ -225,8 +209,8 @@ def _wait(event) -> None:
 
 
 def run_pieces(file: str, runs, reader, most: int) -> Iterable[Piece]:
-    """The bytes of a strided run set of `file`, in order, as pieces of at most `most` bytes: whole
-    runs where one fits (a chunk of runs read with one call), else each run cut in pieces."""
+    """The bytes of a strided run set of `file`, in order, as pieces of at most `most` bytes: chunks
+    of whole runs where one fits, else each run cut."""
     if runs.length <= most:
         for chunk in runs.chunks(max(1, most // max(1, runs.length))):
             yield chunk.total, lambda buffer, chunk=chunk: reader.read_runs_into(file, chunk, buffer)

@@ -1,9 +1,4 @@
-"""A rank's WritePlan + its local tensors -> their bytes written at their offsets in the output files.
-
-Each piece is gathered into checkpoint order in a staging buffer (or written straight from tensor
-memory when it already is), its value steps undone, then written to its byte runs; a piece of a
-dequantized tensor is encoded back in its format. Writes run on two threads, no two on one byte.
-"""
+"""A rank's WritePlan + its local tensors -> their bytes written at their offsets in the output files."""
 
 from __future__ import annotations
 
@@ -23,9 +18,9 @@ from .pieces import apply_steps, read_part, region, torch_dtype
 
 def run_write_plan(plan: WritePlan, writer, tensors: Mapping[str, torch.Tensor], threads: int = 2,
                    reader: CheckpointReader | None = None) -> None:
-    """Write one rank's pieces: each gathered into source order in a staging buffer, undone by the
-    inverse value steps into the checkpoint's dtype, then written run by run. A piece of a
-    dequantized tensor is encoded with the scales `reader` reads from the checkpoint it came from."""
+    """Write one rank's pieces on `threads` threads, no two on one byte: each gathered into source order
+    (or straight from memory when it is), its value steps undone, written run by run. A piece of a
+    dequantized tensor is encoded with the scales `reader` reads from its checkpoint."""
     with torch.no_grad():
         work = [(item, region(tensors[item.runtime_key], item)) for item in plan.items]
         work += [(item, region(tensors[item.runtime_key], item)) for item in plan.encodes]
@@ -61,8 +56,7 @@ def run_write_plan(plan: WritePlan, writer, tensors: Mapping[str, torch.Tensor],
 
 def _write_encoded(item: DecodeItem, view: torch.Tensor, writer, reader: CheckpointReader,
                    requantize: bool) -> None:
-    """A piece of a dequantized tensor back in its format: with the stored scales of its box, or,
-    re-quantizing, with new scales that are written too."""
+    """A piece of a dequantized tensor back in its format: with its stored scales, or new ones (written too)."""
     from ..quant import FormatError, Part, get_format
 
     box = torch.empty(item.box[1], dtype=torch.float32)

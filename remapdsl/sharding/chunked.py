@@ -1,12 +1,9 @@
 """A piece of a block over a chunked checkpoint tensor (DCP-sharded) -> one piece per chunk it touches.
 
-A piece reads source elements `base + coeff . x` over its runtime box. Where that source range
-crosses chunk boundaries, the piece is cut along the runtime dim that moves the crossing source
-dim, at the exact index where the source index crosses, until each piece lies in one chunk; then
-its base is re-based into that chunk (a row-major tensor of the chunk's sizes at its own offset in
-its own file). So every rank reads only its own bytes, whatever the writer's sharding: the cuts
-grow with the chunks a piece touches, never with its rows. The chunks' edges per dim form a grid
-(what DTensor shardings write); a part's chunk is found by bisection in it, never by a scan.
+Where a piece's source range crosses chunk boundaries, it is cut along the runtime dim that moves the
+crossing source dim, at the exact crossing index, until each part lies in one chunk, then re-based
+into it: the cuts grow with the chunks a piece touches, never with its rows. A part's chunk is found
+by bisection in the grid of chunk edges, never by a scan.
 """
 
 from __future__ import annotations
@@ -24,8 +21,7 @@ MOST_CELLS = 1 << 20  # a grid of more cells than this and 4x the chunks is not 
 
 
 class Grid(NamedTuple):
-    """A chunked tensor's chunk edges per dim (sorted, both ends included) and, per grid cell (the
-    index of its interval in each dim), the chunk that holds it."""
+    """A chunked tensor's chunk edges per dim (sorted, both ends included) and each grid cell's chunk."""
 
     lines: tuple[tuple[int, ...], ...]
     cells: dict[tuple[int, ...], Chunk]
@@ -35,8 +31,8 @@ _GRIDS: dict[int, tuple[tuple[Chunk, ...], Grid | None]] = {}
 
 
 def grid_of(chunks: tuple[Chunk, ...]) -> Grid | None:
-    """The grid of a tensor's chunks (kept per chunk table while it lives), or None where it would
-    have far more cells than there are chunks (an irregular tiling)."""
+    """The grid of a tensor's chunks (kept per chunk table), or None where it would have far more cells
+    than chunks (an irregular tiling)."""
     kept = _GRIDS.get(id(chunks))
     if kept is not None and kept[0] is chunks:
         return kept[1]
@@ -101,9 +97,8 @@ def _source_range(p: Block) -> tuple[list[int], list[int]]:
 
 
 def _cut_at(p: Block, k: int, bounds: list[int]) -> list[Block]:
-    """`p` cut along the runtime dim moving source dim `k` (of several, the one of largest step) at
-    the rows where the source index crosses one of `bounds`: with other dims moving `k` too, the
-    rows that straddle a bound apart from those that do not (rows that all straddle, one by one)."""
+    """`p` cut along the runtime dim moving source dim `k` most (largest step) where the source index
+    crosses one of `bounds`: rows straddling a bound (other dims moving `k` too) apart from the rest."""
     movers = [j for j, (c, n) in enumerate(zip(p.coeff[k], p.sizes)) if c and n > 1]
     j = max(movers, key=lambda m: abs(p.coeff[k][m]))
     c, n, start = p.coeff[k][j], p.sizes[j], p.offsets[j]

@@ -1,10 +1,8 @@
 """A state dict and its placements -> what this rank holds of each runtime tensor, and what it writes.
 
-A DTensor says it itself (its mesh and placements); a plain tensor is either whole, or, with a layout
-plan and a mesh, the local shard the plan gives this rank. Every tensor is checked against the
-compiled shape and dtype before any byte moves. On save, a rank writes the boxes it holds that no
-lower rank holds, so each region has one writer, decided by arithmetic every rank does alone.
-Tensors of one mesh, placement and shape share their boxes (a model repeats a few hundredfold).
+A DTensor says it itself; a plain tensor is whole, or, with a layout plan and a mesh, the shard the
+plan gives this rank. Every tensor is checked against the compiled shape and dtype before any byte
+moves. Tensors of one mesh, placement and shape share their boxes.
 """
 
 from __future__ import annotations
@@ -115,14 +113,11 @@ def hold(compiled: Compiled, tensors: Mapping[str, Any], layout: LayoutPlan | No
 
 
 def owned(holding: Holding, rank: int, spread_over: int = 0) -> dict[str, LocalShard]:
-    """What this rank writes of each runtime tensor on save: what it holds, if no lower rank holds
-    the same. For every placement two ranks' boxes are identical or disjoint, and identical exactly
-    when their coordinates differ only on mesh dims that replicate the tensor (a `Shard` of any kind
-    gives each coordinate other indices, or none); so a region is written once, by the lowest rank
-    of its replicas, found among those coordinates alone, once per spec. A tensor whole on every
-    rank is written by rank 0. `spread_over` (an export, the job's rank count): the replica that
-    writes a tensor is chosen by its key instead, so the tensors replicated over a mesh dim (or
-    whole on every rank) are spread over its coordinates (over the job's ranks)."""
+    """What this rank writes of each runtime tensor on save: what it holds, if no lower rank holds the
+    same. Two ranks' boxes are identical exactly when their coordinates differ only on mesh dims that
+    replicate the tensor (else disjoint), so a region is written once, by the lowest of its replicas;
+    a tensor whole on every rank by rank 0. `spread_over` (an export: the job's rank count): the writing
+    replica is chosen by the key's hash instead, spreading replicated tensors over the ranks."""
     out: dict[str, LocalShard] = {}
     lowest: dict = {}
     for key, p in holding.placed.items():
@@ -145,16 +140,15 @@ def owned(holding: Holding, rank: int, spread_over: int = 0) -> dict[str, LocalS
 
 
 def _replicas(p: Placed) -> list[int]:
-    """The ranks at the coordinates that hold what this rank holds (its replicas, itself among them),
-    in coordinate order: every replica lists the same."""
+    """The ranks holding what this rank holds (itself among them), in coordinate order."""
     axes = [range(n) if isinstance(pl, Replicate) else (c,)
             for pl, n, c in zip(p.placements, p.sizes, p.coordinate)]
     return [p.rank_of(index) for index in product(*axes)]
 
 
 def check_state_dict(compiled: Compiled, tensors: Mapping[str, Any]) -> None:
-    """Every runtime tensor exists in the state dict with the compiled shape and dtype, and every
-    tensor of the state dict is produced by a rule or named by `keep`; all problems at once."""
+    """Every runtime tensor is in the state dict with the compiled shape and dtype, and every state-dict
+    tensor is made by a rule or named by `keep`; all problems at once."""
     problems = []
     keep = [re.compile(p) for p in compiled.keep]
     produced = {d.runtime_key for d in compiled.runtime_tensors}

@@ -21,16 +21,8 @@ from ..errors import Diagnostic, RemapError, did_you_mean
 from .placements import REPLICATE, Mesh, Placement, Replicate, Shard, StridedShard, _fail, _Frozen, _normal_dim
 
 
-Style = Literal[
-    "colwise",
-    "rowwise",
-    "packed_colwise",
-    "packed_rowwise",
-    "embedding_rowwise",
-    "embedding_colwise",
-    "grouped_gemm",
-    "replicate",
-]
+Style = Literal["colwise", "rowwise", "packed_colwise", "packed_rowwise", "embedding_rowwise", "embedding_colwise",
+                "grouped_gemm", "replicate"]
 STYLES: tuple[str, ...] = Style.__args__  # type: ignore[attr-defined]
 
 
@@ -48,9 +40,7 @@ class PlanRule(_Frozen):
     def _check_style(cls, data: Any) -> Any:
         style = data.get("style") if isinstance(data, dict) else None
         if isinstance(style, str) and style not in STYLES:
-            raise _fail(
-                "E407", f"unknown layout style `{style}`", did_you_mean(style, STYLES), data.get("pattern")
-            )
+            raise _fail("E407", f"unknown layout style `{style}`", did_you_mean(style, STYLES), data.get("pattern"))
         return data
 
     @model_validator(mode="after")
@@ -58,9 +48,7 @@ class PlanRule(_Frozen):
         if (self.style is None) == (self.placements is None):
             raise _fail("E407", "a plan rule needs exactly one of a style or placements", path=self.pattern)
         if self.placements is not None and self.mesh_dim is not None:
-            raise _fail(
-                "E407", "explicit placements cover every mesh dim; drop `mesh_dim`", path=self.pattern
-            )
+            raise _fail("E407", "explicit placements cover every mesh dim; drop `mesh_dim`", path=self.pattern)
         return self
 
 
@@ -72,9 +60,8 @@ class LayoutPlan(_Frozen):
     mesh_dim: str = "tp"
 
     @classmethod
-    def from_mapping(
-        cls, plan: Mapping[str, str | Sequence[Placement]], *, mesh_dim: str = "tp", prefix: str = ""
-    ) -> LayoutPlan:
+    def from_mapping(cls, plan: Mapping[str, str | Sequence[Placement]], *, mesh_dim: str = "tp",
+                     prefix: str = "") -> LayoutPlan:
         """`{"layers.*.self_attn.q_proj": "colwise", ...}` in order; `prefix` is put before every pattern
         (`"model."` for a transformers `base_model_tp_plan`). A value may be a list of placements."""
         rules = []
@@ -110,9 +97,8 @@ class LayoutPlan(_Frozen):
 
 
 def _glob_regex(pattern: str) -> str:
-    """fnmatch syntax as a regex without groups, to join many patterns in one alternation: `*` any run
-    of characters (dots included), `?` one, `[seq]` / `[!seq]` a class (fnmatch's own translation,
-    so its quirks hold: `[]]`, `[!]]`, empty ranges); everything else literal."""
+    """fnmatch syntax as a regex without groups, to join many patterns in one alternation (`[seq]`
+    classes by fnmatch's own translation, so its quirks hold: `[]]`, `[!]]`, empty ranges)."""
     out, i = [], 0
     while i < len(pattern):
         ch = pattern[i]
@@ -157,9 +143,8 @@ def _style_placement(style: str, shape: Sequence[int], runtime_key: str) -> Shar
     return Shard(dim=1 if style == "embedding_colwise" else 0)  # embedding_rowwise, grouped_gemm
 
 
-def layout_for(
-    runtime_key: str, shape: Sequence[int], plan: LayoutPlan, mesh: Mesh
-) -> tuple[Shard | Replicate | StridedShard, ...]:
+def layout_for(runtime_key: str, shape: Sequence[int], plan: LayoutPlan,
+               mesh: Mesh) -> tuple[Shard | Replicate | StridedShard, ...]:
     """The placements (one per mesh dim) `plan` gives the runtime tensor `runtime_key` of `shape`.
 
     Args:
@@ -173,20 +158,14 @@ def layout_for(
         return (REPLICATE,) * len(mesh.sizes)
     if rule.placements is not None:
         if len(rule.placements) != len(mesh.sizes):
-            raise _fail(
-                "E403",
-                f"rule `{rule.pattern}` gives {len(rule.placements)} placements for a {len(mesh.sizes)}-d mesh",
-                "give one placement per mesh dim",
-                runtime_key,
-            )
+            raise _fail("E403", f"rule `{rule.pattern}` gives {len(rule.placements)} placements for a "
+                        f"{len(mesh.sizes)}-d mesh", "give one placement per mesh dim", runtime_key)
         ndim = len(shape)
         for p in rule.placements:
             if type(p) is not Replicate:
                 _normal_dim(p.dim, ndim, p, runtime_key)
-        return tuple(
-            p if type(p) is Replicate or p.dim >= 0 else p.model_copy(update={"dim": p.dim + ndim})
-            for p in rule.placements
-        )
+        return tuple(p if type(p) is Replicate or p.dim >= 0 else p.model_copy(update={"dim": p.dim + ndim})
+                     for p in rule.placements)
     on = mesh.index(rule.mesh_dim or plan.mesh_dim)
     placement = _style_placement(rule.style, shape, runtime_key)  # type: ignore[arg-type]
     return tuple(placement if i == on else REPLICATE for i in range(len(mesh.sizes)))

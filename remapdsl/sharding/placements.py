@@ -1,21 +1,17 @@
 """A tensor's placement on a device mesh -> the boxes of the global tensor this rank holds.
 
-Placements follow torch DTensor exactly (torch.distributed.tensor's placement docs and
-`_StridedShard`): per tensor dim, start from every index,
-narrow the held set by each mesh dim's placement left to right (`Shard`: torch.chunk, uneven and
-empty shards included; `StridedShard`: torch's `_StridedShard`), take the Cartesian product over
-dims and split it into maximal contiguous runs, one box per run product. A non-contiguous set is
-never widened into one bounding box. Index sets are lists of (start, stop) runs and all of it is
-integer arithmetic: no DTensor helper is called per tensor (they cost ~0.2 ms each).
-
-Placements come from a live DTensor (`placements_from_dtensor`) or from an explicit, Hugging Face
-tp_plan-style layout plan (remapdsl/sharding/layouts.py) for tools and tests without a process group.
+Placements follow torch DTensor exactly: per tensor dim, the held indices are narrowed by each mesh
+dim's placement left to right (`Shard`: torch.chunk, uneven and empty shards included; `StridedShard`:
+torch's `_StridedShard`); the product over dims, split into maximal contiguous runs, gives one box per
+run product (never a widened bounding box). Plain integer arithmetic on (start, stop) runs: no DTensor
+helper is called per tensor. Placements come from a live DTensor or a layout plan (layouts.py).
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from itertools import product
+from math import prod
 from typing import Annotated, Any, Literal, NamedTuple
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
@@ -104,10 +100,7 @@ class Mesh(_Frozen):
     @property
     def size(self) -> int:
         """The number of ranks."""
-        total = 1
-        for size in self.sizes:
-            total *= size
-        return total
+        return prod(self.sizes)
 
     def index(self, name: str) -> int:
         if name not in self.names:
@@ -201,14 +194,8 @@ def _normal_dim(dim: int, ndim: int, placement: Any, path: str | None) -> int:
     raise _fail("E405", f"placement {placement} names dim {dim} of a {ndim}-d tensor", path=path)
 
 
-def local_shard(
-    global_shape: Sequence[int],
-    mesh_shape: Sequence[int],
-    placements: Sequence[Placement],
-    coordinate: Sequence[int],
-    *,
-    runtime_key: str | None = None,
-) -> LocalShard:
+def local_shard(global_shape: Sequence[int], mesh_shape: Sequence[int], placements: Sequence[Placement],
+                coordinate: Sequence[int], *, runtime_key: str | None = None) -> LocalShard:
     """What the rank at `coordinate` holds of a tensor of `global_shape` placed by `placements`.
 
     Args:
@@ -219,16 +206,10 @@ def local_shard(
         runtime_key: names the tensor in errors.
     """
     if len(placements) != len(mesh_shape):
-        raise _fail(
-            "E403",
-            f"{len(placements)} placements for a {len(mesh_shape)}-d mesh",
-            "give one placement per mesh dim",
-            runtime_key,
-        )
+        raise _fail("E403", f"{len(placements)} placements for a {len(mesh_shape)}-d mesh",
+                    "give one placement per mesh dim", runtime_key)
     if len(coordinate) != len(mesh_shape) or not all(0 <= c < n for c, n in zip(coordinate, mesh_shape)):
-        raise _fail(
-            "E404", f"coordinate {tuple(coordinate)} is outside mesh {tuple(mesh_shape)}", path=runtime_key
-        )
+        raise _fail("E404", f"coordinate {tuple(coordinate)} is outside mesh {tuple(mesh_shape)}", path=runtime_key)
     ndim = len(global_shape)
     steps: list[list[tuple[Shard | StridedShard, int, int]]] = [[] for _ in range(ndim)]
     for placement, n, c in zip(placements, mesh_shape, coordinate):
@@ -236,16 +217,10 @@ def local_shard(
         if kind is Shard or kind is StridedShard:
             steps[_normal_dim(placement.dim, ndim, placement, runtime_key)].append((placement, n, c))
         elif kind is not Replicate:
-            raise _fail(
-                "E402",
-                f"{placement!r} is not a remapdsl placement",
-                "use remapdsl.sharding.placements's Shard, Replicate, StridedShard (placements_from_dtensor converts torch's)",
-                runtime_key,
-            )
-    per_dim = [
-        held_runs(length, dim_steps) if dim_steps else ([(0, length)] if length else [])
-        for length, dim_steps in zip(global_shape, steps)
-    ]
+            raise _fail("E402", f"{placement!r} is not a remapdsl placement", "use remapdsl.sharding.placements's "
+                        "Shard, Replicate, StridedShard (placements_from_dtensor converts torch's)", runtime_key)
+    per_dim = [held_runs(length, dim_steps) if dim_steps else ([(0, length)] if length else [])
+               for length, dim_steps in zip(global_shape, steps)]
     local_starts = []
     for runs in per_dim:
         starts, total = [], 0
@@ -254,18 +229,12 @@ def local_shard(
             total += b - a
         local_starts.append(starts)
     shape = tuple(sum(b - a for a, b in runs) for runs in per_dim)
-    boxes = tuple(
-        Box(tuple(a for a, _ in combo), tuple(b - a for a, b in combo)) for combo in product(*per_dim)
-    )
+    boxes = tuple(Box(tuple(a for a, _ in combo), tuple(b - a for a, b in combo)) for combo in product(*per_dim))
     return LocalShard(shape, boxes, tuple(product(*local_starts)))
 
 
-def local_boxes(
-    global_shape: Sequence[int],
-    mesh_shape: Sequence[int],
-    placements: Sequence[Placement],
-    coordinate: Sequence[int],
-) -> tuple[Box, ...]:
+def local_boxes(global_shape: Sequence[int], mesh_shape: Sequence[int], placements: Sequence[Placement],
+                coordinate: Sequence[int]) -> tuple[Box, ...]:
     """The global boxes the rank at `coordinate` holds, in local-tensor order (see `local_shard`)."""
     return local_shard(global_shape, mesh_shape, placements, coordinate).boxes
 
@@ -313,18 +282,11 @@ def placements_from_dtensor(t: Any, runtime_key: str | None = None) -> TensorPla
         elif isinstance(p, TorchReplicate):
             placements.append(REPLICATE)
         elif isinstance(p, TorchPartial):
-            raise _fail(
-                "E401",
-                f"placement {p} on mesh dim `{names[mesh_dim]}` holds partial values, not a layout",
-                "redistribute to Replicate() or Shard(d) before loading or saving",
-                runtime_key,
-            )
+            raise _fail("E401", f"placement {p} on mesh dim `{names[mesh_dim]}` holds partial values, not a layout",
+                        "redistribute to Replicate() or Shard(d) before loading or saving", runtime_key)
         else:
             raise _fail("E402", f"unknown placement {p!r} on mesh dim `{names[mesh_dim]}`", path=runtime_key)
     coordinate = mesh.get_coordinate()
-    return TensorPlacement(
-        shape=shape,
-        mesh=Mesh(names=tuple(names), sizes=tuple(int(s) for s in mesh.shape)),
-        placements=tuple(placements),
-        coordinate=None if coordinate is None else tuple(int(c) for c in coordinate),
-    )
+    return TensorPlacement(shape=shape, mesh=Mesh(names=tuple(names), sizes=tuple(int(s) for s in mesh.shape)),
+                           placements=tuple(placements),
+                           coordinate=None if coordinate is None else tuple(int(c) for c in coordinate))

@@ -1,8 +1,5 @@
-"""Properties of a rule file on a real checkpoint, as assertions: save(load(x)) is x byte for byte,
-and a load equals a reference loader's state dict (transformers' own, or the user's).
-
-Each runs the library's real `load` and `save` in this process; the sharded property, which needs
-several processes, is in `remapdsl.testing.ranks`.
+"""Properties of a rule file on a real checkpoint, as assertions run in this process: save(load(x)) is
+x byte for byte, and a load equals a reference loader's state dict (the sharded ones: testing/ranks.py).
 """
 
 from __future__ import annotations
@@ -16,7 +13,7 @@ from typing import Any
 
 import remapdsl
 from remapdsl.checkpoint.snapshot import require_data
-from remapdsl.testing.compare import MAX_LISTED, _listed, assert_state_dicts_equal, file_differences
+from remapdsl.testing.compare import MAX_LISTED, _listed, assert_state_dicts_equal, file_differences, key_differences
 
 
 def load_whole(rules, checkpoint, *, config: Mapping[str, Any] | None = None) -> dict:
@@ -28,18 +25,14 @@ def load_whole(rules, checkpoint, *, config: Mapping[str, Any] | None = None) ->
 
 
 def assert_round_trip(rules, checkpoint, *, config: Mapping[str, Any] | None = None, **save_options) -> None:
-    """Assert that saving the load of a checkpoint gives it back: the same files, byte for byte,
-    and the same index.
+    """Assert that saving the load of a checkpoint gives it back: the same files, byte for byte, and
+    the same index (else an AssertionError naming the files, tensors or index entries that differ).
 
     Args:
         rules: a .remap path or RuleSet.
         checkpoint: a checkpoint folder (a snapshot has no data: write one with `write_checkpoint`).
         config: the model config; by default the checkpoint's config.json.
         save_options: passed to `remapdsl.save` (`allow_lossy`, ...).
-
-    Raises:
-        AssertionError: the files missing or extra, then per file the tensors whose bytes differ
-            (the first differing element, written and original), or the index entries that differ.
     """
     require_data(checkpoint, "a round trip")
     inventory = remapdsl.open_checkpoint(checkpoint)
@@ -53,8 +46,7 @@ def assert_round_trip(rules, checkpoint, *, config: Mapping[str, Any] | None = N
 
 
 def round_trip_differences(inventory, out: Path) -> list[str]:
-    """How a saved folder differs from the checkpoint it should reproduce: its files (tensor by
-    tensor), then its index."""
+    """How a saved folder differs from the checkpoint it should reproduce: files, then the index."""
     found = file_differences(inventory, out)
     if inventory.index_file is not None:
         found.extend(_index_differences(Path(inventory.path(inventory.index_file)), out / inventory.index_file))
@@ -74,8 +66,8 @@ def _index_differences(original: Path, written: Path) -> list[str]:
 
 
 def transformers_state_dict(checkpoint, *, dtype: Any = "auto") -> dict:
-    """What transformers' own loader makes of a checkpoint folder (`from_pretrained`, on the CPU):
-    its model's state dict. Fails when transformers reports keys missing, unexpected or mismatched."""
+    """The state dict transformers' `from_pretrained` makes of a checkpoint folder (on the CPU); an
+    AssertionError when it reports keys missing, unexpected or mismatched."""
     import transformers
     from transformers import AutoModelForCausalLM
 
@@ -90,8 +82,9 @@ def transformers_state_dict(checkpoint, *, dtype: Any = "auto") -> dict:
 
 def assert_matches_reference(rules, checkpoint, reference: Callable[[Any], Mapping] | str, *,
                              config: Mapping[str, Any] | None = None) -> None:
-    """Assert that the rules load a checkpoint into exactly what a reference loader makes of it:
-    the catch for a rule that is wrong but consistent (gate and up swapped round-trips fine).
+    """Assert that the rules load a checkpoint into exactly what a reference loader makes of it: the
+    catch for a rule that is wrong but consistent (gate and up swapped round-trips fine). The
+    AssertionError names the keys one side lacks, then the tensors whose shape, dtype or values differ.
 
     Args:
         rules: a .remap path or RuleSet.
@@ -100,10 +93,6 @@ def assert_matches_reference(rules, checkpoint, reference: Callable[[Any], Mappi
             fills that model's own state dict) or a callable taking the checkpoint and returning
             the state dict (or module) it must equal.
         config: the model config; by default the checkpoint's config.json.
-
-    Raises:
-        AssertionError: the runtime keys only one side has, then the tensors whose shape or dtype
-            differ, then the first differing index and both values of each tensor that differs.
     """
     require_data(checkpoint, "a comparison with a reference")
     if reference == "transformers":
@@ -117,11 +106,7 @@ def assert_matches_reference(rules, checkpoint, reference: Callable[[Any], Mappi
         raise TypeError(f"reference must be a callable or 'transformers', not {reference!r}")
     compiled = remapdsl.compile_rules(rules, checkpoint, config)
     made = {t.runtime_key: t for t in compiled.runtime_tensors}
-    found = []
-    if set(made) - set(expected):
-        found.append(f"only in {names[0]}: {_listed(set(made) - set(expected))}")
-    if set(expected) - set(made):
-        found.append(f"only in {names[1]}: {_listed(set(expected) - set(made))}")
+    found = key_differences(made, expected, names)
     for key in sorted(set(made) & set(expected)):
         t, want = made[key], expected[key]
         if tuple(t.shape) != tuple(want.shape) or t.dtype != str(want.dtype).removeprefix("torch."):

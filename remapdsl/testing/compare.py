@@ -16,6 +16,12 @@ def _listed(keys, limit: int = MAX_LISTED) -> str:
     return shown + (f" and {len(keys) - limit} more" if len(keys) > limit else "")
 
 
+def key_differences(a, b, names: tuple[str, str]) -> list[str]:
+    """`only in ...` for the keys of each side the other lacks."""
+    return [f"only in {name}: {_listed(set(x) - set(y))}" for name, x, y in ((names[0], a, b), (names[1], b, a))
+            if set(x) - set(y)]
+
+
 def _state(value) -> Mapping:
     return value.state_dict() if hasattr(value, "state_dict") and callable(value.state_dict) else value
 
@@ -43,8 +49,8 @@ def _show(t, index) -> str:
 
 
 def tensor_difference(actual, expected, names: tuple[str, str] = ("actual", "expected")) -> str | None:
-    """Why two tensors are not exactly equal (dtype, shape, or the first differing index, both
-    values and how many differ), or None when they are."""
+    """Why two tensors are not bit for bit equal (dtype, shape, or how many elements and the first
+    differing one), or None."""
     a, b = _plain(actual), _plain(expected)
     if a.dtype != b.dtype or tuple(a.shape) != tuple(b.shape):
         return (f"{names[0]} is {str(a.dtype).removeprefix('torch.')} {list(a.shape)}, "
@@ -62,11 +68,7 @@ def tensor_difference(actual, expected, names: tuple[str, str] = ("actual", "exp
 def state_dict_differences(actual, expected, names: tuple[str, str] = ("actual", "expected")) -> list[str]:
     """The differences between two state dicts (or modules), keys first: empty when equal."""
     a, b = _state(actual), _state(expected)
-    out = []
-    if set(a) - set(b):
-        out.append(f"only in {names[0]}: {_listed(set(a) - set(b))}")
-    if set(b) - set(a):
-        out.append(f"only in {names[1]}: {_listed(set(b) - set(a))}")
+    out = key_differences(a, b, names)
     found = [(k, why) for k in sorted(set(a) & set(b)) if (why := tensor_difference(a[k], b[k], names))]
     out.extend(f"`{k}`: {why}" for k, why in found[:MAX_LISTED])
     if len(found) > MAX_LISTED:
@@ -75,16 +77,12 @@ def state_dict_differences(actual, expected, names: tuple[str, str] = ("actual",
 
 
 def assert_state_dicts_equal(actual, expected, *, names: tuple[str, str] = ("actual", "expected")) -> None:
-    """Assert two state dicts (runtime key -> tensor, or modules) hold the same keys and exactly
-    the same tensors: dtype, shape and every bit.
+    """Assert two state dicts (runtime key -> tensor, or modules) hold the same keys and exactly the
+    same tensors: dtype, shape and every bit (else an AssertionError: `state_dict_differences`).
 
     Args:
         actual, expected: the state dicts (or `torch.nn.Module`s; DTensors are compared whole).
         names: what the two are called in the message (`("remapdsl", "transformers")`).
-
-    Raises:
-        AssertionError: the keys only one side has, then per tensor what differs (its dtype or
-            shape, or how many elements, the first differing index and both values).
     """
     found = state_dict_differences(actual, expected, names)
     if found:
@@ -92,9 +90,8 @@ def assert_state_dicts_equal(actual, expected, *, names: tuple[str, str] = ("act
 
 
 def file_differences(inventory, produced: Path) -> list[str]:
-    """How the safetensors files in `produced` differ from those of `inventory` (the original):
-    files missing or extra, then per file the tensors whose bytes differ (first differing element
-    and both values), or the header."""
+    """How the safetensors files in `produced` differ from `inventory`'s: files missing or extra, then
+    per file the header, or the tensors whose bytes differ."""
     import torch
 
     from remapdsl.dtypes import BY_NAME

@@ -1,13 +1,9 @@
-"""Real checkpoints with random values: an inventory or snapshot (keys, dtypes, shapes, files,
-index, config) -> safetensors files on disk, optionally scaled down to the first layers and experts.
+"""Real checkpoints with random values: an inventory or snapshot -> safetensors files on disk in its
+layout, optionally scaled down to the first layers and experts.
 
-What a model author's CI runs the rules against when the real weights are too large to fetch: the
-same keys, dtypes, shapes and file grouping as the release, random values. Values are chosen so
-that a wrong rule shows and a right one round-trips exactly: every float is +-(1 + m/8) * 2^k
-(k in -3..3, m in 0..7; exact in every float dtype, and its products with such scales exact in
-bfloat16), FP8 codes are finite (no NaN or infinity code), E8M0 scales between 2^-7 and 2^7, and
-each tensor's values depend only on the seed and its key (a scaled-down checkpoint holds the same
-values for the tensors it keeps).
+Values make a wrong rule show and a right one round-trip exactly: every float is +-(1 + m/8) * 2^k
+(k in -3..3, m in 0..7: exact in every float dtype, its products with such scales exact in bfloat16),
+FP8 codes finite, E8M0 scales between 2^-7 and 2^7; a tensor's values depend only on the seed and key.
 """
 
 from __future__ import annotations
@@ -77,8 +73,8 @@ def write_checkpoint(source: str | os.PathLike | Inventory, folder: str | os.Pat
 
 
 def _header(tensors: Sequence, metadata: Mapping[str, str]) -> tuple[bytes, dict]:
-    """A safetensors header for `tensors` laid back to back in this order, padded with spaces to
-    a multiple of 8 bytes as the safetensors library pads it; and the header as an object."""
+    """A safetensors header for `tensors` back to back in this order (space-padded to 8 bytes, as the
+    safetensors library pads it), and the header as an object."""
     obj: dict[str, Any] = {METADATA_KEY: dict(metadata)} if metadata else {}
     offset = 0
     for t in tensors:
@@ -104,8 +100,7 @@ _FP8_CODES = {
 
 
 def random_bytes(dtype: DType, shape: Sequence[int], seed: int) -> bytes:
-    """The bytes of a tensor of `dtype` (a `remapdsl.dtypes` row) and header `shape`, random but
-    finite, as described in the module docstring."""
+    """Random finite bytes of a tensor of `dtype` (a `remapdsl.dtypes` row) and `shape` (module docstring)."""
     rng = np.random.default_rng(seed)
     count = int(np.prod(shape, dtype=np.int64)) if shape else 1
     if dtype.name in _FP8_CODES:
@@ -131,8 +126,8 @@ def random_bytes(dtype: DType, shape: Sequence[int], seed: int) -> bytes:
 
 
 def layer_and_expert(ckpt_key: str) -> tuple[int | None, int | None]:
-    """The layer and expert indices a key names (`model.layers.3.mlp.experts.7.w1` -> (3, 7)), by
-    whole segments: an integer segment right after one of LAYER_WORDS / EXPERT_WORDS."""
+    """The layer and expert indices a key names (`model.layers.3.mlp.experts.7.w1` -> (3, 7)): an
+    integer segment right after one of LAYER_WORDS / EXPERT_WORDS."""
     parts = ckpt_key.split(".")
     layer = expert = None
     for word, following in zip(parts, parts[1:]):
@@ -146,12 +141,9 @@ def layer_and_expert(ckpt_key: str) -> tuple[int | None, int | None]:
 
 def scale_down(inventory: Inventory, *, layers: int | None = None, experts: int | None = None,
                config: Mapping[str, Any] | None = None) -> SnapshotInventory:
-    """The inventory of the first `layers` layers and `experts` experts of a checkpoint, its files
-    laid out anew (files left empty dropped), with the config adjusted to match: the layer count
-    (`num_hidden_layers`, ...), the expert count (`num_experts`, ...), `num_experts_per_tok` at
-    most the experts kept, `mlp_only_layers` and `layer_types` cut to the layers kept,
-    `first_k_dense_replace` at most the layers kept. Tensors that stack all experts in one (a
-    runtime layout) keep their shape."""
+    """The inventory of the first `layers` layers and `experts` experts of a checkpoint, files laid out
+    anew (empty ones dropped), its config's counts and per-layer lists cut to match. Tensors that stack
+    all experts in one keep their shape."""
     config = dict(checkpoint_config(inventory) if config is None else config)
     kept: dict[str, list] = {name: [] for name in inventory.files}
     for t in sorted(inventory.tensors.values(), key=lambda t: (t.file, t.byte_offset)):
@@ -167,31 +159,24 @@ def scale_down(inventory: Inventory, *, layers: int | None = None, experts: int 
         data_offset = PREFIX_NBYTES + len(header_bytes)
         files[name] = {"nbytes": data_offset + sum(t.nbytes for t in tensors), "data_offset": data_offset,
                        "header": header}
+    caps = [(key, layers) for key in (*LAYER_CONFIG_KEYS, "first_k_dense_replace")]
+    caps += [(key, experts) for key in (*EXPERT_CONFIG_KEYS, "num_experts_per_tok")]
+    for key, most in caps:
+        if most is not None and isinstance(config.get(key), int):
+            config[key] = min(config[key], most)
     if layers is not None:
-        for key in LAYER_CONFIG_KEYS:
-            if isinstance(config.get(key), int):
-                config[key] = min(config[key], layers)
         if isinstance(config.get("mlp_only_layers"), list):
             config["mlp_only_layers"] = [n for n in config["mlp_only_layers"] if n < layers]
         if isinstance(config.get("layer_types"), list):
             config["layer_types"] = config["layer_types"][:layers]
-        if isinstance(config.get("first_k_dense_replace"), int):
-            config["first_k_dense_replace"] = min(config["first_k_dense_replace"], layers)
-    if experts is not None:
-        for key in EXPERT_CONFIG_KEYS:
-            if isinstance(config.get(key), int):
-                config[key] = min(config[key], experts)
-        if isinstance(config.get("num_experts_per_tok"), int):
-            config["num_experts_per_tok"] = min(config["num_experts_per_tok"], experts)
     snapshot = {"format": FORMAT, "version": VERSION, "index_file": inventory.index_file, "ignored_files": [],
                 "files": files, "config": config}
     return parse_snapshot(snapshot, f"{inventory.root} (scaled down)")
 
 
 def write_pretrained(config: Mapping, folder: Path, seed: int = 0) -> Path:
-    """A tiny transformers model of `config` (with `model_type`), every floating tensor random
-    (from_config leaves norms at 1 and biases at 0, which would hide a swapped mapping), saved
-    with `save_pretrained`."""
+    """A tiny transformers model of `config` (with `model_type`) saved with `save_pretrained`, every
+    floating tensor random (from_config's norms of 1 and biases of 0 would hide a swapped mapping)."""
     import torch
     import transformers
     from transformers import AutoConfig, AutoModelForCausalLM

@@ -1,14 +1,6 @@
-"""The pytest plugin of remapdsl.testing (entry point `pytest11`: loaded by every pytest run in an
-environment where remapdsl is installed).
-
-- fixture `remapdsl_checkpoint`: a factory of tiny real checkpoints under the test's tmp_path, from
-  a snapshot, a checkpoint folder or Inventory (random values in its layout, optionally scaled
-  down), or from a transformers config (`{"model_type": "llama", ...}`: `from_config`, random
-  values, `save_pretrained`);
-- fixture `remapdsl_ranks`: `run_ranks`, a function on N real gloo processes;
-- marker `remapdsl_distributed`, for tests that start processes (`-m "not remapdsl_distributed"`);
-- hypothesis profile `remapdsl-ci` (derandomized, no deadline, the failing example printed):
-  `pytest --hypothesis-profile=remapdsl-ci`.
+"""The pytest plugin of remapdsl.testing (entry point `pytest11`): fixtures `remapdsl_checkpoint` and
+`remapdsl_ranks`, marker `remapdsl_distributed` (tests that start processes), and hypothesis profile
+`remapdsl-ci` (derandomized, no deadline, the failing example printed).
 """
 
 from __future__ import annotations
@@ -36,10 +28,9 @@ def pytest_configure(config) -> None:
 
 @pytest.fixture
 def remapdsl_checkpoint(tmp_path):
-    """`make(source, *, layers=None, experts=None, seed=0) -> Path`: a tiny real checkpoint folder
-    under tmp_path. `source`: a snapshot file, checkpoint folder or Inventory (random values in its
-    layout; `layers`/`experts` keep the first N), or a transformers config dict with `model_type`
-    (or a config.json path holding one)."""
+    """`make(source, *, layers=None, experts=None, seed=0) -> Path`: a tiny real checkpoint under
+    tmp_path, from a snapshot, checkpoint folder or Inventory (random values in its layout), or a
+    transformers config dict with `model_type` (or a config.json path holding one)."""
     from remapdsl.testing.data import write_checkpoint, write_pretrained
 
     made = 0
@@ -59,9 +50,7 @@ def remapdsl_checkpoint(tmp_path):
 
 @pytest.fixture
 def remapdsl_ranks():
-    """`run(fn, world=2, *args, timeout=120.0)`: `fn(rank, world, *args)` on `world` real gloo CPU
-    processes (fn must be a module-level function); returns each rank's value, raises one
-    AssertionError naming every failing rank."""
+    """`run_ranks`: `fn(rank, world, *args)` on `world` real gloo CPU processes."""
     from remapdsl.testing.ranks import run_ranks
 
     return run_ranks

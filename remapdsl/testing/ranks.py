@@ -1,11 +1,8 @@
-"""Real multi-rank runs on the CPU: a function on N gloo processes this module spawns itself, and
-the sharded-load property on them (every rank's shard equals the whole load, sliced).
+"""Real multi-rank runs on the CPU: a function on N spawned gloo processes, and the sharded properties.
 
-Processes are started with `spawn` (a fresh interpreter each: forking a process that holds torch's
-threads is not safe) and meet through a file rendezvous in a temporary folder (no TCP port to race
-for with other jobs). A function run on the ranks must be importable by its module and name (a
-module-level function of a test file is). Each rank's result or failure comes back through a file;
-the caller raises one AssertionError naming every failing rank.
+Processes are spawned (forking torch's threads is not safe) and meet through a file rendezvous (no TCP
+port to race for); the function must be importable by module and name. Each rank's result or failure
+comes back through a file.
 """
 
 from __future__ import annotations
@@ -22,31 +19,15 @@ from typing import Any
 
 import remapdsl
 from remapdsl.checkpoint.snapshot import require_data
-from remapdsl.sharding import (
-    LayoutPlan,
-    Mesh,
-    Replicate,
-    Shard,
-    layout_for,
-    local_shard,
-    parse_mesh,
-    read_layout,
-)
+from remapdsl.sharding import LayoutPlan, Mesh, Replicate, Shard, layout_for, local_shard, parse_mesh, read_layout
 
 
 def run_ranks(fn: Callable[..., Any], world: int = 2, *args: Any, timeout: float = 120.0,
               backend: str = "gloo") -> list[Any]:
-    """Run `fn(rank, world, *args)` on `world` gloo processes in one process group; returns each
-    rank's return value, in rank order.
-
-    `backend` is the default group's: `"gloo"`, or `"cuda:gloo"` for a group with NCCL's device
-    contract (a backend for CUDA tensors only, as an `init_process_group("nccl")` job has), so that
-    what a GPU job does to CPU tensors is tried on the CPU.
-
-    Raises:
-        AssertionError: every rank that raised, with its message (an AssertionError's) or traceback;
-            a rank that died; ranks still running after `timeout` seconds (then all are stopped).
-    """
+    """Run `fn(rank, world, *args)` on `world` gloo processes in one process group; returns each rank's
+    value, in rank order. One AssertionError names every rank that raised (its message or traceback),
+    died, or ran past `timeout` seconds. `backend`: the default group's; `"cuda:gloo"` has no CPU
+    backend, as an NCCL job's group, so what a GPU job does to CPU tensors is tried on the CPU."""
     import torch.multiprocessing as mp
 
     with tempfile.TemporaryDirectory(prefix="remapdsl-ranks-") as folder:
@@ -69,12 +50,10 @@ def run_ranks(fn: Callable[..., Any], world: int = 2, *args: Any, timeout: float
         results, failures = [], [died] if died else []
         for rank in range(world):
             path = os.path.join(folder, f"rank{rank}.pickle")
-            if not os.path.exists(path):
-                failures.append(f"rank {rank}: no result")
-                results.append(None)
-                continue
-            with open(path, "rb") as f:
-                ok, value = pickle.load(f)
+            ok, value = False, "no result"
+            if os.path.exists(path):
+                with open(path, "rb") as f:
+                    ok, value = pickle.load(f)
             results.append(value if ok else None)
             if not ok:
                 failures.append(f"rank {rank}: {value}")
@@ -119,8 +98,7 @@ def as_mesh(mesh: Mesh | Mapping[str, int] | str) -> Mesh:
 
 
 def shard_everything(compiled, mesh: Mesh) -> LayoutPlan:
-    """A layout that cuts every runtime tensor on every mesh dim (mesh dim i cuts tensor dim
-    i mod ndim; a 0-dim tensor is replicated): the default of `assert_sharded_equals_whole`."""
+    """A layout cutting every runtime tensor on every mesh dim (mesh dim i cuts tensor dim i mod ndim)."""
     import glob
 
     plan = {}
@@ -133,9 +111,10 @@ def shard_everything(compiled, mesh: Mesh) -> LayoutPlan:
 def assert_sharded_equals_whole(rules, checkpoint, layout: LayoutPlan | Mapping | str | None = None,
                                 mesh: Mesh | Mapping[str, int] | str = "tp=2", *,
                                 config: Mapping[str, Any] | None = None, timeout: float = 120.0) -> list[dict]:
-    """Assert, on real gloo processes spawned for it (one per rank of `mesh`), that every rank's
-    sharded load equals the whole load sliced to that rank, and (for rules without `dequantize`)
-    that each rank reads exactly the bytes it owns.
+    """Assert, on real gloo processes (one per rank of `mesh`), that every rank's sharded load equals
+    the whole load sliced, and (without `dequantize`) that each rank reads exactly the bytes it owns;
+    returns per rank `{"bytes_read": ..., "bytes_owned": ...}`. The AssertionError names, per failing
+    rank, the tensors whose shard differs (box, first differing index, both values) or the bytes read.
 
     Args:
         rules: a .remap path or RuleSet.
@@ -145,13 +124,6 @@ def assert_sharded_equals_whole(rules, checkpoint, layout: LayoutPlan | Mapping 
         mesh: the device mesh: a `Mesh`, `{"tp": 2}` or `"dp=2,tp=2"`.
         config: the model config; by default the checkpoint's config.json.
         timeout: seconds the ranks may take.
-
-    Returns:
-        Per rank: `{"bytes_read": ..., "bytes_owned": ...}`.
-
-    Raises:
-        AssertionError: per failing rank (with its mesh coordinate), the tensors whose shard
-            differs: the box, the first differing index and both values; or the bytes read.
     """
     mesh, layout = _prepared(rules, checkpoint, layout, mesh, config, "a sharded load")
     return run_ranks(_sharded_rank, mesh.size, rules, os.fspath(checkpoint), layout, mesh, config, None,
@@ -161,14 +133,10 @@ def assert_sharded_equals_whole(rules, checkpoint, layout: LayoutPlan | Mapping 
 def assert_sharded_round_trip(rules, checkpoint, layout: LayoutPlan | Mapping | str | None = None,
                               mesh: Mesh | Mapping[str, int] | str = "tp=2", *,
                               config: Mapping[str, Any] | None = None, timeout: float = 120.0) -> list[dict]:
-    """Assert, on real gloo processes spawned for it, that a sharded load saved back by the same
-    ranks (`remapdsl.save` with the layout: every rank writes the bytes it owns in place, none
-    gathers) gives the checkpoint back byte for byte, with the same index. Arguments as
-    `assert_sharded_equals_whole`, whose checks of the load run too.
-
-    Returns:
-        Per rank: `{"bytes_read": ..., "bytes_owned": ..., "bytes_written": ..., "save_seconds": ...}`.
-    """
+    """Assert, on real gloo processes, that a sharded load saved back by the same ranks (each writing
+    the bytes it owns) gives the checkpoint back byte for byte, with the same index. Arguments as
+    `assert_sharded_equals_whole`, whose checks of the load run too; per rank, its result gains
+    `bytes_written` and `save_seconds`."""
     mesh, layout = _prepared(rules, checkpoint, layout, mesh, config, "a sharded round trip")
     with tempfile.TemporaryDirectory(prefix="remapdsl-sharded-round-trip-") as tmp:
         out = os.path.join(tmp, "copy")
@@ -182,17 +150,14 @@ def assert_sharded_round_trip(rules, checkpoint, layout: LayoutPlan | Mapping | 
 
 def sharded_load_and_save(rules, checkpoint, layout: LayoutPlan, mesh: Mesh, save_to: str, *,
                           config: Mapping[str, Any] | None = None, timeout: float = 120.0) -> list[dict]:
-    """The ranks of `mesh` load their shards, checked as `assert_sharded_equals_whole` does (an
-    AssertionError if they differ), then save them to `save_to` with the layout. A save's own
-    error is kept in each rank's result (`save_error`) for `sharded_save_problems`, so that a load
-    that holds is told apart from a save that fails."""
+    """The ranks of `mesh` load their shards, checked as `assert_sharded_equals_whole` does, then save
+    them to `save_to`; a save's error is kept in each rank's result (`save_error`), apart from the load."""
     return run_ranks(_sharded_rank, mesh.size, rules, os.fspath(checkpoint), layout, mesh, config, save_to,
                      timeout=timeout)
 
 
 def sharded_save_problems(ranks: list[dict], checkpoint, save_to) -> list[str]:
-    """What is wrong with what `sharded_load_and_save` wrote: the save's error, or how the folder
-    differs from the checkpoint (files tensor by tensor, then the index)."""
+    """What is wrong with what `sharded_load_and_save` wrote: the save's error, or how it differs."""
     from remapdsl.testing.assertions import round_trip_differences
 
     failed = [r["save_error"] for r in ranks if "save_error" in r]
@@ -202,8 +167,8 @@ def sharded_save_problems(ranks: list[dict], checkpoint, save_to) -> list[str]:
 
 
 def _prepared(rules, checkpoint, layout, mesh, config, what: str) -> tuple[Mesh, LayoutPlan]:
-    """The mesh and the layout plan an assertion was given (every tensor cut on every mesh dim
-    when None), after the checks that raise a user's error here rather than on every rank."""
+    """The mesh and layout plan an assertion was given (None: `shard_everything`), checked here rather
+    than on every rank."""
     require_data(checkpoint, what)
     mesh = as_mesh(mesh)
     compiled = remapdsl.compile_rules(rules, checkpoint, config)

@@ -1,16 +1,9 @@
 """The reference conversion: a rule's ops applied to whole tensors with plain torch ops.
 
-An oracle for property tests (remapdsl's own, and a model author's with
-`remapdsl.testing.strategies.op_chains`): it knows nothing of blocks, index maps or byte ranges,
-and implements each op of the language directly from its definition (docs/language.md,
-"Operations"), so that the compiler's blocks can be checked against it. It does not import
-remapdsl.compile.
-
-`state` is what a rule holds between ops: a list of tensors (the list axis), or, while a capture
-is still to be reduced, a dict capture value -> list of tensors (the caller builds it from the
-checkpoint; `unstack` makes one). Per-tensor ops apply to every tensor of every entry.
-Value ops (`scale`, `add`) compute in float32 and cast back to the tensor's dtype, the same
-convention as the load executor (remapdsl/runtime/pieces.py).
+An oracle for property tests: each op implemented from its definition (docs/language.md,
+"Operations"), knowing nothing of blocks or byte ranges (no import of remapdsl.compile). `state` is a
+list of tensors, or, while a capture is still to be reduced, a dict capture value -> list of tensors.
+Value ops compute in float32 and cast back, as the load executor does (runtime/pieces.py).
 """
 
 from __future__ import annotations

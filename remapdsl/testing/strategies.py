@@ -1,7 +1,5 @@
-"""Hypothesis strategies for a rule file's properties: checkpoints with random values in a
-snapshot's layout (optionally scaled down), device meshes, valid placements for each runtime
-tensor, and random valid op chains (`op_chains`, checked against `remapdsl.testing.reference`).
-The one module of `remapdsl.testing` that imports hypothesis."""
+"""Hypothesis strategies for a rule file's properties: random checkpoints in a snapshot's layout, meshes,
+valid placements, and valid op chains (`op_chains`). The one module of remapdsl.testing that needs hypothesis."""
 
 from __future__ import annotations
 
@@ -36,11 +34,9 @@ def _strategy(value) -> st.SearchStrategy:
 
 def checkpoints(source, *, root: str | os.PathLike | None = None, layers=None, experts=None,
                 seeds: st.SearchStrategy[int] = st.integers(0, 2**31 - 1)) -> st.SearchStrategy[Path]:
-    """Checkpoint folders written in the layout of `source` (a snapshot, checkpoint folder or
-    Inventory): its keys, dtypes, shapes, files and index, random finite values (FP8 and FP4 codes
-    included); or, for a transformers config dict with `model_type`, a tiny model of it with random
-    values, written by `save_pretrained` (`write_pretrained`). Each drawn example is a new folder
-    under `root` (by default a temporary folder removed when the process exits).
+    """Checkpoint folders in the layout of `source` (a snapshot, checkpoint folder or Inventory) with
+    random finite values; or, for a transformers config dict with `model_type`, a tiny model of it
+    (`write_pretrained`). Each example is a new folder under `root` (default: a temporary folder).
 
     Args:
         layers, experts: keep the first N layers / experts (an int, or a strategy of ints, e.g.
@@ -122,8 +118,7 @@ def _ops(text: str) -> list[ir.Op]:
 
 @dataclass
 class Chain:
-    """An op chain being drawn, with the shapes of the list axis it holds so far (`ops`: the ops'
-    text, in order, as a rule writes them after `|`)."""
+    """An op chain being drawn, with the shapes of its list axis so far (`ops`: the ops' text)."""
 
     shapes: list[tuple[int, ...]]
     combined: bool = False  # a combining op has run (list axis -> one tensor)
@@ -273,7 +268,6 @@ def draw_ops(draw, chain: Chain, count: int, *, may_cut: bool = True) -> Chain:
 @st.composite
 def op_chains(draw, shapes: Sequence[Sequence[int]], max_ops: int = 4, cuts: bool = True) -> Chain:
     """A valid chain of up to `max_ops` ops (a few more where a combine is drawn) for sources of
-    `shapes` (several: a list axis, which a combining op may join): layout ops, cuts (with `cuts`),
-    pads, casts and value ops. `.ops` is the chain's text, `.shapes` the targets' shapes; apply it
-    with `remapdsl.testing.reference.apply_ops` for the expected tensors."""
+    `shapes`: layout ops, cuts (with `cuts`), pads, casts and value ops. `.ops` is its text, `.shapes`
+    the targets'; `remapdsl.testing.reference.apply_ops` gives the expected tensors."""
     return draw_ops(draw, Chain([tuple(s) for s in shapes]), draw(st.integers(1, max_ops)), may_cut=cuts)

@@ -1,17 +1,12 @@
-"""`remapdsl verify` as a function: a rule file and a checkpoint (or its snapshot) -> a
-Verification, one Check per property and mesh, each proven on real data by the kit's assertions.
+"""`remapdsl verify` as a function: rules and a checkpoint (or its snapshot) -> a Verification, one
+Check per property and mesh, each proven on real data by the kit's assertions.
 
-The properties, in the order they run: the rules compile against the checkpoint and cover every
-tensor (strict mode); on each mesh, every rank's sharded load (real gloo processes on the CPU)
-equals the whole load sliced, and reads exactly the bytes it owns (rules without `dequantize`),
-and the same ranks saving their shards (each writing its own bytes, none gathering) give the
-checkpoint back byte for byte; save(load(x)) in one process is x byte for byte; with `against="transformers"`, the load equals transformers'
-own state dict. A snapshot has no data: a checkpoint with random values in its layout is written
-to a temporary folder first (`write_checkpoint`).
-
-User errors (rules that do not parse, a path that is not there, a malformed mesh or layout, a
-layout that does not fit the mesh) raise RemapError before any property runs; a property that
-does not hold is a failed Check, with the assertion's message (which names the tensor).
+The properties, in order: the rules compile strictly; on each mesh, every rank's sharded load (gloo
+processes) equals the whole load sliced and reads exactly the bytes it owns (without `dequantize`),
+and the same ranks saving their shards give the checkpoint back byte for byte; save(load(x)) is x byte
+for byte; with `against="transformers"`, the load equals transformers'. A snapshot is replaced by random
+values in its layout (`write_checkpoint`). User errors raise RemapError before any property runs; a
+property that does not hold is a failed Check with the assertion's message.
 """
 
 from __future__ import annotations
@@ -40,8 +35,8 @@ Property = Literal["compile", "sharded load", "sharded save", "round trip", "tra
 
 
 class Check(BaseModel):
-    """One property on one mesh (or none): whether it holds, the bytes a sharded load read and
-    owned (summed over ranks), the seconds it took, and what failed (the first differences)."""
+    """One property on one mesh (or none): whether it holds, the bytes a sharded load read and owned
+    (over all ranks), its seconds, and what failed."""
 
     model_config = ConfigDict(frozen=True, extra="forbid")
 
@@ -75,7 +70,8 @@ class Verification(BaseModel):
 def verify(rules: str | os.PathLike, checkpoint: str | os.PathLike, meshes: Sequence[str] = DEFAULT_MESHES,
            layout: str | os.PathLike | None = None, against: str | None = None, *, seed: int = 0,
            timeout: float = 120.0) -> Verification:
-    """Prove the properties of a rule file on a checkpoint (see the module docstring).
+    """Prove the properties of a rule file on a checkpoint (see the module docstring); a user error
+    raises RemapError before any property runs.
 
     Args:
         rules: a .remap file.
@@ -87,11 +83,6 @@ def verify(rules: str | os.PathLike, checkpoint: str | os.PathLike, meshes: Sequ
             mesh dim (`shard_everything`).
         against: None, or `"transformers"`: also compare the load with `from_pretrained`.
         timeout: seconds one mesh's ranks may take.
-
-    Raises:
-        RemapError: a user error, before any property runs (rules that do not parse or check, a
-            checkpoint, mesh or layout that cannot be read, a layout that does not fit a mesh,
-            transformers asked for but not installed).
     """
     if against is not None and against not in REFERENCES:
         raise ValueError(f"against must be None or one of {REFERENCES}, not {against!r}")
@@ -112,8 +103,7 @@ def verify(rules: str | os.PathLike, checkpoint: str | os.PathLike, meshes: Sequ
             checks.append(Check(property="compile", status="fail", seconds=time.perf_counter() - started,
                                 detail=exc.render()))
             skipped = [(p, text) for text, _ in parsed for p in ("sharded load", "sharded save")]
-            skipped += [("round trip", None)]
-            skipped += [("transformers", None)] if against else []
+            skipped += [("round trip", None)] + ([("transformers", None)] if against else [])
             checks.extend(Check(property=p, mesh=m, status="skipped", detail="the rules do not compile")
                           for p, m in skipped)
             return Verification(rules=os.fspath(rules), checkpoint=os.fspath(checkpoint), synthesized=synthesized,
@@ -139,9 +129,8 @@ def verify(rules: str | os.PathLike, checkpoint: str | os.PathLike, meshes: Sequ
 
 
 def _sharded(rules, folder, layout, text: str, mesh, logical: bool, timeout: float) -> tuple[Check, Check]:
-    """The `sharded load` and `sharded save` rows of one mesh, from one group of ranks: each loads
-    its shards (checked against the whole load), then saves them back. The save's seconds are the
-    slowest rank's save; the load's, the rest of the group's time (starting the ranks included)."""
+    """The `sharded load` and `sharded save` rows of one mesh, from one group of ranks. The save's
+    seconds are the slowest rank's save; the load's, the rest of the group's time."""
     started = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="remapdsl-verify-save-") as tmp:
         out = os.path.join(tmp, "copy")
