@@ -77,6 +77,7 @@ def test_the_python_format_example_registers_and_loads(tmp_path):
         unregister_format("int8_row")
 
 
+@pytest.mark.distributed
 def test_the_testing_guide_runs_as_printed(tmp_path):
     """docs/testing.md's pytest file, next to the rules and a snapshot it names, run by pytest with
     the CI profile it recommends: every test in it passes (the remapdsl plugin gives its fixtures)."""
@@ -117,6 +118,7 @@ def _run_in(folder: Path, command: str):
                           check=False)
 
 
+@pytest.mark.distributed
 def test_the_quick_start_main_job_verifies_the_bundled_example_on_two_ranks():
     """README's first command, from a fresh clone's point of view: one line that sets up and runs
     `remapdsl verify` on the bundled checkpoint with a real 2-rank mesh; its remapdsl part passes."""
@@ -131,6 +133,7 @@ def test_the_quick_start_main_job_verifies_the_bundled_example_on_two_ranks():
     assert "sharded load  tp=2  pass" in run.stdout and run.stdout.rstrip().endswith("ok: 4 of 4 checks hold")
 
 
+@pytest.mark.distributed
 def test_the_testing_guide_verify_step_runs_as_printed(tmp_path):
     """docs/testing.md's `remapdsl verify` command, next to the rules, snapshot and layout it names."""
     import remapdsl

@@ -302,6 +302,7 @@ def two_ranks(tmp_path_factory) -> tuple[list[dict], str]:
     return seen, str(info.value)
 
 
+@pytest.mark.distributed
 def test_a_rank_whose_local_tensor_is_not_its_shard_is_e233(two_ranks):
     for seen in two_ranks[0]:
         (d,) = seen["E233"]
@@ -309,12 +310,14 @@ def test_a_rank_whose_local_tensor_is_not_its_shard_is_e233(two_ranks):
         assert d["message"] == "`b` is [2, 4] on rank 1, but its layout gives this rank [2, 2] of [2, 4] (on rank 1)"
 
 
+@pytest.mark.distributed
 def test_a_dtensor_with_a_partial_placement_is_e401(two_ranks):
     for seen in two_ranks[0]:
         (d,) = seen["E401"]
         assert d["code"] == "E401" and d["path"] == "b" and "partial values" in d["message"], d
 
 
+@pytest.mark.distributed
 def test_an_unexpected_error_on_one_rank_is_e411_on_every_rank(two_ranks):
     for seen in two_ranks[0]:
         (d,) = seen["E411"]
@@ -322,6 +325,7 @@ def test_an_unexpected_error_on_one_rank_is_e411_on_every_rank(two_ranks):
         assert d["message"].startswith("1 of 2 ranks failed:\nrank 1: RuntimeError: the mapping's storage"), d
 
 
+@pytest.mark.distributed
 def test_a_value_that_is_no_tensor_is_named_on_every_rank(two_ranks):
     """A list where the state dict should hold a tensor (on rank 1): E232 at the rule, naming the
     key and what it is, on both ranks; not an AttributeError from deep inside."""
@@ -331,6 +335,7 @@ def test_a_value_that_is_no_tensor_is_named_on_every_rank(two_ranks):
         assert "(on rank 1)" in d["message"] and d["span"]["line"] == 2, d
 
 
+@pytest.mark.distributed
 def test_a_failing_check_on_a_rank_reaches_the_parent_with_its_message(two_ranks):
     """remapdsl.testing.ranks.run_ranks: an AssertionError's message, and pytest's own outcomes
     (`Failed` derives from BaseException, not Exception), come back per rank, not as a crash."""

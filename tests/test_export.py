@@ -107,6 +107,7 @@ def _each_key_once(results: list[dict], meshes: list) -> None:
         assert all(r[case][0] for r in results), case  # every rank assembled some
 
 
+@pytest.mark.distributed
 def test_every_key_reaches_the_consumer_exactly_once_on_four_ranks(tmp_path):
     """Qwen3-MoE and DeepSeek-V3 under FSDP x EP, one process group for both."""
     models = [tuple(map(str, _checkpoint(case, tmp_path / case))) for case in ("qwen3_moe", "deepseek_v3")]
@@ -114,6 +115,7 @@ def test_every_key_reaches_the_consumer_exactly_once_on_four_ranks(tmp_path):
     _each_key_once(run_ranks(_export_on_ranks, 4, models, meshes, timeout=180), meshes)
 
 
+@pytest.mark.distributed
 def test_every_key_reaches_the_consumer_exactly_once_on_two_ranks(two_ranks):
     """Qwen3-MoE and DeepSeek-V3 under FSDP and under EP (where nothing moves)."""
     _each_key_once([r["meshes"] for r in two_ranks[0]], [m for m in MESHES if m[0] == 2])
@@ -156,6 +158,7 @@ def two_ranks(tmp_path_factory) -> tuple[list[dict], dict]:
     return run_ranks(_several, 2, calls, timeout=300, backend="cuda:gloo"), folders
 
 
+@pytest.mark.distributed
 def test_tp_shards_under_a_layout_plan_on_two_ranks(two_ranks):
     results, folders = two_ranks
     folder = folders["mixtral"][0]
@@ -176,6 +179,7 @@ def _refused_on_ranks(rank: int, world: int, folder: str, rules: str) -> dict:
     return out
 
 
+@pytest.mark.distributed
 def test_a_split_the_gather_does_not_name_is_refused_on_every_rank(two_ranks):
     results = [r["refused"] for r in two_ranks[0]]
     assert results[0] == results[1]
@@ -217,6 +221,7 @@ def _peak_growth(rank: int, world: int, experts: int, bucket: int) -> tuple[int,
     return shards, after - before, assembled
 
 
+@pytest.mark.distributed
 def test_each_rank_holds_its_shards_plus_one_bucket(tmp_path):
     """4 layers of 32 stacked experts, 128 MiB in all, 32 MiB of shards on each of 4 ranks (ep=2 x
     dp_shard=2), 16 MiB buckets: each rank's peak RSS grows by at most one bucket (and 4 MiB of
@@ -307,6 +312,7 @@ def _regions_on_ranks(rank: int, world: int, folder: str, rules: str, placements
         return [(d.code, d.message, d.hint)]
 
 
+@pytest.mark.distributed
 @pytest.mark.parametrize("case", ["rows", "columns"])
 def test_regions_tile_every_checkpoint_tensor_once_without_moving_a_byte(two_ranks, case):
     """FSDP rows and TP columns on 2 ranks: each rank's boxes, put where their offsets say, make
@@ -324,6 +330,7 @@ def test_regions_tile_every_checkpoint_tensor_once_without_moving_a_byte(two_ran
     assert all(torch.equal(full[k], want[k]) for k in want)
 
 
+@pytest.mark.distributed
 def test_a_strided_piece_is_no_region(two_ranks):
     """torchtitan's Llama 3 stores q and k in rotary pair order: a row shard's rows of the
     checkpoint tensor are strided, so the piece is named, with the way to assemble it instead."""

@@ -211,6 +211,7 @@ def _save_on_ranks(rank: int, world: int, source: str, out: str) -> tuple[int, i
     return report.bytes_copied, report.bytes_written
 
 
+@pytest.mark.distributed
 def test_two_ranks_share_the_copies_by_bytes(tmp_path):
     source = tmp_path / "src"
     source.mkdir()
