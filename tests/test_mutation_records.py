@@ -5,6 +5,7 @@ so that moving or renaming a test cannot leave them pointing at nothing. Read wi
 from __future__ import annotations
 
 import ast
+import functools
 import re
 from pathlib import Path
 
@@ -12,6 +13,7 @@ ROOT = Path(__file__).resolve().parent.parent
 NODE = re.compile(r"(tests/[\w/]+\.py)(?:::(\w+))?")
 
 
+@functools.cache
 def _tests(path: Path) -> set[str]:
     """The names of the test functions at the top of a test file."""
     return {n.name for n in ast.parse(path.read_text()).body
