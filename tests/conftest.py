@@ -13,8 +13,13 @@ import shutil
 import tempfile
 
 import pytest
+from hypothesis import settings
 
 _FOLDER: list[str] = []
+
+# Property tests draw counts sized for every commit (tests/depth.py); this profile draws ten times as
+# many: `pytest --hypothesis-profile=thorough`.
+settings.register_profile("thorough", max_examples=1000)
 
 
 def pytest_configure(config) -> None:
