@@ -8,8 +8,8 @@ from collections.abc import Mapping
 from pathlib import Path
 
 
-def tiny_checkpoint(folder, tensors: Mapping, config: Mapping | None = None, *, file: str = "model.safetensors",
-                    metadata: Mapping[str, str] | None = None) -> Path:
+def tiny_checkpoint(folder, tensors: Mapping, config: Mapping | None = None, *,
+                    file: str = "model.safetensors", metadata: Mapping[str, str] | None = None) -> Path:
     """Save `tensors` as `folder/file` (safetensors, `metadata` in its header) and `config` as
     `folder/config.json` (none written without it); the folder is made if missing. Returns it."""
     from safetensors.torch import save_file

@@ -283,7 +283,8 @@ def _indexed_like(folder: Path) -> Path:
     groups = {"model-00001-of-00002.safetensors": ["a.w", "d.w"], "model-00002-of-00002.safetensors": ["b.w", "c.w"]}
     weight_map = {}
     for name, keys in groups.items():
-        tiny_checkpoint(folder, {k: torch.randn(2, 3, generator=gen) for k in keys}, file=name, metadata={"format": "pt"})
+        tiny_checkpoint(folder, {k: torch.randn(2, 3, generator=gen) for k in keys}, file=name,
+                        metadata={"format": "pt"})
         weight_map.update(dict.fromkeys(keys, name))
     (folder / "model.safetensors.index.json").write_text(json.dumps(
         {"weight_map": dict(sorted(weight_map.items(), reverse=True)), "metadata": {"total_size": 96}}))

@@ -28,7 +28,8 @@ _ON = ", so the rule is on; mark it `optional` if this key may be absent"
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory) -> Path:
     """The keys above, each float32 [4, 2], with an empty config."""
-    return tiny_checkpoint(tmp_path_factory.mktemp("ckpt"), {k: torch.zeros(4, 2) for k in _KEYS + _ALTERNATIVES}, {})
+    return tiny_checkpoint(tmp_path_factory.mktemp("ckpt"), {k: torch.zeros(4, 2) for k in _KEYS + _ALTERNATIVES},
+                           {})
 
 
 def _compile(checkpoint: Path, text: str, config: dict | None = None, strict: bool = False):

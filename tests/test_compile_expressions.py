@@ -18,7 +18,8 @@ from remapdsl.language import rules_from_text
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory) -> Path:
     """Layers a.0.w .. a.3.w, each float32 [4, 2], with an empty config."""
-    return tiny_checkpoint(tmp_path_factory.mktemp("ckpt"), {f"a.{n}.w": torch.zeros(4, 2) for n in range(4)}, {})
+    return tiny_checkpoint(tmp_path_factory.mktemp("ckpt"), {f"a.{n}.w": torch.zeros(4, 2) for n in range(4)},
+                           {})
 
 
 def _compile(checkpoint: Path, text: str, config: dict | None = None, strict: bool = True):

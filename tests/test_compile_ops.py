@@ -32,8 +32,8 @@ def _load(text: str, folder: Path) -> tuple[dict, object]:
 def shapes(tmp_path_factory) -> Path:
     """w and v float32 [4, 2], h float32 [4, 3], i bfloat16 [4, 2], x float32 [4]."""
     return tiny_checkpoint(tmp_path_factory.mktemp("shapes"), {"w": torch.zeros(4, 2), "v": torch.zeros(4, 2),
-                                                      "h": torch.zeros(4, 3), "x": torch.zeros(4),
-                                                      "i": torch.zeros(4, 2, dtype=torch.bfloat16)}, {})
+                                                               "h": torch.zeros(4, 3), "x": torch.zeros(4),
+                                                               "i": torch.zeros(4, 2, dtype=torch.bfloat16)}, {})
 
 
 def _op_error(folder: Path, text: str, config: dict | None = None) -> tuple:

@@ -57,7 +57,7 @@ def test_the_reference_lists_exactly_the_dtypes_a_rule_may_name():
 def test_the_python_format_example_registers_and_loads(tmp_path):
     """docs/quantized.md's format written in Python, run as printed, then used by a rule."""
     import torch
-    from safetensors.torch import save_file
+    from checkpoints import tiny_checkpoint
 
     import remapdsl
     from remapdsl.quant import unregister_format
@@ -66,8 +66,7 @@ def test_the_python_format_example_registers_and_loads(tmp_path):
     try:
         exec(compile(code, "docs/quantized.md", "exec"), {})
         values, scales = torch.randint(-128, 128, (4, 6), dtype=torch.int8), torch.rand(4)
-        save_file({"a.qweight": values, "a.scales": scales}, str(tmp_path / "model.safetensors"))
-        (tmp_path / "config.json").write_text("{}")
+        tiny_checkpoint(tmp_path, {"a.qweight": values, "a.scales": scales}, {})
         rules = rules_from_text("remap 1\ndequantize {P:path}.qweight, {P}.scales -> {P}.weight"
                                 " | int8_row(to=bfloat16)\na.weight -> a\n", "t.remap")
         target = {"a": torch.empty(4, 6, dtype=torch.bfloat16)}

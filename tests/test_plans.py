@@ -149,7 +149,8 @@ def test_a_one_element_dequantized_tensor_owns_all_its_value_bytes(tmp_path):
     lone int16 value."""
     from remapdsl.quant import register_format, unregister_format
 
-    tiny_checkpoint(tmp_path, {"q.qweight": torch.tensor([[7]], dtype=torch.int16), "q.scales": torch.tensor([0.5])})
+    tiny_checkpoint(tmp_path, {"q.qweight": torch.tensor([[7]], dtype=torch.int16),
+                               "q.scales": torch.tensor([0.5])})
     fmt = register_format(_Int16Row(), replace=True)
     try:
         text = "remap 1\ndequantize q.qweight, q.scales -> q.weight | int16_row(to=float32)\nq.weight -> w\n"
@@ -300,8 +301,8 @@ def test_decode_items_are_in_the_order_of_their_values_in_the_files(tmp_path, fi
     """A plan's decode items go by where their values part lies (file, then offset), not by their
     scales nor by runtime key: `zz` (values `a.w`) before `aa` (values `b.w`)."""
     for name, keys in files.items():
-        tiny_checkpoint(tmp_path, {k: torch.ones(4, 4).to(torch.float8_e4m3fn) if k.endswith(".w") else torch.ones(1, 1)
-                                   for k in keys}, file=name)
+        values = {k: torch.ones(4, 4).to(torch.float8_e4m3fn) for k in keys if k.endswith(".w")}
+        tiny_checkpoint(tmp_path, {k: values.get(k, torch.ones(1, 1)) for k in keys}, file=name)
     inventory = remapdsl.open_checkpoint(tmp_path)
     compiled = remapdsl.compile_rules(rules_from_text(DECODE_ORDER_RULES, "t.remap"), inventory, {})
     plan = remapdsl.plan_rank(compiled, inventory, LayoutPlan.from_mapping({}, mesh_dim="tp"), Mesh.of({"tp": 1}), 0)
@@ -335,7 +336,8 @@ def test_a_save_reports_every_file_it_wrote_into(tmp_path):
     from remapdsl.sharding.holdings import whole_shard
     from remapdsl.sharding.plans import make_write_plan
 
-    source = tiny_checkpoint(tmp_path / "src", {"q.weight": torch.ones(4, 4).to(torch.float8_e4m3fn)}, file="a.safetensors")
+    source = tiny_checkpoint(tmp_path / "src", {"q.weight": torch.ones(4, 4).to(torch.float8_e4m3fn)},
+                             file="a.safetensors")
     tiny_checkpoint(source, {"q.weight_scale_inv": torch.ones(1, 1)}, {}, file="b.safetensors")
     (source / "model.safetensors.index.json").write_text(json.dumps(
         {"metadata": {}, "weight_map": {"q.weight": "a.safetensors", "q.weight_scale_inv": "b.safetensors"}}))

@@ -81,7 +81,8 @@ def int8_row_readonly():
 
 
 def test_a_format_that_cannot_encode_is_e503_without_requantize(tmp_path, int8_row_readonly):
-    source = tiny_checkpoint(tmp_path / "src", {"a.qweight": torch.ones(2, 3, dtype=torch.int8), "a.scales": torch.ones(2)}, {})
+    source = tiny_checkpoint(tmp_path / "src", {"a.qweight": torch.ones(2, 3, dtype=torch.int8),
+                                                "a.scales": torch.ones(2)}, {})
     state, rules = _load("dequantize {P:path}.qweight, {P}.scales -> {P}.weight | int8_row_readonly(to=float32)\n"
                          "a.weight -> a\n", source)
     assert _save_error(state, tmp_path / "out", rules, source) == [
@@ -122,8 +123,8 @@ def test_an_add_step_is_undone_on_save(tmp_path):
 def test_a_tensor_that_cannot_be_written_back_leaves_the_rest_of_its_rule_to_be_checked(tmp_path, int8_row_readonly):
     """s concatenates a (a format that cannot write back: E503) and b (read through a lossy cast:
     E502): the save names both, each whole, not only the first block's."""
-    source = tiny_checkpoint(tmp_path / "src", {"a.qweight": torch.ones(2, 3, dtype=torch.int8), "a.scales": torch.ones(2),
-                                       "b": torch.ones(2, 3)}, {})
+    source = tiny_checkpoint(tmp_path / "src", {"a.qweight": torch.ones(2, 3, dtype=torch.int8),
+                                                "a.scales": torch.ones(2), "b": torch.ones(2, 3)}, {})
     state, rules = _load("dequantize {P:path}.qweight, {P}.scales -> {P}.weight | int8_row_readonly(to=float32)\n"
                          "a.weight, b -> s | cast(bfloat16) | concat(dim=0)\n", source)
     assert _save_error(state, tmp_path / "out", rules, source) == [
@@ -149,7 +150,7 @@ def test_every_tensor_a_save_cannot_write_is_named_whole(tmp_path, dropped, expe
     from remapdsl.compile.inverse import writers
 
     source = tiny_checkpoint(tmp_path / "src", {"a": torch.zeros(0), "b": torch.zeros(4), "c": torch.zeros(4, 2),
-                                       "d": torch.zeros(3)}, {})
+                                                "d": torch.zeros(3)}, {})
     rules = rules_from_text("remap 1\na -> a\ndrop b\nc -> c | slice(dim=0, start=0, stop=2)\n", "t.remap")
     compiled = remapdsl.compile_rules(rules, source, {}, strict=False)
     with pytest.raises(remapdsl.RemapError) as info:
@@ -223,7 +224,7 @@ def test_blocks_of_two_step_chains_are_each_undone_with_their_own(tmp_path):
     from remapdsl.compile.inverse import writers
 
     source = tiny_checkpoint(tmp_path / "src", {"a": torch.tensor([[1.5, -2.25, 3.0]], dtype=torch.bfloat16),
-                                       "b": torch.tensor([[0.1, 65504.0, -7.0]], dtype=torch.float16)}, {})
+                                                "b": torch.tensor([[0.1, 65504.0, -7.0]], dtype=torch.float16)}, {})
     state, rules = _load("a, b -> s | cast(float32) | concat(dim=0)\n", source)
     compiled = remapdsl.compile_rules(rules, source, {})
     assert [(w.block.source_key, w.steps) for w in writers(compiled)] == [
@@ -236,7 +237,8 @@ def test_a_tensor_of_a_dequantized_and_a_plain_source_saves_back(tmp_path, fp8_t
     """q (fp8_tensor, dequantized) and k (float32) concatenated into one runtime tensor: each block
     writes its own tensor back, the values encoded with the stored scale."""
     k = torch.arange(8, dtype=torch.float32).reshape(2, 4)
-    source = tiny_checkpoint(tmp_path / "src", {**load_file(str(fp8_tensor_checkpoint / "model.safetensors")), "k": k}, {})
+    stored = load_file(str(fp8_tensor_checkpoint / "model.safetensors"))
+    source = tiny_checkpoint(tmp_path / "src", {**stored, "k": k}, {})
     state, rules = _load(_FP8_TENSOR.replace("q.weight -> q\n", "q.weight, k -> s | concat(dim=0)\n"), source)
     assert torch.equal(state["s"][4:], k)
     remapdsl.save(state, tmp_path / "out", rules, like=source)
@@ -247,8 +249,8 @@ def test_a_tensor_of_a_dequantized_and_a_plain_source_saves_back(tmp_path, fp8_t
 def test_a_format_that_cannot_encode_is_e503_beside_a_plain_source(tmp_path, int8_row_readonly):
     """a.weight (a format that cannot write back) and b (float32, exact) in one runtime tensor: E503
     for a.weight, whatever shares its tensor."""
-    source = tiny_checkpoint(tmp_path / "src", {"a.qweight": torch.ones(2, 3, dtype=torch.int8), "a.scales": torch.ones(2),
-                                       "b": torch.ones(2, 3)}, {})
+    source = tiny_checkpoint(tmp_path / "src", {"a.qweight": torch.ones(2, 3, dtype=torch.int8),
+                                                "a.scales": torch.ones(2), "b": torch.ones(2, 3)}, {})
     state, rules = _load("dequantize {P:path}.qweight, {P}.scales -> {P}.weight | int8_row_readonly(to=float32)\n"
                          "a.weight, b -> s | concat(dim=0)\n", source)
     assert [(code, message) for code, message, _, _ in _save_error(state, tmp_path / "out", rules, source)] == [

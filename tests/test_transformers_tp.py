@@ -28,8 +28,8 @@ import torch.distributed as dist
 
 pytest.importorskip("transformers")
 
-from hf_models import CASES as HF_CASES
 from gloo import CHECK_FAILURES
+from hf_models import CASES as HF_CASES
 from hf_models import ModelFactory
 
 import remapdsl
