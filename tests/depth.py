@@ -9,6 +9,6 @@ from hypothesis import settings
 BASE = 100  # hypothesis' own default max_examples: the profile's count over it is the scale
 
 
-def examples(n: int) -> int:
+def scaled(n: int) -> int:
     """`n` scaled by the loaded profile (`thorough`: max_examples 1000, ten times `n`)."""
     return max(1, n * settings.default.max_examples // BASE)
