@@ -1,4 +1,11 @@
-"""Shared by the tests that run real gloo process groups."""
+"""Shared by the tests that run real gloo process groups.
+
+Ranks are started one way: `remapdsl.testing.run_ranks(fn, world, *args)`, which spawns `world`
+processes in one gloo group, runs the module-level `fn(rank, world, *args)` on each and hands back
+what each returned (an AssertionError naming every rank that failed). The helpers here run inside
+such a rank: `record_cases` (what each case raised), `each_backend` (the same checks under each
+default group of BACKENDS). Only a test that proves a rank hangs or dies starts its processes
+itself, with `run_with_bound` (its ranks join their group with `join_group`)."""
 
 from __future__ import annotations
 
@@ -70,31 +77,38 @@ def distributed_like(expected: dict, mesh, plan) -> tuple[dict, dict]:
     return targets, wanted
 
 
-def record_cases(rank: int, world: int, rendezvous: str, out: str, cases) -> None:
-    """On one gloo rank: run each of `cases(rank, folder)` (name -> call) in turn and write what
-    each raised to `out/rank{rank}.json` (None, a RemapError's class, codes, text and failing
-    ranks, or any other exception's traceback as `escaped`), then leave the group."""
-    import datetime
-    import json
+def record_cases(rank: int, world: int, out: str, cases) -> dict:
+    """On a `run_ranks` rank: run each of `cases(rank, folder)` (name -> call, `folder` this rank's
+    own, under `out`) in turn and return what each raised (`record`)."""
     from pathlib import Path
 
-    import torch.distributed as dist
+    folder = Path(out) / f"rank{rank}"
+    folder.mkdir()
+    return {name: record(call) for name, call in cases(rank, folder).items()}
 
-    dist.init_process_group("gloo", init_method=f"file://{rendezvous}", rank=rank, world_size=world,
-                            timeout=datetime.timedelta(seconds=60))
-    seen = {}
-    try:
-        folder = Path(out) / f"rank{rank}"
-        folder.mkdir()
-        for name, call in cases(rank, folder).items():
-            seen[name] = record(call)
-    finally:
-        Path(out, f"rank{rank}.json").write_text(json.dumps(seen))
-        shut_down()
+
+def each_backend(rank: int, world: int, folder: str, run, backends=BACKENDS) -> list[str]:
+    """On a `run_ranks` rank (whose default group has the backend `backends[0]`): `run(backend)`
+    under each default group of `backends` in turn, each a group of its own (met through a file in
+    `folder`); the failures each run returns, or the traceback of what it raised, prefixed by the
+    backend. A failure does not stop the ranks: the next backend's group is joined all the same.
+    The last group is left for run_ranks to leave."""
+    import traceback
+
+    failures: list[str] = []
+    for number, backend in enumerate(backends):
+        if number:
+            shut_down()
+            join_group(rank, world, f"{folder}/rendezvous-{world}-{backend.replace(':', '-')}", backend)
+        try:
+            failures.extend(f"[{backend}] {f}" for f in run(backend) or ())
+        except CHECK_FAILURES:  # reported by the parent, pytest's outcomes included
+            failures.append(f"[{backend}] {traceback.format_exc()}")
+    return failures
 
 
 def record(call) -> dict | None:
-    """What `call()` raised, as `record_cases` writes it: None, a RemapError's class, codes, text and
+    """What `call()` raised, as `record_cases` returns it: None, a RemapError's class, codes, text and
     failing ranks, or for anything else (a failed check included) its traceback as `escaped`."""
     import traceback
 

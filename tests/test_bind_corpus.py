@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from safetensors.torch import save_file
+from checkpoints import tiny_checkpoint
 
 import remapdsl
 from remapdsl.errors import RemapError
@@ -39,9 +39,7 @@ def _expected(case: Path) -> list[str]:
 
 def _checkpoint(spec: dict, folder: Path) -> Path:
     tensors = {key: torch.zeros(shape) for key, shape in spec["tensors"].items()}
-    save_file(tensors, str(folder / "model.safetensors"))
-    (folder / "config.json").write_text(json.dumps(spec["config"]))
-    return folder
+    return tiny_checkpoint(folder, tensors, spec["config"])
 
 
 def test_corpus_covers_each_outcome():

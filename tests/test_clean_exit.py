@@ -15,6 +15,10 @@ import sys
 import textwrap
 from pathlib import Path
 
+import pytest
+
+pytestmark = pytest.mark.distributed
+
 ROOT = Path(__file__).resolve().parent.parent
 CHECKPOINT = str(ROOT / "examples" / "tiny-qwen3-moe")
 RULES = str(ROOT / "rules" / "qwen3_moe.remap")

@@ -158,11 +158,10 @@ def test_plan_and_explain_show_dequantized_tensors(tmp_path, capsys):
     import json
 
     import torch
-    from safetensors.torch import save_file
+    from checkpoints import tiny_checkpoint
 
-    save_file({"a.weight": torch.zeros(256, 64).to(torch.float8_e4m3fn), "a.weight_scale_inv": torch.ones(2, 1)},
-              str(tmp_path / "model.safetensors"))
-    (tmp_path / "config.json").write_text("{}")
+    tiny_checkpoint(tmp_path, {"a.weight": torch.zeros(256, 64).to(torch.float8_e4m3fn),
+                               "a.weight_scale_inv": torch.ones(2, 1)}, {})
     rules = tmp_path / "r.remap"
     rules.write_text("remap 1\ndequantize {P:path}.weight, {P}.weight_scale_inv -> {P}.weight"
                      " | fp8_block(block=[128, 128], to=bfloat16)\na.weight -> a\n")

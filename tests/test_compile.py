@@ -1,22 +1,15 @@
 """The compiler against real safetensors files: bindings, blocks, errors, and the fused layouts
 transformers does not provide, checked against direct torch operations on whole tensors."""
 
-import json
 
 import pydantic
 import pytest
 import torch
-from safetensors.torch import save_file
+from checkpoints import tiny_checkpoint
 
 import remapdsl
 from remapdsl import BindError
 from remapdsl.language import rules_from_text
-
-
-def write_checkpoint(folder, tensors, config=None):
-    save_file(tensors, str(folder / "model.safetensors"))
-    (folder / "config.json").write_text(json.dumps(config or {}))
-    return folder
 
 
 def compile_text(text, folder, config=None, strict=True):
@@ -58,7 +51,7 @@ def test_llama_fused_grouped_qkv_and_interleaved_gate_up(tmp_path):
                     p + "mlp.up_proj.weight": randn(inter, hidden),
                     p + "mlp.down_proj.weight": randn(hidden, inter)}
     config = {"num_attention_heads": nh, "hidden_size": hidden, "head_dim": hd, "num_key_value_heads": nkv, "intermediate_size": inter, "tie_word_embeddings": False}
-    folder = write_checkpoint(tmp_path, tensors, config)
+    folder = tiny_checkpoint(tmp_path, tensors, config)
     rules = remapdsl.load_rules("rules/llama_fused.remap")
     compiled = remapdsl.compile_rules(rules, remapdsl.open_checkpoint(folder), config)
     target = {d.runtime_key: torch.empty(d.shape) for d in compiled.runtime_tensors}
@@ -80,7 +73,7 @@ def test_llama_fused_grouped_qkv_and_interleaved_gate_up(tmp_path):
 
 def test_experts_stack_in_numeric_order(tmp_path):
     experts = {f"m.experts.{e}.w": torch.full((2, 3), float(e)) for e in range(12)}
-    folder = write_checkpoint(tmp_path, experts)
+    folder = tiny_checkpoint(tmp_path, experts, {})
     target, report = load_text("m.experts.{E}.w -> w | stack(E, dim=0)\n", folder)
     assert target["w"][:, 0, 0].tolist() == [float(e) for e in range(12)]
     assert report.bytes_read == 12 * 2 * 3 * 4
@@ -88,7 +81,7 @@ def test_experts_stack_in_numeric_order(tmp_path):
 
 def test_expert_gap_is_an_error_never_a_reslot(tmp_path):
     experts = {f"m.experts.{e}.w": randn(2, 3) for e in (0, 1, 2, 5)}
-    folder = write_checkpoint(tmp_path, experts)
+    folder = tiny_checkpoint(tmp_path, experts, {})
     error = bind_error("m.experts.{E}.w -> w | stack(E, dim=0)\n", folder)
     assert error.diagnostic.code == "E205"
     assert "found {0-2, 5}, missing {3-4}" in error.diagnostic.message
@@ -97,13 +90,13 @@ def test_expert_gap_is_an_error_never_a_reslot(tmp_path):
 
 def test_stack_with_start_for_a_slice_of_the_experts(tmp_path):
     experts = {f"m.experts.{e}.w": torch.full((2,), float(e)) for e in (4, 5, 6)}
-    folder = write_checkpoint(tmp_path, experts)
+    folder = tiny_checkpoint(tmp_path, experts, {})
     target, _ = load_text("m.experts.{E}.w -> w | stack(E, dim=0, start=4)\n", folder)
     assert target["w"][:, 0].tolist() == [4.0, 5.0, 6.0]
 
 
 def test_pattern_matching_nothing_points_at_the_pattern_with_a_suggestion(tmp_path):
-    folder = write_checkpoint(tmp_path, {"model.layers.0.self_attn.o_proj.weight": randn(2, 2)})
+    folder = tiny_checkpoint(tmp_path, {"model.layers.0.self_attn.o_proj.weight": randn(2, 2)}, {})
     error = bind_error("model.layers.{L}.self_atn.o_proj.weight -> wo.{L}\n", folder)
     d = error.diagnostic
     assert (d.code, d.span.line, d.span.column) == ("E201", 1, 1)
@@ -111,7 +104,7 @@ def test_pattern_matching_nothing_points_at_the_pattern_with_a_suggestion(tmp_pa
 
 
 def test_unconsumed_tensor_is_an_error_unless_lenient(tmp_path):
-    folder = write_checkpoint(tmp_path, {"a": randn(2), "b": randn(2)})
+    folder = tiny_checkpoint(tmp_path, {"a": randn(2), "b": randn(2)}, {})
     error = bind_error("a -> x\n", folder)
     assert error.diagnostic.code == "E202" and "`b`" in error.diagnostic.message
     compiled = compile_text("a -> x\n", folder, strict=False)
@@ -119,7 +112,7 @@ def test_unconsumed_tensor_is_an_error_unless_lenient(tmp_path):
 
 
 def test_destination_produced_twice(tmp_path):
-    folder = write_checkpoint(tmp_path, {"a": randn(2), "b": randn(2)})
+    folder = tiny_checkpoint(tmp_path, {"a": randn(2), "b": randn(2)}, {})
     error = bind_error("a -> x\nb -> x\n", folder)
     assert error.diagnostic.code == "E203" and error.diagnostic.span.line == 2
     assert error.diagnostic.hint == "first by the rule at t.remap:1:1", error.diagnostic.hint
@@ -128,21 +121,21 @@ def test_destination_produced_twice(tmp_path):
 def test_incomplete_binding_names_the_missing_key(tmp_path):
     tensors = {f"l.{L}.{n}": randn(2, 2) for L in range(2) for n in ("gate", "up")}
     del tensors["l.1.up"]
-    folder = write_checkpoint(tmp_path, tensors)
+    folder = tiny_checkpoint(tmp_path, tensors, {})
     error = bind_error("l.{L}.{gate,up} -> w.{L} | concat(dim=0)\n", folder)
     assert error.diagnostic.code == "E204"
     assert "`l.1.gate` but not `l.1.up`" in error.diagnostic.message
 
 
 def test_concat_of_mismatched_shapes_names_both(tmp_path):
-    folder = write_checkpoint(tmp_path, {"a.x": randn(2, 3), "a.y": randn(2, 4)})
+    folder = tiny_checkpoint(tmp_path, {"a.x": randn(2, 3), "a.y": randn(2, 4)}, {})
     error = bind_error("a.{x,y} -> w | concat(dim=0)\n", folder)
     assert error.diagnostic.code == "E207"
     assert "[2, 3] and [2, 4]" in error.diagnostic.message
 
 
 def test_wildcard_taking_two_keys_for_one_target_is_an_error(tmp_path):
-    folder = write_checkpoint(tmp_path, {"m.a.inv_freq": randn(2), "m.b.inv_freq": randn(2)})
+    folder = tiny_checkpoint(tmp_path, {"m.a.inv_freq": randn(2), "m.b.inv_freq": randn(2)}, {})
     error = bind_error("m.*.inv_freq -> freq\n", folder)
     d = error.diagnostic
     assert (d.code, d.span.line, d.span.column) == ("E208", 1, 1), str(error)
@@ -151,7 +144,7 @@ def test_wildcard_taking_two_keys_for_one_target_is_an_error(tmp_path):
 
 def test_drop_with_guard_and_otherwise(tmp_path):
     tensors = {f"model.layers.{L}.w": randn(2) for L in range(3)} | {"extra.bias": randn(2)}
-    folder = write_checkpoint(tmp_path, tensors, {"num_hidden_layers": 2})
+    folder = tiny_checkpoint(tmp_path, tensors, {"num_hidden_layers": 2})
     compiled = compile_text("drop model.layers.{L}.** when L >= config.num_hidden_layers\n"
                             "model.layers.{L}.w -> layers.{L}.w\notherwise {P:path} -> {P}\n",
                             folder, {"num_hidden_layers": 2})
@@ -161,7 +154,7 @@ def test_drop_with_guard_and_otherwise(tmp_path):
 
 def test_tied_embedding_fans_out(tmp_path):
     source = randn(4, 2)
-    folder = write_checkpoint(tmp_path, {"model.embed_tokens.weight": source})
+    folder = tiny_checkpoint(tmp_path, {"model.embed_tokens.weight": source}, {})
     target, report = load_text("model.embed_tokens.weight -> embed\n"
                                "model.embed_tokens.weight -> head when config.tie\n",
                                folder, {"tie": True})
@@ -173,7 +166,7 @@ def test_tied_embedding_fans_out(tmp_path):
 
 def test_cast_and_value_steps(tmp_path):
     source = randn(3, 4)
-    folder = write_checkpoint(tmp_path, {"norm": source})
+    folder = tiny_checkpoint(tmp_path, {"norm": source}, {})
     target, _ = load_text("norm -> w | add(1) | cast(bfloat16)\n", folder)
     assert target["w"].dtype == torch.bfloat16
     assert torch.equal(target["w"], (source + 1).to(torch.bfloat16))
@@ -181,8 +174,7 @@ def test_cast_and_value_steps(tmp_path):
 
 def test_a_cast_statement_casts_every_floating_tensor_a_rule_does_not_cast_itself(tmp_path):
     a, b, c = randn(4, 6, dtype=torch.bfloat16), randn(8, 2, dtype=torch.bfloat16), randn(3, dtype=torch.float32)
-    (tmp_path / "ckpt").mkdir()
-    folder = write_checkpoint(tmp_path / "ckpt", {"a": a, "b": b, "c": c, "ids": torch.arange(5)})
+    folder = tiny_checkpoint(tmp_path / "ckpt", {"a": a, "b": b, "c": c, "ids": torch.arange(5)}, {})
     text = ("let DT = config.dtype ?? float32\ncast DT\n"
             "a -> A | add(1)\n"                 # cast at the end of its ops
             "b -> B | cast(float64) | scale(2)\n"  # the rule's own cast wins
@@ -197,9 +189,8 @@ def test_a_cast_statement_casts_every_floating_tensor_a_rule_does_not_cast_itsel
 
 
 def test_a_cast_statement_saves_back_byte_for_byte(tmp_path):
-    (tmp_path / "ckpt").mkdir()
-    folder = write_checkpoint(tmp_path / "ckpt", {"w": randn(4, 8, dtype=torch.bfloat16),
-                                                  "q": randn(8, 3, dtype=torch.bfloat16)})
+    folder = tiny_checkpoint(tmp_path / "ckpt", {"w": randn(4, 8, dtype=torch.bfloat16),
+                                                 "q": randn(8, 3, dtype=torch.bfloat16)}, {})
     text = "cast float32\nw -> W\nq -> Q | rope_unpermute(heads=2)\n"
     target, _ = load_text(text, folder)
     assert target["W"].dtype == torch.float32
@@ -209,7 +200,7 @@ def test_a_cast_statement_saves_back_byte_for_byte(tmp_path):
 
 def test_transpose_and_pad(tmp_path):
     source = randn(3, 5)
-    folder = write_checkpoint(tmp_path, {"w": source})
+    folder = tiny_checkpoint(tmp_path, {"w": source}, {})
     target, report = load_text("w -> t | transpose(0, 1) | pad(dim=1, to=4, value=7)\n", folder)
     assert torch.equal(target["t"][:, :3], source.T)
     assert (target["t"][:, 3] == 7).all()
@@ -217,7 +208,7 @@ def test_transpose_and_pad(tmp_path):
 
 
 def test_model_mismatches_are_reported_before_reading(tmp_path):
-    folder = write_checkpoint(tmp_path, {"a": randn(2, 3)})
+    folder = tiny_checkpoint(tmp_path, {"a": randn(2, 3)}, {})
     rules = rules_from_text("a -> x\n", "t.remap")
     with pytest.raises(BindError) as info:
         remapdsl.load({"x": torch.empty(3, 2), "y": torch.empty(1)}, folder, rules)
@@ -232,7 +223,7 @@ def test_model_mismatches_are_reported_before_reading(tmp_path):
 
 
 def test_compiled_is_frozen_serializable_and_stable(tmp_path):
-    folder = write_checkpoint(tmp_path, {f"e.{i}.w": randn(2, 2) for i in range(3)})
+    folder = tiny_checkpoint(tmp_path, {f"e.{i}.w": randn(2, 2) for i in range(3)}, {})
     a = compile_text("e.{E}.w -> w | stack(E, dim=1)\n", folder)
     b = compile_text("e.{E}.w -> w | stack(E, dim=1)\n", folder)
     assert a.digest() == b.digest()
@@ -290,7 +281,7 @@ def test_many_short_runs_are_copied_from_the_mapped_file(tmp_path, monkeypatch):
     from remapdsl.sharding import LayoutPlan, Mesh
 
     source, other = randn(64, 48), randn(48, 64)
-    folder = write_checkpoint(tmp_path, {"w": source, "o": other})
+    folder = tiny_checkpoint(tmp_path, {"w": source, "o": other}, {})
     # a: a column shard (read straight into the tensor); b: one run, transposed; c: value steps
     rules = rules_from_text("w -> a\no -> b | transpose(0, 1)\nw -> c | scale(2) | add(1)\n", "t.remap")
     plan = LayoutPlan.from_mapping({"a": "rowwise", "b": "rowwise", "c": "rowwise"}, mesh_dim="tp")
@@ -317,7 +308,7 @@ README_TIED = ("model.embed_tokens.weight -> embed.weight\n"
 
 def test_a_guard_that_is_false_switches_its_rule_off(tmp_path):
     """The README's example on the tied checkpoint it is written for: no lm_head.weight, no E201."""
-    folder = write_checkpoint(tmp_path, {"model.embed_tokens.weight": randn(8, 4)})
+    folder = tiny_checkpoint(tmp_path, {"model.embed_tokens.weight": randn(8, 4)}, {})
     compiled = compile_text(README_TIED, folder, {"tie_word_embeddings": True})
     assert [d.runtime_key for d in compiled.runtime_tensors] == ["embed.weight"]
     error = bind_error(README_TIED, folder, {"tie_word_embeddings": False})
@@ -329,12 +320,13 @@ def test_a_guard_that_is_false_switches_its_rule_off(tmp_path):
 
 def test_a_switched_off_rule_consumes_nothing(tmp_path):
     """A tied checkpoint that still stores lm_head.weight: the rule is off, so the key is left over."""
-    folder = write_checkpoint(tmp_path, {"model.embed_tokens.weight": randn(8, 4), "lm_head.weight": randn(8, 4)})
+    folder = tiny_checkpoint(tmp_path, {"model.embed_tokens.weight": randn(8, 4), "lm_head.weight": randn(8, 4)},
+                             {})
     assert bind_error(README_TIED, folder, {"tie_word_embeddings": True}).diagnostic.code == "E202"
 
 
 def test_a_guard_over_captures_that_no_binding_satisfies_switches_the_rule_off(tmp_path):
-    folder = write_checkpoint(tmp_path, {f"m.{L}.w": randn(2) for L in range(3)} | {"m.2.v": randn(2)})
+    folder = tiny_checkpoint(tmp_path, {f"m.{L}.w": randn(2) for L in range(3)} | {"m.2.v": randn(2)}, {})
     rules = "m.{L}.w -> w.{L}\nm.{L}.w, m.{L}.x -> x.{L} when L >= 5 | concat(dim=0)\nm.2.v -> v\n"
     assert [d.runtime_key for d in compile_text(rules, folder).runtime_tensors] == ["v", "w.0", "w.1", "w.2"]
     error = bind_error(rules.replace("L >= 5", "L >= 1"), folder)
@@ -350,7 +342,7 @@ def test_a_guard_over_captures_that_no_binding_satisfies_switches_the_rule_off(t
 
 
 def test_an_optional_rule_whose_pattern_matches_nothing_is_no_error(tmp_path):
-    folder = write_checkpoint(tmp_path, {"a.w": randn(2)})
+    folder = tiny_checkpoint(tmp_path, {"a.w": randn(2)}, {})
     compiled = compile_text("a.w -> b\noptional lm_head.weight -> out when 1 < 2\n", folder)
     assert [(d.runtime_key, d.ckpt_keys) for d in compiled.runtime_tensors] == [("b", ("a.w",))]
 
@@ -367,7 +359,7 @@ def test_an_optional_rule_whose_pattern_matches_nothing_is_no_error(tmp_path):
     ("let N = config.zero\nm.{L}.w -> layers.{L}.{a,b} | chunk(dim=0, n=N)\n", "E207"),
 ])
 def test_impossible_keys_and_values_are_errors_at_the_rule(tmp_path, rule, code):
-    folder = write_checkpoint(tmp_path, {"m.0.w": randn(2), "m.1.w": randn(2)})
+    folder = tiny_checkpoint(tmp_path, {"m.0.w": randn(2), "m.1.w": randn(2)}, {})
     error = bind_error(rule, folder, {"n": 10**15, "zero": 0})
     d = error.diagnostic
     assert d.code == code, str(error)
@@ -376,6 +368,6 @@ def test_impossible_keys_and_values_are_errors_at_the_rule(tmp_path, rule, code)
 
 
 def test_the_guard_guarding_a_negative_index_is_enough(tmp_path):
-    folder = write_checkpoint(tmp_path, {"m.0.w": randn(2), "m.1.w": randn(2)})
+    folder = tiny_checkpoint(tmp_path, {"m.0.w": randn(2), "m.1.w": randn(2)}, {})
     compiled = compile_text("m.{L}.w -> layers.{L - 1}.w when L >= 1\ndrop m.0.w\n", folder)
     assert [d.runtime_key for d in compiled.runtime_tensors] == ["layers.0.w"]

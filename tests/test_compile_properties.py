@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from depth import scaled
 from hypothesis import HealthCheck, currently_in_test_context, given, note, settings
 from hypothesis import strategies as st
 from safetensors.torch import save_file
@@ -26,7 +27,8 @@ from remapdsl.testing.strategies import Chain, _dim, draw_ops
 
 
 def examples(n: int) -> settings:
-    return settings(max_examples=n, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+    """Hypothesis settings drawing `n` examples (scaled by the profile: tests/depth.py)."""
+    return settings(max_examples=scaled(n), deadline=None, suppress_health_check=[HealthCheck.too_slow])
 
 
 @dataclass
@@ -130,7 +132,7 @@ def run_case(case: Case) -> None:
 # ---- (a) random layout chains over the list axis -------------------------------------------
 
 
-@examples(300)
+@examples(150)
 @given(list_axis_cases())
 def test_load_equals_reference(case):
     run_case(case)

@@ -10,13 +10,14 @@ from pathlib import Path
 
 import pytest
 import torch
-import torch.multiprocessing as mp
-from gloo import BACKENDS, join_group, shut_down
+from checkpoints import tiny_checkpoint
+from gloo import BACKENDS, each_backend
 from safetensors.torch import load_file, save_file
 
 import remapdsl
 from remapdsl.cli import main
 from remapdsl.drivers.convert import convert
+from remapdsl.testing.ranks import run_ranks
 
 ROOT = Path(__file__).resolve().parent.parent
 EXAMPLE = ROOT / "examples" / "tiny-qwen3-moe"
@@ -89,25 +90,24 @@ def test_reverse_refuses_a_source_in_another_layout(tmp_path):
     assert not (tmp_path / "back").exists()
 
 
-def _worker(rank: int, world: int, rendezvous: str, out: str) -> None:
+def _on_ranks(rank: int, world: int, out: str) -> list[str]:
     """Forward and back under each default group in turn (plain gloo, then `cuda:gloo`: NCCL's
-    device contract), each into a folder of its own."""
-    for backend in BACKENDS:
-        join_group(rank, world, f"{rendezvous}-{backend}", backend)
-        try:
-            folder = Path(out, backend.replace(":", "-"))
-            folder.mkdir(exist_ok=True)
-            forward = convert(EXAMPLE, folder / "fused", RULES, max_shard_bytes=10_000, budget_bytes=4000)
-            back = convert(folder / "fused", folder / "back", RULES, reverse=True, like=EXAMPLE)
-            Path(out, f"{folder.name}-rank{rank}.json").write_text(json.dumps([forward.bytes_written,
-                                                                              back.bytes_written]))
-        finally:
-            shut_down()
+    device contract), each into a folder of its own; the bytes each rank wrote go to a file."""
+
+    def forward_and_back(backend: str) -> None:
+        folder = Path(out, backend.replace(":", "-"))
+        folder.mkdir(exist_ok=True)
+        forward = convert(EXAMPLE, folder / "fused", RULES, max_shard_bytes=10_000, budget_bytes=4000)
+        back = convert(folder / "fused", folder / "back", RULES, reverse=True, like=EXAMPLE)
+        Path(out, f"{folder.name}-rank{rank}.json").write_text(json.dumps([forward.bytes_written,
+                                                                          back.bytes_written]))
+
+    return each_backend(rank, world, out, forward_and_back)
 
 
 @pytest.mark.distributed
 def test_two_ranks_share_the_work_and_write_the_same_files(tmp_path):
-    mp.spawn(_worker, args=(2, str(tmp_path / "rendezvous"), str(tmp_path)), nprocs=2, join=True)
+    assert run_ranks(_on_ranks, 2, str(tmp_path)) == [[], []]
     convert(EXAMPLE, tmp_path / "single", RULES, max_shard_bytes=10_000)
     total = sum(t.nbytes for t in runtime_state().values())
     for backend in BACKENDS:
@@ -126,14 +126,11 @@ def test_a_quantized_checkpoint_converts_there_and_back(tmp_path):
     import quant_reference as ref
 
     g = torch.Generator().manual_seed(0)
-    source = tmp_path / "fp8"
-    source.mkdir()
     tensors = {"norm.weight": torch.randn(64, generator=g).to(torch.bfloat16)}
     for name, rows in (("a", 200), ("b", 64)):
         tensors[f"{name}.weight"], tensors[f"{name}.weight_scale_inv"] = ref.quantize_fp8_block(
             torch.randn(rows, 64, generator=g), (128, 128))
-    save_file(tensors, str(source / "model.safetensors"))
-    (source / "config.json").write_text("{}")
+    source = tiny_checkpoint(tmp_path / "fp8", tensors, {})
     rules = tmp_path / "fp8.remap"
     rules.write_text("remap 1\ndequantize {P:path}.weight, {P}.weight_scale_inv -> {P}.weight"
                      " | fp8_block(block=[128, 128], to=bfloat16)\n{x:seg}.weight -> {x}\n")

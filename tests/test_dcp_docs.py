@@ -10,6 +10,8 @@ import os
 import re
 from pathlib import Path
 
+import pytest
+
 from remapdsl.testing.ranks import run_ranks
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -37,6 +39,7 @@ def _run_blocks(rank: int, world: int, root: str, examples: list) -> list[str]:
     return printed
 
 
+@pytest.mark.distributed
 def test_the_examples_run_on_two_ranks_and_print_what_is_shown():
     examples = blocks()
     assert len(examples) >= 3

@@ -238,6 +238,7 @@ def two_ranks(checkpoints, tmp_path_factory) -> list[dict]:
     return run_ranks(_two_ranks, 2, checkpoints, QWEN3_MOE, str(broken), str(sharded), backend="cuda:gloo")
 
 
+@pytest.mark.distributed
 def test_two_ranks_equal_remapdsl_load(two_ranks, checkpoints):
     """Fusing, stacking, interleaving and dequantizing rules; checked on the ranks (`_agree`)."""
     for name in checkpoints:
@@ -246,16 +247,19 @@ def test_two_ranks_equal_remapdsl_load(two_ranks, checkpoints):
         assert [r["agree"][name]["bytes_read"] for r in two_ranks] == [r["agree"][name]["held"] for r in two_ranks]
 
 
+@pytest.mark.distributed
 def test_identity_rules_equal_hf_storage_reader(two_ranks):
     assert all(r["identity"] for r in two_ranks)
 
 
+@pytest.mark.distributed
 def test_a_key_the_rules_do_not_make_is_e600_on_every_rank(two_ranks):
     for r in two_ranks:
         assert r["wrong key"] == ["E600"]
         assert "did you mean `model.layers.0.self_attn.q_proj.weight`?" in r["wrong key text"]
 
 
+@pytest.mark.distributed
 def test_rule_and_checkpoint_errors_are_remap_errors_on_every_rank(two_ranks):
     for r in two_ranks:
         assert r["rule error"] and r["rule error"][0].startswith("E0")
@@ -263,10 +267,12 @@ def test_rule_and_checkpoint_errors_are_remap_errors_on_every_rank(two_ranks):
         assert r["file gone before the reads"] and r["file gone before the reads"][0].startswith("E3")
 
 
+@pytest.mark.distributed
 def test_a_checkpoint_torch_wrote_sharded_loads_through_stacking_rules(two_ranks):
     assert all(r["from dcp-sharded"] for r in two_ranks)
 
 
+@pytest.mark.distributed
 def test_reset_with_a_checkpoint_id_reopens_there(two_ranks):
     assert all(r["reset to another checkpoint"] for r in two_ranks)
 
@@ -301,6 +307,7 @@ def _four_ranks(rank: int, world: int, cases: dict) -> bool:
     return _identity(QWEN3_MOE, (2, 2))[0]
 
 
+@pytest.mark.distributed
 def test_four_ranks_on_a_2d_mesh_equal_remapdsl_load_and_the_hf_reader(checkpoints):
     agree = run_ranks(_four_ranks, 4, {k: checkpoints[k] for k in ("qwen3_moe", "deepseek_v3_fp8")})
     assert agree == [True] * 4

@@ -128,6 +128,7 @@ def _tensors(folder: Path) -> dict[str, torch.Tensor]:
 # -- the inventory -------------------------------------------------------------------------------
 
 
+@pytest.mark.distributed
 def test_a_dcp_sharded_folder_is_one_tensor_per_key_made_of_chunks(folders):
     root, _ = folders
     original = open_inventory(root / "original")
@@ -154,6 +155,7 @@ def test_a_dcp_sharded_folder_is_one_tensor_per_key_made_of_chunks(folders):
                                                {(0,), (shape[0] // 2,)})
 
 
+@pytest.mark.distributed
 def test_a_chunked_tensor_has_no_single_byte_range_to_read(folders):
     """`CheckpointReader.read_tensor` reads one byte range: a DCP-chunked key names its chunks'
     files instead of reading the first chunk's range at the whole tensor's length (E357)."""
@@ -169,6 +171,7 @@ def test_a_chunked_tensor_has_no_single_byte_range_to_read(folders):
     assert d.path == inv.path(inv.tensors[key].file) and "--rules identity" in d.hint
 
 
+@pytest.mark.distributed
 def test_a_snapshot_carries_the_chunks(folders, tmp_path):
     root, _ = folders
     inv = open_inventory(root / "dim1")
@@ -186,6 +189,7 @@ def _whole(compiled, inventory):
     return {d.runtime_key: whole_shard(d.shape) for d in compiled.runtime_tensors}
 
 
+@pytest.mark.distributed
 @pytest.mark.parametrize("rules", [IDENTITY, FUSED], ids=["identity", "llama_fused"])
 def test_identity_load_across_chunks_equals_the_original(folders, rules):
     """Loaded whole and on meshes other than the writer's (tp=2 on each dim, and tp=4 on dim 0):
@@ -222,6 +226,7 @@ def test_identity_load_across_chunks_equals_the_original(folders, rules):
                     assert torch.equal(local[key], want_part), (how, key, world, dim, rank)
 
 
+@pytest.mark.distributed
 def test_a_sharded_load_on_the_writers_group_reads_only_its_bytes(folders):
     """Written sharded on dim 0, loaded on the same 2 ranks sharded on dim 1 (remapdsl.load into
     DTensors), through identity and fusing rules: the original's values, each rank its own bytes."""
@@ -234,6 +239,7 @@ def test_a_sharded_load_on_the_writers_group_reads_only_its_bytes(folders):
 # -- saves into the chunked layout ----------------------------------------------------------------
 
 
+@pytest.mark.distributed
 def test_a_save_like_a_chunked_folder_writes_the_same_chunked_files(folders, tmp_path):
     """From 2 ranks holding other shards than the writer's (in `folders`), and from one process
     holding whole tensors: byte for byte the files DCP wrote."""
@@ -259,6 +265,7 @@ def _torch_consolidated(source: Path, out: Path) -> dict[str, torch.Tensor]:
     return _tensors(out)
 
 
+@pytest.mark.distributed
 def test_convert_consolidates_as_torch_does(folders, tmp_path, capsys):
     """`remapdsl convert SRC DST --rules identity` on one process, and remapdsl.convert on 2 ranks
     (in `folders`, in batches of 20 kB): torch's consolidation tensor for tensor, in the hub layout."""
@@ -280,6 +287,7 @@ def test_convert_consolidates_as_torch_does(folders, tmp_path, capsys):
         assert open_inventory(ours).chunks == {}
 
 
+@pytest.mark.distributed
 def test_a_chunked_runtime_layout_converts_back(folders, tmp_path):
     """--reverse from a DCP-sharded runtime-layout folder (what a trainer saves): whole tensors
     assembled from their chunks, written in the layout of `like`."""
@@ -303,6 +311,7 @@ def _codes(folder: Path) -> list[tuple[str, str]]:
     return [(d.code, d.message) for d in caught.value.diagnostics]
 
 
+@pytest.mark.distributed
 def test_a_missing_shard_file_is_a_gap(folders, tmp_path):
     """Rank 0's file gone: each of its tensors starts at row 32. (A missing last file cannot be told
     from smaller tensors: DCP records no whole shape; the rules' shapes catch that.)"""
@@ -315,6 +324,7 @@ def test_a_missing_shard_file_is_a_gap(folders, tmp_path):
     assert "shard-00002-model-00001-of-00002.safetensors" in message and "no chunk holds dim-0 index 0" in message
 
 
+@pytest.mark.distributed
 def test_a_shard_written_twice_overlaps(folders, tmp_path):
     root, _ = folders
     shutil.copytree(root / "dim1", tmp_path / "c")

@@ -17,11 +17,14 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
-from gloo import BACKENDS, CHECK_FAILURES, distributed_like, join_group, shut_down
+from checkpoints import tiny_checkpoint
+from gloo import CHECK_FAILURES, distributed_like, each_backend
 
 import remapdsl
 from remapdsl.sharding import LayoutPlan, Mesh, Replicate, Shard, layout_for, local_shard
+from remapdsl.testing.ranks import run_ranks
+
+pytestmark = pytest.mark.distributed
 
 ROOT = Path(__file__).resolve().parent.parent
 CHECKPOINT = str(ROOT / "examples" / "tiny-qwen3-moe")
@@ -47,19 +50,10 @@ def full_state() -> dict[str, torch.Tensor]:
     return compiled.empty_state_dict()
 
 
-def _worker(rank: int, world: int, rendezvous: str, out: str) -> None:
+def _on_ranks(rank: int, world: int, out: str) -> list[str]:
     """Every case under each default group in turn: plain gloo, then one with NCCL's device
-    contract (`cuda:gloo`), each a group of its own."""
-    failures: list[str] = []
-    try:
-        for backend in BACKENDS:
-            join_group(rank, world, f"{rendezvous}-{backend}", backend)
-            try:
-                failures.extend(f"[{backend}] {f}" for f in _cases(rank, world, out))
-            finally:
-                shut_down()
-    finally:
-        Path(out, f"rank{rank}.txt").write_text("\n".join(failures))
+    contract (`cuda:gloo`), each a group of its own; the failures."""
+    return each_backend(rank, world, out, lambda backend: _cases(rank, world, out))
 
 
 def _cases(rank: int, world: int, out: str) -> list[str]:
@@ -166,16 +160,14 @@ def _one_bad_rank_fails_everyone(rank: int) -> None:
                          " (on rank 1)"), d.message
 
 
-
-@pytest.mark.distributed
 @pytest.mark.parametrize("world", [2, 4])
 def test_sharded_loads_equal_the_sliced_single_process_load(world, tmp_path):
-    from safetensors.torch import load_file, save_file
+    """Every case of `_cases` on one group of `world` ranks; `other` is the bundled checkpoint without
+    its lm_head, which rank 1 names where only the ranks' agreement can tell."""
+    from safetensors.torch import load_file
 
-    (tmp_path / "other").mkdir()
     tensors = load_file(str(Path(CHECKPOINT) / "model.safetensors"))
     tensors.pop("lm_head.weight")
-    save_file(tensors, str(tmp_path / "other" / "model.safetensors"))
-    mp.spawn(_worker, args=(world, str(tmp_path / 'rendezvous'), str(tmp_path)), nprocs=world, join=True)
-    failures = [Path(tmp_path, f"rank{r}.txt").read_text() for r in range(world)]
-    assert failures == [""] * world, "\n\n".join(f for f in failures if f)
+    tiny_checkpoint(tmp_path / "other", tensors)
+    failures = run_ranks(_on_ranks, world, str(tmp_path), timeout=180)
+    assert failures == [[]] * world, "\n\n".join(f for r in failures for f in r)

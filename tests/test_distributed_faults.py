@@ -4,7 +4,7 @@ Before any tensor byte moves, each failure (a rule file that does not parse, a c
 cannot be opened, rules that do not fit) and each disagreement (other rules, another checkpoint,
 config or layout) must surface on every rank as the same RemapError, naming the rank it came from
 and, for a disagreement (E410), what differs; and the group must stay usable for the next call.
-Each rank writes what it raised per case; the parent compares the ranks.
+Each rank returns what it raised per case; the parent compares the ranks.
 """
 
 from __future__ import annotations
@@ -14,13 +14,16 @@ import json
 import traceback
 from pathlib import Path
 
+import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from gloo import CHECK_FAILURES, record_cases, run_with_bound
 
 import remapdsl
 from remapdsl.sharding import LayoutPlan, Mesh, layout_for, local_shard
+from remapdsl.testing.ranks import run_ranks
+
+pytestmark = pytest.mark.distributed
 
 ROOT = Path(__file__).resolve().parent.parent
 CHECKPOINT = str(ROOT / "examples" / "tiny-qwen3-moe")
@@ -82,13 +85,8 @@ def _cases(rank: int, tmp: Path) -> dict:
     }
 
 
-def _worker(rank: int, rendezvous: str, out: str) -> None:
-    record_cases(rank, WORLD, rendezvous, out, _cases)
-
-
 def test_failures_on_one_rank_raise_one_error_on_every_rank(tmp_path):
-    mp.spawn(_worker, args=(str(tmp_path / "rendezvous"), str(tmp_path)), nprocs=WORLD, join=True)
-    seen = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(WORLD)]
+    seen = run_ranks(record_cases, WORLD, str(tmp_path), _cases)
     for name in seen[0]:
         first = seen[0][name]
         # one error, the same text on every rank

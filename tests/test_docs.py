@@ -57,7 +57,7 @@ def test_the_reference_lists_exactly_the_dtypes_a_rule_may_name():
 def test_the_python_format_example_registers_and_loads(tmp_path):
     """docs/quantized.md's format written in Python, run as printed, then used by a rule."""
     import torch
-    from safetensors.torch import save_file
+    from checkpoints import tiny_checkpoint
 
     import remapdsl
     from remapdsl.quant import unregister_format
@@ -66,8 +66,7 @@ def test_the_python_format_example_registers_and_loads(tmp_path):
     try:
         exec(compile(code, "docs/quantized.md", "exec"), {})
         values, scales = torch.randint(-128, 128, (4, 6), dtype=torch.int8), torch.rand(4)
-        save_file({"a.qweight": values, "a.scales": scales}, str(tmp_path / "model.safetensors"))
-        (tmp_path / "config.json").write_text("{}")
+        tiny_checkpoint(tmp_path, {"a.qweight": values, "a.scales": scales}, {})
         rules = rules_from_text("remap 1\ndequantize {P:path}.qweight, {P}.scales -> {P}.weight"
                                 " | int8_row(to=bfloat16)\na.weight -> a\n", "t.remap")
         target = {"a": torch.empty(4, 6, dtype=torch.bfloat16)}
@@ -77,6 +76,7 @@ def test_the_python_format_example_registers_and_loads(tmp_path):
         unregister_format("int8_row")
 
 
+@pytest.mark.distributed
 def test_the_testing_guide_runs_as_printed(tmp_path):
     """docs/testing.md's pytest file, next to the rules and a snapshot it names, run by pytest with
     the CI profile it recommends: every test in it passes (the remapdsl plugin gives its fixtures)."""
@@ -117,6 +117,7 @@ def _run_in(folder: Path, command: str):
                           check=False)
 
 
+@pytest.mark.distributed
 def test_the_quick_start_main_job_verifies_the_bundled_example_on_two_ranks():
     """README's first command, from a fresh clone's point of view: one line that sets up and runs
     `remapdsl verify` on the bundled checkpoint with a real 2-rank mesh; its remapdsl part passes."""
@@ -131,6 +132,7 @@ def test_the_quick_start_main_job_verifies_the_bundled_example_on_two_ranks():
     assert "sharded load  tp=2  pass" in run.stdout and run.stdout.rstrip().endswith("ok: 4 of 4 checks hold")
 
 
+@pytest.mark.distributed
 def test_the_testing_guide_verify_step_runs_as_printed(tmp_path):
     """docs/testing.md's `remapdsl verify` command, next to the rules, snapshot and layout it names."""
     import remapdsl

@@ -17,6 +17,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from checkpoints import tiny_checkpoint
 from safetensors.torch import save_file
 
 import remapdsl
@@ -34,11 +35,7 @@ RENDERED = re.compile(r"error\[(E\d{3})\]")
 @pytest.fixture
 def checkpoint(tmp_path: Path) -> Path:
     """A one-tensor checkpoint `a.w` [4, 2] with an empty config."""
-    folder = tmp_path / "ckpt"
-    folder.mkdir()
-    save_file({"a.w": torch.arange(8, dtype=torch.float32).reshape(4, 2)}, str(folder / "model.safetensors"))
-    (folder / "config.json").write_text("{}")
-    return folder
+    return tiny_checkpoint(tmp_path / "ckpt", {"a.w": torch.arange(8, dtype=torch.float32).reshape(4, 2)}, {})
 
 
 # ---- rule files and configs ----------------------------------------------------------------
@@ -230,9 +227,9 @@ def test_auto_without_a_checkpoint_is_e148():
      "a.w -> y\nx -> z\n"), "logical tensor `a.w` has the name of a checkpoint tensor it does not consume", 2),
 ])
 def test_a_logical_tensor_made_twice_or_named_like_a_checkpoint_tensor_is_e223(tmp_path, statements, message, line):
-    save_file({"a.q": torch.randn(4, 2).to(torch.float8_e4m3fn), "a.s": torch.tensor(0.5),
-               "b.q": torch.randn(4, 2).to(torch.float8_e4m3fn), "b.s": torch.tensor(0.5), "a.w": torch.ones(2)},
-              str(tmp_path / "model.safetensors"))
+    tiny_checkpoint(tmp_path, {"a.q": torch.randn(4, 2).to(torch.float8_e4m3fn), "a.s": torch.tensor(0.5),
+                               "b.q": torch.randn(4, 2).to(torch.float8_e4m3fn), "b.s": torch.tensor(0.5),
+                               "a.w": torch.ones(2)})
     with pytest.raises(remapdsl.RemapError) as info:
         remapdsl.compile_rules(rules_from_text("remap 1\n" + statements, "t.remap"), tmp_path, {}, strict=False)
     (d,) = [d for d in info.value.diagnostics if d.code == "E223"]
@@ -293,15 +290,14 @@ def two_ranks(tmp_path_factory) -> tuple[list[dict], str]:
     from remapdsl.testing.ranks import run_ranks
 
     folder = tmp_path_factory.mktemp("two-ranks")
-    (folder / "ckpt").mkdir()
-    save_file({"a.w": torch.arange(8, dtype=torch.float32).reshape(4, 2)}, str(folder / "ckpt" / "model.safetensors"))
-    (folder / "ckpt" / "config.json").write_text("{}")
+    tiny_checkpoint(folder / "ckpt", {"a.w": torch.arange(8, dtype=torch.float32).reshape(4, 2)}, {})
     with pytest.raises(AssertionError) as info:
         run_ranks(_two_ranks, 2, str(folder / "ckpt"), str(folder), timeout=60)
     seen = [json.loads((folder / f"rank{r}.json").read_text()) for r in range(2)]
     return seen, str(info.value)
 
 
+@pytest.mark.distributed
 def test_a_rank_whose_local_tensor_is_not_its_shard_is_e233(two_ranks):
     for seen in two_ranks[0]:
         (d,) = seen["E233"]
@@ -309,12 +305,14 @@ def test_a_rank_whose_local_tensor_is_not_its_shard_is_e233(two_ranks):
         assert d["message"] == "`b` is [2, 4] on rank 1, but its layout gives this rank [2, 2] of [2, 4] (on rank 1)"
 
 
+@pytest.mark.distributed
 def test_a_dtensor_with_a_partial_placement_is_e401(two_ranks):
     for seen in two_ranks[0]:
         (d,) = seen["E401"]
         assert d["code"] == "E401" and d["path"] == "b" and "partial values" in d["message"], d
 
 
+@pytest.mark.distributed
 def test_an_unexpected_error_on_one_rank_is_e411_on_every_rank(two_ranks):
     for seen in two_ranks[0]:
         (d,) = seen["E411"]
@@ -322,6 +320,7 @@ def test_an_unexpected_error_on_one_rank_is_e411_on_every_rank(two_ranks):
         assert d["message"].startswith("1 of 2 ranks failed:\nrank 1: RuntimeError: the mapping's storage"), d
 
 
+@pytest.mark.distributed
 def test_a_value_that_is_no_tensor_is_named_on_every_rank(two_ranks):
     """A list where the state dict should hold a tensor (on rank 1): E232 at the rule, naming the
     key and what it is, on both ranks; not an AttributeError from deep inside."""
@@ -331,6 +330,7 @@ def test_a_value_that_is_no_tensor_is_named_on_every_rank(two_ranks):
         assert "(on rank 1)" in d["message"] and d["span"]["line"] == 2, d
 
 
+@pytest.mark.distributed
 def test_a_failing_check_on_a_rank_reaches_the_parent_with_its_message(two_ranks):
     """remapdsl.testing.ranks.run_ranks: an AssertionError's message, and pytest's own outcomes
     (`Failed` derives from BaseException, not Exception), come back per rank, not as a crash."""

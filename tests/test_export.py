@@ -13,6 +13,7 @@ refused on every rank.
 
 from __future__ import annotations
 
+import importlib.util
 import resource
 from pathlib import Path
 
@@ -28,7 +29,8 @@ from remapdsl.sharding.placements import Replicate, Shard
 from remapdsl.testing.ranks import run_ranks
 
 ROOT = Path(__file__).resolve().parent.parent
-pytest.importorskip("transformers")
+# not importorskip: the ranks import this file too, and need no transformers (seconds a rank)
+pytestmark = pytest.mark.skipif(importlib.util.find_spec("transformers") is None, reason="needs transformers")
 
 # (world, name, mesh dims, placements by pattern, gather)
 FSDP_EP = {"*.mlp.experts.*": [Shard(dim=0), Shard(dim=1)], "*": [Replicate(), Shard(dim=0)]}
@@ -107,13 +109,13 @@ def _each_key_once(results: list[dict], meshes: list) -> None:
         assert all(r[case][0] for r in results), case  # every rank assembled some
 
 
-def test_every_key_reaches_the_consumer_exactly_once_on_four_ranks(tmp_path):
+@pytest.mark.distributed
+def test_every_key_reaches_the_consumer_exactly_once_on_four_ranks(four_ranks):
     """Qwen3-MoE and DeepSeek-V3 under FSDP x EP, one process group for both."""
-    models = [tuple(map(str, _checkpoint(case, tmp_path / case))) for case in ("qwen3_moe", "deepseek_v3")]
-    meshes = [m for m in MESHES if m[0] == 4]
-    _each_key_once(run_ranks(_export_on_ranks, 4, models, meshes, timeout=180), meshes)
+    _each_key_once([r["meshes"] for r in four_ranks], [m for m in MESHES if m[0] == 4])
 
 
+@pytest.mark.distributed
 def test_every_key_reaches_the_consumer_exactly_once_on_two_ranks(two_ranks):
     """Qwen3-MoE and DeepSeek-V3 under FSDP and under EP (where nothing moves)."""
     _each_key_once([r["meshes"] for r in two_ranks[0]], [m for m in MESHES if m[0] == 2])
@@ -141,10 +143,15 @@ def _several(rank: int, world: int, calls: list) -> dict:
 
 
 @pytest.fixture(scope="module")
-def two_ranks(tmp_path_factory) -> tuple[list[dict], dict]:
+def folders(tmp_path_factory) -> dict[str, tuple[Path, str]]:
+    """The transformers checkpoints the ranks export (case -> folder, rules), built once."""
+    root = tmp_path_factory.mktemp("models")
+    return {case: _checkpoint(case, root / case) for case in ("mixtral", "llama", "qwen3_moe", "deepseek_v3")}
+
+
+@pytest.fixture(scope="module")
+def two_ranks(folders) -> tuple[list[dict], dict]:
     """The 2-rank cases below, run in one process group: each rank's results, and the folders."""
-    root = tmp_path_factory.mktemp("two_ranks")
-    folders = {case: _checkpoint(case, root / case) for case in ("mixtral", "llama", "qwen3_moe", "deepseek_v3")}
     titan = str(ROOT / "rules" / "torchtitan_llama3.remap")
     models = [tuple(map(str, folders[case])) for case in ("qwen3_moe", "deepseek_v3")]
     calls = [("meshes", "_export_on_ranks", (models, [m for m in MESHES if m[0] == 2])),
@@ -156,6 +163,7 @@ def two_ranks(tmp_path_factory) -> tuple[list[dict], dict]:
     return run_ranks(_several, 2, calls, timeout=300, backend="cuda:gloo"), folders
 
 
+@pytest.mark.distributed
 def test_tp_shards_under_a_layout_plan_on_two_ranks(two_ranks):
     results, folders = two_ranks
     folder = folders["mixtral"][0]
@@ -176,6 +184,7 @@ def _refused_on_ranks(rank: int, world: int, folder: str, rules: str) -> dict:
     return out
 
 
+@pytest.mark.distributed
 def test_a_split_the_gather_does_not_name_is_refused_on_every_rank(two_ranks):
     results = [r["refused"] for r in two_ranks[0]]
     assert results[0] == results[1]
@@ -217,12 +226,26 @@ def _peak_growth(rank: int, world: int, experts: int, bucket: int) -> tuple[int,
     return shards, after - before, assembled
 
 
-def test_each_rank_holds_its_shards_plus_one_bucket(tmp_path):
+BUCKET = 16 << 20
+
+
+@pytest.fixture(scope="module")
+def four_ranks(folders) -> list[dict]:
+    """The 4-rank cases, run in one process group: the memory check first (its peak is measured
+    in processes that have done nothing else yet), then the exports."""
+    models = [tuple(map(str, folders[case])) for case in ("qwen3_moe", "deepseek_v3")]
+    calls = [("memory", "_peak_growth", (32, BUCKET)),
+             ("meshes", "_export_on_ranks", (models, [m for m in MESHES if m[0] == 4]))]
+    return run_ranks(_several, 4, calls, timeout=240)
+
+
+@pytest.mark.distributed
+def test_each_rank_holds_its_shards_plus_one_bucket(four_ranks):
     """4 layers of 32 stacked experts, 128 MiB in all, 32 MiB of shards on each of 4 ranks (ep=2 x
     dp_shard=2), 16 MiB buckets: each rank's peak RSS grows by at most one bucket (and 4 MiB of
     allocator slack) while it exports, where a gather to one rank would hold all 128 MiB."""
-    bucket = 16 << 20
-    results = run_ranks(_peak_growth, 4, 32, bucket, timeout=180)
+    bucket = BUCKET
+    results = [r["memory"] for r in four_ranks]
     total = sum(shards for shards, _, _ in results)
     assert sum(a for _, _, a in results) == total  # every byte assembled once
     for shards, growth, _ in results:
@@ -307,6 +330,7 @@ def _regions_on_ranks(rank: int, world: int, folder: str, rules: str, placements
         return [(d.code, d.message, d.hint)]
 
 
+@pytest.mark.distributed
 @pytest.mark.parametrize("case", ["rows", "columns"])
 def test_regions_tile_every_checkpoint_tensor_once_without_moving_a_byte(two_ranks, case):
     """FSDP rows and TP columns on 2 ranks: each rank's boxes, put where their offsets say, make
@@ -324,6 +348,7 @@ def test_regions_tile_every_checkpoint_tensor_once_without_moving_a_byte(two_ran
     assert all(torch.equal(full[k], want[k]) for k in want)
 
 
+@pytest.mark.distributed
 def test_a_strided_piece_is_no_region(two_ranks):
     """torchtitan's Llama 3 stores q and k in rotary pair order: a row shard's rows of the
     checkpoint tensor are strided, so the piece is named, with the way to assemble it instead."""

@@ -440,6 +440,7 @@ def test_cookbook_snippets_are_the_shipped_files():
 # -- the fused and split layouts shard -----------------------------------------------------------------
 
 
+@pytest.mark.distributed
 def test_gpt_neox_split_shards_on_two_gloo_ranks(models):
     """Every runtime tensor cut in two (tp=2, dim 0): each rank's shard of q, k and v (one in
     three rows of the fused tensor, per head) equals the whole load sliced to it and reads only its

@@ -8,27 +8,24 @@ import itertools
 
 import pytest
 import torch
+from checkpoints import tiny_checkpoint
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
 
 import remapdsl
 from remapdsl.compile import symbolic as sym
 from remapdsl.compile.inverse import writers
 from remapdsl.indexmap import Runs, source_box
 from remapdsl.language import rules_from_text
-from remapdsl.sharding import LayoutPlan, Mesh, Shard
 from remapdsl.runtime.read import run_load_plan
+from remapdsl.sharding import LayoutPlan, Mesh, Shard
 from remapdsl.sharding.holdings import held_by_layout, hold, owned
 from remapdsl.sharding.plans import make_load_plan, make_write_plan
 
 
 def _checkpoint(tmp_path, tensors):
-    folder = tmp_path / "src"
-    folder.mkdir()
-    save_file(tensors, str(folder / "model.safetensors"))
-    (folder / "config.json").write_text("{}")
-    return folder
+    return tiny_checkpoint(tmp_path / "src", tensors, {})
 
 
 @pytest.mark.parametrize("shape, target", [((1000, 2), "[2000]"), ((4, 3, 5), "[4, 15]"), ((4, 3, 5), "[60]"),

@@ -18,13 +18,14 @@ import tempfile
 from pathlib import Path
 
 import pytest
+from depth import scaled
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from remapdsl.errors import MAX_SHOWN, MAX_TEXT, MAX_WINDOW, RemapError
 from remapdsl.language.formatter import format_rules
-from remapdsl.language.parser import parse_text
 from remapdsl.language.includes import rules_from_text
+from remapdsl.language.parser import parse_text
 
 try:
     from tests import strategies as S
@@ -175,25 +176,25 @@ _FUZZ = settings(max_examples=1000, deadline=None,
                  suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much])
 
 
-@settings(_FUZZ, max_examples=2000)
+@settings(_FUZZ, max_examples=scaled(500))
 @given(st.one_of(_any_text, _token_text))
 def test_arbitrary_text_raises_only_remap_errors(text):
     front_end(text)
 
 
-@settings(_FUZZ, max_examples=1500)
+@settings(_FUZZ, max_examples=scaled(400))
 @given(mutated_samples)
 def test_mutated_rule_files_raise_only_remap_errors(text):
     front_end(text)
 
 
-@settings(_FUZZ, max_examples=150)
+@settings(_FUZZ, max_examples=scaled(50))
 @given(S.rule_files(path="<fuzz>").map(format_rules).flatmap(mutate))
 def test_mutated_generated_files_raise_only_remap_errors(text):
     front_end(text)
 
 
-@settings(_FUZZ, max_examples=120)
+@settings(_FUZZ, max_examples=scaled(40))
 @given(S.rule_files(path="<fuzz>"))
 def test_generated_files_pass_or_fail_static_checks_cleanly(rules):
     """Well-formed IR with unbound names, odd op arguments...: the static checks report, never crash."""
@@ -209,7 +210,7 @@ def inflate(draw, text: str) -> str:
     return text[:at] + text[at:stop] * times + text[stop:]
 
 
-@settings(_FUZZ, max_examples=60)
+@settings(_FUZZ, max_examples=scaled(20))
 @given(st.sampled_from(ALL_SAMPLES).flatmap(inflate))
 def test_inflated_rule_files_raise_bounded_remap_errors(text):
     front_end(text)

@@ -1,31 +1,31 @@
-"""remapdsl.sharding.placements: placements -> held boxes, checked by hand, by a brute-force oracle, and against torch's
-own DTensor on real gloo processes (one spawn per world size, many cases inside it)."""
+"""remapdsl.sharding.placements and layouts: placements -> held boxes, checked by hand and by a
+brute-force oracle (tests/placement_oracle.py); a mesh's dims and ranks, the runs a strided shard
+holds, local_shard's errors; layout plans from tp_plan styles and globs. Against torch's own DTensor
+on gloo ranks: tests/test_dtensor_placements.py."""
 
 from __future__ import annotations
 
 import fnmatch
-import json
 import math
-import os
-import random
-from datetime import timedelta
 from itertools import product
 
 import numpy as np
 import pytest
 import torch
 from hypothesis import HealthCheck, example, given, note, settings
-from gloo import CHECK_FAILURES, shut_down
 from hypothesis import strategies as st
+from placement_oracle import oracle_indices
 
 from remapdsl.errors import RemapError
 from remapdsl.sharding.layouts import LayoutPlan, PlanRule, layout_for
 from remapdsl.sharding.placements import (
     Box,
+    LocalShard,
     Mesh,
     Replicate,
     Shard,
     StridedShard,
+    held_runs,
     local_boxes,
     local_shard,
 )
@@ -259,30 +259,98 @@ def test_unknown_style_suggests_the_closest():
     assert err.value.diagnostic.hint == "did you mean `packed_colwise`?"
 
 
+# ------------------------------------------------------------- a mesh, held runs, local_shard's errors
+
+
+def test_an_unknown_mesh_dim_suggests_the_closest_or_lists_them():
+    """E408: a near name is suggested; a far one lists the mesh's dims; a known one is its index."""
+    mesh = Mesh.of({"data": 2, "tensor": 4})
+    assert (mesh.index("data"), mesh.index("tensor")) == (0, 1)
+    with pytest.raises(RemapError) as near:
+        mesh.index("tensr")
+    with pytest.raises(RemapError) as far:
+        mesh.index("expert")
+    assert [(d.code, d.message, d.hint, d.path) for d in (near.value.diagnostic, far.value.diagnostic)] == [
+        ("E408", "the mesh has no dim `tensr`", "did you mean `tensor`?", None),
+        ("E408", "the mesh has no dim `expert`", "the mesh has data, tensor", None),
+    ]
+
+
+def test_a_coordinate_of_the_wrong_length_has_no_rank():
+    """`Mesh.rank` of a coordinate that names fewer or more dims than the mesh has is an error, not
+    the rank of a coordinate cut short (`(1,)` on a 2x4 mesh is not rank 1 nor rank 4)."""
+    mesh = Mesh.of({"data": 2, "tensor": 4})
+    assert [mesh.rank(mesh.coordinate(r)) for r in range(8)] == list(range(8))
+    for wrong in ((1,), (1, 2, 0)):
+        with pytest.raises(ValueError):
+            mesh.rank(wrong)
+
+
+def test_placements_print_as_torch_prints_its_own():
+    from torch.distributed.tensor import Replicate as TorchReplicate
+    from torch.distributed.tensor import Shard as TorchShard
+
+    assert (str(Replicate()), str(Shard(dim=1))) == (str(TorchReplicate()), str(TorchShard(1))) == ("R", "S(1)")
+
+
+
+
+def test_a_shard_of_a_strided_shard_ends_inside_its_second_run():
+    """8 rows, `_StridedShard(0, split_factor=2)` on 2 ranks then `Shard(0)` on 4: coordinate (0, 2)
+    holds rows {0, 1, 4, 5} after the first, of those the third, row 4 alone (a window that ends
+    inside the second run is cut there)."""
+    steps = [(StridedShard(dim=0, split_factor=2), 2, 0), (Shard(dim=0), 4, 2)]
+    assert held_runs(8, steps[:1]) == [(0, 2), (4, 6)]
+    assert held_runs(8, steps) == [(4, 5)]
+    assert local_shard((8, 3), (2, 4), [steps[0][0], steps[1][0]], (0, 2)) == LocalShard((1, 3), (((4, 0), (1, 3)),),
+                                                                                       ((0, 0),))
+
+
+@pytest.mark.parametrize("length, split, ranks", [(9, 2, 4), (7, 3, 2), (10, 4, 3)])
+def test_a_strided_shard_of_uneven_splits_holds_what_torch_gives_each_rank(length, split, ranks):
+    """9 rows in splits of 5 and 4 over 4 ranks: the last rank's window of the first split is empty
+    and of the second is row 8; every rank holds the rows torch's own `_StridedShard` gives it."""
+    from torch.distributed.tensor.placement_types import _StridedShard
+
+    shards, _ = _StridedShard(0, split_factor=split)._split_tensor(torch.arange(length), ranks, with_padding=False)
+    for c, shard in enumerate(shards):
+        runs = held_runs(length, [(StridedShard(dim=0, split_factor=split), ranks, c)])
+        assert [i for a, b in runs for i in range(a, b)] == shard.tolist()
+
+
+def test_an_empty_dim_holds_no_runs():
+    """`held_runs` of a dim of length 0 is no run at all, with or without placements on it."""
+    assert held_runs(0, []) == []
+    assert held_runs(0, [(Shard(dim=0), 2, 1)]) == []
+    assert held_runs(3, []) == [(0, 3)]
+
+
+class _NotAPlacement:
+    def __repr__(self) -> str:
+        return "NotAPlacement()"
+
+
+@pytest.mark.parametrize("args, diagnostic", [
+    (((4,), (2, 2), [Shard(dim=0)], (0, 0)), ("E403", "1 placements for a 2-d mesh", "give one placement per mesh dim")),
+    (((4,), (2,), [Shard(dim=0)], (2,)), ("E404", "coordinate (2,) is outside mesh (2,)", None)),
+    (((4,), (2,), [Shard(dim=0)], (-1,)), ("E404", "coordinate (-1,) is outside mesh (2,)", None)),
+    (((4,), (2, 2), [Shard(dim=0), Replicate()], (1,)), ("E404", "coordinate (1,) is outside mesh (2, 2)", None)),
+    (((4,), (2,), [_NotAPlacement()], (0,)), ("E402", "NotAPlacement() is not a remapdsl placement",
+                                             ("use remapdsl.sharding.placements's Shard, Replicate, StridedShard "
+                                              "(placements_from_dtensor converts torch's)"))),
+    (((4,), (2,), [Shard(dim=1)], (0,)), ("E405", "placement S(1) names dim 1 of a 1-d tensor", None)),
+])
+def test_local_shard_s_errors_name_the_tensor(args, diagnostic):
+    """Each refusal of `local_shard`, whole: code, message, hint, and the runtime key as its path
+    (no path without one)."""
+    for key in ("model.w", None):
+        with pytest.raises(RemapError) as caught:
+            local_shard(*args, runtime_key=key)
+        d = caught.value.diagnostic
+        assert (d.code, d.message, d.hint, d.path) == (*diagnostic, key)
+
+
 # ------------------------------------------------------------------------------------ brute-force oracle
-
-
-def _chunks(indices, n):
-    """torch.chunk of an index list into exactly n pieces (trailing ones empty)."""
-    pieces = [t.tolist() for t in torch.tensor(indices, dtype=torch.long).chunk(n)] if indices else []
-    return pieces + [[]] * (n - len(pieces))
-
-
-def oracle_indices(shape, mesh_shape, placements, coordinate):
-    """Per tensor dim, the held global indices as a Python list (the recipe of torch's placement docs, index by index), and whether
-    every _StridedShard split was even across its mesh dim (torch 2.13 asserts otherwise)."""
-    held, even = [list(range(n)) for n in shape], True
-    for p, n, c in zip(placements, mesh_shape, coordinate):
-        if isinstance(p, Replicate):
-            continue
-        d = p.dim % len(shape)
-        if isinstance(p, Shard):
-            held[d] = _chunks(held[d], n)[c]
-        else:
-            split = [_chunks(piece, n) for piece in _chunks(held[d], p.split_factor)]
-            even &= len({sum(len(s[k]) for s in split) for k in range(n)}) == 1
-            held[d] = [i for s in split for i in s[c]]
-    return held, even
 
 
 def _runs(indices):
@@ -334,134 +402,6 @@ def test_all_ranks_tile_the_tensor(case):
             count[tuple(slice(o, o + s) for o, s in zip(box.offsets, box.sizes))] += 1
     copies = math.prod(n for n, p in zip(mesh_shape, placements) if isinstance(p, Replicate))
     assert (count == copies).all()
-
-
-# --------------------------------------------------------------------------- against torch's DTensor
-
-MESHES = {2: [(2,), (1, 2), (2, 1)], 4: [(4,), (2, 2)]}
-
-
-def _torch_placement(p):
-    from torch.distributed.tensor import Replicate as TR
-    from torch.distributed.tensor import Shard as TS
-    from torch.distributed.tensor.placement_types import _StridedShard
-
-    if isinstance(p, Replicate):
-        return TR()
-    if isinstance(p, Shard):
-        return TS(p.dim)
-    return _StridedShard(p.dim, split_factor=p.split_factor)
-
-
-def _length(rng):
-    """A dim length: sometimes empty, often one that strided shards split evenly."""
-    r = rng.random()
-    return 0 if r < 0.05 else rng.randint(1, 9) if r < 0.5 else rng.choice((4, 6, 8, 12, 16))
-
-
-def dtensor_cases(world, count, seed):
-    """Random (shape, mesh shape, placements) with every _StridedShard even enough for torch 2.13, plus
-    the worked examples above."""
-    rng = random.Random(seed)
-    cases = [((8, 3), (2, 2), (SS(0, 2), S(0))), ((8, 3), (2, 2), (SS(0, 2), R))] if world == 4 else []
-    cases += [((5, 3), (world,), (S(0),)), ((2, 8), (world,), (SS(1, 2),))]
-    while len(cases) < count:
-        mesh_shape = rng.choice(MESHES[world])
-        shape = tuple(_length(rng) for _ in range(rng.choice((0, 1, 2, 2, 3, 3))))
-        placements = []
-        for _ in mesh_shape:
-            d = rng.randrange(-len(shape), len(shape)) if shape else 0
-            kind = rng.choice("RSSXX") if shape else "R"
-            placements.append(R if kind == "R" else S(d) if kind == "S" else SS(d, rng.randint(1, 3)))
-        ok = all(
-            oracle_indices(shape, mesh_shape, placements, c)[1]
-            for c in product(*(range(n) for n in mesh_shape))
-        )
-        if ok:
-            cases.append((shape, mesh_shape, tuple(placements)))
-    return cases
-
-
-def _dtensor_worker(rank, world, rendezvous, cases, out_dir):
-    import torch.distributed as dist
-    from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
-    from torch.distributed.tensor import DTensor, Partial, distribute_tensor
-    from torch.distributed.tensor import Shard as TorchShard
-
-    from remapdsl.sharding import placements_from_dtensor
-
-    # a file rendezvous: no TCP port to race for with other tests or jobs on the machine
-    dist.init_process_group("gloo", init_method=f"file://{rendezvous}", rank=rank, world_size=world,
-                            timeout=timedelta(seconds=60))
-    failures, held = [], []
-    try:
-        meshes = {}
-        for mesh_shape in MESHES[world]:
-            names = ("tp",) if len(mesh_shape) == 1 else ("dp", "tp")
-            meshes[mesh_shape] = init_device_mesh("cpu", mesh_shape, mesh_dim_names=names)
-        for number, (shape, mesh_shape, placements) in enumerate(cases):
-            full = torch.arange(math.prod(shape), dtype=torch.int64).reshape(shape)
-            try:
-                mesh = meshes[mesh_shape]
-                d = distribute_tensor(full, mesh, [_torch_placement(p) for p in placements])
-                layout = placements_from_dtensor(d)
-                assert layout.mesh.sizes == mesh_shape and layout.shape == shape
-                assert layout.coordinate == tuple(mesh.get_coordinate())
-                normal = tuple(
-                    p if isinstance(p, Replicate) else p.model_copy(update={"dim": p.dim % len(shape)})
-                    for p in placements
-                )
-                assert layout.placements == normal, (layout.placements, normal)
-                shard = layout.local_shard()
-                local = d.to_local()
-                assert tuple(local.shape) == shard.shape, (tuple(local.shape), shard.shape)
-                rebuilt = torch.full(shard.shape, -1, dtype=torch.int64)
-                for box, at in zip(shard.boxes, shard.local_offsets):
-                    rebuilt[tuple(slice(a, a + s) for a, s in zip(at, box.sizes))] = full[
-                        tuple(slice(o, o + s) for o, s in zip(box.offsets, box.sizes))
-                    ]
-                assert torch.equal(rebuilt, local), (rebuilt.tolist(), local.tolist())
-                held.append([[list(b.offsets), list(b.sizes)] for b in shard.boxes])
-            except CHECK_FAILURES as e:  # recorded, not raised: the other ranks must not wait
-                failures.append(f"case {number} {shape} {mesh_shape} {[str(p) for p in placements]}: {e!r}")
-                held.append(None)
-        outside = DeviceMesh("cpu", torch.tensor([0]))  # every rank but 0 is outside it
-        d = distribute_tensor(torch.arange(6).reshape(2, 3), outside, [TorchShard(0)])
-        layout = placements_from_dtensor(d)
-        if (layout.coordinate is None) != (rank > 0) or layout.local_shard().shape != tuple(
-            d.to_local().shape
-        ):
-            failures.append(f"outside the mesh: {layout} vs {tuple(d.to_local().shape)}")
-        partial = DTensor.from_local(torch.ones(2, 2), meshes[MESHES[world][0]], [Partial()], run_check=False)
-        try:
-            placements_from_dtensor(partial, "w")
-            failures.append("Partial was not refused")
-        except RemapError as e:
-            if e.diagnostic.code != "E401":
-                failures.append(f"Partial refused with {e.diagnostic.code}")
-    finally:
-        shut_down()
-    with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
-        json.dump({"failures": failures, "held": held}, f)
-
-
-
-@pytest.mark.parametrize(("world", "count", "seed"), [(2, 60, 2), (4, 60, 4)])
-def test_boxes_match_dtensor_to_local(world, count, seed, tmp_path):
-    import torch.multiprocessing as mp
-
-    cases = dtensor_cases(world, count, seed)
-    assert sum(any(isinstance(p, StridedShard) for p in c[2]) for c in cases) >= count // 5
-    mp.spawn(_dtensor_worker, args=(world, str(tmp_path / 'rendezvous'), cases, str(tmp_path)), nprocs=world)
-    ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(world)]
-    assert [f for r in ranks for f in r["failures"]] == []
-    for number, (shape, mesh_shape, placements) in enumerate(cases):
-        count_held = np.zeros(shape, dtype=np.int64)
-        for r in ranks:
-            for offsets, sizes in r["held"][number]:
-                count_held[tuple(slice(o, o + s) for o, s in zip(offsets, sizes))] += 1
-        copies = math.prod(n for n, p in zip(mesh_shape, placements) if isinstance(p, Replicate))
-        assert (count_held == copies).all(), (number, shape, mesh_shape, placements)
 
 
 @settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])

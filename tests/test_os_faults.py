@@ -3,7 +3,7 @@ gloo group (2 processes, CPU): each ends in one clear RemapError on every rank.
 
 Faults are injected at remapdsl's own I/O boundary (the reader's positioned reads, the writer's
 positioned writes) in one rank's process, or by editing one rank's own copy of the checkpoint
-between reading the headers and reading the data. Each rank writes what it raised per case; the
+between reading the headers and reading the data. Each rank returns what it raised per case; the
 parent compares the ranks. The single-process tests at the end pin the recorded file times.
 """
 
@@ -22,12 +22,12 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from gloo import CHECK_FAILURES, record_cases, run_with_bound
 
 import remapdsl
 from remapdsl.checkpoint import CheckpointReader, Inventory, open_inventory
 from remapdsl.sharding import LayoutPlan, Mesh, layout_for, local_shard
+from remapdsl.testing.ranks import run_ranks
 
 ROOT = Path(__file__).resolve().parent.parent
 CHECKPOINT = ROOT / "examples" / "tiny-qwen3-moe"
@@ -176,15 +176,11 @@ def _cases(rank: int, tmp: Path) -> dict:
     }
 
 
-def _worker(rank: int, rendezvous: str, out: str) -> None:
-    record_cases(rank, WORLD, rendezvous, out, _cases)
-
-
+@pytest.mark.distributed
 def test_os_faults_and_meshes_raise_one_clear_error_on_every_rank(tmp_path):
     shutil.copytree(CHECKPOINT, tmp_path / "previous")  # the checkpoint a failed overwrite must leave alone
     before = {p.name: p.read_bytes() for p in (tmp_path / "previous").iterdir()}
-    mp.spawn(_worker, args=(str(tmp_path / "rendezvous"), str(tmp_path)), nprocs=WORLD, join=True)
-    seen = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(WORLD)]
+    seen = run_ranks(record_cases, WORLD, str(tmp_path), _cases)
     for name, s in seen[0].items():
         print(f"--- {name}\n{s and s['text']}")
     size = (CHECKPOINT / "model.safetensors").stat().st_size
@@ -232,8 +228,8 @@ def test_os_faults_and_meshes_raise_one_clear_error_on_every_rank(tmp_path):
             assert "rank 0 vs rank 1: file `model.safetensors`: header bytes sha256 " in text, text
             assert "\ncheckpoint:" not in text, text  # same names and sizes: only the headers differ
     # no failed save left a folder, staged or final; the overwritten checkpoint is as it was
-    left = sorted(p.name for p in tmp_path.iterdir() if p.name != "rendezvous")
-    assert left == ["previous", "rank0", "rank0.json", "rank1", "rank1.json"], left
+    left = sorted(p.name for p in tmp_path.iterdir())
+    assert left == ["previous", "rank0", "rank1"], left
     assert {p.name: p.read_bytes() for p in (tmp_path / "previous").iterdir()} == before
 
 
@@ -304,6 +300,7 @@ def _killed_mid_save(rank: int, rendezvous: str, out: str) -> None:
     os._exit(1)
 
 
+@pytest.mark.distributed
 def test_a_save_whose_rank_0_is_killed_leaves_the_old_checkpoint_and_is_cleaned_up_next_time(tmp_path, caplog):
 
     from remapdsl.checkpoint.writer import OWNER

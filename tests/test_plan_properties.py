@@ -125,7 +125,7 @@ def _expected(compiled, inventory, shards) -> dict:
     return out
 
 
-@examples(150)
+@examples(75)
 @given(list_axis_cases(), meshes(), st.data())
 def test_plans_place_every_element_where_the_blocks_say(case, mesh, data):
     rules = remapdsl.language.rules_from_text(case.text)

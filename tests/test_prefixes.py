@@ -8,11 +8,9 @@ simply has no bindings for the second definition.
 
 from __future__ import annotations
 
-import json
-
 import pytest
 import torch
-from safetensors.torch import save_file
+from checkpoints import tiny_checkpoint
 
 import remapdsl
 from remapdsl import RuleCheckError
@@ -43,9 +41,7 @@ def _checkpoint(folder, layers: int, mtp: bool, buffers: bool = False) -> dict[s
             tensors[f"model.layers.{layer}.self_attn.rotary_emb.inv_freq"] = torch.randn(4)
     if mtp:
         tensors[f"model.layers.{layers}.enorm.weight"] = torch.randn(8)
-    folder.mkdir()
-    save_file(tensors, str(folder / "model.safetensors"))
-    (folder / "config.json").write_text(json.dumps({"num_hidden_layers": layers}))
+    tiny_checkpoint(folder, tensors, {"num_hidden_layers": layers})
     return tensors
 
 
@@ -88,10 +84,8 @@ def test_a_prefix_maps_a_nested_model_and_its_dequantize_and_keep(tmp_path):
     under a prefix; `dequantize` builds its logical key under the checkpoint-side prefix."""
     values = torch.randn(4, 4).to(torch.float8_e4m3fn)
     scale = torch.tensor(0.5)
-    folder = tmp_path / "ckpt"
-    folder.mkdir()
-    save_file({"language_model.model.w": values, "language_model.model.w_scale": scale,
-               "language_model.model.norm": torch.randn(4)}, str(folder / "model.safetensors"))
+    folder = tiny_checkpoint(tmp_path / "ckpt", {"language_model.model.w": values, "language_model.model.w_scale": scale,
+                                                 "language_model.model.norm": torch.randn(4)})
     text = ("prefix @lm = language_model.model -> model\n"
             "dequantize @lm.w, @lm.w_scale -> @lm.w | fp8_tensor(to=float32)\n"
             "@lm.w -> @lm.proj.weight\n"
@@ -141,8 +135,7 @@ def test_an_error_in_a_repeated_rule_is_reported_once():
 def test_a_hint_quotes_the_whole_guard_a_prefix_joins(tmp_path):
     """The definition's guard and the statement's, joined with `and`, are quoted together in E201's
     note (in canonical form: the join is written nowhere), not as the statement's part alone."""
-    save_file({"a.0.w": torch.zeros(2)}, str(tmp_path / "model.safetensors"))
-    (tmp_path / "config.json").write_text(json.dumps({"on": True, "two": 2}))
+    tiny_checkpoint(tmp_path, {"a.0.w": torch.zeros(2)}, {"on": True, "two": 2})
     text = ("remap 1\nprefix @x = a.{L} -> b.{L} when config.on or L > 3\n@x.w -> @x.v\n"
             "@x.u -> @x.y when config.two > 1\n")
     with pytest.raises(remapdsl.RemapError) as info:

@@ -27,8 +27,6 @@ ROOT = Path(__file__).resolve().parent.parent
 CHECKPOINT = str(ROOT / "examples" / "tiny-qwen3-moe")
 RULES = str(ROOT / "rules" / "qwen3_moe.remap")
 
-pytestmark = pytest.mark.distributed
-
 
 def _whole() -> dict[str, torch.Tensor]:
     state = remapdsl.compile_rules(remapdsl.load_rules(RULES), CHECKPOINT).empty_state_dict()
@@ -61,6 +59,7 @@ def _cuda_only_group(rank: int, world: int) -> dict:
     return {"groups made": made}
 
 
+@pytest.mark.distributed
 def test_a_cuda_only_default_group_refuses_cpu_collectives_and_loads_still_work():
     results = run_ranks(_cuda_only_group, 2, backend="cuda:gloo")
     assert results == [{"groups made": ["gloo"]}] * 2  # one control group, made once, reused
@@ -90,6 +89,7 @@ def _one_rank_never_calls(rank: int, rendezvous: str, out: str, backend: str, ti
     os._exit(1)  # the group is broken: leave as a job's rank does on an uncaught error
 
 
+@pytest.mark.distributed
 @pytest.mark.parametrize("backend, timeout", [("gloo", 2.0), ("cuda:gloo", 0.0004)])
 def test_a_rank_that_never_calls_is_named_by_the_others_within_the_timeout(backend, timeout, tmp_path):
     """Under cuda:gloo the ranks wait first for the control group's making; a bound under a

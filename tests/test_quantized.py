@@ -4,21 +4,19 @@ the bytes read accounted; the errors; a format registered from Python."""
 
 from __future__ import annotations
 
-import json
-
 import pytest
+import quant_reference as ref
 import torch
+from checkpoints import tiny_checkpoint
+from formats import Int8Row
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from safetensors.torch import save_file
 
-import quant_reference as ref
-from formats import Int8Row
 import remapdsl
 from remapdsl import BindError
 from remapdsl.language import rules_from_text
-from remapdsl.sharding import LayoutPlan, Mesh, Shard, layout_for, local_shard
 from remapdsl.quant import Part, get_format, register_format, unregister_format
+from remapdsl.sharding import LayoutPlan, Mesh, Shard, layout_for, local_shard
 
 BF16 = torch.bfloat16
 NAN_AND_SUBNORMAL_E4M3 = (0x7F, 0xFF, 0x01, 0x81, 0x07, 0x00, 0x80, 0x7E)
@@ -31,12 +29,6 @@ def same(got: torch.Tensor, want: torch.Tensor) -> bool:
         return False
     nan = torch.isnan(got)
     return bool(torch.equal(nan, torch.isnan(want)) and torch.equal(got[~nan], want[~nan]))
-
-
-def write(folder, tensors, config=None):
-    save_file(tensors, str(folder / "model.safetensors"))
-    (folder / "config.json").write_text(json.dumps(config or {}))
-    return folder
 
 
 def load_text(text, folder, target=None, **kwargs):
@@ -150,7 +142,7 @@ def test_partial_edge_blocks_load_exactly(tmp_path, rows):
     the first and mis-scales the second) dequantizes exactly."""
     g = torch.Generator().manual_seed(rows)
     (values, scales), want = make_parts("fp8_block", (), rows, 256, (128, 128), g)
-    write(tmp_path, {"w.weight": values, "w.weight_scale_inv": scales})
+    tiny_checkpoint(tmp_path, {"w.weight": values, "w.weight_scale_inv": scales}, {})
     got, report, _ = load_text("""remap 1
 dequantize {P:path}.weight, {P}.weight_scale_inv -> {P}.weight | fp8_block(block=[128, 128], to=bfloat16)
 w.weight -> w
@@ -170,7 +162,7 @@ def test_layout_ops_after_dequantize_equal_torch_ops_on_the_reference(tmp_path):
             (v, s), w = make_parts("fp8_block", (), rows, cols, (16, 16), g)
             tensors[f"e.{e}.{name}.weight"], tensors[f"e.{e}.{name}.weight_scale_inv"] = v, s
             want[(e, name)] = w
-    write(tmp_path, tensors)
+    tiny_checkpoint(tmp_path, tensors, {})
     got, _, compiled = load_text("""remap 1
 dequantize {P:path}.weight, {P}.weight_scale_inv -> {P}.weight | fp8_block(block=[16, 16], to=bfloat16)
 e.{E}.{gate,up}.weight -> gate_up | stack(E, dim=0) | concat(dim=1)
@@ -199,7 +191,7 @@ def test_each_format_through_a_load(tmp_path, fmt):
         "nvfp4": (("x.weight", "x.weight_scale", "x.weight_scale_2"), "{P:path}.weight, {P}.weight_scale, "
                   "{P}.weight_scale_2 -> {P}.weight | nvfp4(to=bfloat16)", "x.weight"),
     }[fmt]
-    write(tmp_path, dict(zip(names, tensors)))
+    tiny_checkpoint(tmp_path, dict(zip(names, tensors)), {})
     got, report, _ = load_text(f"remap 1\ndequantize {statement}\n{logical} -> out | transpose(0, 1)\n", tmp_path)
     assert same(got["out"], want.t())
     assert report.bytes_read == sum(t.numel() * t.element_size() for t in tensors)
@@ -209,7 +201,7 @@ def test_a_weight_without_a_scale_passes_through(tmp_path):
     g = torch.Generator().manual_seed(1)
     (v, s), want = make_parts("fp8_block", (), 8, 8, (4, 4), g)
     norm = torch.randn(8).to(BF16)
-    write(tmp_path, {"a.weight": v, "a.weight_scale_inv": s, "norm.weight": norm})
+    tiny_checkpoint(tmp_path, {"a.weight": v, "a.weight_scale_inv": s, "norm.weight": norm}, {})
     got, _, compiled = load_text("""remap 1
 dequantize {P:path}.weight, {P}.weight_scale_inv -> {P}.weight | fp8_block(block=[4, 4], to=bfloat16)
 {n:seg}.weight -> {n}
@@ -229,8 +221,8 @@ def test_tp_shards_read_only_their_values_and_covering_scales(tmp_path):
     (qv, qs), q_want = make_parts("fp8_block", (), 200, 96, (32, 32), g)  # 200 rows: uneven, partial
     (ov, os_), o_want = make_parts("fp8_block", (), 96, 200, (32, 32), g)
     (ev, es), e_want = make_parts("mxfp4", (4,), 48, 64, None, g)
-    write(tmp_path, {"q.weight": qv, "q.weight_scale_inv": qs, "o.weight": ov, "o.weight_scale_inv": os_,
-                     "experts_blocks": ev, "experts_scales": es})
+    tiny_checkpoint(tmp_path, {"q.weight": qv, "q.weight_scale_inv": qs, "o.weight": ov,
+                               "o.weight_scale_inv": os_, "experts_blocks": ev, "experts_scales": es}, {})
     text = """remap 1
 dequantize {P:path}.weight, {P}.weight_scale_inv -> {P}.weight | fp8_block(block=[32, 32], to=bfloat16)
 dequantize {P:path}_blocks, {P}_scales -> {P} | mxfp4(to=bfloat16)
@@ -280,8 +272,8 @@ def bind_error(text, folder) -> BindError:
 
 
 def test_a_scale_grid_that_does_not_fit_is_an_error(tmp_path):
-    write(tmp_path, {"a.weight": torch.zeros(576, 256).to(torch.float8_e4m3fn),
-                     "a.weight_scale_inv": torch.ones(4, 2)})
+    tiny_checkpoint(tmp_path, {"a.weight": torch.zeros(576, 256).to(torch.float8_e4m3fn),
+                               "a.weight_scale_inv": torch.ones(4, 2)}, {})
     err = bind_error("""remap 1
 dequantize {P:path}.weight, {P}.weight_scale_inv -> {P}.weight | fp8_block(block=[128, 128], to=bfloat16)
 a.weight -> a
@@ -292,7 +284,8 @@ a.weight -> a
 
 
 def test_values_of_the_wrong_dtype_are_an_error(tmp_path):
-    write(tmp_path, {"a.weight": torch.zeros(8, 8, dtype=BF16), "a.weight_scale_inv": torch.ones(1, 1)})
+    tiny_checkpoint(tmp_path, {"a.weight": torch.zeros(8, 8, dtype=BF16), "a.weight_scale_inv": torch.ones(1, 1)},
+                    {})
     err = bind_error("""remap 1
 dequantize {P:path}.weight, {P}.weight_scale_inv -> {P}.weight | fp8_block(block=[8, 8], to=bfloat16)
 a.weight -> a
@@ -301,8 +294,8 @@ a.weight -> a
 
 
 def test_a_scale_without_its_weight_is_an_error(tmp_path):
-    write(tmp_path, {"a.weight": torch.zeros(8, 8).to(torch.float8_e4m3fn), "a.weight_scale_inv": torch.ones(1, 1),
-                     "b.weight_scale_inv": torch.ones(1, 1)})
+    tiny_checkpoint(tmp_path, {"a.weight": torch.zeros(8, 8).to(torch.float8_e4m3fn),
+                               "a.weight_scale_inv": torch.ones(1, 1), "b.weight_scale_inv": torch.ones(1, 1)}, {})
     err = bind_error("""remap 1
 dequantize {P:path}.weight, {P}.weight_scale_inv -> {P}.weight | fp8_block(block=[8, 8], to=bfloat16)
 a.weight -> a
@@ -311,7 +304,8 @@ a.weight -> a
 
 
 def test_the_wrong_number_of_parts_is_an_error(tmp_path):
-    write(tmp_path, {"a.weight": torch.zeros(8, 8).to(torch.float8_e4m3fn), "a.weight_scale": torch.ones(1)})
+    tiny_checkpoint(tmp_path, {"a.weight": torch.zeros(8, 8).to(torch.float8_e4m3fn), "a.weight_scale": torch.ones(1)},
+                    {})
     err = bind_error("""remap 1
 dequantize {P:path}.weight, {P}.weight_scale, {P}.weight_scale -> {P}.weight | fp8_tensor(to=bfloat16)
 a.weight -> a
@@ -320,8 +314,8 @@ a.weight -> a
 
 
 def test_a_logical_name_taken_by_a_checkpoint_tensor_is_an_error(tmp_path):
-    write(tmp_path, {"a.q": torch.zeros(8, 8).to(torch.float8_e4m3fn), "a.s": torch.ones(1),
-                     "a.weight": torch.zeros(2)})
+    tiny_checkpoint(tmp_path, {"a.q": torch.zeros(8, 8).to(torch.float8_e4m3fn), "a.s": torch.ones(1),
+                               "a.weight": torch.zeros(2)}, {})
     err = bind_error("""remap 1
 dequantize {P:path}.q, {P}.s -> {P}.weight | fp8_tensor(to=bfloat16)
 a.weight -> a
@@ -342,7 +336,7 @@ def int8_row():
 def test_a_format_registered_from_python(tmp_path, int8_row):
     values = torch.randint(-128, 128, (6, 10), dtype=torch.int8)
     scales = torch.rand(6)
-    write(tmp_path, {"a.qweight": values, "a.scales": scales})
+    tiny_checkpoint(tmp_path, {"a.qweight": values, "a.scales": scales}, {})
     got, _, _ = load_text("""remap 1
 dequantize {P:path}.qweight, {P}.scales -> {P}.weight | int8_row(to=bfloat16)
 a.weight -> a
@@ -424,7 +418,7 @@ def fp8_experts(folder, rows, g=None):
         for name in ("gate", "up"):
             (v, s), _ = make_parts("fp8_block", (), rows, 256, (128, 128), g)
             tensors[f"e.{e}.{name}.weight"], tensors[f"e.{e}.{name}.weight_scale_inv"] = v, s
-    return write(folder, tensors), tensors
+    return tiny_checkpoint(folder, tensors, {}), tensors
 
 
 def test_stored_fp8_moves_as_it_is_when_cuts_fall_on_blocks(tmp_path):
@@ -459,8 +453,9 @@ drop e.{E}.{gate,up}.weight_scale_inv
 
 
 def test_fusing_two_one_scale_tensors_is_an_error(tmp_path):
-    write(tmp_path, {"q.weight": torch.zeros(8, 8).to(torch.float8_e4m3fn), "q.weight_scale": torch.ones(1),
-                     "k.weight": torch.zeros(8, 8).to(torch.float8_e4m3fn), "k.weight_scale": torch.ones(1)})
+    fp8 = torch.zeros(8, 8).to(torch.float8_e4m3fn)
+    tiny_checkpoint(tmp_path, {"q.weight": fp8, "q.weight_scale": torch.ones(1), "k.weight": fp8.clone(),
+                               "k.weight_scale": torch.ones(1)}, {})
     err = bind_error("""remap 1
 quantized {P:path}.weight, {P}.weight_scale | fp8_tensor()
 {q,k}.weight -> qk | concat(dim=0)
@@ -503,8 +498,7 @@ def test_a_dequantized_load_saves_back_byte_for_byte(tmp_path, fmt, rows, to):
     scale = {"fp8_block": torch.rand(-(-rows // 128), 2, generator=g) * 4 + 1e-3,
              "fp8_tensor": torch.rand(1, generator=g) + 0.1, "fp8_channel": torch.rand(rows, 1, generator=g) + 0.1}[fmt]
     suffix = "weight_scale_inv" if fmt == "fp8_block" else "weight_scale"
-    (tmp_path / "src").mkdir()
-    source = write(tmp_path / "src", {"w.weight": values, f"w.{suffix}": scale})
+    source = tiny_checkpoint(tmp_path / "src", {"w.weight": values, f"w.{suffix}": scale}, {})
     call = "fp8_block(block=[128, 128], to=DT)" if fmt == "fp8_block" else f"{fmt}(to=DT)"
     text = f"remap 1\nlet DT = {to}\ndequantize {{P:path}}.weight, {{P}}.{suffix} -> {{P}}.weight | {call}\n" \
            "w.weight -> w | transpose(0, 1)\n"
@@ -523,9 +517,8 @@ def test_a_dequantized_tensor_read_through_value_steps_saves_back_byte_for_byte(
     g = torch.Generator().manual_seed(7)
     signed = [c for c in SAFE_E4M3 if c != 0x80]  # -0 comes back +0 through `add`
     codes = torch.tensor(signed, dtype=torch.uint8)[torch.randint(0, len(signed), (130, 64), generator=g)]
-    (tmp_path / "src").mkdir()
-    source = write(tmp_path / "src", {"w.weight": codes.view(torch.float8_e4m3fn),
-                                      "w.weight_scale_inv": torch.rand(2, 1, generator=g) + 0.5})
+    source = tiny_checkpoint(tmp_path / "src", {"w.weight": codes.view(torch.float8_e4m3fn),
+                                                "w.weight_scale_inv": torch.rand(2, 1, generator=g) + 0.5}, {})
     text = "remap 1\ndequantize {P:path}.weight, {P}.weight_scale_inv -> {P}.weight | " \
            "fp8_block(block=[128, 128], to=float64)\nw.weight -> w | scale(2) | add(1)\n"
     got, _, _ = load_text(text, source)
@@ -536,9 +529,8 @@ def test_a_dequantized_tensor_read_through_value_steps_saves_back_byte_for_byte(
 
 
 def test_a_value_beyond_the_stored_scale_cannot_be_saved(tmp_path):
-    (tmp_path / "src").mkdir()
-    source = write(tmp_path / "src", {"w.weight": torch.ones(4, 4).to(torch.float8_e4m3fn),
-                                      "w.weight_scale_inv": torch.ones(1, 1)})
+    source = tiny_checkpoint(tmp_path / "src", {"w.weight": torch.ones(4, 4).to(torch.float8_e4m3fn),
+                                                "w.weight_scale_inv": torch.ones(1, 1)}, {})
     text = "remap 1\ndequantize {P:path}.weight, {P}.weight_scale_inv -> {P}.weight | " \
            "fp8_block(block=[4, 4], to=float32)\nw.weight -> w\n"
     got, _, _ = load_text(text, source)
@@ -555,8 +547,7 @@ def test_requantize_writes_new_block_scales(tmp_path):
     g = torch.Generator().manual_seed(3)
     weight = torch.randn(200, 72, generator=g)
     q, s = __import__("quant_reference").quantize_fp8_block(weight, (64, 64))
-    (tmp_path / "src").mkdir()
-    source = write(tmp_path / "src", {"w.weight": q, "w.weight_scale_inv": s})
+    source = tiny_checkpoint(tmp_path / "src", {"w.weight": q, "w.weight_scale_inv": s}, {})
     text = "remap 1\ndequantize {P:path}.weight, {P}.weight_scale_inv -> {P}.weight | " \
            "fp8_block(block=[64, 64], to=float32)\nw.weight -> w\n"
     got, _, _ = load_text(text, source)
@@ -571,9 +562,8 @@ def test_requantize_writes_new_block_scales(tmp_path):
 
 
 def test_requantize_needs_whole_blocks_on_a_rank(tmp_path):
-    (tmp_path / "src").mkdir()
-    source = write(tmp_path / "src", {"w.weight": torch.ones(8, 8).to(torch.float8_e4m3fn),
-                                      "w.weight_scale_inv": torch.ones(2, 2)})
+    source = tiny_checkpoint(tmp_path / "src", {"w.weight": torch.ones(8, 8).to(torch.float8_e4m3fn),
+                                                "w.weight_scale_inv": torch.ones(2, 2)}, {})
     text = "remap 1\ndequantize {P:path}.weight, {P}.weight_scale_inv -> {P}.weight | " \
            "fp8_block(block=[4, 4], to=float32)\nw.weight -> a | slice(dim=0, start=0, stop=6)\n" \
            "w.weight -> b | slice(dim=0, start=6, stop=8)\n"
@@ -600,8 +590,7 @@ def test_fp4_loads_save_back_byte_for_byte(tmp_path, fmt):
         tensors = [packed, scale_codes.view(torch.float8_e4m3fn), torch.tensor(0.75)]
         names = ("x.weight", "x.weight_scale", "x.weight_scale_2")
         statement = "{P:path}.weight, {P}.weight_scale, {P}.weight_scale_2 -> {P}.weight | nvfp4(to=bfloat16)"
-    (tmp_path / "src").mkdir()
-    source = write(tmp_path / "src", dict(zip(names, tensors)))
+    source = tiny_checkpoint(tmp_path / "src", dict(zip(names, tensors)), {})
     logical = "x" if fmt == "mxfp4" else "x.weight"
     text = f"remap 1\ndequantize {statement}\n{logical} -> out | transpose(-1, -2)\n"
     got, _, _ = load_text(text, source)

@@ -7,20 +7,23 @@ back must write the FP8 checkpoint byte for byte."""
 
 from __future__ import annotations
 
-import datetime
 import traceback
 from pathlib import Path
 
+import pytest
+import quant_reference as ref
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
-from gloo import CHECK_FAILURES, distributed_like, shut_down
-from safetensors.torch import load_file, save_file
+from checkpoints import tiny_checkpoint
+from gloo import CHECK_FAILURES, distributed_like
+from safetensors.torch import load_file
 
-import quant_reference as ref
 import remapdsl
 from remapdsl.checkpoint import read_config
 from remapdsl.sharding import LayoutPlan, Mesh, layout_for, local_shard
+from remapdsl.testing.ranks import run_ranks
+
+pytestmark = pytest.mark.distributed
 
 ROOT = Path(__file__).resolve().parent.parent
 BLOCK = (3, 5)
@@ -44,32 +47,27 @@ def fp8_checkpoint(folder: Path) -> Path:
             tensors[key], tensors[key.removesuffix("weight") + "weight_scale_inv"] = ref.quantize_fp8_block(value, BLOCK)
         else:
             tensors[key] = value
-    folder.mkdir()
-    save_file(tensors, str(folder / "model.safetensors"))
+    tiny_checkpoint(folder, tensors)
     (folder / "config.json").write_text((source / "config.json").read_text())
     return folder
 
 
-def _worker(rank: int, world: int, rendezvous: str, folder: str, out: str) -> None:
-    dist.init_process_group("gloo", init_method=f"file://{rendezvous}", rank=rank, world_size=world,
-                            timeout=datetime.timedelta(seconds=60))
+def _on_ranks(rank: int, world: int, folder: str, out: str) -> list[str]:
+    """TP and EP, each as plain shards (loaded, then saved back) and as DTensors; the failures."""
     failures: list[str] = []
-    try:
-        rules = remapdsl.language.rules_from_text(RULES, "qwen3_moe_fp8.remap")
-        inventory = remapdsl.open_checkpoint(folder)
-        compiled = remapdsl.compile_rules(rules, inventory, read_config(inventory))
-        expected = compiled.empty_state_dict()
-        remapdsl.load(expected, folder, rules)
-        for name, plan_map, mesh_dim in (("tp", TP, "tp"), ("ep", EP, "ep")):
-            try:
-                mesh, plan = Mesh.of({mesh_dim: world}), LayoutPlan.from_mapping(plan_map, mesh_dim=mesh_dim)
-                _plain(rank, expected, rules, folder, mesh, plan, Path(out) / f"saved-{name}")
-                _dtensors(expected, rules, folder, mesh, plan)
-            except CHECK_FAILURES:  # reported by the parent
-                failures.append(f"{name}: {traceback.format_exc()}")
-    finally:
-        Path(out, f"rank{rank}.txt").write_text("\n".join(failures))
-        shut_down()
+    rules = remapdsl.language.rules_from_text(RULES, "qwen3_moe_fp8.remap")
+    inventory = remapdsl.open_checkpoint(folder)
+    compiled = remapdsl.compile_rules(rules, inventory, read_config(inventory))
+    expected = compiled.empty_state_dict()
+    remapdsl.load(expected, folder, rules)
+    for name, plan_map, mesh_dim in (("tp", TP, "tp"), ("ep", EP, "ep")):
+        try:
+            mesh, plan = Mesh.of({mesh_dim: world}), LayoutPlan.from_mapping(plan_map, mesh_dim=mesh_dim)
+            _plain(rank, expected, rules, folder, mesh, plan, Path(out) / f"saved-{name}")
+            _dtensors(expected, rules, folder, mesh, plan)
+        except CHECK_FAILURES:  # reported by the parent
+            failures.append(f"{name}: {traceback.format_exc()}")
+    return failures
 
 
 def _plain(rank, expected, rules, folder, mesh, plan, out: Path) -> None:
@@ -101,6 +99,5 @@ def _dtensors(expected, rules, folder, mesh, plan) -> None:
 
 def test_block_fp8_under_tp_and_ep_equals_the_sliced_single_process_load(tmp_path):
     folder = fp8_checkpoint(tmp_path / "fp8")
-    mp.spawn(_worker, args=(2, str(tmp_path / "rendezvous"), str(folder), str(tmp_path)), nprocs=2, join=True)
-    failures = [Path(tmp_path, f"rank{r}.txt").read_text() for r in range(2)]
-    assert failures == ["", ""], "\n\n".join(f for f in failures if f)
+    failures = run_ranks(_on_ranks, 2, str(folder), str(tmp_path))
+    assert failures == [[], []], "\n\n".join(f for r in failures for f in r)

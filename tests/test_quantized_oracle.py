@@ -10,10 +10,10 @@ import pytest
 
 pytest.importorskip("transformers")
 
+import quant_reference as ref  # noqa: E402
 import torch  # noqa: E402
 from hf_models import ModelFactory, fp8_release, gpt_oss_mxfp4_release, transformers_state_dict  # noqa: E402
 
-import quant_reference as ref  # noqa: E402
 import remapdsl  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
@@ -71,15 +71,14 @@ def test_gpt_oss_mxfp4_equals_transformers(tmp_path):
 def test_mxfp4_decode_equals_convert_moe_packed_tensors(tmp_path):
     """Every byte code, scales from 2^-127 to 2^127 (255, NaN by the spec, is left out: transformers
     computes 2^128 = inf there), against transformers' decoder, with its transpose."""
-    from safetensors.torch import save_file
+    from checkpoints import tiny_checkpoint
     from transformers.integrations.mxfp4 import convert_moe_packed_tensors
 
     g = torch.Generator().manual_seed(5)
     blocks = ref.random_codes(g, (3, 40, 4, 16))
     scales = ref.random_codes(g, (3, 40, 4)) % 255
     scales.view(-1)[:3] = torch.tensor([0, 1, 254], dtype=torch.uint8)
-    save_file({"w_blocks": blocks, "w_scales": scales}, str(tmp_path / "model.safetensors"))
-    (tmp_path / "config.json").write_text("{}")
+    tiny_checkpoint(tmp_path, {"w_blocks": blocks, "w_scales": scales}, {})
     rules = remapdsl.language.rules_from_text("remap 1\ndequantize {P:path}_blocks, {P}_scales -> {P} | mxfp4(to=bfloat16)\n"
                                      "w -> w | transpose(1, 2)\n", "t.remap")
     target = {"w": torch.empty(3, 128, 40, dtype=torch.bfloat16)}

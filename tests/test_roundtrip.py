@@ -5,12 +5,13 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+from depth import scaled
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from pydantic import ValidationError
 
-from remapdsl.language import ir
 from remapdsl.errors import RemapError
+from remapdsl.language import ir
 from remapdsl.language.formatter import format_rules
 from remapdsl.language.parser import parse_file, parse_text
 
@@ -25,7 +26,7 @@ pytestmark = pytest.mark.filterwarnings("ignore:Generating overly large repr")
 ROOT = Path(__file__).resolve().parent.parent
 PATH = "<generated>"
 
-_SETTINGS = settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+_SETTINGS = settings(max_examples=scaled(100), deadline=None, suppress_health_check=[HealthCheck.too_slow])
 
 
 def roundtrip(rules: ir.RuleFile) -> ir.RuleFile:
@@ -63,7 +64,7 @@ def test_format_idempotent_and_keeps_trivia(rules):
     assert all_trivia(again) == all_trivia(rules), text
 
 
-@settings(max_examples=300, deadline=None)
+@settings(max_examples=scaled(150), deadline=None)
 @given(S.exprs)
 def test_expression_roundtrip(expr):
     rules = ir.RuleFile(path=PATH, statements=(ir.Let(name="x", value=expr),))

@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from checkpoints import tiny_checkpoint
 from safetensors.torch import load_file, save_file
 
 import remapdsl
@@ -80,10 +81,7 @@ def small(folder: Path) -> Path:
                "a.v.weight": torch.randn(3, 4, generator=g), "b.weight": torch.randn(5, generator=g),
                "c.weight": torch.randn(4, 4, generator=g).to(torch.bfloat16),
                "norm.weight": torch.randn(4, generator=g)}
-    folder.mkdir()
-    save_file(tensors, str(folder / "model.safetensors"))
-    (folder / "config.json").write_text("{}")
-    return folder
+    return tiny_checkpoint(folder, tensors, {})
 
 
 def test_value_steps_and_fan_out_are_undone(tmp_path):
@@ -199,9 +197,7 @@ def test_a_sharded_index_and_its_files_are_reproduced(tmp_path):
 def test_an_empty_tensor_a_rule_reads_saves_back(tmp_path):
     """A checkpoint tensor with no elements ([0, 2]) is read by its rule though no block holds any of
     it: the save writes it back (to `like`'s layout and to a derived one), not E501 "read by no rule"."""
-    source = tmp_path / "src"
-    source.mkdir()
-    save_file({"e": torch.zeros(0, 2), "a.w": torch.ones(2, 2)}, str(source / "model.safetensors"))
+    source = tiny_checkpoint(tmp_path / "src", {"e": torch.zeros(0, 2), "a.w": torch.ones(2, 2)})
     rules = rules_from_text("remap 1\ne -> a\na.w -> b\n", "t.remap")
     state = {"a": torch.zeros(0, 2), "b": torch.zeros(2, 2)}
     remapdsl.load(state, source, rules, config={})

@@ -269,6 +269,7 @@ def _save_dtensors(rank: int, world: int, rules: str, source: str, out: str) -> 
     return remapdsl.save(sharded, out, rules, config=config, max_shard_size="20kB").bytes_written
 
 
+@pytest.mark.distributed
 def test_two_ranks_save_dtensors_without_like_to_the_one_process_files(checkpoints, tmp_path):
     rules = str(ROOT / "rules" / "qwen3_moe.remap")
     source = checkpoints("qwen3_moe")
@@ -283,7 +284,7 @@ def test_two_ranks_save_dtensors_without_like_to_the_one_process_files(checkpoin
     assert 0 < min(written) and max(written) < total  # each rank wrote its part, none the whole
 
 
-@pytest.mark.parametrize("page", ["saving.md", "export.md"])
+@pytest.mark.parametrize("page", ["saving.md", pytest.param("export.md", marks=pytest.mark.distributed)])
 def test_the_pages_python_blocks_run_as_printed(tmp_path, page):
     """docs/saving.md's and docs/export.md's examples run in a fresh process, offline, and print
     what the page shows (the export page's second one on 2 gloo ranks)."""

@@ -2,12 +2,11 @@
 lowest holder of, straight into the output files, and syncs them itself; the result is
 byte-identical to the checkpoint the shards were loaded from, for TP, EP, FSDP and FSDP x TP
 layouts, as plain tensors with a layout and as DTensors. A rank that fails mid-save fails every
-rank and leaves nothing behind."""
+rank and leaves nothing behind. Each world size is one spawn, whose results both tests read."""
 
 from __future__ import annotations
 
 import contextlib
-import datetime
 import filecmp
 import json
 import os
@@ -17,11 +16,13 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
-from gloo import BACKENDS, CHECK_FAILURES, distributed_like, join_group, shut_down
+from gloo import BACKENDS, CHECK_FAILURES, distributed_like, each_backend
 
 import remapdsl
 from remapdsl.sharding import LayoutPlan, Mesh, Replicate, Shard, layout_for, local_shard
+from remapdsl.testing.ranks import run_ranks
+
+pytestmark = pytest.mark.distributed
 
 ROOT = Path(__file__).resolve().parent.parent
 CHECKPOINT = ROOT / "examples" / "tiny-qwen3-moe"
@@ -41,21 +42,37 @@ def _layout(name: str, world: int):
     raise KeyError(name)
 
 
-def _worker(rank: int, world: int, rendezvous: str, out: str) -> None:
-    """Every case under each default group in turn (plain gloo, then `cuda:gloo`: NCCL's device
-    contract), each writing into a folder of its own."""
-    failures: list[str] = []
-    try:
-        for backend in BACKENDS:
-            join_group(rank, world, f"{rendezvous}-{backend}", backend)
-            try:
-                folder = Path(out, _folder(backend))
-                folder.mkdir(exist_ok=True)
-                failures.extend(f"[{backend}] {f}" for f in _cases(rank, world, folder))
-            finally:
-                shut_down()
-    finally:
-        Path(out, f"rank{rank}.txt").write_text("\n".join(failures))
+def _on_ranks(rank: int, world: int, out: str, hf_folders: dict) -> dict:
+    """Both tests' saves on one group of `world` ranks: the transformers checkpoints (plain gloo),
+    then every case of the bundled checkpoint under each default group in turn (plain gloo, then
+    `cuda:gloo`: NCCL's device contract), each writing into a folder of its own; the failures."""
+    hf = _hf_cases(rank, world, hf_folders, out)
+
+    def bundled(backend: str) -> list[str]:
+        folder = Path(out, _folder(backend))
+        folder.mkdir(exist_ok=True)
+        return _cases(rank, world, folder)
+
+    return {"hf": hf, "bundled": each_backend(rank, world, out, bundled)}
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory):
+    """`saved(world) -> (each rank's failures, folder, transformers checkpoints)`: the one spawn of
+    `world` ranks that makes this file's saves (on first use), the folder they went to, and the
+    checkpoints (name -> folder, rules) the transformers saves start from, built once."""
+    runs: dict[int, tuple[list[dict], Path, dict]] = {}
+    hf_folders: dict[str, tuple[str, str]] = {}
+
+    def run(world: int) -> tuple[list[dict], Path, dict]:
+        if world not in runs:
+            if not hf_folders:
+                hf_folders.update(_hf_checkpoints(tmp_path_factory.mktemp("hf")))
+            out = tmp_path_factory.mktemp(f"saves{world}")
+            runs[world] = run_ranks(_on_ranks, world, str(out), hf_folders, timeout=240), out, hf_folders
+        return runs[world]
+
+    return run
 
 
 def _folder(backend: str) -> str:
@@ -136,14 +153,13 @@ def _failing_rank_fails_everyone(rank: int, full, out: Path) -> None:
     assert "rank 1" in str(info.value) and "Input/output error" in str(info.value), str(info.value)
 
 
-@pytest.mark.distributed
 @pytest.mark.parametrize("world", [2, 4])
-def test_sharded_saves_reproduce_the_checkpoint(world, tmp_path):
-    mp.spawn(_worker, args=(world, str(tmp_path / "rendezvous"), str(tmp_path)), nprocs=world, join=True)
-    failures = [Path(tmp_path, f"rank{r}.txt").read_text() for r in range(world)]
-    assert failures == [""] * world, "\n\n".join(f for f in failures if f)
+def test_sharded_saves_reproduce_the_checkpoint(world, saved):
+    results, out, _ = saved(world)
+    failures = [f for r in results for f in r["bundled"]]
+    assert not failures, "\n\n".join(failures)
     for backend in BACKENDS:
-        _saved_whole(tmp_path / _folder(backend), world)
+        _saved_whole(out / _folder(backend), world)
 
 
 def _saved_whole(folder: Path, world: int) -> None:
@@ -178,49 +194,54 @@ HF_LAYOUTS = {
 }
 
 
-def _hf_worker(rank: int, world: int, rendezvous: str, folders: dict, out: str) -> None:
-    dist.init_process_group("gloo", init_method=f"file://{rendezvous}", rank=rank, world_size=world,
-                            timeout=datetime.timedelta(seconds=60))
+def _hf_checkpoints(root: Path) -> dict[str, tuple[str, str]]:
+    """Llama (tied), Mixtral and DeepSeek-V3 as transformers' `save_pretrained` writes them, with
+    their shipped rule files (none without transformers)."""
+    import importlib.util
+
+    if importlib.util.find_spec("transformers") is None:
+        return {}
+    from hf_models import CASES as HF_MODELS
+    from hf_models import build
+
+    folders = {}
+    for name in HF_CASES:
+        built = build(HF_MODELS[name if name != "llama" else "llama_tied"], root / f"hf-{name}")
+        folders[name] = (str(built.folder), str(ROOT / built.case.rules))
+    return folders
+
+
+def _hf_cases(rank: int, world: int, folders: dict, out: str) -> list[str]:
     failures: list[str] = []
-    try:
-        for name, (folder, rules) in folders.items():
-            inventory = remapdsl.open_checkpoint(folder)
-            compiled = remapdsl.compile_rules(remapdsl.load_rules(rules), inventory)
-            for case, dims, plan_map, mesh_dim in HF_LAYOUTS[world]:
-                try:
-                    mesh, plan = Mesh.of(dims), LayoutPlan.from_mapping(plan_map, mesh_dim=mesh_dim)
-                    local = {}
-                    for d in compiled.runtime_tensors:
-                        shard = local_shard(d.shape, mesh.sizes, layout_for(d.runtime_key, d.shape, plan, mesh),
-                                            mesh.coordinate(rank))
-                        local[d.runtime_key] = torch.full(shard.shape, float("nan"), dtype=getattr(torch, d.dtype))
-                    remapdsl.load(local, folder, rules, layout=plan, mesh=mesh)
-                    remapdsl.save(local, Path(out) / f"{name}-{case}", rules, like=folder, layout=plan, mesh=mesh)
-                except CHECK_FAILURES:  # reported by the parent
-                    failures.append(f"{name} {case}: {traceback.format_exc()}")
-    finally:
-        Path(out, f"hf-rank{rank}.txt").write_text("\n".join(failures))
-        shut_down()
+    for name, (folder, rules) in folders.items():
+        inventory = remapdsl.open_checkpoint(folder)
+        compiled = remapdsl.compile_rules(remapdsl.load_rules(rules), inventory)
+        for case, dims, plan_map, mesh_dim in HF_LAYOUTS[world]:
+            try:
+                mesh, plan = Mesh.of(dims), LayoutPlan.from_mapping(plan_map, mesh_dim=mesh_dim)
+                local = {}
+                for d in compiled.runtime_tensors:
+                    shard = local_shard(d.shape, mesh.sizes, layout_for(d.runtime_key, d.shape, plan, mesh),
+                                        mesh.coordinate(rank))
+                    local[d.runtime_key] = torch.full(shard.shape, float("nan"), dtype=getattr(torch, d.dtype))
+                remapdsl.load(local, folder, rules, layout=plan, mesh=mesh)
+                remapdsl.save(local, Path(out) / f"{name}-{case}", rules, like=folder, layout=plan, mesh=mesh)
+            except CHECK_FAILURES:  # reported by the parent
+                failures.append(f"{name} {case}: {traceback.format_exc()}")
+    return failures
 
 
-@pytest.mark.distributed
 @pytest.mark.parametrize("world", [2, 4])
-def test_transformers_checkpoints_round_trip_on_every_mesh(world, tmp_path):
+def test_transformers_checkpoints_round_trip_on_every_mesh(world, saved):
     """Llama (tied), Mixtral and DeepSeek-V3 saved by transformers' `save_pretrained`, loaded in
     shards through the shipped rule files and saved back from the shards: the files transformers
     wrote, byte for byte, under every layout."""
     pytest.importorskip("transformers")
-    from hf_models import CASES as HF, build
-
-    folders = {}
-    for name in HF_CASES:
-        built = build(HF[name if name != "llama" else "llama_tied"], tmp_path / f"hf-{name}")
-        folders[name] = (str(built.folder), str(ROOT / built.case.rules))
-    mp.spawn(_hf_worker, args=(world, str(tmp_path / "rendezvous"), folders, str(tmp_path)), nprocs=world, join=True)
-    failures = [Path(tmp_path, f"hf-rank{r}.txt").read_text() for r in range(world)]
-    assert failures == [""] * world, "\n\n".join(f for f in failures if f)
+    results, out, folders = saved(world)
+    failures = [f for r in results for f in r["hf"]]
+    assert not failures, "\n\n".join(failures)
     for name, (folder, _) in folders.items():
         for case, *_ in HF_LAYOUTS[world]:
             for file in Path(folder).iterdir():
                 if file.suffix in (".safetensors", ".json"):
-                    assert filecmp.cmp(file, tmp_path / f"{name}-{case}" / file.name, shallow=False), (name, case, file.name)
+                    assert filecmp.cmp(file, out / f"{name}-{case}" / file.name, shallow=False), (name, case, file.name)

@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from checkpoints import tiny_checkpoint
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
@@ -26,11 +27,9 @@ MINIMAL = "remap 1\na.weight -> x.weight\ndrop b.weight\n"
 
 
 def _minimal(folder: Path) -> Path:
-    folder.mkdir(parents=True)
     gen = torch.Generator().manual_seed(0)
-    save_file({"a.weight": torch.randn(4, 3, generator=gen), "b.weight": torch.randn(5, generator=gen,
-               dtype=torch.float64).to(torch.bfloat16)}, str(folder / "model.safetensors"), metadata={"format": "pt"})
-    return folder
+    return tiny_checkpoint(folder, {"a.weight": torch.randn(4, 3, generator=gen), "b.weight": torch.randn(
+        5, generator=gen, dtype=torch.float64).to(torch.bfloat16)}, metadata={"format": "pt"})
 
 
 def _indexed(folder: Path) -> Path:
@@ -42,7 +41,7 @@ def _indexed(folder: Path) -> Path:
               "model-00003-of-00003.safetensors": ["d.weight", "e.bias"]}
     weight_map = {}
     for name, keys in groups.items():
-        save_file({k: torch.randn(3, 2, generator=gen) for k in keys}, str(folder / name), metadata={"format": "pt"})
+        tiny_checkpoint(folder, {k: torch.randn(3, 2, generator=gen) for k in keys}, file=name, metadata={"format": "pt"})
         weight_map.update(dict.fromkeys(keys, name))
     (folder / "model.safetensors.index.json").write_text(json.dumps(
         {"metadata": {"total_size": 24 * 6}, "weight_map": weight_map}, indent=2, sort_keys=True) + "\n")
@@ -211,13 +210,12 @@ def _save_on_ranks(rank: int, world: int, source: str, out: str) -> tuple[int, i
     return report.bytes_copied, report.bytes_written
 
 
+@pytest.mark.distributed
 def test_two_ranks_share_the_copies_by_bytes(tmp_path):
-    source = tmp_path / "src"
-    source.mkdir()
     gen = torch.Generator().manual_seed(3)
-    save_file({"a.weight": torch.randn(4, 3, generator=gen), "b.weight": torch.randn(1000, generator=gen),
-               "c.weight": torch.randn(10, generator=gen)}, str(source / "model.safetensors"),
-              metadata={"format": "pt"})
+    source = tiny_checkpoint(tmp_path / "src", {"a.weight": torch.randn(4, 3, generator=gen),
+                                                "b.weight": torch.randn(1000, generator=gen),
+                                                "c.weight": torch.randn(10, generator=gen)}, metadata={"format": "pt"})
     results = run_ranks(_save_on_ranks, 2, str(source), str(tmp_path / "out"), timeout=60, backend="cuda:gloo")
     copied = [r[0] for r in results]
     assert copied == [2020, 2020]  # 4000 + 40 bytes of dropped tensors, half each: b.weight split
@@ -253,12 +251,10 @@ drop b.weight
 
 
 def _fp8(folder: Path) -> Path:
-    folder.mkdir(parents=True)
     gen = torch.Generator().manual_seed(5)
-    save_file({"a.weight": torch.randn(8, 8, generator=gen).to(torch.float8_e4m3fn),
-               "a.weight_scale_inv": torch.rand(2, 2, generator=gen) + 0.5,
-               "b.weight": torch.randn(6, generator=gen)}, str(folder / "model.safetensors"), metadata={"format": "pt"})
-    return folder
+    return tiny_checkpoint(folder, {"a.weight": torch.randn(8, 8, generator=gen).to(torch.float8_e4m3fn),
+                                    "a.weight_scale_inv": torch.rand(2, 2, generator=gen) + 0.5,
+                                    "b.weight": torch.randn(6, generator=gen)}, metadata={"format": "pt"})
 
 
 def test_a_quantized_checkpoint_copies_the_dropped_tensor_with_the_stored_scales(tmp_path):

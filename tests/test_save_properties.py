@@ -94,7 +94,7 @@ def _named(d) -> tuple[str, str]:
     return found.group(1), d.code
 
 
-@examples(200)
+@examples(100)
 @given(list_axis_cases(), meshes(), st.data())
 def test_save_of_load_writes_the_checkpoint_back(case, mesh, data):
     rules = remapdsl.language.rules_from_text(case.text)

@@ -8,11 +8,11 @@ exactly what the direct reads fill: row and column shards, value steps, dequanti
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import pytest
 import torch
+from checkpoints import tiny_checkpoint
 from safetensors.torch import save_file
 
 import remapdsl
@@ -165,9 +165,9 @@ def test_dequantized_fp8_and_value_steps_through_the_ring_equal_direct_reads(tmp
     g = torch.Generator().manual_seed(5)
     codes = torch.randint(0, 256, (40, 48), generator=g, dtype=torch.uint8)
     codes[codes & 0x7F == 0x7F] = 0  # no NaN codes: equal values compare equal
-    save_file({"q.weight": codes.view(torch.float8_e4m3fn), "q.weight_scale_inv": torch.rand(3, 3, generator=g) + 0.5,
-               "n.weight": torch.randn(40, 48, generator=g)}, str(tmp_path / "model.safetensors"))
-    (tmp_path / "config.json").write_text(json.dumps({}))
+    tiny_checkpoint(tmp_path, {"q.weight": codes.view(torch.float8_e4m3fn),
+                               "q.weight_scale_inv": torch.rand(3, 3, generator=g) + 0.5,
+                               "n.weight": torch.randn(40, 48, generator=g)}, {})
     rules = rules_from_text("""remap 1
 dequantize {P:path}.weight, {P}.weight_scale_inv -> {P}.weight | fp8_block(block=[16, 16], to=bfloat16)
 q.weight -> q | transpose(0, 1)

@@ -223,6 +223,7 @@ def _fails_on_rank_1(rank: int, world: int, word: str) -> int:
     return rank * 10
 
 
+@pytest.mark.distributed
 @pytest.mark.remapdsl_distributed
 def test_sharded_loads_equal_the_whole_load_on_two_gloo_ranks(remapdsl_ranks, tmp_path):
     tp = {"*.self_attn.q_proj": "colwise", "*.self_attn.o_proj": "rowwise",
@@ -238,6 +239,7 @@ def test_sharded_loads_equal_the_whole_load_on_two_gloo_ranks(remapdsl_ranks, tm
     assert str(info.value) == "rank 1: refused on rank 1"
 
 
+@pytest.mark.distributed
 def test_a_sharded_save_of_the_sharded_load_gives_the_checkpoint_back_and_names_a_lossy_cast(tmp_path):
     tp = {"*.self_attn.q_proj": "colwise", "*.mlp.experts.gate_up_proj": "packed_colwise"}
     reports = assert_sharded_round_trip(QWEN3_RULES, TINY, tp, mesh={"tp": 2})

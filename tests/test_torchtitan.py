@@ -394,6 +394,7 @@ def _load_and_save_sharded(rank: int, world: int, folder: str, hf_config: dict, 
     return result
 
 
+@pytest.mark.distributed
 def test_adapter_loads_dtensors_through_dcp_and_saves_them_back_on_two_ranks(checkpoints, tmp_path):
     built = checkpoints("qwen3_moe_12e_sharded")
     expected, _ = torchtitan_load(built)

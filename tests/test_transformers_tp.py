@@ -12,30 +12,30 @@ transformers is wrong for converters that split or permute a fused tensor along 
 interleave) is checked against expectations computed independently with torch ops instead.
 
 One spawn runs every case (importing transformers in each rank is most of the cost); each case's
-per-rank failures are written to a file that its test reads.
+test reads its per-rank failures from what the ranks returned.
 """
 
 from __future__ import annotations
 
-import datetime
 import json
 import os
-import socket
 import traceback
 from pathlib import Path
 
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 pytest.importorskip("transformers")
 
+from gloo import CHECK_FAILURES
 from hf_models import CASES as HF_CASES
-from gloo import CHECK_FAILURES, shut_down
 from hf_models import ModelFactory
 
 import remapdsl
+from remapdsl.testing.ranks import run_ranks
+
+pytestmark = pytest.mark.distributed
 
 ROOT = Path(__file__).resolve().parent.parent
 WORLD = 2
@@ -55,26 +55,24 @@ LLAMA_FUSED = "llama_fused_tp2"
 # ------------------------------------------------------------------------------------------ worker
 
 
-def _worker(rank: int, port: int, jobs: dict, out: str) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), LOCAL_RANK=str(rank),
-                      WORLD_SIZE=str(WORLD))
+def _on_ranks(rank: int, world: int, jobs: dict) -> dict[str, str]:
+    """Every case on this rank of the group run_ranks made (transformers joins it: the launcher's
+    variables are set as torchrun sets them); case name -> its failure ("" when it holds)."""
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world))
     torch.manual_seed(0)  # identical on every rank: each builds the same random model
-    dist.init_process_group("gloo", rank=rank, world_size=WORLD, timeout=datetime.timedelta(seconds=60))
-    try:
-        _allow_tp_without_accelerate()
-        for name, job in jobs.items():
-            try:
-                if name == LLAMA_FUSED:
-                    _llama_fused_case(job)
-                else:
-                    _hf_case(job)
-                failure = ""
-            except CHECK_FAILURES:  # reported by the parent, per case and rank
-                failure = traceback.format_exc()
-            Path(out, f"{name}.rank{rank}.txt").write_text(failure)
-            dist.barrier()  # a rank that failed early must not run ahead into the next case's collectives
-    finally:
-        shut_down()
+    _allow_tp_without_accelerate()
+    failures = {}
+    for name, job in jobs.items():
+        try:
+            if name == LLAMA_FUSED:
+                _llama_fused_case(job)
+            else:
+                _hf_case(job)
+            failures[name] = ""
+        except CHECK_FAILURES:  # reported by the parent, per case and rank
+            failures[name] = traceback.format_exc()
+        dist.barrier()  # a rank that failed early must not run ahead into the next case's collectives
+    return failures
 
 
 def _allow_tp_without_accelerate() -> None:
@@ -194,15 +192,9 @@ def _llama_fused_case(job: dict) -> None:
 # ---------------------------------------------------------------------------------------- parent
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
-def results(tmp_path_factory) -> Path:
-    """Build the checkpoints once, run every case in one 2-rank spawn; returns the results folder."""
+def results(tmp_path_factory) -> list[dict[str, str]]:
+    """Build the checkpoints once, run every case in one 2-rank spawn; each rank's failures."""
     from safetensors.torch import save_file
 
     root = tmp_path_factory.mktemp("hf_tp")
@@ -218,15 +210,11 @@ def results(tmp_path_factory) -> Path:
     llama = factory("llama")
     jobs[LLAMA_FUSED] = {"folder": str(llama.folder), "rules": str(ROOT / "rules" / "llama_fused.remap"),
                          "checkpoint_file": str(llama.folder / "model.safetensors")}
-    out = root / "results"
-    out.mkdir()
-    mp.spawn(_worker, args=(_free_port(), jobs, str(out)), nprocs=WORLD, join=True)
-    return out
+    return run_ranks(_on_ranks, WORLD, jobs, timeout=300)
 
 
-def _failures(results: Path, name: str) -> str:
-    texts = [(results / f"{name}.rank{r}.txt").read_text() for r in range(WORLD)]
-    return "\n\n".join(f"rank {r}:\n{t}" for r, t in enumerate(texts) if t)
+def _failures(results: list[dict[str, str]], name: str) -> str:
+    return "\n\n".join(f"rank {r}:\n{failures[name]}" for r, failures in enumerate(results) if failures[name])
 
 
 @pytest.mark.parametrize(

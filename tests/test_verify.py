@@ -31,6 +31,7 @@ def _statuses(result) -> list[tuple[str, str | None, str]]:
 # -- passing ---------------------------------------------------------------------------------------
 
 
+@pytest.mark.distributed
 def test_the_shipped_rules_pass_on_the_bundled_checkpoint_on_two_real_ranks(capsys):
     status = main(["verify", str(QWEN3_RULES), "--checkpoint", str(TINY), "--layout", str(TP2_LAYOUT)])
     out = capsys.readouterr().out
@@ -48,6 +49,7 @@ def test_the_shipped_rules_pass_on_the_bundled_checkpoint_on_two_real_ranks(caps
     assert out.rstrip().endswith("ok: 4 of 4 checks hold")
 
 
+@pytest.mark.distributed
 def test_a_snapshot_is_verified_on_random_values_in_its_layout_as_json(tmp_path, capsys):
     snapshot = tmp_path / "model.headers.json"
     remapdsl.write_snapshot(TINY, snapshot)
@@ -65,6 +67,7 @@ def test_a_snapshot_is_verified_on_random_values_in_its_layout_as_json(tmp_path,
 # -- wrong rules fail, naming the tensor ---------------------------------------------------------------
 
 
+@pytest.mark.distributed
 def test_gate_and_up_swapped_fail_only_against_transformers(tmp_path, capsys):
     pytest.importorskip("transformers")
     swapped = wrong_rules(tmp_path, QWEN3_RULES, "experts.{E}.{gate,up}_proj.weight", "experts.{E}.{up,gate}_proj.weight")
@@ -146,6 +149,7 @@ def test_user_errors_exit_2_with_one_message(case, tmp_path, capsys):
         assert f"error[{code}]" in captured.err
 
 
+@pytest.mark.distributed
 def test_a_cast_that_loses_values_fails_both_saves_naming_the_tensor(tmp_path):
     """A rule whose load cannot be undone (bfloat16 read into float16 loses range): the loads
     pass, the sharded save and the one-process round trip fail, each naming the tensor (E502)."""

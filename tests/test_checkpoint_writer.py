@@ -1,8 +1,8 @@
-"""What remapdsl/checkpoint/writer.py does that the rest of the suite left unchecked (issue #18's
-mutation run): the errors a writer raises for real operating-system failures in this process
-(a full device, a file it cannot open, a sync that fails; E511 and E512 whole: code, message,
-path, hint), the bytes still to write and the space free that E511 names, and a failed save
-whose staging folder was never made raising its own error, not the clean-up's.
+"""The checkpoint writer (remapdsl/checkpoint/writer.py): the errors it raises for real operating-
+system failures in this process (a full device, a file it cannot open, a sync that fails; E511 and
+E512 whole: code, message, path, hint), the bytes still to write and the space free that E511 names,
+a failed save whose staging folder was never made raising its own error, not the clean-up's; how a
+new layout lays out its files and index; which stale staging folders are removed; the commit.
 
 The full device is /dev/full (every write ENOSPC, every fsync EINVAL) linked in as an output
 file; a disk quota cannot be exceeded on a test machine, so EDQUOT is given to `_write_error`.
@@ -19,6 +19,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from checkpoints import tiny_checkpoint
 from safetensors.torch import save_file
 
 import remapdsl
@@ -158,14 +159,13 @@ def _sys_refuses_folders() -> bool:
 def test_a_save_whose_staging_folder_cannot_be_made_raises_that_not_the_clean_up_s(tmp_path):
     """The destination's parent is /sys: making the staging folder fails (EPERM), the save raises
     E512 for it, and removing the staging folder that never was stays quiet."""
-    save_file({"a.w": torch.zeros(2, 4)}, str(tmp_path / "model.safetensors"))
-    (tmp_path / "config.json").write_text("{}")
+    tiny_checkpoint(tmp_path, {"a.w": torch.zeros(2, 4)}, {})
     rules = rules_from_text("remap 1\na.w -> b\n", "t.remap")
     with pytest.raises(CheckpointError) as caught:
-        remapdsl.save({"b": torch.ones(2, 4)}, "/sys/remapdsl-mutants-out", rules, like=str(tmp_path))
+        remapdsl.save({"b": torch.ones(2, 4)}, "/sys/remapdsl-test-out", rules, like=str(tmp_path))
     d = caught.value.diagnostic
     assert d.code == "E512" and d.path == "/sys", d
-    assert re.fullmatch(r"creating the staging folder in \.remapdsl-mutants-out\.remapdsl-partial-[0-9a-f]+ "
+    assert re.fullmatch(r"creating the staging folder in \.remapdsl-test-out\.remapdsl-partial-[0-9a-f]+ "
                         r"failed: E[A-Z]+ \(.*\)", d.message), d.message
     discard(tmp_path / "never-made")  # quiet
     (tmp_path / "made" / "sub").mkdir(parents=True)
@@ -173,18 +173,18 @@ def test_a_save_whose_staging_folder_cannot_be_made_raises_that_not_the_clean_up
     assert not (tmp_path / "made").exists()
 
 
-def test_a_new_layout_starts_a_file_only_when_the_next_tensor_would_pass_the_limit():
+def test_a_new_checkpoint_starts_a_file_only_when_the_next_tensor_would_pass_the_limit():
     """As Hugging Face shards: keys in order, a file of exactly the limit is full but not passed, the
     files are named 1-based `model-0000i-of-0000N`, and the index totals every tensor's bytes."""
-    from remapdsl.checkpoint.writer import new_layout
+    from remapdsl.checkpoint.writer import new_checkpoint
 
     tensors = {k: ("float32", (25,)) for k in "abcde"}  # 100 bytes each
-    layout = new_layout("/out", tensors, max_shard_bytes=200)
+    layout = new_checkpoint("/out", tensors, max_shard_bytes=200)
     first, second, third = (f"model-0000{i}-of-00003.safetensors" for i in (1, 2, 3))
     assert layout.index == {"metadata": {"total_size": 500}, "weight_map": {
         "a": first, "b": first, "c": second, "d": second, "e": third}}
     assert sorted(layout.inventory.files) == [first, second, third]
-    whole = new_layout("/out", tensors, max_shard_bytes=500)
+    whole = new_checkpoint("/out", tensors, max_shard_bytes=500)
     assert (whole.index, list(whole.inventory.files)) == (None, ["model.safetensors"])  # one file, no index
 
 
@@ -192,13 +192,10 @@ def test_omit_lays_out_the_kept_tensors_as_safetensors_would_by_dtype_then_name_
     """A file without `__metadata__`, one tensor dropped and omitted: the file written is byte for
     byte what `save_file` writes for the rest (the largest dtype first, then by name, so neither
     name order nor the dtypes reversed; and no empty `__metadata__` added)."""
-    source = tmp_path / "src"
-    source.mkdir()
     gen = torch.Generator().manual_seed(3)
     kept = {"a.w": torch.randn(3, generator=gen).to(torch.bfloat16), "b.w": torch.randn(2, 2, generator=gen),
             "c.w": torch.randn(5, generator=gen).to(torch.float16)}
-    save_file(dict(kept, **{"d.w": torch.randn(4, generator=gen)}), str(source / "model.safetensors"))
-    (source / "config.json").write_text("{}")
+    source = tiny_checkpoint(tmp_path / "src", dict(kept, **{"d.w": torch.randn(4, generator=gen)}), {})
     rules = rules_from_text("remap 1\n{a,b,c}.w -> {a,b,c}_w\ndrop d.w\n", "t.remap")
     state = {k.replace(".", "_"): v.clone() for k, v in kept.items()}
     remapdsl.save(state, tmp_path / "out", rules, like=source, dropped="omit")
@@ -221,14 +218,14 @@ def _written(layout) -> str:
     return str(root)
 
 
-def test_a_new_layout_s_inventory_is_what_its_written_files_read_back_as(tmp_path):
+def test_a_new_checkpoint_s_inventory_is_what_its_written_files_read_back_as(tmp_path):
     """Every file's size, data offset and `__metadata__`, every tensor's place: as `open_checkpoint`
     reads them from the files the layout's headers make (one file, and three with an index)."""
-    from remapdsl.checkpoint.writer import new_layout
+    from remapdsl.checkpoint.writer import new_checkpoint
 
     tensors = {"a": ("bfloat16", (3,)), "b": ("float32", (2, 2)), "c": ("float16", (5,))}
-    one = new_layout(str(tmp_path / "one"), tensors, max_shard_bytes=1 << 20)
-    three = new_layout(str(tmp_path / "three"), tensors, max_shard_bytes=16, metadata={"format": "pt", "x": "y"})
+    one = new_checkpoint(str(tmp_path / "one"), tensors, max_shard_bytes=1 << 20)
+    three = new_checkpoint(str(tmp_path / "three"), tensors, max_shard_bytes=16, metadata={"format": "pt", "x": "y"})
     assert (len(one.inventory.files), len(three.inventory.files)) == (1, 3)
     for layout in (one, three):
         assert remapdsl.open_checkpoint(_written(layout)) == layout.inventory
@@ -282,12 +279,12 @@ INDEXED_RULES = "remap 1\n{a,b,c}.w -> {a,b,c}_w\ndrop d.w\n"
 def _indexed_like(folder: Path) -> Path:
     """Two files and an index written unsorted (weight map last key first, `weight_map` before
     `metadata`), with a config.json and a generation_config.json."""
-    folder.mkdir(parents=True)
     gen = torch.Generator().manual_seed(5)
     groups = {"model-00001-of-00002.safetensors": ["a.w", "d.w"], "model-00002-of-00002.safetensors": ["b.w", "c.w"]}
     weight_map = {}
     for name, keys in groups.items():
-        save_file({k: torch.randn(2, 3, generator=gen) for k in keys}, str(folder / name), metadata={"format": "pt"})
+        tiny_checkpoint(folder, {k: torch.randn(2, 3, generator=gen) for k in keys}, file=name,
+                        metadata={"format": "pt"})
         weight_map.update(dict.fromkeys(keys, name))
     (folder / "model.safetensors.index.json").write_text(json.dumps(
         {"weight_map": dict(sorted(weight_map.items(), reverse=True)), "metadata": {"total_size": 96}}))
@@ -320,7 +317,7 @@ def test_an_index_laid_out_anew_is_written_as_hugging_face_writes_one(tmp_path):
 def test_a_destination_that_appears_while_the_ranks_write_is_e510_and_left_as_it_is(tmp_path):
     """Checked free at the start, made by someone else during the writes: the commit refuses (E510,
     its path the destination), the staging folder is removed and the newcomer untouched."""
-    from remapdsl.runtime.save import write_output
+    from remapdsl.drivers.save import write_output
 
     like = _indexed_like(tmp_path / "like")
     out = tmp_path / "out"
@@ -458,7 +455,7 @@ def test_a_save_s_staging_folder_records_this_host_boot_pid_namespace_pid_and_st
     """The owner record, read while the ranks write: what tells this process apart from every
     other (the kernel's boot id, the pid namespace's link, the start time of /proc/PID/stat)."""
     from remapdsl.checkpoint.writer import OWNER
-    from remapdsl.runtime.save import write_output
+    from remapdsl.drivers.save import write_output
 
     like = _indexed_like(tmp_path / "like")
     seen = []
@@ -557,9 +554,7 @@ def test_a_sync_that_finds_the_device_full_is_e511_with_no_bytes_still_to_write(
 
 def test_a_one_byte_tensor_is_written(tmp_path):
     """A write of a single byte is whole, not short."""
-    source = tmp_path / "src"
-    source.mkdir()
-    save_file({"a.w": torch.zeros(1, dtype=torch.uint8)}, str(source / "model.safetensors"))
+    source = tiny_checkpoint(tmp_path / "src", {"a.w": torch.zeros(1, dtype=torch.uint8)})
     rules = rules_from_text("remap 1\na.w -> b\n", "t.remap")
     remapdsl.save({"b": torch.full((1,), 7, dtype=torch.uint8)}, tmp_path / "out", rules, like=source)
     save_file({"a.w": torch.full((1,), 7, dtype=torch.uint8)}, str(tmp_path / "expected.safetensors"))
@@ -571,9 +566,7 @@ def test_a_like_file_gone_before_its_header_is_copied_is_e512_naming_the_file_an
     made: E512 saying which header could not be read, in which staging folder."""
     from remapdsl.checkpoint.writer import create_files
 
-    source = tmp_path / "src"
-    source.mkdir()
-    save_file({"a": torch.ones(2)}, str(source / "model.safetensors"))
+    source = tiny_checkpoint(tmp_path / "src", {"a": torch.ones(2)})
     like = remapdsl.open_checkpoint(source)
     (source / "model.safetensors").unlink()
     staging = tmp_path / "out" / ".ckpt.remapdsl-partial-0123"

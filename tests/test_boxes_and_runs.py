@@ -1,4 +1,4 @@
-"""The box and run arithmetic (remapdsl/indexmap.py) against brute force: every function is checked
+"""Boxes, blocks and byte runs (remapdsl/indexmap.py) against brute force: every function is checked
 on small random blocks by listing the elements it describes, one by one, so that any change to its
 arithmetic that a caller could see fails here, whatever the compiler happens to feed it today."""
 

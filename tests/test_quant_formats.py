@@ -1,8 +1,7 @@
-"""The quantized formats (remapdsl/quant/), as the mutation run found them untested: what each
-format says when parts do not fit (the whole message: it reaches the user as the E-code's text),
-covers and value grids, encode and requantize against decode, the E8M0 edge codes, kernels over
-more than one chunk and into outputs that are not one block of memory, and the registry's refusals.
-Everything runs on the formats directly: tiny tensors, no checkpoint."""
+"""The quantized formats (remapdsl/quant/) on their own: what each format says when parts do not fit
+(the whole message: it reaches the user as the E-code's text), covers and value grids, encode and
+requantize against decode, the E8M0 edge codes, kernels over more than one chunk and into outputs
+that are not one block of memory, and the registry's refusals. Tiny tensors, no checkpoint."""
 
 from __future__ import annotations
 
@@ -297,7 +296,7 @@ def test_a_decode_into_bfloat16_rounds_the_float32_product_once():
 
 
 class _Int8Row(QuantFormat):
-    name = "int8_row_mutants"
+    name = "int8_row_registered"
     parts = ("values", "scales")
     params = ()
 
@@ -310,24 +309,24 @@ def test_the_registry_refuses_what_is_no_format_and_replaces_only_when_asked():
     bad_name = type("Bad", (_Int8Row,), {"name": "int8 row", "params": (Param("to", "dtype", False),)})()
     with pytest.raises(ValueError, match="^a format name is an identifier, not 'int8 row'$"):
         register_format(bad_name)
-    with pytest.raises(ValueError, match=r"^format `int8_row_mutants` must declare `to` \(the logical dtype\) among "
+    with pytest.raises(ValueError, match=r"^format `int8_row_registered` must declare `to` \(the logical dtype\) among "
                                          r"its params$"):
         register_format(_Int8Row())
     fmt = type("Good", (_Int8Row,), {"params": (Param("to", "dtype", False),)})()
     try:
-        assert register_format(fmt) is fmt and get_format("int8_row_mutants") is fmt
-        assert "int8_row_mutants" in format_names() and format_names() == sorted(format_names())
-        with pytest.raises(ValueError, match=r"^format `int8_row_mutants` is already registered \(pass replace=True "
+        assert register_format(fmt) is fmt and get_format("int8_row_registered") is fmt
+        assert "int8_row_registered" in format_names() and format_names() == sorted(format_names())
+        with pytest.raises(ValueError, match=r"^format `int8_row_registered` is already registered \(pass replace=True "
                                              r"to replace it\)$"):
             register_format(type("Other", (type(fmt),), {})())
         other = type("Other", (type(fmt),), {})()
-        assert register_format(other, replace=True) is other and get_format("int8_row_mutants") is other
+        assert register_format(other, replace=True) is other and get_format("int8_row_registered") is other
     finally:
-        unregister_format("int8_row_mutants")
-    unregister_format("int8_row_mutants")  # nothing registered: nothing happens
-    assert "int8_row_mutants" not in format_names()
+        unregister_format("int8_row_registered")
+    unregister_format("int8_row_registered")  # nothing registered: nothing happens
+    assert "int8_row_registered" not in format_names()
     with pytest.raises(KeyError):
-        get_format("int8_row_mutants")
+        get_format("int8_row_registered")
     assert {"fp8_block", "fp8_channel", "fp8_tensor", "mxfp4", "nvfp4"} <= set(format_names())
 
 

@@ -1,6 +1,6 @@
-"""The guard and expression evaluator (remapdsl/compile/evaluate.py), as the mutation run found it
-untested: each error's whole diagnostic (message, span, source line, hint), guards on both sides of
-their limits, and values that only a `let` or a capture gives. Rules are compiled against a real
+"""Guards and expressions (remapdsl/compile/evaluate.py): each error's whole diagnostic (message,
+span, source line, hint), guards on both sides of their limits, integer arithmetic up to the 64-bit
+limits, and values that only a `let` or a capture gives. Rules are compiled against a real
 four-layer checkpoint, as a user's would be."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from safetensors.torch import save_file
+from checkpoints import tiny_checkpoint
 
 import remapdsl
 from remapdsl.language import rules_from_text
@@ -18,10 +18,8 @@ from remapdsl.language import rules_from_text
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory) -> Path:
     """Layers a.0.w .. a.3.w, each float32 [4, 2], with an empty config."""
-    folder = tmp_path_factory.mktemp("ckpt")
-    save_file({f"a.{n}.w": torch.zeros(4, 2) for n in range(4)}, str(folder / "model.safetensors"))
-    (folder / "config.json").write_text("{}")
-    return folder
+    return tiny_checkpoint(tmp_path_factory.mktemp("ckpt"), {f"a.{n}.w": torch.zeros(4, 2) for n in range(4)},
+                           {})
 
 
 def _compile(checkpoint: Path, text: str, config: dict | None = None, strict: bool = True):
@@ -134,11 +132,8 @@ def test_an_integer_argument_that_is_a_boolean_is_e210(checkpoint):
 @pytest.fixture(scope="module")
 def grid(tmp_path_factory) -> Path:
     """x.I.J.w for I, J in 0..1, each float32 [4, 2]: keys with two captures."""
-    folder = tmp_path_factory.mktemp("grid")
-    save_file({f"x.{i}.{j}.w": torch.zeros(4, 2) for i in range(2) for j in range(2)},
-              str(folder / "model.safetensors"))
-    (folder / "config.json").write_text("{}")
-    return folder
+    return tiny_checkpoint(tmp_path_factory.mktemp("grid"),
+                           {f"x.{i}.{j}.w": torch.zeros(4, 2) for i in range(2) for j in range(2)}, {})
 
 
 def test_a_negative_target_index_lists_every_capture_it_reads(grid):

@@ -1,17 +1,17 @@
-"""The compiler (remapdsl/compile/compiler.py), as the mutation run found it untested: E201's whole
-hint in each of its branches (an unknown segment with and without a close suggestion, keys that
-start like the pattern, none, and the note a guard adds), E204's message (the captures, alternatives
-and wildcards of the missing key), guards over bindings where a capture has no value, and that a
-failed rule's keys are not reported again as E202. Rules are compiled against a real checkpoint."""
+"""How rules bind checkpoint keys (remapdsl/compile/compiler.py), and what the compiler says when
+they do not: E201's whole hint in each of its branches (an unknown segment with and without a close
+suggestion, keys that start like the pattern, none, and the note a guard adds), E204's message (the
+captures, alternatives and wildcards of the missing key), guards over bindings where a capture has
+no value, a failed rule's keys not reported again as E202, the other binding errors whole, and what
+`drop`, `keep` and `cast` record. Rules are compiled against a real checkpoint."""
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import pytest
 import torch
-from safetensors.torch import save_file
+from checkpoints import dcp_chunk, tiny_checkpoint
 
 import remapdsl
 from remapdsl.language import rules_from_text
@@ -28,10 +28,8 @@ _ON = ", so the rule is on; mark it `optional` if this key may be absent"
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory) -> Path:
     """The keys above, each float32 [4, 2], with an empty config."""
-    folder = tmp_path_factory.mktemp("ckpt")
-    save_file({k: torch.zeros(4, 2) for k in _KEYS + _ALTERNATIVES}, str(folder / "model.safetensors"))
-    (folder / "config.json").write_text("{}")
-    return folder
+    return tiny_checkpoint(tmp_path_factory.mktemp("ckpt"), {k: torch.zeros(4, 2) for k in _KEYS + _ALTERNATIVES},
+                           {})
 
 
 def _compile(checkpoint: Path, text: str, config: dict | None = None, strict: bool = False):
@@ -184,9 +182,7 @@ def _fp8_checkpoint(folder: Path, stray_scale: bool = False) -> Path:
                "k.weight_scale": torch.ones(1), "norm.weight": torch.ones(8)}
     if stray_scale:
         tensors["z.weight_scale"] = torch.ones(1)
-    save_file(tensors, str(folder / "model.safetensors"))
-    (folder / "config.json").write_text("{}")
-    return folder
+    return tiny_checkpoint(folder, tensors, {})
 
 
 def test_the_cut_check_reaches_stored_values_moved_after_a_plain_tensor(tmp_path):
@@ -290,12 +286,10 @@ def test_ops_that_leave_more_tensors_than_targets_are_e111(checkpoint):
 @pytest.fixture(scope="module")
 def dtypes(tmp_path_factory) -> Path:
     """a.0.w .. a.2.w float32; n int32; f float8_e4m3fn; h float16; d float64 (each [2])."""
-    folder = tmp_path_factory.mktemp("dtypes")
-    save_file({"a.0.w": torch.zeros(2), "a.1.w": torch.zeros(2), "a.2.w": torch.zeros(2),
-               "n": torch.zeros(2, dtype=torch.int32), "f": torch.zeros(2).to(torch.float8_e4m3fn),
-               "h": torch.zeros(2, dtype=torch.float16), "d": torch.zeros(2, dtype=torch.float64)},
-              str(folder / "model.safetensors"))
-    return folder
+    return tiny_checkpoint(tmp_path_factory.mktemp("dtypes"), {
+        "a.0.w": torch.zeros(2), "a.1.w": torch.zeros(2), "a.2.w": torch.zeros(2),
+        "n": torch.zeros(2, dtype=torch.int32), "f": torch.zeros(2).to(torch.float8_e4m3fn),
+        "h": torch.zeros(2, dtype=torch.float16), "d": torch.zeros(2, dtype=torch.float64)})
 
 
 def _summary(compiled) -> tuple:
@@ -342,7 +336,7 @@ def test_each_group_of_alternatives_in_a_target_takes_its_own_choice(tmp_path):
     """Three groups of alternatives: s.a.d.f goes to t.A.D.F (the third group's choice is the
     third, not the second's again), for each of the 8 keys."""
     keys = [f"s.{x}.{y}.{z}" for x in "ab" for y in "cd" for z in "ef"]
-    save_file({k: torch.full((1,), float(i)) for i, k in enumerate(keys)}, str(tmp_path / "model.safetensors"))
+    tiny_checkpoint(tmp_path, {k: torch.full((1,), float(i)) for i, k in enumerate(keys)})
     compiled = remapdsl.compile_rules(rules_from_text(
         "remap 1\ns.{a,b}.{c,d}.{e,f} -> t.{A,B}.{C,D}.{E,F}\n", "t.remap"), tmp_path, {})
     assert sorted((d.runtime_key, d.blocks[0].source_key) for d in compiled.runtime_tensors) == sorted(
@@ -408,9 +402,7 @@ def test_a_tensor_in_chunks_flattened_keeps_a_block_a_row_and_loads(tmp_path):
     view) and loads its elements in order."""
     a = torch.arange(24, dtype=torch.float32).reshape(6, 4)
     for name, part, offsets in (("shard-00001", a[:3], [0, 0]), ("shard-00002", a[3:].clone(), [3, 0])):
-        save_file({"a": part}, str(tmp_path / f"{name}-model-00001-of-00001.safetensors"),
-                  metadata={"DCP_SHARDING_INFO": json.dumps({"a": {"saved_offsets": offsets}}),
-                            "DCP_VERSION": "1.0", "format": "pt"})
+        dcp_chunk(tmp_path, f"{name}-model-00001-of-00001.safetensors", {"a": part}, {"a": offsets})
     inventory = remapdsl.open_checkpoint(tmp_path)
     assert set(inventory.chunks) == {"a"}
     rules = rules_from_text("remap 1\na -> s | reshape([24])\n", "t.remap")

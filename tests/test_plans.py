@@ -1,10 +1,7 @@
-"""What remapdsl/sharding/placements.py and plans.py do that the rest of the suite left unchecked
-(issue #18's mutation run): Mesh.index's hint, reading a DTensor's placements (its mesh, negative
-dims, strided shards, Partial and unknown placements, a rank outside the mesh), a quantized shard's
-block-grid check (E412, whole diagnostic), the decode items a plan gives for a dequantized source
-(every part read, and the parts a format is shown), and plans over DCP chunks (each part's place,
-E356). Tiny real checkpoints; DTensors on four real gloo ranks.
-"""
+"""Read, decode and write plans (remapdsl/sharding/plans.py) on tiny real checkpoints: a quantized
+shard's block-grid check (E412, whole diagnostic), the decode items a plan gives for a dequantized
+source (every part read, and the parts a format is shown), plans over DCP chunks (each part's
+place, E356), the order of a plan's items, the bytes it owns, and the write plans of a save."""
 
 from __future__ import annotations
 
@@ -13,245 +10,16 @@ from pathlib import Path
 
 import pytest
 import torch
+from checkpoints import dcp_chunk, tiny_checkpoint
 from formats import Int8Row
-from safetensors.torch import save_file
 
 import remapdsl
 from remapdsl.errors import RemapError, Span
 from remapdsl.indexmap import Runs
 from remapdsl.language import rules_from_text
 from remapdsl.sharding import LayoutPlan, Mesh, Shard
-from remapdsl.sharding.placements import (
-    LocalShard,
-    Replicate,
-    StridedShard,
-    TensorPlacement,
-    held_runs,
-    local_shard,
-    placements_from_dtensor,
-)
+from remapdsl.sharding.placements import Replicate, local_shard
 from remapdsl.sharding.plans import DecodeItem, PartRead, ReadItem
-from remapdsl.testing.ranks import run_ranks
-
-# ------------------------------------------------------------------------------------------ the mesh
-
-
-def test_an_unknown_mesh_dim_suggests_the_closest_or_lists_them():
-    """E408: a near name is suggested; a far one lists the mesh's dims; a known one is its index."""
-    mesh = Mesh.of({"data": 2, "tensor": 4})
-    assert (mesh.index("data"), mesh.index("tensor")) == (0, 1)
-    with pytest.raises(RemapError) as near:
-        mesh.index("tensr")
-    with pytest.raises(RemapError) as far:
-        mesh.index("expert")
-    assert [(d.code, d.message, d.hint, d.path) for d in (near.value.diagnostic, far.value.diagnostic)] == [
-        ("E408", "the mesh has no dim `tensr`", "did you mean `tensor`?", None),
-        ("E408", "the mesh has no dim `expert`", "the mesh has data, tensor", None),
-    ]
-
-
-def test_a_coordinate_of_the_wrong_length_has_no_rank():
-    """`Mesh.rank` of a coordinate that names fewer or more dims than the mesh has is an error, not
-    the rank of a coordinate cut short (`(1,)` on a 2x4 mesh is not rank 1 nor rank 4)."""
-    mesh = Mesh.of({"data": 2, "tensor": 4})
-    assert [mesh.rank(mesh.coordinate(r)) for r in range(8)] == list(range(8))
-    for wrong in ((1,), (1, 2, 0)):
-        with pytest.raises(ValueError):
-            mesh.rank(wrong)
-
-
-def test_placements_print_as_torch_prints_its_own():
-    from torch.distributed.tensor import Replicate as TorchReplicate
-    from torch.distributed.tensor import Shard as TorchShard
-
-    assert (str(Replicate()), str(Shard(dim=1))) == (str(TorchReplicate()), str(TorchShard(1))) == ("R", "S(1)")
-
-
-# ------------------------------------------------------------------------------------------ held runs
-
-
-def test_a_shard_of_a_strided_shard_ends_inside_its_second_run():
-    """8 rows, `_StridedShard(0, split_factor=2)` on 2 ranks then `Shard(0)` on 4: coordinate (0, 2)
-    holds rows {0, 1, 4, 5} after the first, of those the third, row 4 alone (a window that ends
-    inside the second run is cut there)."""
-    steps = [(StridedShard(dim=0, split_factor=2), 2, 0), (Shard(dim=0), 4, 2)]
-    assert held_runs(8, steps[:1]) == [(0, 2), (4, 6)]
-    assert held_runs(8, steps) == [(4, 5)]
-    assert local_shard((8, 3), (2, 4), [steps[0][0], steps[1][0]], (0, 2)) == LocalShard((1, 3), (((4, 0), (1, 3)),),
-                                                                                       ((0, 0),))
-
-
-@pytest.mark.parametrize("length, split, ranks", [(9, 2, 4), (7, 3, 2), (10, 4, 3)])
-def test_a_strided_shard_of_uneven_splits_holds_what_torch_gives_each_rank(length, split, ranks):
-    """9 rows in splits of 5 and 4 over 4 ranks: the last rank's window of the first split is empty
-    and of the second is row 8; every rank holds the rows torch's own `_StridedShard` gives it."""
-    from torch.distributed.tensor.placement_types import _StridedShard
-
-    shards, _ = _StridedShard(0, split_factor=split)._split_tensor(torch.arange(length), ranks, with_padding=False)
-    for c, shard in enumerate(shards):
-        runs = held_runs(length, [(StridedShard(dim=0, split_factor=split), ranks, c)])
-        assert [i for a, b in runs for i in range(a, b)] == shard.tolist()
-
-
-def test_an_empty_dim_holds_no_runs():
-    """`held_runs` of a dim of length 0 is no run at all, with or without placements on it."""
-    assert held_runs(0, []) == []
-    assert held_runs(0, [(Shard(dim=0), 2, 1)]) == []
-    assert held_runs(3, []) == [(0, 3)]
-
-
-class _NotAPlacement:
-    def __repr__(self) -> str:
-        return "NotAPlacement()"
-
-
-@pytest.mark.parametrize("args, diagnostic", [
-    (((4,), (2, 2), [Shard(dim=0)], (0, 0)), ("E403", "1 placements for a 2-d mesh", "give one placement per mesh dim")),
-    (((4,), (2,), [Shard(dim=0)], (2,)), ("E404", "coordinate (2,) is outside mesh (2,)", None)),
-    (((4,), (2,), [Shard(dim=0)], (-1,)), ("E404", "coordinate (-1,) is outside mesh (2,)", None)),
-    (((4,), (2, 2), [Shard(dim=0), Replicate()], (1,)), ("E404", "coordinate (1,) is outside mesh (2, 2)", None)),
-    (((4,), (2,), [_NotAPlacement()], (0,)), ("E402", "NotAPlacement() is not a remapdsl placement",
-                                             ("use remapdsl.sharding.placements's Shard, Replicate, StridedShard "
-                                              "(placements_from_dtensor converts torch's)"))),
-    (((4,), (2,), [Shard(dim=1)], (0,)), ("E405", "placement S(1) names dim 1 of a 1-d tensor", None)),
-])
-def test_local_shard_s_errors_name_the_tensor(args, diagnostic):
-    """Each refusal of `local_shard`, whole: code, message, hint, and the runtime key as its path
-    (no path without one)."""
-    for key in ("model.w", None):
-        with pytest.raises(RemapError) as caught:
-            local_shard(*args, runtime_key=key)
-        d = caught.value.diagnostic
-        assert (d.code, d.message, d.hint, d.path) == (*diagnostic, key)
-
-
-# ------------------------------------------------------------------------------------------ DTensors
-
-
-def _dtensor(mesh, placements, shape, local=None):
-    from torch.distributed.tensor import DTensor
-
-    strides = tuple(int(torch.tensor(shape[k + 1:]).prod()) for k in range(len(shape)))
-    local = torch.zeros((1,) * len(shape)) if local is None else local  # torch reads negative dims by its ndim
-    return DTensor.from_local(local, mesh, placements, run_check=False, shape=shape, stride=strides)
-
-
-def _placements_on_ranks(rank: int, world: int) -> None:
-    """On 4 gloo ranks: every rank builds the same meshes (their groups are collective); rank 1
-    checks what remapdsl reads of DTensors on them, every rank its own coordinate."""
-    from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
-    from torch.distributed.tensor import Replicate as TorchReplicate
-    from torch.distributed.tensor import Shard as TorchShard
-    from torch.distributed.tensor.placement_types import _StridedShard
-
-    named = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
-    unnamed = DeviceMesh("cpu", [[0, 1], [2, 3]])
-    upper = DeviceMesh("cpu", [2, 3])
-
-    # a named 2x2 mesh: Shard, _StridedShard kept with its factor, Replicate; the local shard is
-    # what local_shard gives for them
-    got = placements_from_dtensor(_dtensor(named, [TorchShard(0), _StridedShard(1, split_factor=2)], (6, 8)), "k")
-    assert got.coordinate == tuple(named.get_coordinate())
-    assert got.local_shard() == local_shard((6, 8), (2, 2), got.placements, got.coordinate)
-    # an unnamed mesh's dims are dim0, dim1
-    unnamed_got = placements_from_dtensor(_dtensor(unnamed, [TorchShard(0), TorchReplicate()], (4,)))
-    # a rank outside the mesh (ranks 0 and 1 of a mesh of ranks 2 and 3) holds nothing, as torch's
-    local = torch.zeros(0) if rank < 2 else torch.zeros(2, 2)
-    outside = placements_from_dtensor(_dtensor(upper, [TorchShard(0)], (4, 2), local))
-    if rank >= 2:
-        assert outside.coordinate == (rank - 2,)
-    if rank != 1:
-        return
-    assert got == TensorPlacement(shape=(6, 8), mesh=Mesh(names=("dp", "tp"), sizes=(2, 2)),
-                                  placements=(Shard(dim=0), StridedShard(dim=1, split_factor=2)), coordinate=(0, 1))
-    assert type(got.coordinate[0]) is int and type(got.shape[0]) is int and type(got.mesh.sizes[0]) is int
-    assert got.local_shard() == LocalShard((3, 4), (((0, 2), (3, 2)), ((0, 6), (3, 2))), ((0, 0), (0, 2)))
-    again = placements_from_dtensor(_dtensor(named, [TorchReplicate(), TorchShard(1)], (6, 8)))
-    assert again.placements == (Replicate(), Shard(dim=1)) and again.local_shard().boxes == (((0, 4), (6, 4)),)
-    assert unnamed_got == TensorPlacement(shape=(4,), mesh=Mesh(names=("dim0", "dim1"), sizes=(2, 2)),
-                                          placements=(Shard(dim=0), Replicate()), coordinate=(0, 1))
-    assert outside == TensorPlacement(shape=(4, 2), mesh=Mesh(names=("dim0",), sizes=(2,)),
-                                      placements=(Shard(dim=0),), coordinate=None)
-    assert outside.local_shard() == LocalShard((0,), (), ())
-
-    _check_refusals(named)
-
-
-def _check_refusals(named) -> None:
-    """Placements remapdsl cannot read, on a mesh named (dp, tp): Partial is E401 naming the mesh
-    dim, with the redistribute hint; a placement type torch added that remapdsl does not know,
-    E402; a shard dim outside the tensor, E405 naming torch's placement. Each names the tensor."""
-    from torch.distributed.tensor import Partial
-    from torch.distributed.tensor import Replicate as TorchReplicate
-    from torch.distributed.tensor import Shard as TorchShard
-    from torch.distributed.tensor.placement_types import Placement, _StridedShard
-
-    class Unknown(Placement):
-        def __repr__(self) -> str:
-            return "Unknown()"
-
-    found = []
-    for placements in ([TorchReplicate(), Partial()], [TorchReplicate(), Unknown()], [TorchShard(2), TorchReplicate()],
-                       [TorchReplicate(), _StridedShard(2, split_factor=2)]):
-        try:
-            placements_from_dtensor(_dtensor(named, placements, (4, 4)), "model.w")
-        except RemapError as caught:
-            d = caught.diagnostic
-            found.append((d.code, d.message, d.hint, d.path))
-        else:
-            found.append(f"{placements}: no error")
-    assert found == [
-        ("E401", "placement P(sum) on mesh dim `tp` holds partial values, not a layout",
-         "redistribute to Replicate() or Shard(d) before loading or saving", "model.w"),
-        ("E402", "unknown placement Unknown() on mesh dim `tp`", None, "model.w"),
-        ("E405", "placement S(2) names dim 2 of a 2-d tensor", None, "model.w"),
-        ("E405", f"placement {_StridedShard(2, split_factor=2)} names dim 2 of a 2-d tensor", None, "model.w"),
-    ], found
-
-
-@pytest.fixture
-def one_gloo_rank(tmp_path):
-    """A real gloo process group of one rank, in the test process itself: what a DTensor on a 1 x 1
-    mesh gives is checked where the mutation run can see it (it cannot see into spawned ranks)."""
-    import torch.distributed as dist
-
-    assert not dist.is_initialized()
-    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
-    yield
-    dist.destroy_process_group()
-
-
-def test_dtensor_placements_read_on_one_gloo_rank(one_gloo_rank):
-    """A 1 x 1 mesh, named and not: Shard (a negative dim as torch normalizes it), _StridedShard
-    with its factor, Replicate, plain ints, the local shard (the whole tensor), and the placements
-    refused (`_check_refusals`). More ranks (coordinates, a rank outside the mesh): the test below."""
-    from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
-    from torch.distributed.tensor import Partial
-    from torch.distributed.tensor import Replicate as TorchReplicate
-    from torch.distributed.tensor import Shard as TorchShard
-    from torch.distributed.tensor.placement_types import _StridedShard
-
-    named = init_device_mesh("cpu", (1, 1), mesh_dim_names=("dp", "tp"))
-    got = placements_from_dtensor(_dtensor(named, [TorchShard(-2), _StridedShard(1, split_factor=2)], (6, 8)), "k")
-    assert got == TensorPlacement(shape=(6, 8), mesh=Mesh(names=("dp", "tp"), sizes=(1, 1)),
-                                  placements=(Shard(dim=0), StridedShard(dim=1, split_factor=2)), coordinate=(0, 0))
-    assert all(type(v) is int for v in (*got.shape, *got.mesh.sizes, *got.coordinate))
-    whole = LocalShard((6, 8), (((0, 0), (6, 8)),), ((0, 0),))
-    assert got.local_shard() == local_shard((6, 8), (1, 1), got.placements, (0, 0)) == whole
-    unnamed = placements_from_dtensor(_dtensor(DeviceMesh("cpu", [[0]]), [TorchReplicate(), TorchShard(0)], (4,)))
-    assert unnamed == TensorPlacement(shape=(4,), mesh=Mesh(names=("dim0", "dim1"), sizes=(1, 1)),
-                                      placements=(Replicate(), Shard(dim=0)), coordinate=(0, 0))
-    with pytest.raises(RemapError) as caught:  # Partial on the first mesh dim names that dim
-        placements_from_dtensor(_dtensor(named, [Partial(), TorchReplicate()], (4, 4)), "model.w")
-    assert caught.value.diagnostic.message == "placement P(sum) on mesh dim `dp` holds partial values, not a layout"
-    _check_refusals(named)
-
-
-def test_dtensor_placements_read_on_four_gloo_ranks():
-    """A DTensor's placements as remapdsl reads them (its mesh, named or not, strided shards, a
-    rank outside the mesh, and the placements it refuses), on real gloo ranks."""
-    run_ranks(_placements_on_ranks, 4)
-
 
 # ------------------------------------------------------------------------------ quantized shards (E412)
 
@@ -264,8 +32,8 @@ q.weight_scale_inv -> w_scale
 
 def _plan_quantized(tmp_path: Path, block_rows: int, dim: int, ranks: int, rank: int):
     """A 12 x 8 fp8 tensor kept quantized (blocks of block_rows x 4), w and its scales sharded on `dim`."""
-    save_file({"q.weight": torch.zeros(12, 8).to(torch.float8_e4m3fn),
-               "q.weight_scale_inv": torch.ones(12 // block_rows, 2)}, str(tmp_path / "model.safetensors"))
+    tiny_checkpoint(tmp_path, {"q.weight": torch.zeros(12, 8).to(torch.float8_e4m3fn),
+                               "q.weight_scale_inv": torch.ones(12 // block_rows, 2)})
     inventory = remapdsl.open_checkpoint(tmp_path)
     compiled = remapdsl.compile_rules(rules_from_text(QUANTIZED % block_rows, "t.remap"), inventory, {})
     layout = LayoutPlan.from_mapping({"w": [Shard(dim=dim)], "w_scale": [Shard(dim=dim)]}, mesh_dim="tp")
@@ -312,7 +80,7 @@ class _SeenParts(Int8Row):
     """The int8-row format, recording the parts (and, for `views`, the `to` argument) its `views`
     and `cover` are shown."""
 
-    name = "mutants_int8_row"
+    name = "recording_int8_row"
     seen: list = []
 
     def views(self, parts, params):
@@ -345,8 +113,8 @@ def test_a_dequantized_shard_s_decode_item_reads_each_part_s_rows(tmp_path, seen
     fmt = seen_parts
     values = torch.arange(24, dtype=torch.int8).reshape(4, 6) - 12
     scales = torch.tensor([0.5, 1.0, 2.0, 4.0])
-    save_file({"q.qweight": values, "q.scales": scales}, str(tmp_path / "model.safetensors"))
-    text = "remap 1\ndequantize q.qweight, q.scales -> q.weight | mutants_int8_row(to=float32)\nq.weight -> w\n"
+    tiny_checkpoint(tmp_path, {"q.qweight": values, "q.scales": scales})
+    text = "remap 1\ndequantize q.qweight, q.scales -> q.weight | recording_int8_row(to=float32)\nq.weight -> w\n"
     inventory = remapdsl.open_checkpoint(tmp_path)
     compiled = remapdsl.compile_rules(rules_from_text(text, "t.remap"), inventory, {})
     fmt.seen.clear()
@@ -355,7 +123,7 @@ def test_a_dequantized_shard_s_decode_item_reads_each_part_s_rows(tmp_path, seen
     v, s = inventory.tensors["q.qweight"], inventory.tensors["q.scales"]
     assert plan.items == ()
     assert plan.decodes == (DecodeItem(
-        "w", (0, 0), (2, 6), "q.weight", "mutants_int8_row", (("to", "float32"),), ((2, 0), (2, 6)),
+        "w", (0, 0), (2, 6), "q.weight", "recording_int8_row", (("to", "float32"),), ((2, 0), (2, 6)),
         (PartRead("q.qweight", "model.safetensors", "int8", (2, 0), (2, 6), Runs(v.byte_offset + 12, 12), (6, 1)),
          PartRead("q.scales", "model.safetensors", "float32", (2,), (2,), Runs(s.byte_offset + 8, 8), (1,))),
         (6, 1), 0, "float32", ()),)
@@ -372,7 +140,7 @@ def test_a_dequantized_shard_s_decode_item_reads_each_part_s_rows(tmp_path, seen
 class _Int16Row(Int8Row):
     """The int8-row format with two-byte values."""
 
-    name = "mutants_int16_row"
+    name = "int16_row"
     values_dtype = "int16"
 
 
@@ -381,11 +149,11 @@ def test_a_one_element_dequantized_tensor_owns_all_its_value_bytes(tmp_path):
     lone int16 value."""
     from remapdsl.quant import register_format, unregister_format
 
-    save_file({"q.qweight": torch.tensor([[7]], dtype=torch.int16), "q.scales": torch.tensor([0.5])},
-              str(tmp_path / "model.safetensors"))
+    tiny_checkpoint(tmp_path, {"q.qweight": torch.tensor([[7]], dtype=torch.int16),
+                               "q.scales": torch.tensor([0.5])})
     fmt = register_format(_Int16Row(), replace=True)
     try:
-        text = "remap 1\ndequantize q.qweight, q.scales -> q.weight | mutants_int16_row(to=float32)\nq.weight -> w\n"
+        text = "remap 1\ndequantize q.qweight, q.scales -> q.weight | int16_row(to=float32)\nq.weight -> w\n"
         inventory = remapdsl.open_checkpoint(tmp_path)
         compiled = remapdsl.compile_rules(rules_from_text(text, "t.remap"), inventory, {})
         plan = remapdsl.plan_rank(compiled, inventory, LayoutPlan.from_mapping({"w": [Replicate()]}, mesh_dim="tp"),
@@ -395,15 +163,6 @@ def test_a_one_element_dequantized_tensor_owns_all_its_value_bytes(tmp_path):
     assert (plan.bytes_owned, plan.bytes_read) == (2, 6)
 
 # ---------------------------------------------------------------------------------- DCP chunks
-
-INFO = "DCP_SHARDING_INFO"
-
-
-def _dcp_file(path: Path, tensors: dict, offsets: dict) -> None:
-    """One file as torch's HuggingFaceStorageWriter(save_distributed=True) writes it."""
-    save_file(tensors, str(path), metadata={INFO: json.dumps({k: {"saved_offsets": o} for k, o in offsets.items()}),
-                                            "DCP_VERSION": "1.0", "format": "pt"})
-
 
 def _dcp_folder(root: Path, chunked_values: bool) -> Path:
     """`a` [6, 4] in two chunks of 3 rows, one a file; fp8 values `q.weight` [8, 8] (in two chunks
@@ -418,8 +177,8 @@ def _dcp_folder(root: Path, chunked_values: bool) -> Path:
         second["q.weight"], second_offsets["q.weight"] = q[4:].clone(), [4, 0]
     else:
         first["q.weight"], first_offsets["q.weight"] = q, [0, 0]
-    _dcp_file(root / "shard-00001-model-00001-of-00001.safetensors", first, first_offsets)
-    _dcp_file(root / "shard-00002-model-00001-of-00001.safetensors", second, second_offsets)
+    dcp_chunk(root, "shard-00001-model-00001-of-00001.safetensors", first, first_offsets)
+    dcp_chunk(root, "shard-00002-model-00001-of-00001.safetensors", second, second_offsets)
     return root
 
 
@@ -476,7 +235,7 @@ def test_quantized_values_in_chunks_are_e356_naming_the_part_and_its_chunks(tmp_
 def test_fill_items_come_first_whatever_the_file_is_named(tmp_path):
     """A `pad`'s fill item is first in a plan, before the reads of a file whose name sorts before
     any letter (`0.safetensors`); it has no key, file, runs or strides (the plan's digest hashes them)."""
-    save_file({"w": torch.arange(6, dtype=torch.float32).reshape(2, 3)}, str(tmp_path / "0.safetensors"))
+    tiny_checkpoint(tmp_path, {"w": torch.arange(6, dtype=torch.float32).reshape(2, 3)}, file="0.safetensors")
     inventory = remapdsl.open_checkpoint(tmp_path)
     text = "remap 1\nw -> t | pad(dim=1, to=4, value=7)\n"
     compiled = remapdsl.compile_rules(rules_from_text(text, "t.remap"), inventory, {})
@@ -496,7 +255,7 @@ def test_a_plan_skips_the_tensors_a_rank_does_not_hold_and_is_rank_0_by_default(
     from remapdsl.sharding.holdings import whole_shard
     from remapdsl.sharding.plans import make_load_plan, make_write_plan
 
-    save_file({"a": torch.zeros(2, 2), "b": torch.ones(3)}, str(tmp_path / "model.safetensors"))
+    tiny_checkpoint(tmp_path, {"a": torch.zeros(2, 2), "b": torch.ones(3)})
     inventory = remapdsl.open_checkpoint(tmp_path)
     compiled = remapdsl.compile_rules(rules_from_text("remap 1\na -> a\nb -> b\n", "t.remap"), inventory, {})
     assert [d.runtime_key for d in compiled.runtime_tensors] == ["a", "b"]
@@ -514,8 +273,8 @@ def test_bytes_owned_add_up_over_the_chunked_tensors_a_rank_holds(tmp_path):
     """Rank 1 of 2 holds columns 2:4 of `a` (both chunks) and rows 3:6 of its copy `b` (the second
     chunk): it owns 48 + 48 bytes, an int, and reads them and no more."""
     a = torch.arange(24, dtype=torch.float32).reshape(6, 4)
-    _dcp_file(tmp_path / "shard-00001-model-00001-of-00001.safetensors", {"a": a[:3]}, {"a": [0, 0]})
-    _dcp_file(tmp_path / "shard-00002-model-00001-of-00001.safetensors", {"a": a[3:].clone()}, {"a": [3, 0]})
+    dcp_chunk(tmp_path, "shard-00001-model-00001-of-00001.safetensors", {"a": a[:3]}, {"a": [0, 0]})
+    dcp_chunk(tmp_path, "shard-00002-model-00001-of-00001.safetensors", {"a": a[3:].clone()}, {"a": [3, 0]})
     inventory = remapdsl.open_checkpoint(tmp_path)
     compiled = remapdsl.compile_rules(rules_from_text("remap 1\na -> a\na -> b\n", "t.remap"), inventory, {})
     layout = LayoutPlan.from_mapping({"a": [Shard(dim=1)], "b": [Shard(dim=0)]}, mesh_dim="tp")
@@ -542,8 +301,8 @@ def test_decode_items_are_in_the_order_of_their_values_in_the_files(tmp_path, fi
     """A plan's decode items go by where their values part lies (file, then offset), not by their
     scales nor by runtime key: `zz` (values `a.w`) before `aa` (values `b.w`)."""
     for name, keys in files.items():
-        save_file({k: torch.ones(4, 4).to(torch.float8_e4m3fn) if k.endswith(".w") else torch.ones(1, 1) for k in keys},
-                  str(tmp_path / name))
+        values = {k: torch.ones(4, 4).to(torch.float8_e4m3fn) for k in keys if k.endswith(".w")}
+        tiny_checkpoint(tmp_path, {k: values.get(k, torch.ones(1, 1)) for k in keys}, file=name)
     inventory = remapdsl.open_checkpoint(tmp_path)
     compiled = remapdsl.compile_rules(rules_from_text(DECODE_ORDER_RULES, "t.remap"), inventory, {})
     plan = remapdsl.plan_rank(compiled, inventory, LayoutPlan.from_mapping({}, mesh_dim="tp"), Mesh.of({"tp": 1}), 0)
@@ -558,8 +317,8 @@ def test_a_write_plan_keeps_the_stored_scales_unless_asked_to_requantize(tmp_pat
     from remapdsl.sharding.holdings import whole_shard
     from remapdsl.sharding.plans import make_write_plan
 
-    save_file({"q.weight": torch.ones(4, 4).to(torch.float8_e4m3fn), "q.weight_scale_inv": torch.ones(1, 1)},
-              str(tmp_path / "model.safetensors"))
+    tiny_checkpoint(tmp_path, {"q.weight": torch.ones(4, 4).to(torch.float8_e4m3fn),
+                               "q.weight_scale_inv": torch.ones(1, 1)})
     inventory = remapdsl.open_checkpoint(tmp_path)
     text = "remap 1\ndequantize q.weight, q.weight_scale_inv -> q | fp8_block(block=[4, 4], to=float32)\nq -> w\n"
     compiled = remapdsl.compile_rules(rules_from_text(text, "t.remap"), inventory, {})
@@ -577,13 +336,11 @@ def test_a_save_reports_every_file_it_wrote_into(tmp_path):
     from remapdsl.sharding.holdings import whole_shard
     from remapdsl.sharding.plans import make_write_plan
 
-    source = tmp_path / "src"
-    source.mkdir()
-    save_file({"q.weight": torch.ones(4, 4).to(torch.float8_e4m3fn)}, str(source / "a.safetensors"))
-    save_file({"q.weight_scale_inv": torch.ones(1, 1)}, str(source / "b.safetensors"))
+    source = tiny_checkpoint(tmp_path / "src", {"q.weight": torch.ones(4, 4).to(torch.float8_e4m3fn)},
+                             file="a.safetensors")
+    tiny_checkpoint(source, {"q.weight_scale_inv": torch.ones(1, 1)}, {}, file="b.safetensors")
     (source / "model.safetensors.index.json").write_text(json.dumps(
         {"metadata": {}, "weight_map": {"q.weight": "a.safetensors", "q.weight_scale_inv": "b.safetensors"}}))
-    (source / "config.json").write_text("{}")
     inventory = remapdsl.open_checkpoint(source)
     rules = rules_from_text("remap 1\ndequantize q.weight, q.weight_scale_inv -> q | fp8_block(block=[4, 4], "
                             "to=float32)\nq -> w\n", "t.remap")
@@ -602,12 +359,8 @@ _DEQUANTIZE_Q = "remap 1\ndequantize q.weight, q.weight_scale_inv -> q | fp8_blo
 
 def _fp8_rows(tmp_path: Path) -> Path:
     """A checkpoint of q [8, 4] in FP8 with a scale a row."""
-    source = tmp_path / "src"
-    source.mkdir()
-    save_file({"q.weight": torch.ones(8, 4).to(torch.float8_e4m3fn), "q.weight_scale_inv": torch.ones(8, 1)},
-              str(source / "model.safetensors"))
-    (source / "config.json").write_text("{}")
-    return source
+    return tiny_checkpoint(tmp_path / "src", {"q.weight": torch.ones(8, 4).to(torch.float8_e4m3fn),
+                                              "q.weight_scale_inv": torch.ones(8, 1)}, {})
 
 
 def test_a_strided_part_of_a_dequantized_tensor_is_e503_on_save(tmp_path):
@@ -651,7 +404,7 @@ def test_a_scalar_tensor_plans_its_read_and_its_write(tmp_path):
     from remapdsl.sharding.holdings import whole_shard
     from remapdsl.sharding.plans import make_write_plan
 
-    save_file({"s": torch.tensor(3.0), "v": torch.ones(2)}, str(tmp_path / "model.safetensors"))
+    tiny_checkpoint(tmp_path, {"s": torch.tensor(3.0), "v": torch.ones(2)})
     inventory = remapdsl.open_checkpoint(tmp_path)
     compiled = remapdsl.compile_rules(rules_from_text("remap 1\ns -> s\nv -> v\n", "t.remap"), inventory, {})
     plan = remapdsl.plan_rank(compiled, inventory, LayoutPlan.from_mapping({}, mesh_dim="tp"), Mesh.of({"tp": 1}), 0)
@@ -667,7 +420,7 @@ def test_write_items_are_in_file_order_with_their_source_strides(tmp_path):
     from remapdsl.sharding.holdings import whole_shard
     from remapdsl.sharding.plans import WriteItem, make_write_plan
 
-    save_file({"y": torch.ones(2, 3), "z": torch.ones(3)}, str(tmp_path / "model.safetensors"))
+    tiny_checkpoint(tmp_path, {"y": torch.ones(2, 3), "z": torch.ones(3)})
     inventory = remapdsl.open_checkpoint(tmp_path)
     text = "remap 1\nz -> a\ny -> b | transpose(0, 1)\n"
     compiled = remapdsl.compile_rules(rules_from_text(text, "t.remap"), inventory, {})
@@ -687,8 +440,8 @@ def test_a_write_across_chunks_writes_each_chunk_s_part_from_its_place(tmp_path)
     from remapdsl.sharding.plans import WriteItem, make_write_plan
 
     a = torch.arange(24, dtype=torch.float32).reshape(6, 4)
-    _dcp_file(tmp_path / "shard-00001-model-00001-of-00001.safetensors", {"a": a[:3]}, {"a": [0, 0]})
-    _dcp_file(tmp_path / "shard-00002-model-00001-of-00001.safetensors", {"a": a[3:].clone()}, {"a": [3, 0]})
+    dcp_chunk(tmp_path, "shard-00001-model-00001-of-00001.safetensors", {"a": a[:3]}, {"a": [0, 0]})
+    dcp_chunk(tmp_path, "shard-00002-model-00001-of-00001.safetensors", {"a": a[3:].clone()}, {"a": [3, 0]})
     inventory = remapdsl.open_checkpoint(tmp_path)
     text = "remap 1\na -> a | transpose(0, 1) | scale(2)\n"
     compiled = remapdsl.compile_rules(rules_from_text(text, "t.remap"), inventory, {})
