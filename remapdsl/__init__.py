@@ -209,13 +209,12 @@ def save(state_dict, folder, rules, *, like=None, config: Mapping[str, Any] | No
             such as "5GB" or "2GiB", as for `save_pretrained`).
         timeout: as for `load`.
     """
-    from .drivers.save import save_once
+    from .drivers.save import save as _save
 
     require_data(like, "a save (`like`)")
-    rules = rules_for(rules, like, config)
-    return save_once(state_dict, folder, rules, like=like, config=config, layout=layout, mesh=mesh,
-                 overwrite=overwrite, allow_lossy=allow_lossy, requantize=requantize, dropped=dropped,
-                 max_shard_size=max_shard_size, timeout=timeout)
+    return _save(None, state_dict, folder, rules=rules_for(rules, like, config), like=like, config=config,
+                 layout=layout, mesh=mesh, overwrite=overwrite, allow_lossy=allow_lossy, requantize=requantize,
+                 dropped=dropped, max_shard_size=max_shard_size, timeout=timeout)
 
 
 def export(state_dict, rules, *, like=None, config: Mapping[str, Any] | None = None, gather=(),
@@ -247,10 +246,10 @@ def export(state_dict, rules, *, like=None, config: Mapping[str, Any] | None = N
             a piece that is no box (rows strided by a rope order) is E549.
         timeout: as for `load`.
     """
-    from .drivers.export import export_once
+    from .drivers.export import export as _export
 
     require_data(like, "an export (`like`)")
-    return export_once(state_dict, rules_for(rules, like, config), like=like, config=config, gather=gather,
+    return _export(None, state_dict, rules=rules_for(rules, like, config), like=like, config=config, gather=gather,
                    bucket_bytes=bucket_bytes, layout=layout, mesh=mesh, allow_lossy=allow_lossy, regions=regions,
                    timeout=timeout)
 
@@ -273,11 +272,11 @@ def ingest(state_dict, pairs, rules, *, like=None, config: Mapping[str, Any] | N
             the state dict's shapes, as a save without `like` does.
         config, layout, mesh, timeout, staging_bytes: as for `load`.
     """
-    from .drivers.ingest import ingest_once
+    from .drivers.ingest import ingest as _ingest
 
     require_data(like, "an ingest (`like`)")
-    return ingest_once(state_dict, pairs, rules_for(rules, like, config), like=like, config=config, layout=layout,
-                   mesh=mesh, timeout=timeout, staging_bytes=staging_bytes)
+    return _ingest(None, state_dict, pairs, rules=rules_for(rules, like, config), like=like, config=config,
+                   layout=layout, mesh=mesh, timeout=timeout, staging_bytes=staging_bytes)
 
 
 def convert(src, dst, rules, *, reverse: bool = False, like=None, max_shard_bytes: int = 5 * 10**9,

@@ -1,12 +1,9 @@
 """`remapdsl.ingest`: (checkpoint key, tensor) pairs fed into a runtime state dict through the rules.
 
-The mirror of an export, and of a load without files: every rank is handed the same pairs (a dict,
-or a stream from another process) and takes only its part. The rank's load plan is made against
-the checkpoint layout (`like`'s headers, or the one derived from the state dict's shapes), each
-tensor alone in an in-memory file (remapdsl/checkpoint/memory.py); each pair, as it arrives, runs
-the plan's reads of that tensor, so a stream is never held whole. A pair the rules do not read,
-one of the wrong shape or dtype, one given twice, and a tensor the rank needs that never came are
-errors, on every rank together at the end.
+The mirror of an export (a load without files): every rank is handed the same pairs and takes its part. The
+load plan is made against the checkpoint layout, each tensor alone in an in-memory file (checkpoint/memory.py);
+each pair, as it arrives, runs the plan's reads of it, so a stream is never held whole. Bad or missing pairs
+fail every rank together, at the end.
 """
 
 from __future__ import annotations
@@ -44,21 +41,14 @@ class IngestReport(BaseModel):
     seconds: float
 
 
-def ingest(prepared, state_dict, pairs, *, layout=None, mesh=None, timeout=None,
-           staging_bytes: int | None = None) -> IngestReport:
-    """Fill this rank's part of `state_dict` from (checkpoint key, tensor) pairs in the prepared
-    checkpoint's layout; see `remapdsl.ingest`."""
+def ingest(prepared, state_dict, pairs, *, rules=None, like=None, config: Mapping[str, Any] | None = None,
+           layout=None, mesh=None, timeout=None, staging_bytes: int | None = None) -> IngestReport:
+    """`remapdsl.ingest` (`prepared` None: the layout of `like`, or the one derived without it, prepared for
+    this call) or `Prepared.ingest`."""
     staging = staging_within(staging_bytes)
     with bounds.bounded(timeout), frozen_heap(), Rings(staging) as rings:  # one ring per reader thread, over all pairs
-        return _ingest(prepared, state_dict, pairs, layout, mesh, rings)
-
-
-def ingest_once(state_dict, pairs, rules, *, like=None, config: Mapping[str, Any] | None = None, layout=None,
-                mesh=None, timeout=None, staging_bytes: int | None = None) -> IngestReport:
-    """`remapdsl.ingest`: the layout of `like` (or the one derived without it) prepared for this call."""
-    staging = staging_within(staging_bytes)
-    with bounds.bounded(timeout), frozen_heap(), Rings(staging) as rings:
-        prepared = prepared_checkpoint(rules, like, config, tensors_of(state_dict), layout, Path("<ingest>"))[0]
+        if prepared is None:
+            prepared = prepared_checkpoint(rules, like, config, tensors_of(state_dict), layout, Path("<ingest>"))[0]
         return _ingest(prepared, state_dict, pairs, layout, mesh, rings)
 
 
@@ -123,8 +113,7 @@ def _ingest(prepared, state_dict, pairs, layout, mesh, rings: Rings) -> IngestRe
 
 
 def _check_pair(key, tensor, memory, seen: set[str], dropped: set[str]) -> Diagnostic | None:
-    """What is wrong with one pair, or None: a key no rule reads, a second copy, a shape or dtype
-    other than the layout's."""
+    """What is wrong with one pair, or None: a key no rule reads, a second copy, another shape or dtype."""
     info = memory.tensors.get(key)
     if info is None:
         if key in dropped:
