@@ -1,17 +1,9 @@
-"""`remapdsl convert`: a checkpoint from one layout to another, offline, in batches, on any number
-of ranks.
+"""`remapdsl convert`: a checkpoint from one layout to another, offline, in batches, on any number of ranks.
 
-Forward: the runtime layout the rules make, written as a new checkpoint (keys = runtime keys,
-shards named and laid out as Hugging Face and safetensors do). Reverse: a checkpoint in the runtime
-layout (what a forward conversion wrote, or a trainer saved) written back to the layout of the
-original checkpoint (`like`), through the save direction of the same rules. Each rank takes a share
-of the runtime tensors (balanced by bytes), fills them a batch at a time within `budget_bytes` (forward:
-batches of half of it, at most 64 MiB, each written on a thread while the next is read), and writes their bytes
-into the output files at their offsets; rank 0 creates the files in a staging
-folder first and renames it into place last (remapdsl/checkpoint/writer.py).
-
-The driver imports what it runs at module level (torch among it): the api imports this module
-only when the call is made, so `import remapdsl` stays free of torch.
+Forward: the runtime layout the rules make, as a new checkpoint (runtime keys, Hugging Face shards). Reverse: a
+checkpoint in the runtime layout written back to the layout of `like` through the save direction of the rules.
+Each rank takes a share of the runtime tensors (balanced by bytes), fills them a batch at a time within
+`budget_bytes` and writes their bytes at their offsets, through save's staging folder (`write_output`).
 """
 
 from __future__ import annotations
@@ -34,22 +26,16 @@ from ..sharding.plans import make_load_plan, make_write_plan
 from ..runtime import bounds, dist
 from .prepare import prepare_everywhere
 from ..runtime.read import run_load_plan
-from .save import (
-    check_dropped,
-    prepared_checkpoint,
-    writers_paused,
-    copied_keys,
-    copy_bytes,
-    copy_share,
-    output_checkpoint,
-    write_output,
-)
+from .save import (check_dropped, copied_keys, copy_bytes, copy_share, output_checkpoint, prepared_checkpoint,
+                   write_output, writers_paused)
 from ..runtime.write import run_write_plan
 
 BATCH_BYTES = 64 << 20  # the most a forward batch holds, whatever the budget
 
 
 class ConvertReport(BaseModel):
+    """What a conversion did on this rank."""
+
     model_config = ConfigDict(frozen=True, extra="forbid")
 
     folder: str
@@ -61,9 +47,8 @@ class ConvertReport(BaseModel):
 
 
 def convert(src, dst, rules, *, reverse: bool = False, like=None, max_shard_bytes: int = 5 * 10**9,
-            budget_bytes: int = 1 << 30, overwrite: bool = False,
-            progress: Callable[[int, int], None] | None = None, dropped: str = "error",
-            timeout=None) -> ConvertReport:
+            budget_bytes: int = 1 << 30, overwrite: bool = False, progress: Callable[[int, int], None] | None = None,
+            dropped: str = "error", timeout=None) -> ConvertReport:
     """Convert checkpoint `src` into `dst` through `rules`; the arguments are `remapdsl.convert`'s."""
     with bounds.bounded(timeout), frozen_heap():
         return _convert(src, Path(dst).absolute(), rules, reverse, like, max_shard_bytes, budget_bytes,
@@ -79,7 +64,7 @@ def _convert(src, dst: Path, rules, reverse, like, max_shard_bytes, budget_bytes
     derived = None
     if reverse and like is None:
         prepared, derived = prepared_checkpoint(rules, None, read_config(runtime_source), runtime_source.tensors,
-                                            None, dst, max_shard_bytes, check=lambda: check_dropped(dropped))
+                                                None, dst, max_shard_bytes, check=lambda: check_dropped(dropped))
         checkpoint, compiled = prepared.inventory, prepared.compiled
     else:
         checkpoint, compiled, _ = prepare_everywhere(rules, like if reverse else src,
@@ -151,9 +136,8 @@ def _convert(src, dst: Path, rules, reverse, like, max_shard_bytes, budget_bytes
 
 
 def _carve(arenas: list, slot: int, tensors) -> dict:
-    """Empty tensors of a batch, laid out in arena `slot` (made or grown to the batch's size; a batch
-    larger than BATCH_BYTES, one tensor, gets its own memory). The arenas are reused batch after
-    batch: no memory is handed back and faulted in again per batch."""
+    """Empty tensors of a batch, laid out in arena `slot` (made or grown to fit; a batch over BATCH_BYTES, one
+    tensor, gets its own memory): reused batch after batch, so no memory is faulted in again per batch."""
     import torch
 
     ends, at = [], 0

@@ -1,12 +1,8 @@
 """`remapdsl.load`: fill a state dict in place from a checkpoint through a rule file, every rank its own bytes.
 
-The phases, on every rank: the shared compile (remapdsl/drivers/prepare.py, kept in a Prepared:
-prepared.py), this rank's holdings (remapdsl/sharding/holdings.py), its plan
-(remapdsl/sharding/plans.py), the reads (remapdsl/runtime/read.py); tensors every rank holds whole may be read once and broadcast. Each
-phase fails on every rank together.
-
-The driver imports what it runs at module level (torch among it): the api imports this module
-only when the call is made, so `import remapdsl` stays free of torch.
+The phases, on every rank together: the shared compile (prepare.py, kept in a Prepared), this rank's holdings
+(sharding/holdings.py), its plan (sharding/plans.py), the reads (runtime/read.py); tensors every rank holds
+whole may be read once and broadcast.
 """
 
 from __future__ import annotations
@@ -41,8 +37,7 @@ class LoadReport(BaseModel):
 
 def load(prepared, state_dict, *, layout=None, mesh=None, read_replicated_once: bool = False, timeout=None,
          staging_bytes: int | None = None) -> LoadReport:
-    """Fill existing tensors in place from a prepared checkpoint (remapdsl/drivers/prepared.py);
-    the arguments are `remapdsl.load`'s."""
+    """Fill existing tensors in place from a prepared checkpoint; the arguments are `remapdsl.load`'s."""
     staging = staging_within(staging_bytes)
     with bounds.bounded(timeout), frozen_heap():
         return _load(prepared, state_dict, layout, mesh, read_replicated_once, staging)

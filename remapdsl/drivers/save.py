@@ -190,7 +190,7 @@ def copy_bytes(pieces, reader, writer) -> None:
 
 
 def prepared_checkpoint(rules, like, config, tensors, layout, root: Path, max_shard_size: int | str = "5GB",
-                    check=None):
+                        check=None):
     """Every rank: a Prepared for one call's save (export, ingest) of `like`'s layout, or, without it, of
     the one rank 0 derives from the rules and its tensors' shapes (also returned: a NewCheckpoint, else None;
     the config then empty unless given). The same exchanges on every rank, so ranks given and not given
