@@ -14,14 +14,8 @@ from collections.abc import Mapping
 from typing import Any
 
 from .checkpoint import Inventory, open_inventory
-from .checkpoint.snapshot import (
-    SnapshotInventory,
-    checkpoint_config,
-    config_of,
-    is_snapshot,
-    open_snapshot,
-    require_data,
-)
+from .checkpoint.snapshot import (SnapshotInventory, checkpoint_config, config_of, is_snapshot, open_snapshot,
+                                  require_data)
 from .checkpoint.snapshot import write_snapshot as _write_snapshot
 from .compile import Compiled
 from .compile import compile_rules as _compile_rules
@@ -40,7 +34,6 @@ from .sharding.placements import LayoutError
 from .sizes import parse_size
 
 __version__ = "0.1.0"
-
 
 
 def parse_rules(rules: str | os.PathLike) -> _ir.RuleFile:
@@ -113,13 +106,11 @@ def prepare(rules, checkpoint, *, config: Mapping[str, Any] | None = None, stric
     """Read a checkpoint's headers and compile the rules against them once, for many loads, saves,
     exports and ingests of one job; returns a `Prepared` that the caller keeps.
 
-    Every rank calls it, as the first phase of `load`: rank 0 reads the headers, the ranks check
-    that they compiled the same rules against the same checkpoint. `prepared.load(...)`,
-    `.save(...)`, `.export(...)` and `.ingest(...)` take the arguments of the functions of the same
-    names, less the rules, the checkpoint (it is their `like`) and the config. Each call first
-    checks, on every rank, that the rule files and the checkpoint's files are unchanged (else every
-    rank prepares again), and reuses this rank's plan for a holding it planned before. Everything
-    is kept in the object, in memory: nothing is written anywhere.
+    Every rank calls it, as the first phase of `load`. `prepared.load(...)`, `.save(...)`, `.export(...)` and
+    `.ingest(...)` take the arguments of the functions of the same names, less the rules, the checkpoint (it
+    is their `like`) and the config. Each call first checks, on every rank, that the rule files and the
+    checkpoint's files are unchanged (else every rank prepares again), and reuses this rank's plan for a
+    holding it planned before. All is kept in the object, in memory.
 
     Args:
         rules, checkpoint, config, strict, timeout: as for `load` (a save of a checkpoint holding
@@ -306,10 +297,9 @@ def convert(src, dst, rules, *, reverse: bool = False, like=None, max_shard_byte
 
     require_data(src, "a conversion")
     require_data(like, "a conversion (`like`)")
-    rules = rules_for(rules, like if reverse else src)
-    return _convert(src, dst, rules, reverse=reverse, like=like, max_shard_bytes=max_shard_bytes,
-                    budget_bytes=budget_bytes, overwrite=overwrite, progress=progress, dropped=dropped,
-                    timeout=timeout)
+    return _convert(src, dst, rules_for(rules, like if reverse else src), reverse=reverse, like=like,
+                    max_shard_bytes=max_shard_bytes, budget_bytes=budget_bytes, overwrite=overwrite, progress=progress,
+                    dropped=dropped, timeout=timeout)
 
 
 __all__ = [
