@@ -39,15 +39,11 @@ def export(prepared, state_dict, *, rules=None, like=None, config: Mapping[str, 
     """`remapdsl.export` (`prepared` None: the layout of `like`, or the one derived without it, prepared for
     this call) or `Prepared.export`: (checkpoint key, tensor) pairs, or with `regions` (key, offsets, tensor)."""
     bounds.seconds(timeout)  # a bad timeout is refused at the call, before the first item is asked for
-
-    def prepared_for(tensors):  # the layout streamed: `like`'s, or the derived one (headers needed by no file here)
-        return prepared or prepared_checkpoint(rules, like, config, tensors, layout, Path("<export>"))[0]
-
-    return bounds.bounded_iter(_export(prepared_for, state_dict, gather, bucket_bytes, layout, mesh, allow_lossy,
-                                       regions), timeout)
+    return bounds.bounded_iter(_export(prepared, rules, like, config, state_dict, gather, bucket_bytes, layout, mesh,
+                                       allow_lossy, regions), timeout)
 
 
-def _export(prepared_for, state_dict, gather, bucket_bytes: int, layout, mesh, allow_lossy: bool,
+def _export(prepared, rules, like, config, state_dict, gather, bucket_bytes: int, layout, mesh, allow_lossy: bool,
             regions: bool) -> Iterator[tuple]:
     gather = (gather,) if isinstance(gather, str) else tuple(gather)
     if regions and gather:
@@ -56,7 +52,8 @@ def _export(prepared_for, state_dict, gather, bucket_bytes: int, layout, mesh, a
                                     hint="drop `gather`, or drop `regions` to assemble whole tensors"))
     tensors = tensors_of(state_dict)
     with frozen_heap():  # until the first item: the consumer's own code runs between items
-        prepared = prepared_for(tensors)
+        # the layout streamed: `like`'s, or the derived one (headers needed by no file here)
+        prepared = prepared or prepared_checkpoint(rules, like, config, tensors, layout, Path("<export>"))[0]
         out, compiled, _ = prepared.current()
         rank, world = dist.rank(), dist.world_size()
 
@@ -83,10 +80,8 @@ def _export(prepared_for, state_dict, gather, bucket_bytes: int, layout, mesh, a
                 "schedule", (everyone, bucket_bytes, gather, layout, mesh),
                 lambda: _schedule(everyone, out, bucket_bytes, gather, producer, tensors, layout, mesh, empty)),
                 phase="scheduling the export")
-    if regions:
-        yield from _regions(plan, out, holding.local, bucket_bytes, empty if rank == 0 else [])
-        return
-    yield from _rounds(plan, schedule, out, holding.local, rank, world)
+    yield from _regions(plan, out, holding.local, bucket_bytes, empty if rank == 0 else []) if regions else \
+        _rounds(plan, schedule, out, holding.local, rank, world)
 
 
 def _export_plan(chosen, out, boxes, rank: int, compiled) -> tuple:

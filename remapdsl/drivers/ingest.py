@@ -47,69 +47,63 @@ def ingest(prepared, state_dict, pairs, *, rules=None, like=None, config: Mappin
     this call) or `Prepared.ingest`."""
     staging = staging_within(staging_bytes)
     with bounds.bounded(timeout), frozen_heap(), Rings(staging) as rings:  # one ring per reader thread, over all pairs
+        tensors = tensors_of(state_dict)
         if prepared is None:
-            prepared = prepared_checkpoint(rules, like, config, tensors_of(state_dict), layout, Path("<ingest>"))[0]
-        return _ingest(prepared, state_dict, pairs, layout, mesh, rings)
+            prepared = prepared_checkpoint(rules, like, config, tensors, layout, Path("<ingest>"))[0]
+        start = time.perf_counter()
+        inventory, compiled, _ = prepared.current()
+        rank = dist.rank()
 
+        def plan():
+            check_mesh(mesh)
+            check_unquantized(compiled, "an ingest takes the checkpoint tensors' own values, and decoding streamed "
+                              "quantized parts is not supported", "ingest with the rule file of the unquantized layout")
+            holding = hold(compiled, tensors, layout, mesh, rank)
+            held = holding.held()
+            memory = prepared.kept("memory", None, lambda: in_memory(inventory))
+            plan = prepared.kept("ingest", (held, rank), lambda: make_load_plan(compiled, memory, held, rank))
+            return memory, plan, holding
 
-def _ingest(prepared, state_dict, pairs, layout, mesh, rings: Rings) -> IngestReport:
-    start = time.perf_counter()
-    tensors = tensors_of(state_dict)
-    inventory, compiled, _ = prepared.current()
-    rank = dist.rank()
+        memory, load_plan, holding = dist.together(plan, phase="planning the ingest")
+        reads, fills = defaultdict(list), []  # fills: pads, no pair needed
+        for item in load_plan.items:
+            (fills if item.ckpt_key is None else reads[item.ckpt_key]).append(item)
+        problems: list[Diagnostic] = []
+        seen: set[str] = set()
+        count = used = 0
+        dropped = set(compiled.dropped)
+        if fills:
+            run_load_plan(load_plan.model_copy(update={"items": tuple(fills), "decodes": ()}), memory, holding.local,
+                          rings=rings)
+        for key, tensor in (pairs.items() if isinstance(pairs, Mapping) else pairs):
+            count += 1
+            problem = _check_pair(key, tensor, memory, seen, dropped)
+            if problem is not None:
+                problems.append(problem)
+                continue
+            seen.add(key)
+            items = reads.get(key)
+            if not items:
+                continue
+            used += 1
+            source = tensor.detach()
+            if source.device.type != "cpu" or not source.is_contiguous():
+                source = source.contiguous().cpu()
+            run_load_plan(load_plan.model_copy(update={"items": tuple(items), "decodes": ()}), memory, holding.local,
+                          reader=MemoryReader(memory, {key: source}), rings=rings)
+        missing = sorted(set(reads) - seen)
+        if missing:
+            problems.append(Diagnostic(code="E547", message=f"{len(missing)} checkpoint tensor(s) this rank needs "
+                                       f"never came, starting with `{missing[0]}`",
+                                       hint="the pairs must hold every tensor the rules read for this rank's part"))
 
-    def plan():
-        check_mesh(mesh)
-        check_unquantized(compiled, "an ingest takes the checkpoint tensors' own values, and decoding streamed "
-                          "quantized parts is not supported", "ingest with the rule file of the unquantized layout")
-        holding = hold(compiled, tensors, layout, mesh, rank)
-        held = holding.held()
-        memory = prepared.kept("memory", None, lambda: in_memory(inventory))
-        return memory, prepared.kept("ingest", (held, rank), lambda: make_load_plan(compiled, memory, held, rank)), \
-            holding
+        def report():
+            if problems:
+                raise RemapError(problems[:8])
+            return IngestReport(rank=rank, pairs=count, used=used, bytes_read=load_plan.bytes_read,
+                                seconds=time.perf_counter() - start)
 
-    memory, load_plan, holding = dist.together(plan, phase="planning the ingest")
-    reads = defaultdict(list)
-    for item in load_plan.items:
-        if item.ckpt_key is not None:
-            reads[item.ckpt_key].append(item)
-    fills = [item for item in load_plan.items if item.ckpt_key is None]  # pads: no pair needed
-    problems: list[Diagnostic] = []
-    seen: set[str] = set()
-    count = used = 0
-    dropped = set(compiled.dropped)
-    if fills:
-        run_load_plan(load_plan.model_copy(update={"items": tuple(fills), "decodes": ()}), memory, holding.local,
-                      rings=rings)
-    for key, tensor in (pairs.items() if isinstance(pairs, Mapping) else pairs):
-        count += 1
-        problem = _check_pair(key, tensor, memory, seen, dropped)
-        if problem is not None:
-            problems.append(problem)
-            continue
-        seen.add(key)
-        items = reads.get(key)
-        if not items:
-            continue
-        used += 1
-        source = tensor.detach()
-        if source.device.type != "cpu" or not source.is_contiguous():
-            source = source.contiguous().cpu()
-        run_load_plan(load_plan.model_copy(update={"items": tuple(items), "decodes": ()}), memory, holding.local,
-                      reader=MemoryReader(memory, {key: source}), rings=rings)
-    missing = sorted(set(reads) - seen)
-    if missing:
-        problems.append(Diagnostic(code="E547", message=f"{len(missing)} checkpoint tensor(s) this rank needs "
-                                   f"never came, starting with `{missing[0]}`",
-                                   hint="the pairs must hold every tensor the rules read for this rank's part"))
-
-    def report():
-        if problems:
-            raise RemapError(problems[:8])
-        return IngestReport(rank=rank, pairs=count, used=used, bytes_read=load_plan.bytes_read,
-                            seconds=time.perf_counter() - start)
-
-    return dist.together(report, phase="finishing the ingest")
+        return dist.together(report, phase="finishing the ingest")
 
 
 def _check_pair(key, tensor, memory, seen: set[str], dropped: set[str]) -> Diagnostic | None:

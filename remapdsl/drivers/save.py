@@ -59,57 +59,50 @@ def save(prepared, state_dict, folder, *, rules=None, like=None, config=None, la
     this call) or `Prepared.save`; the arguments are `remapdsl.save`'s."""
     with bounds.bounded(timeout), frozen_heap():
         folder, derived = Path(folder).absolute(), None
+        tensors = tensors_of(state_dict)
         if prepared is None:
-            prepared, derived = prepared_checkpoint(rules, like, config, tensors_of(state_dict), layout, folder,
-                                                    max_shard_size)
-        return _save(prepared, state_dict, folder, config, layout, mesh, overwrite, allow_lossy, requantize, dropped,
-                     derived)
+            prepared, derived = prepared_checkpoint(rules, like, config, tensors, layout, folder, max_shard_size)
+        start = time.perf_counter()
+        inventory, compiled, _ = prepared.current()
+        rank, world = dist.rank(), dist.world_size()
+
+        def plan():
+            check_dropped(dropped)
+            check_mesh(mesh)
+            chosen = prepared.kept("writers", (allow_lossy, requantize, dropped), lambda: writers_paused(
+                compiled, allow_lossy=allow_lossy, requantize=requantize, dropped=dropped))
+            out = derived or prepared.kept("output", (dropped, requantize),
+                                           lambda: output_checkpoint(compiled, inventory, dropped, requantize))
+            holding = hold(compiled, tensors, layout, mesh, rank)
+            mine = owned(holding, rank)
+            return prepared.kept("save", (allow_lossy, requantize, dropped, mine, rank), lambda: make_write_plan(
+                chosen, out.inventory, mine, rank, compiled.logical_by_key(), requantize)), out, holding
+
+        plan, out, holding = dist.together(plan, agree_on=layout_agreement("tensor layouts", lambda r: r[2], mesh),
+                                           phase="planning the writes")
+        copies = copy_share(copied_keys(compiled, inventory, dropped, requantize), inventory, out.inventory, rank,
+                            world)
+        copied = sum(piece[-1] for piece in copies)
+        reader = CheckpointReader(inventory)
+        # a derived layout's own index, or (files laid out anew, rank 0) `like`'s cut to match
+        index = out.index or (omitted_index(inventory, out.inventory) if rank == 0 and out.headers else None)
+        files = None if derived is None else \
+            {"config.json": (json.dumps(dict(config), indent=2, sort_keys=True) + "\n").encode()} if config else {}
+        try:
+            sync_seconds = write_output(
+                folder, out.inventory, headers=out.headers or None, index=index, copy_from=inventory.root, files=files,
+                overwrite=overwrite, planned=plan.bytes_written + copied, write=lambda writer: (
+                    run_write_plan(plan, writer, holding.local, reader=reader), copy_bytes(copies, reader, writer)))
+        finally:
+            reader.close()
+        return SaveReport(folder=str(folder), rank=rank, bytes_written=plan.bytes_written + copied,
+                          files=tuple(sorted({*plan.files, *(piece[2] for piece in copies)})),
+                          seconds=time.perf_counter() - start, sync_seconds=sync_seconds, bytes_copied=copied)
 
 
 def tensors_of(state_dict) -> Mapping[str, Any]:
     """A state dict's tensors (a module's parameters and buffers as they are, not detached)."""
     return state_dict.state_dict(keep_vars=True) if hasattr(state_dict, "state_dict") else state_dict
-
-
-def _save(prepared, state_dict, folder: Path, config, layout, mesh, overwrite, allow_lossy, requantize, dropped,
-          derived) -> SaveReport:
-    start = time.perf_counter()
-    tensors = tensors_of(state_dict)
-    inventory, compiled, _ = prepared.current()
-    rank, world = dist.rank(), dist.world_size()
-
-    def plan():
-        check_dropped(dropped)
-        check_mesh(mesh)
-        chosen = prepared.kept("writers", (allow_lossy, requantize, dropped), lambda: writers_paused(
-            compiled, allow_lossy=allow_lossy, requantize=requantize, dropped=dropped))
-        out = derived or prepared.kept("output", (dropped, requantize),
-                                       lambda: output_checkpoint(compiled, inventory, dropped, requantize))
-        holding = hold(compiled, tensors, layout, mesh, rank)
-        mine = owned(holding, rank)
-        return prepared.kept("save", (allow_lossy, requantize, dropped, mine, rank), lambda: make_write_plan(
-            chosen, out.inventory, mine, rank, compiled.logical_by_key(), requantize)), out, holding
-
-    plan, out, holding = dist.together(plan, agree_on=layout_agreement("tensor layouts", lambda r: r[2], mesh),
-                                       phase="planning the writes")
-    copies = copy_share(copied_keys(compiled, inventory, dropped, requantize), inventory, out.inventory, rank, world)
-    copied = sum(piece[-1] for piece in copies)
-    reader = CheckpointReader(inventory)
-    # a derived layout's own index, or (files laid out anew, rank 0) `like`'s cut to match
-    index = out.index or (omitted_index(inventory, out.inventory) if rank == 0 and out.headers else None)
-    files = None if derived is None else \
-        {"config.json": (json.dumps(dict(config), indent=2, sort_keys=True) + "\n").encode()} if config else {}
-    try:
-        sync_seconds = write_output(folder, out.inventory, headers=out.headers or None, index=index,
-                                    copy_from=inventory.root, files=files, overwrite=overwrite,
-                                    planned=plan.bytes_written + copied,
-                                    write=lambda writer: (run_write_plan(plan, writer, holding.local, reader=reader),
-                                                          copy_bytes(copies, reader, writer)))
-    finally:
-        reader.close()
-    return SaveReport(folder=str(folder), rank=rank, bytes_written=plan.bytes_written + copied,
-                      files=tuple(sorted({*plan.files, *(piece[2] for piece in copies)})),
-                      seconds=time.perf_counter() - start, sync_seconds=sync_seconds, bytes_copied=copied)
 
 
 def writers_paused(compiled, **options):
