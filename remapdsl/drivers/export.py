@@ -122,8 +122,7 @@ def _schedule(everyone: list[dict], out, bucket_bytes: int, gather: tuple, produ
         ranks = writers[key]
         if len(ranks) > 1:
             coordinates.check_split(key, producer[key], ranks, gather)
-        o = min(ranks, key=lambda r: (load[r], r))
-        owner[key] = o
+        o = owner[key] = min(ranks, key=lambda r: (load[r], r))
         load[o] += out.tensors[key].nbytes
     # half a bucket assembled a round: with the pieces it sends and receives meanwhile (each about
     # the same again, spread over the group), a rank holds about one bucket beyond its shards
@@ -244,8 +243,7 @@ class _Collector:
 
     def write_runs(self, file: str, runs, data: memoryview) -> None:
         key = self.tensor_at(file, runs.first)
-        start = self.out.tensors[key].byte_offset
-        relative = runs._replace(first=runs.first - start)
+        relative = runs._replace(first=runs.first - self.out.tensors[key].byte_offset)
         o = self.owner[key]
         if o == self.rank:
             self._scatter(key, relative, data)
@@ -272,14 +270,9 @@ class _Collector:
         send = torch.empty(sum(sizes), dtype=torch.uint8)
         flat, at = send.numpy(), 0
         for meta, pieces in zip(metas, self.outgoing):
-            if not pieces:
-                continue
-            flat[at:at + 8] = np.frombuffer(struct.pack("<Q", len(meta)), dtype=np.uint8)
-            flat[at + 8:at + 8 + len(meta)] = np.frombuffer(meta, dtype=np.uint8)
-            at += 8 + len(meta)
-            for _, _, data in pieces:
-                flat[at:at + len(data)] = np.frombuffer(data, dtype=np.uint8)
-                at += len(data)
+            for chunk in (struct.pack("<Q", len(meta)), meta, *(d for _, _, d in pieces)) if pieces else ():
+                flat[at:at + len(chunk)] = np.frombuffer(chunk, dtype=np.uint8)
+                at += len(chunk)
         self.outgoing = [[] for _ in self.outgoing]
         return send, sizes
 

@@ -99,10 +99,8 @@ def header_digests(inventory: Inventory) -> dict[str, str]:
 def rules_for(rules, checkpoint, config: Mapping[str, Any] | None = None):
     """`auto` -> the path of the shipped file that fits the checkpoint (logged on the `remapdsl`
     logger); anything else as given (a path, a shipped name or a RuleSet: load_rules resolves names)."""
-    if isinstance(rules, RuleSet) or os.fspath(rules) != AUTO or Path(AUTO).is_file():
-        return rules
-    if checkpoint is None:
-        return rules  # load_rules explains (E148)
+    if isinstance(rules, RuleSet) or os.fspath(rules) != AUTO or Path(AUTO).is_file() or checkpoint is None:
+        return rules  # `auto` without a checkpoint: load_rules explains (E148)
     chosen, reason = choose_rules(config_of(checkpoint) if config is None else config)
     logging.getLogger("remapdsl").info("rules auto: chose %s (%s)", chosen.name, reason)
     return chosen.path
