@@ -145,8 +145,7 @@ def prepare_everywhere(rules, checkpoint, config=None, strict: bool = True,
         compiled = compile_rules(ruleset, inventory, given, strict=strict)
         return _Outcome(_inputs(rule_texts(ruleset), given, strict, checkpoint), compiled, own, headers)
 
-    agreement = dist.Agreement("compiled rules and checkpoint", _Outcome.digests, _Outcome.detail,
-                               explain_difference)
+    agreement = dist.Agreement("compiled rules and checkpoint", _Outcome.digests, _Outcome.detail, explain_difference)
     prepared = dist.together(prepare, agree_on=agreement, phase="compiling")
     return Ready(prepared.inventory, prepared.compiled, prepared.inputs.rules)
 

@@ -85,8 +85,7 @@ class Prepared:
         if isinstance(self._checkpoint, Inventory):
             return same, ()
         inventory = ready.inventory
-        names = [*inventory.files, *filter(None, [inventory.index_file])]
-        paths = [inventory.path(name) for name in names]
+        paths = [inventory.path(name) for name in [*inventory.files, *filter(None, [inventory.index_file])]]
         if self._config is None:
             paths.append(os.path.join(inventory.root, "config.json"))
         return same, tuple(_stat(path) for path in paths)
@@ -122,8 +121,7 @@ class Prepared:
         `like`); as `remapdsl.ingest`."""
         from .ingest import ingest
 
-        return ingest(self, state_dict, pairs, layout=layout, mesh=mesh, timeout=timeout,
-                      staging_bytes=staging_bytes)
+        return ingest(self, state_dict, pairs, layout=layout, mesh=mesh, timeout=timeout, staging_bytes=staging_bytes)
 
 
 def prepare(rules, checkpoint, *, config=None, strict: bool = True, timeout=None, watched: bool = True) -> Prepared:

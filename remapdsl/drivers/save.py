@@ -171,13 +171,10 @@ def copy_share(keys, like, out, rank: int, world: int) -> list[tuple[str, int, s
 
 def copy_bytes(pieces, reader, writer) -> None:
     """Copy the pieces of `copy_share` byte for byte, at most COPY_BYTES held at once."""
-    buffer = None
+    buffer = memoryview(bytearray(min(COPY_BYTES, max((piece[-1] for piece in pieces), default=0))))
     for src, src_offset, dst, dst_offset, size in pieces:
         for step in range(0, size, COPY_BYTES):
-            n = min(COPY_BYTES, size - step)
-            if buffer is None or len(buffer) < n:
-                buffer = bytearray(n)
-            data = memoryview(buffer)[:n]
+            data = buffer[:min(COPY_BYTES, size - step)]
             reader.read_into(src, src_offset + step, data)
             writer.write_at(dst, dst_offset + step, data)
 

@@ -32,11 +32,10 @@ from .placements import LocalShard
 class ReadItem(NamedTuple):
     """One piece of one block, for one rank.
 
-    The local region [local_offsets, local_offsets + sizes) of `runtime_key` takes the elements of
-    `ckpt_key` held by the byte `runs` of `file` (concatenated), laid out by `strides` (element
-    strides into that concatenation, one per runtime dim), then `steps`; `source_strides` are
-    each runtime dim's element strides in the file from `runs.first`. An item without a key fills
-    its region with `fill` (a `pad`).
+    The local region [local_offsets, local_offsets + sizes) of `runtime_key` takes the elements of `ckpt_key` held
+    by the byte `runs` of `file` (concatenated), laid out by `strides` (element strides into that concatenation,
+    one per runtime dim), then `steps`; `source_strides` are each runtime dim's element strides in the file from
+    `runs.first`. An item without a key fills its region with `fill` (a `pad`).
     """
 
     runtime_key: str
@@ -272,11 +271,10 @@ def _refuse_chunked_parts(source, inventory: Inventory) -> None:
 
 
 class WriteItem(NamedTuple):
-    """One piece of a runtime tensor written back: the local region [local_offsets, local_offsets +
-    sizes) of `runtime_key`, through `steps` (the load's value steps undone) into `dtype`, laid out
-    by `strides` (element strides into the concatenation of `runs`) over the byte `runs` of `file`
-    where checkpoint tensor `ckpt_key` keeps those elements (`source_strides`: each runtime dim's
-    element strides in the file from `runs.first`)."""
+    """One piece of a runtime tensor written back: the local region [local_offsets, local_offsets + sizes) of
+    `runtime_key`, through `steps` (the load's value steps undone) into `dtype`, laid out by `strides` (element
+    strides into the concatenation of `runs`) over the byte `runs` of `file` where checkpoint tensor `ckpt_key`
+    keeps those elements (`source_strides`: each runtime dim's element strides in the file from `runs.first`)."""
 
     runtime_key: str
     local_offsets: tuple[int, ...]
