@@ -1,10 +1,8 @@
 """remapdsl: one declarative rule file -> exact, sharded loads and saves of model checkpoints.
 
-The public API: a few drivers over stages that are plain functions from frozen data to frozen data
-(docs/architecture.md). Everything else lives in its subpackage: `remapdsl.language` (rule text ->
-IR), `remapdsl.checkpoint`, `remapdsl.quant`, `remapdsl.compile`, `remapdsl.sharding` (meshes,
-placements, layout plans, per-rank plans), `remapdsl.runtime`. Importing it does not import torch;
-`load`, `save` and `convert` do, when called.
+The public API, a few drivers over stages of frozen data (docs/architecture.md); the rest lives in the
+subpackages `language`, `checkpoint`, `quant`, `compile`, `sharding` and `runtime`. Importing it does not
+import torch; the functions that move tensors do, when called.
 """
 
 from __future__ import annotations
@@ -14,14 +12,8 @@ from collections.abc import Mapping
 from typing import Any
 
 from .checkpoint import Inventory, open_inventory
-from .checkpoint.snapshot import (
-    SnapshotInventory,
-    checkpoint_config,
-    config_of,
-    is_snapshot,
-    open_snapshot,
-    require_data,
-)
+from .checkpoint.snapshot import (SnapshotInventory, checkpoint_config, config_of, is_snapshot, open_snapshot,
+                                  require_data)
 from .checkpoint.snapshot import write_snapshot as _write_snapshot
 from .compile import Compiled
 from .compile import compile_rules as _compile_rules
@@ -40,7 +32,6 @@ from .sharding.placements import LayoutError
 from .sizes import parse_size
 
 __version__ = "0.1.0"
-
 
 
 def parse_rules(rules: str | os.PathLike) -> _ir.RuleFile:
@@ -62,18 +53,17 @@ def choose_rules(checkpoint: str | os.PathLike | Inventory,
 
 
 def open_checkpoint(checkpoint: str | os.PathLike | Inventory) -> Inventory:
-    """The inventory of a checkpoint folder (headers, index and config.json; no tensor data), of a
-    snapshot file (`write_snapshot`; a `SnapshotInventory`, which carries its config), or the one
-    given."""
+    """The inventory of a checkpoint folder (headers, index and config.json; no tensor data), of a snapshot
+    file (`write_snapshot`; a `SnapshotInventory`, which carries its config), or the one given."""
     if isinstance(checkpoint, Inventory):
         return checkpoint
     return open_snapshot(checkpoint) if is_snapshot(checkpoint) else open_inventory(checkpoint)
 
 
 def write_snapshot(checkpoint: str | os.PathLike | Inventory, path: str | os.PathLike) -> str:
-    """Write a checkpoint's headers, index and config.json, without its data, as a small
-    deterministic JSON file that `open_checkpoint`, `compile_rules`, `explain` and `plan_rank`
-    accept in place of the folder; returns the text written.
+    """Write a checkpoint's headers, index and config.json, without its data, as a small deterministic JSON
+    file that `open_checkpoint`, `compile_rules`, `explain` and `plan_rank` accept in place of the folder;
+    returns the text written.
 
     Args:
         checkpoint: a checkpoint folder (or index file, `.safetensors` file, snapshot, Inventory).
@@ -110,20 +100,17 @@ def plan_rank(compiled: Compiled, inventory: Inventory, layout, mesh, rank: int)
 
 
 def prepare(rules, checkpoint, *, config: Mapping[str, Any] | None = None, strict: bool = True, timeout=None):
-    """Read a checkpoint's headers and compile the rules against them once, for many loads, saves,
-    exports and ingests of one job; returns a `Prepared` that the caller keeps.
+    """Read a checkpoint's headers and compile the rules against them once, for many loads, saves, exports
+    and ingests of one job; returns a `Prepared` that the caller keeps (in memory: nothing is written).
 
-    Every rank calls it, as the first phase of `load`: rank 0 reads the headers, the ranks check
-    that they compiled the same rules against the same checkpoint. `prepared.load(...)`,
-    `.save(...)`, `.export(...)` and `.ingest(...)` take the arguments of the functions of the same
-    names, less the rules, the checkpoint (it is their `like`) and the config. Each call first
-    checks, on every rank, that the rule files and the checkpoint's files are unchanged (else every
-    rank prepares again), and reuses this rank's plan for a holding it planned before. Everything
-    is kept in the object, in memory: nothing is written anywhere.
+    Every rank calls it, as the first phase of `load`. `prepared.load(...)`, `.save(...)`, `.export(...)` and
+    `.ingest(...)` take the arguments of the functions of the same names, less the rules, the checkpoint (it
+    is their `like`) and the config. Each call first checks on every rank that the rule files and the
+    checkpoint's files are unchanged (else every rank prepares again), and reuses this rank's earlier plans.
 
     Args:
-        rules, checkpoint, config, strict, timeout: as for `load` (a save of a checkpoint holding
-            tensors no rule reads needs strict=False).
+        rules, checkpoint, config, strict, timeout: as for `load` (a save of a checkpoint holding tensors no
+            rule reads needs strict=False).
     """
     from .drivers.prepared import prepare as _prepare
 
@@ -140,29 +127,29 @@ def load(state_dict, checkpoint, rules, *, config: Mapping[str, Any] | None = No
          layout=None, mesh=None, read_replicated_once: bool = False, timeout=None, staging_bytes: int | None = None):
     """Fill existing tensors in place from a checkpoint, through a rule file; returns a LoadReport.
 
-    In a torch.distributed job every rank calls it: rank 0 reads the headers once and shares them,
-    the ranks check that they compiled the same rules against the same checkpoint, and each reads
-    only the bytes of its own shards. An error on any rank is raised on every rank.
+    In a torch.distributed job every rank calls it: rank 0 reads the headers once and shares them, the ranks
+    check that they compiled the same rules against the same checkpoint, and each reads only the bytes of its
+    own shards. An error on any rank is raised on every rank.
 
     Args:
-        state_dict: runtime key -> tensor (or a torch.nn.Module). DTensors are loaded per their
-            placements; plain tensors are whole, or this rank's shard under `layout`.
-            `compile_rules(...).empty_state_dict()` makes one.
+        state_dict: runtime key -> tensor (or a torch.nn.Module). DTensors are loaded per their placements;
+            plain tensors are whole, or this rank's shard under `layout`. `compile_rules(...).empty_state_dict()`
+            makes one.
         checkpoint: a checkpoint folder (or its Inventory).
-        rules: a .remap file path, a shipped name (`qwen3_moe`), `"auto"` (chosen from the
-            checkpoint's config.json and logged on the `remapdsl` logger) or a RuleSet.
+        rules: a .remap file path, a shipped name (`qwen3_moe`), `"auto"` (chosen from the checkpoint's
+            config.json and logged on the `remapdsl` logger) or a RuleSet.
         config: the model config; by default the folder's config.json.
         strict: refuse checkpoint tensors that no rule takes and no `drop` names.
         layout: a `remapdsl.sharding.LayoutPlan` placing plain tensors on `mesh` (tp_plan style).
         mesh: the `remapdsl.sharding.Mesh` of the job, with `layout`.
-        read_replicated_once: tensors that every rank holds whole are read by rank 0 and broadcast,
-            instead of read by every rank.
-        timeout: how long this rank waits at any one exchange for the others (seconds or a
-            `datetime.timedelta`; default 300 s), independent of the process group's own timeout.
-            A rank that does not arrive in time is named on every rank that did (E415).
-        staging_bytes: the most host memory the call pins to copy bytes into device (CUDA) tensors:
-            reusable 2 MiB buffers for each of two reader threads (default 16 MiB in all); CPU
-            tensors are read into directly.
+        read_replicated_once: tensors that every rank holds whole are read by rank 0 and broadcast, instead of
+            read by every rank.
+        timeout: how long this rank waits at any one exchange for the others (seconds or a `datetime.timedelta`;
+            default 300 s), independent of the process group's own timeout. A rank that does not arrive in time
+            is named on every rank that did (E415).
+        staging_bytes: the most host memory the call pins to copy bytes into device (CUDA) tensors: reusable
+            2 MiB buffers for each of two reader threads (default 16 MiB in all); CPU tensors are read into
+            directly.
     """
     from .drivers.prepared import prepare as _prepare
 
@@ -176,125 +163,120 @@ def load(state_dict, checkpoint, rules, *, config: Mapping[str, Any] | None = No
 def save(state_dict, folder, rules, *, like=None, config: Mapping[str, Any] | None = None, layout=None,
          mesh=None, overwrite: bool = False, allow_lossy: bool = False, requantize: bool = False,
          dropped: str = "error", max_shard_size: int | str = "5GB", timeout=None):
-    """Write runtime tensors back to the checkpoint layout `like` through the rules that load it,
-    every rank its own bytes (no gather); returns a SaveReport.
+    """Write runtime tensors back to the checkpoint layout `like` through the rules that load it, every rank
+    its own bytes (no gather); returns a SaveReport.
 
-    Without `like`, the layout is derived: the checkpoint tensors the rules, the config and the
-    runtime tensors' global shapes determine (E520 names the rule and the size where they do not),
-    in files sharded as Hugging Face shards them (`max_shard_size`), with an index past one file
-    and `config.json` from `config` (docs/saving.md#without-like).
+    Without `like`, the layout is derived from the rules, the config and the runtime tensors' global shapes
+    (E520 names the rule and the size where they do not), in Hugging Face shards (`max_shard_size`), with an
+    index past one file and `config.json` from `config` (docs/saving.md#without-like).
 
     Args:
-        state_dict: runtime key -> tensor (or a torch.nn.Module); DTensors are written per their
-            placements, plain tensors are whole or this rank's shard under `layout`.
+        state_dict: runtime key -> tensor (or a torch.nn.Module); DTensors are written per their placements,
+            plain tensors are whole or this rank's shard under `layout`.
         folder: the output checkpoint folder (created; it must not exist unless `overwrite`).
-        rules: a .remap file path, a shipped name, `"auto"` (from `like`) or a RuleSet: the rules that
-            load `like` into this layout.
-        like: the checkpoint (folder or Inventory) whose keys, files, headers and index the output
-            takes: an unchanged model saves to byte-identical files. None: the layout is derived.
-        config: the model config; by default `like`'s config.json (without `like`: none, and no
-            config.json is written).
+        rules: a .remap file path, a shipped name, `"auto"` (from `like`) or a RuleSet: the rules that load
+            `like` into this layout.
+        like: the checkpoint (folder or Inventory) whose keys, files, headers and index the output takes: an
+            unchanged model saves to byte-identical files. None: the layout is derived.
+        config: the model config; by default `like`'s config.json (without `like`: none, and no config.json
+            is written).
         layout, mesh: as for `load`.
         overwrite: replace an existing folder (only once the new one is complete).
         allow_lossy: write back tensors that the rules read through a cast that loses values.
-        requantize: write dequantized tensors with new scales computed from their values (fp8_block:
-            amax / 448 per block), not the stored ones; each block must be whole on one rank.
-        dropped: what becomes of the checkpoint tensors the rules `drop` (a DeepSeek-V3 MTP layer's
-            copies, `rotary_emb.inv_freq`): `"error"` (the default) refuses the save (E501);
-            `"copy"` copies them unchanged from `like` (same bytes, dtype and position: an unchanged
-            model still saves byte-identical files); `"omit"` leaves them out (the files, headers and
-            index lack them, the rest laid out as safetensors lays out a file; a file left empty is
-            not written). Copies are split among the ranks by bytes, no gather.
-        max_shard_size: without `like`: start a new output file past this size (bytes, or a text
-            such as "5GB" or "2GiB", as for `save_pretrained`).
+        requantize: write dequantized tensors with new scales computed from their values (fp8_block: amax /
+            448 per block), not the stored ones; each block must be whole on one rank.
+        dropped: what becomes of the checkpoint tensors the rules `drop` (a DeepSeek-V3 MTP layer's copies,
+            `rotary_emb.inv_freq`): `"error"` (the default) refuses the save (E501); `"copy"` copies them
+            unchanged from `like` (same bytes, dtype and position: an unchanged model still saves
+            byte-identical files); `"omit"` leaves them out (the files, headers and index lack them, the rest
+            laid out as safetensors lays out a file; a file left empty is not written). Copies are split among
+            the ranks by bytes, no gather.
+        max_shard_size: without `like`: start a new output file past this size (bytes, or a text such as
+            "5GB" or "2GiB", as for `save_pretrained`).
         timeout: as for `load`.
     """
-    from .drivers.save import save_once
+    from .drivers.save import save as _save
 
     require_data(like, "a save (`like`)")
-    rules = rules_for(rules, like, config)
-    return save_once(state_dict, folder, rules, like=like, config=config, layout=layout, mesh=mesh,
-                 overwrite=overwrite, allow_lossy=allow_lossy, requantize=requantize, dropped=dropped,
-                 max_shard_size=max_shard_size, timeout=timeout)
+    return _save(None, state_dict, folder, rules=rules_for(rules, like, config), like=like, config=config,
+                 layout=layout, mesh=mesh, overwrite=overwrite, allow_lossy=allow_lossy, requantize=requantize,
+                 dropped=dropped, max_shard_size=max_shard_size, timeout=timeout)
 
 
 def export(state_dict, rules, *, like=None, config: Mapping[str, Any] | None = None, gather=(),
-           bucket_bytes: int = 256 << 20, layout=None, mesh=None, allow_lossy: bool = False,
-           regions: bool = False, timeout=None):
-    """The checkpoint layout of a sharded runtime state dict, in memory: an iterator of
-    (checkpoint key, tensor) pairs, each a whole checkpoint tensor, for weight sync without files.
+           bucket_bytes: int = 256 << 20, layout=None, mesh=None, allow_lossy: bool = False, regions: bool = False,
+           timeout=None):
+    """The checkpoint layout of a sharded runtime state dict, in memory: an iterator of (checkpoint key,
+    tensor) pairs, each a whole checkpoint tensor, for weight sync without files.
 
-    Run on every rank, to the end (its steps are collectives). Each checkpoint key is yielded by
-    exactly one rank: one of those holding its bytes, which assembles it from the others' pieces.
-    Those may differ only on the mesh dims named in `gather` (E541): `gather=("dp_shard",)`
-    assembles FSDP shards within each dp_shard group and keeps EP shards local; `gather=()`
-    moves nothing (every tensor must lie whole on one rank). Pieces move in rounds, so a rank
-    holds its shards plus at most about one bucket of tensors it assembles (docs/export.md).
+    Run on every rank, to the end (its steps are collectives). Each checkpoint key is yielded by exactly one
+    rank holding its bytes, which assembles it from the others' pieces. Those may differ only on the mesh dims
+    named in `gather` (E541): `gather=("dp_shard",)` assembles FSDP shards within each dp_shard group and
+    keeps EP shards local; `gather=()` moves nothing (every tensor must lie whole on one rank). Pieces move
+    in rounds, so a rank holds its shards plus about one bucket of tensors it assembles (docs/export.md).
 
     Args:
         state_dict: runtime key -> tensor or DTensor (or a torch.nn.Module), as for `save`.
-        rules: the rules that load the checkpoint layout into this one (a path, a shipped name, a
-            RuleSet).
+        rules: the rules that load the checkpoint layout into this one (a path, a shipped name, a RuleSet).
         like: the checkpoint whose layout to stream; None: derived, as a save without `like` does.
         config: the model config (sizes the rules read; by default `like`'s config.json).
         gather: the mesh dims over which a checkpoint tensor's pieces are assembled.
-        bucket_bytes: the most bytes of tensors a rank assembles in one round (a larger tensor
-            is a round of its own).
+        bucket_bytes: the most bytes of tensors a rank assembles in one round (a larger tensor is a round of
+            its own).
         layout, mesh: as for `load`, for plain local shards.
         allow_lossy: as for `save`.
-        regions: yield `(key, offsets, tensor)` instead: each box of a checkpoint tensor this rank
-            holds and no lower rank does (the bytes a save would have it write), no communication;
-            a piece that is no box (rows strided by a rope order) is E549.
+        regions: yield `(key, offsets, tensor)` instead: each box of a checkpoint tensor this rank holds and
+            no lower rank does (the bytes a save would have it write), no communication; a piece that is no
+            box (rows strided by a rope order) is E549.
         timeout: as for `load`.
     """
-    from .drivers.export import export_once
+    from .drivers.export import export as _export
 
     require_data(like, "an export (`like`)")
-    return export_once(state_dict, rules_for(rules, like, config), like=like, config=config, gather=gather,
+    return _export(None, state_dict, rules=rules_for(rules, like, config), like=like, config=config, gather=gather,
                    bucket_bytes=bucket_bytes, layout=layout, mesh=mesh, allow_lossy=allow_lossy, regions=regions,
                    timeout=timeout)
 
 
 def ingest(state_dict, pairs, rules, *, like=None, config: Mapping[str, Any] | None = None, layout=None,
            mesh=None, timeout=None, staging_bytes: int | None = None):
-    """Fill a runtime state dict in place from (checkpoint key, tensor) pairs, through the rules:
-    the mirror of `export`, a load from memory instead of files. Returns an IngestReport.
+    """Fill a runtime state dict in place from (checkpoint key, tensor) pairs, through the rules: the mirror of
+    `export`, a load from memory instead of files. Returns an IngestReport.
 
-    Every rank is given the same pairs (a dict, or an iterable such as a stream from another
-    process, read once) and takes only the bytes of its own part. A pair the rules do not read
-    (E545), of another shape or dtype (E546), given twice (E548), or a tensor the rank needs that
-    never came (E547) fails every rank together, at the end.
+    Every rank is given the same pairs (a dict, or an iterable such as a stream from another process, read
+    once) and takes only the bytes of its own part. A pair the rules do not read (E545), of another shape or
+    dtype (E546), given twice (E548), or a tensor the rank needs that never came (E547) fails every rank
+    together, at the end.
 
     Args:
         state_dict: runtime key -> tensor or DTensor (or a torch.nn.Module), filled in place.
         pairs: checkpoint key -> tensor, or an iterable of (key, tensor).
         rules: as for `load`.
-        like: the checkpoint whose layout the pairs are in (its headers only); None: derived from
-            the state dict's shapes, as a save without `like` does.
+        like: the checkpoint whose layout the pairs are in (its headers only); None: derived from the state
+            dict's shapes, as a save without `like` does.
         config, layout, mesh, timeout, staging_bytes: as for `load`.
     """
-    from .drivers.ingest import ingest_once
+    from .drivers.ingest import ingest as _ingest
 
     require_data(like, "an ingest (`like`)")
-    return ingest_once(state_dict, pairs, rules_for(rules, like, config), like=like, config=config, layout=layout,
-                   mesh=mesh, timeout=timeout, staging_bytes=staging_bytes)
+    return _ingest(None, state_dict, pairs, rules=rules_for(rules, like, config), like=like, config=config,
+                   layout=layout, mesh=mesh, timeout=timeout, staging_bytes=staging_bytes)
 
 
 def convert(src, dst, rules, *, reverse: bool = False, like=None, max_shard_bytes: int = 5 * 10**9,
             budget_bytes: int = 1 << 30, overwrite: bool = False, progress=None, dropped: str = "error",
             timeout=None):
-    """Convert checkpoint `src` into `dst` through `rules`, offline, in batches, on any number of
-    ranks; returns a ConvertReport.
+    """Convert checkpoint `src` into `dst` through `rules`, offline, in batches, on any number of ranks;
+    returns a ConvertReport.
 
-    Forward: the runtime layout the rules make, written as a new checkpoint laid out as Hugging Face
-    and safetensors do. Reverse (`reverse=True`): a checkpoint in the runtime layout written back to
-    the layout of the original checkpoint `like`.
+    Forward: the runtime layout the rules make, written as a new checkpoint laid out as Hugging Face and
+    safetensors do. Reverse (`reverse=True`): a checkpoint in the runtime layout written back to the layout
+    of the original checkpoint `like`.
 
     Args:
-        rules: a .remap file path, a shipped name, `"auto"` (from `src`, or `like` when reversing)
-            or a RuleSet.
-        reverse: `src` is in the runtime layout; write `like`'s layout, or without `like` the one
-            the rules, `src`'s config.json and its shapes determine (as `save` derives it).
+        rules: a .remap file path, a shipped name, `"auto"` (from `src`, or `like` when reversing) or a RuleSet.
+        reverse: `src` is in the runtime layout; write `like`'s layout, or without `like` the one the rules,
+            `src`'s config.json and its shapes determine (as `save` derives it).
         max_shard_bytes: forward, or reverse without `like`: start a new output file past this size.
         budget_bytes: runtime tensors held at once by a rank (a larger tensor is held alone).
         overwrite: replace an existing `dst` (only once the new one is complete).
@@ -307,10 +289,9 @@ def convert(src, dst, rules, *, reverse: bool = False, like=None, max_shard_byte
 
     require_data(src, "a conversion")
     require_data(like, "a conversion (`like`)")
-    rules = rules_for(rules, like if reverse else src)
-    return _convert(src, dst, rules, reverse=reverse, like=like, max_shard_bytes=max_shard_bytes,
-                    budget_bytes=budget_bytes, overwrite=overwrite, progress=progress, dropped=dropped,
-                    timeout=timeout)
+    return _convert(src, dst, rules_for(rules, like if reverse else src), reverse=reverse, like=like,
+                    max_shard_bytes=max_shard_bytes, budget_bytes=budget_bytes, overwrite=overwrite, progress=progress,
+                    dropped=dropped, timeout=timeout)
 
 
 __all__ = [

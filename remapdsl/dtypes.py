@@ -1,14 +1,10 @@
-"""The element types remapdsl knows: rule-file names, safetensors codes, bit widths.
+"""The element types remapdsl knows (the 22 codes of safetensors 0.8): rule-file (torch) names, safetensors
+codes, bit widths; one table for the language, the header parser and the executors.
 
-One table serves the language (`cast(bfloat16)`), the safetensors header parser and the executors,
-so a dtype has one name everywhere. Rule files use torch's names; checkpoints use safetensors codes.
-
-The table holds every dtype of the safetensors format (the 22 codes of safetensors 0.8's `Dtype`).
-Sub-byte codes count elements, not bytes: an `F4` header shape is the number of 4-bit values, so a
-tensor's size is prod(shape) * bits / 8 bytes and must be a whole number of bytes (safetensors
-rejects `F4 [3]`). torch's `float4_e2m1fn_x2` packs two values per element, so its torch shape has the
-last dim halved against the header shape. `F6_E2M3` / `F6_E3M2` have no torch dtype; their names are
-the OCP / ml_dtypes ones.
+Sub-byte codes count elements: an `F4` header shape is the number of 4-bit values, so a tensor's size is
+prod(shape) * bits / 8 bytes, a whole number (safetensors rejects `F4 [3]`). torch's `float4_e2m1fn_x2` packs
+two values per element: its last dim is half the header's. `F6_E2M3` / `F6_E3M2` have no torch dtype; their
+names are the OCP / ml_dtypes ones.
 """
 
 from __future__ import annotations

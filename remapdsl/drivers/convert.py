@@ -1,17 +1,9 @@
-"""`remapdsl convert`: a checkpoint from one layout to another, offline, in batches, on any number
-of ranks.
+"""`remapdsl convert`: a checkpoint from one layout to another, offline, in batches, on any number of ranks.
 
-Forward: the runtime layout the rules make, written as a new checkpoint (keys = runtime keys,
-shards named and laid out as Hugging Face and safetensors do). Reverse: a checkpoint in the runtime
-layout (what a forward conversion wrote, or a trainer saved) written back to the layout of the
-original checkpoint (`like`), through the save direction of the same rules. Each rank takes a share
-of the runtime tensors (balanced by bytes), fills them a batch at a time within `budget_bytes` (forward:
-batches of half of it, at most 64 MiB, each written on a thread while the next is read), and writes their bytes
-into the output files at their offsets; rank 0 creates the files in a staging
-folder first and renames it into place last (remapdsl/checkpoint/writer.py).
-
-The driver imports what it runs at module level (torch among it): the api imports this module
-only when the call is made, so `import remapdsl` stays free of torch.
+Forward: the runtime layout the rules make, as a new checkpoint (runtime keys, Hugging Face shards). Reverse: a
+checkpoint in the runtime layout written back to the layout of `like` through the save direction of the rules.
+Each rank takes a share of the runtime tensors (balanced by bytes), fills them a batch at a time within
+`budget_bytes` and writes their bytes at their offsets, through save's staging folder (`write_output`).
 """
 
 from __future__ import annotations
@@ -34,22 +26,16 @@ from ..sharding.plans import make_load_plan, make_write_plan
 from ..runtime import bounds, dist
 from .prepare import prepare_everywhere
 from ..runtime.read import run_load_plan
-from .save import (
-    check_dropped,
-    prepared_checkpoint,
-    writers_paused,
-    copied_keys,
-    copy_bytes,
-    copy_share,
-    output_checkpoint,
-    write_output,
-)
+from .save import (check_dropped, copied_keys, copy_bytes, copy_share, output_checkpoint, prepared_checkpoint,
+                   write_output, writers_paused)
 from ..runtime.write import run_write_plan
 
 BATCH_BYTES = 64 << 20  # the most a forward batch holds, whatever the budget
 
 
 class ConvertReport(BaseModel):
+    """What a conversion did on this rank."""
+
     model_config = ConfigDict(frozen=True, extra="forbid")
 
     folder: str
@@ -61,99 +47,93 @@ class ConvertReport(BaseModel):
 
 
 def convert(src, dst, rules, *, reverse: bool = False, like=None, max_shard_bytes: int = 5 * 10**9,
-            budget_bytes: int = 1 << 30, overwrite: bool = False,
-            progress: Callable[[int, int], None] | None = None, dropped: str = "error",
-            timeout=None) -> ConvertReport:
+            budget_bytes: int = 1 << 30, overwrite: bool = False, progress: Callable[[int, int], None] | None = None,
+            dropped: str = "error", timeout=None) -> ConvertReport:
     """Convert checkpoint `src` into `dst` through `rules`; the arguments are `remapdsl.convert`'s."""
     with bounds.bounded(timeout), frozen_heap():
-        return _convert(src, Path(dst).absolute(), rules, reverse, like, max_shard_bytes, budget_bytes,
-                        overwrite, progress, dropped)
+        dst = Path(dst).absolute()
+        start = time.perf_counter()
+        # the layout the rules read: `src`'s (forward), `like`'s, or the one derived from the runtime
+        # checkpoint's shapes and config.json (reverse without `like`, as a save without it derives it)
+        runtime_source = dist.share_inventory(src, "reading the runtime checkpoint's headers") if reverse else None
+        derived = None
+        if reverse and like is None:
+            prepared, derived = prepared_checkpoint(rules, None, read_config(runtime_source), runtime_source.tensors,
+                                                    None, dst, max_shard_bytes, check=lambda: check_dropped(dropped))
+            checkpoint, compiled = prepared.inventory, prepared.compiled
+        else:
+            checkpoint, compiled, _ = prepare_everywhere(rules, like if reverse else src,
+                                                         check=lambda: check_dropped(dropped))
+        runtime = {d.runtime_key: d for d in compiled.runtime_tensors}
+        rank, world = dist.rank(), dist.world_size()
 
+        if reverse:
+            dist.together(lambda: _check_runtime_source(compiled, runtime_source, src),
+                          phase="checking the runtime checkpoint")
+            chosen, out = dist.together(lambda: (writers_paused(compiled, dropped=dropped),
+                                                 derived or output_checkpoint(compiled, checkpoint, dropped, False)),
+                                        phase="deriving the writers")
+            out_inventory, headers = out.inventory, out.headers or None
+            copy_from = str(src) if derived else checkpoint.root  # a derived layout: the runtime folder's config.json
+            index = out.index or (omitted_index(checkpoint, out_inventory) if rank == 0 and headers else None)
+            copies = copy_share(copied_keys(compiled, checkpoint, dropped, False), checkpoint, out_inventory, rank,
+                                world)
+        else:
+            new = new_checkpoint(str(dst), {k: (d.dtype, d.shape) for k, d in runtime.items()}, max_shard_bytes)
+            out_inventory, headers, index, copy_from = new.inventory, new.headers, new.index, checkpoint.root
+        mine = _share(sorted(runtime), lambda k: _size(runtime[k]), rank, world)
+        total, done, written = sum(_size(runtime[k]) for k in mine), 0, 0
+        logical = compiled.logical_by_key()
 
-def _convert(src, dst: Path, rules, reverse, like, max_shard_bytes, budget_bytes, overwrite, progress, dropped):
-    start = time.perf_counter()
+        def work(writer) -> None:
+            nonlocal done, written
+            reader = CheckpointReader(runtime_source or checkpoint)
+            scales = CheckpointReader(checkpoint)  # reverse: the stored scales of dequantized tensors
+            # Forward: batches of half the budget (at most BATCH_BYTES: memory the allocator reuses, and
+            # an early start to the writes), each written on a thread while the next one is read.
+            budget = budget_bytes if reverse else max(1, min(budget_bytes // 2, BATCH_BYTES))
+            pending = None
+            arenas: list = [None, None]  # two batches' memory, reused: one read while the other is written
+            try:
+                with ThreadPoolExecutor(1) as pool:
+                    if reverse:  # dropped tensors and stored scales, unchanged: each rank its share of the bytes
+                        copy_bytes(copies, scales, writer)
+                        written += sum(piece[-1] for piece in copies)
+                    for n, batch in enumerate(_batches(mine, lambda k: _size(runtime[k]), budget)):
+                        tensors = compiled.empty_state_dict(batch) if reverse else \
+                            _carve(arenas, n % 2, [runtime[k] for k in batch])
+                        whole = {k: whole_shard(tuple(t.shape)) for k, t in tensors.items()}
+                        if reverse:  # runtime tensors read whole from src, written through the save direction
+                            for k, t in tensors.items():
+                                read_whole(reader, k, t)
+                            plan = make_write_plan(chosen, out_inventory, whole, rank, logical)
+                            run_write_plan(plan, writer, tensors, reader=scales)
+                            written += plan.bytes_written
+                        else:  # runtime tensors made by the rules, written whole at their offsets
+                            run_load_plan(make_load_plan(compiled, checkpoint, whole, rank), checkpoint, tensors)
+                            if pending is not None:
+                                pending.result()  # the previous batch is written (and freed) first
+                            pending = pool.submit(_write_whole, writer, out_inventory, tensors)
+                            written += sum(out_inventory.tensors[k].nbytes for k in tensors)
+                        done += sum(t.nbytes for t in tensors.values())
+                        tensors = t = None  # freed once written: at most two half-budget batches at a time
+                        if progress is not None:
+                            progress(done, total)
+                    if pending is not None:
+                        pending.result()
+            finally:
+                reader.close()
+                scales.close()
 
-    # the layout the rules read: `src`'s (forward), `like`'s, or the one derived from the runtime
-    # checkpoint's shapes and config.json (reverse without `like`, as a save without it derives it)
-    runtime_source = dist.share_inventory(src, "reading the runtime checkpoint's headers") if reverse else None
-    derived = None
-    if reverse and like is None:
-        prepared, derived = prepared_checkpoint(rules, None, read_config(runtime_source), runtime_source.tensors,
-                                            None, dst, max_shard_bytes, check=lambda: check_dropped(dropped))
-        checkpoint, compiled = prepared.inventory, prepared.compiled
-    else:
-        checkpoint, compiled, _ = prepare_everywhere(rules, like if reverse else src,
-                                                     check=lambda: check_dropped(dropped))
-    runtime = {d.runtime_key: d for d in compiled.runtime_tensors}
-    rank, world = dist.rank(), dist.world_size()
-
-    if reverse:
-        dist.together(lambda: _check_runtime_source(compiled, runtime_source, src),
-                      phase="checking the runtime checkpoint")
-        chosen, out = dist.together(lambda: (writers_paused(compiled, dropped=dropped),
-                                             derived or output_checkpoint(compiled, checkpoint, dropped, False)),
-                                    phase="deriving the writers")
-        out_inventory, headers = out.inventory, out.headers or None
-        copy_from = str(src) if derived else checkpoint.root  # a derived layout: the runtime folder's config.json
-        index = out.index or (omitted_index(checkpoint, out_inventory) if rank == 0 and headers else None)
-        copies = copy_share(copied_keys(compiled, checkpoint, dropped, False), checkpoint, out_inventory, rank, world)
-    else:
-        new = new_checkpoint(str(dst), {k: (d.dtype, d.shape) for k, d in runtime.items()}, max_shard_bytes)
-        out_inventory, headers, index, copy_from = new.inventory, new.headers, new.index, checkpoint.root
-    mine = _share(sorted(runtime), lambda k: _size(runtime[k]), rank, world)
-    total, done, written = sum(_size(runtime[k]) for k in mine), 0, 0
-    logical = compiled.logical_by_key()
-
-    def work(writer) -> None:
-        nonlocal done, written
-        reader = CheckpointReader(runtime_source or checkpoint)
-        scales = CheckpointReader(checkpoint)  # reverse: the stored scales of dequantized tensors
-        # Forward: batches of half the budget (at most BATCH_BYTES: memory the allocator reuses, and
-        # an early start to the writes), each written on a thread while the next one is read.
-        budget = budget_bytes if reverse else max(1, min(budget_bytes // 2, BATCH_BYTES))
-        pending = None
-        arenas: list = [None, None]  # two batches' memory, reused: one read while the other is written
-        try:
-            with ThreadPoolExecutor(1) as pool:
-                if reverse:  # dropped tensors and stored scales, unchanged: each rank its share of the bytes
-                    copy_bytes(copies, scales, writer)
-                    written += sum(piece[-1] for piece in copies)
-                for n, batch in enumerate(_batches(mine, lambda k: _size(runtime[k]), budget)):
-                    tensors = compiled.empty_state_dict(batch) if reverse else \
-                        _carve(arenas, n % 2, [runtime[k] for k in batch])
-                    whole = {k: whole_shard(tuple(t.shape)) for k, t in tensors.items()}
-                    if reverse:  # runtime tensors read whole from src, written through the save direction
-                        for k, t in tensors.items():
-                            read_whole(reader, k, t)
-                        plan = make_write_plan(chosen, out_inventory, whole, rank, logical)
-                        run_write_plan(plan, writer, tensors, reader=scales)
-                        written += plan.bytes_written
-                    else:  # runtime tensors made by the rules, written whole at their offsets
-                        run_load_plan(make_load_plan(compiled, checkpoint, whole, rank), checkpoint, tensors)
-                        if pending is not None:
-                            pending.result()  # the previous batch is written (and freed) first
-                        pending = pool.submit(_write_whole, writer, out_inventory, tensors)
-                        written += sum(out_inventory.tensors[k].nbytes for k in tensors)
-                    done += sum(t.nbytes for t in tensors.values())
-                    tensors = t = None  # freed once written: at most two half-budget batches at a time
-                    if progress is not None:
-                        progress(done, total)
-                if pending is not None:
-                    pending.result()
-        finally:
-            reader.close()
-            scales.close()
-
-    write_output(dst, out_inventory, headers=headers, index=index, copy_from=copy_from, overwrite=overwrite,
-                 write=work, planned=0 if reverse else sum(out_inventory.tensors[k].nbytes for k in mine))
-    return ConvertReport(folder=str(dst), tensors=len(mine), bytes_written=written, files=len(out_inventory.files),
-                         ranks=world, seconds=time.perf_counter() - start)
+        write_output(dst, out_inventory, headers=headers, index=index, copy_from=copy_from, overwrite=overwrite,
+                     write=work, planned=0 if reverse else sum(out_inventory.tensors[k].nbytes for k in mine))
+        return ConvertReport(folder=str(dst), tensors=len(mine), bytes_written=written, files=len(out_inventory.files),
+                             ranks=world, seconds=time.perf_counter() - start)
 
 
 def _carve(arenas: list, slot: int, tensors) -> dict:
-    """Empty tensors of a batch, laid out in arena `slot` (made or grown to the batch's size; a batch
-    larger than BATCH_BYTES, one tensor, gets its own memory). The arenas are reused batch after
-    batch: no memory is handed back and faulted in again per batch."""
+    """Empty tensors of a batch, laid out in arena `slot` (made or grown to fit; a batch over BATCH_BYTES, one
+    tensor, gets its own memory): reused batch after batch, so no memory is faulted in again per batch."""
     import torch
 
     ends, at = [], 0

@@ -1,15 +1,10 @@
-"""`remapdsl.export`: a sharded runtime state dict streamed in the checkpoint layout, no files.
+"""`remapdsl.export`: a sharded runtime state dict streamed in the checkpoint layout, no files (weight sync).
 
-For weight sync (a trainer to an inference engine after each step): every rank runs the save's
-plan (the bytes of each checkpoint tensor it holds and no lower rank does), but into memory. Each
-checkpoint tensor is assembled whole on one of the ranks that hold its bytes, its owner, chosen so
-the bytes each rank assembles are balanced; its other writers send their pieces there, in rounds
-of at most half of `bucket_bytes` per owner (one all-to-all a round), so that with its pieces in
-flight no rank holds much more than its own shards and one bucket. The ranks a tensor's bytes
-come from may differ only on the mesh dims named in `gather` (E541): gather=("dp_shard",)
-assembles FSDP shards within each dp_shard group and keeps EP shards where they are; gather=()
-moves nothing. Each checkpoint key is yielded exactly once over all ranks. With `regions`, each
-rank yields the boxes it writes instead, and nothing moves.
+Every rank runs the save's plan into memory. Each checkpoint tensor is assembled whole on one rank that holds
+its bytes (its owner, balanced by bytes); the other writers send their pieces there in rounds of at most half
+of `bucket_bytes` per owner (one all-to-all a round), so no rank holds much more than its shards and one
+bucket. A tensor's writers may differ only on the mesh dims in `gather` (E541). Each checkpoint key is yielded
+once over all ranks. With `regions`, each rank yields the boxes it writes instead, and nothing moves.
 """
 
 from __future__ import annotations
@@ -38,30 +33,17 @@ from .save import prepared_checkpoint, tensors_of, writers_paused
 from ..runtime.write import run_write_plan
 
 
-def export(prepared, state_dict, *, gather=(), bucket_bytes: int = 256 << 20, layout=None, mesh=None,
-           allow_lossy: bool = False, regions: bool = False, timeout=None) -> Iterator[tuple]:
-    """(checkpoint key, tensor) pairs this rank is responsible for in the prepared checkpoint's
-    layout, or with `regions` (key, offsets, tensor) boxes of them; see `remapdsl.export`."""
+def export(prepared, state_dict, *, rules=None, like=None, config: Mapping[str, Any] | None = None, gather=(),
+           bucket_bytes: int = 256 << 20, layout=None, mesh=None, allow_lossy: bool = False, regions: bool = False,
+           timeout=None) -> Iterator[tuple]:
+    """`remapdsl.export` (`prepared` None: the layout of `like`, or the one derived without it, prepared for
+    this call) or `Prepared.export`: (checkpoint key, tensor) pairs, or with `regions` (key, offsets, tensor)."""
     bounds.seconds(timeout)  # a bad timeout is refused at the call, before the first item is asked for
-    return bounds.bounded_iter(_export(lambda _: prepared, state_dict, gather, bucket_bytes, layout, mesh,
+    return bounds.bounded_iter(_export(prepared, rules, like, config, state_dict, gather, bucket_bytes, layout, mesh,
                                        allow_lossy, regions), timeout)
 
 
-def export_once(state_dict, rules, *, like=None, config: Mapping[str, Any] | None = None, gather=(),
-                bucket_bytes: int = 256 << 20, layout=None, mesh=None, allow_lossy: bool = False,
-                regions: bool = False, timeout=None) -> Iterator[tuple]:
-    """`remapdsl.export`: the layout of `like` (or the one derived without it) prepared for this
-    call, then streamed."""
-    bounds.seconds(timeout)
-
-    def prepared(tensors):  # the layout streamed: `like`'s, or the derived one (headers needed by no file here)
-        return prepared_checkpoint(rules, like, config, tensors, layout, Path("<export>"))[0]
-
-    return bounds.bounded_iter(_export(prepared, state_dict, gather, bucket_bytes, layout, mesh, allow_lossy,
-                                       regions), timeout)
-
-
-def _export(prepared_for, state_dict, gather, bucket_bytes: int, layout, mesh, allow_lossy: bool,
+def _export(prepared, rules, like, config, state_dict, gather, bucket_bytes: int, layout, mesh, allow_lossy: bool,
             regions: bool) -> Iterator[tuple]:
     gather = (gather,) if isinstance(gather, str) else tuple(gather)
     if regions and gather:
@@ -70,7 +52,8 @@ def _export(prepared_for, state_dict, gather, bucket_bytes: int, layout, mesh, a
                                     hint="drop `gather`, or drop `regions` to assemble whole tensors"))
     tensors = tensors_of(state_dict)
     with frozen_heap():  # until the first item: the consumer's own code runs between items
-        prepared = prepared_for(tensors)
+        # the layout streamed: `like`'s, or the derived one (headers needed by no file here)
+        prepared = prepared or prepared_checkpoint(rules, like, config, tensors, layout, Path("<export>"))[0]
         out, compiled, _ = prepared.current()
         rank, world = dist.rank(), dist.world_size()
 
@@ -93,13 +76,12 @@ def _export(prepared_for, state_dict, gather, bucket_bytes: int, layout, mesh, a
         empty = prepared.kept("empty", None, lambda: _empty(out, compiled))
         if not regions:
             everyone = dist.gather_all(mine, "sharing what each rank exports")
-            schedule = dist.together(lambda: prepared.kept("schedule", (everyone, bucket_bytes, gather, layout, mesh), lambda: (
-                _schedule(everyone, out, bucket_bytes, gather, producer, tensors, layout, mesh, empty))),
+            schedule = dist.together(lambda: prepared.kept(
+                "schedule", (everyone, bucket_bytes, gather, layout, mesh),
+                lambda: _schedule(everyone, out, bucket_bytes, gather, producer, tensors, layout, mesh, empty)),
                 phase="scheduling the export")
-    if regions:
-        yield from _regions(plan, out, holding.local, bucket_bytes, empty if rank == 0 else [])
-        return
-    yield from _rounds(plan, schedule, out, holding.local, rank, world)
+    yield from _regions(plan, out, holding.local, bucket_bytes, empty if rank == 0 else []) if regions else \
+        _rounds(plan, schedule, out, holding.local, rank, world)
 
 
 def _export_plan(chosen, out, boxes, rank: int, compiled) -> tuple:
@@ -135,15 +117,12 @@ def _schedule(everyone: list[dict], out, bucket_bytes: int, gather: tuple, produ
     coordinates = _Coordinates(tensors, layout, mesh)
     coordinates.check_names(gather)
     load = [0] * len(everyone)
-    owner: dict[str, int] = {}
-    for key in empty:  # no bytes, so no writer: rank 0 yields them
-        owner[key] = 0
+    owner: dict[str, int] = dict.fromkeys(empty, 0)  # no bytes, so no writer: rank 0 yields them
     for key in sorted(writers):
         ranks = writers[key]
         if len(ranks) > 1:
             coordinates.check_split(key, producer[key], ranks, gather)
-        o = min(ranks, key=lambda r: (load[r], r))
-        owner[key] = o
+        o = owner[key] = min(ranks, key=lambda r: (load[r], r))
         load[o] += out.tensors[key].nbytes
     # half a bucket assembled a round: with the pieces it sends and receives meanwhile (each about
     # the same again, spread over the group), a rank holds about one bucket beyond its shards
@@ -169,22 +148,18 @@ class _Coordinates:
         self.tables: dict[int, tuple[tuple[str, ...], dict[int, tuple[int, ...]]]] = {}
 
     def _mesh_of(self, runtime_key: str):
-        t = self.tensors.get(runtime_key)
-        device_mesh = getattr(t, "device_mesh", None)
-        if device_mesh is not None:
-            ident = id(device_mesh)
-            if ident not in self.tables:
+        device_mesh = getattr(self.tensors.get(runtime_key), "device_mesh", None)
+        mesh = device_mesh if device_mesh is not None else self.mesh if self.layout is not None else None
+        if mesh is None:
+            return (), {}
+        if id(mesh) not in self.tables:
+            if device_mesh is not None:
                 ranks = device_mesh.mesh.numpy()
                 names = tuple(device_mesh.mesh_dim_names or (f"dim{i}" for i in range(ranks.ndim)))
-                self.tables[ident] = (names, {int(r): c for c, r in np.ndenumerate(ranks)})
-            return self.tables[ident]
-        if self.mesh is not None and self.layout is not None:
-            ident = id(self.mesh)
-            if ident not in self.tables:
-                self.tables[ident] = (tuple(self.mesh.names), {r: tuple(self.mesh.coordinate(r))
-                                                               for r in range(self.mesh.size)})
-            return self.tables[ident]
-        return (), {}
+                self.tables[id(mesh)] = (names, {int(r): c for c, r in np.ndenumerate(ranks)})
+            else:
+                self.tables[id(mesh)] = (tuple(mesh.names), {r: tuple(mesh.coordinate(r)) for r in range(mesh.size)})
+        return self.tables[id(mesh)]
 
     def check_names(self, gather: tuple) -> None:
         names = set()
@@ -203,10 +178,10 @@ class _Coordinates:
                         if v != coords[0][d]}) if table and None not in coords else ["(the whole job)"]
         outside = [d for d in split if d not in gather]
         if outside:
-            raise RemapError(Diagnostic(code="E541", message=f"checkpoint tensor `{ckpt_key}` is split over the "
-                                        f"mesh dim(s) {', '.join(f'`{d}`' for d in outside)} (ranks "
-                                        f"{_ranks(ranks)} hold its pieces), which `gather` does not name",
-                                        hint=f"assemble it over them: gather={tuple(dict.fromkeys((*gather, *outside)))!r}"))
+            raise RemapError(Diagnostic(code="E541", message=f"checkpoint tensor `{ckpt_key}` is split over the mesh "
+                                        f"dim(s) {', '.join(f'`{d}`' for d in outside)} (ranks {_ranks(ranks)} hold "
+                                        "its pieces), which `gather` does not name", hint="assemble it over them: "
+                                        f"gather={tuple(dict.fromkeys((*gather, *outside)))!r}"))
 
 
 def _rounds(plan, schedule: _Schedule, out, local, rank: int, world: int) -> Iterator[tuple[str, torch.Tensor]]:
@@ -268,8 +243,7 @@ class _Collector:
 
     def write_runs(self, file: str, runs, data: memoryview) -> None:
         key = self.tensor_at(file, runs.first)
-        start = self.out.tensors[key].byte_offset
-        relative = runs._replace(first=runs.first - start)
+        relative = runs._replace(first=runs.first - self.out.tensors[key].byte_offset)
         o = self.owner[key]
         if o == self.rank:
             self._scatter(key, relative, data)
@@ -296,14 +270,9 @@ class _Collector:
         send = torch.empty(sum(sizes), dtype=torch.uint8)
         flat, at = send.numpy(), 0
         for meta, pieces in zip(metas, self.outgoing):
-            if not pieces:
-                continue
-            flat[at:at + 8] = np.frombuffer(struct.pack("<Q", len(meta)), dtype=np.uint8)
-            flat[at + 8:at + 8 + len(meta)] = np.frombuffer(meta, dtype=np.uint8)
-            at += 8 + len(meta)
-            for _, _, data in pieces:
-                flat[at:at + len(data)] = np.frombuffer(data, dtype=np.uint8)
-                at += len(data)
+            for chunk in (struct.pack("<Q", len(meta)), meta, *(d for _, _, d in pieces)) if pieces else ():
+                flat[at:at + len(chunk)] = np.frombuffer(chunk, dtype=np.uint8)
+                at += len(chunk)
         self.outgoing = [[] for _ in self.outgoing]
         return send, sizes
 

@@ -1,12 +1,9 @@
 """`remapdsl.ingest`: (checkpoint key, tensor) pairs fed into a runtime state dict through the rules.
 
-The mirror of an export, and of a load without files: every rank is handed the same pairs (a dict,
-or a stream from another process) and takes only its part. The rank's load plan is made against
-the checkpoint layout (`like`'s headers, or the one derived from the state dict's shapes), each
-tensor alone in an in-memory file (remapdsl/checkpoint/memory.py); each pair, as it arrives, runs
-the plan's reads of that tensor, so a stream is never held whole. A pair the rules do not read,
-one of the wrong shape or dtype, one given twice, and a tensor the rank needs that never came are
-errors, on every rank together at the end.
+The mirror of an export (a load without files): every rank is handed the same pairs and takes its part. The
+load plan is made against the checkpoint layout, each tensor alone in an in-memory file (checkpoint/memory.py);
+each pair, as it arrives, runs the plan's reads of it, so a stream is never held whole. Bad or missing pairs
+fail every rank together, at the end.
 """
 
 from __future__ import annotations
@@ -44,87 +41,73 @@ class IngestReport(BaseModel):
     seconds: float
 
 
-def ingest(prepared, state_dict, pairs, *, layout=None, mesh=None, timeout=None,
-           staging_bytes: int | None = None) -> IngestReport:
-    """Fill this rank's part of `state_dict` from (checkpoint key, tensor) pairs in the prepared
-    checkpoint's layout; see `remapdsl.ingest`."""
+def ingest(prepared, state_dict, pairs, *, rules=None, like=None, config: Mapping[str, Any] | None = None,
+           layout=None, mesh=None, timeout=None, staging_bytes: int | None = None) -> IngestReport:
+    """`remapdsl.ingest` (`prepared` None: the layout of `like`, or the one derived without it, prepared for
+    this call) or `Prepared.ingest`."""
     staging = staging_within(staging_bytes)
     with bounds.bounded(timeout), frozen_heap(), Rings(staging) as rings:  # one ring per reader thread, over all pairs
-        return _ingest(prepared, state_dict, pairs, layout, mesh, rings)
+        tensors = tensors_of(state_dict)
+        if prepared is None:
+            prepared = prepared_checkpoint(rules, like, config, tensors, layout, Path("<ingest>"))[0]
+        start = time.perf_counter()
+        inventory, compiled, _ = prepared.current()
+        rank = dist.rank()
 
+        def plan():
+            check_mesh(mesh)
+            check_unquantized(compiled, "an ingest takes the checkpoint tensors' own values, and decoding streamed "
+                              "quantized parts is not supported", "ingest with the rule file of the unquantized layout")
+            holding = hold(compiled, tensors, layout, mesh, rank)
+            held = holding.held()
+            memory = prepared.kept("memory", None, lambda: in_memory(inventory))
+            plan = prepared.kept("ingest", (held, rank), lambda: make_load_plan(compiled, memory, held, rank))
+            return memory, plan, holding
 
-def ingest_once(state_dict, pairs, rules, *, like=None, config: Mapping[str, Any] | None = None, layout=None,
-                mesh=None, timeout=None, staging_bytes: int | None = None) -> IngestReport:
-    """`remapdsl.ingest`: the layout of `like` (or the one derived without it) prepared for this call."""
-    staging = staging_within(staging_bytes)
-    with bounds.bounded(timeout), frozen_heap(), Rings(staging) as rings:
-        prepared = prepared_checkpoint(rules, like, config, tensors_of(state_dict), layout, Path("<ingest>"))[0]
-        return _ingest(prepared, state_dict, pairs, layout, mesh, rings)
+        memory, load_plan, holding = dist.together(plan, phase="planning the ingest")
+        reads, fills = defaultdict(list), []  # fills: pads, no pair needed
+        for item in load_plan.items:
+            (fills if item.ckpt_key is None else reads[item.ckpt_key]).append(item)
+        problems: list[Diagnostic] = []
+        seen: set[str] = set()
+        count = used = 0
+        dropped = set(compiled.dropped)
+        if fills:
+            run_load_plan(load_plan.model_copy(update={"items": tuple(fills), "decodes": ()}), memory, holding.local,
+                          rings=rings)
+        for key, tensor in (pairs.items() if isinstance(pairs, Mapping) else pairs):
+            count += 1
+            problem = _check_pair(key, tensor, memory, seen, dropped)
+            if problem is not None:
+                problems.append(problem)
+                continue
+            seen.add(key)
+            items = reads.get(key)
+            if not items:
+                continue
+            used += 1
+            source = tensor.detach()
+            if source.device.type != "cpu" or not source.is_contiguous():
+                source = source.contiguous().cpu()
+            run_load_plan(load_plan.model_copy(update={"items": tuple(items), "decodes": ()}), memory, holding.local,
+                          reader=MemoryReader(memory, {key: source}), rings=rings)
+        missing = sorted(set(reads) - seen)
+        if missing:
+            problems.append(Diagnostic(code="E547", message=f"{len(missing)} checkpoint tensor(s) this rank needs "
+                                       f"never came, starting with `{missing[0]}`",
+                                       hint="the pairs must hold every tensor the rules read for this rank's part"))
 
+        def report():
+            if problems:
+                raise RemapError(problems[:8])
+            return IngestReport(rank=rank, pairs=count, used=used, bytes_read=load_plan.bytes_read,
+                                seconds=time.perf_counter() - start)
 
-def _ingest(prepared, state_dict, pairs, layout, mesh, rings: Rings) -> IngestReport:
-    start = time.perf_counter()
-    tensors = tensors_of(state_dict)
-    inventory, compiled, _ = prepared.current()
-    rank = dist.rank()
-
-    def plan():
-        check_mesh(mesh)
-        check_unquantized(compiled, "an ingest takes the checkpoint tensors' own values, and decoding streamed "
-                          "quantized parts is not supported", "ingest with the rule file of the unquantized layout")
-        holding = hold(compiled, tensors, layout, mesh, rank)
-        held = holding.held()
-        memory = prepared.kept("memory", None, lambda: in_memory(inventory))
-        return memory, prepared.kept("ingest", (held, rank), lambda: make_load_plan(compiled, memory, held, rank)), \
-            holding
-
-    memory, load_plan, holding = dist.together(plan, phase="planning the ingest")
-    reads = defaultdict(list)
-    for item in load_plan.items:
-        if item.ckpt_key is not None:
-            reads[item.ckpt_key].append(item)
-    fills = [item for item in load_plan.items if item.ckpt_key is None]  # pads: no pair needed
-    problems: list[Diagnostic] = []
-    seen: set[str] = set()
-    count = used = 0
-    dropped = set(compiled.dropped)
-    if fills:
-        run_load_plan(load_plan.model_copy(update={"items": tuple(fills), "decodes": ()}), memory, holding.local,
-                      rings=rings)
-    for key, tensor in (pairs.items() if isinstance(pairs, Mapping) else pairs):
-        count += 1
-        problem = _check_pair(key, tensor, memory, seen, dropped)
-        if problem is not None:
-            problems.append(problem)
-            continue
-        seen.add(key)
-        items = reads.get(key)
-        if not items:
-            continue
-        used += 1
-        source = tensor.detach()
-        if source.device.type != "cpu" or not source.is_contiguous():
-            source = source.contiguous().cpu()
-        run_load_plan(load_plan.model_copy(update={"items": tuple(items), "decodes": ()}), memory, holding.local,
-                      reader=MemoryReader(memory, {key: source}), rings=rings)
-    missing = sorted(set(reads) - seen)
-    if missing:
-        problems.append(Diagnostic(code="E547", message=f"{len(missing)} checkpoint tensor(s) this rank needs "
-                                   f"never came, starting with `{missing[0]}`",
-                                   hint="the pairs must hold every tensor the rules read for this rank's part"))
-
-    def report():
-        if problems:
-            raise RemapError(problems[:8])
-        return IngestReport(rank=rank, pairs=count, used=used, bytes_read=load_plan.bytes_read,
-                            seconds=time.perf_counter() - start)
-
-    return dist.together(report, phase="finishing the ingest")
+        return dist.together(report, phase="finishing the ingest")
 
 
 def _check_pair(key, tensor, memory, seen: set[str], dropped: set[str]) -> Diagnostic | None:
-    """What is wrong with one pair, or None: a key no rule reads, a second copy, a shape or dtype
-    other than the layout's."""
+    """What is wrong with one pair, or None: a key no rule reads, a second copy, another shape or dtype."""
     info = memory.tensors.get(key)
     if info is None:
         if key in dropped:

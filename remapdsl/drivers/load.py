@@ -1,12 +1,8 @@
 """`remapdsl.load`: fill a state dict in place from a checkpoint through a rule file, every rank its own bytes.
 
-The phases, on every rank: the shared compile (remapdsl/drivers/prepare.py, kept in a Prepared:
-prepared.py), this rank's holdings (remapdsl/sharding/holdings.py), its plan
-(remapdsl/sharding/plans.py), the reads (remapdsl/runtime/read.py); tensors every rank holds whole may be read once and broadcast. Each
-phase fails on every rank together.
-
-The driver imports what it runs at module level (torch among it): the api imports this module
-only when the call is made, so `import remapdsl` stays free of torch.
+The phases, on every rank together: the shared compile (prepare.py, kept in a Prepared), this rank's holdings
+(sharding/holdings.py), its plan (sharding/plans.py), the reads (runtime/read.py); tensors every rank holds
+whole may be read once and broadcast.
 """
 
 from __future__ import annotations
@@ -41,39 +37,34 @@ class LoadReport(BaseModel):
 
 def load(prepared, state_dict, *, layout=None, mesh=None, read_replicated_once: bool = False, timeout=None,
          staging_bytes: int | None = None) -> LoadReport:
-    """Fill existing tensors in place from a prepared checkpoint (remapdsl/drivers/prepared.py);
-    the arguments are `remapdsl.load`'s."""
+    """Fill existing tensors in place from a prepared checkpoint; the arguments are `remapdsl.load`'s."""
     staging = staging_within(staging_bytes)
     with bounds.bounded(timeout), frozen_heap():
-        return _load(prepared, state_dict, layout, mesh, read_replicated_once, staging)
+        inventory, compiled, _ = prepared.current()
+        tensors = state_dict.state_dict(keep_vars=True) if hasattr(state_dict, "state_dict") else state_dict
+        rank = dist.rank()
 
+        def read():
+            start = time.perf_counter()
+            check_mesh(mesh)
+            holding = hold(compiled, tensors, layout, mesh, rank)
+            held = holding.held()
+            shared = holding.everywhere() if read_replicated_once and dist.active() else []
+            if rank != 0:  # rank 0 reads what every rank holds whole, and broadcasts it
+                for key in shared:
+                    del held[key]
+            plan = prepared.kept("load", (held, rank), lambda: make_load_plan(compiled, inventory, held, rank))
+            with Rings(staging) as rings:
+                run_load_plan(plan, inventory, holding.local, rings=rings)
+            report = LoadReport(loaded=tuple(d.runtime_key for d in compiled.runtime_tensors),
+                                ckpt_keys=tuple(sorted({i.ckpt_key for i in plan.items if i.ckpt_key}
+                                                       | {p.ckpt_key for i in plan.decodes for p in i.parts})),
+                                bytes_read=plan.bytes_read, bytes_owned=plan.bytes_owned,
+                                scale_bytes_read=plan.scale_bytes_read, rank=rank, rules=prepared.rules_path,
+                                seconds=time.perf_counter() - start)
+            return report, [holding.local[k] for k in shared], holding
 
-def _load(prepared, state_dict, layout, mesh, read_replicated_once, staging) -> LoadReport:
-    inventory, compiled, _ = prepared.current()
-    tensors = state_dict.state_dict(keep_vars=True) if hasattr(state_dict, "state_dict") else state_dict
-    rank = dist.rank()
-
-    def read():
-        start = time.perf_counter()
-        check_mesh(mesh)
-        holding = hold(compiled, tensors, layout, mesh, rank)
-        held = holding.held()
-        shared = holding.everywhere() if read_replicated_once and dist.active() else []
-        if rank != 0:  # rank 0 reads what every rank holds whole, and broadcasts it
-            for key in shared:
-                del held[key]
-        plan = prepared.kept("load", (held, rank), lambda: make_load_plan(compiled, inventory, held, rank))
-        with Rings(staging) as rings:
-            run_load_plan(plan, inventory, holding.local, rings=rings)
-        report = LoadReport(loaded=tuple(d.runtime_key for d in compiled.runtime_tensors),
-                            ckpt_keys=tuple(sorted({i.ckpt_key for i in plan.items if i.ckpt_key}
-                                                   | {p.ckpt_key for i in plan.decodes for p in i.parts})),
-                            bytes_read=plan.bytes_read, bytes_owned=plan.bytes_owned,
-                            scale_bytes_read=plan.scale_bytes_read, rank=rank, rules=prepared.rules_path,
-                            seconds=time.perf_counter() - start)
-        return report, [holding.local[k] for k in shared], holding
-
-    report, shared, _ = dist.together(read, agree_on=layout_agreement("tensor layouts", lambda r: r[2], mesh),
-                                      phase="reading")
-    dist.broadcast_from_first(shared)  # after every rank's reads succeeded, so none waits in vain
-    return report
+        report, shared, _ = dist.together(read, agree_on=layout_agreement("tensor layouts", lambda r: r[2], mesh),
+                                          phase="reading")
+        dist.broadcast_from_first(shared)  # after every rank's reads succeeded, so none waits in vain
+        return report

@@ -1,13 +1,9 @@
-"""What every entry point does before it touches tensor data: the rules, rank 0's headers shared,
-the model config, and the rules compiled identically on every rank, the ranks agreeing on it.
+"""What every entry point does before it touches tensor data: the rules, rank 0's headers shared, the model
+config, and the rules compiled identically on every rank, the ranks agreeing on it. torch is imported only
+when `prepare_everywhere` runs (`remapdsl.runtime.dist`).
 
-`load`, `save` and `convert` all start here. torch is imported only in a distributed job's path
-(`remapdsl.runtime.dist`), when `prepare_everywhere` runs.
-
-Every failure of these steps on any rank (a rule file that does not parse, a config that cannot be
-read, a checkpoint that cannot be opened, rules that do not fit it) goes through the ranks' error
-exchange, so every rank raises the same error naming the rank it came from; none is left waiting
-in a collective its peer never joins.
+Every failure of these steps on any rank goes through the ranks' error exchange, so every rank raises the
+same error naming the rank it came from; none is left waiting in a collective its peer never joins.
 """
 
 from __future__ import annotations
@@ -31,10 +27,9 @@ MAX_LISTED = 5  # differences listed per aspect when ranks disagree; the rest co
 
 
 def compile_digest(ruleset: RuleSet, config: Mapping[str, Any], strict: bool, checkpoint=None) -> str:
-    """sha256 of what a compile depends on: the rule files' text, the config, strictness, and the
-    checkpoint this process was given (an Inventory: all of it; a path: its name and the names and
-    sizes of its safetensors files, listed without opening them, so a rank given another checkpoint
-    than rank 0 is caught even though it reads rank 0's headers). Equal inputs, equal digests."""
+    """sha256 of what a compile depends on: the rule files' text, the config, strictness, and the checkpoint
+    this process was given (an Inventory: all of it; a path: its name and its files' names and sizes, unopened,
+    so a rank given another checkpoint than rank 0's is caught though it reads rank 0's headers)."""
     digest = hashlib.sha256()
     for value in _inputs(rule_texts(ruleset), config, strict, checkpoint).digests().values():
         digest.update(value.encode())
@@ -88,9 +83,8 @@ class _Outcome(NamedTuple):
 
 
 def header_digests(inventory: Inventory) -> dict[str, str]:
-    """Each of the inventory's files -> sha256 of its length prefix and header as this process
-    reads them (`data_offset` bytes, never data): what a rank would read its bytes through. A file
-    that cannot be read says why instead (the ranks disagree unless all fail alike)."""
+    """Each of the inventory's files -> sha256 of its first `data_offset` bytes (length prefix and header) as
+    this process reads them, or why it cannot be read (the ranks disagree unless all fail alike)."""
     from ..checkpoint.header import hash_header
 
     out = {}
@@ -105,10 +99,8 @@ def header_digests(inventory: Inventory) -> dict[str, str]:
 def rules_for(rules, checkpoint, config: Mapping[str, Any] | None = None):
     """`auto` -> the path of the shipped file that fits the checkpoint (logged on the `remapdsl`
     logger); anything else as given (a path, a shipped name or a RuleSet: load_rules resolves names)."""
-    if isinstance(rules, RuleSet) or os.fspath(rules) != AUTO or Path(AUTO).is_file():
-        return rules
-    if checkpoint is None:
-        return rules  # load_rules explains (E148)
+    if isinstance(rules, RuleSet) or os.fspath(rules) != AUTO or Path(AUTO).is_file() or checkpoint is None:
+        return rules  # `auto` without a checkpoint: load_rules explains (E148)
     chosen, reason = choose_rules(config_of(checkpoint) if config is None else config)
     logging.getLogger("remapdsl").info("rules auto: chose %s (%s)", chosen.name, reason)
     return chosen.path
@@ -124,17 +116,12 @@ class Ready(NamedTuple):
 
 def prepare_everywhere(rules, checkpoint, config=None, strict: bool = True,
                        check: Callable[[], None] | None = None, on_disk: bool = True) -> Ready:
-    """Every rank: the rules, rank 0's headers of `checkpoint` shared, the config, compiled
-    identically, before any data is read. Compiling is a pure function of its inputs, so the ranks
-    compare digests of those (cheaper than hashing what they compiled), and of each file's header
-    bytes as this rank reads its own copy: other rules, another config, another checkpoint or a
-    copy with another header on any rank fails every rank (E410), naming the file, line, key, size
-    or header that differs. `check` (the caller's own checks of its arguments) runs first, on
-    every rank. `on_disk=False`: an Inventory of files not written yet (a derived layout), whose
-    headers no rank reads.
-
-    Two exchanges: rank 0's headers (a broadcast carrying them or rank 0's error), then every
-    rank's rules, config and compile (one exchange carrying each rank's error or digests)."""
+    """Every rank: the rules, rank 0's headers of `checkpoint` shared, the config, compiled identically. A
+    compile is a pure function of its inputs, so the ranks compare digests of those (cheaper than of what they
+    compiled) and of each file's header bytes as this rank reads its copy: any difference fails every rank
+    (E410), naming the file, line, key, size or header. `check` (the caller's checks of its arguments) runs
+    first, on every rank. `on_disk=False`: an Inventory of files not written yet, whose headers no rank reads.
+    Two exchanges: rank 0's headers (or its error), then every rank's digests (or its error)."""
     from ..runtime import dist  # torch is imported only here
 
     def first() -> Inventory:
@@ -158,15 +145,14 @@ def prepare_everywhere(rules, checkpoint, config=None, strict: bool = True,
         compiled = compile_rules(ruleset, inventory, given, strict=strict)
         return _Outcome(_inputs(rule_texts(ruleset), given, strict, checkpoint), compiled, own, headers)
 
-    agreement = dist.Agreement("compiled rules and checkpoint", _Outcome.digests, _Outcome.detail,
-                               explain_difference)
+    agreement = dist.Agreement("compiled rules and checkpoint", _Outcome.digests, _Outcome.detail, explain_difference)
     prepared = dist.together(prepare, agree_on=agreement, phase="compiling")
     return Ready(prepared.inventory, prepared.compiled, prepared.inputs.rules)
 
 
 def explain_difference(aspect: str, details: dict[int, Any]) -> list[str]:
-    """Sentences saying how each rank's `aspect` differs from the first rank's (`details`: the
-    first rank of each version -> its detail)."""
+    """How each rank's `aspect` differs from the first rank's (`details`: the first rank of each version ->
+    its detail)."""
     (base, ours), *others = details.items()
     out: list[str] = []
     for r, theirs in others:
@@ -249,8 +235,7 @@ def _checkpoint_difference(ours, theirs) -> list[str]:
 
 
 def check_mesh(mesh) -> None:
-    """A mesh given with a layout must be the job's: as many ranks as the group (E414), else each
-    rank would hold the shard of another job's rank. Run inside a phase, on every rank."""
+    """E414 unless a mesh given with a layout has as many ranks as the group. Run inside a phase, on every rank."""
     from ..runtime import dist
 
     if mesh is None or not dist.active() or mesh.size == dist.world_size():
@@ -266,10 +251,9 @@ def _mesh_text(mesh) -> str:
 
 
 def layout_agreement(what: str, holding_of: Callable[[Any], Any], mesh=None):
-    """The ranks' agreement on where each runtime tensor lives: its mesh sizes and placements, as
-    each rank's own holding says (a DTensor's, or its layout plan's), and the `mesh` argument
-    itself (its dim names and sizes). A rank given another layout or mesh fails every rank (E410),
-    naming the meshes and the tensors that differ, before its plan is used."""
+    """The ranks' agreement on each runtime tensor's mesh sizes and placements as each rank's holding says (a
+    DTensor's, or its layout plan's), and on the `mesh` argument: else E410 on every rank, before the plans
+    are used, naming the meshes and the tensors that differ."""
     from ..runtime import dist
 
     def describe(result) -> dict[str, str]:

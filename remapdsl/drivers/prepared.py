@@ -1,16 +1,9 @@
-"""`remapdsl.prepare`: a checkpoint's headers, its rules compiled and this rank's plans, kept in
-memory by the caller for the next load, save, export or ingest of the same job.
+"""`remapdsl.prepare`: a checkpoint's headers, its rules compiled and this rank's plans, kept in memory by the
+caller for the next load, save, export or ingest of the same job (an RL loop exporting after every step).
 
-A long-running job (an RL loop exporting after every step, a trainer that reloads) calls the same
-entry point many times with the same rules and checkpoint, and everything before the first byte
-(headers, compile, plans) comes out the same. A Prepared holds it in the object the caller keeps;
-nothing is written anywhere. Each call first checks, on every rank, that the rule files' text and
-the checkpoint's files (size, inode, modification and change times) are as they were, and the
-ranks agree: a change seen by any rank makes every rank prepare again. Plans are kept for the last
-few holdings (the shards a rank holds and the call's options), found again by value.
-
-The one-shot entry points (`remapdsl.load`, `save`, ...) run the same code through a Prepared made
-for the call, so there is one path.
+Each call first checks on every rank that the rule files' text and the checkpoint's files (size, inode, times)
+are as they were: a change seen by any rank makes every rank prepare again. Plans are kept for the last few
+holdings, found again by value. The one-shot entry points run through a Prepared made for the call.
 """
 
 from __future__ import annotations
@@ -56,8 +49,8 @@ class Prepared:
         return self._ready.rule_texts[0][0] if self._ready.rule_texts else ""
 
     def current(self) -> Ready:
-        """The headers and compiled program, prepared again on every rank when any rank sees a rule
-        file or a checkpoint file changed since (one exchange of a flag each call)."""
+        """The headers and compiled program, prepared again on every rank when any rank sees a rule file or a
+        checkpoint file changed since (one exchange of a flag each call)."""
         if not self._watched:
             return self._ready
         from ..runtime import dist
@@ -92,8 +85,7 @@ class Prepared:
         if isinstance(self._checkpoint, Inventory):
             return same, ()
         inventory = ready.inventory
-        names = [*inventory.files, *filter(None, [inventory.index_file])]
-        paths = [inventory.path(name) for name in names]
+        paths = [inventory.path(name) for name in [*inventory.files, *filter(None, [inventory.index_file])]]
         if self._config is None:
             paths.append(os.path.join(inventory.root, "config.json"))
         return same, tuple(_stat(path) for path in paths)
@@ -110,8 +102,7 @@ class Prepared:
 
     def save(self, state_dict, folder, *, layout=None, mesh=None, overwrite: bool = False,
              allow_lossy: bool = False, requantize: bool = False, dropped: str = "error", timeout=None):
-        """Write runtime tensors back to the checkpoint's layout (it is `like`); the arguments are
-        `remapdsl.save`'s."""
+        """Write runtime tensors back to the checkpoint's layout (it is `like`); as `remapdsl.save`."""
         from .save import save
 
         return save(self, state_dict, folder, config=self._config, layout=layout, mesh=mesh, overwrite=overwrite,
@@ -119,26 +110,23 @@ class Prepared:
 
     def export(self, state_dict, *, gather=(), bucket_bytes: int = 256 << 20, layout=None, mesh=None,
                allow_lossy: bool = False, regions: bool = False, timeout=None):
-        """The checkpoint's layout of a sharded runtime state dict, in memory (it is `like`); the
-        arguments are `remapdsl.export`'s."""
+        """The checkpoint's layout of a sharded runtime state dict, in memory (it is `like`); as `remapdsl.export`."""
         from .export import export
 
         return export(self, state_dict, gather=gather, bucket_bytes=bucket_bytes, layout=layout, mesh=mesh,
                       allow_lossy=allow_lossy, regions=regions, timeout=timeout)
 
     def ingest(self, state_dict, pairs, *, layout=None, mesh=None, timeout=None, staging_bytes: int | None = None):
-        """Fill a runtime state dict from (checkpoint key, tensor) pairs in the checkpoint's layout
-        (it is `like`); the arguments are `remapdsl.ingest`'s."""
+        """Fill a runtime state dict from (checkpoint key, tensor) pairs in the checkpoint's layout (it is
+        `like`); as `remapdsl.ingest`."""
         from .ingest import ingest
 
-        return ingest(self, state_dict, pairs, layout=layout, mesh=mesh, timeout=timeout,
-                      staging_bytes=staging_bytes)
+        return ingest(self, state_dict, pairs, layout=layout, mesh=mesh, timeout=timeout, staging_bytes=staging_bytes)
 
 
 def prepare(rules, checkpoint, *, config=None, strict: bool = True, timeout=None, watched: bool = True) -> Prepared:
-    """Every rank: rank 0's headers of `checkpoint` shared and the rules compiled, the ranks agreeing
-    (as the first phase of a load), kept in a Prepared; `watched=False` for one call's (its inputs
-    are never looked at again)."""
+    """Every rank: rank 0's headers of `checkpoint` shared and the rules compiled, the ranks agreeing, kept in
+    a Prepared; `watched=False` for one call's (its inputs are never looked at again)."""
     from ..gcpause import frozen_heap
     from ..runtime import bounds
 

@@ -1,18 +1,10 @@
 """`remapdsl.save`: the inverse of a load, written in place by every rank, no gather.
 
-Every rank compiles the same rules against the checkpoint the output is `like` (its headers read
-once, by rank 0), derives the writers (remapdsl/compile/inverse.py), and computes alone which
-boxes it writes: those it holds that no lower rank holds. Rank 0 creates the output files at full
-size in a hidden staging folder; each rank writes its own bytes; rank 0 writes the index and
-renames the folder into place (remapdsl/checkpoint/writer.py). Each phase fails on every rank
-together; a failed save removes its staging folder and leaves the destination as it was.
-
-Checkpoint tensors the rules drop are refused (E501), copied unchanged from `like`, or left out
-(`dropped`); copies, with the stored scales of dequantized tensors, are split among the ranks by
-bytes (`copy_share`), so no rank copies everything.
-
-The driver imports what it runs at module level (torch among it): the api imports this module
-only when the call is made, so `import remapdsl` stays free of torch.
+Every rank compiles the rules against the checkpoint the output is `like` (headers read once, by rank 0),
+derives the writers (compile/inverse.py) and writes the boxes it holds that no lower rank holds, into files
+rank 0 creates in a hidden staging folder and renames into place (checkpoint/writer.py). Each phase fails on
+every rank together; a failed save removes its staging folder and leaves the destination as it was.
+Checkpoint tensors the rules drop are refused (E501), copied from `like` or left out (`dropped`).
 """
 
 from __future__ import annotations
@@ -28,19 +20,8 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict
 
 from ..checkpoint import CheckpointReader
-from ..checkpoint.writer import (
-    FileWriter,
-    NewCheckpoint,
-    check_destination,
-    commit,
-    create_files,
-    discard,
-    new_checkpoint,
-    omitted_index,
-    remove_stale_staging,
-    staging_path,
-    without,
-)
+from ..checkpoint.writer import (FileWriter, NewCheckpoint, check_destination, commit, create_files, discard,
+                                 new_checkpoint, omitted_index, remove_stale_staging, staging_path, without)
 from ..compile.derive import derive_checkpoint
 from ..compile.inverse import DROPPED, copied_parts, dropped_keys
 from ..compile.inverse import writers as derive_writers
@@ -71,73 +52,57 @@ class SaveReport(BaseModel):
     bytes_copied: int = 0  # of `bytes_written`, copied unchanged from `like` (dropped tensors, stored scales)
 
 
-def save(prepared, state_dict, folder, *, config=None, layout=None, mesh=None, overwrite: bool = False,
-         allow_lossy: bool = False, requantize: bool = False, dropped: str = "error", timeout=None,
-         derived: NewCheckpoint | None = None) -> SaveReport:
-    """Write runtime tensors back to the prepared checkpoint's layout (`like`), or to `derived` (the
-    layout a save without `like` derives: `prepared_checkpoint`); the arguments are `remapdsl.save`'s."""
+def save(prepared, state_dict, folder, *, rules=None, like=None, config=None, layout=None, mesh=None,
+         overwrite: bool = False, allow_lossy: bool = False, requantize: bool = False, dropped: str = "error",
+         max_shard_size: int | str = "5GB", timeout=None) -> SaveReport:
+    """`remapdsl.save` (`prepared` None: the layout of `like`, or the one derived without it, prepared for
+    this call) or `Prepared.save`; the arguments are `remapdsl.save`'s."""
     with bounds.bounded(timeout), frozen_heap():
-        return _save(prepared, state_dict, Path(folder).absolute(), config, layout, mesh, overwrite, allow_lossy,
-                     requantize, dropped, derived)
+        folder, derived = Path(folder).absolute(), None
+        tensors = tensors_of(state_dict)
+        if prepared is None:
+            prepared, derived = prepared_checkpoint(rules, like, config, tensors, layout, folder, max_shard_size)
+        start = time.perf_counter()
+        inventory, compiled, _ = prepared.current()
+        rank, world = dist.rank(), dist.world_size()
 
+        def plan():
+            check_dropped(dropped)
+            check_mesh(mesh)
+            chosen = prepared.kept("writers", (allow_lossy, requantize, dropped), lambda: writers_paused(
+                compiled, allow_lossy=allow_lossy, requantize=requantize, dropped=dropped))
+            out = derived or prepared.kept("output", (dropped, requantize),
+                                           lambda: output_checkpoint(compiled, inventory, dropped, requantize))
+            holding = hold(compiled, tensors, layout, mesh, rank)
+            mine = owned(holding, rank)
+            return prepared.kept("save", (allow_lossy, requantize, dropped, mine, rank), lambda: make_write_plan(
+                chosen, out.inventory, mine, rank, compiled.logical_by_key(), requantize)), out, holding
 
-def save_once(state_dict, folder, rules, *, like=None, config=None, layout=None, mesh=None, overwrite: bool = False,
-              allow_lossy: bool = False, requantize: bool = False, dropped: str = "error",
-              max_shard_size: int | str = "5GB", timeout=None) -> SaveReport:
-    """`remapdsl.save`: the layout of `like` (or the one derived without it) prepared for this call, then saved."""
-    with bounds.bounded(timeout), frozen_heap():
-        folder = Path(folder).absolute()
-        prepared, derived = prepared_checkpoint(rules, like, config, tensors_of(state_dict), layout, folder,
-                                            max_shard_size)
-        return _save(prepared, state_dict, folder, config, layout, mesh, overwrite, allow_lossy, requantize, dropped,
-                     derived)
+        plan, out, holding = dist.together(plan, agree_on=layout_agreement("tensor layouts", lambda r: r[2], mesh),
+                                           phase="planning the writes")
+        copies = copy_share(copied_keys(compiled, inventory, dropped, requantize), inventory, out.inventory, rank,
+                            world)
+        copied = sum(piece[-1] for piece in copies)
+        reader = CheckpointReader(inventory)
+        # a derived layout's own index, or (files laid out anew, rank 0) `like`'s cut to match
+        index = out.index or (omitted_index(inventory, out.inventory) if rank == 0 and out.headers else None)
+        files = None if derived is None else \
+            {"config.json": (json.dumps(dict(config), indent=2, sort_keys=True) + "\n").encode()} if config else {}
+        try:
+            sync_seconds = write_output(
+                folder, out.inventory, headers=out.headers or None, index=index, copy_from=inventory.root, files=files,
+                overwrite=overwrite, planned=plan.bytes_written + copied, write=lambda writer: (
+                    run_write_plan(plan, writer, holding.local, reader=reader), copy_bytes(copies, reader, writer)))
+        finally:
+            reader.close()
+        return SaveReport(folder=str(folder), rank=rank, bytes_written=plan.bytes_written + copied,
+                          files=tuple(sorted({*plan.files, *(piece[2] for piece in copies)})),
+                          seconds=time.perf_counter() - start, sync_seconds=sync_seconds, bytes_copied=copied)
 
 
 def tensors_of(state_dict) -> Mapping[str, Any]:
     """A state dict's tensors (a module's parameters and buffers as they are, not detached)."""
     return state_dict.state_dict(keep_vars=True) if hasattr(state_dict, "state_dict") else state_dict
-
-
-def _save(prepared, state_dict, folder: Path, config, layout, mesh, overwrite, allow_lossy, requantize, dropped,
-          derived) -> SaveReport:
-    start = time.perf_counter()
-    tensors = tensors_of(state_dict)
-    inventory, compiled, _ = prepared.current()
-    rank, world = dist.rank(), dist.world_size()
-
-    def plan():
-        check_dropped(dropped)
-        check_mesh(mesh)
-        chosen = prepared.kept("writers", (allow_lossy, requantize, dropped), lambda: writers_paused(
-            compiled, allow_lossy=allow_lossy, requantize=requantize, dropped=dropped))
-        out = derived or prepared.kept("output", (dropped, requantize),
-                                       lambda: output_checkpoint(compiled, inventory, dropped, requantize))
-        holding = hold(compiled, tensors, layout, mesh, rank)
-        mine = owned(holding, rank)
-        return prepared.kept("save", (allow_lossy, requantize, dropped, mine, rank), lambda: make_write_plan(
-            chosen, out.inventory, mine, rank, compiled.logical_by_key(), requantize)), out, holding
-
-    plan, out, holding = dist.together(plan, agree_on=layout_agreement("tensor layouts", lambda r: r[2], mesh),
-                                       phase="planning the writes")
-    local = holding.local
-    copies = copy_share(copied_keys(compiled, inventory, dropped, requantize), inventory, out.inventory, rank, world)
-    copied = sum(piece[-1] for piece in copies)
-    reader = CheckpointReader(inventory)
-    # a derived layout's own index, or (files laid out anew, rank 0) `like`'s cut to match
-    index = out.index or (omitted_index(inventory, out.inventory) if rank == 0 and out.headers else None)
-    files = None if derived is None else \
-        {"config.json": (json.dumps(dict(config), indent=2, sort_keys=True) + "\n").encode()} if config else {}
-    try:
-        sync_seconds = write_output(folder, out.inventory, headers=out.headers or None, index=index,
-                                    copy_from=inventory.root, files=files, overwrite=overwrite,
-                                    planned=plan.bytes_written + copied,
-                                    write=lambda writer: (run_write_plan(plan, writer, local, reader=reader),
-                                                          copy_bytes(copies, reader, writer)))
-    finally:
-        reader.close()
-    return SaveReport(folder=str(folder), rank=rank, bytes_written=plan.bytes_written + copied,
-                      files=tuple(sorted({*plan.files, *(piece[2] for piece in copies)})),
-                      seconds=time.perf_counter() - start, sync_seconds=sync_seconds, bytes_copied=copied)
 
 
 def writers_paused(compiled, **options):
@@ -156,9 +121,8 @@ def check_dropped(dropped) -> None:
 
 
 def output_checkpoint(compiled, like, dropped: str, requantize: bool) -> NewCheckpoint:
-    """The layout the save writes: `like`'s (no headers: copied from its files), or, when dropped
-    tensors are omitted, `like`'s without them (new headers). E524 where omitting cannot be done:
-    a DCP-sharded `like`, or stored scales read back at `like`'s offsets."""
+    """The layout the save writes: `like`'s (no headers: copied from its files), or with dropped tensors
+    omitted, `like`'s without them (new headers); E524 for a DCP `like` or stored scales read at its offsets."""
     omitted = dropped_keys(compiled, like) if dropped == "omit" else []
     if not omitted:
         return NewCheckpoint(like, {}, None)
@@ -174,7 +138,7 @@ def output_checkpoint(compiled, like, dropped: str, requantize: bool) -> NewChec
 
 def copied_keys(compiled, like, dropped: str, requantize: bool) -> list[str]:
     """The checkpoint tensors copied unchanged from `like`: the stored scales of dequantized tensors
-    (not when they are computed anew) and, with dropped="copy", the dropped tensors."""
+    (unless requantized) and, with dropped="copy", the dropped tensors."""
     keys = set() if requantize else set(copied_parts(compiled))
     if dropped == "copy":
         keys.update(dropped_keys(compiled, like))
@@ -185,10 +149,9 @@ COPY_BYTES = 64 << 20  # the most one copy step holds
 
 
 def copy_share(keys, like, out, rank: int, world: int) -> list[tuple[str, int, str, int, int]]:
-    """This rank's part of copying `keys` from `like` into the output layout `out`: the tensors'
-    bytes (each DCP chunk where it is) taken in key order and cut into `world` equal byte ranges, one
-    per rank, so a small tensor is copied by one rank and a large one may be split. Each piece is
-    (file in `like`, offset, file in the output, offset, bytes); every rank computes the same cuts."""
+    """This rank's part of copying `keys` from `like` into the output layout `out`: the bytes (each DCP
+    chunk where it is) in key order, cut into `world` equal ranges, the same on every rank. Each piece is
+    (file in `like`, offset, file in the output, offset, bytes)."""
     places = []
     for key in keys:
         target = out.tensors[key]
@@ -208,25 +171,20 @@ def copy_share(keys, like, out, rank: int, world: int) -> list[tuple[str, int, s
 
 def copy_bytes(pieces, reader, writer) -> None:
     """Copy the pieces of `copy_share` byte for byte, at most COPY_BYTES held at once."""
-    buffer = None
+    buffer = memoryview(bytearray(min(COPY_BYTES, max((piece[-1] for piece in pieces), default=0))))
     for src, src_offset, dst, dst_offset, size in pieces:
         for step in range(0, size, COPY_BYTES):
-            n = min(COPY_BYTES, size - step)
-            if buffer is None or len(buffer) < n:
-                buffer = bytearray(n)
-            data = memoryview(buffer)[:n]
+            data = buffer[:min(COPY_BYTES, size - step)]
             reader.read_into(src, src_offset + step, data)
             writer.write_at(dst, dst_offset + step, data)
 
 
 def prepared_checkpoint(rules, like, config, tensors, layout, root: Path, max_shard_size: int | str = "5GB",
-                    check=None):
-    """Every rank: the checkpoint layout a save (or an export, an ingest) of one call writes,
-    compiled and kept in a Prepared made for the call: `like`'s, or, without it, the one rank 0
-    derives from the rules and its tensors' shapes (then also returned, a NewCheckpoint; else None).
-    Every rank makes the same exchanges, so ranks given and not given `like` fail together.
-    Without `like` and a config, the config is empty (never read from the destination). `check`:
-    the caller's checks of its arguments, run first on every rank."""
+                        check=None):
+    """Every rank: a Prepared for one call's save (export, ingest) of `like`'s layout, or, without it, of
+    the one rank 0 derives from the rules and its tensors' shapes (also returned: a NewCheckpoint, else None;
+    the config then empty unless given). The same exchanges on every rank, so ranks given and not given
+    `like` fail together. `check`: the caller's checks of its arguments, run first on every rank."""
     from .prepared import Prepared
 
     given, check = like, check or (lambda: None)
@@ -251,8 +209,8 @@ def same_like(like, derived) -> None:
 
 
 def derived_checkpoint(rules, config, tensors, layout, folder: Path, max_shard_size: int | str) -> NewCheckpoint:
-    """The checkpoint files a save without `like` writes: the tensors the rules derive from the
-    runtime tensors' global shapes (remapdsl/compile/derive.py), sharded as Hugging Face shards."""
+    """The files a save without `like` writes: the tensors the rules derive from the runtime tensors'
+    global shapes (compile/derive.py), sharded as Hugging Face shards."""
     if layout is not None:
         raise RemapError(Diagnostic(code="E520", message="without `like`, the checkpoint layout is derived from "
                                     "the runtime tensors' global shapes, and with `layout=` the state dict holds "
@@ -267,20 +225,17 @@ def derived_checkpoint(rules, config, tensors, layout, folder: Path, max_shard_s
 
 def write_output(folder: Path, inventory, *, headers=None, index=None, copy_from=None, files=None, overwrite: bool,
                  write, planned: int = 0) -> float:
-    """The phases every rank runs to write a checkpoint in place: rank 0 checks the destination,
-    removes (and logs) the staging folders of earlier saves there whose process died, and creates
-    the staging files of `inventory` (the files to write: `like`'s, or a new one with `headers` and
-    `index`), every rank runs `write(writer)`, rank 0 commits. An error on any rank, in any phase,
-    is raised on every rank and the staging folder is removed. `planned`: the bytes this rank writes
-    (named when the disk fills up). Returns this rank's fsync seconds."""
-
+    """Every rank writes a checkpoint in place: rank 0 checks the destination, removes (and logs) dead
+    saves' staging folders there and creates the staging files of `inventory` (with `headers` and `index`
+    for a new layout), every rank runs `write(writer)`, rank 0 commits. An error anywhere is raised on every
+    rank and the staging folder removed. `planned`: this rank's bytes (named when the disk fills up).
+    Returns this rank's fsync seconds."""
     rank = dist.rank()
 
     def destination() -> str:
         check_destination(folder, overwrite)
         for stale in remove_stale_staging(folder):
-            _log.info("removed %s: the staging folder of an earlier save to %s, whose process died",
-                      stale, folder)
+            _log.info("removed %s: the staging folder of an earlier save to %s, whose process died", stale, folder)
         return secrets.token_hex(6)
 
     token = dist.from_first(destination, "checking the destination")

@@ -1,12 +1,10 @@
-"""Compiled + what one rank holds of each tensor -> that rank's frozen LoadPlan: what to read, where.
+"""Compiled + what one rank holds of each tensor -> that rank's frozen LoadPlan (what to read, where) or
+WritePlan (where its bytes go back).
 
-Each held box of a runtime tensor is intersected with the runtime tensor's blocks; each piece becomes a
-read item: the byte runs of its checkpoint tensor that hold exactly its source elements (in source
-order: a transposed block reads whole source rows, a column shard one run per row), and the region
-of the rank's local tensor it fills. So a layout-only load reads exactly the bytes the rank owns.
-The runs are one strided description (`indexmap.Runs`) an item, never listed: a plan grows with its
-items, not with the rows they cover. It is plain data: it prints, compares and hashes without a
-process group.
+Each held box of a runtime tensor is intersected with its blocks; each piece becomes an item: the byte runs
+of its checkpoint tensor that hold exactly its source elements (one strided `indexmap.Runs`, never listed:
+a plan grows with its items, not their rows), and the region of the rank's local tensor. So a layout-only
+load reads exactly the bytes the rank owns. Plans are plain data: they print, compare and hash anywhere.
 """
 
 from __future__ import annotations
@@ -25,16 +23,7 @@ from ..compile.model import FEW_BLOCKS, Compiled
 from ..dtypes import BY_NAME
 from ..errors import Diagnostic, RemapError
 from ..gcpause import paused_gc
-from ..indexmap import (
-    Block,
-    FirstDimIndex,
-    Runs,
-    block_runs,
-    intersect,
-    row_major_strides,
-    byte_runs,
-    volume,
-)
+from ..indexmap import Block, FirstDimIndex, Runs, block_runs, byte_runs, intersect, row_major_strides, volume
 from ..quant import Part, get_format
 from .chunked import split_by_chunks
 from .placements import LocalShard
@@ -43,11 +32,10 @@ from .placements import LocalShard
 class ReadItem(NamedTuple):
     """One piece of one block, for one rank.
 
-    The local region [local_offsets, local_offsets + sizes) of `runtime_key` takes the elements of
-    `ckpt_key` held by the byte `runs` of `file` (concatenated), laid out by `strides` (element
-    strides into that concatenation, one per runtime dim), then `steps`; `source_strides` are
-    each runtime dim's element strides in the file from `runs.first`. An item without a key fills
-    its region with `fill` (a `pad`).
+    The local region [local_offsets, local_offsets + sizes) of `runtime_key` takes the elements of `ckpt_key` held
+    by the byte `runs` of `file` (concatenated), laid out by `strides` (element strides into that concatenation,
+    one per runtime dim), then `steps`; `source_strides` are each runtime dim's element strides in the file from
+    `runs.first`. An item without a key fills its region with `fill` (a `pad`).
     """
 
     runtime_key: str
@@ -150,20 +138,15 @@ def _load_plan(compiled: Compiled, inventory: Inventory, held: Mapping[str, Loca
                                           piece.fill))
                 elif source in logical:
                     decodes.append(_decode_item(key, local, piece, logical[source], inventory, layouts))
-                elif source in chunked:  # one item per chunk the piece touches
+                else:  # one item, or one per chunk the piece touches
                     info = infos[source]
-                    for part, local_part in _chunk_parts(piece, local, chunked[source]):
-                        item = _item(key, local_part, part[0], info, part[1])
+                    parts = _chunk_parts(piece, local, chunked[source]) if source in chunked else \
+                        (((piece, None), local),)
+                    for (part, chunk), local_part in parts:
+                        item = _item(key, local_part, part, info, chunk)
                         nbytes += item.runs.total
                         items.append(item)
                     owned += prod(piece.sizes) * BY_NAME[info.dtype].bits // 8
-                else:
-                    info = infos[source]
-                    item = _item(key, local, piece, info)
-                    runs = item.runs
-                    nbytes += runs.length * prod(runs.counts)
-                    owned += prod(piece.sizes) * BY_NAME[info.dtype].bits // 8
-                    items.append(item)
     items.sort(key=_file_order)
     decodes.sort(key=lambda i: (i.parts[0].file, i.parts[0].runs.first, i.runtime_key, i.local_offsets))
     values = sum(i.parts[0].runs.total for i in decodes)
@@ -182,11 +165,10 @@ def _file_order(item: ReadItem) -> tuple:
 
 def _decode_item(runtime_key: str, local: tuple[int, ...], piece: Block, source, inventory: Inventory,
                  layouts: dict, steps: tuple | None = None) -> DecodeItem:
-    """The logical box a piece reads (its bounding box: the piece itself for every layout op but a
-    strided one), the covering box of each part, and where the piece sits in the decoded box, then
-    `steps` (the piece's own by default). `layouts` keeps, per format, parameters, parts' dtypes and
-    shapes and box, what a format says from those alone (its views and covers) and their run
-    layouts: a plan's thousands of experts share a few."""
+    """The logical box a piece reads (its bounding box: the piece itself unless strided), the covering box
+    of each part, and where the piece sits in the decoded box, then `steps` (the piece's own by default).
+    `layouts` caches each part's run layout by format, parameters, parts' dtypes and shapes, and box: a
+    plan's thousands of experts share a few."""
     shift, size, strides, offset = _box_geometry(piece.coeff, piece.sizes)
     box = (tuple(map(add, piece.base, shift)), size)
     if inventory.chunks:
@@ -289,11 +271,10 @@ def _refuse_chunked_parts(source, inventory: Inventory) -> None:
 
 
 class WriteItem(NamedTuple):
-    """One piece of a runtime tensor written back: the local region [local_offsets, local_offsets +
-    sizes) of `runtime_key`, through `steps` (the load's value steps undone) into `dtype`, laid out
-    by `strides` (element strides into the concatenation of `runs`) over the byte `runs` of `file`
-    where checkpoint tensor `ckpt_key` keeps those elements (`source_strides`: each runtime dim's
-    element strides in the file from `runs.first`)."""
+    """One piece of a runtime tensor written back: the local region [local_offsets, local_offsets + sizes) of
+    `runtime_key`, through `steps` (the load's value steps undone) into `dtype`, laid out by `strides` (element
+    strides into the concatenation of `runs`) over the byte `runs` of `file` where checkpoint tensor `ckpt_key`
+    keeps those elements (`source_strides`: each runtime dim's element strides in the file from `runs.first`)."""
 
     runtime_key: str
     local_offsets: tuple[int, ...]
@@ -367,12 +348,8 @@ def _write_piece(w, box, local_offsets, inventory: Inventory, logical: Mapping, 
     if piece.source_key not in logical:
         info = inventory.tensors[piece.source_key]
         chunks = inventory.chunks.get(piece.source_key)
-        if chunks is None:
-            runs, strides, flat = block_runs(piece, info.shape, info.byte_offset, BY_NAME[info.dtype].bits // 8)
-            items.append(WriteItem(w.runtime_key, local, piece.sizes, piece.source_key, info.file, info.dtype,
-                                   runs, strides, w.steps, flat))
-            return
-        for (part, chunk), at in _chunk_parts(piece, local, chunks):  # one item per chunk it touches
+        parts = (((piece, None), local),) if chunks is None else _chunk_parts(piece, local, chunks)
+        for (part, chunk), at in parts:  # one item, or one per chunk the piece touches
             item = _item(w.runtime_key, at, part, info, chunk)
             items.append(WriteItem(w.runtime_key, at, part.sizes, piece.source_key, item.file, info.dtype,
                                    item.runs, item.strides, w.steps, item.source_strides))
