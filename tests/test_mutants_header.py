@@ -14,7 +14,10 @@ import struct
 
 import pytest
 
-from remapdsl.checkpoint.header import FileInfo, FrozenDict, TensorInfo, hash_header, pread_exact, read_header
+from pydantic import ValidationError
+
+from remapdsl.checkpoint.header import (FileInfo, FrozenDict, Header, TensorInfo, check_tensor_info, hash_header,
+                                         pread_exact, read_header)
 from remapdsl.errors import CheckpointError
 
 TILE = "safetensors requires the tensors to tile the data section exactly"
@@ -192,9 +195,12 @@ GOOD_ROW = {"ckpt_key": "k", "file": "f", "dtype": "bfloat16", "shape": (2, 2), 
 ])
 def test_tensor_info_says_which_invariant_a_row_breaks(fields, message):
     with pytest.raises(ValueError, match=message.replace("[", r"\[").replace("]", r"\]")):
-        TensorInfo(**(GOOD_ROW | fields))
-    TensorInfo(ckpt_key="k", file="f", dtype="bfloat16", shape=(), byte_offset=0, nbytes=2)  # a scalar
-    TensorInfo(ckpt_key="k", file="f", dtype="bfloat16", shape=(0, 3), byte_offset=0, nbytes=0)  # empty
+        check_tensor_info(TensorInfo(**(GOOD_ROW | fields)))
+    with pytest.raises(ValidationError, match=message.replace("[", r"\[").replace("]", r"\]")):
+        Header(info=FileInfo(file="f", nbytes=16, data_offset=8), tensors={"k": GOOD_ROW | fields})  # as JSON
+    scalar = TensorInfo(ckpt_key="k", file="f", dtype="bfloat16", shape=(), byte_offset=0, nbytes=2)
+    empty = TensorInfo(ckpt_key="k", file="f", dtype="bfloat16", shape=(0, 3), byte_offset=0, nbytes=0)
+    assert check_tensor_info(scalar) is scalar and check_tensor_info(empty) is empty
 
 
 def test_file_info_checks_where_its_data_section_starts():
