@@ -11,6 +11,7 @@ validators run.
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import fields
 from typing import Any
 
 from pydantic import GetCoreSchemaHandler
@@ -30,3 +31,21 @@ def record_schema(cls: type, source: Any, handler: GetCoreSchemaHandler,
     return core_schema.json_or_python_schema(
         json_schema=made,
         python_schema=core_schema.union_schema([core_schema.is_instance_schema(cls), made], mode="left_to_right"))
+
+
+_INIT_FIELDS: dict[type, tuple[str, ...]] = {}
+
+
+class Pickled:
+    """A slotted frozen dataclass record pickled as its class and the fields its constructor takes:
+    what a cache the record keeps (an `init=False` field) is left out, and unpickling makes it by its
+    own constructor on every Python the package supports."""
+
+    __slots__ = ()
+
+    def __reduce__(self):
+        cls = type(self)
+        names = _INIT_FIELDS.get(cls)
+        if names is None:
+            names = _INIT_FIELDS[cls] = tuple(f.name for f in fields(cls) if f.init)
+        return cls, tuple(map(self.__getattribute__, names))

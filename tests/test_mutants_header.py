@@ -205,7 +205,8 @@ def test_tensor_info_says_which_invariant_a_row_breaks(fields, message):
 
 def test_file_info_checks_where_its_data_section_starts():
     FileInfo(file="f", nbytes=8, data_offset=8)
-    for nbytes, data_offset in ((10, 7), (10, 11)):
+    FileInfo(file="f", nbytes=8, data_offset=0)  # no header: an in-memory inventory's file
+    for nbytes, data_offset in ((10, 7), (10, 1), (10, 11), (0, 8)):
         with pytest.raises(ValueError, match=f"f: data section starts at {data_offset} in a {nbytes}-byte file"):
             FileInfo(file="f", nbytes=nbytes, data_offset=data_offset)
 

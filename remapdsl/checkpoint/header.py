@@ -187,7 +187,9 @@ class FileInfo(BaseModel):
 
     @model_validator(mode="after")
     def _check(self) -> FileInfo:
-        if not PREFIX_NBYTES <= self.data_offset <= self.nbytes:
+        """The data section starts after the 8-byte length and the header, or at 0 in a file that has
+        no header (an in-memory inventory's, `checkpoint.memory`), and within the file."""
+        if not (PREFIX_NBYTES <= self.data_offset or self.data_offset == 0) or self.data_offset > self.nbytes:
             raise ValueError(
                 f"{self.file}: data section starts at {self.data_offset} in a {self.nbytes}-byte file"
             )

@@ -20,8 +20,7 @@ def in_memory(layout: Inventory) -> Inventory:
     tensors, files = {}, {}
     for key, t in layout.tensors.items():
         tensors[key] = TensorInfo(key, key, t.dtype, t.shape, 0, t.nbytes)
-        # no header: the data from byte 0, where a safetensors file (FileInfo's own check) has its header
-        files[key] = FileInfo.model_construct(file=key, nbytes=t.nbytes, data_offset=0)
+        files[key] = FileInfo(file=key, nbytes=t.nbytes, data_offset=0)  # no header: the data from byte 0
     return Inventory(root="<memory>", tensors=tensors, files=files)
 
 

@@ -1,4 +1,4 @@
-"""IR building blocks: Node (frozen, compared without spans), Trivia, construct, names, expressions and key patterns.
+"""IR building blocks: Node (frozen, compared without spans), Trivia, names, expressions and key patterns.
 
 Every node carries the span it was parsed from (None for IR built in code). Equality and hashing
 ignore spans and trivia (comments, blank lines): two IRs are equal when they say the same thing,
@@ -17,7 +17,6 @@ import re
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from ..errors import SpanField
-from ..trusted import construct  # noqa: F401  (the IR's builder, re-exported by ir.py)
 
 LANGUAGE_VERSIONS = (1,)
 CAPTURE_TYPES = ("int", "seg", "path")

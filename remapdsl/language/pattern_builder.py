@@ -64,6 +64,15 @@ def _brace_token(token: Token) -> Brace:
                  span)
 
 
+def prefix_name(token: Token) -> str | None:
+    """The name of a `@name` token, or None (reported) when it cannot be one (`@when`: a keyword)."""
+    problem = ir.identifier_problem(str(token)[1:])
+    if problem:
+        error("E017", f"`{token}` is not a valid prefix name: {problem}", span_of(token))
+        return None
+    return str(token)[1:]
+
+
 class _Word(str):
     """Text with a span, standing in for a token inside a CAPTURE token."""
 
@@ -153,7 +162,8 @@ def _part(item: Any, side: str, types: dict[str, str]) -> ir.Node | None:
         if kind == "WORD":
             return new(ir.Text, text=str(item), span=span)
         if kind == "PREFIX_NAME":
-            return new(ir.PrefixRef, name=str(item)[1:], span=span)
+            name = prefix_name(item)
+            return None if name is None else new(ir.PrefixRef, name=name, span=span)
         if kind == "CAPTURE" and ":" not in item:  # the common `{L}`, without an intermediate
             name = str(item)[1:-1]
             if not ir.identifier_problem(name):
