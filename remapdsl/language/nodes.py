@@ -14,7 +14,7 @@ import functools
 import math
 import re
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from ..errors import SpanField
 
@@ -322,12 +322,15 @@ def pattern_problems(parts: tuple[Node, ...]) -> list[tuple[int, str]]:
 class Pattern(Node):
     parts: tuple[PatternPart, ...]
 
-    @model_validator(mode="after")
-    def _well_formed(self) -> Pattern:
-        problems = pattern_problems(self.parts)
+    @field_validator("parts")
+    @classmethod
+    def _well_formed(cls, parts: tuple[Node, ...]) -> tuple[Node, ...]:
+        # A field validator, not a model validator: it runs when a pattern is made, not again each
+        # time a statement that holds the pattern is made.
+        problems = pattern_problems(parts)
         if problems:
             raise ValueError("; ".join(message for _, message in problems))
-        return self
+        return parts
 
 
 for _model in (List, Neg, Not, BinOp, Compare, BoolOp, Coalesce, Subst, Pattern):

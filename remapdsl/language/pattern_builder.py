@@ -11,6 +11,7 @@ from __future__ import annotations
 from typing import Any, NamedTuple
 
 from lark import Token
+from pydantic import ValidationError
 
 from . import ir
 from ..errors import Span, did_you_mean
@@ -132,11 +133,15 @@ def _pattern(raw: RawPattern, side: str, types: dict[str, str]) -> ir.Pattern | 
         parts.append(part)
     if len(ctx.diagnostics) > before:
         return None
-    for index, message in ir.pattern_problems(tuple(parts)):
+    try:  # the Pattern validator checks the structure (ir.pattern_problems)
+        return ir.Pattern(parts=tuple(parts), span=raw.span)
+    except ValidationError:
+        problems = ir.pattern_problems(tuple(parts))
+        if not problems:
+            raise
+    for index, message in problems:  # each where it is
         error("E016", message, _narrow(parts[min(index, len(parts) - 1)], message))
-    if len(ctx.diagnostics) > before:
-        return None
-    return new(ir.Pattern, parts=tuple(parts), span=raw.span)
+    return None
 
 
 def _narrow(part: ir.Node, message: str) -> Span:
