@@ -76,9 +76,10 @@ def tensor_problems(dtype: DType | None, shape: object, begin: object, end: obje
                     limit: int | None = None) -> tuple[str, ...]:
     """The rules of a safetensors tensor that these values break, () when they keep every one.
 
-    Each rule is written here once, for every reader of tensor facts: the header parser, TensorInfo
-    (`check_tensor_info`), `Inventory.from_shapes`. The caller has looked the dtype up (None: not
-    known) and gives the tensor's bytes as [begin, end).
+    Each rule is written once, here or in the two functions it calls (`is_shape`, `tensor_nbytes`),
+    for every reader of tensor facts: the header parser, TensorInfo (`check_tensor_info`), and
+    `Inventory.from_shapes` (which has no byte range yet: it applies those two). The caller has
+    looked the dtype up (None: not known) and gives the tensor's bytes as [begin, end).
 
     - "dtype": the dtype is known;
     - "shape": the shape is a list or tuple of non-negative ints (`is_shape`);
@@ -112,8 +113,8 @@ class TensorInfo(NamedTuple):
     `byte_offset` counts from the start of the file, not of the data section.
 
     A record, not a model: a DeepSeek-V3 checkpoint has 46,000-92,000 of them. One is made from
-    values that passed `tensor_problems` (the header parser, `check_tensor_info`, `from_shapes`) or
-    that were computed from such a record's. A pydantic model holding TensorInfos (Header,
+    values that passed the rules of `tensor_problems` (the header parser, `from_shapes`, the writer's
+    `check_tensor_info`) or that were computed from such a record's (chunks, in-memory layouts). A pydantic model holding TensorInfos (Header,
     Inventory) takes a TensorInfo as it is, and checks one given as JSON or a dict with
     `check_tensor_info`; in JSON a TensorInfo is the list of its fields.
     """

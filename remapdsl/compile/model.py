@@ -10,8 +10,8 @@ from __future__ import annotations
 import bisect
 import hashlib
 from collections.abc import Iterable
-from operator import attrgetter
 from dataclasses import dataclass, field
+from operator import attrgetter
 from typing import Annotated, Any, NamedTuple
 
 from pydantic import BaseModel, ConfigDict, Field
@@ -109,7 +109,7 @@ class Compiled(_Frozen):
     """Everything an executor needs, with no reference to the rule language.
 
     A model without validators, over records the compiler made: it builds one with `model_construct`
-    (a normal construction would only check each of the records' fields again, 0.1-0.7 s at
+    (a normal construction would only check each of the records' fields again: up to 0.7 s at
     DeepSeek-V3 scale); from JSON (`model_validate_json`) every field is validated.
     """
 
