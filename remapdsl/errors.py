@@ -8,9 +8,11 @@ import difflib
 import re
 import unicodedata
 from collections.abc import Iterable, Sequence
-from typing import Annotated, Any, NamedTuple
+from typing import Annotated, NamedTuple
 
-from pydantic import BaseModel, BeforeValidator, ConfigDict, PlainSerializer, field_validator
+from pydantic import BaseModel, ConfigDict, GetPydanticSchema, PlainSerializer, field_validator
+
+from .records import record_schema
 
 # What one error may show, so a hostile file or checkpoint cannot make a message unreadable (docs/errors.md)
 MAX_SHOWN = 20  # diagnostics of one error
@@ -34,13 +36,13 @@ class Span(NamedTuple):
         return f"{self.path}:{self.line}:{self.column}"
 
 
-def _span_from_json(value: Any) -> Any:
-    return Span(**value) if isinstance(value, dict) else value
-
-
-# A span as a pydantic field: validated from an object or a Span, written as an object.
-SpanField = Annotated[Span, BeforeValidator(_span_from_json),
-                      PlainSerializer(lambda span: span._asdict(), return_type=dict)]
+# A span as a pydantic field: a Span taken as it is (a record: one per IR node), one given as an
+# object (JSON) or a list validated as pydantic validates a named tuple; written as an object.
+SpanField = Annotated[
+    Span,
+    GetPydanticSchema(lambda source, handler: record_schema(Span, source, handler)),
+    PlainSerializer(lambda span: span._asdict(), return_type=dict),
+]
 
 
 class Diagnostic(BaseModel):

@@ -25,7 +25,10 @@ from remapdsl.checkpoint.header import (
     MAX_HEADER_NBYTES,
     FileInfo,
     FrozenDict,
+    Header,
     TensorInfo,
+    check_tensor_info,
+    tensor_problems,
     hash_header,
     pread_exact,
     read_header,
@@ -196,19 +199,37 @@ def test_header_data_is_frozen_and_round_trips(tmp_path):
         header.tensors["b"] = header.tensors["a"]
     with pytest.raises(TypeError):
         header.info.metadata["k"] = "w"
-    with pytest.raises(ValidationError):
+    with pytest.raises(AttributeError):  # a named tuple
         header.tensors["a"].nbytes = 4
     assert pickle.loads(pickle.dumps(header)) == header
     assert type(header).model_validate_json(header.model_dump_json()) == header
     hash(header)
 
 
-def test_tensor_info_checks_its_own_invariants():
+def test_tensor_info_is_checked_by_the_one_function_of_the_tensor_rules():
     good = {"ckpt_key": "a", "file": "f", "dtype": "bfloat16", "shape": (2,), "byte_offset": 8, "nbytes": 4}
-    TensorInfo(**good)
-    for bad in ({"nbytes": 3}, {"dtype": "BF16"}, {"shape": (-2,), "nbytes": -4}, {"extra": 1}):
+    assert check_tensor_info(TensorInfo(**good)) == TensorInfo(**good)
+    for bad in ({"nbytes": 3}, {"dtype": "BF16"}, {"shape": (-2,), "nbytes": -4}, {"nbytes": -4},
+                {"shape": (2.0,)}, {"byte_offset": -8}):
         with pytest.raises(ValueError):
-            TensorInfo(**(good | bad))
+            check_tensor_info(TensorInfo(**(good | bad)))
+        if bad != {"shape": (2.0,)}:  # as a dict, pydantic reads 2.0 as the int 2 first
+            with pytest.raises(ValidationError):  # a model holding one given as a dict checks it
+                Header(info=FileInfo(file="f", nbytes=12, data_offset=8), tensors={"a": good | bad})
+    with pytest.raises(TypeError):
+        TensorInfo(**(good | {"extra": 1}))
+
+
+def test_inconsistent_bytes_are_refused_by_the_rules_the_header_parser_uses():
+    bf16, f4 = BY_NAME["bfloat16"], BY_NAME["float4_e2m1fn_x2"]
+    assert tensor_problems(bf16, (2, 3), 8, 20) == ()
+    assert tensor_problems(bf16, [2, 3], 8, 19) == ("bytes",)  # 11 bytes do not hold 6 bfloat16
+    assert tensor_problems(f4, (3,), 0, 2) == ("bits",)
+    assert tensor_problems(bf16, (2, 3), 8, 20, limit=16) == ("limit",)
+    assert tensor_problems(None, (-1,), 4, 2) == ("dtype", "shape", "offsets")  # reported together
+    assert tensor_problems(bf16, (True,), 0, 2) == ("shape",) and tensor_problems(bf16, (1,), 0.0, 2) == ("offsets",)
+    with pytest.raises(ValueError, match=r"^tensor `w`: 11 bytes do not hold bfloat16 \[2, 3\]$"):
+        check_tensor_info(TensorInfo("w", "f", "bfloat16", (2, 3), 8, 11))
 
 
 # --- malformed files: one per rule; each error names the file and the key --------------------------------
@@ -521,14 +542,18 @@ GOOD_ROW = {"ckpt_key": "k", "file": "f", "dtype": "bfloat16", "shape": (2, 2), 
 ])
 def test_tensor_info_says_which_invariant_a_row_breaks(fields, message):
     with pytest.raises(ValueError, match=message.replace("[", r"\[").replace("]", r"\]")):
-        TensorInfo(**(GOOD_ROW | fields))
-    TensorInfo(ckpt_key="k", file="f", dtype="bfloat16", shape=(), byte_offset=0, nbytes=2)  # a scalar
-    TensorInfo(ckpt_key="k", file="f", dtype="bfloat16", shape=(0, 3), byte_offset=0, nbytes=0)  # empty
+        check_tensor_info(TensorInfo(**(GOOD_ROW | fields)))
+    with pytest.raises(ValidationError, match=message.replace("[", r"\[").replace("]", r"\]")):
+        Header(info=FileInfo(file="f", nbytes=16, data_offset=8), tensors={"k": GOOD_ROW | fields})  # as JSON
+    scalar = TensorInfo(ckpt_key="k", file="f", dtype="bfloat16", shape=(), byte_offset=0, nbytes=2)
+    empty = TensorInfo(ckpt_key="k", file="f", dtype="bfloat16", shape=(0, 3), byte_offset=0, nbytes=0)
+    assert check_tensor_info(scalar) is scalar and check_tensor_info(empty) is empty
 
 
 def test_file_info_checks_where_its_data_section_starts():
     FileInfo(file="f", nbytes=8, data_offset=8)
-    for nbytes, data_offset in ((10, 7), (10, 11)):
+    FileInfo(file="f", nbytes=8, data_offset=0)  # no header: an in-memory inventory's file
+    for nbytes, data_offset in ((10, 7), (10, 1), (10, 11), (0, 8)):
         with pytest.raises(ValueError, match=f"f: data section starts at {data_offset} in a {nbytes}-byte file"):
             FileInfo(file="f", nbytes=nbytes, data_offset=data_offset)
 

@@ -153,13 +153,14 @@ def test_tiles_says_what_the_pairwise_check_says(boxes, grid, shape):
     assert sym.tiles(blocks, shape) == reference_tiles(blocks, shape)
 
 
-def test_construct_makes_the_model_validation_makes():
+def test_a_compiled_record_reads_back_from_json_as_it_was_made():
     values = {"values": "a.weight", "format": "fp8_block", "params": (("to", "bfloat16"),),
               "parts": ("a.weight", "a.s"), "grid": (2, 2)}
-    built = ir.construct(StoredQuantized, **values)
-    assert built == StoredQuantized(**values)
-    assert built.model_fields_set == set(values)
-    assert built.model_dump_json() == StoredQuantized(**values).model_dump_json()
+    built = StoredQuantized(**values)
+    compiled = Compiled.model_construct(runtime_tensors=(), ckpt_tensors=(), quantized=(built,), bindings=())
+    again = Compiled.model_validate_json(compiled.model_dump_json())
+    assert again.quantized == (built,) and type(again.quantized[0]) is StoredQuantized
+    assert again.model_dump_json() == compiled.model_dump_json()
 
 
 FP8 = """remap 1

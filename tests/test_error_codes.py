@@ -10,6 +10,7 @@ by the smallest honest means, said in the case's docstring.
 from __future__ import annotations
 
 import ast
+import dataclasses
 import json
 import re
 import sys
@@ -108,7 +109,7 @@ def test_blocks_that_do_not_tile_are_e206(checkpoint, tamper):
     else:
         half = block._replace(sizes=(1, 4))
         blocks, covered = (half, half), 8
-    compiler.runtime_tensors = {"b": tensor.model_copy(update={"blocks": blocks})}
+    compiler.runtime_tensors = {"b": dataclasses.replace(tensor, blocks=blocks)}
     with pytest.raises(remapdsl.RemapError) as info:
         compiler.check_tiling()
     (d,) = info.value.diagnostics

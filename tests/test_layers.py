@@ -17,7 +17,7 @@ PACKAGE = Path(__file__).resolve().parent.parent / "remapdsl"
 # Lowest first. A module may import from its own layer and from the layers before it.
 LAYERS = (
     ("base", ("remapdsl.errors", "remapdsl.dtypes", "remapdsl.params", "remapdsl.gcpause", "remapdsl.indexmap", "remapdsl.sizes",
-              "remapdsl.trusted")),
+              "remapdsl.records")),
     ("quant", ("remapdsl.quant",)),
     ("language", ("remapdsl.language",)),
     ("checkpoint", ("remapdsl.checkpoint",)),

@@ -158,6 +158,9 @@ def test_ir_round_trips_through_json():
     ("a.x**.b -> c\n", "E016"),
     ("a.{A}{B} -> c.{A}.{B}\n", "E016"),
     ("let 1x = 2\n", "E017"),
+    ("a -> b | m(config=1)\n", "E017"),  # a macro's or a format's argument name
+    ("dequantize a, s -> b | fp8_tensor(1x=1, to=bfloat16)\n", "E017"),
+    ("prefix @not = a -> b\n", "E017"),
     ("a.{P:path}, b.{P:seg} -> c.{P}\n", "E018"),
     ("a -> b | transpose(0)\n", "E020"),
     ("a -> b | transpose(0, 1, 2)\n", "E020"),

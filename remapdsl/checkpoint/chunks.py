@@ -16,10 +16,13 @@ from collections.abc import Mapping
 from math import prod
 from typing import NamedTuple
 
+from pydantic import GetCoreSchemaHandler
+from pydantic_core import CoreSchema
+
 from remapdsl.checkpoint.header import Header, TensorInfo, tensor_nbytes
 from remapdsl.dtypes import BY_NAME
 from remapdsl.errors import Diagnostic
-from remapdsl.trusted import construct
+from remapdsl.records import record_schema
 
 SHARDING_INFO = "DCP_SHARDING_INFO"  # the `__metadata__` entry torch's writer puts in each file
 SAVED_OFFSETS = "saved_offsets"
@@ -41,6 +44,10 @@ class Chunk(NamedTuple):
     def nbytes(self, dtype: str) -> int:
         """The bytes this piece holds of a tensor of `dtype` (a `remapdsl.dtypes` name)."""
         return prod(self.sizes) * BY_NAME[dtype].bits // 8
+
+    @classmethod
+    def __get_pydantic_core_schema__(cls, source: type, handler: GetCoreSchemaHandler) -> CoreSchema:
+        return record_schema(cls, source, handler)  # an Inventory checks its chunks against its files
 
 
 def has_sharding_info(headers: Mapping[str, Header]) -> bool:
@@ -174,8 +181,7 @@ def _chunked(key: str, found: list, path_of, diags: list[Diagnostic]) -> tuple[T
         return None
     nbytes = tensor_nbytes(BY_NAME[first.dtype], shape)
     head = chunks[0]
-    return (construct(TensorInfo, ckpt_key=key, file=head.file, dtype=dtype, shape=shape,
-                      byte_offset=head.byte_offset, nbytes=nbytes), tuple(chunks))
+    return TensorInfo(key, head.file, dtype, shape, head.byte_offset, nbytes), tuple(chunks)
 
 
 def _first_overlap(chunks: list[Chunk]) -> tuple[Chunk, Chunk] | None:

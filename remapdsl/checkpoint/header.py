@@ -17,17 +17,20 @@ import os
 import stat
 import struct
 from collections.abc import Iterator
+from typing import NamedTuple
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, GetCoreSchemaHandler, field_validator, model_validator
+from pydantic_core import CoreSchema
 
 from remapdsl.dtypes import BY_NAME, BY_SAFETENSORS, DType
 from remapdsl.errors import CheckpointError, Diagnostic, did_you_mean
-from remapdsl.trusted import construct_rows
+from remapdsl.records import record_schema
 
 MAX_HEADER_NBYTES = 100_000_000  # the safetensors library's own cap
 PREFIX_NBYTES = 8
 METADATA_KEY = "__metadata__"
 _FIELDS = ("data_offsets", "dtype", "shape")
+_FIELD_SET = frozenset(_FIELDS)
 
 
 class FrozenDict(dict):
@@ -59,15 +62,62 @@ def tensor_nbytes(dtype: DType, shape: tuple[int, ...]) -> int | None:
     return nbits // 8 if nbits % 8 == 0 else None
 
 
-class TensorInfo(BaseModel):
+def is_shape(shape: object) -> bool:
+    """Whether `shape` is a shape: a list or tuple of non-negative ints (a bool is not one)."""
+    if type(shape) is not list and type(shape) is not tuple:
+        return False
+    for n in shape:
+        if type(n) is not int or n < 0:
+            return False
+    return True
+
+
+def tensor_problems(dtype: DType | None, shape: object, begin: object, end: object,
+                    limit: int | None = None) -> tuple[str, ...]:
+    """The rules of a safetensors tensor that these values break, () when they keep every one.
+
+    Each rule is written once, here or in the two functions it calls (`is_shape`, `tensor_nbytes`),
+    for every reader of tensor facts: the header parser, TensorInfo (`check_tensor_info`), and
+    `Inventory.from_shapes` (which has no byte range yet: it applies those two). The caller has
+    looked the dtype up (None: not known) and gives the tensor's bytes as [begin, end).
+
+    - "dtype": the dtype is known;
+    - "shape": the shape is a list or tuple of non-negative ints (`is_shape`);
+    - "offsets": begin and end are ints with 0 <= begin <= end;
+    - "bits": dtype x shape is a whole number of bytes (`tensor_nbytes`);
+    - "bytes": [begin, end) holds exactly those bytes;
+    - "limit": end is at most `limit` (the end of the data section), when one is given.
+
+    The first three are reported together; the others only once those hold, one at a time.
+    """
+    dtype_ok, shape_ok = dtype is not None, is_shape(shape)
+    offsets_ok = type(begin) is int and type(end) is int and 0 <= begin <= end
+    if not (dtype_ok and shape_ok and offsets_ok):
+        return tuple(rule for rule, ok in (("dtype", dtype_ok), ("shape", shape_ok), ("offsets", offsets_ok))
+                     if not ok)
+    nbytes = tensor_nbytes(dtype, shape)
+    if nbytes is None:
+        return ("bits",)
+    if nbytes != end - begin:
+        return ("bytes",)
+    if limit is not None and end > limit:
+        return ("limit",)
+    return ()
+
+
+class TensorInfo(NamedTuple):
     """Where one checkpoint tensor lives: its file, header dtype and shape, and its absolute byte range.
 
     `dtype` is a `remapdsl.dtypes` name (`bfloat16`, `float8_e4m3fn`), never a safetensors code.
     `shape` is the header shape, in elements as the header counts them (4-bit values for F4).
     `byte_offset` counts from the start of the file, not of the data section.
-    """
 
-    model_config = ConfigDict(frozen=True, extra="forbid")
+    A record, not a model: a DeepSeek-V3 checkpoint has 46,000-92,000 of them. One is made from
+    values that passed the rules of `tensor_problems` (the header parser, `from_shapes`, the writer's
+    `check_tensor_info`) or that were computed from such a record's (chunks, in-memory layouts). A pydantic model holding TensorInfos (Header,
+    Inventory) takes a TensorInfo as it is, and checks one given as JSON or a dict with
+    `check_tensor_info`; in JSON a TensorInfo is the list of its fields.
+    """
 
     ckpt_key: str
     file: str
@@ -75,18 +125,6 @@ class TensorInfo(BaseModel):
     shape: tuple[int, ...]
     byte_offset: int
     nbytes: int
-
-    def model_post_init(self, context: object) -> None:
-        # Not a model_validator: pydantic re-runs those for every instance placed in an Inventory.
-        info = BY_NAME.get(self.dtype)
-        if info is None:
-            raise ValueError(f"tensor `{self.ckpt_key}`: unknown dtype name `{self.dtype}`")
-        if (self.shape and min(self.shape) < 0) or self.byte_offset < 0:
-            raise ValueError(f"tensor `{self.ckpt_key}`: negative shape or offset")
-        if tensor_nbytes(info, self.shape) != self.nbytes:
-            raise ValueError(
-                f"tensor `{self.ckpt_key}`: {self.nbytes} bytes do not hold {self.dtype} {list(self.shape)}"
-            )
 
     @property
     def numel(self) -> int:
@@ -96,6 +134,25 @@ class TensorInfo(BaseModel):
     def byte_end(self) -> int:
         """One past the tensor's last byte, from the start of the file."""
         return self.byte_offset + self.nbytes
+
+    @classmethod
+    def __get_pydantic_core_schema__(cls, source: type, handler: GetCoreSchemaHandler) -> CoreSchema:
+        return record_schema(cls, source, handler, check_tensor_info)
+
+
+def check_tensor_info(t: TensorInfo) -> TensorInfo:
+    """`t` itself when its fields keep the rules of a tensor (`tensor_problems`); ValueError saying
+    which one they break otherwise."""
+    begin, nbytes = t.byte_offset, t.nbytes
+    end = begin + nbytes if type(begin) is int and type(nbytes) is int else None
+    broken = tensor_problems(BY_NAME.get(t.dtype) if type(t.dtype) is str else None, t.shape, begin, end)
+    if not broken:
+        return t
+    if "dtype" in broken:
+        raise ValueError(f"tensor `{t.ckpt_key}`: unknown dtype name `{t.dtype}`")
+    if "shape" in broken or not (type(begin) is int and begin >= 0):
+        raise ValueError(f"tensor `{t.ckpt_key}`: negative shape or offset")
+    raise ValueError(f"tensor `{t.ckpt_key}`: {nbytes} bytes do not hold {t.dtype} {list(t.shape)}")
 
 
 class FileInfo(BaseModel):
@@ -131,7 +188,9 @@ class FileInfo(BaseModel):
 
     @model_validator(mode="after")
     def _check(self) -> FileInfo:
-        if not PREFIX_NBYTES <= self.data_offset <= self.nbytes:
+        """The data section starts after the 8-byte length and the header, or at 0 in a file that has
+        no header (an in-memory inventory's, `checkpoint.memory`), and within the file."""
+        if not (PREFIX_NBYTES <= self.data_offset or self.data_offset == 0) or self.data_offset > self.nbytes:
             raise ValueError(
                 f"{self.file}: data section starts at {self.data_offset} in a {self.nbytes}-byte file"
             )
@@ -272,8 +331,7 @@ def read_header(path: str | os.PathLike[str], *, file: str | None = None) -> Hea
         raise fail("E314", str(exc)) from None
     except ValueError as exc:
         raise fail("E304", str(exc)) from None
-    info = FileInfo.model_construct(file=name, nbytes=size, data_offset=PREFIX_NBYTES + header_nbytes,
-                                    mtime_ns=st.st_mtime_ns)
+    info = FileInfo(file=name, nbytes=size, data_offset=PREFIX_NBYTES + header_nbytes, mtime_ns=st.st_mtime_ns)
     return parse_header_object(obj, info=info, path=path)
 
 
@@ -290,17 +348,14 @@ def parse_header_object(obj: dict, *, info: FileInfo, path: str | None = None) -
         report("E313", f"`{METADATA_KEY}` must map strings to strings, found {json.dumps(metadata)[:200]}")
         metadata = {}
     ranges: list[tuple[int, int, str]] = []
-    rows: list[tuple] = []
+    tensors: dict[str, TensorInfo] = {}
     file, data_offset = info.file, info.data_offset
     for ckpt_key in sorted(k for k in obj if k != METADATA_KEY):
-        entry = obj[ckpt_key]
-        found = _valid_entry(entry, data_nbytes) or _check_entry(ckpt_key, entry, data_nbytes, report)
+        found = _entry(ckpt_key, obj[ckpt_key], data_nbytes, report)
         if found is not None:
             dtype, shape, begin, end = found
             ranges.append((begin, end, ckpt_key))
-            rows.append((ckpt_key, file, dtype.name, shape, data_offset + begin, end - begin))
-    # Fields are checked above (what model_post_init checks too): no second look.
-    tensors = {t.ckpt_key: t for t in construct_rows(TensorInfo, _INFO_FIELDS, rows)}
+            tensors[ckpt_key] = TensorInfo(ckpt_key, file, dtype.name, shape, data_offset + begin, end - begin)
     all_valid = len(tensors) == len(obj) - (METADATA_KEY in obj)
     for code, message in _coverage_problems(ranges, data_nbytes, check_holes=all_valid):
         report(code, message, "safetensors requires the tensors to tile the data section exactly")
@@ -311,99 +366,51 @@ def parse_header_object(obj: dict, *, info: FileInfo, path: str | None = None) -
     return Header(info=file_info, tensors=tensors)
 
 
-def _is_count(value: object) -> bool:
-    return type(value) is int and value >= 0  # not `isinstance`: JSON `true` is a bool, and bool is an int
-
-
-_INFO_FIELDS = ("ckpt_key", "file", "dtype", "shape", "byte_offset", "nbytes")
-
-
-def _valid_entry(entry: object, data_nbytes: int) -> tuple | None:
-    """(dtype, shape, begin, end) of a header entry that is valid, checked as `_check_entry` does
-    but without building messages; None for any entry that is not (`_check_entry` says why)."""
-    if type(entry) is not dict or len(entry) != 3:
-        return None
-    code, shape, offsets = entry.get("dtype"), entry.get("shape"), entry.get("data_offsets")
-    dtype = BY_SAFETENSORS.get(code) if type(code) is str else None
-    if dtype is None or type(shape) is not list or type(offsets) is not list or len(offsets) != 2:
-        return None
-    begin, end = offsets
-    if type(begin) is not int or type(end) is not int or not 0 <= begin <= end <= data_nbytes:
-        return None
-    bits = dtype.bits
-    for n in shape:
-        if type(n) is not int or n < 0:
-            return None
-        bits *= n
-    if bits != 8 * (end - begin):
-        return None
-    return dtype, tuple(shape), begin, end
-
-
-def _check_entry(ckpt_key: str, entry: object, data_nbytes: int, report) -> tuple | None:
-    """(dtype, shape, begin, end) of one header entry, or None after reporting what is wrong."""
-    where = f"tensor `{ckpt_key}`"
-    if not isinstance(entry, dict):
-        report("E305", f"{where}: entry is a JSON {type(entry).__name__}, expected an object")
-        return None
-    if tuple(sorted(entry)) != _FIELDS:
-        missing = [f for f in _FIELDS if f not in entry]
-        extra = sorted(f for f in entry if f not in _FIELDS)
-        what = "; ".join(
-            p for p in (f"missing {missing}" if missing else "", f"unknown {extra}" if extra else "") if p
-        )
-        report("E305", f"{where}: entry must have exactly dtype, shape, data_offsets ({what})")
+def _entry(ckpt_key: str, entry: object, data_nbytes: int, report) -> tuple | None:
+    """(dtype, shape, begin, end) of one header entry, or None after reporting what is wrong: its
+    JSON form here (an object of exactly dtype, shape, data_offsets), the tensor's own rules in
+    `tensor_problems`."""
+    if type(entry) is not dict or entry.keys() != _FIELD_SET:
+        _wrong_form(ckpt_key, entry, report)
         return None
     code, shape, offsets = entry["dtype"], entry["shape"], entry["data_offsets"]
-    ok = True
-    dtype = BY_SAFETENSORS.get(code) if isinstance(code, str) else None
-    if dtype is None:
+    dtype = BY_SAFETENSORS.get(code) if type(code) is str else None
+    begin, end = offsets if type(offsets) is list and len(offsets) == 2 else (None, None)
+    broken = tensor_problems(dtype, shape, begin, end, data_nbytes)
+    if not broken:
+        return dtype, tuple(shape), begin, end
+    where = f"tensor `{ckpt_key}`"
+    if "dtype" in broken:
         if isinstance(code, str) and code in BY_NAME:
             hint = f"`{code}` is the torch name; its safetensors code is `{BY_NAME[code].safetensors}`"
         else:
             hint = did_you_mean(str(code), BY_SAFETENSORS) or f"known: {', '.join(BY_SAFETENSORS)}"
         report("E306", f"{where}: dtype {json.dumps(code)} is not a safetensors dtype", hint)
-        ok = False
-    if type(shape) is not list or not all(type(d) is int and d >= 0 for d in shape):
+    if "shape" in broken:
         report("E307", f"{where}: shape {json.dumps(shape)} must be a list of non-negative integers")
-        ok = False
-    if not (
-        isinstance(offsets, list)
-        and len(offsets) == 2
-        and all(_is_count(o) for o in offsets)
-        and offsets[0] <= offsets[1]
-    ):
-        report(
-            "E308", f"{where}: data_offsets {json.dumps(offsets)} must be [begin, end] with 0 <= begin <= end"
-        )
-        ok = False
-    if not ok:
-        return None
-    begin, end = offsets
-    shape = tuple(shape)
-    expected = tensor_nbytes(dtype, shape)
-    if expected is None:
-        report(
-            "E309",
-            f"{where}: {code} {list(shape)} is {math.prod(shape) * dtype.bits} bits, "
-            "not a whole number of bytes",
-        )
-        return None
-    if end - begin != expected:
-        report(
-            "E309",
-            f"{where}: {code} {list(shape)} needs {expected} bytes, "
-            f"data_offsets [{begin}, {end}] hold {end - begin}",
-        )
-        return None
-    if end > data_nbytes:
-        report(
-            "E310",
-            f"{where}: data_offsets [{begin}, {end}] run past the {data_nbytes}-byte data section",
-            "the file may be truncated",
-        )
-        return None
-    return dtype, shape, begin, end
+    if "offsets" in broken:
+        report("E308", f"{where}: data_offsets {json.dumps(offsets)} must be [begin, end] with 0 <= begin <= end")
+    if "bits" in broken:
+        report("E309", f"{where}: {code} {shape} is {math.prod(shape) * dtype.bits} bits, not a whole number of bytes")
+    if "bytes" in broken:
+        report("E309", f"{where}: {code} {shape} needs {tensor_nbytes(dtype, shape)} bytes, "
+               f"data_offsets [{begin}, {end}] hold {end - begin}")
+    if "limit" in broken:
+        report("E310", f"{where}: data_offsets [{begin}, {end}] run past the {data_nbytes}-byte data section",
+               "the file may be truncated")
+    return None
+
+
+def _wrong_form(ckpt_key: str, entry: object, report) -> None:
+    """E305: a header entry that is not an object of exactly dtype, shape and data_offsets."""
+    where = f"tensor `{ckpt_key}`"
+    if not isinstance(entry, dict):
+        report("E305", f"{where}: entry is a JSON {type(entry).__name__}, expected an object")
+        return
+    missing = [f for f in _FIELDS if f not in entry]
+    extra = sorted(f for f in entry if f not in _FIELDS)
+    what = "; ".join(p for p in (f"missing {missing}" if missing else "", f"unknown {extra}" if extra else "") if p)
+    report("E305", f"{where}: entry must have exactly dtype, shape, data_offsets ({what})")
 
 
 def _coverage_problems(

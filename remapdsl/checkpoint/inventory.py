@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import os
 from collections.abc import Iterable, Mapping, Sequence
+from operator import add, gt, itemgetter, lt, or_
 from pathlib import Path
 from typing import Any
 
@@ -26,13 +27,13 @@ from remapdsl.checkpoint.header import (
     FrozenDict,
     Header,
     TensorInfo,
+    is_shape,
     load_json_object,
     read_header,
     tensor_nbytes,
 )
 from remapdsl.dtypes import BY_NAME, BY_SAFETENSORS
 from remapdsl.errors import MAX_SHOWN, CheckpointError, Diagnostic, RemapError, did_you_mean
-from remapdsl.trusted import construct, construct_rows
 
 SUFFIX = ".safetensors"
 INDEX_SUFFIX = ".safetensors.index.json"
@@ -64,32 +65,41 @@ class Inventory(BaseModel):
 
     @model_validator(mode="after")
     def _check(self) -> Inventory:
-        for name, info in self.files.items():
+        """Each tensor is filed under its own key, in one of the files, inside that file's data
+        section (a chunked tensor: each of its chunks). Column by column, in C (`map` over the
+        records): half the time of a loop over a DeepSeek-V3 checkpoint's 92,000 tensors."""
+        files, chunks = self.files, self.chunks
+        for name, info in files.items():
             if info.file != name:
                 raise ValueError(f"file entry `{name}` describes `{info.file}`")
-        for ckpt_key, t in self.tensors.items():
-            info = self.files.get(t.file)
-            if t.ckpt_key != ckpt_key or info is None:
-                raise ValueError(
-                    f"tensor entry `{ckpt_key}` ({t.ckpt_key} in {t.file}) does not fit the files"
-                )
-            if ckpt_key not in self.chunks and (t.byte_offset < info.data_offset or t.byte_end > info.nbytes):
-                raise ValueError(f"tensor `{ckpt_key}` lies outside the data section of {t.file}")
-        for ckpt_key, chunks in self.chunks.items():
+        keys, infos = list(self.tensors), list(self.tensors.values())
+        names = list(map(_FILE, infos))
+        if list(map(_KEY, infos)) != keys or not files.keys() >= set(names):
+            ckpt_key, t = next((k, t) for k, t in zip(keys, infos) if t.ckpt_key != k or t.file not in files)
+            raise ValueError(f"tensor entry `{ckpt_key}` ({t.ckpt_key} in {t.file}) does not fit the files")
+        starts = list(map(_OFFSET, infos))
+        firsts = {name: info.data_offset for name, info in files.items()}
+        sizes = {name: info.nbytes for name, info in files.items()}
+        outside = list(map(or_, map(lt, starts, map(firsts.__getitem__, names)),
+                           map(gt, map(add, starts, map(_NBYTES, infos)), map(sizes.__getitem__, names))))
+        if True in outside:  # (a chunked tensor's first chunk does not hold the whole tensor: not checked)
+            for ckpt_key, t, out in zip(keys, infos, outside):
+                if out and ckpt_key not in chunks:
+                    raise ValueError(f"tensor `{ckpt_key}` lies outside the data section of {t.file}")
+        for ckpt_key, pieces in chunks.items():
             t = self.tensors.get(ckpt_key)
-            if t is None or any(c.file not in self.files for c in chunks):
+            if t is None or any(c.file not in files for c in pieces):
                 raise ValueError(f"chunks of `{ckpt_key}` do not fit the tensors and files")
-            for c in chunks:
-                info = self.files[c.file]
+            for c in pieces:
+                info = files[c.file]
                 if c.byte_offset < info.data_offset or c.byte_offset + c.nbytes(t.dtype) > info.nbytes:
                     raise ValueError(f"a chunk of `{ckpt_key}` lies outside the data section of {c.file}")
         return self
 
     def __reduce__(self):
-        """Pickled as columns: rank 0 sends the inventory to every rank, and one tuple per column
-        pickles and unpickles several times faster than a model per tensor."""
-        infos = list(self.tensors.values())
-        columns = tuple([getattr(t, name) for t in infos] for name in _COLUMNS)
+        """Pickled as columns: rank 0 sends the inventory to every rank, and one list per column
+        pickles and unpickles several times faster than a record per tensor."""
+        columns = tuple(map(list, zip(*self.tensors.values()))) or tuple([] for _ in TensorInfo._fields)
         return _from_columns, (self.root, dict(self.files), self.ignored_files, self.index_file, columns,
                                dict(self.chunks))
 
@@ -157,25 +167,23 @@ class Inventory(BaseModel):
         for ckpt_key in sorted(entries):
             dtype_name, shape = entries[ckpt_key]
             dtype = BY_NAME.get(dtype_name) or BY_SAFETENSORS.get(dtype_name)
-            if dtype is None:
+            shape = tuple(shape)
+            if dtype is None:  # the rules of header.tensor_problems, one by one: no byte range yet
                 hint = did_you_mean(str(dtype_name), [*BY_NAME, *BY_SAFETENSORS])
                 diags.append(_diag("E306", f"tensor `{ckpt_key}`: unknown dtype `{dtype_name}`", root, hint))
                 continue
-            if not all(isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in shape):
+            if not is_shape(shape):
                 diags.append(
                     _diag("E307", f"tensor `{ckpt_key}`: shape {list(shape)} is not non-negative ints", root)
                 )
                 continue
-            shape = tuple(int(d) for d in shape)
             nbytes = tensor_nbytes(dtype, shape)
             if nbytes is None:
                 diags.append(
                     _diag("E309", f"tensor `{ckpt_key}`: {dtype.name} {list(shape)} is not whole bytes", root)
                 )
                 continue
-            tensors[ckpt_key] = TensorInfo(
-                ckpt_key=ckpt_key, file=file, dtype=dtype.name, shape=shape, byte_offset=offset, nbytes=nbytes
-            )
+            tensors[ckpt_key] = TensorInfo(ckpt_key, file, dtype.name, shape, offset, nbytes)
             offset += nbytes
         if diags:
             raise CheckpointError(diags)
@@ -183,14 +191,16 @@ class Inventory(BaseModel):
         return cls(root=root, tensors=tensors, files={file: info})
 
 
-_COLUMNS = ("ckpt_key", "file", "dtype", "shape", "byte_offset", "nbytes")
+_KEY, _FILE, _OFFSET, _NBYTES = (itemgetter(TensorInfo._fields.index(name))
+                                 for name in ("ckpt_key", "file", "byte_offset", "nbytes"))
 
 
-def _from_columns(root, files, ignored_files, index_file, columns, chunks=None) -> Inventory:
-    """An inventory unpickled (`Inventory.__reduce__`): the values are those of a checked inventory."""
-    tensors = FrozenDict(zip(columns[0], construct_rows(TensorInfo, _COLUMNS, zip(*columns))))
-    return construct(Inventory, root=root, tensors=tensors, files=FrozenDict(files),
-                     ignored_files=ignored_files, index_file=index_file, chunks=FrozenDict(chunks or {}))
+def _from_columns(root, files, ignored_files, index_file, columns, chunks=None, cls=None, **fields) -> Inventory:
+    """An inventory unpickled (`Inventory.__reduce__`): its records remade from their columns; `cls`
+    and `fields`: a subclass's (a snapshot's, with its config)."""
+    tensors = dict(zip(columns[0], map(TensorInfo._make, zip(*columns))))
+    return (cls or Inventory)(root=root, tensors=tensors, files=files, ignored_files=ignored_files,
+                              index_file=index_file, chunks=chunks or {}, **fields)
 
 
 def _diag(code: str, message: str, path: str | None, hint: str | None = None) -> Diagnostic:
@@ -450,13 +460,11 @@ def _assemble_chunked(root: str, headers: dict[str, Header], ignored: tuple[str,
 def _inventory(root: str, headers: dict[str, Header], ignored: tuple[str, ...], index_file: str | None,
                tensors: dict[str, TensorInfo] | None = None, chunks: dict | None = None) -> Inventory:
     """The inventory of checked headers whose keys are in one file each (or `tensors` and their
-    `chunks`, checked by remapdsl/checkpoint/chunks.py): built without a second validation pass
-    (`parse_header_object` checked every entry against its file)."""
+    `chunks`, checked by remapdsl/checkpoint/chunks.py)."""
     if tensors is None:
         tensors = {k: t for header in headers.values() for k, t in header.tensors.items()}
-    return construct(Inventory, root=root, tensors=FrozenDict(sorted(tensors.items())),
-                     files=FrozenDict(sorted((name, header.info) for name, header in headers.items())),
-                     ignored_files=ignored, index_file=index_file, chunks=FrozenDict(sorted((chunks or {}).items())))
+    return Inventory(root=root, tensors=tensors, files={name: header.info for name, header in headers.items()},
+                     ignored_files=ignored, index_file=index_file, chunks=chunks or {})
 
 
 def read_config(inventory: Inventory) -> dict[str, Any]:

@@ -10,8 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
-from ..trusted import construct
-from .header import FileInfo, FrozenDict, TensorInfo
+from .header import FileInfo, TensorInfo
 from .inventory import Inventory
 from .reader import CheckpointReader, as_byte_view
 
@@ -20,12 +19,9 @@ def in_memory(layout: Inventory) -> Inventory:
     """`layout`'s tensors (keys, dtypes, shapes), each alone in a file named by its key."""
     tensors, files = {}, {}
     for key, t in layout.tensors.items():
-        tensors[key] = TensorInfo(ckpt_key=key, file=key, dtype=t.dtype, shape=tuple(t.shape), byte_offset=0,
-                                  nbytes=t.nbytes)
-        # no header: the data from byte 0 (checked data would want a safetensors header first)
-        files[key] = construct(FileInfo, file=key, nbytes=t.nbytes, data_offset=0, metadata=FrozenDict())
-    return construct(Inventory, root="<memory>", tensors=FrozenDict(sorted(tensors.items())),
-                     files=FrozenDict(sorted(files.items())))
+        tensors[key] = TensorInfo(key, key, t.dtype, t.shape, 0, t.nbytes)
+        files[key] = FileInfo(file=key, nbytes=t.nbytes, data_offset=0)  # no header: the data from byte 0
+    return Inventory(root="<memory>", tensors=tensors, files=files)
 
 
 class MemoryReader(CheckpointReader):

@@ -25,7 +25,6 @@ from remapdsl.checkpoint.header import (
     METADATA_KEY,
     PREFIX_NBYTES,
     FileInfo,
-    FrozenDict,
     load_json_object,
     parse_header_object,
 )
@@ -40,7 +39,6 @@ from remapdsl.checkpoint.inventory import (
 )
 from remapdsl.dtypes import BY_NAME
 from remapdsl.errors import CheckpointError, Diagnostic, RemapError
-from remapdsl.trusted import construct
 
 FORMAT = "remapdsl-snapshot"
 VERSION = 1
@@ -63,8 +61,7 @@ class SnapshotInventory(Inventory):
 
 def _snapshot_from(reduced, config) -> SnapshotInventory:
     function, args = reduced
-    inventory = function(*args)
-    return construct(SnapshotInventory, **dict(inventory.__dict__), config=config)
+    return function(*args, cls=SnapshotInventory, config=config)
 
 
 def is_snapshot(checkpoint: object) -> bool:
@@ -256,9 +253,8 @@ def parse_snapshot(obj: dict, path: str) -> SnapshotInventory:
             tensors[ckpt_key] = t
     if diags:
         raise CheckpointError(diags)
-    return construct(SnapshotInventory, root=path, tensors=FrozenDict(sorted(tensors.items())),
-                     files=FrozenDict(sorted(infos.items())), ignored_files=tuple(ignored),
-                     index_file=index_file, config=config, chunks=FrozenDict(sorted(chunks.items())))
+    return SnapshotInventory(root=path, tensors=tensors, files=infos, ignored_files=tuple(ignored),
+                             index_file=index_file, config=config, chunks=chunks)
 
 
 def _file_info(name: str, entry: object, where: str, path: str, diags: list[Diagnostic]) -> FileInfo | None:
@@ -283,7 +279,7 @@ def _file_info(name: str, entry: object, where: str, path: str, diags: list[Diag
         diags.append(_diag(path, f"{where}.header", f"must be an object (the file's safetensors header), "
                            f"found {_kind(header)}"))
         ok = False
-    return construct(FileInfo, file=name, nbytes=nbytes, data_offset=data_offset) if ok else None
+    return FileInfo(file=name, nbytes=nbytes, data_offset=data_offset) if ok else None
 
 
 def _kind(value: object) -> str:

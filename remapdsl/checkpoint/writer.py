@@ -29,7 +29,7 @@ from typing import NamedTuple
 from ..dtypes import BY_NAME
 from ..indexmap import Runs, nbytes
 from ..errors import CheckpointError, Diagnostic
-from .header import FileInfo, TensorInfo
+from .header import FileInfo, TensorInfo, check_tensor_info
 from .inventory import Inventory
 from .reader import os_error
 
@@ -154,9 +154,9 @@ def _lay_out_file(name: str, keys: list[str], tensors: Mapping[str, tuple[str, t
     text += b" " * (-len(text) % 8)
     header = len(text).to_bytes(8, "little") + text
     for key, entry in entries.items():
-        infos[key] = TensorInfo(ckpt_key=key, file=name, dtype=tensors[key][0], shape=tuple(tensors[key][1]),
-                                byte_offset=len(header) + entry["data_offsets"][0],
-                                nbytes=entry["data_offsets"][1] - entry["data_offsets"][0])
+        infos[key] = check_tensor_info(TensorInfo(  # a layout of sizes it computed, checked as a header would be
+            ckpt_key=key, file=name, dtype=tensors[key][0], shape=tuple(tensors[key][1]),
+            byte_offset=len(header) + entry["data_offsets"][0], nbytes=entry["data_offsets"][1] - entry["data_offsets"][0]))
     return header, FileInfo(file=name, nbytes=len(header) + at, data_offset=len(header), metadata=dict(meta))
 
 

@@ -12,6 +12,7 @@ import re
 from collections import defaultdict
 from operator import attrgetter, itemgetter
 from collections.abc import Callable, Mapping
+from dataclasses import replace
 from itertools import chain, compress
 from typing import Any
 
@@ -103,13 +104,11 @@ class _Compiler:
         fields = zip(keys, map(attrgetter("file"), infos), map(attrgetter("dtype"), infos),
                      map(tuple, map(_SHAPE, infos)))
         ckpt_tensors = tuple(map(CkptTensor._make, fields))
-        return ir.construct(Compiled,
-                            runtime_tensors=tuple(self.runtime_tensors[k] for k in sorted(self.runtime_tensors)),
-                            ckpt_tensors=ckpt_tensors,
-                            logical=tuple(map(self.logical.__getitem__, sorted(self.logical))),
-                            quantized=tuple(self.stored[k] for k in sorted(self.stored)),
-                            bindings=tuple(self.bindings), dropped=tuple(sorted(dropped)),
-                            unused_drops=unused, keep=keep)
+        return Compiled.model_construct(  # records the compiler made: see Compiled
+            runtime_tensors=tuple(self.runtime_tensors[k] for k in sorted(self.runtime_tensors)),
+            ckpt_tensors=ckpt_tensors, logical=tuple(map(self.logical.__getitem__, sorted(self.logical))),
+            quantized=tuple(self.stored[k] for k in sorted(self.stored)), bindings=tuple(self.bindings),
+            dropped=tuple(sorted(dropped)), unused_drops=unused, keep=keep)
 
     # -- statements --
 
@@ -136,7 +135,7 @@ class _Compiler:
                 continue
             grid = check_cuts(d, self.stored, shape_of, self.error)
             if grid:
-                self.runtime_tensors[name] = d.model_copy(update={"grid": grid})
+                self.runtime_tensors[name] = replace(d, grid=grid)
 
     def drops(self, statements, available: set[str]) -> tuple[set[str], tuple[Span, ...]]:
         return drops(statements, available, self.evaluator)
@@ -290,8 +289,8 @@ class _Compiler:
             if self.casting and tensor.dtype in _FLOATING and tensor.dtype != self.cast_all:
                 tensor = sym.value_step(tensor, ("cast", self.cast_all))
             self.runtime_tensor(rule, name, tensor)
-        self.bindings.append(ir.construct(BoundRule, rule=rule.span, captures=tuple(sorted(captures.items())),
-                                          ckpt_keys=keys, runtime_keys=tuple(names)))
+        self.bindings.append(BoundRule(rule=rule.span, captures=tuple(sorted(captures.items())),
+                                       ckpt_keys=keys, runtime_keys=tuple(names)))
 
     def sources(self) -> Callable[[str], sym.Sym]:
         """The function from a key (a logical tensor's or a checkpoint tensor's) to its symbolic tensor."""
@@ -339,8 +338,8 @@ class _Compiler:
                        f"first by the rule at {first}" if first else None)
             return
         blocks = tensor.blocks
-        self.runtime_tensors[name] = ir.construct(
-            RuntimeTensor, runtime_key=name, shape=tensor.shape, dtype=tensor.dtype, blocks=blocks,
+        self.runtime_tensors[name] = RuntimeTensor(
+            runtime_key=name, shape=tensor.shape, dtype=tensor.dtype, blocks=blocks,
             rule=rule.span, ckpt_keys=tuple(dict.fromkeys(filter(None, map(_SOURCE_KEY, tensor.blocks)))))
 
     def check_tiling(self) -> None:

@@ -18,6 +18,8 @@ from collections import defaultdict
 from collections.abc import Mapping
 from typing import Any
 
+from pydantic import ValidationError
+
 from ..checkpoint import Inventory
 from ..errors import BindError, Diagnostic, RemapError, Span
 from ..language import ir
@@ -186,25 +188,34 @@ class _Deriver:
         solvers: dict[str, tuple[str, ir.Node]] = {}
         patterns = []
         for pattern in rule.targets:
-            parts = []
-            for part in pattern.parts:
-                if not isinstance(part, ir.Subst):
+            parts: list[ir.Node] = []
+            try:
+                for part in pattern.parts:
+                    if isinstance(part, ir.Subst):
+                        part = self.readable(part, types, solvers, rule)
+                    if isinstance(part, ir.Text) and parts and isinstance(parts[-1], ir.Text):
+                        part = ir.Text(text=parts.pop().text + part.text)  # a constant next to text: one part
                     parts.append(part)
-                    continue
-                names = sorted({n.id for n in names_in(part.expr) if n.id in types})
-                if isinstance(part.expr, ir.Name) and names:
-                    parts.append(ir.construct(ir.Capture, name=part.expr.id, type=types[part.expr.id]))
-                elif not names:
-                    parts.append(ir.construct(ir.Text, text=self.evaluator.key_part(part.expr, {})))
-                elif len(names) == 1 and types[names[0]] == "int":
-                    slot = f"_solve{len(solvers)}"
-                    solvers[slot] = (names[0], part.expr)
-                    parts.append(ir.construct(ir.Capture, name=slot, type="int"))
-                else:
-                    raise _Undetermined(f"the target's `{{...}}` at {part.span} reads {', '.join(names)}: "
-                                        "its value does not give back the captures", part.span or rule.span)
-            patterns.append(ir.construct(ir.Pattern, parts=tuple(parts)))
+                patterns.append(ir.Pattern(parts=tuple(parts)))
+            except ValidationError as exc:
+                raise _Undetermined(f"the target at {pattern.span} does not read back as a key pattern: "
+                                    f"{exc.errors()[0]['msg']}", pattern.span or rule.span) from None
         return tuple(patterns), solvers
+
+    def readable(self, part: ir.Subst, types: dict[str, str], solvers: dict, rule: ir.Rule) -> ir.Node:
+        """One substitution of a target as the part that matches what it wrote: the capture it names,
+        its constant text, or a capture solved for afterwards (`solvers`)."""
+        names = sorted({n.id for n in names_in(part.expr) if n.id in types})
+        if isinstance(part.expr, ir.Name) and names:
+            return ir.Capture(name=part.expr.id, type=types[part.expr.id])
+        if not names:
+            return ir.Text(text=self.evaluator.key_part(part.expr, {}))
+        if len(names) == 1 and types[names[0]] == "int":
+            slot = f"_solve{len(solvers)}"
+            solvers[slot] = (names[0], part.expr)
+            return ir.Capture(name=slot, type="int")
+        raise _Undetermined(f"the target's `{{...}}` at {part.span} reads {', '.join(names)}: "
+                            "its value does not give back the captures", part.span or rule.span)
 
     def solve(self, found: dict, solvers: dict, types: dict, rule: ir.Rule) -> dict | None:
         """The source captures behind a target match: solved substitutions checked by evaluating

@@ -175,8 +175,8 @@ def bind_quantized(s: ir.Quantized, available: set[str], inventory_tensors, ev: 
         except FormatError as exc:
             error("E221", f"`{fmt.name}` does not fit the tensors of `{b.keys[0]}`: {exc}", s.format.span or s.span)
             continue
-        stored[b.keys[0]] = ir.construct(StoredQuantized, values=b.keys[0], format=fmt.name, params=plain,
-                                         parts=tuple(b.keys), grid=grid, rule=s.span)
+        stored[b.keys[0]] = StoredQuantized(values=b.keys[0], format=fmt.name, params=plain,
+                                            parts=tuple(b.keys), grid=grid, rule=s.span)
 
 
 def check_cuts(tensor, stored: dict[str, StoredQuantized], shape_of, error: Callable[..., None]):

@@ -12,11 +12,11 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from lark import Token
+from pydantic import ValidationError
 
 from . import ir
 from ..errors import Diagnostic, Span
 
-new = ir.construct  # the callbacks build nodes without validating them again (see builder.py)
 
 
 @dataclass
@@ -38,6 +38,22 @@ def span_of(first: Any, last: Any = None) -> Span:
     a = first.span if not isinstance(first, Token) else first
     b = last.span if not isinstance(last, Token) else last
     return Span(CONTEXT.get().path, a.line, a.column, b.end_line, b.end_column)
+
+
+def new(cls: type[ir.Node], **values: Any) -> Any:
+    """A node of this parse, made by its class's own constructor, so the IR's validators check it.
+
+    A node they refuse is kept only where this parse has already reported an error: it stands in for
+    what was reported, so the parse goes on to report the rest, and it never leaves the parse (which
+    then raises). Refused without a reported error, the ValidationError propagates: a problem the
+    callbacks let through.
+    """
+    try:
+        return cls(**values)
+    except ValidationError:
+        if not CONTEXT.get().diagnostics:
+            raise
+        return cls.model_construct(**values)
 
 
 def error(code: str, message: str, span: Span, hint: str | None = None) -> None:

@@ -15,7 +15,7 @@ from pydantic import Field, field_validator, model_validator
 from ..params import Param
 from .nodes import (
     LANGUAGE_VERSIONS, CAPTURE_TYPES, STATEMENT_KEYWORDS, KEYWORDS, IDENTIFIER, KEY_TEXT,
-    OPTION_TEXT, identifier_problem, checked_identifier, construct, Node, Trivia, NO_TRIVIA, Int,
+    OPTION_TEXT, identifier_problem, checked_identifier, Node, Trivia, NO_TRIVIA, Int,
     Float, Bool, Name, Config, List, Neg, Not, BinOp, Compare, BoolOp, Coalesce, Expr, Text,
     Capture, Subst, Alternatives, Star, DoubleStar, PrefixRef, PatternPart, pattern_problems, Pattern,
 )
@@ -27,7 +27,7 @@ from .ops import (
 
 __all__ = [
     "LANGUAGE_VERSIONS", "CAPTURE_TYPES", "STATEMENT_KEYWORDS", "KEYWORDS", "IDENTIFIER",
-    "KEY_TEXT", "OPTION_TEXT", "identifier_problem", "checked_identifier", "construct", "Node",
+    "KEY_TEXT", "OPTION_TEXT", "identifier_problem", "checked_identifier", "Node",
     "Trivia", "NO_TRIVIA", "Int", "Float", "Bool", "Name", "Config", "List", "Neg", "Not", "BinOp",
     "Compare", "BoolOp", "Coalesce", "Expr", "Text", "Capture", "Subst", "Alternatives", "Star",
     "DoubleStar", "PrefixRef", "PatternPart", "pattern_problems", "Pattern", "Param", "Op", "Concat", "Stack",

@@ -1,4 +1,4 @@
-"""IR building blocks: Node (frozen, compared without spans), Trivia, construct, names, expressions and key patterns.
+"""IR building blocks: Node (frozen, compared without spans), Trivia, names, expressions and key patterns.
 
 Every node carries the span it was parsed from (None for IR built in code). Equality and hashing
 ignore spans and trivia (comments, blank lines): two IRs are equal when they say the same thing,
@@ -14,10 +14,9 @@ import functools
 import math
 import re
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from ..errors import SpanField
-from ..trusted import construct  # noqa: F401  (the IR's builder, re-exported by ir.py)
 
 LANGUAGE_VERSIONS = (1,)
 CAPTURE_TYPES = ("int", "seg", "path")
@@ -323,12 +322,15 @@ def pattern_problems(parts: tuple[Node, ...]) -> list[tuple[int, str]]:
 class Pattern(Node):
     parts: tuple[PatternPart, ...]
 
-    @model_validator(mode="after")
-    def _well_formed(self) -> Pattern:
-        problems = pattern_problems(self.parts)
+    @field_validator("parts")
+    @classmethod
+    def _well_formed(cls, parts: tuple[Node, ...]) -> tuple[Node, ...]:
+        # A field validator, not a model validator: it runs when a pattern is made, not again each
+        # time a statement that holds the pattern is made.
+        problems = pattern_problems(parts)
         if problems:
             raise ValueError("; ".join(message for _, message in problems))
-        return self
+        return parts
 
 
 for _model in (List, Neg, Not, BinOp, Compare, BoolOp, Coalesce, Subst, Pattern):

@@ -59,7 +59,7 @@ def parse_text(text: str, path: str = "<text>") -> ir.RuleFile:
     if context.diagnostics:
         raise RuleSyntaxError(context.diagnostics)
     statements, trailing = attach_trivia(statements, text)
-    return ir.construct(ir.RuleFile, path=path, statements=statements, trailing=trailing,
+    return ir.RuleFile(path=path, statements=statements, trailing=trailing,
                         source=text)
 
 

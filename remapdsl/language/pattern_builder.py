@@ -11,6 +11,7 @@ from __future__ import annotations
 from typing import Any, NamedTuple
 
 from lark import Token
+from pydantic import ValidationError
 
 from . import ir
 from ..errors import Span, did_you_mean
@@ -62,6 +63,15 @@ def _brace_token(token: Token) -> Brace:
         return Brace("bad", None, token.start_pos, token.end_pos, span)
     return Brace("expr", new(ir.Name, id=inner, span=inner_span), token.start_pos, token.end_pos,
                  span)
+
+
+def prefix_name(token: Token) -> str | None:
+    """The name of a `@name` token, or None (reported) when it cannot be one (`@when`: a keyword)."""
+    problem = ir.identifier_problem(str(token)[1:])
+    if problem:
+        error("E017", f"`{token}` is not a valid prefix name: {problem}", span_of(token))
+        return None
+    return str(token)[1:]
 
 
 class _Word(str):
@@ -123,11 +133,15 @@ def _pattern(raw: RawPattern, side: str, types: dict[str, str]) -> ir.Pattern | 
         parts.append(part)
     if len(ctx.diagnostics) > before:
         return None
-    for index, message in ir.pattern_problems(tuple(parts)):
+    try:  # the Pattern validator checks the structure (ir.pattern_problems)
+        return ir.Pattern(parts=tuple(parts), span=raw.span)
+    except ValidationError:
+        problems = ir.pattern_problems(tuple(parts))
+        if not problems:
+            raise
+    for index, message in problems:  # each where it is
         error("E016", message, _narrow(parts[min(index, len(parts) - 1)], message))
-    if len(ctx.diagnostics) > before:
-        return None
-    return new(ir.Pattern, parts=tuple(parts), span=raw.span)
+    return None
 
 
 def _narrow(part: ir.Node, message: str) -> Span:
@@ -153,7 +167,8 @@ def _part(item: Any, side: str, types: dict[str, str]) -> ir.Node | None:
         if kind == "WORD":
             return new(ir.Text, text=str(item), span=span)
         if kind == "PREFIX_NAME":
-            return new(ir.PrefixRef, name=str(item)[1:], span=span)
+            name = prefix_name(item)
+            return None if name is None else new(ir.PrefixRef, name=name, span=span)
         if kind == "CAPTURE" and ":" not in item:  # the common `{L}`, without an intermediate
             name = str(item)[1:-1]
             if not ir.identifier_problem(name):

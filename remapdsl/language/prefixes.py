@@ -13,6 +13,8 @@ from __future__ import annotations
 
 from collections import defaultdict
 
+from pydantic import ValidationError
+
 from . import ir
 from ..errors import Diagnostic, Span, suggest
 from .formatter import format_pattern
@@ -56,8 +58,18 @@ def expand_prefixes(statements: tuple, line_text) -> tuple[tuple, list[Diagnosti
                           f"(`{format_pattern(d.target)}`)", s.span,
                           "write this `keep` without the prefix, with a capture where the arithmetic is")
                 else:
-                    out.append(_instance(s, d))
+                    try:
+                        out.append(_instance(s, d))
+                    except ValidationError as exc:  # the statement validators, on what it stands for
+                        error("E151", f"with `@{name}` read as `{format_pattern(d.source)}` -> "
+                              f"`{format_pattern(d.target)}`, {_reason(exc)}", _ref(s, name),
+                              "name the statement's captures apart from the prefix's")
     return tuple(out), problems
+
+
+def _reason(exc: ValidationError) -> str:
+    """What a validator said, without pydantic's own wording around it."""
+    return exc.errors()[0]["msg"].removeprefix("Value error, ")
 
 
 def _patterns(s) -> tuple[tuple[ir.Pattern, ...], ...]:
@@ -89,14 +101,14 @@ def _matching(parts: tuple) -> tuple | None:
     """Runtime-side parts as a pattern that matches keys (`{L}` binds L), None where one computes."""
     if any(isinstance(p, ir.Subst) and not isinstance(p.expr, ir.Name) for p in parts):
         return None
-    return tuple(ir.construct(ir.Capture, name=p.expr.id, type="int", span=p.span)
+    return tuple(ir.Capture(name=p.expr.id, type="int", span=p.span)
                  if isinstance(p, ir.Subst) else p for p in parts)
 
 
 def _instance(s, d: ir.Prefix):
     """Statement `s` with `@name` read through definition `d`."""
     source, target = d.source.parts, d.target.parts
-    as_target = tuple(ir.construct(ir.Subst, expr=ir.construct(ir.Name, id=p.name, span=p.span), span=p.span)
+    as_target = tuple(ir.Subst(expr=ir.Name(id=p.name, span=p.span), span=p.span)
                       if isinstance(p, ir.Capture) else p for p in source)  # a logical key names a key
 
     def on(pattern: ir.Pattern, parts: tuple) -> ir.Pattern:
@@ -104,7 +116,7 @@ def _instance(s, d: ir.Prefix):
             return pattern
         rest = pattern.parts[1:]
         if rest and isinstance(parts[-1], ir.Text):  # `model.layers` + `.x`: one literal part
-            joined = ir.construct(ir.Text, text=parts[-1].text + rest[0].text, span=parts[-1].span)
+            joined = ir.Text(text=parts[-1].text + rest[0].text, span=parts[-1].span)
             merged = (*parts[:-1], joined, *rest[1:])
         else:
             merged = (*parts, *rest)
@@ -113,7 +125,7 @@ def _instance(s, d: ir.Prefix):
     # two guards joined: the `and` is written nowhere, so it has no span and is quoted whole, in
     # canonical form (each part keeps its own span for the errors evaluating it raises)
     guard = d.guard if s.guard is None else s.guard if d.guard is None else \
-        ir.construct(ir.BoolOp, op="and", left=d.guard, right=s.guard, span=None)
+        ir.BoolOp(op="and", left=d.guard, right=s.guard, span=None)
     if isinstance(s, ir.Rule):
         update = {"sources": tuple(on(p, source) for p in s.sources),
                   "targets": tuple(on(p, target) for p in s.targets)}
@@ -124,4 +136,5 @@ def _instance(s, d: ir.Prefix):
         update = {"sources": tuple(on(p, source) for p in s.sources), "target": on(s.target, as_target)}
     else:
         update = {"sources": tuple(on(p, source) for p in s.sources)}
-    return s.model_copy(update={**update, "guard": guard})
+    fields = {name: getattr(s, name) for name in type(s).model_fields}
+    return type(s)(**(fields | update | {"guard": guard}))  # a statement of its own, validated as one

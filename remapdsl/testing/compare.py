@@ -109,8 +109,8 @@ def file_differences(inventory, produced: Path) -> list[str]:
             by_file.setdefault(t.file, []).append(t)
             continue
         for c in inventory.stored(t.ckpt_key):  # a DCP-sharded tensor: each chunk where it is, of its sizes
-            by_file.setdefault(c.file, []).append(t.model_copy(update={
-                "file": c.file, "shape": c.sizes, "byte_offset": c.byte_offset, "nbytes": c.nbytes(t.dtype)}))
+            by_file.setdefault(c.file, []).append(t._replace(
+                file=c.file, shape=c.sizes, byte_offset=c.byte_offset, nbytes=c.nbytes(t.dtype)))
     for name in sorted(wanted & made):
         original = Path(inventory.path(name)).read_bytes()
         copy = (produced / name).read_bytes()
