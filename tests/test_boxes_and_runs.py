@@ -60,7 +60,7 @@ def _runs_units(runs: Runs) -> list[int]:
 # ---- small functions -----------------------------------------------------------------------------
 
 
-def test_volume_nbytes_and_row_major_strides():
+def test_volumes_byte_counts_and_row_major_strides_of_shapes_with_empty_and_unit_dims():
     assert (volume((2, 3, 4)), volume(()), volume((3, 0))) == (24, 1, 0)
     assert (nbytes("bfloat16", (3, 5)), nbytes("float4_e2m1fn_x2", (4, 2)), nbytes("float32", ())) == (30, 4, 4)
     assert type(nbytes("bfloat16", (3, 5))) is int  # a byte count, never a float
@@ -269,7 +269,7 @@ def test_source_box_when_given_lists_exactly_the_elements_read(block):
         assert box_volume(box) == len(listed) == len(set(listed))
 
 
-def test_maps_that_are_no_box():
+def test_a_map_that_moves_dims_together_or_leaves_gaps_is_no_box_but_one_element_is():
     assert source_box(Block((0, 0), (2, 2), "w", (0,), ((1, 1),)), (4,)) is None  # two dims move one
     assert source_box(Block((0,), (2,), "w", (0, 0), ((1,), (1,))), (4, 4)) is None  # one dim moves two
     assert source_box(Block((0,), (3,), "w", (0,), ((0,),)), (4,)) is None  # a dim that moves nothing

@@ -104,7 +104,7 @@ def test_parts_that_do_not_fit_say_exactly_how(name, parts, params, message):
     ("nvfp4", [Part("v", "uint8", (4, 12)), Part("s", E4M3, (4, 2)), Part("g", "float32", (1,))], TO, (4, 24),
      ((4, 12), (4, 2), (1,)), (1, 8)),
 ])
-def test_shapes_views_and_value_grids(name, parts, params, shape, views, grid):
+def test_each_format_gives_its_logical_shape_part_views_and_value_grid(name, parts, params, shape, views, grid):
     fmt = get_format(name)
     assert fmt.logical_shape(parts, params) == shape
     assert fmt.views(parts, params) == views
