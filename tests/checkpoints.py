@@ -28,3 +28,19 @@ def dcp_chunk(folder, file: str, tensors: Mapping, offsets: Mapping[str, list[in
     info = json.dumps({k: {"saved_offsets": list(o)} for k, o in offsets.items()})
     return tiny_checkpoint(folder, tensors, file=file,
                            metadata={"DCP_SHARDING_INFO": info, "DCP_VERSION": "1.0", "format": "pt"})
+
+
+def loaded_through(text: str, folder) -> tuple[dict, object]:
+    """The runtime tensors rules given as text (`remap 1` prepended) make from the checkpoint in
+    `folder`, filled by remapdsl.load (NaN where nothing was read), and the rules."""
+    import torch
+
+    import remapdsl
+    from remapdsl.language import rules_from_text
+
+    rules = rules_from_text("remap 1\n" + text, "t.remap")
+    compiled = remapdsl.compile_rules(rules, folder, {})
+    state = {d.runtime_key: torch.full(d.shape, float("nan"), dtype=getattr(torch, d.dtype))
+             for d in compiled.runtime_tensors}
+    remapdsl.load(state, folder, rules, config={})
+    return state, rules

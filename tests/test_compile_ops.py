@@ -9,21 +9,11 @@ from pathlib import Path
 
 import pytest
 import torch
+from checkpoints import loaded_through as _load
 from checkpoints import tiny_checkpoint
 
 import remapdsl
 from remapdsl.language import rules_from_text
-
-
-def _load(text: str, folder: Path) -> tuple[dict, object]:
-    """The runtime tensors the rules make from the checkpoint (filled by remapdsl.load; NaN where
-    nothing was read), and the rules."""
-    rules = rules_from_text("remap 1\n" + text, "t.remap")
-    compiled = remapdsl.compile_rules(rules, folder, {})
-    state = {d.runtime_key: torch.full(d.shape, float("nan"), dtype=getattr(torch, d.dtype))
-             for d in compiled.runtime_tensors}
-    remapdsl.load(state, folder, rules, config={})
-    return state, rules
 
 
 # -- symbolic.py: each op's error, as the user reads it (E207, E209) --

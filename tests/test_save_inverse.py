@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from checkpoints import loaded_through as _load
 from checkpoints import tiny_checkpoint
 from formats import Int8Row
 from safetensors.torch import load_file
@@ -19,17 +20,6 @@ from safetensors.torch import load_file
 import remapdsl
 from remapdsl.language import rules_from_text
 from remapdsl.quant import get_format, register_format, unregister_format
-
-
-def _load(text: str, folder: Path) -> tuple[dict, object]:
-    """The runtime tensors the rules make from the checkpoint (filled by remapdsl.load; NaN where
-    nothing was read), and the rules."""
-    rules = rules_from_text("remap 1\n" + text, "t.remap")
-    compiled = remapdsl.compile_rules(rules, folder, {})
-    state = {d.runtime_key: torch.full(d.shape, float("nan"), dtype=getattr(torch, d.dtype))
-             for d in compiled.runtime_tensors}
-    remapdsl.load(state, folder, rules, config={})
-    return state, rules
 
 
 def _save_error(state: dict, out: Path, rules, like: Path, **kwargs) -> list[tuple]:
