@@ -33,7 +33,9 @@ def make_rules(count: int) -> str:
 
     Their statements (lets, renames, fused and stacked experts, guards, drops) are repeated
     under distinct prefixes so that no two statements collide; version lines and includes are
-    dropped (the included files are in the mix themselves), and so are `otherwise` catch-alls.
+    dropped (the included files are in the mix themselves), and so are `otherwise` catch-alls and
+    `prefix` definitions with the statements that use them (repeated, a prefix passes its limit of
+    definitions, E152).
     """
     statements, lets = [], {}
     for path in sorted(RULES.glob("*.remap")):
@@ -42,8 +44,8 @@ def make_rules(count: int) -> str:
                 lets.setdefault(statement.name, "\n".join(format_statement(statement)))
             elif not isinstance(statement, (ir.Version, ir.Include)):
                 text = "\n".join(format_statement(statement))
-                if not text.startswith("otherwise"):  # a file has one catch-all; repeated, it is E107
-                    statements.append(text)
+                if not text.startswith(("otherwise", "prefix")) and "@" not in text:
+                    statements.append(text)  # a file has one catch-all: repeated, it is E107
     lines = ["# synthetic benchmark rules", "remap 1", *lets.values()]
     for i in range(count - 1 - len(lets)):
         text = statements[i % len(statements)]
