@@ -28,8 +28,8 @@ from ..sharding.holdings import hold, owned
 from ..sharding.plans import make_write_plan
 from ..runtime import bounds, dist
 from ..runtime.pieces import torch_dtype
-from .prepare import check_mesh
-from .save import prepared_checkpoint, tensors_of, writers_paused
+from .prepare import check_mesh, tensors_of
+from .save import prepared_checkpoint, writers_paused
 from ..runtime.write import run_write_plan
 
 

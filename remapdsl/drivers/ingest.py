@@ -23,9 +23,9 @@ from ..sharding.holdings import hold
 from ..sharding.plans import make_load_plan
 from ..runtime import bounds, dist
 from .export import check_unquantized
-from .prepare import check_mesh
+from .prepare import check_mesh, tensors_of
 from ..runtime.read import run_load_plan
-from .save import prepared_checkpoint, tensors_of
+from .save import prepared_checkpoint
 from ..runtime.staging import Rings, staging_within
 
 

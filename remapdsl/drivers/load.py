@@ -15,7 +15,7 @@ from ..sharding.holdings import hold
 from ..sharding.plans import make_load_plan
 from ..gcpause import frozen_heap
 from ..runtime import bounds, dist
-from .prepare import check_mesh, layout_agreement
+from .prepare import check_mesh, layout_agreement, tensors_of
 from ..runtime.read import run_load_plan
 from ..runtime.staging import Rings, staging_within
 
@@ -41,7 +41,7 @@ def load(prepared, state_dict, *, layout=None, mesh=None, read_replicated_once: 
     staging = staging_within(staging_bytes)
     with bounds.bounded(timeout), frozen_heap():
         inventory, compiled, _ = prepared.current()
-        tensors = state_dict.state_dict(keep_vars=True) if hasattr(state_dict, "state_dict") else state_dict
+        tensors = tensors_of(state_dict)
         rank = dist.rank()
 
         def read():

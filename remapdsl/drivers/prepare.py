@@ -234,6 +234,11 @@ def _checkpoint_difference(ours, theirs) -> list[str]:
     return out
 
 
+def tensors_of(state_dict) -> Mapping[str, Any]:
+    """A state dict's tensors (a module's parameters and buffers as they are, not detached)."""
+    return state_dict.state_dict(keep_vars=True) if hasattr(state_dict, "state_dict") else state_dict
+
+
 def check_mesh(mesh) -> None:
     """E414 unless a mesh given with a layout has as many ranks as the group. Run inside a phase, on every rank."""
     from ..runtime import dist

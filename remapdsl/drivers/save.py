@@ -13,9 +13,7 @@ import json
 import logging
 import secrets
 import time
-from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
 
 from pydantic import BaseModel, ConfigDict
 
@@ -32,7 +30,7 @@ from ..sharding.holdings import hold, owned
 from ..sharding.plans import make_write_plan
 from ..sizes import parse_size
 from ..runtime import bounds, dist
-from .prepare import check_mesh, layout_agreement, prepare_everywhere
+from .prepare import check_mesh, layout_agreement, prepare_everywhere, tensors_of
 from ..runtime.write import run_write_plan
 
 _log = logging.getLogger("remapdsl")
@@ -98,11 +96,6 @@ def save(prepared, state_dict, folder, *, rules=None, like=None, config=None, la
         return SaveReport(folder=str(folder), rank=rank, bytes_written=plan.bytes_written + copied,
                           files=tuple(sorted({*plan.files, *(piece[2] for piece in copies)})),
                           seconds=time.perf_counter() - start, sync_seconds=sync_seconds, bytes_copied=copied)
-
-
-def tensors_of(state_dict) -> Mapping[str, Any]:
-    """A state dict's tensors (a module's parameters and buffers as they are, not detached)."""
-    return state_dict.state_dict(keep_vars=True) if hasattr(state_dict, "state_dict") else state_dict
 
 
 def writers_paused(compiled, **options):
