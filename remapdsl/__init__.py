@@ -19,7 +19,9 @@ from .compile import Compiled
 from .compile import compile_rules as _compile_rules
 from .compile.explain import explain
 from .errors import BindError, CheckpointError, Diagnostic, RemapError, RuleCheckError, RuleSyntaxError, Span
-from .language import RuleSet, format_rules, load_rules
+from .compile.quantized import check_formats as _check_formats
+from .language import RuleSet, format_rules
+from .language import load_rules as _load_rules
 from .language import ir as _ir
 from .language.library import resolve_rules_path as _resolve_rules_path
 from .language.parser import parse_file as _parse_file
@@ -32,6 +34,19 @@ from .sharding.placements import LayoutError
 from .sizes import parse_size
 
 __version__ = "0.1.0"
+
+
+def load_rules(path: str | os.PathLike, root: str | os.PathLike | None = None) -> RuleSet:
+    """Read, parse and statically check a rule file and everything it includes, its format calls
+    against the formats registered now.
+
+    Args:
+        path: a .remap file, or the name of a shipped one (`qwen3_moe`; `remapdsl rules` lists them).
+        root: the folder includes may not leave (default: the file's folder).
+    """
+    rules = _load_rules(path, root)
+    _check_formats(rules)
+    return rules
 
 
 def parse_rules(rules: str | os.PathLike) -> _ir.RuleFile:

@@ -28,8 +28,8 @@ from pathlib import Path
 
 import pytest
 
+from remapdsl import load_rules
 from remapdsl.errors import RemapError
-from remapdsl.language.includes import load_rules
 
 REPO = Path(__file__).resolve().parent.parent
 CORPUS = REPO / "tests" / "corpus"

@@ -107,6 +107,17 @@ def test_no_private_name_is_imported_across_packages():
     assert not problems, "\n".join(problems)
 
 
+def test_only_compile_and_above_read_the_format_registry():
+    """Formats registered from Python are looked up when rules meet a checkpoint (compile), never while
+    they are parsed and checked: below compile, only the built-in formats' fixed names may be read."""
+    compile_layer = next(i for i, (name, _) in enumerate(LAYERS) if name == "compile")
+    readers = [f"{module} imports {target}" for module, path in _modules().items()
+               if _layer(module) < compile_layer and not module.startswith("remapdsl.quant")
+               for target, _ in _imports(module, path)
+               if target.startswith("remapdsl.quant") and target != "remapdsl.quant.builtin"]
+    assert readers == []
+
+
 def test_nothing_imports_the_command_line():
     users = [f"{module} imports {target}" for module, path in _modules().items()
              if _layer(module) != len(LAYERS) - 1

@@ -13,7 +13,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import remapdsl
-from remapdsl import BindError
+from remapdsl import BindError, Inventory
+from remapdsl.compile import compile_rules
+from remapdsl.compile.quantized import check_formats
 from remapdsl.language import rules_from_text
 from remapdsl.quant import Part, get_format, register_format, unregister_format
 from remapdsl.sharding import LayoutPlan, Mesh, Shard, layout_for, local_shard
@@ -349,27 +351,30 @@ a.weight -> a
 
 def test_registered_format_arguments_are_checked(int8_row):
     with pytest.raises(remapdsl.RemapError) as info:
-        rules_from_text("remap 1\nquantized {P:path}.q, {P}.s | int8_row(too=bfloat16)\n", "t.remap")
+        check_formats(rules_from_text("remap 1\nquantized {P:path}.q, {P}.s | int8_row(too=bfloat16)\n", "t.remap"))
     codes = [d.code for d in info.value.diagnostics]
     assert "E128" in codes and "`too`" in str(info.value) and "did you mean `to`" in str(info.value)
 
 
-def test_an_unknown_format_names_the_registered_ones(int8_row):
+def test_an_unknown_format_names_the_registered_ones(int8_row, tmp_path):
+    path = tmp_path / "t.remap"
+    path.write_text("remap 1\ndequantize {P:path}.q, {P}.s -> {P} | int8_rows(to=bfloat16)\n")
     with pytest.raises(remapdsl.RemapError) as info:
-        rules_from_text("remap 1\ndequantize {P:path}.q, {P}.s -> {P} | int8_rows(to=bfloat16)\n", "t.remap")
+        remapdsl.load_rules(path)  # the public loader checks format calls against the registry
     assert info.value.diagnostics[0].code == "E035" and "int8_row" in str(info.value)
 
 
-def test_rules_naming_a_format_parse_before_it_is_registered(int8_row):
-    """Parsing does not ask the registry; loading the rules (the static checks) does."""
-    text = "remap 1\ndequantize {P:path}.q, {P}.s -> {P} | int8_row(to=bfloat16)\n"
+def test_rules_naming_a_format_load_before_it_is_registered_and_compile_checks_it(int8_row):
+    """The language layer does not ask the registry; the compile layer does, before anything binds."""
+    text = "remap 1\ndequantize {P:path}.q, {P}.s -> {P} | int8_row(to=bfloat16)\nw -> w\n"
     unregister_format("int8_row")
-    parsed = remapdsl.language.parse_text(text, "t.remap")
+    rules = rules_from_text(text, "t.remap")
+    inventory = Inventory.from_shapes({"w.q": ("int8", (2, 4)), "w.s": ("float32", (2,))})
     with pytest.raises(remapdsl.RemapError) as info:
-        rules_from_text(text, "t.remap")
+        compile_rules(rules, inventory)
     assert info.value.diagnostic.code == "E035"
     register_format(int8_row)
-    assert rules_from_text(text, "t.remap").files[0] == parsed
+    assert [t.runtime_key for t in compile_rules(rules, inventory).runtime_tensors] == ["w"]
 
 
 def test_a_format_parameter_of_fixed_sizes_is_checked_like_block(int8_row):
@@ -383,7 +388,8 @@ def test_a_format_parameter_of_fixed_sizes_is_checked_like_block(int8_row):
     register_format(Tiled())
     try:
         with pytest.raises(remapdsl.RemapError) as info:
-            rules_from_text("quantized a, s | int8_tiled(tile=[4])\nquantized b, t | int8_tiled(tile=[4, 0])\n")
+            check_formats(rules_from_text(
+                "quantized a, s | int8_tiled(tile=[4])\nquantized b, t | int8_tiled(tile=[4, 0])\n"))
         assert [(d.code, d.message) for d in info.value.diagnostics] == [
             ("E125", "`tile` takes two sizes, [rows, cols]; got 1"), ("E122", "tile sizes must be at least 1, not 0")]
     finally:

@@ -3,12 +3,14 @@
 import pytest
 
 from remapdsl import RuleCheckError
+from remapdsl.compile.quantized import check_formats
 from remapdsl.language import ir, rules_from_text
 
 
 def check_error(text: str) -> RuleCheckError:
+    """The static checks' error: the language's, then the format calls' against the registered formats."""
     with pytest.raises(RuleCheckError) as info:
-        rules_from_text(text, "t.remap")
+        check_formats(rules_from_text(text, "t.remap"))
     return info.value
 
 

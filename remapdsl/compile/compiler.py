@@ -28,7 +28,7 @@ from . import symbolic as sym
 from .apply import GapError, apply_op, expand_macros
 from .bind import Binding, KeyPool, bind, compile_pattern, list_axis, scan
 from .evaluate import Evaluator, evaluate_lets
-from .quantized import bind_dequantize, bind_quantized, check_cuts
+from .quantized import bind_dequantize, bind_quantized, check_cuts, check_formats
 from .model import BoundRule, Compiled, RuntimeTensor, LogicalTensor, CkptTensor, StoredQuantized
 
 
@@ -43,6 +43,7 @@ def compile_rules(rules: RuleSet, inventory: Inventory, config: Mapping[str, Any
         strict: when True (the default), a checkpoint key that no rule consumes and no `drop`
             names is an error; when False it is left out of the load.
     """
+    check_formats(rules)
     with paused_gc():
         return _Compiler(rules, inventory, dict(config or {}), strict).run()
 

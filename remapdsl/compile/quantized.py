@@ -16,11 +16,19 @@ from operator import attrgetter
 from typing import Any
 
 from ..errors import RemapError
-from ..language import ir
-from ..quant import FormatError, Part, QuantFormat, get_format
+from ..language import RuleSet, ir
+from ..language.check import check_program
+from ..quant import FormatError, Part, QuantFormat, format_names, get_format
 from .bind import bind
 from .evaluate import Evaluator
 from .model import LogicalTensor, StoredQuantized
+
+
+def check_formats(rules: RuleSet) -> None:
+    """The static checks of a program that names formats, run again with the registered formats'
+    parameters: each format call names one, with arguments that fit it (E035, E128, E120, E121)."""
+    if any(isinstance(s, (ir.Dequantize, ir.Quantized)) for s in rules.statements):
+        check_program(rules.statements, rules.line_text, {name: get_format(name).params for name in format_names()})
 
 
 def format_of(op: ir.FormatCall, ev: Evaluator) -> tuple[QuantFormat, dict[str, Any]]:

@@ -2,21 +2,20 @@
 
 Names resolve (lets, captures, macros, dtypes, formats); every capture used in a target is bound
 in the sources; every capture only in the sources is consumed by an op; the list axis of
-alternatives is combined or paired; op arguments have the right types and signs, and a format's
-arguments fit the parameters it declares (looked up in the registry, remapdsl.quant). All
-problems are reported at once.
+alternatives is combined or paired; op arguments have the right types and signs; given the formats'
+parameters (the compile layer passes the registered ones), format calls fit them. All at once.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 
 from . import ir
 from ..dtypes import RULE_DTYPE_NAMES as DTYPE_NAMES
 from ..errors import Diagnostic, RuleCheckError, Span, did_you_mean, suggest
-from ..quant import format_names, get_format
+from ..params import Param
 from .formatter import format_expr
 from .limits import limit_problems
 from .literals import op_problems, size_problems
@@ -33,12 +32,11 @@ class _Scope:
     macros: dict[str, ir.Macro] = field(default_factory=dict)
 
 
-def check_program(statements: tuple[ir.Statement, ...], line_text) -> None:
-    """Raise RuleCheckError with every static problem of the flattened program, if any.
-
-    `line_text(span)` returns the source line of a span, for rendering.
-    """
-    checker = _Checker(line_text)
+def check_program(statements: tuple[ir.Statement, ...], line_text,
+                  formats: Mapping[str, tuple[Param, ...]] | None = None) -> None:
+    """Raise RuleCheckError with every static problem of the flattened program; `line_text(span)` renders
+    a span's line; without `formats` (name -> params), format calls are left unchecked."""
+    checker = _Checker(line_text, formats)
     checker.all_lets = {s.name: s.span for s in statements if isinstance(s, ir.Let)}
     for statement in statements:
         checker.statement(statement)
@@ -49,8 +47,9 @@ def check_program(statements: tuple[ir.Statement, ...], line_text) -> None:
 
 
 class _Checker:
-    def __init__(self, line_text):
+    def __init__(self, line_text, formats):
         self.line_text = line_text
+        self.formats = formats
         self.scope = _Scope()
         self.diagnostics: list[Diagnostic] = []
         self.firsts: dict[str, Span | None] = {}  # statements a program holds once: the first of each
@@ -309,14 +308,15 @@ class _Checker:
             self.error("E135", f"macro `{macro.name}` needs argument `{missing}`", call.span)
 
     def format_call(self, call: ir.FormatCall, params, captures) -> None:
-        """A format: registered by that name, its arguments known, each once, the required ones given,
-        each of the kind its parameter declares."""
-        known = format_names()
+        """A format of that name, its arguments known, each once, the required ones given, each of its kind."""
+        if self.formats is None:
+            return
+        known = sorted(self.formats)
         if call.name not in known:
             self.error("E035", f"`{call.name}` is not a quantized format", call.span,
                        did_you_mean(call.name, known) or f"formats: {', '.join(known)}")
             return
-        declared = get_format(call.name).params
+        declared = self.formats[call.name]
         names = [p.name for p in declared]
         given: dict[str, ir.Node] = {}
         for position, arg in enumerate(call.args):
