@@ -76,14 +76,10 @@ def open_checkpoint(checkpoint: str | os.PathLike | Inventory) -> Inventory:
 
 
 def write_snapshot(checkpoint: str | os.PathLike | Inventory, path: str | os.PathLike) -> str:
-    """Write a checkpoint's headers, index and config.json, without its data, as a small deterministic JSON
-    file that `open_checkpoint`, `compile_rules`, `explain` and `plan_rank` accept in place of the folder;
-    returns the text written.
-
-    Args:
-        checkpoint: a checkpoint folder (or index file, `.safetensors` file, snapshot, Inventory).
-        path: the snapshot file to write (by convention `*.headers.json`).
-    """
+    """Write a checkpoint's (folder, index or `.safetensors` file, snapshot, Inventory) headers, index and
+    config.json, without its data, to `path` (by convention `*.headers.json`) as a small deterministic JSON file
+    that `open_checkpoint`, `compile_rules`, `explain` and `plan_rank` accept in place of the folder; returns
+    the text written."""
     return _write_snapshot(checkpoint, path)
 
 
@@ -115,17 +111,14 @@ def plan_rank(compiled: Compiled, inventory: Inventory, layout, mesh, rank: int)
 
 
 def prepare(rules, checkpoint, *, config: Mapping[str, Any] | None = None, strict: bool = True, timeout=None):
-    """Read a checkpoint's headers and compile the rules against them once, for many loads, saves, exports
-    and ingests of one job; returns a `Prepared` that the caller keeps (in memory: nothing is written).
+    """Every rank: read a checkpoint's headers and compile the rules once, for many loads, saves, exports and
+    ingests of one job; returns a `Prepared` the caller keeps (in memory: nothing is written).
 
-    Every rank calls it, as the first phase of `load`. `prepared.load(...)`, `.save(...)`, `.export(...)` and
-    `.ingest(...)` take the arguments of the functions of the same names, less the rules, the checkpoint (it
-    is their `like`) and the config. Each call first checks on every rank that the rule files and the
-    checkpoint's files are unchanged (else every rank prepares again), and reuses this rank's earlier plans.
-
-    Args:
-        rules, checkpoint, config, strict, timeout: as for `load` (a save of a checkpoint holding tensors no
-            rule reads needs strict=False).
+    `prepared.load(...)`, `.save(...)`, `.export(...)` and `.ingest(...)` take the arguments of the functions of
+    the same names, less the rules, the checkpoint (their `like`) and the config. Each call first checks on every
+    rank that the rule files and the checkpoint's files are unchanged (else every rank prepares again), and
+    reuses this rank's earlier plans. The arguments are `load`'s (a save of a checkpoint holding tensors no rule
+    reads needs strict=False); no checkpoint is E418.
     """
     from .drivers.prepared import prepare as _prepare
 
@@ -142,9 +135,8 @@ def load(state_dict, checkpoint, rules, *, config: Mapping[str, Any] | None = No
          layout=None, mesh=None, read_replicated_once: bool = False, timeout=None, staging_bytes: int | None = None):
     """Fill existing tensors in place from a checkpoint, through a rule file; returns a LoadReport.
 
-    In a torch.distributed job every rank calls it: rank 0 reads the headers once and shares them, the ranks
-    check that they compiled the same rules against the same checkpoint, and each reads only the bytes of its
-    own shards. An error on any rank is raised on every rank.
+    In a torch.distributed job every rank calls it: rank 0 reads the headers and shares them, the ranks check
+    they compiled alike, and each reads only its own shards' bytes. An error on any rank is raised on every rank.
 
     Args:
         state_dict: runtime key -> tensor (or a torch.nn.Module). DTensors are loaded per their placements;
@@ -157,14 +149,11 @@ def load(state_dict, checkpoint, rules, *, config: Mapping[str, Any] | None = No
         strict: refuse checkpoint tensors that no rule takes and no `drop` names.
         layout: a `remapdsl.sharding.LayoutPlan` placing plain tensors on `mesh` (tp_plan style).
         mesh: the `remapdsl.sharding.Mesh` of the job, with `layout`.
-        read_replicated_once: tensors that every rank holds whole are read by rank 0 and broadcast, instead of
-            read by every rank.
+        read_replicated_once: tensors every rank holds whole are read by rank 0 and broadcast.
         timeout: how long this rank waits at any one exchange for the others (seconds or a `datetime.timedelta`;
-            default 300 s), independent of the process group's own timeout. A rank that does not arrive in time
-            is named on every rank that did (E415).
-        staging_bytes: the most host memory the call pins to copy bytes into device (CUDA) tensors: reusable
-            2 MiB buffers for each of two reader threads (default 16 MiB in all); CPU tensors are read into
-            directly.
+            default 300 s, apart from the process group's own); a rank that does not arrive is named (E415).
+        staging_bytes: the most host memory pinned to copy into CUDA tensors (reusable 2 MiB buffers for each
+            of two reader threads; default 16 MiB in all); CPU tensors are read into directly.
     """
     from .drivers.prepared import prepare as _prepare
 
@@ -181,10 +170,6 @@ def save(state_dict, folder, rules, *, like=None, config: Mapping[str, Any] | No
     """Write runtime tensors back to the checkpoint layout `like` through the rules that load it, every rank
     its own bytes (no gather); returns a SaveReport.
 
-    Without `like`, the layout is derived from the rules, the config and the runtime tensors' global shapes
-    (E520 names the rule and the size where they do not), in Hugging Face shards (`max_shard_size`), with an
-    index past one file and `config.json` from `config` (docs/saving.md#without-like).
-
     Args:
         state_dict: runtime key -> tensor (or a torch.nn.Module); DTensors are written per their placements,
             plain tensors are whole or this rank's shard under `layout`.
@@ -192,7 +177,9 @@ def save(state_dict, folder, rules, *, like=None, config: Mapping[str, Any] | No
         rules: a .remap file path, a shipped name, `"auto"` (from `like`) or a RuleSet: the rules that load
             `like` into this layout.
         like: the checkpoint (folder or Inventory) whose keys, files, headers and index the output takes: an
-            unchanged model saves to byte-identical files. None: the layout is derived.
+            unchanged model saves to byte-identical files. None: the layout is derived from the rules, the
+            config and the tensors' global shapes (E520 where they do not determine it), in Hugging Face
+            shards with an index past one file (docs/saving.md#without-like).
         config: the model config; by default `like`'s config.json (without `like`: none, and no config.json
             is written).
         layout, mesh: as for `load`.
@@ -200,12 +187,10 @@ def save(state_dict, folder, rules, *, like=None, config: Mapping[str, Any] | No
         allow_lossy: write back tensors that the rules read through a cast that loses values.
         requantize: write dequantized tensors with new scales computed from their values (fp8_block: amax /
             448 per block), not the stored ones; each block must be whole on one rank.
-        dropped: what becomes of the checkpoint tensors the rules `drop` (a DeepSeek-V3 MTP layer's copies,
-            `rotary_emb.inv_freq`): `"error"` (the default) refuses the save (E501); `"copy"` copies them
-            unchanged from `like` (same bytes, dtype and position: an unchanged model still saves
-            byte-identical files); `"omit"` leaves them out (the files, headers and index lack them, the rest
-            laid out as safetensors lays out a file; a file left empty is not written). Copies are split among
-            the ranks by bytes, no gather.
+        dropped: what becomes of the checkpoint tensors the rules `drop` (`rotary_emb.inv_freq`): `"error"`
+            (the default) refuses the save (E501); `"copy"` copies them unchanged from `like` (an unchanged
+            model still saves byte-identical files); `"omit"` leaves them out of the files, headers and index
+            (a file left empty is not written).
         max_shard_size: without `like`: start a new output file past this size (bytes, or a text such as
             "5GB" or "2GiB", as for `save_pretrained`).
         timeout: as for `load`.
@@ -225,17 +210,16 @@ def export(state_dict, rules, *, like=None, config: Mapping[str, Any] | None = N
     tensor) pairs, each a whole checkpoint tensor, for weight sync without files.
 
     Run on every rank, to the end (its steps are collectives). Each checkpoint key is yielded by exactly one
-    rank holding its bytes, which assembles it from the others' pieces. Those may differ only on the mesh dims
-    named in `gather` (E541): `gather=("dp_shard",)` assembles FSDP shards within each dp_shard group and
-    keeps EP shards local; `gather=()` moves nothing (every tensor must lie whole on one rank). Pieces move
-    in rounds, so a rank holds its shards plus about one bucket of tensors it assembles (docs/export.md).
+    rank holding its bytes, which assembles it from the others' pieces; those may differ only on the mesh dims
+    named in `gather` (E541). A rank holds its shards plus about one bucket of tensors (docs/export.md).
 
     Args:
         state_dict: runtime key -> tensor or DTensor (or a torch.nn.Module), as for `save`.
         rules: the rules that load the checkpoint layout into this one (a path, a shipped name, a RuleSet).
         like: the checkpoint whose layout to stream; None: derived, as a save without `like` does.
         config: the model config (sizes the rules read; by default `like`'s config.json).
-        gather: the mesh dims over which a checkpoint tensor's pieces are assembled.
+        gather: the mesh dims over which a checkpoint tensor's pieces are assembled: `("dp_shard",)` assembles
+            FSDP shards and keeps EP shards local; `()` moves nothing (each tensor whole on one rank).
         bucket_bytes: the most bytes of tensors a rank assembles in one round (a larger tensor is a round of
             its own).
         layout, mesh: as for `load`, for plain local shards.
@@ -281,12 +265,9 @@ def ingest(state_dict, pairs, rules, *, like=None, config: Mapping[str, Any] | N
 def convert(src, dst, rules, *, reverse: bool = False, like=None, max_shard_bytes: int = 5 * 10**9,
             budget_bytes: int = 1 << 30, overwrite: bool = False, progress=None, dropped: str = "error",
             timeout=None):
-    """Convert checkpoint `src` into `dst` through `rules`, offline, in batches, on any number of ranks;
-    returns a ConvertReport.
-
-    Forward: the runtime layout the rules make, written as a new checkpoint laid out as Hugging Face and
-    safetensors do. Reverse (`reverse=True`): a checkpoint in the runtime layout written back to the layout
-    of the original checkpoint `like`.
+    """Convert checkpoint `src` into `dst` through `rules`, offline, in batches, on any number of ranks:
+    into the runtime layout the rules make (Hugging Face shards), or with `reverse` back; returns a
+    ConvertReport.
 
     Args:
         rules: a .remap file path, a shipped name, `"auto"` (from `src`, or `like` when reversing) or a RuleSet.

@@ -1,10 +1,8 @@
 """`remapdsl.export`: a sharded runtime state dict streamed in the checkpoint layout, no files (weight sync).
 
-Every rank runs the save's plan into memory. Each checkpoint tensor is assembled whole on one rank that holds
-its bytes (its owner, balanced by bytes); the other writers send their pieces there in rounds of at most half
-of `bucket_bytes` per owner (one all-to-all a round), so no rank holds much more than its shards and one
-bucket. A tensor's writers may differ only on the mesh dims in `gather` (E541). Each checkpoint key is yielded
-once over all ranks. With `regions`, each rank yields the boxes it writes instead, and nothing moves.
+Every rank runs the save's plan into memory; each checkpoint tensor is assembled on one rank that holds its
+bytes (balanced by bytes), the other writers sending their pieces there in rounds of at most half of
+`bucket_bytes` per owner (one all-to-all a round). With `regions`, each rank yields its boxes and nothing moves.
 """
 
 from __future__ import annotations
@@ -14,7 +12,7 @@ import struct
 import threading
 from bisect import bisect_right
 from collections import defaultdict
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from math import prod
 from pathlib import Path
 from typing import Any, NamedTuple
@@ -114,15 +112,11 @@ def _schedule(everyone: list[dict], out, bucket_bytes: int, gather: tuple, produ
     for r, keys in enumerate(everyone):
         for key in keys:
             writers[key].append(r)
-    coordinates = _Coordinates(tensors, layout, mesh)
-    coordinates.check_names(gather)
+    _check_gather(writers, producer, tensors, layout, mesh, gather)
     load = [0] * len(everyone)
     owner: dict[str, int] = dict.fromkeys(empty, 0)  # no bytes, so no writer: rank 0 yields them
     for key in sorted(writers):
-        ranks = writers[key]
-        if len(ranks) > 1:
-            coordinates.check_split(key, producer[key], ranks, gather)
-        o = owner[key] = min(ranks, key=lambda r: (load[r], r))
+        o = owner[key] = min(writers[key], key=lambda r: (load[r], r))
         load[o] += out.tensors[key].nbytes
     # half a bucket assembled a round: with the pieces it sends and receives meanwhile (each about
     # the same again, spread over the group), a rank holds about one bucket beyond its shards
@@ -139,47 +133,43 @@ def _schedule(everyone: list[dict], out, bucket_bytes: int, gather: tuple, produ
     return _Schedule(owner, round_of, 1 + max((at for at, _ in filled.values()), default=-1))
 
 
-class _Coordinates:
-    """Mesh coordinates of any rank, by the mesh a runtime tensor lives on (a DTensor's own, or
-    `mesh` under a layout plan), to say which mesh dims a checkpoint tensor's writers differ on."""
+def _check_gather(writers: dict[str, list[int]], producer, tensors, layout, mesh, gather: tuple) -> None:
+    """E542 for a `gather` dim no mesh has; E541 for a checkpoint tensor whose writers differ on a mesh dim
+    `gather` does not name (mesh coordinates by the mesh its runtime tensor lives on: a DTensor's own, or
+    `mesh` under a layout plan)."""
+    tables: dict[int, tuple[tuple[str, ...], dict[int, tuple[int, ...]]]] = {}
 
-    def __init__(self, tensors, layout, mesh):
-        self.tensors, self.layout, self.mesh = tensors, layout, mesh
-        self.tables: dict[int, tuple[tuple[str, ...], dict[int, tuple[int, ...]]]] = {}
-
-    def _mesh_of(self, runtime_key: str):
-        device_mesh = getattr(self.tensors.get(runtime_key), "device_mesh", None)
-        mesh = device_mesh if device_mesh is not None else self.mesh if self.layout is not None else None
-        if mesh is None:
+    def coordinates(runtime_key: str):
+        device_mesh = getattr(tensors.get(runtime_key), "device_mesh", None)
+        on = device_mesh if device_mesh is not None else mesh if layout is not None else None
+        if on is None:
             return (), {}
-        if id(mesh) not in self.tables:
+        if id(on) not in tables:
             if device_mesh is not None:
                 ranks = device_mesh.mesh.numpy()
                 names = tuple(device_mesh.mesh_dim_names or (f"dim{i}" for i in range(ranks.ndim)))
-                self.tables[id(mesh)] = (names, {int(r): c for c, r in np.ndenumerate(ranks)})
+                tables[id(on)] = (names, {int(r): c for c, r in np.ndenumerate(ranks)})
             else:
-                self.tables[id(mesh)] = (tuple(mesh.names), {r: tuple(mesh.coordinate(r)) for r in range(mesh.size)})
-        return self.tables[id(mesh)]
+                tables[id(on)] = (tuple(on.names), {r: tuple(on.coordinate(r)) for r in range(on.size)})
+        return tables[id(on)]
 
-    def check_names(self, gather: tuple) -> None:
-        names = set()
-        for key in self.tensors:
-            names.update(self._mesh_of(key)[0])
-        unknown = [g for g in gather if g not in names]
-        if unknown:
-            raise RemapError(Diagnostic(code="E542", message=f"gather={gather!r}: the mesh has no dim "
-                                        f"`{unknown[0]}`", hint="the state dict's meshes have dims "
-                                        + (", ".join(f"`{n}`" for n in sorted(names)) or "none (plain tensors)")))
-
-    def check_split(self, ckpt_key: str, runtime_key: str, ranks: list[int], gather: tuple) -> None:
-        names, table = self._mesh_of(runtime_key)
+    names = {name for key in tensors for name in coordinates(key)[0]}
+    unknown = [g for g in gather if g not in names]
+    if unknown:
+        raise RemapError(Diagnostic(code="E542", message=f"gather={gather!r}: the mesh has no dim "
+                                    f"`{unknown[0]}`", hint="the state dict's meshes have dims "
+                                    + (", ".join(f"`{n}`" for n in sorted(names)) or "none (plain tensors)")))
+    for ckpt_key in sorted(k for k, ranks in writers.items() if len(ranks) > 1):
+        ranks = writers[ckpt_key]
+        dims, table = coordinates(producer[ckpt_key])
         coords = [table.get(r) for r in ranks]
-        split = sorted({names[d] for c in coords if c is not None for d, v in enumerate(c)
+        split = sorted({dims[d] for c in coords if c is not None for d, v in enumerate(c)
                         if v != coords[0][d]}) if table and None not in coords else ["(the whole job)"]
         outside = [d for d in split if d not in gather]
         if outside:
+            shown = ", ".join(map(str, ranks[:6])) + (f" and {len(ranks) - 6} more" if len(ranks) > 6 else "")
             raise RemapError(Diagnostic(code="E541", message=f"checkpoint tensor `{ckpt_key}` is split over the mesh "
-                                        f"dim(s) {', '.join(f'`{d}`' for d in outside)} (ranks {_ranks(ranks)} hold "
+                                        f"dim(s) {', '.join(f'`{d}`' for d in outside)} (ranks {shown} hold "
                                         "its pieces), which `gather` does not name", hint="assemble it over them: "
                                         f"gather={tuple(dict.fromkeys((*gather, *outside)))!r}"))
 
@@ -188,7 +178,7 @@ def _rounds(plan, schedule: _Schedule, out, local, rank: int, world: int) -> Ite
     by_round: dict[int, list] = defaultdict(list)
     for item in plan.items:
         by_round[schedule.round_of[item.ckpt_key]].append(item)
-    mine, tensor_at = defaultdict(list), _TensorAt(out)
+    mine, tensor_at = defaultdict(list), _tensor_at(out)
     for key, o in schedule.owner.items():
         if o == rank:
             mine[schedule.round_of[key]].append(key)
@@ -212,29 +202,27 @@ def _rounds(plan, schedule: _Schedule, out, local, rank: int, world: int) -> Ite
             yield key, assembling.pop(key).view(torch_dtype(info.dtype)).view(info.shape)
 
 
-class _TensorAt:
-    """The checkpoint tensor whose bytes hold an offset of a file: each file's tensors by offset,
-    indexed once an export (zero-size tensors before a tensor at the same offset)."""
+def _tensor_at(out) -> Callable[[str, int], str]:
+    """(file, offset) -> the checkpoint tensor whose bytes hold it: each file's tensors by offset, indexed once
+    an export (zero-size tensors before a tensor at the same offset)."""
+    by_file: dict[str, list] = defaultdict(list)
+    for key, t in out.tensors.items():
+        by_file[t.file].append((t.byte_offset, t.nbytes, key))
+    files = {file: ([offset for offset, _, _ in sorted(entries)], [key for _, _, key in sorted(entries)])
+             for file, entries in by_file.items()}
 
-    def __init__(self, out):
-        by_file: dict[str, list] = defaultdict(list)
-        for key, t in out.tensors.items():
-            by_file[t.file].append((t.byte_offset, t.nbytes, key))
-        self.files = {}
-        for file, entries in by_file.items():
-            entries.sort()
-            self.files[file] = ([offset for offset, _, _ in entries], [key for _, _, key in entries])
-
-    def __call__(self, file: str, offset: int) -> str:
-        starts, keys = self.files[file]
+    def tensor_at(file: str, offset: int) -> str:
+        starts, keys = files[file]
         return keys[bisect_right(starts, offset) - 1]
+
+    return tensor_at
 
 
 class _Collector:
     """The writer `run_write_plan` writes into: pieces of tensors this rank assembles go into their
     buffers, the others into the payload for their owner (the runs, then the bytes)."""
 
-    def __init__(self, out, tensor_at: _TensorAt, owner: dict[str, int], assembling: dict[str, torch.Tensor],
+    def __init__(self, out, tensor_at: Callable[[str, int], str], owner: dict[str, int], assembling: dict[str, torch.Tensor],
                  rank: int, world: int):
         self.out, self.tensor_at, self.owner, self.assembling, self.rank = out, tensor_at, owner, assembling, rank
         self.filled = dict.fromkeys(assembling, 0)
@@ -291,7 +279,7 @@ def _regions(plan, out, local, bucket_bytes: int, empty: list[str]) -> Iterator[
     for key in empty:
         info = out.tensors[key]
         yield key, (0,) * len(info.shape), torch.empty(info.shape, dtype=torch_dtype(info.dtype))
-    items, tensor_at = list(plan.items), _TensorAt(out)
+    items, tensor_at = list(plan.items), _tensor_at(out)
     at = 0
     while at < len(items):
         start, size = at, 0
@@ -308,7 +296,7 @@ def _regions(plan, out, local, bucket_bytes: int, empty: list[str]) -> Iterator[
 class _RegionWriter:
     """The writer of `_regions`: each piece's bytes become a tensor of its box (checkpoint order)."""
 
-    def __init__(self, out, tensor_at: _TensorAt):
+    def __init__(self, out, tensor_at: Callable[[str, int], str]):
         self.out, self.tensor_at, self.regions = out, tensor_at, []
 
     def write_runs(self, file: str, runs, data: memoryview) -> None:
@@ -363,8 +351,3 @@ def _check_bucket(bucket_bytes) -> None:
         raise RemapError(Diagnostic(code="E544", message=f"bucket_bytes={bucket_bytes!r}: the most bytes a rank "
                                     "assembles at once is a whole number of bytes, 1 or more",
                                     hint="e.g. bucket_bytes=256 << 20 (256 MiB)"))
-
-
-def _ranks(ranks: list[int]) -> str:
-    shown = ", ".join(map(str, ranks[:6]))
-    return shown + (f" and {len(ranks) - 6} more" if len(ranks) > 6 else "")

@@ -1,9 +1,5 @@
-"""What every entry point does before it touches tensor data: the rules, rank 0's headers shared, the model
-config, and the rules compiled identically on every rank, the ranks agreeing on it. torch is imported only
-when `prepare_everywhere` runs (`remapdsl.runtime.dist`).
-
-Every failure of these steps on any rank goes through the ranks' error exchange, so every rank raises the
-same error naming the rank it came from; none is left waiting in a collective its peer never joins.
+"""What every entry point does before it touches tensor data: rank 0's headers shared, the model config, and
+the rules compiled identically on every rank, the ranks agreeing on it; a failure on any rank fails every rank.
 """
 
 from __future__ import annotations
@@ -31,29 +27,13 @@ def compile_digest(ruleset: RuleSet, config: Mapping[str, Any], strict: bool, ch
     this process was given (an Inventory: all of it; a path: its name and its files' names and sizes, unopened,
     so a rank given another checkpoint than rank 0's is caught though it reads rank 0's headers)."""
     digest = hashlib.sha256()
-    for value in _inputs(rule_texts(ruleset), config, strict, checkpoint).digests().values():
+    for value in _digests(_inputs(rule_texts(ruleset), config, strict, checkpoint)).values():
         digest.update(value.encode())
     return digest.hexdigest()
 
 
-class _Inputs(NamedTuple):
+def _inputs(texts: list[tuple[str, str]], config, strict: bool, checkpoint) -> dict[str, Any]:
     """What one rank compiled from, by aspect: what the ranks compare, and describe when they differ."""
-
-    rules: list[tuple[str, str]]  # (path, text) of each rule file, the top-level one first
-    config: Mapping[str, Any]
-    strict: bool
-    checkpoint: Any  # the checkpoint's listing (a path), or its inventory as JSON
-
-    def digests(self) -> dict[str, str]:
-        return {"rule files": _sha([text for _, text in self.rules]), "config": _sha(self.config),
-                "strict mode": _sha(self.strict), "checkpoint": _sha(self.checkpoint)}
-
-    def detail(self, aspect: str) -> Any:
-        return {"rule files": self.rules, "config": self.config, "strict mode": self.strict,
-                "checkpoint": self.checkpoint}[aspect]
-
-
-def _inputs(texts: list[tuple[str, str]], config, strict: bool, checkpoint) -> _Inputs:
     from ..checkpoint.inventory import listing
 
     if isinstance(checkpoint, Inventory):
@@ -62,7 +42,13 @@ def _inputs(texts: list[tuple[str, str]], config, strict: bool, checkpoint) -> _
         seen = None if checkpoint is None else [f"{os.path.basename(os.path.abspath(checkpoint))} (missing)", []]
     else:
         seen = listing(checkpoint)
-    return _Inputs(texts, config, strict, seen)
+    return {"rule files": texts, "config": config, "strict mode": strict, "checkpoint": seen}
+
+
+def _digests(aspects: dict[str, Any]) -> dict[str, str]:
+    """Each aspect hashed; rule files by their text only (their paths are shown, not compared)."""
+    return {aspect: _sha([text for _, text in value] if aspect == "rule files" else value)
+            for aspect, value in aspects.items()}
 
 
 def _sha(value) -> str:
@@ -70,16 +56,9 @@ def _sha(value) -> str:
 
 
 class _Outcome(NamedTuple):
-    inputs: _Inputs
+    aspects: dict[str, Any]  # `_inputs`, and "file headers": each file's header bytes as this rank reads them
     compiled: Compiled
     inventory: Inventory  # rank 0's headers, with this rank's own files' modification times
-    headers: dict[str, str]  # each file's header bytes as this rank reads them, hashed (a job only)
-
-    def digests(self) -> dict[str, str]:
-        return {**self.inputs.digests(), "file headers": _sha(self.headers)}
-
-    def detail(self, aspect: str) -> Any:
-        return self.headers if aspect == "file headers" else self.inputs.detail(aspect)
 
 
 def header_digests(inventory: Inventory) -> dict[str, str]:
@@ -116,12 +95,10 @@ class Ready(NamedTuple):
 
 def prepare_everywhere(rules, checkpoint, config=None, strict: bool = True,
                        check: Callable[[], None] | None = None, on_disk: bool = True) -> Ready:
-    """Every rank: the rules, rank 0's headers of `checkpoint` shared, the config, compiled identically. A
-    compile is a pure function of its inputs, so the ranks compare digests of those (cheaper than of what they
-    compiled) and of each file's header bytes as this rank reads its copy: any difference fails every rank
-    (E410), naming the file, line, key, size or header. `check` (the caller's checks of its arguments) runs
-    first, on every rank. `on_disk=False`: an Inventory of files not written yet, whose headers no rank reads.
-    Two exchanges: rank 0's headers (or its error), then every rank's digests (or its error)."""
+    """Every rank: rank 0's headers of `checkpoint` shared, then the rules compiled. A compile is a pure function
+    of its inputs, so the ranks compare digests of those and of each file's header bytes as this rank reads
+    them: any difference is E410 on every rank. `check` (the caller's checks of its arguments) runs first, on
+    every rank. `on_disk=False`: an Inventory of files not written yet, whose headers no rank reads."""
     from ..runtime import dist  # torch is imported only here
 
     def first() -> Inventory:
@@ -143,35 +120,44 @@ def prepare_everywhere(rules, checkpoint, config=None, strict: bool = True,
         # one is in these bytes; only in a job (one process has nothing to compare them with)
         headers = header_digests(own) if dist.world_size() > 1 and on_disk else {}
         compiled = compile_rules(ruleset, inventory, given, strict=strict)
-        return _Outcome(_inputs(rule_texts(ruleset), given, strict, checkpoint), compiled, own, headers)
+        aspects = _inputs(rule_texts(ruleset), given, strict, checkpoint)
+        return _Outcome({**aspects, "file headers": headers}, compiled, own)
 
-    agreement = dist.Agreement("compiled rules and checkpoint", _Outcome.digests, _Outcome.detail, explain_difference)
+    agreement = dist.Agreement("compiled rules and checkpoint", lambda o: _digests(o.aspects),
+                               lambda o, aspect: o.aspects[aspect], explain_difference)
     prepared = dist.together(prepare, agree_on=agreement, phase="compiling")
-    return Ready(prepared.inventory, prepared.compiled, prepared.inputs.rules)
+    return Ready(prepared.inventory, prepared.compiled, prepared.aspects["rule files"])
 
 
 def explain_difference(aspect: str, details: dict[int, Any]) -> list[str]:
     """How each rank's `aspect` differs from the first rank's (`details`: the first rank of each version ->
     its detail)."""
+    def found(ours, theirs) -> list[str]:
+        if aspect == "rule files":
+            return _rules_difference(ours, theirs)
+        if aspect == "config":
+            return _mapping_difference(ours, theirs, "config key")
+        if aspect == "checkpoint":
+            return _checkpoint_difference(ours, theirs)
+        if aspect == "file headers":
+            return [f"file {_show(name)}: header bytes {_digest_text(ours.get(name))} vs "
+                    f"{_digest_text(theirs.get(name))}" for name in sorted(set(ours) | set(theirs))
+                    if ours.get(name) != theirs.get(name)]
+        return [f"{_show(ours)} vs {_show(theirs)}"]
+
+    return _per_rank(details, found, "difference")
+
+
+def _per_rank(details: dict[int, Any], found: Callable[[Any, Any], list[str]], noun: str) -> list[str]:
+    """`found(first's detail, another's)` for each other rank, MAX_LISTED a rank, the rest counted."""
     (base, ours), *others = details.items()
     out: list[str] = []
     for r, theirs in others:
-        if aspect == "rule files":
-            found = _rules_difference(ours, theirs)
-        elif aspect == "config":
-            found = _mapping_difference(ours, theirs, "config key")
-        elif aspect == "checkpoint":
-            found = _checkpoint_difference(ours, theirs)
-        elif aspect == "file headers":
-            found = [f"file {_show(name)}: header bytes {_digest_text(ours.get(name))} vs "
-                     f"{_digest_text(theirs.get(name))}" for name in sorted(set(ours) | set(theirs))
-                     if ours.get(name) != theirs.get(name)]
-        else:
-            found = [f"{_show(ours)} vs {_show(theirs)}"]
-        more = len(found) - MAX_LISTED
-        out.extend(f"rank {base} vs rank {r}: {s}" for s in found[:MAX_LISTED])
+        differences = found(ours, theirs)
+        more = len(differences) - MAX_LISTED
+        out.extend(f"rank {base} vs rank {r}: {s}" for s in differences[:MAX_LISTED])
         if more > 0:
-            out.append(f"rank {base} vs rank {r}: and {more} more difference{'s' if more > 1 else ''}")
+            out.append(f"rank {base} vs rank {r}: and {more} more {noun}{'s' if more > 1 else ''}")
     return out
 
 
@@ -207,31 +193,23 @@ def _rules_difference(ours: list, theirs: list) -> list[str]:
 
 
 def _mapping_difference(ours: Mapping, theirs: Mapping, what: str) -> list[str]:
-    out = []
-    for key in sorted(set(ours) | set(theirs), key=str):
-        if key not in theirs:
-            out.append(f"{what} {_show(str(key))}: {_show(ours[key])} vs missing")
-        elif key not in ours:
-            out.append(f"{what} {_show(str(key))}: missing vs {_show(theirs[key])}")
-        elif _sha(ours[key]) != _sha(theirs[key]):
-            out.append(f"{what} {_show(str(key))}: {_show(ours[key])} vs {_show(theirs[key])}")
-    return out
+    def value(side: Mapping, key) -> str:
+        return _show(side[key]) if key in side else "missing"
+
+    return [f"{what} {_show(str(key))}: {value(ours, key)} vs {value(theirs, key)}"
+            for key in sorted(set(ours) | set(theirs), key=str)
+            if key not in ours or key not in theirs or _sha(ours[key]) != _sha(theirs[key])]
 
 
 def _checkpoint_difference(ours, theirs) -> list[str]:
     """Folder names, then each safetensors file missing on one side or of another size."""
     if not (isinstance(ours, list) and isinstance(theirs, list)):
         return [f"checkpoint {_show(ours)} vs {_show(theirs)}"]
-    out = []
-    if ours[0] != theirs[0]:
-        out.append(f"checkpoint folder {_show(ours[0])} vs {_show(theirs[0])}")
+    out = [f"checkpoint folder {_show(ours[0])} vs {_show(theirs[0])}"] if ours[0] != theirs[0] else []
     sizes, other_sizes = dict(map(tuple, ours[1])), dict(map(tuple, theirs[1]))
-    for name in sorted(set(sizes) | set(other_sizes)):
-        a, b = sizes.get(name), other_sizes.get(name)
-        if a != b:
-            out.append(f"file {_show(name)}: " + (f"{a} B" if a is not None else "missing") + " vs "
-                       + (f"{b} B" if b is not None else "missing"))
-    return out
+    size = lambda n: "missing" if n is None else f"{n} B"
+    return out + [f"file {_show(name)}: {size(sizes.get(name))} vs {size(other_sizes.get(name))}"
+                  for name in sorted(set(sizes) | set(other_sizes)) if sizes.get(name) != other_sizes.get(name)]
 
 
 def tensors_of(state_dict) -> Mapping[str, Any]:
@@ -272,17 +250,9 @@ def layout_agreement(what: str, holding_of: Callable[[Any], Any], mesh=None):
         return out
 
     def explain(aspect: str, details: dict[int, Any]) -> list[str]:
-        (base, ours), *others = details.items()
-        out = []
-        for r, theirs in others:
-            if aspect == "mesh":
-                out.append(f"rank {base} vs rank {r}: mesh {ours} vs {theirs}")
-                continue
-            found = _mapping_difference(ours, theirs, "tensor")
-            out.extend(f"rank {base} vs rank {r}: {s}" for s in found[:MAX_LISTED])
-            if len(found) > MAX_LISTED:
-                out.append(f"rank {base} vs rank {r}: and {len(found) - MAX_LISTED} more tensors")
-        return out
+        if aspect == "mesh":
+            return _per_rank(details, lambda ours, theirs: [f"mesh {ours} vs {theirs}"], "mesh")
+        return _per_rank(details, lambda ours, theirs: _mapping_difference(ours, theirs, "tensor"), "tensor")
 
     def given() -> str:  # inside the phase: a malformed mesh fails there, on every rank together
         return "none" if mesh is None else _mesh_text(mesh)
