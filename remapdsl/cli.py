@@ -22,6 +22,7 @@ EXIT_OK, EXIT_DIFFERS, EXIT_USER_ERROR, EXIT_BUG = 0, 1, 2, 3
 RULES_HELP = ("a .remap file, the name of a shipped one (`remapdsl rules` lists them), or `auto`: the "
               "shipped file that fits the checkpoint's config.json")
 FILE_HELP = ".remap files, or names of shipped ones (`remapdsl rules`)"
+CHECKPOINT_HELP = "a Hugging Face checkpoint folder (safetensors, with config.json), or its snapshot (`remapdsl snapshot`)"
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -78,9 +79,7 @@ def _parser() -> argparse.ArgumentParser:
         "each runtime tensor, its shape and dtype and which regions of which checkpoint tensors fill "
         "it, through which rule.")
     explain.add_argument("rules", metavar="RULES", help=RULES_HELP)
-    explain.add_argument("--checkpoint", required=True, metavar="DIR|SNAPSHOT",
-                         help="a Hugging Face checkpoint folder (safetensors, with config.json), or its "
-                         "snapshot (`remapdsl snapshot`)")
+    explain.add_argument("--checkpoint", required=True, metavar="DIR|SNAPSHOT", help=CHECKPOINT_HELP)
     explain.add_argument("--key", metavar="PATTERN",
                          help="only runtime tensors (or their checkpoint keys) matching this glob")
     explain.add_argument("--blocks", type=int, default=8, metavar="N", help="blocks shown per tensor (default 8)")
@@ -95,8 +94,7 @@ def _parser() -> argparse.ArgumentParser:
         "per rank, the tensors it holds, its boxes, the bytes it reads and the files it touches, "
         "and totals across ranks. Reads headers only.")
     plan.add_argument("rules", metavar="RULES", help=RULES_HELP)
-    plan.add_argument("--checkpoint", required=True, metavar="DIR|SNAPSHOT",
-                      help="a checkpoint folder, or its snapshot")
+    plan.add_argument("--checkpoint", required=True, metavar="DIR|SNAPSHOT", help=CHECKPOINT_HELP)
     plan.add_argument("--mesh", required=True, metavar="DIMS",
                       help="mesh dims and sizes, outermost first, e.g. `dp=2,tp=4`")
     plan.add_argument("--layout", required=True, metavar="FILE",
@@ -155,8 +153,7 @@ def _parser() -> argparse.ArgumentParser:
         "snapshot is replaced by random values in its layout. Exit 0 when all hold, 1 when one fails, "
         "2 on a user error.")
     verify.add_argument("rules", metavar="RULES", help=RULES_HELP)
-    verify.add_argument("--checkpoint", required=True, metavar="DIR|SNAPSHOT",
-                        help="a checkpoint folder, or its snapshot (random values in its layout are checked)")
+    verify.add_argument("--checkpoint", required=True, metavar="DIR|SNAPSHOT", help=CHECKPOINT_HELP)
     verify.add_argument("--mesh", action="append", metavar="DIMS",
                         help="a mesh to shard on, e.g. `tp=2` or `ep=2,tp=2`; repeat for several "
                         "(default: one mesh, tp=2)")
@@ -350,17 +347,12 @@ def _ranks(text: str | None, size: int) -> list[int]:
 def _per_tensor(plan) -> dict[str, tuple[int, int, int]]:
     """Runtime key -> (pieces, byte runs, bytes read) of one rank's plan, in key order."""
     out: dict[str, list[int]] = {}
-    for item in plan.items:
-        row = out.setdefault(item.runtime_key, [0, 0, 0])
+    pieces = [(i.runtime_key, [] if i.runs is None else [i.runs]) for i in plan.items]
+    for key, runs in pieces + [(i.runtime_key, [p.runs for p in i.parts]) for i in plan.decodes]:
+        row = out.setdefault(key, [0, 0, 0])
         row[0] += 1
-        if item.runs is not None:
-            row[1] += item.runs.count
-            row[2] += item.runs.total
-    for item in plan.decodes:
-        row = out.setdefault(item.runtime_key, [0, 0, 0])
-        row[0] += 1
-        row[1] += sum(p.runs.count for p in item.parts)
-        row[2] += sum(p.runs.total for p in item.parts)
+        row[1] += sum(r.count for r in runs)
+        row[2] += sum(r.total for r in runs)
     return {k: tuple(out[k]) for k in sorted(out)}
 
 

@@ -174,10 +174,7 @@ def _excerpt(span: Span, line_text: str) -> list[str]:
     number = str(span.line)
     pad = " " * len(number)
     start = max(span.column - 1, 0)
-    if span.end_line == span.line:
-        stop = max(span.end_column - 1, start + 1)
-    else:
-        stop = max(len(text), start + 1)
+    stop = max(span.end_column - 1 if span.end_line == span.line else len(text), start + 1)
     if len(text) > MAX_WINDOW:
         text, start, stop = _window(text, start, stop)
     lead = _width(text[:start])

@@ -1,10 +1,7 @@
-"""torchtitan's state-dict adapter protocol, driven by a rule file: `RuleStateDictAdapter`
-(docs/torchtitan.md).
+"""torchtitan's state-dict adapter protocol, driven by a rule file: `RuleStateDictAdapter` (docs/torchtitan.md).
 
-The storage reader (`remapdsl.dcp.RuleStorageReader`) does the whole conversion: `to_hf` keeps the
-model's tensors the rules make under their runtime keys, `from_hf` hands them back as they are. The
-save direction is `save_hf`; the checkpointer's own HF save is refused (E612), as it would write the
-runtime layout under Hugging Face file names. Importing this module imports torch and torchtitan.
+The storage reader (`remapdsl.dcp.RuleStorageReader`) does the whole conversion, so `to_hf` and `from_hf` pass
+the runtime tensors through; the save direction is `save_hf`. Importing this module imports torchtitan.
 """
 
 from __future__ import annotations
@@ -159,17 +156,13 @@ class RuleStateDictAdapter(BaseStateDictAdapter):
 
     def _open(self, path: str | os.PathLike | None) -> RuleStorageReader:
         """The reader of `path`, opened once per folder (every rank together)."""
-        path = self._folder(path)
+        if path is None:
+            raise _fail("E611", "RuleStateDictAdapter has no checkpoint folder to compile its rules against "
+                                "(hf_assets_path is None)",
+                        hint="set hf_assets_path in the trainer config to the Hugging Face checkpoint folder")
+        path = os.fspath(path)
         reader = self._reader
         if reader is None or os.path.abspath(os.fspath(reader.checkpoint_id)) != os.path.abspath(path):
             reader = self._reader = RuleStorageReader(path, self.rules, config=self.config, strict=self.strict,
                                                       timeout=self.timeout)
         return reader
-
-    @staticmethod
-    def _folder(path: str | os.PathLike | None) -> str:
-        if path is None:
-            raise _fail("E611", "RuleStateDictAdapter has no checkpoint folder to compile its rules against "
-                                "(hf_assets_path is None)",
-                        hint="set hf_assets_path in the trainer config to the Hugging Face checkpoint folder")
-        return os.fspath(path)

@@ -1,7 +1,5 @@
 """`remapdsl convert`: a checkpoint from one layout to another, offline, in batches, on any number of ranks.
 
-Forward: the runtime layout the rules make, as a new checkpoint (runtime keys, Hugging Face shards). Reverse: a
-checkpoint in the runtime layout written back to the layout of `like` through the save direction of the rules.
 Each rank takes a share of the runtime tensors (balanced by bytes), fills them a batch at a time within
 `budget_bytes` and writes their bytes at their offsets, through save's staging folder (`write_output`).
 """
@@ -26,7 +24,7 @@ from ..sharding.plans import make_load_plan, make_write_plan
 from ..runtime import bounds, dist
 from .prepare import prepare_everywhere
 from ..runtime.read import run_load_plan
-from .save import (check_dropped, copied_keys, copy_bytes, copy_share, output_checkpoint, prepared_checkpoint,
+from .save import (check_dropped, copy_bytes, copy_share, output_checkpoint, prepared_checkpoint,
                    write_output, writers_paused)
 from ..runtime.write import run_write_plan
 
@@ -76,8 +74,7 @@ def convert(src, dst, rules, *, reverse: bool = False, like=None, max_shard_byte
             out_inventory, headers = out.inventory, out.headers or None
             copy_from = str(src) if derived else checkpoint.root  # a derived layout: the runtime folder's config.json
             index = out.index or (omitted_index(checkpoint, out_inventory) if rank == 0 and headers else None)
-            copies = copy_share(copied_keys(compiled, checkpoint, dropped, False), checkpoint, out_inventory, rank,
-                                world)
+            copies = copy_share(compiled, checkpoint, out_inventory, dropped, False, rank, world)
         else:
             new = new_checkpoint(str(dst), {k: (d.dtype, d.shape) for k, d in runtime.items()}, max_shard_bytes)
             out_inventory, headers, index, copy_from = new.inventory, new.headers, new.index, checkpoint.root
@@ -99,7 +96,7 @@ def convert(src, dst, rules, *, reverse: bool = False, like=None, max_shard_byte
                     if reverse:  # dropped tensors and stored scales, unchanged: each rank its share of the bytes
                         copy_bytes(copies, scales, writer)
                         written += sum(piece[-1] for piece in copies)
-                    for n, batch in enumerate(_batches(mine, lambda k: _size(runtime[k]), budget)):
+                    for n, batch in enumerate(batches(mine, lambda k: _size(runtime[k]), budget)):
                         tensors = compiled.empty_state_dict(batch) if reverse else \
                             _carve(arenas, n % 2, [runtime[k] for k in batch])
                         whole = {k: whole_shard(tuple(t.shape)) for k, t in tensors.items()}
@@ -199,8 +196,9 @@ def _share(keys: list[str], size, rank: int, world: int) -> list[str]:
     return [k for k in keys if owner[k] == rank]
 
 
-def _batches(keys: list[str], size, budget: int) -> list[list[str]]:
-    out: list[list[str]] = [[]]
+def batches(keys: list, size, budget: int) -> list[list]:
+    """`keys` in order, cut into runs of at most `budget` by `size` (a larger one alone)."""
+    out: list[list] = [[]]
     held = 0
     for key in keys:
         if out[-1] and held + size(key) > budget:

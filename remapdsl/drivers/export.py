@@ -26,6 +26,7 @@ from ..sharding.holdings import hold, owned
 from ..sharding.plans import make_write_plan
 from ..runtime import bounds, dist
 from ..runtime.pieces import torch_dtype
+from .convert import batches
 from .prepare import check_mesh, tensors_of
 from .save import prepared_checkpoint, writers_paused
 from ..runtime.write import run_write_plan
@@ -279,18 +280,11 @@ def _regions(plan, out, local, bucket_bytes: int, empty: list[str]) -> Iterator[
     for key in empty:
         info = out.tensors[key]
         yield key, (0,) * len(info.shape), torch.empty(info.shape, dtype=torch_dtype(info.dtype))
-    items, tensor_at = list(plan.items), _tensor_at(out)
-    at = 0
-    while at < len(items):
-        start, size = at, 0
-        while at < len(items) and (at == start or size + items[at].runs.total <= bucket_bytes):
-            size += items[at].runs.total
-            at += 1
+    tensor_at = _tensor_at(out)
+    for batch in batches(list(plan.items), lambda item: item.runs.total, bucket_bytes):
         writer = _RegionWriter(out, tensor_at)
-        run_write_plan(plan.model_copy(update={"items": tuple(items[start:at]), "encodes": ()}), writer, local,
-                       threads=1)
+        run_write_plan(plan.model_copy(update={"items": tuple(batch), "encodes": ()}), writer, local, threads=1)
         yield from writer.regions
-        writer.regions = []
 
 
 class _RegionWriter:

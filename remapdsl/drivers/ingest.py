@@ -1,9 +1,7 @@
 """`remapdsl.ingest`: (checkpoint key, tensor) pairs fed into a runtime state dict through the rules.
 
-The mirror of an export (a load without files): every rank is handed the same pairs and takes its part. The
-load plan is made against the checkpoint layout, each tensor alone in an in-memory file (checkpoint/memory.py);
-each pair, as it arrives, runs the plan's reads of it, so a stream is never held whole. Bad or missing pairs
-fail every rank together, at the end.
+The load plan is made against the checkpoint layout, each tensor alone in an in-memory file
+(checkpoint/memory.py); each pair, as it arrives, runs the plan's reads of it, so a stream is never held whole.
 """
 
 from __future__ import annotations
@@ -18,7 +16,7 @@ from pydantic import BaseModel, ConfigDict
 
 from ..checkpoint.memory import MemoryReader, in_memory
 from ..gcpause import frozen_heap
-from ..errors import Diagnostic, RemapError, suggest
+from ..errors import Diagnostic, RemapError, did_you_mean
 from ..sharding.holdings import hold
 from ..sharding.plans import make_load_plan
 from ..runtime import bounds, dist
@@ -112,9 +110,8 @@ def _check_pair(key, tensor, memory, seen: set[str], dropped: set[str]) -> Diagn
     if info is None:
         if key in dropped:
             return None
-        close = suggest(str(key), list(memory.tensors))
         return Diagnostic(code="E545", message=f"pair `{key}`: the rules read no checkpoint tensor of that name",
-                          hint=f"did you mean `{close}`?" if close else "drop it in the rules, or leave it out")
+                          hint=did_you_mean(str(key), memory.tensors) or "drop it in the rules, or leave it out")
     if key in seen:
         return Diagnostic(code="E548", message=f"pair `{key}` came twice", hint="send each tensor once")
     dtype = str(getattr(tensor, "dtype", "")).removeprefix("torch.")

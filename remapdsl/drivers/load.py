@@ -1,8 +1,6 @@
 """`remapdsl.load`: fill a state dict in place from a checkpoint through a rule file, every rank its own bytes.
 
-The phases, on every rank together: the shared compile (prepare.py, kept in a Prepared), this rank's holdings
-(sharding/holdings.py), its plan (sharding/plans.py), the reads (runtime/read.py); tensors every rank holds
-whole may be read once and broadcast.
+On every rank together: the shared compile (a Prepared), this rank's holdings, its plan, the reads.
 """
 
 from __future__ import annotations

@@ -1,9 +1,6 @@
 """`remapdsl.prepare`: a checkpoint's headers, its rules compiled and this rank's plans, kept in memory by the
 caller for the next load, save, export or ingest of the same job (an RL loop exporting after every step).
-
-Each call first checks on every rank that the rule files' text and the checkpoint's files (size, inode, times)
-are as they were: a change seen by any rank makes every rank prepare again. Plans are kept for the last few
-holdings, found again by value. The one-shot entry points run through a Prepared made for the call.
+The one-shot entry points run through a Prepared made for the call.
 """
 
 from __future__ import annotations

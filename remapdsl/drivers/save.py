@@ -1,10 +1,7 @@
 """`remapdsl.save`: the inverse of a load, written in place by every rank, no gather.
 
-Every rank compiles the rules against the checkpoint the output is `like` (headers read once, by rank 0),
-derives the writers (compile/inverse.py) and writes the boxes it holds that no lower rank holds, into files
-rank 0 creates in a hidden staging folder and renames into place (checkpoint/writer.py). Each phase fails on
-every rank together; a failed save removes its staging folder and leaves the destination as it was.
-Checkpoint tensors the rules drop are refused (E501), copied from `like` or left out (`dropped`).
+Every rank derives the writers (compile/inverse.py) and writes the boxes it holds that no lower rank holds,
+into files rank 0 creates in a staging folder and renames into place once all is written (checkpoint/writer.py).
 """
 
 from __future__ import annotations
@@ -78,8 +75,7 @@ def save(prepared, state_dict, folder, *, rules=None, like=None, config=None, la
 
         plan, out, holding = dist.together(plan, agree_on=layout_agreement("tensor layouts", lambda r: r[2], mesh),
                                            phase="planning the writes")
-        copies = copy_share(copied_keys(compiled, inventory, dropped, requantize), inventory, out.inventory, rank,
-                            world)
+        copies = copy_share(compiled, inventory, out.inventory, dropped, requantize, rank, world)
         copied = sum(piece[-1] for piece in copies)
         reader = CheckpointReader(inventory)
         # a derived layout's own index, or (files laid out anew, rank 0) `like`'s cut to match
@@ -129,24 +125,20 @@ def output_checkpoint(compiled, like, dropped: str, requantize: bool) -> NewChec
     return without(like, omitted)
 
 
-def copied_keys(compiled, like, dropped: str, requantize: bool) -> list[str]:
-    """The checkpoint tensors copied unchanged from `like`: the stored scales of dequantized tensors
-    (unless requantized) and, with dropped="copy", the dropped tensors."""
-    keys = set() if requantize else set(copied_parts(compiled))
-    if dropped == "copy":
-        keys.update(dropped_keys(compiled, like))
-    return sorted(keys)
-
-
 COPY_BYTES = 64 << 20  # the most one copy step holds
 
 
-def copy_share(keys, like, out, rank: int, world: int) -> list[tuple[str, int, str, int, int]]:
-    """This rank's part of copying `keys` from `like` into the output layout `out`: the bytes (each DCP
-    chunk where it is) in key order, cut into `world` equal ranges, the same on every rank. Each piece is
-    (file in `like`, offset, file in the output, offset, bytes)."""
+def copy_share(compiled, like, out, dropped: str, requantize: bool, rank: int,
+               world: int) -> list[tuple[str, int, str, int, int]]:
+    """This rank's part of copying from `like` into the output layout `out` the tensors a save copies
+    unchanged: the stored scales of dequantized tensors (unless requantized) and, with dropped="copy", the
+    dropped tensors. Their bytes (each DCP chunk where it is) in key order, cut into `world` equal ranges,
+    the same on every rank; each piece is (file in `like`, offset, file in the output, offset, bytes)."""
+    keys = set() if requantize else set(copied_parts(compiled))
+    if dropped == "copy":
+        keys.update(dropped_keys(compiled, like))
     places = []
-    for key in keys:
+    for key in sorted(keys):
         target = out.tensors[key]
         for c in like.stored(key):  # a DCP-sharded tensor (out is `like` then): each chunk where it is
             dst = (c.file, c.byte_offset) if key in like.chunks else (target.file, target.byte_offset)

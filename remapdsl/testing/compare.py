@@ -105,9 +105,6 @@ def file_differences(inventory, produced: Path) -> list[str]:
         out.append(f"files written that the original has not: {_listed(made - wanted)}")
     by_file: dict[str, list] = {}
     for t in inventory.tensors.values():
-        if t.ckpt_key not in inventory.chunks:
-            by_file.setdefault(t.file, []).append(t)
-            continue
         for c in inventory.stored(t.ckpt_key):  # a DCP-sharded tensor: each chunk where it is, of its sizes
             by_file.setdefault(c.file, []).append(t._replace(
                 file=c.file, shape=c.sizes, byte_offset=c.byte_offset, nbytes=c.nbytes(t.dtype)))
@@ -127,9 +124,9 @@ def file_differences(inventory, produced: Path) -> list[str]:
                 continue
             dtype = BY_NAME[t.dtype]
             if dtype.in_torch and dtype.bits >= 8:
-                shape = list(t.shape)
-                as_tensor = lambda raw: torch.frombuffer(bytearray(raw), dtype=getattr(torch, t.dtype)).reshape(shape)  # noqa: E731
-                why = tensor_difference(as_tensor(got), as_tensor(want), ("written", "original"))
+                written, original_tensor = (torch.frombuffer(bytearray(raw), dtype=getattr(torch, t.dtype))
+                                            .reshape(list(t.shape)) for raw in (got, want))
+                why = tensor_difference(written, original_tensor, ("written", "original"))
             else:
                 at = next(i for i, (x, y) in enumerate(zip(got, want)) if x != y)
                 why = f"byte {at} of the tensor differs: written 0x{got[at]:02x}, original 0x{want[at]:02x}"

@@ -122,7 +122,6 @@ class Chain:
 
     shapes: list[tuple[int, ...]]
     combined: bool = False  # a combining op has run (list axis -> one tensor)
-    padded: bool = False  # a `pad` has run
     cut: int | None = None  # the pieces of a cutting op, when one has run
     ops: list[str] = field(default_factory=list)
 
@@ -258,7 +257,6 @@ def draw_ops(draw, chain: Chain, count: int, *, may_cut: bool = True) -> Chain:
         else:
             text = _per_tensor(draw, chain.shapes)
             if text is not None:
-                chain.padded |= text.startswith("pad")
                 chain.push(text)
         if len(chain.ops) > count + 2:
             break
