@@ -126,8 +126,7 @@ def assert_sharded_equals_whole(rules, checkpoint, layout: LayoutPlan | Mapping 
         timeout: seconds the ranks may take.
     """
     mesh, layout = _prepared(rules, checkpoint, layout, mesh, config, "a sharded load")
-    return run_ranks(_sharded_rank, mesh.size, rules, os.fspath(checkpoint), layout, mesh, config, None,
-                     timeout=timeout)
+    return sharded_load_and_save(rules, checkpoint, layout, mesh, None, config=config, timeout=timeout)
 
 
 def assert_sharded_round_trip(rules, checkpoint, layout: LayoutPlan | Mapping | str | None = None,
@@ -148,7 +147,7 @@ def assert_sharded_round_trip(rules, checkpoint, layout: LayoutPlan | Mapping | 
     return ranks
 
 
-def sharded_load_and_save(rules, checkpoint, layout: LayoutPlan, mesh: Mesh, save_to: str, *,
+def sharded_load_and_save(rules, checkpoint, layout: LayoutPlan, mesh: Mesh, save_to: str | None, *,
                           config: Mapping[str, Any] | None = None, timeout: float = 120.0) -> list[dict]:
     """The ranks of `mesh` load their shards, checked as `assert_sharded_equals_whole` does, then save
     them to `save_to`; a save's error is kept in each rank's result (`save_error`), apart from the load."""

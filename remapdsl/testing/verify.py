@@ -147,14 +147,12 @@ def _sharded(rules, folder, layout, text: str, mesh, logical: bool, timeout: flo
     load = Check(property="sharded load", mesh=text, status="pass", seconds=time.perf_counter() - started - seconds,
                  bytes_read=sum(r["bytes_read"] for r in ranks), bytes_owned=sum(r["bytes_owned"] for r in ranks),
                  detail=f"{mesh.size} gloo ranks: every shard equals the whole load; {note}")
-    if problems:
-        return load, Check(property="sharded save", mesh=text, status="fail", seconds=seconds,
-                           detail="the sharded save of the sharded load differs from the checkpoint:\n  "
-                           + "\n  ".join(problems))
-    return load, Check(property="sharded save", mesh=text, status="pass", seconds=seconds,
-                       detail=f"{mesh.size} gloo ranks each wrote the bytes it owns ("
-                       + ", ".join(f"{r['bytes_written'] / 1e3:.1f} kB" for r in ranks)
-                       + "), none gathered: the checkpoint back byte for byte")
+    detail = ("the sharded save of the sharded load differs from the checkpoint:\n  " + "\n  ".join(problems)
+              if problems else f"{mesh.size} gloo ranks each wrote the bytes it owns ("
+              + ", ".join(f"{r['bytes_written'] / 1e3:.1f} kB" for r in ranks)
+              + "), none gathered: the checkpoint back byte for byte")
+    return load, Check(property="sharded save", mesh=text, status="fail" if problems else "pass", seconds=seconds,
+                       detail=detail)
 
 
 def _timed(name: Property, run, passed: str) -> Check:
