@@ -84,9 +84,7 @@ def ingest(prepared, state_dict, pairs, *, rules=None, like=None, config: Mappin
             if not items:
                 continue
             used += 1
-            source = tensor.detach()
-            if source.device.type != "cpu" or not source.is_contiguous():
-                source = source.contiguous().cpu()
+            source = tensor.detach().contiguous().cpu()  # each a no-op where it already is
             run_load_plan(load_plan.model_copy(update={"items": tuple(items), "decodes": ()}), memory, holding.local,
                           reader=MemoryReader(memory, {key: source}), rings=rings)
         missing = sorted(set(reads) - seen)

@@ -55,12 +55,6 @@ def _sha(value) -> str:
     return hashlib.sha256(json.dumps(value, sort_keys=True, default=str).encode()).hexdigest()
 
 
-class _Outcome(NamedTuple):
-    aspects: dict[str, Any]  # `_inputs`, and "file headers": each file's header bytes as this rank reads them
-    compiled: Compiled
-    inventory: Inventory  # rank 0's headers, with this rank's own files' modification times
-
-
 def header_digests(inventory: Inventory) -> dict[str, str]:
     """Each of the inventory's files -> sha256 of its first `data_offset` bytes (length prefix and header) as
     this process reads them, or why it cannot be read (the ranks disagree unless all fail alike)."""
@@ -109,7 +103,7 @@ def prepare_everywhere(rules, checkpoint, config=None, strict: bool = True,
     # always one broadcast (an Inventory given too): every rank makes the same collectives
     inventory = dist.from_first(first, "reading the checkpoint's headers")
 
-    def prepare() -> _Outcome:
+    def prepare() -> tuple[Ready, dict[str, Any]]:  # and what the ranks compare
         if check is not None:
             check()
         ruleset = rules if isinstance(rules, RuleSet) else load_rules(rules)
@@ -121,12 +115,11 @@ def prepare_everywhere(rules, checkpoint, config=None, strict: bool = True,
         headers = header_digests(own) if dist.world_size() > 1 and on_disk else {}
         compiled = compile_rules(ruleset, inventory, given, strict=strict)
         aspects = _inputs(rule_texts(ruleset), given, strict, checkpoint)
-        return _Outcome({**aspects, "file headers": headers}, compiled, own)
+        return Ready(own, compiled, aspects["rule files"]), {**aspects, "file headers": headers}
 
-    agreement = dist.Agreement("compiled rules and checkpoint", lambda o: _digests(o.aspects),
-                               lambda o, aspect: o.aspects[aspect], explain_difference)
-    prepared = dist.together(prepare, agree_on=agreement, phase="compiling")
-    return Ready(prepared.inventory, prepared.compiled, prepared.aspects["rule files"])
+    agreement = dist.Agreement("compiled rules and checkpoint", lambda r: _digests(r[1]),
+                               lambda r, aspect: r[1][aspect], explain_difference)
+    return dist.together(prepare, agree_on=agreement, phase="compiling")[0]
 
 
 def explain_difference(aspect: str, details: dict[int, Any]) -> list[str]:

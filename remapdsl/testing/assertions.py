@@ -13,7 +13,8 @@ from typing import Any
 
 import remapdsl
 from remapdsl.checkpoint.snapshot import require_data
-from remapdsl.testing.compare import MAX_LISTED, _listed, assert_state_dicts_equal, file_differences, key_differences
+from remapdsl.testing.compare import (MAX_LISTED, _listed, _state, assert_state_dicts_equal, file_differences,
+                                      key_differences)
 
 
 def load_whole(rules, checkpoint, *, config: Mapping[str, Any] | None = None) -> dict:
@@ -99,8 +100,7 @@ def assert_matches_reference(rules, checkpoint, reference: Callable[[Any], Mappi
         expected = transformers_state_dict(checkpoint)
         names = ("remapdsl", "transformers")
     elif callable(reference):
-        expected = reference(checkpoint)
-        expected = expected.state_dict() if hasattr(expected, "state_dict") else expected
+        expected = _state(reference(checkpoint))
         names = ("remapdsl", "reference")
     else:
         raise TypeError(f"reference must be a callable or 'transformers', not {reference!r}")
