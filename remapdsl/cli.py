@@ -1,8 +1,4 @@
-"""The `remapdsl` command: subcommands are views of the pipeline, over the public API only.
-
-A user error (RemapError) is printed as located diagnostics on stderr with exit status 2; any
-other exception is a bug in remapdsl and is shown with its traceback and a request to report it.
-"""
+"""The `remapdsl` command: subcommands are views of the pipeline, over the public API only."""
 
 from __future__ import annotations
 
@@ -26,7 +22,8 @@ CHECKPOINT_HELP = "a Hugging Face checkpoint folder (safetensors, with config.js
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Run the command line; returns the exit status (callable in-process for tests)."""
+    """Run the command line; returns the exit status: 2 for a user error (RemapError, rendered on stderr), 3
+    for any other exception (a bug in remapdsl: its traceback and a request to report it)."""
     parser = _parser()
     args = parser.parse_args(argv)
     if not getattr(args, "run", None):
