@@ -88,12 +88,10 @@ def assert_matches_reference(rules, checkpoint, reference: Callable[[Any], Mappi
     AssertionError names the keys one side lacks, then the tensors whose shape, dtype or values differ.
 
     Args:
-        rules: a .remap path or RuleSet.
-        checkpoint: a checkpoint folder.
+        rules, checkpoint, config: as for `assert_round_trip`.
         reference: `"transformers"` (`AutoModelForCausalLM.from_pretrained` on the folder; the load
             fills that model's own state dict) or a callable taking the checkpoint and returning
             the state dict (or module) it must equal.
-        config: the model config; by default the checkpoint's config.json.
     """
     require_data(checkpoint, "a comparison with a reference")
     if reference == "transformers":

@@ -117,12 +117,10 @@ def assert_sharded_equals_whole(rules, checkpoint, layout: LayoutPlan | Mapping 
     rank, the tensors whose shard differs (box, first differing index, both values) or the bytes read.
 
     Args:
-        rules: a .remap path or RuleSet.
-        checkpoint: a checkpoint folder.
+        rules, checkpoint, config: as for `assert_round_trip`.
         layout: a `LayoutPlan`, a mapping of glob to style or placements (tp_plan style, on the
             mesh's first dim), a layout JSON file, or None: every tensor cut on every mesh dim.
         mesh: the device mesh: a `Mesh`, `{"tp": 2}` or `"dp=2,tp=2"`.
-        config: the model config; by default the checkpoint's config.json.
         timeout: seconds the ranks may take.
     """
     mesh, layout = _prepared(rules, checkpoint, layout, mesh, config, "a sharded load")
