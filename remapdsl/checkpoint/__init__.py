@@ -6,7 +6,7 @@ Entry points: `open_inventory(folder)`, `read_header(path)`, `Inventory.from_sha
 
 from remapdsl.checkpoint.header import FileInfo, Header, TensorInfo, read_header, tensor_nbytes
 from remapdsl.checkpoint.inventory import Inventory, open_inventory, read_config
-from remapdsl.checkpoint.reader import CheckpointReader, as_byte_view, read_tensor_bytes
+from remapdsl.checkpoint.reader import CheckpointReader, as_byte_view
 
 __all__ = [
     "CheckpointReader",
@@ -18,6 +18,5 @@ __all__ = [
     "open_inventory",
     "read_config",
     "read_header",
-    "read_tensor_bytes",
     "tensor_nbytes",
 ]

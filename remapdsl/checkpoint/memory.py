@@ -35,14 +35,10 @@ class MemoryReader(CheckpointReader):
     def mapped(self, file: str):
         return self.buffers[file]
 
-    def _pread_into(self, file: str, view: memoryview, byte_offset: int) -> None:
-        view[:] = self.buffers[file][byte_offset:byte_offset + view.nbytes]
-
     def _read_fully(self, file: str, buffers: list[memoryview], first: int, total: int) -> None:
-        at = first
         for b in buffers:
-            self._pread_into(file, b, at)
-            at += b.nbytes
+            b[:] = self.buffers[file][first:first + b.nbytes]
+            first += b.nbytes
 
     def close(self) -> None:
         self.buffers = {}
