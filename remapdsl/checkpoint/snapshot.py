@@ -54,15 +54,6 @@ class SnapshotInventory(Inventory):
 
     config: dict[str, Any]
 
-    def __reduce__(self):
-        """Pickled as an Inventory's columns plus the config (the parent's own reduce keeps columns)."""
-        return _snapshot_from, (super().__reduce__(), self.config)
-
-
-def _snapshot_from(reduced, config) -> SnapshotInventory:
-    function, args = reduced
-    return function(*args, cls=SnapshotInventory, config=config)
-
 
 def is_snapshot(checkpoint: object) -> bool:
     """Whether `checkpoint` is a snapshot: a SnapshotInventory, or the path of a `.json` file that is
