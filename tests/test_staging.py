@@ -194,9 +194,9 @@ n.weight -> n | scale(2) | cast(bfloat16)
 def test_device_tensors_never_take_the_direct_memory_path():
     """Addresses into tensor memory are only ever worked out for contiguous CPU tensors not staged."""
     tensor = torch.zeros(4, 4)
-    assert read._memory(tensor, {}, staged=False).address == tensor.data_ptr()
-    assert read._memory(tensor, {}, staged=True).address is None
-    assert read._memory(tensor.t(), {}, staged=False).address is None
+    assert read._memory(tensor, staged=False).address == tensor.data_ptr()
+    assert read._memory(tensor, staged=True).address is None
+    assert read._memory(tensor.t(), staged=False).address is None
 
 
 @pytest.mark.parametrize("staging_bytes", [0, 1000, 4.5e6, True, "256MB"])

@@ -102,8 +102,6 @@ def _staged(unit, rings: Rings) -> bool:
 
 def _nbytes(unit) -> int:
     """About how many bytes a unit moves (a decode or a staged item: its elements, at 4 bytes)."""
-    if isinstance(unit, _Span):
-        return unit.nbytes
     if isinstance(unit, _Scatter):
         return sum(n for _, n in unit.places)
     if isinstance(unit, _Direct):
@@ -123,15 +121,11 @@ class _Memory(NamedTuple):
     nbytes: int
 
 
-def _memory(tensor: torch.Tensor, names: dict, staged: bool) -> _Memory:
-    dtype = tensor.dtype
-    name = names.get(dtype)
-    if name is None:  # torch.bfloat16 -> bfloat16, once a dtype
-        name = names[dtype] = str(dtype).removeprefix("torch.")
+def _memory(tensor: torch.Tensor, staged: bool) -> _Memory:
     direct = tensor.is_cpu and tensor.is_contiguous() and not staged
     shape, itemsize = tuple(tensor.shape), tensor.element_size()
     steps = tuple(itemsize * n for n in row_major_strides(shape))
-    return _Memory(tensor.data_ptr() if direct else None, name, shape, steps, itemsize,
+    return _Memory(tensor.data_ptr() if direct else None, str(tensor.dtype).removeprefix("torch."), shape, steps, itemsize,
                    steps[0] * shape[0] if shape else itemsize)
 
 
@@ -140,9 +134,7 @@ def _address(memory: _Memory, item: ReadItem) -> int | None:
     order (no value step, the same dtype); else None. The range is checked to lie in the tensor (E417)."""
     if memory.address is None or item.ckpt_key is None or item.steps or memory.dtype != item.dtype:
         return None
-    sizes, offsets, runs = item.sizes, item.local_offsets, item.runs
-    # runs.total without its two property calls: this runs once an item (23,123 items: ~20 ms)
-    total = runs.length * prod(runs.counts) if runs.counts else runs.length
+    sizes, offsets, total = item.sizes, item.local_offsets, item.runs.total
     if sizes == memory.shape:  # the whole tensor
         if not is_row_major(item.strides, sizes):
             return None
@@ -181,15 +173,6 @@ class _Direct(NamedTuple):
     address: int
 
 
-class _Span(NamedTuple):
-    """One range of a file read straight into consecutive runtime tensor memory."""
-
-    file: str
-    first: int
-    address: int
-    nbytes: int
-
-
 class _Scatter(NamedTuple):
     """One range of a file read with one call into several places of runtime tensor memory."""
 
@@ -210,12 +193,11 @@ def _work(items, tensors, staged: bool) -> Iterator:
     in the file merged, cut into chunks), and the others as they are (all, with `staged`). No view is
     made here: addresses are computed from offsets."""
     memories: dict[str, _Memory] = {}
-    names: dict = {}
     merged: list | None = None  # [file, first byte, bytes, places] of the open single-range read
     for item in items:
         memory = memories.get(item.runtime_key)
         if memory is None:
-            memory = memories[item.runtime_key] = _memory(tensors[item.runtime_key], names, staged)
+            memory = memories[item.runtime_key] = _memory(tensors[item.runtime_key], staged)
         address = _address(memory, item)
         if address is None:
             yield _Item(item, tensors[item.runtime_key])
@@ -246,10 +228,7 @@ def _work(items, tensors, staged: bool) -> Iterator:
 def _cut(merged: list, whole: bool = True) -> Iterator:
     """One file range read as chunks of at most CHUNK bytes and IOV_MAX places each. `whole=False`:
     only the full chunks, the rest left in `merged` for the items that continue it."""
-    file, first, nbytes, places = merged
-    if whole and len(places) == 1 and nbytes <= CHUNK:
-        yield _Span(file, first, places[0][0], nbytes)
-        return
+    file, first, _, places = merged
     chunk: list[tuple[int, int]] = []
     size = 0
     for address, nbytes in places:
@@ -306,9 +285,6 @@ def _run_batch(batch, reader: CheckpointReader, rings: Rings) -> None:
     """Run one unit of work."""
     if isinstance(batch, _Decode):
         return _run_decode(batch, reader, rings)
-    if isinstance(batch, _Span):  # straight into the runtime tensor's memory
-        reader.read_into(batch.file, batch.first, _bytes_at(batch.address, batch.nbytes))
-        return None
     if isinstance(batch, _Scatter):  # straight into the runtime tensor's memory, one call
         reader.scatter_into(batch.file, batch.first, [_bytes_at(a, n) for a, n in batch.places])
         return None
