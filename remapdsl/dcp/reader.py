@@ -70,16 +70,13 @@ class RuleStorageReader(StorageReader):
 
     def _open(self, path) -> None:
         """Compile the rules against `path` on every rank together (errors: RemapError, every rank)."""
-        with bounds.bounded(self._timeout), frozen_heap():
-            self._compile(path)
-
-    def _compile(self, path) -> None:
         require_data(path, "dcp.load")
         path = os.fspath(path)
-        rules = rules_for(self._rules, path, self._config)  # `auto`: chosen and logged as load does
-        self._inventory, self._compiled, _ = prepare_everywhere(rules, path, self._config, self._strict)
+        with bounds.bounded(self._timeout), frozen_heap():
+            rules = rules_for(self._rules, path, self._config)  # `auto`: chosen and logged as load does
+            self._inventory, self._compiled, _ = prepare_everywhere(rules, path, self._config, self._strict)
+            self._metadata = runtime_metadata(self._compiled, path, _rules_named(rules))  # the runtime layout
         self.checkpoint_id: str | os.PathLike = path
-        self._metadata = runtime_metadata(self._compiled, path, _rules_named(rules))  # the runtime layout
 
     @property
     def compiled(self):
@@ -168,11 +165,10 @@ def _rounds(items: list[ReadItem], made) -> list[dict[str, ReadItem]]:
                               "only tensors", hint="leave non-tensor values out of the state dict given to "
                               "dcp.load through this reader")
         key = item.dest_index.fqn
-        at = next((i for i, r in enumerate(rounds) if key not in r), None) if rounds else None
-        if at is None:
-            rounds.append({})
-            at = len(rounds) - 1
-        rounds[at][key] = item
+        free = next((r for r in rounds if key not in r), None)  # the first round without this key
+        if free is None:
+            rounds.append(free := {})
+        free[key] = item
     return rounds
 
 

@@ -14,6 +14,8 @@ from typing import NamedTuple
 
 import torch
 
+from ..errors import Diagnostic, RemapError
+
 
 class Staging(NamedTuple):
     """How device-bound bytes are staged: `buffers` buffers of `buffer_bytes` per reader thread, pinned
@@ -31,8 +33,7 @@ class Staging(NamedTuple):
         return max(1, threads) * self.buffers * self.buffer_bytes
 
 
-STAGING = Staging()
-STAGING_BYTES = STAGING.bound(2)  # a call's default bound: 16 MiB, four 2 MiB buffers for each of two threads
+STAGING = Staging()  # a call's default bound: 16 MiB, four 2 MiB buffers for each of two threads
 
 
 def staging_within(staging_bytes: int | None, threads: int = 2) -> Staging:
@@ -43,12 +44,10 @@ def staging_within(staging_bytes: int | None, threads: int = 2) -> Staging:
     threads = max(1, threads)
     least = 2 * threads << 10
     if isinstance(staging_bytes, bool) or not isinstance(staging_bytes, int) or staging_bytes < least:
-        from ..errors import Diagnostic, RemapError
-
         raise RemapError(Diagnostic(code="E416", message=f"staging_bytes={staging_bytes!r} is not a whole number of "
                                     f"bytes of at least {least >> 10} kB (two staging buffers of at least 1 kB for "
                                     f"each of {threads} reader threads)",
-                                    hint=f"the default is {STAGING_BYTES >> 20} MiB: the most host memory a call "
+                                    hint=f"the default is {STAGING.bound(2) >> 20} MiB: the most host memory a call "
                                          "pins to copy bytes to a device"))
     share = staging_bytes // threads
     if share >= 2 * STAGING.buffer_bytes:
