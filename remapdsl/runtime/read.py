@@ -42,22 +42,16 @@ def run_load_plan(plan: LoadPlan, inventory: Inventory, tensors: Mapping[str, to
         units = itertools.chain(_work(plan.items, tensors, rings.staging.everything),
                                 (_Decode(item, region(tensors[item.runtime_key], item)) for item in plan.decodes))
         try:
-            if threads <= 1:
-                try:
-                    for unit in units:
-                        _run_batch(unit, reader, rings)
-                finally:
-                    rings.release()
-            else:
-                _run_threaded(units, reader, threads, rings)
+            _run_units(units, reader, threads, rings)
         finally:
+            rings.release()  # this thread's ring, where it staged (threads <= 1)
             if own:
                 rings.close()
 
 
-def _run_threaded(units: Iterator, reader: CheckpointReader, threads: int, rings: Rings) -> None:
+def _run_units(units: Iterator, reader: CheckpointReader, threads: int, rings: Rings) -> None:
     """Run the units in order: large and staged ones on `threads` threads (started at the first), small
-    ones here. The first error is raised once every thread stopped."""
+    ones, or all where `threads` <= 1, here. The first error is raised once every thread stopped."""
     queue: SimpleQueue = SimpleQueue()
     errors: list[BaseException] = []
 
@@ -72,13 +66,13 @@ def _run_threaded(units: Iterator, reader: CheckpointReader, threads: int, rings
         finally:
             rings.release()
 
-    with ThreadPoolExecutor(threads) as pool:
+    with ThreadPoolExecutor(max(1, threads)) as pool:
         running: list = []
         try:
             for unit in units:
                 if errors:
                     break
-                if _nbytes(unit) < SMALL_UNIT and not _staged(unit, rings):
+                if threads <= 1 or (_nbytes(unit) < SMALL_UNIT and not _staged(unit, rings)):
                     _run_batch(unit, reader, rings)
                     continue
                 if not running:

@@ -125,12 +125,6 @@ class StagingRing:
             _wait(event)
             self._free.append(buffer)
 
-    def __enter__(self) -> StagingRing:
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.close()
-
 
 class Rings:
     """The staging rings of a call, one per reader thread at a time: a thread takes one (idle, or new)

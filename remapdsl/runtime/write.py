@@ -22,8 +22,7 @@ def run_write_plan(plan: WritePlan, writer, tensors: Mapping[str, torch.Tensor],
     (or straight from memory when it is), its value steps undone, written run by run. A piece of a
     dequantized tensor is encoded with the scales `reader` reads from its checkpoint."""
     with torch.no_grad():
-        work = [(item, region(tensors[item.runtime_key], item)) for item in plan.items]
-        work += [(item, region(tensors[item.runtime_key], item)) for item in plan.encodes]
+        work = [(item, region(tensors[item.runtime_key], item)) for item in (*plan.items, *plan.encodes)]
 
         def write(i: int) -> None:
             item, view = work[i]
