@@ -1,12 +1,8 @@
 """Tensors split over files by torch.distributed.checkpoint: each file's pieces -> one logical tensor of chunks.
 
-`HuggingFaceStorageWriter(save_distributed=True)` (torchtitan's `last_save_in_hf` before
-consolidation) has every rank write its own pieces into `shard-0000i-model-0000j-of-0000N.safetensors`,
-each under the tensor's own key; the file's `__metadata__["DCP_SHARDING_INFO"]` (JSON) gives each
-piece's `saved_offsets` in the whole tensor, whose shape is where the pieces end (as torch's
-consolidation computes it). Here those pieces become `Chunk`s of one tensor that must tile it exactly;
-every problem names the key and the files (E350-E354). A key held whole by one file stays an ordinary
-tensor: a checkpoint without chunked keys carries no chunk table at all.
+`HuggingFaceStorageWriter(save_distributed=True)` writes each rank's pieces under the tensor's own key,
+with each piece's `saved_offsets` in the file's `__metadata__["DCP_SHARDING_INFO"]`; the whole shape is
+where the pieces end (as torch's consolidation computes it). The chunks must tile it exactly (E350-E354).
 """
 
 from __future__ import annotations
@@ -56,9 +52,8 @@ def has_sharding_info(headers: Mapping[str, Header]) -> bool:
 
 
 class Assembled(NamedTuple):
-    """Headers made into tensors: key -> TensorInfo (a chunked key's has the whole shape and bytes
-    and names its first chunk's file and offset), the chunked keys' chunks, the problems found and
-    the keys they are about. A key in none of these is in two files, not all DCP-sharded."""
+    """Headers made into tensors (a chunked key's TensorInfo: the whole shape at its first chunk), the
+    chunks, the problems and the keys they are about; a key in none of these is in two files."""
 
     tensors: dict[str, TensorInfo]
     chunks: dict[str, tuple[Chunk, ...]]

@@ -1,11 +1,8 @@
 """A checkpoint folder's headers (and index) -> `Inventory`: each checkpoint key's file, dtype, shape, bytes.
 
-Three layouts are read: a single `model.safetensors`; `model.safetensors.index.json` plus the shards it
-names; a folder of `*.safetensors` without an index. Where an index exists it is authoritative: the
-`.safetensors` files it does not name are ignored and listed in `Inventory.ignored_files`, and every key
-must sit in exactly the file the index assigns it to. Without an index, a key in two files is an error,
-unless the files were written by torch.distributed.checkpoint's distributed safetensors writer: then a key
-is one tensor made of chunks (remapdsl/checkpoint/chunks.py, `Inventory.chunks`). Only headers are read. All problems of all files are collected and raised once.
+An index, where there is one, is authoritative: files it does not name are ignored, and every key must
+sit in the file it assigns. Without one, a key in two files is an error unless DCP's distributed writer
+made them (one tensor of chunks, chunks.py). Only headers are read; all problems are raised at once.
 """
 
 from __future__ import annotations
@@ -96,13 +93,9 @@ class Inventory(BaseModel):
                                columns, dict(self.chunks), extra)
 
     def restamped(self, checkpoint: str | os.PathLike[str] | None = None) -> Inventory:
-        """This inventory read from `checkpoint` (a path as `open_inventory` takes; default its own
-        root), with each file's modification time as this process sees it now.
-
-        For a rank that received the headers another rank read (in a job whose nodes may each hold
-        their own copy, at their own path, with their own times): the files its data reads then
-        open, and the times they are checked against. A file that cannot be looked at keeps the
-        time it had (opening it for data reports why)."""
+        """This inventory at `checkpoint` (default its own root), with each file's modification time as
+        this process sees it: for a rank given the headers another read (each node may hold its own
+        copy). A file that cannot be looked at keeps its time (opening it for data says why)."""
         if checkpoint is not None:
             path = os.path.abspath(os.fspath(checkpoint))
             root = path if os.path.isdir(path) else os.path.dirname(path)

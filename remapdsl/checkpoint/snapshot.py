@@ -1,13 +1,8 @@
 """A checkpoint without its data: an Inventory plus config.json <-> a small, deterministic JSON file.
 
-A snapshot (`remapdsl snapshot CKPT -o model.headers.json`) records what the compiler and the
-planner read from a checkpoint (every file's header: keys, dtypes, shapes, data offsets and
-`__metadata__`; the index file used; the files the index ignores; config.json), so CI can check
-rules against a release without downloading its weights. Each file's entry is that file's own
-safetensors header, so reading one back (`open_snapshot`) validates it with the very rules headers
-are validated with (`header.parse_header_object`: dtype codes, shapes, offsets that tile the data
-section), each problem located by its path in the JSON. A snapshot holds no tensor data: what
-needs data refuses one with E331 (`require_data`).
+What the compiler and planner read (each file's header, the index used, the files it ignores,
+config.json), so CI checks rules without a release's weights. Each file's entry is its own
+safetensors header, validated on reading by the header's own rules; data readers refuse one (E331).
 """
 
 from __future__ import annotations
@@ -49,8 +44,7 @@ _FILE_FIELDS = ("data_offset", "header", "nbytes")
 
 
 class SnapshotInventory(Inventory):
-    """The inventory a snapshot file describes: no file of it exists, so `root` is the snapshot
-    file itself, and the config travels with it (`config`, config.json as it was)."""
+    """The inventory a snapshot file describes: `root` is the snapshot file, `config` config.json as it was."""
 
     config: dict[str, Any]
 

@@ -1,9 +1,7 @@
-"""`RuleStorageReader`: a torch.distributed.checkpoint StorageReader that serves `dcp.load` from a
-checkpoint folder through a rule file, every rank reading only its own bytes.
+"""`RuleStorageReader`: a DCP StorageReader serving `dcp.load` from a checkpoint folder through a rule file.
 
-Construction is collective (the rules compiled on every rank, any error a RemapError on all before
-DCP starts). `read_data` turns the planner's requests into one box per runtime tensor and runs one
-remapdsl load plan of them: planning grows with the tensors, not with the requests' rows.
+Construction is collective (any error a RemapError on every rank before DCP starts). `read_data` makes
+the planner's requests one box per runtime tensor and runs one load plan: it grows with the tensors.
 """
 
 from __future__ import annotations
@@ -154,9 +152,8 @@ def _rules_named(rules) -> str:
 
 
 def _rounds(items: list[ReadItem], made) -> list[dict[str, ReadItem]]:
-    """The requests in rounds of at most one request per runtime key, every key's first in the first
-    (DCP's default planner asks once per local shard). A key `made` lacks is E600 (another planner
-    may ask without checking)."""
+    """The requests in rounds of at most one per runtime key, every key's first in the first; a key
+    `made` lacks is E600 (a planner other than DCP's default may ask without checking)."""
     rounds: list[dict[str, ReadItem]] = []
     for item in items:
         made.require(item.dest_index.fqn)

@@ -1,10 +1,8 @@
 """How long a rank waits for the others, and over which group.
 
-Control exchanges (CPU tensors) go over the default group when it has a CPU backend, else over one
-gloo group of the same ranks (`control_group`). Every wait is bounded by the call's `timeout=`
-(`bounded`), not the group's: a rank waiting past ARRIVAL_SECONDS notes it in the store, so that past
-the bound the ranks that never arrived are named (E415, `late`); after a failed collective, the
-survivors name the lost ranks the same way (`roll_call`).
+Every wait is bounded by the call's `timeout=`, not the group's: a rank waiting past ARRIVAL_SECONDS
+notes it in the store, so past the bound the ranks that never arrived are named (E415); after a failed
+collective the survivors name the lost ranks the same way (`roll_call`).
 """
 
 from __future__ import annotations

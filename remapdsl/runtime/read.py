@@ -1,10 +1,8 @@
 """A rank's LoadPlan + its local tensors -> the tensors filled from the checkpoint files.
 
-Each item reads exactly its byte runs: straight into tensor memory when they are its region as it is
-(no value step, contiguous, source order); else many short runs are copied from the mapped file, a few
-read into a staging buffer, then placed through a strided view with their value steps. A piece of a
-logical tensor decodes its parts' covering boxes. A device tensor's bytes go through the pinned
-staging rings (runtime/staging.py); value steps and placement then run on the device.
+Each item reads exactly its byte runs: straight into tensor memory where they are its region as it is;
+else copied from the mapped file or read into staging, then placed through a strided view with its
+value steps. A device tensor's bytes go through the pinned staging rings (staging.py).
 """
 
 from __future__ import annotations
@@ -30,12 +28,9 @@ from .staging import STAGING, Rings, StagingRing, run_pieces, tensor_pieces
 
 def run_load_plan(plan: LoadPlan, inventory: Inventory, tensors: Mapping[str, torch.Tensor],
                   threads: int = 2, reader: CheckpointReader | None = None, rings: Rings | None = None) -> None:
-    """Execute one rank's plan into its local tensors. Items that continue each other in the file and
-    in memory are read with one call, cut into chunks of at most CHUNK bytes, each run by one of
-    `threads` reader threads into its own region; units under SMALL_UNIT run on this thread (their
-    Python work dominates). `reader`: where the bytes come from (default `inventory`'s files).
-    `rings`: a caller's staging rings, kept over several plans; by default made and closed here, so
-    every copy has finished when this returns, on success and failure alike."""
+    """Execute one rank's plan into its local tensors on `threads` reader threads. `reader`: where the
+    bytes come from (default `inventory`'s files); `rings`: a caller's staging rings, kept over several
+    plans, else made and closed here, so every copy has finished when this returns, failing or not."""
     own = rings is None
     rings = Rings(STAGING) if own else rings
     with reader or CheckpointReader(inventory) as reader, torch.no_grad():

@@ -1,8 +1,7 @@
 """Bounded host staging for bytes bound for a device: a ring of reused pinned buffers, never one a read.
 
-A `StagingRing` holds at most `buffers` buffers of `buffer_bytes`, allocated on first use and reused
-once the asynchronous copy out of each has finished (a CUDA event says when): a rank pins at most the
-bound, whatever it loads. Each reader thread has its own ring (`Rings`), waiting only for its own copies.
+Each buffer is reused once its asynchronous copy finished (a CUDA event says when), so a rank pins at
+most the bound whatever it loads; each reader thread has its own ring, waiting only for its own copies.
 """
 
 from __future__ import annotations
