@@ -131,13 +131,8 @@ class Inventory(BaseModel):
         return os.path.join(self.root, *file.split("/"))
 
     @classmethod
-    def from_shapes(
-        cls,
-        entries: Mapping[str, tuple[str, Sequence[int]]],
-        *,
-        root: str = "/synthetic",
-        file: str = "model.safetensors",
-    ) -> Inventory:
+    def from_shapes(cls, entries: Mapping[str, tuple[str, Sequence[int]]], *, root: str = "/synthetic",
+                    file: str = "model.safetensors") -> Inventory:
         """A synthetic inventory: one file holding `entries` (ckpt_key -> (dtype, shape)), no file on disk.
 
         Tensors are laid out in key order, back to back, as a writer would; for compiler benchmarks and
@@ -158,15 +153,11 @@ class Inventory(BaseModel):
                 diags.append(_diag("E306", f"tensor `{ckpt_key}`: unknown dtype `{dtype_name}`", root, hint))
                 continue
             if not is_shape(shape):
-                diags.append(
-                    _diag("E307", f"tensor `{ckpt_key}`: shape {list(shape)} is not non-negative ints", root)
-                )
+                diags.append(_diag("E307", f"tensor `{ckpt_key}`: shape {list(shape)} is not non-negative ints", root))
                 continue
             nbytes = tensor_nbytes(dtype, shape)
             if nbytes is None:
-                diags.append(
-                    _diag("E309", f"tensor `{ckpt_key}`: {dtype.name} {list(shape)} is not whole bytes", root)
-                )
+                diags.append(_diag("E309", f"tensor `{ckpt_key}`: {dtype.name} {list(shape)} is not whole bytes", root))
                 continue
             tensors[ckpt_key] = TensorInfo(ckpt_key, file, dtype.name, shape, offset, nbytes)
             offset += nbytes
@@ -205,26 +196,17 @@ def open_inventory(path: str | os.PathLike[str]) -> Inventory:
     elif not os.path.exists(path):
         raise CheckpointError(_diag("E301", "no such file or folder", path))
     else:
-        raise CheckpointError(
-            _diag("E320", "not a checkpoint: expected a folder, an index file or a .safetensors file", path)
-        )
+        raise CheckpointError(_diag("E320", "not a checkpoint: expected a folder, an index file or a "
+                                    ".safetensors file", path))
     present = _safetensors_in(root)
     if index_file is None:
         if not present:
-            raise CheckpointError(
-                _diag(
-                    "E320",
-                    f"no `{DEFAULT_INDEX}` and no `*{SUFFIX}` file in the folder",
-                    root,
-                    "point at the folder that holds the model's safetensors files",
-                )
-            )
+            raise CheckpointError(_diag("E320", f"no `{DEFAULT_INDEX}` and no `*{SUFFIX}` file in the folder", root,
+                                        "point at the folder that holds the model's safetensors files"))
         return _assemble(root, present, None, None, ())
     weight_map = _read_index(root, index_file)
-    named_set = set(weight_map.values())
-    named = sorted(named_set)
-    ignored = tuple(name for name in present if name not in named_set)
-    return _assemble(root, named, index_file, weight_map, ignored)
+    named = set(weight_map.values())
+    return _assemble(root, sorted(named), index_file, weight_map, tuple(n for n in present if n not in named))
 
 
 def listing(path: str | os.PathLike[str]) -> list:
@@ -252,14 +234,8 @@ def _find_index(root: str) -> str | None:
     if DEFAULT_INDEX in found:
         return DEFAULT_INDEX
     if len(found) > 1:
-        raise CheckpointError(
-            _diag(
-                "E327",
-                f"{len(found)} index files and none is `{DEFAULT_INDEX}`: {', '.join(found)}",
-                root,
-                "open the index file you mean instead of the folder",
-            )
-        )
+        raise CheckpointError(_diag("E327", f"{len(found)} index files and none is `{DEFAULT_INDEX}`: "
+                                    f"{', '.join(found)}", root, "open the index file you mean instead of the folder"))
     return found[0] if found else None
 
 
@@ -270,38 +246,22 @@ def _read_index(root: str, index_file: str) -> dict[str, str]:
         with open(path, "rb") as f:
             raw = f.read(MAX_HEADER_NBYTES + 1)
     except OSError as exc:
-        raise CheckpointError(
-            _diag("E301", f"{index_file}: cannot read the index ({exc.strerror})", path)
-        ) from None
+        raise CheckpointError(_diag("E301", f"{index_file}: cannot read the index ({exc.strerror})", path)) from None
     if len(raw) > MAX_HEADER_NBYTES:
-        raise CheckpointError(
-            _diag("E321", f"{index_file}: index is larger than {MAX_HEADER_NBYTES} bytes", path)
-        )
+        raise CheckpointError(_diag("E321", f"{index_file}: index is larger than {MAX_HEADER_NBYTES} bytes", path))
     try:
         index = load_json_object(raw, "the index")
     except ValueError as exc:
         raise CheckpointError(_diag("E321", f"{index_file}: {exc}", path)) from None
     weight_map = index.get("weight_map")
     if not isinstance(weight_map, dict) or not weight_map:
-        raise CheckpointError(
-            _diag(
-                "E321",
-                f"{index_file}: expected a non-empty object `weight_map` of tensor key to file name",
-                path,
-            )
-        )
+        raise CheckpointError(_diag("E321", f"{index_file}: expected a non-empty object `weight_map` of tensor "
+                                    "key to file name", path))
     diags = [_diag("E321", f"{index_file}: tensor `{ckpt_key}` maps to {name!r}, not a file name", path)
              for ckpt_key, name in weight_map.items() if not isinstance(name, str)]
-    diags.extend(
-        _diag(
-            "E322",
-            f"{index_file}: file name `{name}` (for tensor `{ckpt_key}`) {why}",
-            path,
-            "index file names must be relative names inside the checkpoint folder",
-        )
-        for name, ckpt_key in _first_key_per_file(weight_map)
-        if isinstance(name, str) and (why := _unsafe_name(name))
-    )
+    diags.extend(_diag("E322", f"{index_file}: file name `{name}` (for tensor `{ckpt_key}`) {why}", path,
+                       "index file names must be relative names inside the checkpoint folder")
+                 for name, ckpt_key in _first_key_per_file(weight_map) if (why := _unsafe_name(name)))
     if diags:
         raise CheckpointError(diags)
     return weight_map
@@ -330,13 +290,8 @@ def _unsafe_name(name: str) -> str | None:
     return None
 
 
-def _assemble(
-    root: str,
-    files: list[str],
-    index_file: str | None,
-    weight_map: dict[str, str] | None,
-    ignored: tuple[str, ...],
-) -> Inventory:
+def _assemble(root: str, files: list[str], index_file: str | None, weight_map: dict[str, str] | None,
+              ignored: tuple[str, ...]) -> Inventory:
     """Read every file's header and cross-check keys between files and against the index."""
     diags: list[Diagnostic] = []
     headers: dict[str, Header] = {}
@@ -344,14 +299,8 @@ def _assemble(
     for name in files:
         path = os.path.join(root, *name.split("/"))
         if name in users and not os.path.lexists(path):
-            diags.append(
-                _diag(
-                    "E301",
-                    f"{index_file} names {name} (for tensor `{users[name]}` and maybe more), "
-                    "which does not exist",
-                    path,
-                )
-            )
+            diags.append(_diag("E301", f"{index_file} names {name} (for tensor `{users[name]}` and maybe more), "
+                               "which does not exist", path))
             continue
         try:
             headers[name] = read_header(path, file=name)
@@ -359,53 +308,28 @@ def _assemble(
             diags.extend(exc.diagnostics)
     if not diags and weight_map is None and has_sharding_info(headers):
         return _assemble_chunked(root, headers, ignored)
-    owner: dict[str, str] = {}  # ckpt_key -> its file, made in C: the per-key checks below run only
-    for name, header in headers.items():  # when a key is in two files or the index differs
-        owner.update(dict.fromkeys(header.tensors, name))
-    if not diags and len(owner) == sum(len(h.tensors) for h in headers.values()) \
-            and (weight_map is None or weight_map == owner):
-        return _inventory(root, headers, ignored, index_file)
     where: dict[str, list[str]] = {}
     for name, header in headers.items():
         for ckpt_key in header.tensors:
             where.setdefault(ckpt_key, []).append(name)
     for ckpt_key, names in where.items():
         if len(names) > 1:
-            hint = (
-                "add a model.safetensors.index.json or remove the stray file" if weight_map is None else None
-            )
-            diags.append(
-                _diag(
-                    "E324",
-                    f"tensor `{ckpt_key}` is in {len(names)} files: {', '.join(names)}",
-                    os.path.join(root, names[1]),
-                    hint,
-                )
-            )
+            hint = "add a model.safetensors.index.json or remove the stray file" if weight_map is None else None
+            diags.append(_diag("E324", f"tensor `{ckpt_key}` is in {len(names)} files: {', '.join(names)}",
+                               os.path.join(root, names[1]), hint))
         elif weight_map is not None and weight_map.get(ckpt_key) != names[0]:
             assigned = weight_map.get(ckpt_key)
             said = f"assigns it to {assigned}" if assigned is not None else "does not list it"
-            diags.append(
-                _diag(
-                    "E326",
-                    f"tensor `{ckpt_key}` is in {names[0]}, but {index_file} {said}",
-                    os.path.join(root, names[0]),
-                )
-            )
+            diags.append(_diag("E326", f"tensor `{ckpt_key}` is in {names[0]}, but {index_file} {said}",
+                               os.path.join(root, names[0])))
     if weight_map is not None:
         for ckpt_key, name in weight_map.items():
             # A key found in another file was reported above (E324 or E326); here only keys found nowhere.
             if name in headers and ckpt_key not in where:
                 # Hints cost a fuzzy search over the file's keys: only for the errors that will be shown.
                 hint = did_you_mean(ckpt_key, headers[name].tensors) if len(diags) < MAX_SHOWN else None
-                diags.append(
-                    _diag(
-                        "E325",
-                        f"{index_file} assigns tensor `{ckpt_key}` to {name}, which does not hold it",
-                        os.path.join(root, index_file),
-                        hint,
-                    )
-                )
+                diags.append(_diag("E325", f"{index_file} assigns tensor `{ckpt_key}` to {name}, which does not "
+                                   "hold it", os.path.join(root, index_file), hint))
     if diags:
         raise CheckpointError(diags)
     return _inventory(root, headers, ignored, index_file)
