@@ -158,7 +158,7 @@ def test_small_units_run_on_the_calling_thread_and_large_ones_on_readers(monkeyp
     run = read._run_batch
 
     def recorded(unit, reader, rings):
-        where.append((read._nbytes(unit) >= 4096, threading.current_thread() is threading.main_thread()))
+        where.append((not read._small(unit, rings), threading.current_thread() is threading.main_thread()))
         return run(unit, reader, rings)
 
     monkeypatch.setattr(read, "_run_batch", recorded)

@@ -96,22 +96,21 @@ class Inventory(BaseModel):
         """This inventory at `checkpoint` (default its own root), with each file's modification time as
         this process sees it: for a rank given the headers another read (each node may hold its own
         copy). A file that cannot be looked at keeps its time (opening it for data says why)."""
+        root = self.root
         if checkpoint is not None:
             path = os.path.abspath(os.fspath(checkpoint))
             root = path if os.path.isdir(path) else os.path.dirname(path)
-            if root != self.root:
-                return self.model_copy(update={"root": root}).restamped()
         files = {}
         for name, info in self.files.items():
             if info.mtime_ns is None:
                 files[name] = info
                 continue
             try:
-                mtime_ns = os.stat(self.path(name)).st_mtime_ns
+                mtime_ns = os.stat(os.path.join(root, *name.split("/"))).st_mtime_ns
             except OSError:
                 mtime_ns = info.mtime_ns
             files[name] = info if mtime_ns == info.mtime_ns else info.model_copy(update={"mtime_ns": mtime_ns})
-        return self.model_copy(update={"files": FrozenDict(files)})
+        return self.model_copy(update={"root": root, "files": FrozenDict(files)})
 
     @property
     def metadata(self) -> dict[str, dict[str, str]]:

@@ -167,11 +167,11 @@ def open_snapshot(path: str | os.PathLike) -> SnapshotInventory:
         raise CheckpointError(Diagnostic(code="E301", path=path,
                                          message=f"cannot read the snapshot ({exc.strerror})")) from None
     if len(raw) > MAX_SNAPSHOT_NBYTES:
-        raise _bad(path, "", f"the file is larger than {MAX_SNAPSHOT_NBYTES} bytes")
+        raise CheckpointError(_diag(path, "", f"the file is larger than {MAX_SNAPSHOT_NBYTES} bytes"))
     try:
         obj = load_json_object(raw, "the snapshot")
     except ValueError as exc:
-        raise _bad(path, "", str(exc)) from None
+        raise CheckpointError(_diag(path, "", str(exc))) from None
     return parse_snapshot(obj, path)
 
 
@@ -179,8 +179,8 @@ def parse_snapshot(obj: dict, path: str) -> SnapshotInventory:
     """A decoded snapshot object -> its SnapshotInventory, every field checked."""
     if obj.get("format") != FORMAT or obj.get("version") != VERSION:
         found = f"{json.dumps(obj.get('format'))} version {json.dumps(obj.get('version'))}"[:200]
-        raise _bad(path, "format", f"expected `\"format\": \"{FORMAT}\"` and `\"version\": {VERSION}`, found {found}",
-                   "write it again with `remapdsl snapshot` of this remapdsl")
+        raise CheckpointError(_diag(path, "format", f"expected `\"format\": \"{FORMAT}\"` and `\"version\": "
+                                    f"{VERSION}`, found {found}", "write it again with `remapdsl snapshot` of this remapdsl"))
     diags: list[Diagnostic] = []
     unknown = sorted(set(obj) - set(_FIELDS))
     missing = sorted(set(_FIELDS) - set(obj))
@@ -248,23 +248,19 @@ def _file_info(name: str, entry: object, where: str, path: str, diags: list[Diag
         diags.append(_diag(path, where, f"must be an object with exactly {', '.join(_FILE_FIELDS)}"))
         return None
     nbytes, data_offset, header = entry["nbytes"], entry["data_offset"], entry["header"]
-    ok = True
+    before = len(diags)
     if not (type(data_offset) is int and PREFIX_NBYTES <= data_offset <= PREFIX_NBYTES + MAX_HEADER_NBYTES):
         diags.append(_diag(path, f"{where}.data_offset", f"must be an integer from {PREFIX_NBYTES} to "
                            f"{PREFIX_NBYTES + MAX_HEADER_NBYTES} (8 + the header length), found {_kind(data_offset)}"))
-        ok = False
     if not (type(nbytes) is int and 0 <= nbytes <= MAX_FILE_NBYTES):
         diags.append(_diag(path, f"{where}.nbytes", f"must be an integer from 0 to {MAX_FILE_NBYTES}, "
                            f"found {_kind(nbytes)}"))
-        ok = False
-    elif ok and nbytes < data_offset:
+    elif len(diags) == before and nbytes < data_offset:
         diags.append(_diag(path, f"{where}.nbytes", f"{nbytes} bytes end before the data section at {data_offset}"))
-        ok = False
     if not isinstance(header, dict):
         diags.append(_diag(path, f"{where}.header", f"must be an object (the file's safetensors header), "
                            f"found {_kind(header)}"))
-        ok = False
-    return FileInfo(file=name, nbytes=nbytes, data_offset=data_offset) if ok else None
+    return FileInfo(file=name, nbytes=nbytes, data_offset=data_offset) if len(diags) == before else None
 
 
 def _kind(value: object) -> str:
@@ -275,7 +271,3 @@ def _kind(value: object) -> str:
 def _diag(path: str, where: str, message: str, hint: str | None = None) -> Diagnostic:
     return Diagnostic(code="E330", path=path, hint=hint,
                       message=f"snapshot {where + ': ' if where else ''}{message}")
-
-
-def _bad(path: str, where: str, message: str, hint: str | None = None) -> CheckpointError:
-    return CheckpointError(_diag(path, where, message, hint))

@@ -67,7 +67,7 @@ def _run_units(units: Iterator, reader: CheckpointReader, threads: int, rings: R
             for unit in units:
                 if errors:
                     break
-                if threads <= 1 or (_nbytes(unit) < SMALL_UNIT and not _staged(unit, rings)):
+                if threads <= 1 or _small(unit, rings):
                     _run_batch(unit, reader, rings)
                     continue
                 if not running:
@@ -82,20 +82,14 @@ def _run_units(units: Iterator, reader: CheckpointReader, threads: int, rings: R
         raise errors[0]
 
 
-def _staged(unit, rings: Rings) -> bool:
-    """Whether a unit's bytes go through a staging ring (only items and decodes ever do)."""
-    if isinstance(unit, _Item):
-        return rings.staged(unit.tensor)
-    return isinstance(unit, _Decode) and rings.staged(unit.view)
-
-
-def _nbytes(unit) -> int:
-    """About how many bytes a unit moves (a decode or a staged item: its elements, at 4 bytes)."""
+def _small(unit, rings: Rings) -> bool:
+    """Whether a unit runs on the calling thread: under SMALL_UNIT bytes (an item or a decode: its
+    elements at 4 bytes) and not staged (only items and decodes ever are)."""
     if isinstance(unit, _Scatter):
-        return sum(n for _, n in unit.places)
+        return sum(n for _, n in unit.places) < SMALL_UNIT
     if isinstance(unit, _Direct):
-        return unit.runs.total
-    return 4 * prod(unit.item.sizes)
+        return unit.runs.total < SMALL_UNIT
+    return 4 * prod(unit.item.sizes) < SMALL_UNIT and not rings.staged(unit[1])  # its tensor, or view
 
 
 class _Memory(NamedTuple):
