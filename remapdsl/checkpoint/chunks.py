@@ -53,17 +53,16 @@ def has_sharding_info(headers: Mapping[str, Header]) -> bool:
 
 class Assembled(NamedTuple):
     """Headers made into tensors (a chunked key's TensorInfo: the whole shape at its first chunk), the
-    chunks, the problems and the keys they are about; a key in none of these is in two files."""
+    chunks, and the problems found."""
 
     tensors: dict[str, TensorInfo]
     chunks: dict[str, tuple[Chunk, ...]]
     diagnostics: list[Diagnostic]
-    reported: set[str]
 
 
 def assemble_chunked(headers: Mapping[str, Header], path_of) -> Assembled:
-    """The tensors of headers some of which carry DCP_SHARDING_INFO, every problem found
-    (`path_of(file)`: a file's path for messages)."""
+    """The tensors of headers some of which carry DCP_SHARDING_INFO, every problem found (a key both in
+    a file without sharding info and elsewhere: E324); `path_of(file)`: a file's path for messages."""
     diags: list[Diagnostic] = []
     reported: set[str] = set()
     pieces: dict[str, list[tuple[TensorInfo, tuple[int, ...]]]] = {}
@@ -89,9 +88,8 @@ def assemble_chunked(headers: Mapping[str, Header], path_of) -> Assembled:
     tensors: dict[str, TensorInfo] = {}
     chunks: dict[str, tuple[Chunk, ...]] = {}
     for key, found in plain.items():
-        if key in pieces or len(found) > 1:
-            continue  # in two files: the caller reports it (E324)
-        tensors[key] = found[0]
+        if key not in pieces and len(found) == 1:
+            tensors[key] = found[0]
     for key, found in pieces.items():
         if key in plain or key in reported:
             continue
@@ -103,7 +101,11 @@ def assemble_chunked(headers: Mapping[str, Header], path_of) -> Assembled:
             reported.add(key)
         else:
             tensors[key], chunks[key] = made
-    return Assembled(tensors, chunks, diags, reported)
+    for key in sorted({*plain, *pieces} - tensors.keys() - reported):
+        names = [n for n, h in headers.items() if key in h.tensors]
+        diags.append(_diag("E324", f"tensor `{key}` is in {len(names)} files: {', '.join(names)}, "
+                           "not all of them DCP-sharded", path_of(names[-1])))
+    return Assembled(tensors, chunks, diags)
 
 
 def _sharding_info(name: str, header: Header, path: str, diags: list[Diagnostic]) -> dict | None | bool:

@@ -305,8 +305,11 @@ def _assemble(root: str, files: list[str], index_file: str | None, weight_map: d
             headers[name] = read_header(path, file=name)
         except CheckpointError as exc:
             diags.extend(exc.diagnostics)
-    if not diags and weight_map is None and has_sharding_info(headers):
-        return _assemble_chunked(root, headers, ignored)
+    if not diags and weight_map is None and has_sharding_info(headers):  # DCP's writer: tensors of chunks
+        made = assemble_chunked(headers, lambda name: os.path.join(root, *name.split("/")))
+        if made.diagnostics:
+            raise CheckpointError(made.diagnostics)
+        return _inventory(root, headers, ignored, None, made.tensors, made.chunks)
     where: dict[str, list[str]] = {}
     for name, header in headers.items():
         for ckpt_key in header.tensors:
@@ -332,20 +335,6 @@ def _assemble(root: str, files: list[str], index_file: str | None, weight_map: d
     if diags:
         raise CheckpointError(diags)
     return _inventory(root, headers, ignored, index_file)
-
-
-def _assemble_chunked(root: str, headers: dict[str, Header], ignored: tuple[str, ...]) -> Inventory:
-    """A folder written by DCP's distributed safetensors writer: each key one tensor of chunks; a
-    key both in a file without sharding info and elsewhere is still in two files (E324)."""
-    made = assemble_chunked(headers, lambda name: os.path.join(root, *name.split("/")))  # paths: for errors
-    diags = made.diagnostics
-    for ckpt_key in sorted({k for h in headers.values() for k in h.tensors} - set(made.tensors) - made.reported):
-        names = [n for n, h in headers.items() if ckpt_key in h.tensors]
-        diags.append(_diag("E324", f"tensor `{ckpt_key}` is in {len(names)} files: {', '.join(names)}, "
-                           "not all of them DCP-sharded", os.path.join(root, names[-1])))
-    if diags:
-        raise CheckpointError(diags)
-    return _inventory(root, headers, ignored, None, made.tensors, made.chunks)
 
 
 def _inventory(root: str, headers: dict[str, Header], ignored: tuple[str, ...], index_file: str | None,

@@ -224,18 +224,16 @@ def parse_snapshot(obj: dict, path: str) -> SnapshotInventory:
     chunks: dict = {}
     if not diags and has_sharding_info(headers):  # a DCP-sharded folder: its keys are in several files
         made = assemble_chunked(headers, lambda name: path)
-        tensors, chunks = dict(made.tensors), made.chunks
+        tensors, chunks = made.tensors, made.chunks
         diags.extend(d.model_copy(update={"message": f"snapshot: {d.message}"}) for d in made.diagnostics)
-        headers = {n: h.model_copy(update={"tensors": {k: t for k, t in h.tensors.items()
-                                                       if k not in tensors and k not in made.reported}})
-                   for n, h in headers.items()}
-    for name, header in headers.items():
-        where = f"files[{json.dumps(name)}]"
-        for ckpt_key, t in header.tensors.items():
-            if ckpt_key in tensors:
-                diags.append(Diagnostic(code="E324", path=path, message=f"snapshot {where}.header: tensor "
-                                        f"`{ckpt_key}` is also in files[{json.dumps(tensors[ckpt_key].file)}]"))
-            tensors[ckpt_key] = t
+    else:
+        for name, header in headers.items():
+            for ckpt_key, t in header.tensors.items():
+                if ckpt_key in tensors:
+                    diags.append(Diagnostic(code="E324", path=path, message=f"snapshot files[{json.dumps(name)}]"
+                                            f".header: tensor `{ckpt_key}` is also in "
+                                            f"files[{json.dumps(tensors[ckpt_key].file)}]"))
+                tensors[ckpt_key] = t
     if diags:
         raise CheckpointError(diags)
     return SnapshotInventory(root=path, tensors=tensors, files=infos, ignored_files=tuple(ignored),

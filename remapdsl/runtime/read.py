@@ -108,7 +108,8 @@ def _memory(tensor: torch.Tensor, staged: bool) -> _Memory:
     direct = tensor.is_cpu and tensor.is_contiguous() and not staged
     shape, itemsize = tuple(tensor.shape), tensor.element_size()
     steps = tuple(itemsize * n for n in row_major_strides(shape))
-    return _Memory(tensor.data_ptr() if direct else None, str(tensor.dtype).removeprefix("torch."), shape, steps, itemsize,
+    name = str(tensor.dtype).removeprefix("torch.")
+    return _Memory(tensor.data_ptr() if direct else None, name, shape, steps, itemsize,
                    steps[0] * shape[0] if shape else itemsize)
 
 
