@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import fields
+from functools import cache
 from typing import Any
 
 from pydantic import GetCoreSchemaHandler
@@ -26,7 +27,9 @@ def record_schema(cls: type, source: Any, handler: GetCoreSchemaHandler,
         python_schema=core_schema.union_schema([core_schema.is_instance_schema(cls), made], mode="left_to_right"))
 
 
-_INIT_FIELDS: dict[type, tuple[str, ...]] = {}
+@cache
+def _init_fields(cls: type) -> tuple[str, ...]:
+    return tuple(f.name for f in fields(cls) if f.init)
 
 
 class Pickled:
@@ -35,8 +38,4 @@ class Pickled:
     __slots__ = ()
 
     def __reduce__(self):
-        cls = type(self)
-        names = _INIT_FIELDS.get(cls)
-        if names is None:
-            names = _INIT_FIELDS[cls] = tuple(f.name for f in fields(cls) if f.init)
-        return cls, tuple(map(self.__getattribute__, names))
+        return type(self), tuple(map(self.__getattribute__, _init_fields(type(self))))

@@ -33,13 +33,10 @@ def as_byte_view(buffer: object) -> memoryview:
         return buffer  # already one
     if hasattr(buffer, "data_ptr") and hasattr(buffer, "is_contiguous"):  # a torch tensor, without importing torch
         if buffer.device.type != "cpu" or not buffer.is_contiguous():
-            raise ValueError(
-                f"need a contiguous CPU tensor, got {buffer.device.type} tensor, stride {buffer.stride()}"
-            )
+            raise ValueError(f"need a contiguous CPU tensor, got {buffer.device.type} tensor, "
+                             f"stride {buffer.stride()}")
         nbytes = buffer.numel() * buffer.element_size()
-        if nbytes == 0:
-            return memoryview(bytearray())
-        return memoryview((ctypes.c_ubyte * nbytes).from_address(buffer.data_ptr())).cast("B")
+        return bytes_at(buffer.data_ptr(), nbytes) if nbytes else memoryview(bytearray())
     view = memoryview(buffer)  # type: ignore[arg-type]
     if view.readonly:
         raise ValueError("the destination buffer is read-only")
@@ -48,11 +45,14 @@ def as_byte_view(buffer: object) -> memoryview:
     return view.cast("B")
 
 
-class CheckpointReader:
-    """Reads byte ranges of one inventory's files; opens each file once, on first use.
+def bytes_at(address: int, nbytes: int) -> memoryview:
+    """A writable byte view of `nbytes` of memory at `address` (a tensor's)."""
+    return memoryview((ctypes.c_ubyte * nbytes).from_address(address)).cast("B")
 
-    Use as a context manager (or call `close()`). Ranges are absolute file offsets, as in TensorInfo.
-    """
+
+class CheckpointReader:
+    """Reads byte ranges (absolute file offsets) of one inventory's files, opening each on first use;
+    a context manager (or call `close()`)."""
 
     def __init__(self, inventory: Inventory):
         self.inventory = inventory
@@ -63,9 +63,8 @@ class CheckpointReader:
     def __enter__(self) -> CheckpointReader:
         return self
 
-    def __exit__(
-        self, kind: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
-    ) -> None:
+    def __exit__(self, kind: type[BaseException] | None, exc: BaseException | None,
+                 tb: TracebackType | None) -> None:
         self.close()
 
     def close(self) -> None:
@@ -94,10 +93,8 @@ class CheckpointReader:
             return self._maps[file]
 
     def read_into(self, file: str, byte_offset: int, buffer: object) -> int:
-        """Fill buffer with the bytes of `file` from byte_offset on; returns how many (the buffer's size).
-
-        The range must lie in the file's data section (it may span several adjacent tensors).
-        """
+        """Fill buffer with the bytes of `file` from byte_offset on (inside its data section, perhaps over
+        several tensors); returns how many."""
         view = as_byte_view(buffer)
         self._check_range(file, byte_offset, byte_offset + view.nbytes)
         self._read_fully(file, [view], byte_offset, view.nbytes)
@@ -195,9 +192,6 @@ class CheckpointReader:
 
     def _fd(self, file: str) -> int:
         """The open descriptor of file, opened now if needed, after checking its size is still the same."""
-        fd = self._fds.get(file)  # opened before: no lock (a dict read is atomic)
-        if fd is not None:
-            return fd
         with self._lock:
             fd = self._fds.get(file)
             if fd is not None:

@@ -7,7 +7,6 @@ value steps. A device tensor's bytes go through the pinned staging rings (stagin
 
 from __future__ import annotations
 
-import ctypes
 import itertools
 from collections.abc import Iterator, Mapping
 from concurrent.futures import ThreadPoolExecutor
@@ -260,20 +259,15 @@ def _run_decode(unit: _Decode, reader: CheckpointReader, rings: Rings) -> None:
     view.copy_(apply_steps(out.view(-1).as_strided(item.sizes, item.strides, item.offset), item.steps))
 
 
-def _bytes_at(address: int, nbytes: int) -> memoryview:
-    """A writable byte view of `nbytes` of memory at `address` (runtime tensor memory)."""
-    return memoryview((ctypes.c_ubyte * nbytes).from_address(address)).cast("B")
-
-
 def _run_batch(batch, reader: CheckpointReader, rings: Rings) -> None:
     """Run one unit of work."""
     if isinstance(batch, _Decode):
         return _run_decode(batch, reader, rings)
     if isinstance(batch, _Scatter):  # straight into the runtime tensor's memory, one call
-        reader.scatter_into(batch.file, batch.first, [_bytes_at(a, n) for a, n in batch.places])
+        reader.scatter_into(batch.file, batch.first, [files.bytes_at(a, n) for a, n in batch.places])
         return None
     if isinstance(batch, _Direct):  # straight into the runtime tensor's memory
-        reader.read_runs_into(batch.file, batch.runs, _bytes_at(batch.address, batch.runs.total))
+        reader.read_runs_into(batch.file, batch.runs, files.bytes_at(batch.address, batch.runs.total))
         return None
     item, tensor = batch
     view = region(tensor, item)
