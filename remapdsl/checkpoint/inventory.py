@@ -84,9 +84,8 @@ class Inventory(BaseModel):
         return self
 
     def __reduce__(self):
-        """Pickled as columns: rank 0 sends the inventory to every rank, and one list per column
-        pickles and unpickles several times faster than a record per tensor. A subclass's own
-        fields (a snapshot's config) travel beside them."""
+        """Pickled as columns (rank 0 sends it to every rank: several times faster than a record per
+        tensor), a subclass's own fields (a snapshot's config) beside them."""
         columns = tuple(map(list, zip(*self.tensors.values()))) or tuple([] for _ in TensorInfo._fields)
         extra = {name: getattr(self, name) for name in type(self).model_fields if name not in Inventory.model_fields}
         return _from_columns, (type(self), self.root, dict(self.files), self.ignored_files, self.index_file,
@@ -339,8 +338,7 @@ def _assemble(root: str, files: list[str], index_file: str | None, weight_map: d
 
 def _inventory(root: str, headers: dict[str, Header], ignored: tuple[str, ...], index_file: str | None,
                tensors: dict[str, TensorInfo] | None = None, chunks: dict | None = None) -> Inventory:
-    """The inventory of checked headers whose keys are in one file each (or `tensors` and their
-    `chunks`, checked by remapdsl/checkpoint/chunks.py)."""
+    """The inventory of checked headers (or of `tensors` and their `chunks`, checked by chunks.py)."""
     if tensors is None:
         tensors = {k: t for header in headers.values() for k, t in header.tensors.items()}
     return Inventory(root=root, tensors=tensors, files={name: header.info for name, header in headers.items()},

@@ -93,8 +93,8 @@ def require_data(checkpoint: object, what: str) -> None:
 
 
 def snapshot_of(checkpoint: str | os.PathLike | Inventory, config: Mapping[str, Any] | None = None) -> dict:
-    """The snapshot of a checkpoint (folder, index, `.safetensors` file, snapshot or Inventory) as a
-    JSON-ready dict; `config` by default the checkpoint's config.json."""
+    """The snapshot of a checkpoint (as `open_checkpoint` takes it) as a JSON-ready dict; `config` by
+    default its config.json."""
     if isinstance(checkpoint, Inventory):
         inventory = checkpoint
     else:

@@ -39,8 +39,7 @@ class RuntimeTensors(dict):
 
 
 def runtime_metadata(compiled: Compiled, checkpoint: str, rules: str) -> Metadata:
-    """The Metadata of every runtime tensor of `compiled`, each one whole chunk (`checkpoint` and
-    `rules`, in words, are named by its messages)."""
+    """The Metadata of every runtime tensor of `compiled`, each one whole chunk (`checkpoint`, `rules`: for messages)."""
     entries = {}
     for d in compiled.runtime_tensors:
         dtype = getattr(torch, d.dtype, None)

@@ -80,9 +80,8 @@ def bounded_iter(items: Iterator[T], timeout) -> Iterator[T]:
 
 
 def control_group():
-    """The group control exchanges go over: None (the default group) when that has a CPU backend or
-    there is no group, else a gloo group over the same ranks, made once per default group. The ranks
-    first meet in the store, so a rank that never arrives is named (E415) instead of blocking its creation."""
+    """The group control exchanges go over: None (the default group) when it has a CPU backend, else a
+    gloo group of its ranks, made once after they meet in the store (a rank that never comes: E415)."""
     global _control, _GROUPS_MADE
     if not (dist.is_available() and dist.is_initialized()):
         return None

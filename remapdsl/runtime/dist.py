@@ -79,9 +79,8 @@ class Agreement(NamedTuple):
 
 
 def together(fn: Callable[[], T], agree_on: Agreement | None = None, phase: str = "a phase") -> T:
-    """Run one phase on every rank; if any rank fails, all raise the same error naming the ranks.
-    With `agree_on`, results whose digests differ are E410 on every rank, saying what differs,
-    instead of a hang or a silently different result."""
+    """Run one phase on every rank; if any rank fails, all raise the same error naming the ranks. With
+    `agree_on`, results whose digests differ are E410 on every rank, saying what differs."""
     error: BaseException | None = None
     result = digests = None
     try:

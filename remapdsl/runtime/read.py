@@ -92,8 +92,7 @@ def _small(unit, rings: Rings) -> bool:
 
 
 class _Memory(NamedTuple):
-    """A runtime tensor as the work list needs it, read once: its first byte's address (None unless a
-    contiguous, unstaged CPU tensor), dtype name, shape, bytes per step along each dim, size in bytes."""
+    """A runtime tensor as the work list needs it, read once (`address`: None unless contiguous, unstaged, CPU)."""
 
     address: int | None
     dtype: str
@@ -173,8 +172,7 @@ class _Item(NamedTuple):
 
 def _work(items, tensors, staged: bool) -> Iterator:
     """The units of work of the plain items, in file order: direct reads (items continuing each other
-    in the file merged, cut into chunks), and the others as they are (all, with `staged`). No view is
-    made here: addresses are computed from offsets."""
+    in the file merged, cut into chunks), and the others as they are (all, with `staged`)."""
     memories: dict[str, _Memory] = {}
     merged: list | None = None  # [file, first byte, bytes, places] of the open single-range read
     for item in items:

@@ -17,10 +17,9 @@ from ..errors import Diagnostic, RemapError
 
 
 class Staging(NamedTuple):
-    """How device-bound bytes are staged: `buffers` buffers of `buffer_bytes` per reader thread, pinned
-    (`pin`) when CUDA is there. `everything` routes CPU destinations through the ring too (for tests).
-    2 MiB buffers stay in the CPU's cache yet keep the copy engine busy (bench/staging_bench.py); four
-    a thread let reads run ahead of the copies."""
+    """`buffers` buffers of `buffer_bytes` per reader thread, pinned when CUDA is there (`everything`: CPU
+    destinations too, for tests). 2 MiB stays in the CPU's cache yet keeps the copy engine busy
+    (bench/staging_bench.py); four a thread let reads run ahead of the copies."""
 
     buffer_bytes: int = 2 << 20
     buffers: int = 4
@@ -58,9 +57,8 @@ Piece = tuple[int, Callable[[torch.Tensor], object]]
 
 
 class StagingRing:
-    """At most `buffers` host buffers of `buffer_bytes`; `upload` fills them in turn and copies each to
-    its place in a destination (asynchronously to a CUDA device). `allocated`: bytes of buffers made;
-    `in_flight`: copies not known finished. `close` waits for every copy, so none outlives its call."""
+    """At most `buffers` host buffers; `upload` fills them in turn and copies each to its place (to a CUDA
+    device asynchronously); `close` waits for every copy, so none outlives its call."""
 
     def __init__(self, staging: Staging = STAGING, event: Callable[[torch.device], object] | None = None):
         if staging.buffer_bytes < 1 or staging.buffers < 1:
@@ -126,9 +124,8 @@ class StagingRing:
 
 
 class Rings:
-    """The staging rings of a call, one per reader thread at a time: a thread takes one (idle, or new)
-    at its first staged item and hands it back when it stops (`release`), so several plans run with the
-    same `Rings` make no more rings than threads run at once. `close` waits for every copy."""
+    """The staging rings of a call: a thread takes one (idle, or new) at its first staged item and hands it
+    back when it stops (`release`), so there are never more rings than threads at once."""
 
     def __init__(self, staging: Staging = STAGING):
         self.staging = staging
@@ -172,8 +169,7 @@ class Rings:
         return len(self._made)
 
     def close(self) -> None:
-        """Wait for every copy in flight, then for the device's work on them, so the tensors are ready
-        on any stream."""
+        """Wait for every copy and the device's work on it, so the tensors are ready on any stream."""
         for ring in self._made:
             ring.close()
         if self._made and torch.cuda.is_available() and torch.cuda.is_initialized():

@@ -18,9 +18,8 @@ from .pieces import apply_steps, read_part, region, torch_dtype
 
 def run_write_plan(plan: WritePlan, writer, tensors: Mapping[str, torch.Tensor], threads: int = 2,
                    reader: CheckpointReader | None = None) -> None:
-    """Write one rank's pieces on `threads` threads, no two on one byte: each gathered into source order
-    (or straight from memory when it is), its value steps undone, written run by run. A piece of a
-    dequantized tensor is encoded with the scales `reader` reads from its checkpoint."""
+    """Write one rank's pieces on `threads` threads, each gathered into source order (or straight from
+    memory), its value steps undone; a dequantized one encoded with the scales `reader` reads."""
     with torch.no_grad():
         work = [(item, region(tensors[item.runtime_key], item)) for item in (*plan.items, *plan.encodes)]
 
