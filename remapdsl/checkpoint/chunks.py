@@ -154,11 +154,7 @@ def _chunked(key: str, found: list, path_of, diags: list[Diagnostic]) -> tuple[T
         diags.append(_diag("E352", f"tensor `{key}`: its chunks have different numbers of dims ({shown})",
                            path_of(first.file)))
         return None
-    ends = [0] * rank
-    for t, offsets in found:
-        for k, (o, n) in enumerate(zip(offsets, t.shape)):
-            ends[k] = max(ends[k], o + n)
-    shape = tuple(ends)
+    shape = tuple(max(offsets[k] + t.shape[k] for t, offsets in found) for k in range(rank))  # where they end
     chunks = sorted((Chunk(t.file, t.byte_offset, offsets, tuple(t.shape)) for t, offsets in found
                      if prod(t.shape)), key=lambda c: (c.offsets, c.file))
     covered = sum(prod(c.sizes) for c in chunks)

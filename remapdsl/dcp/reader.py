@@ -72,14 +72,10 @@ class RuleStorageReader(StorageReader):
         path = os.fspath(path)
         with bounds.bounded(self._timeout), frozen_heap():
             rules = rules_for(self._rules, path, self._config)  # `auto`: chosen and logged as load does
-            self._inventory, self._compiled, _ = prepare_everywhere(rules, path, self._config, self._strict)
-            self._metadata = runtime_metadata(self._compiled, path, _rules_named(rules))  # the runtime layout
+            # `compiled`: the rules compiled against the checkpoint, the `Compiled` the metadata presents
+            self._inventory, self.compiled, _ = prepare_everywhere(rules, path, self._config, self._strict)
+            self._metadata = runtime_metadata(self.compiled, path, _rules_named(rules))  # the runtime layout
         self.checkpoint_id: str | os.PathLike = path
-
-    @property
-    def compiled(self):
-        """The rules compiled against the checkpoint: the `Compiled` the metadata presents."""
-        return self._compiled
 
     # ------------------------------------------------------------------ StorageReader, in call order
 
@@ -106,7 +102,24 @@ class RuleStorageReader(StorageReader):
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
         """Read every request of `plan` into the tensors `planner` resolves, then commit them."""
         with frozen_heap():  # a RemapError raised here crosses DCP's exchange pickled, intact
-            self.report = self._read(plan, planner)
+            start = time.perf_counter()
+            rounds = _rounds(plan.items, self._metadata.state_dict_metadata)
+            read = owned = 0
+            rings = Rings(self._staging)  # one staging ring per reader thread, over every round
+            for requests in rounds:  # one round unless a key is asked for in several pieces
+                views = {key: planner.resolve_tensor(item) for key, item in requests.items()}
+                held = {key: _shard(item) for key, item in requests.items()}
+                _check_views(views, held, self.compiled)
+                load_plan = make_load_plan(self.compiled, self._inventory, held, dist.rank())
+                try:
+                    run_load_plan(load_plan, self._inventory, views, rings=rings)
+                finally:
+                    rings.close()  # every copy to a device finished before the planner commits the views
+                for key, item in requests.items():
+                    planner.commit_tensor(item, views[key])
+                read, owned = read + load_plan.bytes_read, owned + load_plan.bytes_owned
+            self.report = ReadReport(len(plan.items), len({k for r in rounds for k in r}), read, owned,
+                                     time.perf_counter() - start)
         done: Future[None] = Future()
         done.set_result(None)
         return done
@@ -118,28 +131,6 @@ class RuleStorageReader(StorageReader):
         if os.path.isdir(path):
             return any(name.endswith(".safetensors") for name in os.listdir(path))
         return os.path.isfile(path) and path.endswith((".safetensors", ".safetensors.index.json"))
-
-    # ------------------------------------------------------------------------------------ the reads
-
-    def _read(self, plan: LoadPlan, planner: LoadPlanner) -> ReadReport:
-        start = time.perf_counter()
-        rounds = _rounds(plan.items, self._metadata.state_dict_metadata)
-        read = owned = 0
-        rings = Rings(self._staging)  # one staging ring per reader thread, over every round
-        for requests in rounds:  # one round unless a key is asked for in several pieces
-            views = {key: planner.resolve_tensor(item) for key, item in requests.items()}
-            held = {key: _shard(item) for key, item in requests.items()}
-            _check_views(views, held, self._compiled)
-            load_plan = make_load_plan(self._compiled, self._inventory, held, dist.rank())
-            try:
-                run_load_plan(load_plan, self._inventory, views, rings=rings)
-            finally:
-                rings.close()  # every copy to a device finished before the planner commits the views
-            for key, item in requests.items():
-                planner.commit_tensor(item, views[key])
-            read, owned = read + load_plan.bytes_read, owned + load_plan.bytes_owned
-        return ReadReport(len(plan.items), len({k for r in rounds for k in r}), read, owned,
-                          time.perf_counter() - start)
 
 
 def _rules_named(rules) -> str:

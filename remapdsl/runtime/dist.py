@@ -93,7 +93,7 @@ def together(fn: Callable[[], T], agree_on: Agreement | None = None, phase: str 
             raise error
         return result
     mine = (_report(error), None) if error is not None else (None, digests)
-    gathered = [pickle.loads(b) for b in _all_gather_bytes(_dumps(mine), phase)]
+    gathered = gather_all(mine, phase)
     failed = [(r, report) for r, (report, _) in enumerate(gathered) if report is not None]
     if failed:
         _raise(failed, len(gathered))
