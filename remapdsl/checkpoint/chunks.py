@@ -83,7 +83,11 @@ def assemble_chunked(headers: Mapping[str, Header], path_of) -> Assembled:
                                                                               for o in offsets):
                 pieces.setdefault(key, []).append((t, tuple(offsets)))
             else:
-                _bad_offsets(entry, t, path_of(name), diags)
+                given = "no entry" if entry is None else json.dumps(entry)[:80]
+                diags.append(_diag("E354", f"{t.file}: `{SHARDING_INFO}` for tensor `{key}` {list(t.shape)} must be "
+                                   f"{{\"{SAVED_OFFSETS}\": [{len(t.shape)} non-negative ints]}}, found {given}",
+                                   path_of(name), "the file was not written whole by torch.distributed.checkpoint's "
+                                   "HuggingFaceStorageWriter; write the checkpoint again"))
                 reported.add(key)
     tensors: dict[str, TensorInfo] = {}
     chunks: dict[str, tuple[Chunk, ...]] = {}
@@ -129,15 +133,6 @@ def _sharding_info(name: str, header: Header, path: str, diags: list[Diagnostic]
                            f"{f' and {len(stray) - 1} more' if len(stray) > 1 else ''}, which the file does not hold",
                            path))
     return info
-
-
-def _bad_offsets(entry: object, t: TensorInfo, path: str, diags: list[Diagnostic]) -> None:
-    """A piece whose saved_offsets are not one non-negative int per dim of its shape (E354)."""
-    found = "no entry" if entry is None else f"{json.dumps(entry)[:80]}"
-    diags.append(_diag("E354", f"{t.file}: `{SHARDING_INFO}` for tensor `{t.ckpt_key}` {list(t.shape)} must be "
-                       f"{{\"{SAVED_OFFSETS}\": [{len(t.shape)} non-negative ints]}}, found {found}", path,
-                       "the file was not written whole by torch.distributed.checkpoint's "
-                       "HuggingFaceStorageWriter; write the checkpoint again"))
 
 
 def _chunked(key: str, found: list, path_of, diags: list[Diagnostic]) -> tuple[TensorInfo, tuple[Chunk, ...]] | None:

@@ -173,9 +173,11 @@ def _missing(collective: int) -> list[int]:
     store, world, me = _store(), dist.get_world_size(), dist.get_rank()
     answer = f"remapdsl/missing/{collective}"
     if store.add(answer + "/asked", 1) != 1:
-        found = _answer(store, answer)
-        if found is not None:  # else the rank looking is gone too: look here
-            return [r for r in found if r != me]
+        try:  # another rank looks: its answer, unless it is gone too (then look here)
+            store.wait([answer], _at_least_a_millisecond(ROLL_CALL_SECONDS + 1))
+            return [r for r in json.loads(store.get(answer)) if r != me]
+        except Exception:  # noqa: BLE001, S110 - the store's timeout error differs by store and version
+            pass
 
     def behind(r: int) -> bool:
         key = _waiting(r)
@@ -190,15 +192,6 @@ def _missing(collective: int) -> list[int]:
         time.sleep(0.05)
     store.set(answer, json.dumps(missing))
     return missing
-
-
-def _answer(store, key: str) -> list[int] | None:
-    """The ranks another rank found missing, once it has written them (None if it never does)."""
-    try:
-        store.wait([key], _at_least_a_millisecond(ROLL_CALL_SECONDS + 1))
-        return json.loads(store.get(key))
-    except Exception:  # noqa: BLE001 - the store's timeout error differs by store and version
-        return None
 
 
 def roll_call(collective: int) -> str:

@@ -256,7 +256,8 @@ def _settled(start: Callable[[], Any], buffers: list[torch.Tensor], phase: str, 
     except Exception as exc:  # noqa: BLE001 - the backend's own error types differ by backend and version
         raise RemapError(Diagnostic(
             code="E413", message=f"rank {dist.get_rank()} lost the group while {phase}: "
-            f"{roll_call(_COLLECTIVES)}; {type(exc).__name__}: {_first_sentence(exc)}",
+            f"{roll_call(_COLLECTIVES)}; {type(exc).__name__}: "  # without the advice gloo appends to every error
+            f"{errors.shorten(str(exc).strip().split('. This is typically caused', 1)[0], 300)}",
             hint="a rank died, was killed or left, or did not reach this step within the process "
                  "group's timeout (`init_process_group(timeout=...)`); its own log says why")) from None
     del work
@@ -264,12 +265,6 @@ def _settled(start: Callable[[], Any], buffers: list[torch.Tensor], phase: str, 
     while _references(buffers) > before and time.monotonic() < deadline:
         time.sleep(pause)
         pause = min(pause * 2, 1e-2)
-
-
-def _first_sentence(exc: BaseException) -> str:
-    """The backend's message, without the advice gloo appends to every error."""
-    text = str(exc).strip().split(". This is typically caused", 1)[0]
-    return errors.shorten(text, 300)
 
 
 def _references(buffers: list[torch.Tensor]) -> int:
