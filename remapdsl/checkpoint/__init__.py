@@ -1,8 +1,5 @@
-"""Checkpoint inventory: safetensors headers and index -> `Inventory`; byte-range reads into caller memory.
-
-Entry points: `open_inventory(folder)`, `read_header(path)`, `Inventory.from_shapes(...)`,
-`CheckpointReader(inventory)`. Error codes E301-E342 are listed in docs/checkpoints.md.
-"""
+"""Checkpoint inventory: safetensors headers and index -> `Inventory`; byte-range reads into caller memory
+(docs/checkpoints.md)."""
 
 from remapdsl.checkpoint.header import FileInfo, Header, TensorInfo, read_header, tensor_nbytes
 from remapdsl.checkpoint.inventory import Inventory, open_inventory, read_config

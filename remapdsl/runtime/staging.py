@@ -112,14 +112,16 @@ class StagingRing:
             self.allocated += buffer.numel()
             return buffer
         buffer, event = self._busy.popleft()
-        _wait(event)
+        if event is not None:
+            event.synchronize()
         return buffer
 
     def close(self) -> None:
         """Wait for every copy still in flight; the buffers are kept for the next upload."""
         while self._busy:
             buffer, event = self._busy.popleft()
-            _wait(event)
+            if event is not None:
+                event.synchronize()
             self._free.append(buffer)
 
 
@@ -189,11 +191,6 @@ def _event_after_copy(device: torch.device):
     event = torch.cuda.Event()
     event.record(torch.cuda.current_stream(device))
     return event
-
-
-def _wait(event) -> None:
-    if event is not None:
-        event.synchronize()
 
 
 def run_pieces(file: str, runs, reader, most: int) -> Iterable[Piece]:

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import itertools
 from collections.abc import Mapping
 from concurrent.futures import ThreadPoolExecutor
 
@@ -23,8 +22,8 @@ def run_write_plan(plan: WritePlan, writer, tensors: Mapping[str, torch.Tensor],
     with torch.no_grad():
         work = [(item, region(tensors[item.runtime_key], item)) for item in (*plan.items, *plan.encodes)]
 
-        def write(i: int) -> None:
-            item, view = work[i]
+        def write(unit: tuple) -> None:
+            item, view = unit
             if isinstance(item, DecodeItem):
                 _write_encoded(item, view, writer, reader, plan.requantize)
                 return
@@ -38,18 +37,12 @@ def run_write_plan(plan: WritePlan, writer, tensors: Mapping[str, torch.Tensor],
             staging.view(torch_dtype(item.dtype)).as_strided(item.sizes, item.strides).copy_(values)
             writer.write_runs(item.file, item.runs, memoryview(staging.numpy()))
 
-        taken = itertools.count()
-
-        def drain() -> None:
-            while (i := next(taken)) < len(work):
-                write(i)
-
         if threads <= 1 or len(work) < 2:
-            drain()
+            for unit in work:
+                write(unit)
         else:
             with ThreadPoolExecutor(threads) as pool:
-                for f in [pool.submit(drain) for _ in range(threads)]:
-                    f.result()
+                list(pool.map(write, work))  # the first error raised here
 
 
 def _write_encoded(item: DecodeItem, view: torch.Tensor, writer, reader: CheckpointReader,
