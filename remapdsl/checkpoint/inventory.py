@@ -147,18 +147,15 @@ class Inventory(BaseModel):
             dtype = BY_NAME.get(dtype_name) or BY_SAFETENSORS.get(dtype_name)
             shape = tuple(shape)
             if dtype is None:  # the rules of header.tensor_problems, one by one: no byte range yet
-                hint = did_you_mean(str(dtype_name), [*BY_NAME, *BY_SAFETENSORS])
-                diags.append(_diag("E306", f"tensor `{ckpt_key}`: unknown dtype `{dtype_name}`", root, hint))
-                continue
-            if not is_shape(shape):
+                diags.append(_diag("E306", f"tensor `{ckpt_key}`: unknown dtype `{dtype_name}`", root,
+                                   did_you_mean(str(dtype_name), [*BY_NAME, *BY_SAFETENSORS])))
+            elif not is_shape(shape):
                 diags.append(_diag("E307", f"tensor `{ckpt_key}`: shape {list(shape)} is not non-negative ints", root))
-                continue
-            nbytes = tensor_nbytes(dtype, shape)
-            if nbytes is None:
+            elif (nbytes := tensor_nbytes(dtype, shape)) is None:
                 diags.append(_diag("E309", f"tensor `{ckpt_key}`: {dtype.name} {list(shape)} is not whole bytes", root))
-                continue
-            tensors[ckpt_key] = TensorInfo(ckpt_key, file, dtype.name, shape, offset, nbytes)
-            offset += nbytes
+            else:
+                tensors[ckpt_key] = TensorInfo(ckpt_key, file, dtype.name, shape, offset, nbytes)
+                offset += nbytes
         if diags:
             raise CheckpointError(diags)
         info = FileInfo(file=file, nbytes=offset, data_offset=PREFIX_NBYTES)

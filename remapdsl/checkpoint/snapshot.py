@@ -89,9 +89,6 @@ def require_data(checkpoint: object, what: str) -> None:
              "`plan`, or write random data in its layout with remapdsl.testing.write_checkpoint"))
 
 
-# ------------------------------------------------------------------------------------------- writing
-
-
 def snapshot_of(checkpoint: str | os.PathLike | Inventory, config: Mapping[str, Any] | None = None) -> dict:
     """The snapshot of a checkpoint (as `open_checkpoint` takes it) as a JSON-ready dict; `config` by
     default its config.json."""
@@ -148,9 +145,6 @@ def write_snapshot(checkpoint: str | os.PathLike | Inventory, path: str | os.Pat
     return text
 
 
-# ------------------------------------------------------------------------------------------- reading
-
-
 def open_snapshot(path: str | os.PathLike) -> SnapshotInventory:
     """Read and validate a snapshot file (untrusted input) into the inventory it describes.
 
@@ -205,8 +199,7 @@ def parse_snapshot(obj: dict, path: str) -> SnapshotInventory:
     headers: dict = {}
     for name, entry in files.items():
         where = f"files[{json.dumps(name)}]"
-        why = _unsafe_name(name)
-        if why:
+        if why := _unsafe_name(name):
             diags.append(Diagnostic(code="E322", path=path, message=f"snapshot {where}: file name {why}"))
             continue
         info = _file_info(name, entry, where, path, diags)

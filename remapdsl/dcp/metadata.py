@@ -34,9 +34,6 @@ class RuntimeTensors(dict):
                    "from this checkpoint", path=self.checkpoint, hint=f"did you mean `{close}`?" if close else
                    "add a rule that makes it, or leave it out of the state dict given to dcp.load")
 
-    def __reduce__(self):
-        return type(self), (dict(self), self.checkpoint, self.rules)
-
 
 def runtime_metadata(compiled: Compiled, checkpoint: str, rules: str) -> Metadata:
     """The Metadata of every runtime tensor of `compiled`, each one whole chunk (`checkpoint`, `rules`: for messages)."""
