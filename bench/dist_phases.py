@@ -117,7 +117,8 @@ def _one_load(targets: dict) -> tuple[dict, dict, dict, object]:
     digest = compile_digest(rules, config, True, str(FOLDER))
     lap("digest")
     compiled = shared.together(lambda: remapdsl.compile_rules(rules, inv, config, strict=True),
-                               agree_on=("compiled rules and checkpoint", lambda _: digest))
+                               agree_on=shared.Agreement("compiled rules and checkpoint",
+                                                         lambda _: {"compiled rules and checkpoint": digest}))
     lap("compile + agreement")
 
     def plan_and_read():

@@ -1,10 +1,8 @@
 """Keep Python's cyclic garbage collector off the objects a call builds by the hundred thousand.
 
-In a process holding a large heap (a model, torch.distributed state) each full collection walks every object,
-and on a 1,000-tensor sharded load those walks cost more than the compile itself. So the collector is paused
-while compiling and planning (`paused_gc`), and inside a driver's call (`frozen_heap`) what is alive at its
-start and what each paused phase built is frozen (`gc.freeze`) until the call ends: the collections during
-its reads and writes walk only what was allocated since.
+With a large heap (a model, torch.distributed state), full collections cost more than the compile. So the
+collector is paused while compiling and planning (`paused_gc`), and a driver's call (`frozen_heap`) freezes
+what was alive at its start and what each paused phase built, so its I/O's collections walk only the new.
 """
 
 from __future__ import annotations

@@ -75,7 +75,7 @@ def test_a_file_range_cut_where_chunks_end_keeps_its_places(monkeypatch):
     merged[2] += 12
     assert list(read._cut(merged)) == [read._Scatter("f", 120, ((2013, 5), (3000, 5))),
                                        read._Scatter("f", 130, ((3005, 7),))]
-    assert list(read._cut(["f", 0, 4, [(50, 4)]])) == [read._Span("f", 0, 50, 4)]
+    assert list(read._cut(["f", 0, 4, [(50, 4)]])) == [read._Scatter("f", 0, ((50, 4),))]  # one read call
 
 
 def test_an_error_on_a_reader_thread_is_raised_and_the_other_units_stop(monkeypatch):
@@ -158,7 +158,7 @@ def test_small_units_run_on_the_calling_thread_and_large_ones_on_readers(monkeyp
     run = read._run_batch
 
     def recorded(unit, reader, rings):
-        where.append((read._nbytes(unit) >= 4096, threading.current_thread() is threading.main_thread()))
+        where.append((not read._small(unit, rings), threading.current_thread() is threading.main_thread()))
         return run(unit, reader, rings)
 
     monkeypatch.setattr(read, "_run_batch", recorded)

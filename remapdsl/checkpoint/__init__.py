@@ -1,12 +1,9 @@
-"""Checkpoint inventory: safetensors headers and index -> `Inventory`; byte-range reads into caller memory.
-
-Entry points: `open_inventory(folder)`, `read_header(path)`, `Inventory.from_shapes(...)`,
-`CheckpointReader(inventory)`. Error codes E301-E342 are listed in docs/checkpoints.md.
-"""
+"""Checkpoint inventory: safetensors headers and index -> `Inventory`; byte-range reads into caller memory
+(docs/checkpoints.md)."""
 
 from remapdsl.checkpoint.header import FileInfo, Header, TensorInfo, read_header, tensor_nbytes
 from remapdsl.checkpoint.inventory import Inventory, open_inventory, read_config
-from remapdsl.checkpoint.reader import CheckpointReader, as_byte_view, read_tensor_bytes
+from remapdsl.checkpoint.reader import CheckpointReader, as_byte_view
 
 __all__ = [
     "CheckpointReader",
@@ -18,6 +15,5 @@ __all__ = [
     "open_inventory",
     "read_config",
     "read_header",
-    "read_tensor_bytes",
     "tensor_nbytes",
 ]

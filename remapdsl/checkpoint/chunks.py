@@ -1,12 +1,8 @@
 """Tensors split over files by torch.distributed.checkpoint: each file's pieces -> one logical tensor of chunks.
 
-`HuggingFaceStorageWriter(save_distributed=True)` (torchtitan's `last_save_in_hf` before
-consolidation) has every rank write its own pieces into `shard-0000i-model-0000j-of-0000N.safetensors`,
-each under the tensor's own key; the file's `__metadata__["DCP_SHARDING_INFO"]` (JSON) gives each
-piece's `saved_offsets` in the whole tensor, whose shape is where the pieces end (as torch's
-consolidation computes it). Here those pieces become `Chunk`s of one tensor that must tile it exactly;
-every problem names the key and the files (E350-E354). A key held whole by one file stays an ordinary
-tensor: a checkpoint without chunked keys carries no chunk table at all.
+`HuggingFaceStorageWriter(save_distributed=True)` writes each rank's pieces under the tensor's own key,
+with each piece's `saved_offsets` in the file's `__metadata__["DCP_SHARDING_INFO"]`; the whole shape is
+where the pieces end (as torch's consolidation computes it). The chunks must tile it exactly (E350-E354).
 """
 
 from __future__ import annotations
@@ -56,19 +52,17 @@ def has_sharding_info(headers: Mapping[str, Header]) -> bool:
 
 
 class Assembled(NamedTuple):
-    """Headers made into tensors: key -> TensorInfo (a chunked key's has the whole shape and bytes
-    and names its first chunk's file and offset), the chunked keys' chunks, the problems found and
-    the keys they are about. A key in none of these is in two files, not all DCP-sharded."""
+    """Headers made into tensors (a chunked key's TensorInfo: the whole shape at its first chunk), the
+    chunks, and the problems found."""
 
     tensors: dict[str, TensorInfo]
     chunks: dict[str, tuple[Chunk, ...]]
     diagnostics: list[Diagnostic]
-    reported: set[str]
 
 
 def assemble_chunked(headers: Mapping[str, Header], path_of) -> Assembled:
-    """The tensors of headers some of which carry DCP_SHARDING_INFO, every problem found
-    (`path_of(file)`: a file's path for messages)."""
+    """The tensors of headers some of which carry DCP_SHARDING_INFO, every problem found (a key both in
+    a file without sharding info and elsewhere: E324); `path_of(file)`: a file's path for messages."""
     diags: list[Diagnostic] = []
     reported: set[str] = set()
     pieces: dict[str, list[tuple[TensorInfo, tuple[int, ...]]]] = {}
@@ -89,14 +83,17 @@ def assemble_chunked(headers: Mapping[str, Header], path_of) -> Assembled:
                                                                               for o in offsets):
                 pieces.setdefault(key, []).append((t, tuple(offsets)))
             else:
-                _bad_offsets(entry, t, path_of(name), diags)
+                given = "no entry" if entry is None else json.dumps(entry)[:80]
+                diags.append(_diag("E354", f"{t.file}: `{SHARDING_INFO}` for tensor `{key}` {list(t.shape)} must be "
+                                   f"{{\"{SAVED_OFFSETS}\": [{len(t.shape)} non-negative ints]}}, found {given}",
+                                   path_of(name), "the file was not written whole by torch.distributed.checkpoint's "
+                                   "HuggingFaceStorageWriter; write the checkpoint again"))
                 reported.add(key)
     tensors: dict[str, TensorInfo] = {}
     chunks: dict[str, tuple[Chunk, ...]] = {}
     for key, found in plain.items():
-        if key in pieces or len(found) > 1:
-            continue  # in two files: the caller reports it (E324)
-        tensors[key] = found[0]
+        if key not in pieces and len(found) == 1:
+            tensors[key] = found[0]
     for key, found in pieces.items():
         if key in plain or key in reported:
             continue
@@ -108,7 +105,11 @@ def assemble_chunked(headers: Mapping[str, Header], path_of) -> Assembled:
             reported.add(key)
         else:
             tensors[key], chunks[key] = made
-    return Assembled(tensors, chunks, diags, reported)
+    for key in sorted({*plain, *pieces} - tensors.keys() - reported):
+        names = [n for n, h in headers.items() if key in h.tensors]
+        diags.append(_diag("E324", f"tensor `{key}` is in {len(names)} files: {', '.join(names)}, "
+                           "not all of them DCP-sharded", path_of(names[-1])))
+    return Assembled(tensors, chunks, diags)
 
 
 def _sharding_info(name: str, header: Header, path: str, diags: list[Diagnostic]) -> dict | None | bool:
@@ -134,15 +135,6 @@ def _sharding_info(name: str, header: Header, path: str, diags: list[Diagnostic]
     return info
 
 
-def _bad_offsets(entry: object, t: TensorInfo, path: str, diags: list[Diagnostic]) -> None:
-    """A piece whose saved_offsets are not one non-negative int per dim of its shape (E354)."""
-    found = "no entry" if entry is None else f"{json.dumps(entry)[:80]}"
-    diags.append(_diag("E354", f"{t.file}: `{SHARDING_INFO}` for tensor `{t.ckpt_key}` {list(t.shape)} must be "
-                       f"{{\"{SAVED_OFFSETS}\": [{len(t.shape)} non-negative ints]}}, found {found}", path,
-                       "the file was not written whole by torch.distributed.checkpoint's "
-                       "HuggingFaceStorageWriter; write the checkpoint again"))
-
-
 def _chunked(key: str, found: list, path_of, diags: list[Diagnostic]) -> tuple[TensorInfo, tuple[Chunk, ...]] | None:
     """One tensor from its pieces: same dtype and rank, boxes that tile the box where they end."""
     first = found[0][0]
@@ -157,11 +149,7 @@ def _chunked(key: str, found: list, path_of, diags: list[Diagnostic]) -> tuple[T
         diags.append(_diag("E352", f"tensor `{key}`: its chunks have different numbers of dims ({shown})",
                            path_of(first.file)))
         return None
-    ends = [0] * rank
-    for t, offsets in found:
-        for k, (o, n) in enumerate(zip(offsets, t.shape)):
-            ends[k] = max(ends[k], o + n)
-    shape = tuple(ends)
+    shape = tuple(max(offsets[k] + t.shape[k] for t, offsets in found) for k in range(rank))  # where they end
     chunks = sorted((Chunk(t.file, t.byte_offset, offsets, tuple(t.shape)) for t, offsets in found
                      if prod(t.shape)), key=lambda c: (c.offsets, c.file))
     covered = sum(prod(c.sizes) for c in chunks)

@@ -1,11 +1,8 @@
 """A checkpoint folder's headers (and index) -> `Inventory`: each checkpoint key's file, dtype, shape, bytes.
 
-Three layouts are read: a single `model.safetensors`; `model.safetensors.index.json` plus the shards it
-names; a folder of `*.safetensors` without an index. Where an index exists it is authoritative: the
-`.safetensors` files it does not name are ignored and listed in `Inventory.ignored_files`, and every key
-must sit in exactly the file the index assigns it to. Without an index, a key in two files is an error,
-unless the files were written by torch.distributed.checkpoint's distributed safetensors writer: then a key
-is one tensor made of chunks (remapdsl/checkpoint/chunks.py, `Inventory.chunks`). Only headers are read. All problems of all files are collected and raised once.
+An index, where there is one, is authoritative: files it does not name are ignored, and every key must
+sit in the file it assigns. Without one, a key in two files is an error unless DCP's distributed writer
+made them (one tensor of chunks, chunks.py). Only headers are read; all problems are raised at once.
 """
 
 from __future__ import annotations
@@ -13,13 +10,12 @@ from __future__ import annotations
 import json
 import os
 from collections.abc import Iterable, Mapping, Sequence
-from operator import add, gt, itemgetter, lt, or_
 from pathlib import Path
 from typing import Any
 
 from pydantic import BaseModel, ConfigDict, field_validator, model_validator
 
-from remapdsl.checkpoint.chunks import Chunk, assemble_chunked, has_sharding_info
+from remapdsl.checkpoint.chunks import Chunk, _diag, assemble_chunked, has_sharding_info
 from remapdsl.checkpoint.header import (
     MAX_HEADER_NBYTES,
     PREFIX_NBYTES,
@@ -66,26 +62,17 @@ class Inventory(BaseModel):
     @model_validator(mode="after")
     def _check(self) -> Inventory:
         """Each tensor is filed under its own key, in one of the files, inside that file's data
-        section (a chunked tensor: each of its chunks). Column by column, in C (`map` over the
-        records): half the time of a loop over a DeepSeek-V3 checkpoint's 92,000 tensors."""
+        section (a chunked tensor: each of its chunks; its first chunk does not hold it whole)."""
         files, chunks = self.files, self.chunks
         for name, info in files.items():
             if info.file != name:
                 raise ValueError(f"file entry `{name}` describes `{info.file}`")
-        keys, infos = list(self.tensors), list(self.tensors.values())
-        names = list(map(_FILE, infos))
-        if list(map(_KEY, infos)) != keys or not files.keys() >= set(names):
-            ckpt_key, t = next((k, t) for k, t in zip(keys, infos) if t.ckpt_key != k or t.file not in files)
-            raise ValueError(f"tensor entry `{ckpt_key}` ({t.ckpt_key} in {t.file}) does not fit the files")
-        starts = list(map(_OFFSET, infos))
-        firsts = {name: info.data_offset for name, info in files.items()}
-        sizes = {name: info.nbytes for name, info in files.items()}
-        outside = list(map(or_, map(lt, starts, map(firsts.__getitem__, names)),
-                           map(gt, map(add, starts, map(_NBYTES, infos)), map(sizes.__getitem__, names))))
-        if True in outside:  # (a chunked tensor's first chunk does not hold the whole tensor: not checked)
-            for ckpt_key, t, out in zip(keys, infos, outside):
-                if out and ckpt_key not in chunks:
-                    raise ValueError(f"tensor `{ckpt_key}` lies outside the data section of {t.file}")
+        for ckpt_key, t in self.tensors.items():
+            info = files.get(t.file)
+            if t.ckpt_key != ckpt_key or info is None:
+                raise ValueError(f"tensor entry `{ckpt_key}` ({t.ckpt_key} in {t.file}) does not fit the files")
+            if (t.byte_offset < info.data_offset or t.byte_offset + t.nbytes > info.nbytes) and ckpt_key not in chunks:
+                raise ValueError(f"tensor `{ckpt_key}` lies outside the data section of {t.file}")
         for ckpt_key, pieces in chunks.items():
             t = self.tensors.get(ckpt_key)
             if t is None or any(c.file not in files for c in pieces):
@@ -97,36 +84,32 @@ class Inventory(BaseModel):
         return self
 
     def __reduce__(self):
-        """Pickled as columns: rank 0 sends the inventory to every rank, and one list per column
-        pickles and unpickles several times faster than a record per tensor."""
+        """Pickled as columns (rank 0 sends it to every rank: several times faster than a record per
+        tensor), a subclass's own fields (a snapshot's config) beside them."""
         columns = tuple(map(list, zip(*self.tensors.values()))) or tuple([] for _ in TensorInfo._fields)
-        return _from_columns, (self.root, dict(self.files), self.ignored_files, self.index_file, columns,
-                               dict(self.chunks))
+        extra = {name: getattr(self, name) for name in type(self).model_fields if name not in Inventory.model_fields}
+        return _from_columns, (type(self), self.root, dict(self.files), self.ignored_files, self.index_file,
+                               columns, dict(self.chunks), extra)
 
     def restamped(self, checkpoint: str | os.PathLike[str] | None = None) -> Inventory:
-        """This inventory read from `checkpoint` (a path as `open_inventory` takes; default its own
-        root), with each file's modification time as this process sees it now.
-
-        For a rank that received the headers another rank read (in a job whose nodes may each hold
-        their own copy, at their own path, with their own times): the files its data reads then
-        open, and the times they are checked against. A file that cannot be looked at keeps the
-        time it had (opening it for data reports why)."""
+        """This inventory at `checkpoint` (default its own root), with each file's modification time as
+        this process sees it: for a rank given the headers another read (each node may hold its own
+        copy). A file that cannot be looked at keeps its time (opening it for data says why)."""
+        root = self.root
         if checkpoint is not None:
             path = os.path.abspath(os.fspath(checkpoint))
             root = path if os.path.isdir(path) else os.path.dirname(path)
-            if root != self.root:
-                return self.model_copy(update={"root": root}).restamped()
         files = {}
         for name, info in self.files.items():
             if info.mtime_ns is None:
                 files[name] = info
                 continue
             try:
-                mtime_ns = os.stat(self.path(name)).st_mtime_ns
+                mtime_ns = os.stat(os.path.join(root, *name.split("/"))).st_mtime_ns
             except OSError:
                 mtime_ns = info.mtime_ns
             files[name] = info if mtime_ns == info.mtime_ns else info.model_copy(update={"mtime_ns": mtime_ns})
-        return self.model_copy(update={"files": FrozenDict(files)})
+        return self.model_copy(update={"root": root, "files": FrozenDict(files)})
 
     @property
     def metadata(self) -> dict[str, dict[str, str]]:
@@ -146,13 +129,8 @@ class Inventory(BaseModel):
         return os.path.join(self.root, *file.split("/"))
 
     @classmethod
-    def from_shapes(
-        cls,
-        entries: Mapping[str, tuple[str, Sequence[int]]],
-        *,
-        root: str = "/synthetic",
-        file: str = "model.safetensors",
-    ) -> Inventory:
+    def from_shapes(cls, entries: Mapping[str, tuple[str, Sequence[int]]], *, root: str = "/synthetic",
+                    file: str = "model.safetensors") -> Inventory:
         """A synthetic inventory: one file holding `entries` (ckpt_key -> (dtype, shape)), no file on disk.
 
         Tensors are laid out in key order, back to back, as a writer would; for compiler benchmarks and
@@ -169,42 +147,26 @@ class Inventory(BaseModel):
             dtype = BY_NAME.get(dtype_name) or BY_SAFETENSORS.get(dtype_name)
             shape = tuple(shape)
             if dtype is None:  # the rules of header.tensor_problems, one by one: no byte range yet
-                hint = did_you_mean(str(dtype_name), [*BY_NAME, *BY_SAFETENSORS])
-                diags.append(_diag("E306", f"tensor `{ckpt_key}`: unknown dtype `{dtype_name}`", root, hint))
-                continue
-            if not is_shape(shape):
-                diags.append(
-                    _diag("E307", f"tensor `{ckpt_key}`: shape {list(shape)} is not non-negative ints", root)
-                )
-                continue
-            nbytes = tensor_nbytes(dtype, shape)
-            if nbytes is None:
-                diags.append(
-                    _diag("E309", f"tensor `{ckpt_key}`: {dtype.name} {list(shape)} is not whole bytes", root)
-                )
-                continue
-            tensors[ckpt_key] = TensorInfo(ckpt_key, file, dtype.name, shape, offset, nbytes)
-            offset += nbytes
+                diags.append(_diag("E306", f"tensor `{ckpt_key}`: unknown dtype `{dtype_name}`", root,
+                                   did_you_mean(str(dtype_name), [*BY_NAME, *BY_SAFETENSORS])))
+            elif not is_shape(shape):
+                diags.append(_diag("E307", f"tensor `{ckpt_key}`: shape {list(shape)} is not non-negative ints", root))
+            elif (nbytes := tensor_nbytes(dtype, shape)) is None:
+                diags.append(_diag("E309", f"tensor `{ckpt_key}`: {dtype.name} {list(shape)} is not whole bytes", root))
+            else:
+                tensors[ckpt_key] = TensorInfo(ckpt_key, file, dtype.name, shape, offset, nbytes)
+                offset += nbytes
         if diags:
             raise CheckpointError(diags)
         info = FileInfo(file=file, nbytes=offset, data_offset=PREFIX_NBYTES)
         return cls(root=root, tensors=tensors, files={file: info})
 
 
-_KEY, _FILE, _OFFSET, _NBYTES = (itemgetter(TensorInfo._fields.index(name))
-                                 for name in ("ckpt_key", "file", "byte_offset", "nbytes"))
-
-
-def _from_columns(root, files, ignored_files, index_file, columns, chunks=None, cls=None, **fields) -> Inventory:
-    """An inventory unpickled (`Inventory.__reduce__`): its records remade from their columns; `cls`
-    and `fields`: a subclass's (a snapshot's, with its config)."""
+def _from_columns(cls, root, files, ignored_files, index_file, columns, chunks, extra) -> Inventory:
+    """An inventory unpickled (`Inventory.__reduce__`): its records remade from their columns."""
     tensors = dict(zip(columns[0], map(TensorInfo._make, zip(*columns))))
-    return (cls or Inventory)(root=root, tensors=tensors, files=files, ignored_files=ignored_files,
-                              index_file=index_file, chunks=chunks or {}, **fields)
-
-
-def _diag(code: str, message: str, path: str | None, hint: str | None = None) -> Diagnostic:
-    return Diagnostic(code=code, message=message, path=path, hint=hint)
+    return cls(root=root, tensors=tensors, files=files, ignored_files=ignored_files, index_file=index_file,
+               chunks=chunks, **extra)
 
 
 def open_inventory(path: str | os.PathLike[str]) -> Inventory:
@@ -229,26 +191,17 @@ def open_inventory(path: str | os.PathLike[str]) -> Inventory:
     elif not os.path.exists(path):
         raise CheckpointError(_diag("E301", "no such file or folder", path))
     else:
-        raise CheckpointError(
-            _diag("E320", "not a checkpoint: expected a folder, an index file or a .safetensors file", path)
-        )
+        raise CheckpointError(_diag("E320", "not a checkpoint: expected a folder, an index file or a "
+                                    ".safetensors file", path))
     present = _safetensors_in(root)
     if index_file is None:
         if not present:
-            raise CheckpointError(
-                _diag(
-                    "E320",
-                    f"no `{DEFAULT_INDEX}` and no `*{SUFFIX}` file in the folder",
-                    root,
-                    "point at the folder that holds the model's safetensors files",
-                )
-            )
+            raise CheckpointError(_diag("E320", f"no `{DEFAULT_INDEX}` and no `*{SUFFIX}` file in the folder", root,
+                                        "point at the folder that holds the model's safetensors files"))
         return _assemble(root, present, None, None, ())
     weight_map = _read_index(root, index_file)
-    named_set = set(weight_map.values())
-    named = sorted(named_set)
-    ignored = tuple(name for name in present if name not in named_set)
-    return _assemble(root, named, index_file, weight_map, ignored)
+    named = set(weight_map.values())
+    return _assemble(root, sorted(named), index_file, weight_map, tuple(n for n in present if n not in named))
 
 
 def listing(path: str | os.PathLike[str]) -> list:
@@ -276,14 +229,8 @@ def _find_index(root: str) -> str | None:
     if DEFAULT_INDEX in found:
         return DEFAULT_INDEX
     if len(found) > 1:
-        raise CheckpointError(
-            _diag(
-                "E327",
-                f"{len(found)} index files and none is `{DEFAULT_INDEX}`: {', '.join(found)}",
-                root,
-                "open the index file you mean instead of the folder",
-            )
-        )
+        raise CheckpointError(_diag("E327", f"{len(found)} index files and none is `{DEFAULT_INDEX}`: "
+                                    f"{', '.join(found)}", root, "open the index file you mean instead of the folder"))
     return found[0] if found else None
 
 
@@ -294,52 +241,28 @@ def _read_index(root: str, index_file: str) -> dict[str, str]:
         with open(path, "rb") as f:
             raw = f.read(MAX_HEADER_NBYTES + 1)
     except OSError as exc:
-        raise CheckpointError(
-            _diag("E301", f"{index_file}: cannot read the index ({exc.strerror})", path)
-        ) from None
+        raise CheckpointError(_diag("E301", f"{index_file}: cannot read the index ({exc.strerror})", path)) from None
     if len(raw) > MAX_HEADER_NBYTES:
-        raise CheckpointError(
-            _diag("E321", f"{index_file}: index is larger than {MAX_HEADER_NBYTES} bytes", path)
-        )
+        raise CheckpointError(_diag("E321", f"{index_file}: index is larger than {MAX_HEADER_NBYTES} bytes", path))
     try:
         index = load_json_object(raw, "the index")
     except ValueError as exc:
         raise CheckpointError(_diag("E321", f"{index_file}: {exc}", path)) from None
     weight_map = index.get("weight_map")
     if not isinstance(weight_map, dict) or not weight_map:
-        raise CheckpointError(
-            _diag(
-                "E321",
-                f"{index_file}: expected a non-empty object `weight_map` of tensor key to file name",
-                path,
-            )
-        )
-    diags = []
-    for ckpt_key, name in weight_map.items() if set(map(type, weight_map.values())) != {str} else ():
-        if not isinstance(name, str):
-            diags.append(
-                _diag("E321", f"{index_file}: tensor `{ckpt_key}` maps to {name!r}, not a file name", path)
-            )
-    diags.extend(
-        _diag(
-            "E322",
-            f"{index_file}: file name `{name}` (for tensor `{ckpt_key}`) {why}",
-            path,
-            "index file names must be relative names inside the checkpoint folder",
-        )
-        for name, ckpt_key in _first_key_per_file(weight_map)
-        if isinstance(name, str) and (why := _unsafe_name(name))
-    )
+        raise CheckpointError(_diag("E321", f"{index_file}: expected a non-empty object `weight_map` of tensor "
+                                    "key to file name", path))
+    diags = [_diag("E321", f"{index_file}: tensor `{ckpt_key}` maps to {name!r}, not a file name", path)
+             for ckpt_key, name in weight_map.items() if not isinstance(name, str)]
+    diags.extend(_diag("E322", f"{index_file}: file name `{name}` (for tensor `{ckpt_key}`) {why}", path,
+                       "index file names must be relative names inside the checkpoint folder")
+                 for name, ckpt_key in _first_key_per_file(weight_map) if (why := _unsafe_name(name)))
     if diags:
         raise CheckpointError(diags)
     return weight_map
 
 
 def _first_key_per_file(weight_map: Mapping[str, object]) -> Iterable[tuple[object, str]]:
-    names = list(weight_map.values())
-    if set(map(type, names)) == {str}:  # in C: the last pair wins, so reversed, the first does
-        first = dict(zip(reversed(names), reversed(list(weight_map))))
-        return [(name, first[name]) for name in dict.fromkeys(names)]
     seen: dict[object, str] = {}
     for ckpt_key, name in weight_map.items():
         if isinstance(name, str):  # others are reported as not file names (E321)
@@ -362,13 +285,8 @@ def _unsafe_name(name: str) -> str | None:
     return None
 
 
-def _assemble(
-    root: str,
-    files: list[str],
-    index_file: str | None,
-    weight_map: dict[str, str] | None,
-    ignored: tuple[str, ...],
-) -> Inventory:
+def _assemble(root: str, files: list[str], index_file: str | None, weight_map: dict[str, str] | None,
+              ignored: tuple[str, ...]) -> Inventory:
     """Read every file's header and cross-check keys between files and against the index."""
     diags: list[Diagnostic] = []
     headers: dict[str, Header] = {}
@@ -376,91 +294,48 @@ def _assemble(
     for name in files:
         path = os.path.join(root, *name.split("/"))
         if name in users and not os.path.lexists(path):
-            diags.append(
-                _diag(
-                    "E301",
-                    f"{index_file} names {name} (for tensor `{users[name]}` and maybe more), "
-                    "which does not exist",
-                    path,
-                )
-            )
+            diags.append(_diag("E301", f"{index_file} names {name} (for tensor `{users[name]}` and maybe more), "
+                               "which does not exist", path))
             continue
         try:
             headers[name] = read_header(path, file=name)
         except CheckpointError as exc:
             diags.extend(exc.diagnostics)
-    if not diags and weight_map is None and has_sharding_info(headers):
-        return _assemble_chunked(root, headers, ignored)
-    owner: dict[str, str] = {}  # ckpt_key -> its file, made in C: the per-key checks below run only
-    for name, header in headers.items():  # when a key is in two files or the index differs
-        owner.update(dict.fromkeys(header.tensors, name))
-    if not diags and len(owner) == sum(len(h.tensors) for h in headers.values()) \
-            and (weight_map is None or weight_map == owner):
-        return _inventory(root, headers, ignored, index_file)
+    if not diags and weight_map is None and has_sharding_info(headers):  # DCP's writer: tensors of chunks
+        made = assemble_chunked(headers, lambda name: os.path.join(root, *name.split("/")))
+        if made.diagnostics:
+            raise CheckpointError(made.diagnostics)
+        return _inventory(root, headers, ignored, None, made.tensors, made.chunks)
     where: dict[str, list[str]] = {}
     for name, header in headers.items():
         for ckpt_key in header.tensors:
             where.setdefault(ckpt_key, []).append(name)
     for ckpt_key, names in where.items():
         if len(names) > 1:
-            hint = (
-                "add a model.safetensors.index.json or remove the stray file" if weight_map is None else None
-            )
-            diags.append(
-                _diag(
-                    "E324",
-                    f"tensor `{ckpt_key}` is in {len(names)} files: {', '.join(names)}",
-                    os.path.join(root, names[1]),
-                    hint,
-                )
-            )
+            hint = "add a model.safetensors.index.json or remove the stray file" if weight_map is None else None
+            diags.append(_diag("E324", f"tensor `{ckpt_key}` is in {len(names)} files: {', '.join(names)}",
+                               os.path.join(root, names[1]), hint))
         elif weight_map is not None and weight_map.get(ckpt_key) != names[0]:
             assigned = weight_map.get(ckpt_key)
             said = f"assigns it to {assigned}" if assigned is not None else "does not list it"
-            diags.append(
-                _diag(
-                    "E326",
-                    f"tensor `{ckpt_key}` is in {names[0]}, but {index_file} {said}",
-                    os.path.join(root, names[0]),
-                )
-            )
+            diags.append(_diag("E326", f"tensor `{ckpt_key}` is in {names[0]}, but {index_file} {said}",
+                               os.path.join(root, names[0])))
     if weight_map is not None:
         for ckpt_key, name in weight_map.items():
             # A key found in another file was reported above (E324 or E326); here only keys found nowhere.
             if name in headers and ckpt_key not in where:
                 # Hints cost a fuzzy search over the file's keys: only for the errors that will be shown.
                 hint = did_you_mean(ckpt_key, headers[name].tensors) if len(diags) < MAX_SHOWN else None
-                diags.append(
-                    _diag(
-                        "E325",
-                        f"{index_file} assigns tensor `{ckpt_key}` to {name}, which does not hold it",
-                        os.path.join(root, index_file),
-                        hint,
-                    )
-                )
+                diags.append(_diag("E325", f"{index_file} assigns tensor `{ckpt_key}` to {name}, which does not "
+                                   "hold it", os.path.join(root, index_file), hint))
     if diags:
         raise CheckpointError(diags)
     return _inventory(root, headers, ignored, index_file)
 
 
-def _assemble_chunked(root: str, headers: dict[str, Header], ignored: tuple[str, ...]) -> Inventory:
-    """A folder written by DCP's distributed safetensors writer: each key one tensor of chunks; a
-    key both in a file without sharding info and elsewhere is still in two files (E324)."""
-    made = assemble_chunked(headers, lambda name: os.path.join(root, *name.split("/")))  # paths: for errors
-    diags = made.diagnostics
-    for ckpt_key in sorted({k for h in headers.values() for k in h.tensors} - set(made.tensors) - made.reported):
-        names = [n for n, h in headers.items() if ckpt_key in h.tensors]
-        diags.append(_diag("E324", f"tensor `{ckpt_key}` is in {len(names)} files: {', '.join(names)}, "
-                           "not all of them DCP-sharded", os.path.join(root, names[-1])))
-    if diags:
-        raise CheckpointError(diags)
-    return _inventory(root, headers, ignored, None, made.tensors, made.chunks)
-
-
 def _inventory(root: str, headers: dict[str, Header], ignored: tuple[str, ...], index_file: str | None,
                tensors: dict[str, TensorInfo] | None = None, chunks: dict | None = None) -> Inventory:
-    """The inventory of checked headers whose keys are in one file each (or `tensors` and their
-    `chunks`, checked by remapdsl/checkpoint/chunks.py)."""
+    """The inventory of checked headers (or of `tensors` and their `chunks`, checked by chunks.py)."""
     if tensors is None:
         tensors = {k: t for header in headers.values() for k, t in header.tensors.items()}
     return Inventory(root=root, tensors=tensors, files={name: header.info for name, header in headers.items()},

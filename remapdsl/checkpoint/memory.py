@@ -1,9 +1,7 @@
 """Checkpoint tensors held in memory, read as a checkpoint's files are: for `remapdsl.ingest`.
 
-`in_memory` lays a checkpoint's tensors out one to a file, each file its tensor's bytes alone
-(data from offset 0), so a plan made against it addresses each tensor by its own offsets;
-MemoryReader serves those reads from buffers (the `(key, tensor)` pairs a stream delivers) with
-the reader's own code paths (positioned reads become copies, the mapped file is the buffer).
+`in_memory` lays the tensors out one to a file, each its own bytes from offset 0; MemoryReader serves
+a plan's reads from the buffers with the reader's own code (positioned reads become copies).
 """
 
 from __future__ import annotations
@@ -35,14 +33,10 @@ class MemoryReader(CheckpointReader):
     def mapped(self, file: str):
         return self.buffers[file]
 
-    def _pread_into(self, file: str, view: memoryview, byte_offset: int) -> None:
-        view[:] = self.buffers[file][byte_offset:byte_offset + view.nbytes]
-
     def _read_fully(self, file: str, buffers: list[memoryview], first: int, total: int) -> None:
-        at = first
         for b in buffers:
-            self._pread_into(file, b, at)
-            at += b.nbytes
+            b[:] = self.buffers[file][first:first + b.nbytes]
+            first += b.nbytes
 
     def close(self) -> None:
         self.buffers = {}

@@ -1,12 +1,9 @@
 """Positioned byte-range reads from an inventory's files into caller-owned memory: (file, range) -> buffer.
 
-No pickle, no whole-file reads: `os.preadv` fills the caller's buffer (a bytearray, a numpy array, a
-contiguous CPU torch tensor) in place; a strided run set of many short runs (a column shard: one run
-a row) is copied from the file's read-only map in one strided pass, which touches only the pages
-that hold the runs. Every range is checked against the inventory first, so a
-read never leaves the data section of a file, and a file whose size or modification time changed since its
-header was read is refused (E342); an operating-system error names the file, the bytes and their tensors
-(E343). A `CheckpointReader` may be shared by threads: `os.preadv` does not move a file position.
+No pickle, no whole-file reads: `os.preadv` fills the caller's buffer in place; many short runs (a
+column shard) are one strided copy from the file's read-only map. Every range is checked against the
+inventory first, and a file changed since its header was read is refused (E342). Thread-safe:
+`os.preadv` moves no file position.
 """
 
 from __future__ import annotations
@@ -26,6 +23,7 @@ from remapdsl.errors import CheckpointError, Diagnostic, did_you_mean
 from remapdsl.indexmap import Runs
 
 MANY_RUNS = 64  # above this many runs, a run set is copied from the mapped file, not read run by run
+IOV_MAX = 1024  # the most buffers one preadv takes (POSIX IOV_MAX on Linux)
 
 
 def as_byte_view(buffer: object) -> memoryview:
@@ -33,17 +31,12 @@ def as_byte_view(buffer: object) -> memoryview:
     if type(buffer) is memoryview and buffer.format == "B" and buffer.ndim == 1 and buffer.c_contiguous \
             and not buffer.readonly:
         return buffer  # already one
-    if hasattr(buffer, "data_ptr") and hasattr(
-        buffer, "is_contiguous"
-    ):  # a torch tensor, without importing torch
+    if hasattr(buffer, "data_ptr") and hasattr(buffer, "is_contiguous"):  # a torch tensor, without importing torch
         if buffer.device.type != "cpu" or not buffer.is_contiguous():
-            raise ValueError(
-                f"need a contiguous CPU tensor, got {buffer.device.type} tensor, stride {buffer.stride()}"
-            )
+            raise ValueError(f"need a contiguous CPU tensor, got {buffer.device.type} tensor, "
+                             f"stride {buffer.stride()}")
         nbytes = buffer.numel() * buffer.element_size()
-        if nbytes == 0:
-            return memoryview(bytearray())
-        return memoryview((ctypes.c_ubyte * nbytes).from_address(buffer.data_ptr())).cast("B")
+        return bytes_at(buffer.data_ptr(), nbytes) if nbytes else memoryview(bytearray())
     view = memoryview(buffer)  # type: ignore[arg-type]
     if view.readonly:
         raise ValueError("the destination buffer is read-only")
@@ -52,29 +45,32 @@ def as_byte_view(buffer: object) -> memoryview:
     return view.cast("B")
 
 
-class CheckpointReader:
-    """Reads byte ranges of one inventory's files; opens each file once, on first use.
+def bytes_at(address: int, nbytes: int) -> memoryview:
+    """A writable byte view of `nbytes` of memory at `address` (a tensor's)."""
+    return memoryview((ctypes.c_ubyte * nbytes).from_address(address)).cast("B")
 
-    Use as a context manager (or call `close()`). Ranges are absolute file offsets, as in TensorInfo.
-    """
+
+class CheckpointReader:
+    """Reads byte ranges (absolute file offsets) of one inventory's files, opening each on first use;
+    a context manager (or call `close()`)."""
 
     def __init__(self, inventory: Inventory):
         self.inventory = inventory
         self._fds: dict[str, int] = {}
+        self._maps: dict[str, mmap.mmap] = {}
         self._lock = threading.Lock()
 
     def __enter__(self) -> CheckpointReader:
         return self
 
-    def __exit__(
-        self, kind: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
-    ) -> None:
+    def __exit__(self, kind: type[BaseException] | None, exc: BaseException | None,
+                 tb: TracebackType | None) -> None:
         self.close()
 
     def close(self) -> None:
         with self._lock:
             fds, self._fds = self._fds, {}
-            maps, self._maps = getattr(self, "_maps", {}), {}
+            maps, self._maps = self._maps, {}
         for m in maps.values():
             try:
                 m.close()
@@ -84,69 +80,48 @@ class CheckpointReader:
             os.close(fd)
 
     def mapped(self, file: str) -> mmap.mmap:
-        """The whole file mapped read-only (for many small strided runs, copied without a read call
-        each; only the pages holding them are touched)."""
+        """The whole file mapped read-only (many small strided runs copied without a read call each)."""
         fd = self._fd(file)
         self._check_unchanged(file, fd)  # each time: a map of a file truncated since would fault
         with self._lock:
-            maps = self.__dict__.setdefault("_maps", {})
-            if file not in maps:
+            if file not in self._maps:
                 try:
-                    maps[file] = mmap.mmap(fd, 0, access=mmap.ACCESS_READ)
+                    self._maps[file] = mmap.mmap(fd, 0, access=mmap.ACCESS_READ)
                 except OSError as exc:
-                    raise self._failed(file, self.inventory.files[file].data_offset,
-                                       self.inventory.files[file].nbytes, exc, "mapping") from None
-            return maps[file]
+                    info = self.inventory.files[file]
+                    raise self._failed(file, info.data_offset, info.nbytes, exc, "mapping") from None
+            return self._maps[file]
 
     def read_into(self, file: str, byte_offset: int, buffer: object) -> int:
-        """Fill buffer with the bytes of `file` from byte_offset on; returns how many (the buffer's size).
-
-        The range must lie in the file's data section (it may span several adjacent tensors).
-        """
+        """Fill buffer with the bytes of `file` from byte_offset on (inside its data section, perhaps over
+        several tensors); returns how many."""
         view = as_byte_view(buffer)
         self._check_range(file, byte_offset, byte_offset + view.nbytes)
-        if view.nbytes:
-            self._pread_into(file, view, byte_offset)
+        self._read_fully(file, [view], byte_offset, view.nbytes)
         return view.nbytes
 
     def _check_range(self, file: str, start: int, end: int) -> None:
         """Bytes [start, end) must lie in the data section of a file of the checkpoint."""
         info = self.inventory.files.get(file)
         if info is None:
-            hint = did_you_mean(file, self.inventory.files)
-            raise CheckpointError(
-                Diagnostic(
-                    code="E341", message=f"{file} is not a file of this checkpoint",
-                    path=self.inventory.path(file), hint=hint
-                )
-            )
+            raise CheckpointError(Diagnostic(
+                code="E341", message=f"{file} is not a file of this checkpoint", path=self.inventory.path(file),
+                hint=did_you_mean(file, self.inventory.files)))
         if start < info.data_offset or end > info.nbytes:
-            raise CheckpointError(
-                Diagnostic(
-                    code="E340",
-                    message=f"{file}: read of bytes [{start}, {end}) leaves the data section "
-                    f"[{info.data_offset}, {info.nbytes})",
-                    path=self.inventory.path(file),
-                )
-            )
+            raise CheckpointError(Diagnostic(
+                code="E340", message=f"{file}: read of bytes [{start}, {end}) leaves the data section "
+                f"[{info.data_offset}, {info.nbytes})", path=self.inventory.path(file)))
 
     def read_runs_into(self, file: str, runs: Runs, buffer: object) -> int:
         """Fill buffer with the concatenated bytes of a strided run set of `file`; returns how many.
         A few runs are positioned reads; many are one strided copy from the mapped file."""
         view = as_byte_view(buffer)
-        single = not runs.counts  # one run: no counts to multiply out
-        if view.nbytes != (runs.length if single else runs.total):
+        if view.nbytes != runs.total:
             raise ValueError(f"the buffer has {view.nbytes} bytes, the runs {runs.total}")
-        self._check_range(file, runs.first, runs.first + runs.length if single else runs.end)
-        if single or runs.count <= 1:
-            if view.nbytes:
-                self._pread_into(file, view, runs.first)
-            return view.nbytes
+        self._check_range(file, runs.first, runs.end)
         if runs.count <= MANY_RUNS:
-            at = 0
-            for start in runs.starts():
-                self._pread_into(file, view[at:at + runs.length], start)
-                at += runs.length
+            for i, start in enumerate(runs.starts()):
+                self._read_fully(file, [view[i * runs.length:(i + 1) * runs.length]], start, runs.length)
             return view.nbytes
         shape = runs.counts + (runs.length,)
         source = np.frombuffer(self.mapped(file), dtype=np.uint8)[runs.first:]
@@ -165,6 +140,8 @@ class CheckpointReader:
     def _read_fully(self, file: str, buffers: list[memoryview], first: int, total: int) -> None:
         """Positioned reads of `file` from `first` into `buffers` in order until all `total` bytes
         are in, resuming after a short read (in the middle of a buffer included)."""
+        if not total:
+            return
         fd, done, at = self._fd(file), 0, 0
         while done < total:
             try:
@@ -172,7 +149,10 @@ class CheckpointReader:
             except OSError as exc:
                 raise self._failed(file, first + done, first + total, exc) from None
             if got == 0:
-                self._short(file, first + done, first + total)
+                raise CheckpointError(Diagnostic(
+                    code="E342", message=f"{file}: file ended at byte {first + done}, wanted bytes up to "
+                    f"{first + total}", path=self.inventory.path(file),
+                    hint="the file was truncated after the checkpoint was opened"))
             done += got
             while at < len(buffers) and got >= buffers[at].nbytes:  # drop the buffers filled whole
                 got -= buffers[at].nbytes
@@ -184,36 +164,23 @@ class CheckpointReader:
         """Fill buffer with len(buffer) bytes of tensor `ckpt_key`, from `start` bytes into the tensor."""
         tensor = self.inventory.tensors.get(ckpt_key)
         if tensor is None:
-            raise CheckpointError(
-                Diagnostic(
-                    code="E341",
-                    message=f"tensor `{ckpt_key}` is not in the checkpoint",
-                    path=self.inventory.root,
-                    hint=did_you_mean(ckpt_key, self.inventory.tensors),
-                )
-            )
+            raise CheckpointError(Diagnostic(
+                code="E341", message=f"tensor `{ckpt_key}` is not in the checkpoint", path=self.inventory.root,
+                hint=did_you_mean(ckpt_key, self.inventory.tensors)))
         chunks = self.inventory.chunks.get(ckpt_key)
         if chunks is not None:  # its bytes are not one range: the plans read each chunk's part
-            raise CheckpointError(
-                Diagnostic(
-                    code="E357",
-                    message=f"tensor `{ckpt_key}` is stored in {len(chunks)} DCP chunks "
-                    f"({', '.join(sorted({c.file for c in chunks})[:4])}): it has no single byte range to read",
-                    path=self.inventory.path(tensor.file),
-                    hint="load it through rules (remapdsl.load), or consolidate the checkpoint first "
-                    "(`remapdsl convert CKPT OUT --rules identity`)",
-                )
-            )
+            raise CheckpointError(Diagnostic(
+                code="E357", message=f"tensor `{ckpt_key}` is stored in {len(chunks)} DCP chunks "
+                f"({', '.join(sorted({c.file for c in chunks})[:4])}): it has no single byte range to read",
+                path=self.inventory.path(tensor.file),
+                hint="load it through rules (remapdsl.load), or consolidate the checkpoint first "
+                "(`remapdsl convert CKPT OUT --rules identity`)"))
         view = as_byte_view(buffer)
         if start < 0 or start + view.nbytes > tensor.nbytes:
-            raise CheckpointError(
-                Diagnostic(
-                    code="E340",
-                    message=f"{tensor.file}: read of bytes [{start}, {start + view.nbytes}) "
-                    f"of tensor `{ckpt_key}` leaves the tensor's {tensor.nbytes} bytes",
-                    path=self.inventory.path(tensor.file),
-                )
-            )
+            raise CheckpointError(Diagnostic(
+                code="E340", message=f"{tensor.file}: read of bytes [{start}, {start + view.nbytes}) "
+                f"of tensor `{ckpt_key}` leaves the tensor's {tensor.nbytes} bytes",
+                path=self.inventory.path(tensor.file)))
         return self.read_into(tensor.file, tensor.byte_offset + start, view)
 
     def read_tensor(self, ckpt_key: str) -> bytearray:
@@ -225,9 +192,6 @@ class CheckpointReader:
 
     def _fd(self, file: str) -> int:
         """The open descriptor of file, opened now if needed, after checking its size is still the same."""
-        fd = self._fds.get(file)  # opened before: no lock (a dict read is atomic)
-        if fd is not None:
-            return fd
         with self._lock:
             fd = self._fds.get(file)
             if fd is not None:
@@ -236,11 +200,8 @@ class CheckpointReader:
             try:
                 fd = os.open(path, os.O_RDONLY)
             except OSError as exc:
-                raise CheckpointError(
-                    Diagnostic(
-                        code="E301", message=f"{file}: cannot open the file ({exc.strerror})", path=path
-                    )
-                ) from None
+                raise CheckpointError(Diagnostic(
+                    code="E301", message=f"{file}: cannot open the file ({exc.strerror})", path=path)) from None
             try:
                 self._check_unchanged(file, fd)
             except BaseException:
@@ -250,9 +211,8 @@ class CheckpointReader:
             return fd
 
     def _check_unchanged(self, file: str, fd: int) -> None:
-        """E342 unless the open file has the size and modification time recorded when its header
-        was read (a file truncated, grown or rewritten in place since: its bytes are no longer what
-        the header describes)."""
+        """E342 unless the open file has the size and modification time recorded when its header was
+        read (else its bytes may no longer be what the header describes)."""
         st, info = os.fstat(fd), self.inventory.files[file]
         if st.st_size != info.nbytes:
             found = f"has {st.st_size} bytes, its header said {info.nbytes}"
@@ -266,12 +226,8 @@ class CheckpointReader:
             hint="the file changed after the checkpoint was opened (copied over, truncated or rewritten); "
                  "open it again once nothing writes to it"))
 
-    def _pread_into(self, file: str, view: memoryview, byte_offset: int) -> None:
-        self._read_fully(file, [view], byte_offset, view.nbytes)
-
     def _failed(self, file: str, start: int, end: int, exc: OSError, verb: str = "reading") -> CheckpointError:
-        """E343: an operating-system error (EIO, ...) while reading bytes [start, end) of `file`,
-        naming the tensors those bytes belong to."""
+        """E343: an operating-system error while reading bytes [start, end) of `file`, naming their tensors."""
         keys = [t.ckpt_key for t in sorted(self.inventory.tensors.values(), key=lambda t: t.byte_offset)
                 if t.file == file and t.byte_offset < end and start < t.byte_end]  # in file order
         of = (f"tensor `{keys[0]}`" if len(keys) == 1 else
@@ -282,16 +238,6 @@ class CheckpointReader:
             hint="the operating system could not read the file (a failing disk, a network file system "
                  "gone, a file removed under the load); its own log (dmesg) says more"))
 
-    def _short(self, file: str, at: int, wanted: int) -> None:
-        raise CheckpointError(
-            Diagnostic(
-                code="E342",
-                message=f"{file}: file ended at byte {at}, wanted bytes up to {wanted}",
-                path=self.inventory.path(file),
-                hint="the file was truncated after the checkpoint was opened",
-            )
-        )
-
 
 def os_error(exc: OSError) -> str:
     """`EIO (Input/output error)`: an OSError's errno name and text, for a message."""
@@ -299,23 +245,11 @@ def os_error(exc: OSError) -> str:
     return f"{name} ({exc.strerror or exc})"
 
 
-_HAVE_PREADV = hasattr(os, "preadv")
-
-
-IOV_MAX = 1024  # the most buffers one preadv takes (POSIX IOV_MAX on Linux)
-
-
 def _preadv_many(fd: int, buffers: list[memoryview], offset: int) -> int:
     """One positioned read into consecutive buffers (at most IOV_MAX of them); where the platform
-    lacks preadv, os.pread into the first one plus a copy. The reader's one positioned read."""
-    if _HAVE_PREADV:
+    lacks preadv, os.pread into the first one plus a copy."""
+    if hasattr(os, "preadv"):
         return os.preadv(fd, buffers[:IOV_MAX], offset)
     chunk = os.pread(fd, buffers[0].nbytes, offset)
     buffers[0][: len(chunk)] = chunk
     return len(chunk)
-
-
-def read_tensor_bytes(inventory: Inventory, ckpt_key: str) -> bytearray:
-    """One tensor's bytes; opens and closes the file (use a CheckpointReader for many reads)."""
-    with CheckpointReader(inventory) as reader:
-        return reader.read_tensor(ckpt_key)

@@ -1,13 +1,8 @@
 """A checkpoint without its data: an Inventory plus config.json <-> a small, deterministic JSON file.
 
-A snapshot (`remapdsl snapshot CKPT -o model.headers.json`) records what the compiler and the
-planner read from a checkpoint (every file's header: keys, dtypes, shapes, data offsets and
-`__metadata__`; the index file used; the files the index ignores; config.json), so CI can check
-rules against a release without downloading its weights. Each file's entry is that file's own
-safetensors header, so reading one back (`open_snapshot`) validates it with the very rules headers
-are validated with (`header.parse_header_object`: dtype codes, shapes, offsets that tile the data
-section), each problem located by its path in the JSON. A snapshot holds no tensor data: what
-needs data refuses one with E331 (`require_data`).
+What the compiler and planner read (each file's header, the index used, the files it ignores,
+config.json), so CI checks rules without a release's weights. Each file's entry is its own
+safetensors header, validated on reading by the header's own rules; data readers refuse one (E331).
 """
 
 from __future__ import annotations
@@ -49,19 +44,9 @@ _FILE_FIELDS = ("data_offset", "header", "nbytes")
 
 
 class SnapshotInventory(Inventory):
-    """The inventory a snapshot file describes: no file of it exists, so `root` is the snapshot
-    file itself, and the config travels with it (`config`, config.json as it was)."""
+    """The inventory a snapshot file describes: `root` is the snapshot file, `config` config.json as it was."""
 
     config: dict[str, Any]
-
-    def __reduce__(self):
-        """Pickled as an Inventory's columns plus the config (the parent's own reduce keeps columns)."""
-        return _snapshot_from, (super().__reduce__(), self.config)
-
-
-def _snapshot_from(reduced, config) -> SnapshotInventory:
-    function, args = reduced
-    return function(*args, cls=SnapshotInventory, config=config)
 
 
 def is_snapshot(checkpoint: object) -> bool:
@@ -104,12 +89,9 @@ def require_data(checkpoint: object, what: str) -> None:
              "`plan`, or write random data in its layout with remapdsl.testing.write_checkpoint"))
 
 
-# ------------------------------------------------------------------------------------------- writing
-
-
 def snapshot_of(checkpoint: str | os.PathLike | Inventory, config: Mapping[str, Any] | None = None) -> dict:
-    """The snapshot of a checkpoint (folder, index, `.safetensors` file, snapshot or Inventory) as a
-    JSON-ready dict; `config` by default the checkpoint's config.json."""
+    """The snapshot of a checkpoint (as `open_checkpoint` takes it) as a JSON-ready dict; `config` by
+    default its config.json."""
     if isinstance(checkpoint, Inventory):
         inventory = checkpoint
     else:
@@ -163,9 +145,6 @@ def write_snapshot(checkpoint: str | os.PathLike | Inventory, path: str | os.Pat
     return text
 
 
-# ------------------------------------------------------------------------------------------- reading
-
-
 def open_snapshot(path: str | os.PathLike) -> SnapshotInventory:
     """Read and validate a snapshot file (untrusted input) into the inventory it describes.
 
@@ -182,11 +161,11 @@ def open_snapshot(path: str | os.PathLike) -> SnapshotInventory:
         raise CheckpointError(Diagnostic(code="E301", path=path,
                                          message=f"cannot read the snapshot ({exc.strerror})")) from None
     if len(raw) > MAX_SNAPSHOT_NBYTES:
-        raise _bad(path, "", f"the file is larger than {MAX_SNAPSHOT_NBYTES} bytes")
+        raise CheckpointError(_diag(path, "", f"the file is larger than {MAX_SNAPSHOT_NBYTES} bytes"))
     try:
         obj = load_json_object(raw, "the snapshot")
     except ValueError as exc:
-        raise _bad(path, "", str(exc)) from None
+        raise CheckpointError(_diag(path, "", str(exc))) from None
     return parse_snapshot(obj, path)
 
 
@@ -194,8 +173,8 @@ def parse_snapshot(obj: dict, path: str) -> SnapshotInventory:
     """A decoded snapshot object -> its SnapshotInventory, every field checked."""
     if obj.get("format") != FORMAT or obj.get("version") != VERSION:
         found = f"{json.dumps(obj.get('format'))} version {json.dumps(obj.get('version'))}"[:200]
-        raise _bad(path, "format", f"expected `\"format\": \"{FORMAT}\"` and `\"version\": {VERSION}`, found {found}",
-                   "write it again with `remapdsl snapshot` of this remapdsl")
+        raise CheckpointError(_diag(path, "format", f"expected `\"format\": \"{FORMAT}\"` and `\"version\": "
+                                    f"{VERSION}`, found {found}", "write it again with `remapdsl snapshot` of this remapdsl"))
     diags: list[Diagnostic] = []
     unknown = sorted(set(obj) - set(_FIELDS))
     missing = sorted(set(_FIELDS) - set(obj))
@@ -220,8 +199,7 @@ def parse_snapshot(obj: dict, path: str) -> SnapshotInventory:
     headers: dict = {}
     for name, entry in files.items():
         where = f"files[{json.dumps(name)}]"
-        why = _unsafe_name(name)
-        if why:
+        if why := _unsafe_name(name):
             diags.append(Diagnostic(code="E322", path=path, message=f"snapshot {where}: file name {why}"))
             continue
         info = _file_info(name, entry, where, path, diags)
@@ -239,18 +217,16 @@ def parse_snapshot(obj: dict, path: str) -> SnapshotInventory:
     chunks: dict = {}
     if not diags and has_sharding_info(headers):  # a DCP-sharded folder: its keys are in several files
         made = assemble_chunked(headers, lambda name: path)
-        tensors, chunks = dict(made.tensors), made.chunks
+        tensors, chunks = made.tensors, made.chunks
         diags.extend(d.model_copy(update={"message": f"snapshot: {d.message}"}) for d in made.diagnostics)
-        headers = {n: h.model_copy(update={"tensors": {k: t for k, t in h.tensors.items()
-                                                       if k not in tensors and k not in made.reported}})
-                   for n, h in headers.items()}
-    for name, header in headers.items():
-        where = f"files[{json.dumps(name)}]"
-        for ckpt_key, t in header.tensors.items():
-            if ckpt_key in tensors:
-                diags.append(Diagnostic(code="E324", path=path, message=f"snapshot {where}.header: tensor "
-                                        f"`{ckpt_key}` is also in files[{json.dumps(tensors[ckpt_key].file)}]"))
-            tensors[ckpt_key] = t
+    else:
+        for name, header in headers.items():
+            for ckpt_key, t in header.tensors.items():
+                if ckpt_key in tensors:
+                    diags.append(Diagnostic(code="E324", path=path, message=f"snapshot files[{json.dumps(name)}]"
+                                            f".header: tensor `{ckpt_key}` is also in "
+                                            f"files[{json.dumps(tensors[ckpt_key].file)}]"))
+                tensors[ckpt_key] = t
     if diags:
         raise CheckpointError(diags)
     return SnapshotInventory(root=path, tensors=tensors, files=infos, ignored_files=tuple(ignored),
@@ -263,23 +239,19 @@ def _file_info(name: str, entry: object, where: str, path: str, diags: list[Diag
         diags.append(_diag(path, where, f"must be an object with exactly {', '.join(_FILE_FIELDS)}"))
         return None
     nbytes, data_offset, header = entry["nbytes"], entry["data_offset"], entry["header"]
-    ok = True
+    before = len(diags)
     if not (type(data_offset) is int and PREFIX_NBYTES <= data_offset <= PREFIX_NBYTES + MAX_HEADER_NBYTES):
         diags.append(_diag(path, f"{where}.data_offset", f"must be an integer from {PREFIX_NBYTES} to "
                            f"{PREFIX_NBYTES + MAX_HEADER_NBYTES} (8 + the header length), found {_kind(data_offset)}"))
-        ok = False
     if not (type(nbytes) is int and 0 <= nbytes <= MAX_FILE_NBYTES):
         diags.append(_diag(path, f"{where}.nbytes", f"must be an integer from 0 to {MAX_FILE_NBYTES}, "
                            f"found {_kind(nbytes)}"))
-        ok = False
-    elif ok and nbytes < data_offset:
+    elif len(diags) == before and nbytes < data_offset:
         diags.append(_diag(path, f"{where}.nbytes", f"{nbytes} bytes end before the data section at {data_offset}"))
-        ok = False
     if not isinstance(header, dict):
         diags.append(_diag(path, f"{where}.header", f"must be an object (the file's safetensors header), "
                            f"found {_kind(header)}"))
-        ok = False
-    return FileInfo(file=name, nbytes=nbytes, data_offset=data_offset) if ok else None
+    return FileInfo(file=name, nbytes=nbytes, data_offset=data_offset) if len(diags) == before else None
 
 
 def _kind(value: object) -> str:
@@ -290,7 +262,3 @@ def _kind(value: object) -> str:
 def _diag(path: str, where: str, message: str, hint: str | None = None) -> Diagnostic:
     return Diagnostic(code="E330", path=path, hint=hint,
                       message=f"snapshot {where + ': ' if where else ''}{message}")
-
-
-def _bad(path: str, where: str, message: str, hint: str | None = None) -> CheckpointError:
-    return CheckpointError(_diag(path, where, message, hint))

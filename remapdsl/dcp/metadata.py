@@ -34,24 +34,16 @@ class RuntimeTensors(dict):
                    "from this checkpoint", path=self.checkpoint, hint=f"did you mean `{close}`?" if close else
                    "add a rule that makes it, or leave it out of the state dict given to dcp.load")
 
-    def __reduce__(self):
-        return type(self), (dict(self), self.checkpoint, self.rules)
-
 
 def runtime_metadata(compiled: Compiled, checkpoint: str, rules: str) -> Metadata:
-    """The Metadata of every runtime tensor of `compiled`, each one whole chunk (`checkpoint` and
-    `rules`, in words, are named by its messages)."""
+    """The Metadata of every runtime tensor of `compiled`, each one whole chunk (`checkpoint`, `rules`: for messages)."""
     entries = {}
-    properties: dict[str, TensorProperties] = {}  # one per dtype
     for d in compiled.runtime_tensors:
-        props = properties.get(d.dtype)
-        if props is None:
-            dtype = getattr(torch, d.dtype, None)
-            if not isinstance(dtype, torch.dtype):
-                raise fail("E602", f"`{d.runtime_key}` is made as {d.dtype}, which torch has no dtype for",
-                           path=checkpoint, hint="add `| cast(...)` to the rule that makes it")
-            props = properties[d.dtype] = TensorProperties(dtype=dtype)
+        dtype = getattr(torch, d.dtype, None)
+        if not isinstance(dtype, torch.dtype):
+            raise fail("E602", f"`{d.runtime_key}` is made as {d.dtype}, which torch has no dtype for",
+                       path=checkpoint, hint="add `| cast(...)` to the rule that makes it")
         entries[d.runtime_key] = TensorStorageMetadata(
-            properties=props, size=torch.Size(d.shape),
+            properties=TensorProperties(dtype=dtype), size=torch.Size(d.shape),
             chunks=[ChunkStorageMetadata(offsets=torch.Size((0,) * len(d.shape)), sizes=torch.Size(d.shape))])
     return Metadata(state_dict_metadata=RuntimeTensors(entries, checkpoint, rules))

@@ -1,9 +1,7 @@
-"""`RuleStorageReader`: a torch.distributed.checkpoint StorageReader that serves `dcp.load` from a
-checkpoint folder through a rule file, every rank reading only its own bytes.
+"""`RuleStorageReader`: a DCP StorageReader serving `dcp.load` from a checkpoint folder through a rule file.
 
-Construction is collective (the rules compiled on every rank, any error a RemapError on all before
-DCP starts). `read_data` turns the planner's requests into one box per runtime tensor and runs one
-remapdsl load plan of them: planning grows with the tensors, not with the requests' rows.
+Construction is collective (any error a RemapError on every rank before DCP starts). `read_data` makes
+the planner's requests one box per runtime tensor and runs one load plan: it grows with the tensors.
 """
 
 from __future__ import annotations
@@ -70,21 +68,14 @@ class RuleStorageReader(StorageReader):
 
     def _open(self, path) -> None:
         """Compile the rules against `path` on every rank together (errors: RemapError, every rank)."""
-        with bounds.bounded(self._timeout), frozen_heap():
-            self._compile(path)
-
-    def _compile(self, path) -> None:
         require_data(path, "dcp.load")
         path = os.fspath(path)
-        rules = rules_for(self._rules, path, self._config)  # `auto`: chosen and logged as load does
-        self._inventory, self._compiled, _ = prepare_everywhere(rules, path, self._config, self._strict)
+        with bounds.bounded(self._timeout), frozen_heap():
+            rules = rules_for(self._rules, path, self._config)  # `auto`: chosen and logged as load does
+            # `compiled`: the rules compiled against the checkpoint, the `Compiled` the metadata presents
+            self._inventory, self.compiled, _ = prepare_everywhere(rules, path, self._config, self._strict)
+            self._metadata = runtime_metadata(self.compiled, path, _rules_named(rules))  # the runtime layout
         self.checkpoint_id: str | os.PathLike = path
-        self._metadata = runtime_metadata(self._compiled, path, _rules_named(rules))  # the runtime layout
-
-    @property
-    def compiled(self):
-        """The rules compiled against the checkpoint: the `Compiled` the metadata presents."""
-        return self._compiled
 
     # ------------------------------------------------------------------ StorageReader, in call order
 
@@ -111,7 +102,24 @@ class RuleStorageReader(StorageReader):
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
         """Read every request of `plan` into the tensors `planner` resolves, then commit them."""
         with frozen_heap():  # a RemapError raised here crosses DCP's exchange pickled, intact
-            self.report = self._read(plan, planner)
+            start = time.perf_counter()
+            rounds = _rounds(plan.items, self._metadata.state_dict_metadata)
+            read = owned = 0
+            rings = Rings(self._staging)  # one staging ring per reader thread, over every round
+            for requests in rounds:  # one round unless a key is asked for in several pieces
+                views = {key: planner.resolve_tensor(item) for key, item in requests.items()}
+                held = {key: _shard(item) for key, item in requests.items()}
+                _check_views(views, held, self.compiled)
+                load_plan = make_load_plan(self.compiled, self._inventory, held, dist.rank())
+                try:
+                    run_load_plan(load_plan, self._inventory, views, rings=rings)
+                finally:
+                    rings.close()  # every copy to a device finished before the planner commits the views
+                for key, item in requests.items():
+                    planner.commit_tensor(item, views[key])
+                read, owned = read + load_plan.bytes_read, owned + load_plan.bytes_owned
+            self.report = ReadReport(len(plan.items), len({k for r in rounds for k in r}), read, owned,
+                                     time.perf_counter() - start)
         done: Future[None] = Future()
         done.set_result(None)
         return done
@@ -124,28 +132,6 @@ class RuleStorageReader(StorageReader):
             return any(name.endswith(".safetensors") for name in os.listdir(path))
         return os.path.isfile(path) and path.endswith((".safetensors", ".safetensors.index.json"))
 
-    # ------------------------------------------------------------------------------------ the reads
-
-    def _read(self, plan: LoadPlan, planner: LoadPlanner) -> ReadReport:
-        start = time.perf_counter()
-        rounds = _rounds(plan.items, self._metadata.state_dict_metadata)
-        read = owned = 0
-        rings = Rings(self._staging)  # one staging ring per reader thread, over every round
-        for requests in rounds:  # one round unless a key is asked for in several pieces
-            views = {key: planner.resolve_tensor(item) for key, item in requests.items()}
-            held = {key: _shard(item) for key, item in requests.items()}
-            _check_views(views, held, self._compiled)
-            load_plan = make_load_plan(self._compiled, self._inventory, held, dist.rank())
-            try:
-                run_load_plan(load_plan, self._inventory, views, rings=rings)
-            finally:
-                rings.close()  # every copy to a device finished before the planner commits the views
-            for key, item in requests.items():
-                planner.commit_tensor(item, views[key])
-            read, owned = read + load_plan.bytes_read, owned + load_plan.bytes_owned
-        return ReadReport(len(plan.items), len({k for r in rounds for k in r}), read, owned,
-                          time.perf_counter() - start)
-
 
 def _rules_named(rules) -> str:
     """The rules in words, for messages: `the rules of `qwen3_moe.remap``."""
@@ -157,9 +143,8 @@ def _rules_named(rules) -> str:
 
 
 def _rounds(items: list[ReadItem], made) -> list[dict[str, ReadItem]]:
-    """The requests in rounds of at most one request per runtime key, every key's first in the first
-    (DCP's default planner asks once per local shard). A key `made` lacks is E600 (another planner
-    may ask without checking)."""
+    """The requests in rounds of at most one per runtime key, every key's first in the first; a key
+    `made` lacks is E600 (a planner other than DCP's default may ask without checking)."""
     rounds: list[dict[str, ReadItem]] = []
     for item in items:
         made.require(item.dest_index.fqn)
@@ -168,11 +153,10 @@ def _rounds(items: list[ReadItem], made) -> list[dict[str, ReadItem]]:
                               "only tensors", hint="leave non-tensor values out of the state dict given to "
                               "dcp.load through this reader")
         key = item.dest_index.fqn
-        at = next((i for i, r in enumerate(rounds) if key not in r), None) if rounds else None
-        if at is None:
-            rounds.append({})
-            at = len(rounds) - 1
-        rounds[at][key] = item
+        free = next((r for r in rounds if key not in r), None)  # the first round without this key
+        if free is None:
+            rounds.append(free := {})
+        free[key] = item
     return rounds
 
 

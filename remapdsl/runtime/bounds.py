@@ -1,10 +1,8 @@
 """How long a rank waits for the others, and over which group.
 
-Control exchanges (CPU tensors) go over the default group when it has a CPU backend, else over one
-gloo group of the same ranks (`control_group`). Every wait is bounded by the call's `timeout=`
-(`bounded`), not the group's: a rank waiting past ARRIVAL_SECONDS notes it in the store, so that past
-the bound the ranks that never arrived are named (E415, `late`); after a failed collective, the
-survivors name the lost ranks the same way (`roll_call`).
+Every wait is bounded by the call's `timeout=`, not the group's: a rank waiting past ARRIVAL_SECONDS
+notes it in the store, so past the bound the ranks that never arrived are named (E415); after a failed
+collective the survivors name the lost ranks the same way (`roll_call`).
 """
 
 from __future__ import annotations
@@ -27,6 +25,7 @@ DEFAULT_TIMEOUT = 300.0  # seconds a call waits at one exchange for the other ra
 ARRIVAL_SECONDS = 1.0  # a rank waiting longer notes it in the store (faster exchanges touch no store)
 ROLL_CALL_SECONDS = 2.0  # after a timeout or a failed collective: how long to wait to hear from the others
 _timeout: ContextVar[float] = ContextVar("remapdsl_timeout", default=DEFAULT_TIMEOUT)
+_END = object()  # bounded_iter: its items ran out
 _control: tuple[Any, Any] | None = None  # (the default group, the group control exchanges go over)
 _GROUPS_MADE = 0  # control groups this process has made (their meeting's name in the store)
 
@@ -71,22 +70,18 @@ def bounded_iter(items: Iterator[T], timeout) -> Iterator[T]:
     limit = _timeout.get() if timeout is None else seconds(timeout)
     try:
         while True:
-            token = _timeout.set(limit)
-            try:
-                item = next(items)
-            except StopIteration:
+            with bounded(limit):
+                item = next(items, _END)
+            if item is _END:
                 return
-            finally:
-                _timeout.reset(token)
             yield item
     finally:
         items.close()
 
 
 def control_group():
-    """The group control exchanges go over: None (the default group) when that has a CPU backend or
-    there is no group, else a gloo group over the same ranks, made once per default group. The ranks
-    first meet in the store, so a rank that never arrives is named (E415) instead of blocking its creation."""
+    """The group control exchanges go over: None (the default group) when it has a CPU backend, else a
+    gloo group of its ranks, made once after they meet in the store (a rank that never comes: E415)."""
     global _control, _GROUPS_MADE
     if not (dist.is_available() and dist.is_initialized()):
         return None
@@ -178,9 +173,11 @@ def _missing(collective: int) -> list[int]:
     store, world, me = _store(), dist.get_world_size(), dist.get_rank()
     answer = f"remapdsl/missing/{collective}"
     if store.add(answer + "/asked", 1) != 1:
-        found = _answer(store, answer)
-        if found is not None:  # else the rank looking is gone too: look here
-            return [r for r in found if r != me]
+        try:  # another rank looks: its answer, unless it is gone too (then look here)
+            store.wait([answer], _at_least_a_millisecond(ROLL_CALL_SECONDS + 1))
+            return [r for r in json.loads(store.get(answer)) if r != me]
+        except Exception:  # noqa: BLE001, S110 - the store's timeout error differs by store and version
+            pass
 
     def behind(r: int) -> bool:
         key = _waiting(r)
@@ -195,15 +192,6 @@ def _missing(collective: int) -> list[int]:
         time.sleep(0.05)
     store.set(answer, json.dumps(missing))
     return missing
-
-
-def _answer(store, key: str) -> list[int] | None:
-    """The ranks another rank found missing, once it has written them (None if it never does)."""
-    try:
-        store.wait([key], _at_least_a_millisecond(ROLL_CALL_SECONDS + 1))
-        return json.loads(store.get(key))
-    except Exception:  # noqa: BLE001 - the store's timeout error differs by store and version
-        return None
 
 
 def roll_call(collective: int) -> str:

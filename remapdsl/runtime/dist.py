@@ -1,14 +1,9 @@
 """The ranks' exchanges: share headers, agree on the compiled rules, fail together.
 
-Every rank calls each function in the same order: `share_inventory` (rank 0 reads the headers),
-`together(fn[, agree_on])` (an error on any rank becomes the same error on all, naming the failing
-ranks, instead of a hang; `agree_on` also compares digests and says what differs),
-`broadcast_from_first`. With runtime/bounds.py, the only caller of torch.distributed; control
-exchanges go over its control group, device tensors over the default group.
-
+Every rank calls each function in the same order. With runtime/bounds.py, the only caller of
+torch.distributed: control exchanges go over its control group, device tensors over the default group.
 Every buffer of a collective stays referenced until the backend released it (`_settled`): a tensor
-freed on a gloo worker thread during interpreter shutdown aborts the process (docs/architecture.md,
-"Leaving the group clean").
+freed on a gloo worker thread during interpreter shutdown aborts the process.
 """
 
 from __future__ import annotations
@@ -55,13 +50,8 @@ def share_inventory(checkpoint, phase: str = "reading the checkpoint's headers")
     return inventory.restamped(checkpoint) if rank() != 0 else inventory  # this rank's own copy
 
 
-def from_first(fn: Callable[[], T], phase: str = "sharing rank 0's result") -> T:
-    """Rank 0's `fn()`, on every rank (one broadcast); an error there is raised on every rank."""
-    return from_rank(0, fn, phase)
-
-
-def from_rank(source: int, fn: Callable[[], T], phase: str = "sharing a rank's result") -> T:
-    """Rank `source`'s `fn()`, on every rank; an error there is raised on every rank, naming it."""
+def from_first(fn: Callable[[], T], phase: str = "sharing rank 0's result", source: int = 0) -> T:
+    """Rank `source`'s `fn()`, on every rank (one broadcast); an error there is raised on every rank, naming it."""
     if not active():
         return fn()
     payload = None
@@ -88,14 +78,9 @@ class Agreement(NamedTuple):
     hint: str = "every rank must load the same rules from the same checkpoint"
 
 
-def together(fn: Callable[[], T], agree_on: Agreement | tuple[str, Callable[[T], str]] | None = None,
-             phase: str = "a phase") -> T:
-    """Run one phase on every rank; if any rank fails, all raise the same error naming the ranks.
-    With `agree_on` (an Agreement, or `(what, digest)`), results whose digests differ are E410 on
-    every rank, saying what differs, instead of a hang or a silently different result."""
-    if agree_on is not None and not isinstance(agree_on, Agreement):
-        what, digest = agree_on
-        agree_on = Agreement(what, lambda result: {what: digest(result)})
+def together(fn: Callable[[], T], agree_on: Agreement | None = None, phase: str = "a phase") -> T:
+    """Run one phase on every rank; if any rank fails, all raise the same error naming the ranks. With
+    `agree_on`, results whose digests differ are E410 on every rank, saying what differs."""
     error: BaseException | None = None
     result = digests = None
     try:
@@ -108,7 +93,7 @@ def together(fn: Callable[[], T], agree_on: Agreement | tuple[str, Callable[[T],
             raise error
         return result
     mine = (_report(error), None) if error is not None else (None, digests)
-    gathered = [pickle.loads(b) for b in _all_gather_bytes(_dumps(mine), phase)]
+    gathered = gather_all(mine, phase)
     failed = [(r, report) for r, (report, _) in enumerate(gathered) if report is not None]
     if failed:
         _raise(failed, len(gathered))
@@ -131,8 +116,8 @@ def _agree(agreement: Agreement, result, digests: list[dict[str, str]]) -> None:
                                              for v, g in versions.items()))
         if agreement.detail is None or agreement.explain is None:
             continue
-        details = {g[0]: from_rank(g[0], lambda aspect=aspect: _safely(agreement.detail, result, aspect),
-                                   "describing a difference") for g in groups[:MAX_VERSIONS]}
+        details = {g[0]: from_first(lambda aspect=aspect: _safely(agreement.detail, result, aspect),
+                                    "describing a difference", g[0]) for g in groups[:MAX_VERSIONS]}
         try:
             lines.extend(f"  {s}" for s in agreement.explain(aspect, details))
         except Exception as exc:  # noqa: BLE001 - the digests above still say who differs
@@ -271,7 +256,8 @@ def _settled(start: Callable[[], Any], buffers: list[torch.Tensor], phase: str, 
     except Exception as exc:  # noqa: BLE001 - the backend's own error types differ by backend and version
         raise RemapError(Diagnostic(
             code="E413", message=f"rank {dist.get_rank()} lost the group while {phase}: "
-            f"{roll_call(_COLLECTIVES)}; {type(exc).__name__}: {_first_sentence(exc)}",
+            f"{roll_call(_COLLECTIVES)}; {type(exc).__name__}: "  # without the advice gloo appends to every error
+            f"{errors.shorten(str(exc).strip().split('. This is typically caused', 1)[0], 300)}",
             hint="a rank died, was killed or left, or did not reach this step within the process "
                  "group's timeout (`init_process_group(timeout=...)`); its own log says why")) from None
     del work
@@ -279,12 +265,6 @@ def _settled(start: Callable[[], Any], buffers: list[torch.Tensor], phase: str, 
     while _references(buffers) > before and time.monotonic() < deadline:
         time.sleep(pause)
         pause = min(pause * 2, 1e-2)
-
-
-def _first_sentence(exc: BaseException) -> str:
-    """The backend's message, without the advice gloo appends to every error."""
-    text = str(exc).strip().split(". This is typically caused", 1)[0]
-    return errors.shorten(text, 300)
 
 
 def _references(buffers: list[torch.Tensor]) -> int:

@@ -1,15 +1,12 @@
 """A rank's LoadPlan + its local tensors -> the tensors filled from the checkpoint files.
 
-Each item reads exactly its byte runs: straight into tensor memory when they are its region as it is
-(no value step, contiguous, source order); else many short runs are copied from the mapped file, a few
-read into a staging buffer, then placed through a strided view with their value steps. A piece of a
-logical tensor decodes its parts' covering boxes. A device tensor's bytes go through the pinned
-staging rings (runtime/staging.py); value steps and placement then run on the device.
+Each item reads exactly its byte runs: straight into tensor memory where they are its region as it is;
+else copied from the mapped file or read into staging, then placed through a strided view with its
+value steps. A device tensor's bytes go through the pinned staging rings (staging.py).
 """
 
 from __future__ import annotations
 
-import ctypes
 import itertools
 from collections.abc import Iterator, Mapping
 from concurrent.futures import ThreadPoolExecutor
@@ -30,34 +27,25 @@ from .staging import STAGING, Rings, StagingRing, run_pieces, tensor_pieces
 
 def run_load_plan(plan: LoadPlan, inventory: Inventory, tensors: Mapping[str, torch.Tensor],
                   threads: int = 2, reader: CheckpointReader | None = None, rings: Rings | None = None) -> None:
-    """Execute one rank's plan into its local tensors. Items that continue each other in the file and
-    in memory are read with one call, cut into chunks of at most CHUNK bytes, each run by one of
-    `threads` reader threads into its own region; units under SMALL_UNIT run on this thread (their
-    Python work dominates). `reader`: where the bytes come from (default `inventory`'s files).
-    `rings`: a caller's staging rings, kept over several plans; by default made and closed here, so
-    every copy has finished when this returns, on success and failure alike."""
+    """Execute one rank's plan into its local tensors on `threads` reader threads. `reader`: where the
+    bytes come from (default `inventory`'s files); `rings`: a caller's staging rings, kept over several
+    plans, else made and closed here, so every copy has finished when this returns, failing or not."""
     own = rings is None
     rings = Rings(STAGING) if own else rings
     with reader or CheckpointReader(inventory) as reader, torch.no_grad():
         units = itertools.chain(_work(plan.items, tensors, rings.staging.everything),
                                 (_Decode(item, region(tensors[item.runtime_key], item)) for item in plan.decodes))
         try:
-            if threads <= 1:
-                try:
-                    for unit in units:
-                        _run_batch(unit, reader, rings)
-                finally:
-                    rings.release()
-            else:
-                _run_threaded(units, reader, threads, rings)
+            _run_units(units, reader, threads, rings)
         finally:
+            rings.release()  # this thread's ring, where it staged (threads <= 1)
             if own:
                 rings.close()
 
 
-def _run_threaded(units: Iterator, reader: CheckpointReader, threads: int, rings: Rings) -> None:
+def _run_units(units: Iterator, reader: CheckpointReader, threads: int, rings: Rings) -> None:
     """Run the units in order: large and staged ones on `threads` threads (started at the first), small
-    ones here. The first error is raised once every thread stopped."""
+    ones, or all where `threads` <= 1, here. The first error is raised once every thread stopped."""
     queue: SimpleQueue = SimpleQueue()
     errors: list[BaseException] = []
 
@@ -72,13 +60,13 @@ def _run_threaded(units: Iterator, reader: CheckpointReader, threads: int, rings
         finally:
             rings.release()
 
-    with ThreadPoolExecutor(threads) as pool:
+    with ThreadPoolExecutor(max(1, threads)) as pool:
         running: list = []
         try:
             for unit in units:
                 if errors:
                     break
-                if _nbytes(unit) < SMALL_UNIT and not _staged(unit, rings):
+                if threads <= 1 or _small(unit, rings):
                     _run_batch(unit, reader, rings)
                     continue
                 if not running:
@@ -93,27 +81,18 @@ def _run_threaded(units: Iterator, reader: CheckpointReader, threads: int, rings
         raise errors[0]
 
 
-def _staged(unit, rings: Rings) -> bool:
-    """Whether a unit's bytes go through a staging ring (only items and decodes ever do)."""
-    if isinstance(unit, _Item):
-        return rings.staged(unit.tensor)
-    return isinstance(unit, _Decode) and rings.staged(unit.view)
-
-
-def _nbytes(unit) -> int:
-    """About how many bytes a unit moves (a decode or a staged item: its elements, at 4 bytes)."""
-    if isinstance(unit, _Span):
-        return unit.nbytes
+def _small(unit, rings: Rings) -> bool:
+    """Whether a unit runs on the calling thread: under SMALL_UNIT bytes (an item or a decode: its
+    elements at 4 bytes) and not staged (only items and decodes ever are)."""
     if isinstance(unit, _Scatter):
-        return sum(n for _, n in unit.places)
+        return sum(n for _, n in unit.places) < SMALL_UNIT
     if isinstance(unit, _Direct):
-        return unit.runs.total
-    return 4 * prod(unit.item.sizes)
+        return unit.runs.total < SMALL_UNIT
+    return 4 * prod(unit.item.sizes) < SMALL_UNIT and not rings.staged(unit[1])  # its tensor, or view
 
 
 class _Memory(NamedTuple):
-    """A runtime tensor as the work list needs it, read once: its first byte's address (None unless a
-    contiguous, unstaged CPU tensor), dtype name, shape, bytes per step along each dim, size in bytes."""
+    """A runtime tensor as the work list needs it, read once (`address`: None unless contiguous, unstaged, CPU)."""
 
     address: int | None
     dtype: str
@@ -123,14 +102,11 @@ class _Memory(NamedTuple):
     nbytes: int
 
 
-def _memory(tensor: torch.Tensor, names: dict, staged: bool) -> _Memory:
-    dtype = tensor.dtype
-    name = names.get(dtype)
-    if name is None:  # torch.bfloat16 -> bfloat16, once a dtype
-        name = names[dtype] = str(dtype).removeprefix("torch.")
+def _memory(tensor: torch.Tensor, staged: bool) -> _Memory:
     direct = tensor.is_cpu and tensor.is_contiguous() and not staged
     shape, itemsize = tuple(tensor.shape), tensor.element_size()
     steps = tuple(itemsize * n for n in row_major_strides(shape))
+    name = str(tensor.dtype).removeprefix("torch.")
     return _Memory(tensor.data_ptr() if direct else None, name, shape, steps, itemsize,
                    steps[0] * shape[0] if shape else itemsize)
 
@@ -140,9 +116,7 @@ def _address(memory: _Memory, item: ReadItem) -> int | None:
     order (no value step, the same dtype); else None. The range is checked to lie in the tensor (E417)."""
     if memory.address is None or item.ckpt_key is None or item.steps or memory.dtype != item.dtype:
         return None
-    sizes, offsets, runs = item.sizes, item.local_offsets, item.runs
-    # runs.total without its two property calls: this runs once an item (23,123 items: ~20 ms)
-    total = runs.length * prod(runs.counts) if runs.counts else runs.length
+    sizes, offsets, total = item.sizes, item.local_offsets, item.runs.total
     if sizes == memory.shape:  # the whole tensor
         if not is_row_major(item.strides, sizes):
             return None
@@ -181,15 +155,6 @@ class _Direct(NamedTuple):
     address: int
 
 
-class _Span(NamedTuple):
-    """One range of a file read straight into consecutive runtime tensor memory."""
-
-    file: str
-    first: int
-    address: int
-    nbytes: int
-
-
 class _Scatter(NamedTuple):
     """One range of a file read with one call into several places of runtime tensor memory."""
 
@@ -207,15 +172,13 @@ class _Item(NamedTuple):
 
 def _work(items, tensors, staged: bool) -> Iterator:
     """The units of work of the plain items, in file order: direct reads (items continuing each other
-    in the file merged, cut into chunks), and the others as they are (all, with `staged`). No view is
-    made here: addresses are computed from offsets."""
+    in the file merged, cut into chunks), and the others as they are (all, with `staged`)."""
     memories: dict[str, _Memory] = {}
-    names: dict = {}
     merged: list | None = None  # [file, first byte, bytes, places] of the open single-range read
     for item in items:
         memory = memories.get(item.runtime_key)
         if memory is None:
-            memory = memories[item.runtime_key] = _memory(tensors[item.runtime_key], names, staged)
+            memory = memories[item.runtime_key] = _memory(tensors[item.runtime_key], staged)
         address = _address(memory, item)
         if address is None:
             yield _Item(item, tensors[item.runtime_key])
@@ -246,10 +209,7 @@ def _work(items, tensors, staged: bool) -> Iterator:
 def _cut(merged: list, whole: bool = True) -> Iterator:
     """One file range read as chunks of at most CHUNK bytes and IOV_MAX places each. `whole=False`:
     only the full chunks, the rest left in `merged` for the items that continue it."""
-    file, first, nbytes, places = merged
-    if whole and len(places) == 1 and nbytes <= CHUNK:
-        yield _Span(file, first, places[0][0], nbytes)
-        return
+    file, first, _, places = merged
     chunk: list[tuple[int, int]] = []
     size = 0
     for address, nbytes in places:
@@ -297,23 +257,15 @@ def _run_decode(unit: _Decode, reader: CheckpointReader, rings: Rings) -> None:
     view.copy_(apply_steps(out.view(-1).as_strided(item.sizes, item.strides, item.offset), item.steps))
 
 
-def _bytes_at(address: int, nbytes: int) -> memoryview:
-    """A writable byte view of `nbytes` of memory at `address` (runtime tensor memory)."""
-    return memoryview((ctypes.c_ubyte * nbytes).from_address(address)).cast("B")
-
-
 def _run_batch(batch, reader: CheckpointReader, rings: Rings) -> None:
     """Run one unit of work."""
     if isinstance(batch, _Decode):
         return _run_decode(batch, reader, rings)
-    if isinstance(batch, _Span):  # straight into the runtime tensor's memory
-        reader.read_into(batch.file, batch.first, _bytes_at(batch.address, batch.nbytes))
-        return None
     if isinstance(batch, _Scatter):  # straight into the runtime tensor's memory, one call
-        reader.scatter_into(batch.file, batch.first, [_bytes_at(a, n) for a, n in batch.places])
+        reader.scatter_into(batch.file, batch.first, [files.bytes_at(a, n) for a, n in batch.places])
         return None
     if isinstance(batch, _Direct):  # straight into the runtime tensor's memory
-        reader.read_runs_into(batch.file, batch.runs, _bytes_at(batch.address, batch.runs.total))
+        reader.read_runs_into(batch.file, batch.runs, files.bytes_at(batch.address, batch.runs.total))
         return None
     item, tensor = batch
     view = region(tensor, item)

@@ -1,8 +1,7 @@
 """Bounded host staging for bytes bound for a device: a ring of reused pinned buffers, never one a read.
 
-A `StagingRing` holds at most `buffers` buffers of `buffer_bytes`, allocated on first use and reused
-once the asynchronous copy out of each has finished (a CUDA event says when): a rank pins at most the
-bound, whatever it loads. Each reader thread has its own ring (`Rings`), waiting only for its own copies.
+Each buffer is reused once its asynchronous copy finished (a CUDA event says when), so a rank pins at
+most the bound whatever it loads; each reader thread has its own ring, waiting only for its own copies.
 """
 
 from __future__ import annotations
@@ -14,12 +13,13 @@ from typing import NamedTuple
 
 import torch
 
+from ..errors import Diagnostic, RemapError
+
 
 class Staging(NamedTuple):
-    """How device-bound bytes are staged: `buffers` buffers of `buffer_bytes` per reader thread, pinned
-    (`pin`) when CUDA is there. `everything` routes CPU destinations through the ring too (for tests).
-    2 MiB buffers stay in the CPU's cache yet keep the copy engine busy (bench/staging_bench.py); four
-    a thread let reads run ahead of the copies."""
+    """`buffers` buffers of `buffer_bytes` per reader thread, pinned when CUDA is there (`everything`: CPU
+    destinations too, for tests). 2 MiB stays in the CPU's cache yet keeps the copy engine busy
+    (bench/staging_bench.py); four a thread let reads run ahead of the copies."""
 
     buffer_bytes: int = 2 << 20
     buffers: int = 4
@@ -31,8 +31,7 @@ class Staging(NamedTuple):
         return max(1, threads) * self.buffers * self.buffer_bytes
 
 
-STAGING = Staging()
-STAGING_BYTES = STAGING.bound(2)  # a call's default bound: 16 MiB, four 2 MiB buffers for each of two threads
+STAGING = Staging()  # a call's default bound: 16 MiB, four 2 MiB buffers for each of two threads
 
 
 def staging_within(staging_bytes: int | None, threads: int = 2) -> Staging:
@@ -43,12 +42,10 @@ def staging_within(staging_bytes: int | None, threads: int = 2) -> Staging:
     threads = max(1, threads)
     least = 2 * threads << 10
     if isinstance(staging_bytes, bool) or not isinstance(staging_bytes, int) or staging_bytes < least:
-        from ..errors import Diagnostic, RemapError
-
         raise RemapError(Diagnostic(code="E416", message=f"staging_bytes={staging_bytes!r} is not a whole number of "
                                     f"bytes of at least {least >> 10} kB (two staging buffers of at least 1 kB for "
                                     f"each of {threads} reader threads)",
-                                    hint=f"the default is {STAGING_BYTES >> 20} MiB: the most host memory a call "
+                                    hint=f"the default is {STAGING.bound(2) >> 20} MiB: the most host memory a call "
                                          "pins to copy bytes to a device"))
     share = staging_bytes // threads
     if share >= 2 * STAGING.buffer_bytes:
@@ -60,9 +57,8 @@ Piece = tuple[int, Callable[[torch.Tensor], object]]
 
 
 class StagingRing:
-    """At most `buffers` host buffers of `buffer_bytes`; `upload` fills them in turn and copies each to
-    its place in a destination (asynchronously to a CUDA device). `allocated`: bytes of buffers made;
-    `in_flight`: copies not known finished. `close` waits for every copy, so none outlives its call."""
+    """At most `buffers` host buffers; `upload` fills them in turn and copies each to its place (to a CUDA
+    device asynchronously); `close` waits for every copy, so none outlives its call."""
 
     def __init__(self, staging: Staging = STAGING, event: Callable[[torch.device], object] | None = None):
         if staging.buffer_bytes < 1 or staging.buffers < 1:
@@ -116,27 +112,22 @@ class StagingRing:
             self.allocated += buffer.numel()
             return buffer
         buffer, event = self._busy.popleft()
-        _wait(event)
+        if event is not None:
+            event.synchronize()
         return buffer
 
     def close(self) -> None:
         """Wait for every copy still in flight; the buffers are kept for the next upload."""
         while self._busy:
             buffer, event = self._busy.popleft()
-            _wait(event)
+            if event is not None:
+                event.synchronize()
             self._free.append(buffer)
-
-    def __enter__(self) -> StagingRing:
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.close()
 
 
 class Rings:
-    """The staging rings of a call, one per reader thread at a time: a thread takes one (idle, or new)
-    at its first staged item and hands it back when it stops (`release`), so several plans run with the
-    same `Rings` make no more rings than threads run at once. `close` waits for every copy."""
+    """The staging rings of a call: a thread takes one (idle, or new) at its first staged item and hands it
+    back when it stops (`release`), so there are never more rings than threads at once."""
 
     def __init__(self, staging: Staging = STAGING):
         self.staging = staging
@@ -180,8 +171,7 @@ class Rings:
         return len(self._made)
 
     def close(self) -> None:
-        """Wait for every copy in flight, then for the device's work on them, so the tensors are ready
-        on any stream."""
+        """Wait for every copy and the device's work on it, so the tensors are ready on any stream."""
         for ring in self._made:
             ring.close()
         if self._made and torch.cuda.is_available() and torch.cuda.is_initialized():
@@ -201,11 +191,6 @@ def _event_after_copy(device: torch.device):
     event = torch.cuda.Event()
     event.record(torch.cuda.current_stream(device))
     return event
-
-
-def _wait(event) -> None:
-    if event is not None:
-        event.synchronize()
 
 
 def run_pieces(file: str, runs, reader, most: int) -> Iterable[Piece]:

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import itertools
 from collections.abc import Mapping
 from concurrent.futures import ThreadPoolExecutor
 
@@ -18,15 +17,13 @@ from .pieces import apply_steps, read_part, region, torch_dtype
 
 def run_write_plan(plan: WritePlan, writer, tensors: Mapping[str, torch.Tensor], threads: int = 2,
                    reader: CheckpointReader | None = None) -> None:
-    """Write one rank's pieces on `threads` threads, no two on one byte: each gathered into source order
-    (or straight from memory when it is), its value steps undone, written run by run. A piece of a
-    dequantized tensor is encoded with the scales `reader` reads from its checkpoint."""
+    """Write one rank's pieces on `threads` threads, each gathered into source order (or straight from
+    memory), its value steps undone; a dequantized one encoded with the scales `reader` reads."""
     with torch.no_grad():
-        work = [(item, region(tensors[item.runtime_key], item)) for item in plan.items]
-        work += [(item, region(tensors[item.runtime_key], item)) for item in plan.encodes]
+        work = [(item, region(tensors[item.runtime_key], item)) for item in (*plan.items, *plan.encodes)]
 
-        def write(i: int) -> None:
-            item, view = work[i]
+        def write(unit: tuple) -> None:
+            item, view = unit
             if isinstance(item, DecodeItem):
                 _write_encoded(item, view, writer, reader, plan.requantize)
                 return
@@ -40,18 +37,12 @@ def run_write_plan(plan: WritePlan, writer, tensors: Mapping[str, torch.Tensor],
             staging.view(torch_dtype(item.dtype)).as_strided(item.sizes, item.strides).copy_(values)
             writer.write_runs(item.file, item.runs, memoryview(staging.numpy()))
 
-        taken = itertools.count()
-
-        def drain() -> None:
-            while (i := next(taken)) < len(work):
-                write(i)
-
         if threads <= 1 or len(work) < 2:
-            drain()
+            for unit in work:
+                write(unit)
         else:
             with ThreadPoolExecutor(threads) as pool:
-                for f in [pool.submit(drain) for _ in range(threads)]:
-                    f.result()
+                list(pool.map(write, work))  # the first error raised here
 
 
 def _write_encoded(item: DecodeItem, view: torch.Tensor, writer, reader: CheckpointReader,
