@@ -163,3 +163,26 @@ def test_an_integer_cast_is_refused_exactly_when_it_narrows(tmp_path, stored, lo
     else:
         remapdsl.save(state, tmp_path / "out", rules, like=tmp_path, config={})
         assert (tmp_path / "out" / "model.safetensors").read_bytes() == (tmp_path / "model.safetensors").read_bytes()
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+def test_a_failed_write_stops_every_thread_taking_pieces(tmp_path, threads):
+    """A save that fails on one piece raises that error and writes no more pieces, on any thread
+    (a save of hours must not go on writing after its first failure)."""
+    tensors = {f"w{i}": torch.full((4, 4), float(i)) for i in range(64)}
+    save_file(tensors, str(tmp_path / "model.safetensors"))
+    inventory = remapdsl.open_checkpoint(tmp_path)
+    compiled = remapdsl.compile_rules(remapdsl.language.rules_from_text("{N:path} -> {N}\n"), inventory, {})
+    holding = hold(compiled, tensors, LayoutPlan.from_mapping({}, mesh_dim="dp"), Mesh.of({"dp": 1}), 0)
+    plan = make_write_plan(writers(compiled), inventory, owned(holding, 0), 0)
+
+    class Failing:
+        calls = 0
+
+        def write_runs(self, *args):
+            Failing.calls += 1
+            raise OSError("disk full")
+
+    with pytest.raises(OSError, match="disk full"):
+        run_write_plan(plan, Failing(), holding.local, threads=threads)
+    assert len(plan.items) == 64 and Failing.calls <= threads

@@ -37,12 +37,23 @@ def run_write_plan(plan: WritePlan, writer, tensors: Mapping[str, torch.Tensor],
             staging.view(torch_dtype(item.dtype)).as_strided(item.sizes, item.strides).copy_(values)
             writer.write_runs(item.file, item.runs, memoryview(staging.numpy()))
 
+        units = iter(work)  # shared by the threads
+
+        def drain() -> None:
+            try:
+                for unit in units:
+                    write(unit)
+            except BaseException:
+                for _ in units:  # a failed save writes no more pieces on any thread
+                    pass
+                raise
+
         if threads <= 1 or len(work) < 2:
-            for unit in work:
-                write(unit)
+            drain()
         else:
             with ThreadPoolExecutor(threads) as pool:
-                list(pool.map(write, work))  # the first error raised here
+                for future in [pool.submit(drain) for _ in range(threads)]:
+                    future.result()
 
 
 def _write_encoded(item: DecodeItem, view: torch.Tensor, writer, reader: CheckpointReader,
