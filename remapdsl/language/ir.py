@@ -1,10 +1,5 @@
-"""The typed IR of a rule file: statements and RuleFile, frozen pydantic models; re-exports the rest.
-
-This module holds the statements (`remap`, `let`, rules, `drop`, `keep`, `dequantize`, `quantized`,
-`include`, `macro`) and the file; it re-exports the nodes, expressions and patterns of nodes.py and
-the ops of ops.py, so `ir.Concat`, `ir.Pattern` and `ir.Name` all read from here. Equality and
-hashing ignore spans and trivia, so `parse(format(ir)) == ir` holds.
-"""
+"""The typed IR of a rule file: statements and RuleFile (frozen pydantic models), re-exporting the
+nodes of nodes.py and the ops of ops.py, so `ir.Concat`, `ir.Pattern` and `ir.Name` all read from here."""
 
 from __future__ import annotations
 
@@ -12,12 +7,10 @@ from typing import Annotated, Literal, Union
 
 from pydantic import Field, field_validator, model_validator
 
-from ..params import Param
 from .nodes import (
-    LANGUAGE_VERSIONS, CAPTURE_TYPES, STATEMENT_KEYWORDS, KEYWORDS, IDENTIFIER, KEY_TEXT,
-    OPTION_TEXT, identifier_problem, checked_identifier, Node, Trivia, NO_TRIVIA, Int,
-    Float, Bool, Name, Config, List, Neg, Not, BinOp, Compare, BoolOp, Coalesce, Expr, Text,
-    Capture, Subst, Alternatives, Star, DoubleStar, PrefixRef, PatternPart, pattern_problems, Pattern,
+    LANGUAGE_VERSIONS, CAPTURE_TYPES, OPTION_TEXT, identifier_problem, checked_identifier, Node, Trivia,
+    NO_TRIVIA, Int, Float, Bool, Name, Config, List, Neg, Not, BinOp, Compare, BoolOp, Coalesce, Expr,
+    Text, Capture, Subst, Alternatives, Star, DoubleStar, PrefixRef, pattern_problems, Pattern,
 )
 from .ops import (
     Op, Concat, Stack, Unstack, Interleave, Deinterleave, Split, Chunk, Transpose, Permute,
@@ -26,16 +19,14 @@ from .ops import (
 )
 
 __all__ = [
-    "LANGUAGE_VERSIONS", "CAPTURE_TYPES", "STATEMENT_KEYWORDS", "KEYWORDS", "IDENTIFIER",
-    "KEY_TEXT", "OPTION_TEXT", "identifier_problem", "checked_identifier", "Node",
-    "Trivia", "NO_TRIVIA", "Int", "Float", "Bool", "Name", "Config", "List", "Neg", "Not", "BinOp",
-    "Compare", "BoolOp", "Coalesce", "Expr", "Text", "Capture", "Subst", "Alternatives", "Star",
-    "DoubleStar", "PrefixRef", "PatternPart", "pattern_problems", "Pattern", "Param", "Op", "Concat", "Stack",
-    "Unstack", "Interleave", "Deinterleave", "Split", "Chunk", "Transpose", "Permute", "Reshape",
-    "Slice", "Pad", "Repeat", "RopePermute", "RopeUnpermute", "Cast", "Scale", "Add", "Arg", "MacroCall",
-    "FormatCall", "BUILTIN_OPS", "OPS_BY_NAME", "BUILTIN_FORMAT_NAMES", "RESERVED_NAMES", "AnyOp",
-    "Statement", "Version", "Let", "Rule", "Drop", "Keep", "Dequantize", "Quantized", "Include",
-    "Macro", "CastAll", "Prefix", "AnyStatement", "RuleFile",
+    "LANGUAGE_VERSIONS", "CAPTURE_TYPES", "OPTION_TEXT", "identifier_problem", "Node", "Trivia", "NO_TRIVIA",
+    "Int", "Float", "Bool", "Name", "Config", "List", "Neg", "Not", "BinOp", "Compare", "BoolOp", "Coalesce",
+    "Text", "Capture", "Subst", "Alternatives", "Star", "DoubleStar", "PrefixRef", "pattern_problems",
+    "Pattern", "Op", "Concat", "Stack", "Unstack", "Interleave", "Deinterleave", "Split", "Chunk",
+    "Transpose", "Permute", "Reshape", "Slice", "Pad", "Repeat", "RopePermute", "RopeUnpermute", "Cast",
+    "Scale", "Add", "Arg", "MacroCall", "FormatCall", "BUILTIN_OPS", "OPS_BY_NAME", "BUILTIN_FORMAT_NAMES",
+    "RESERVED_NAMES", "Statement", "Version", "Let", "Rule", "Drop", "Keep", "Dequantize", "Quantized",
+    "Include", "Macro", "CastAll", "Prefix", "AnyStatement", "RuleFile",
 ]
 
 
@@ -104,26 +95,24 @@ class Rule(Statement):
         return self
 
 
-class Drop(Statement):
+class _Patterns(Statement):
+    """`drop` and `keep`: source patterns and a guard."""
+
+    patterns: tuple[Pattern, ...]
+    guard: Expr | None = None
+
+    @model_validator(mode="after")
+    def _valid(self) -> _Patterns:
+        _sided(self.patterns, "source")
+        return self
+
+
+class Drop(_Patterns):
     kind: Literal["drop"] = "drop"
-    patterns: tuple[Pattern, ...]
-    guard: Expr | None = None
-
-    @model_validator(mode="after")
-    def _valid(self) -> Drop:
-        _sided(self.patterns, "source")
-        return self
 
 
-class Keep(Statement):
+class Keep(_Patterns):
     kind: Literal["keep"] = "keep"
-    patterns: tuple[Pattern, ...]
-    guard: Expr | None = None
-
-    @model_validator(mode="after")
-    def _valid(self) -> Keep:
-        _sided(self.patterns, "source")
-        return self
 
 
 class Dequantize(Statement):

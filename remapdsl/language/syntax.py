@@ -14,9 +14,8 @@ import re
 from lark import Lark, UnexpectedInput, UnexpectedToken
 
 from ..errors import Diagnostic, Span, suggest
+from .nodes import STATEMENT_KEYWORDS
 
-STATEMENT_KEYWORDS = ("remap", "let", "drop", "keep", "dequantize", "quantized", "include", "macro",
-                      "cast", "prefix", "optional", "otherwise")
 _NAMED = {
     "WORD": "a name",
     "FLOAT": "a number",
