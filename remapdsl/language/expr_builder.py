@@ -67,11 +67,7 @@ def _deep_span(statement: ir.Statement) -> Span | None:
         node, depth = stack.pop()
         if depth > MAX_DEPTH:
             return node.span
-        for name in node._compared:
-            field = getattr(node, name)
-            for child in field if isinstance(field, tuple) else (field,):
-                if isinstance(child, ir.Node):
-                    stack.append((child, depth + 1))
+        stack.extend((child, depth + 1) for child in node.children())
     return None
 
 

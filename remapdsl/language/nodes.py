@@ -8,6 +8,7 @@ re-exports everything here).
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from typing import Annotated, Any, ClassVar, Literal, Union
 
 import functools
@@ -63,6 +64,12 @@ class Node(BaseModel):
     def __pydantic_init_subclass__(cls, **kwargs: Any) -> None:
         super().__pydantic_init_subclass__(**kwargs)
         cls._compared = tuple(f for f in cls.model_fields if f not in _NOT_COMPARED)
+
+    def children(self) -> Iterator[Node]:
+        """The nodes this one holds (an expression's operands), in field order."""
+        for name in self._compared:
+            value = getattr(self, name)
+            yield from (v for v in (value if isinstance(value, tuple) else (value,)) if isinstance(v, Node))
 
     def _semantic(self) -> tuple:
         return tuple(getattr(self, f) for f in self._compared)
