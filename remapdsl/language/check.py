@@ -1,10 +1,6 @@
-"""Static checks of a whole rule program, before any checkpoint is seen (codes E1xx).
-
-Names resolve (lets, captures, macros, dtypes, formats); every capture used in a target is bound
-in the sources; every capture only in the sources is consumed by an op; the list axis of
-alternatives is combined or paired; op arguments have the right types and signs; given the formats'
-parameters (the compile layer passes the registered ones), format calls fit them. All at once.
-"""
+"""Static checks of a whole rule program, before any checkpoint is seen (codes E1xx), all reported at
+once: names resolve, captures are bound and consumed, list axes match, op arguments have the right
+types, and format calls fit the formats' parameters the compile layer passes in."""
 
 from __future__ import annotations
 

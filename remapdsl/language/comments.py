@@ -1,9 +1,5 @@
-"""Comments and blank lines of a rule file -> Trivia on the statements and op lines they belong to.
-
-The grammar ignores comments; this pass finds them by line so that `remapdsl fmt` keeps every
-comment next to the code it describes. A comment line belongs to the statement or `|` line below
-it; a comment after code belongs to that line; comments after the last statement belong to the file.
-"""
+"""Comments and blank lines of a rule file -> Trivia on the statements and op lines they belong to
+(the line below a comment line, the line a trailing comment ends), so `remapdsl fmt` keeps them."""
 
 from __future__ import annotations
 

@@ -1,9 +1,5 @@
-"""The state of one parse (Context: path, lines, diagnostics), and the helpers the builder callbacks share:
-tokens and nodes -> spans, problems -> located diagnostics.
-
-The Lark callbacks are stateless; what one parse collects lives in a Context set around
-`Lark.parse` through a context variable (parser.py sets it).
-"""
+"""The state of one parse (Context: path, lines, diagnostics), set around `Lark.parse` through a
+context variable, and the helpers the builder callbacks share: spans, nodes, located problems."""
 
 from __future__ import annotations
 

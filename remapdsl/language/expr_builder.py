@@ -1,10 +1,6 @@
-"""Operand tokens and flat operator runs -> expression nodes (precedence climbing), and the nesting limit.
-
-The grammar gives an expression as a flat run `[prefix...] operand (operator [prefix...] operand)*`;
-`flat_expression` applies the precedence of its operators. Nesting is bounded here, in one place:
-a run nested deeper than MAX_DEPTH is reported (E039) rather than recursed into, and so is a
-statement whose expressions nest deeper through parentheses (`too_deep`, called once per file).
-"""
+"""Operand tokens and flat operator runs -> expression nodes (precedence climbing), and the nesting
+limit: a run, or a statement's parenthesized expressions, nested deeper than MAX_DEPTH is reported
+(E039) rather than recursed into."""
 
 from __future__ import annotations
 

@@ -1,10 +1,8 @@
 """A rule file and its includes -> one checked RuleSet: the flat program the compiler reads.
 
-Includes resolve relative to the including file and may not leave the root folder (by default the
-top-level file's folder), so a hostile file cannot pull arbitrary files into error messages; a bare
-name (`include "deepseek_v3"`) that is no file there names a shipped rule file (library.py). Each
-file is included once; a cycle, a second include of the same file, or a chain of includes more than
-MAX_INCLUDE_DEPTH files deep is an error.
+Includes resolve relative to the including file and may not leave the root folder (a hostile file
+cannot pull arbitrary files into error messages); a bare name that is no file there names a shipped
+rule file (library.py). Each file is included once, at most MAX_INCLUDE_DEPTH deep, without cycles.
 """
 
 from __future__ import annotations

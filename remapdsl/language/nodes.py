@@ -1,10 +1,5 @@
-"""IR building blocks: Node (frozen, compared without spans), Trivia, names, expressions and key patterns.
-
-Every node carries the span it was parsed from (None for IR built in code). Equality and hashing
-ignore spans and trivia (comments, blank lines): two IRs are equal when they say the same thing,
-so `parse(format(ir)) == ir` holds. The ops are in ops.py, the statements in ir.py (which
-re-exports everything here).
-"""
+"""IR building blocks: Node, Trivia, names, expressions and key patterns (the ops are in ops.py, the
+statements in ir.py). Equality and hashing ignore spans and trivia, so `parse(format(ir)) == ir`."""
 
 from __future__ import annotations
 

@@ -1,10 +1,5 @@
-"""Pattern tokens and braces -> key patterns (ir.Pattern): parts merged, capture types resolved, structure checked.
-
-The grammar gives a key pattern as a run of tokens (WORD, `*`, `**`, CAPTURE, ALTERNATIVES) and
-braces; nothing but `,` and `->` may separate patterns, so white space inside one is an error
-(E010). A capture's type is declared once per statement, on the source side, and applies to every
-use of the name. Problems are reported through the parse Context.
-"""
+"""Pattern tokens and braces -> key patterns (ir.Pattern): parts merged, capture types resolved (declared
+once per statement, on the source side), structure checked; white space inside a pattern is E010."""
 
 from __future__ import annotations
 

@@ -1,11 +1,6 @@
-"""Lark's parse failures -> diagnostics in words: what was found, what was expected, a likely fix.
-
-Lark reports terminal names (`ARROW`, `_NL`); a model author should read "expected `->`". Every
-terminal has a name of the grammar's (grammars/remap.lark), never one Lark generates, so the cases below
-are keyed on names that stay the same when the grammar changes.
-The common mistakes get their own codes and messages: a missing arrow, an unclosed bracket, a `|`
-that continues nothing, an op missing after `|`, a misspelled statement keyword.
-"""
+"""Lark's parse failures -> diagnostics in words ("expected `->`", not `ARROW`), with their own codes for
+the common mistakes. Every terminal has a name of the grammar's, so the cases below are keyed on
+names that stay the same when the grammar changes."""
 
 from __future__ import annotations
 
