@@ -37,13 +37,9 @@ def span_of(first: Any, last: Any = None) -> Span:
 
 
 def new(cls: type[ir.Node], **values: Any) -> Any:
-    """A node of this parse, made by its class's own constructor, so the IR's validators check it.
-
-    A node they refuse is kept only where this parse has already reported an error: it stands in for
-    what was reported, so the parse goes on to report the rest, and it never leaves the parse (which
-    then raises). Refused without a reported error, the ValidationError propagates: a problem the
-    callbacks let through.
-    """
+    """A node made by its class's constructor, so the IR's validators check it. One they refuse stands
+    in (unvalidated) only once this parse has reported an error, so the parse goes on to report the
+    rest and then raises; refused without one, the ValidationError is a bug in the callbacks."""
     try:
         return cls(**values)
     except ValidationError:

@@ -45,10 +45,7 @@ def too_deep(statements: tuple[ir.Statement, ...]) -> None:
 
 
 def _too_deep(span: Span) -> ir.Int:
-    """Report E039 at the span; the placeholder that stands for what is not built."""
-    error("E039", "expression nested too deeply", span, "split it into several `let` statements")
-    CONTEXT.get().reported.add((span.line, span.column))
-    return _new(ir.Int, value=0, span=span)
+    return _placeholder("E039", "expression nested too deeply", span, "split it into several `let` statements")
 
 
 def _deep_span(statement: ir.Statement) -> Span | None:
@@ -108,9 +105,12 @@ def atom(item: Any) -> ir.Node:
 
 
 def _bad_word(item: Token, message: str, hint: str | None) -> ir.Int:
-    """Report E038 for a word that is no operand; a placeholder 0 takes its place."""
-    span = span_of(item)
-    error("E038", message, span, hint)
+    return _placeholder("E038", message, span_of(item), hint)
+
+
+def _placeholder(code: str, message: str, span: Span, hint: str | None) -> ir.Int:
+    """Report a problem; the 0 that stands for what is not built (its place marked as reported)."""
+    error(code, message, span, hint)
     CONTEXT.get().reported.add((span.line, span.column))
     return _new(ir.Int, value=0, span=span)
 

@@ -111,13 +111,8 @@ def _pattern(raw: RawPattern, side: str, types: dict[str, str]) -> ir.Pattern | 
     for a, b in zip(items, items[1:]):
         if (a.end_pos if isinstance(a, Token) else a.end) != (
                 b.start_pos if isinstance(b, Token) else b.start):
-            gap = Span(path=ctx.path, line=a.end_line if isinstance(a, Token) else
-                                       a.span.end_line,
-                                       column=a.end_column if isinstance(a, Token) else
-                                       a.span.end_column,
-                                       end_line=b.line if isinstance(b, Token) else b.span.line,
-                                       end_column=b.column if isinstance(b, Token) else
-                                       b.span.column)
+            left, right = span_of(a), span_of(b)
+            gap = Span(ctx.path, left.end_line, left.end_column, right.line, right.column)
             error("E010", "white space inside a key pattern", gap,
                   "separate patterns with `,`, and sources from targets with `->`")
     parts: list[ir.Node] = []
