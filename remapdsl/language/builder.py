@@ -81,20 +81,10 @@ class Builder(Transformer):
                    otherwise=otherwise is not None, span=span)
 
     def drop(self, children: list) -> ir.Drop | None:
-        keyword, patterns, guard = children
-        return self._drop_or_keep(ir.Drop, keyword, patterns, guard)
+        return _drop_or_keep(ir.Drop, *children)
 
     def keep(self, children: list) -> ir.Keep | None:
-        keyword, patterns, guard = children
-        return self._drop_or_keep(ir.Keep, keyword, patterns, guard)
-
-    @staticmethod
-    def _drop_or_keep(cls, keyword, patterns, guard):
-        built = build_patterns(patterns, "source", capture_types(patterns))
-        if None in built:
-            return None
-        return new(cls, patterns=built, guard=guard,
-                   span=span_of(keyword, _last(patterns[-1], guard, ())))
+        return _drop_or_keep(ir.Keep, *children)
 
     def quantized(self, children: list) -> ir.Quantized | None:
         keyword, sources, guard, *ops = children
@@ -280,6 +270,13 @@ def _no_formats(ops: tuple) -> None:
         if isinstance(op, ir.FormatCall):
             error("E037", f"`{op.name}` is a quantized format: it belongs in a `dequantize` statement",
                   op.span)
+
+
+def _drop_or_keep(statement: type[ir.Drop | ir.Keep], keyword, patterns, guard) -> ir.Drop | ir.Keep | None:
+    built = build_patterns(patterns, "source", capture_types(patterns))
+    if None in built:
+        return None
+    return new(statement, patterns=built, guard=guard, span=span_of(keyword, _last(patterns[-1], guard, ())))
 
 
 def _format(ops: tuple, span, statement: str) -> ir.FormatCall | None:

@@ -350,9 +350,9 @@ class _Checker:
         """Check one argument against the kind its parameter declares."""
         if kind in ("dtype", "scale_dtype"):
             choices = DTYPE_NAMES if kind == "dtype" else SCALE_DTYPES
-            if isinstance(value, ir.Name) and value.id in self.lets and kind == "dtype":
-                if self.lets[value.id][0] in ("dtype", "unknown"):
-                    return
+            if (kind == "dtype" and isinstance(value, ir.Name) and value.id in self.lets
+                    and self.lets[value.id][0] in ("dtype", "unknown")):
+                return
             if not isinstance(value, ir.Name) or value.id not in choices:
                 what = "scale type" if kind == "scale_dtype" else "dtype"
                 example = "float32" if kind == "scale_dtype" else "bfloat16"

@@ -51,13 +51,10 @@ def _brace_token(token: Token) -> Brace:
         kind_span = Span(span.path, span.line, at + len(name) + 1, span.line, span.end_column - 1)
         return Brace("typed", (_Word(name, name_span), _Word(kind, kind_span)),
                      token.start_pos, token.end_pos, span)
+    # `{L}` itself is read in _part: what comes here is a keyword (`{when}`)
     inner_span = Span(span.path, span.line, span.column + 1, span.line, span.end_column - 1)
-    if ir.identifier_problem(inner):
-        error("E017", f"`{inner}` is not a valid capture name: {ir.identifier_problem(inner)}",
-              inner_span)
-        return Brace("bad", None, token.start_pos, token.end_pos, span)
-    return Brace("expr", new(ir.Name, id=inner, span=inner_span), token.start_pos, token.end_pos,
-                 span)
+    error("E017", f"`{inner}` is not a valid capture name: {ir.identifier_problem(inner)}", inner_span)
+    return Brace("bad", None, token.start_pos, token.end_pos, span)
 
 
 def prefix_name(token: Token) -> str | None:
