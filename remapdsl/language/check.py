@@ -367,13 +367,8 @@ class _Checker:
                            hint or f"{what}s: {', '.join(choices)} (docs/language.md)")
             return
         found = self.expr(value, captures, extra=params)
-        ok = {
-            "int": ("int", "unknown"),
-            "number": ("int", "float", "unknown"),
-            "ints": ("list", "unknown"),
-        }[kind]
+        ok, wanted = _ARG_KINDS[kind]
         if found not in ok:
-            wanted = {"int": "an integer", "number": "a number", "ints": "a list of integers"}[kind]
             self.error("E120", f"`{name}` takes {wanted}, not {_A[found]}", value.span)
         elif kind == "ints" and isinstance(value, ir.List):
             for item in value.items:
@@ -383,12 +378,8 @@ class _Checker:
     def expr(self, expr: ir.Node, captures, allow_dtype: bool = False, extra=None) -> str:
         """Resolve the names of an expression and infer its type (or 'unknown' for config reads)."""
         extra = extra or {}
-        if isinstance(expr, ir.Int):
-            return "int"
-        if isinstance(expr, ir.Float):
-            return "float"
-        if isinstance(expr, ir.Bool):
-            return "bool"
+        if isinstance(expr, (ir.Int, ir.Float, ir.Bool)):
+            return expr.kind  # "int", "float", "bool"
         if isinstance(expr, ir.Config):
             return "unknown"
         if isinstance(expr, ir.Name):
@@ -445,6 +436,11 @@ class _Checker:
         raise TypeError(f"not an expression: {expr!r}")
 
 
+_ARG_KINDS = {  # a parameter's kind -> the types that fit it, and what it takes in words
+    "int": (("int", "unknown"), "an integer"),
+    "number": (("int", "float", "unknown"), "a number"),
+    "ints": (("list", "unknown"), "a list of integers"),
+}
 _A = {"int": "an integer", "float": "a number with a fraction", "bool": "a boolean",
       "list": "a list", "dtype": "a dtype", "unknown": "an unknown value"}
 

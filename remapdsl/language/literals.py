@@ -6,10 +6,8 @@ from __future__ import annotations
 from collections.abc import Iterator
 
 from . import ir
-from ..errors import Span
 from ..params import Param
-
-Problem = tuple[str, str, Span | None, str | None]  # code, message, span, hint
+from .limits import Problem
 
 _POSITIVE = {"groups", "n", "times", "to", "heads"}
 _COUNTS = {1: "one", 2: "two", 3: "three", 4: "four"}
