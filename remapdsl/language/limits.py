@@ -109,7 +109,7 @@ class _Pass:
         if size > MAX_OPS and not calls & self.too_big:
             self.too_big.add(s.name)
             self.at(None, "E136", f"macro `{s.name}` expands to {size:,} ops, more than {MAX_OPS}",
-                        s.span, "each call of a macro copies its ops; call the macros it uses fewer times")
+                    s.span, "each call of a macro copies its ops; call the macros it uses fewer times")
         elif calls & self.too_big:
             self.too_big.add(s.name)
         # the macros its body calls, as defined above it (a macro defined later is not the one called)
@@ -122,7 +122,7 @@ class _Pass:
         if size > MAX_OPS:
             if not any(isinstance(op, ir.MacroCall) and op.name in self.too_big for op in ops):
                 self.at(None, "E136", f"{what} expands to {size:,} ops through its macros, more than "
-                            f"{MAX_OPS}", span, "split the work into several rules or smaller macros")
+                        f"{MAX_OPS}", span, "split the work into several rules or smaller macros")
             return
         self.expand(ops, {}, None, self.macros)
 
