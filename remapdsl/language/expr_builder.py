@@ -33,11 +33,8 @@ def flat_expression(items: tuple) -> ir.Node:
 
 
 def too_deep(statements: tuple[ir.Statement, ...]) -> None:
-    """Report every statement holding an expression nested deeper than MAX_DEPTH (E039).
-
-    Parentheses nest without any recursion in the parser, so this walks the built statements:
-    only expressions can nest (patterns are flat), and they are walked without recursion.
-    """
+    """Report every statement holding an expression nested deeper than MAX_DEPTH (E039): parentheses
+    nest without recursion in the parser, so the built expressions are walked, without recursion."""
     for statement in statements:
         span = _deep_span(statement)
         if span is not None:

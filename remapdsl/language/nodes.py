@@ -79,10 +79,8 @@ class Node(BaseModel):
 
 
 class Trivia(BaseModel):
-    """Comments and blank lines around a statement or op line, kept so `fmt` never drops them.
-
-    `leading` holds the lines above, each a comment (starting with `#`) or "" for a blank line.
-    """
+    """Comments and blank lines around a statement or op line, kept so `fmt` never drops them:
+    `leading` holds the lines above, each a comment (starting with `#`) or "" for a blank line."""
 
     model_config = ConfigDict(frozen=True, extra="forbid")
 
@@ -273,9 +271,7 @@ _MATCHERS = (Capture, Star, DoubleStar)
 
 def pattern_problems(parts: tuple[Node, ...]) -> list[tuple[int, str]]:
     """Structural problems of a pattern as (index of the part, message); empty when well formed.
-
-    Shared by the Pattern validator and the parser, which turns each into a located error.
-    """
+    Shared by the Pattern validator and the parser, which turns each into a located error."""
     if not parts:
         return [(0, "a key pattern cannot be empty")]
     problems: list[tuple[int, str]] = []
