@@ -1,13 +1,8 @@
-"""The rule language: text -> frozen IR (lexer, builder, IR, checks, formatter, comments, includes).
+"""The rule language: text -> frozen IR; nothing here knows checkpoints or tensors.
 
-The IR is ir.py (statements, re-exporting nodes.py and ops.py); the parser (parser.py) runs the
-builder's callbacks (builder.py, pattern_builder.py, expr_builder.py, context.py); the static
-checks are check.py and literals.py. Quantized formats are named here, defined in quant/.
-
-Entry points: `load_rules(path)` and `rules_from_text(text)` (a rule file and its includes, checked:
-a RuleSet), `parse_file` / `parse_text` (one file's IR, includes not followed), `format_rules`
-(IR -> canonical text), `resolve_rules_path` / `shipped_rules` (the shipped rule library, by name:
-library.py). Text in, IR out: nothing here knows checkpoints or tensors.
+Entry points: `load_rules` / `rules_from_text` (a file and its includes, checked: a RuleSet),
+`parse_file` / `parse_text` (one file, includes not followed), `format_rules` (IR -> canonical text),
+`resolve_rules_path` / `shipped_rules` (the shipped rule library).
 """
 
 from .formatter import format_rules

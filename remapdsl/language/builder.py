@@ -1,15 +1,10 @@
 """Lark parser callbacks -> IR nodes (remapdsl.language.ir), called while parsing, without a parse tree.
 
-The grammar gives the shape; the callbacks give it meaning: statements and ops here, with op
-arguments mapped onto each built-in op's declared parameters; key patterns in pattern_builder.py
-(parts merged, capture types resolved); expressions and the nesting limit in expr_builder.py.
-A `dequantize` or `quantized` statement's format becomes a FormatCall whatever its name: which
-formats exist is the static checks' question (check.py), so parsing never depends on what a
-program registered. Problems go to the per-parse Context and are raised together once parsing ends.
-
-Nodes are built with their classes' own constructors (`context.new`), so the IR validators check
-each one; the callbacks check the same invariants first (names, pattern structure, literal folding),
-with the same functions, to report them as located errors.
+Statements and ops are built here (op arguments bound to each built-in op's declared parameters),
+key patterns in pattern_builder.py, expressions in expr_builder.py. Which formats exist is the static
+checks' question, so a format call is a FormatCall whatever its name. Nodes are built with their own
+constructors (`context.new`), so the IR validators check each one; the callbacks check the same
+invariants first, with the same functions, to report them as located errors, all at the end of the parse.
 """
 
 from __future__ import annotations
@@ -34,16 +29,10 @@ class _Arg(NamedTuple):
     span: Span
 
 
-class _Guard(NamedTuple):
-    expr: ir.Node
-
-
 
 class Builder(Transformer):
-    """The callbacks Lark calls on each reduction, each with the list of its children.
-
-    Stateless: state lives in the Context. (No `v_args`: its wrappers cost a tenth of the parse.)
-    """
+    """The callbacks Lark calls on each reduction, with the list of its children; stateless (the
+    parse's state is in the Context). No `v_args`: its wrappers cost a tenth of the parse."""
 
     # -- file and statements --
 
@@ -79,7 +68,6 @@ class Builder(Transformer):
 
     def rule(self, children: list) -> ir.Rule | None:
         optional, otherwise, sources, targets, guard, *ops = children
-        ops = tuple(ops)
         first = optional or otherwise or sources[0]
         span = span_of(first, _last(targets[-1], guard, ops))
         types = capture_types(sources)
@@ -89,37 +77,26 @@ class Builder(Transformer):
         if None in built_sources or None in built_targets:
             return None
         return new(ir.Rule, sources=built_sources, targets=built_targets,
-                   guard=guard.expr if guard else None, ops=ops, optional=optional is not None,
+                   guard=guard, ops=tuple(ops), optional=optional is not None,
                    otherwise=otherwise is not None, span=span)
 
     def drop(self, children: list) -> ir.Drop | None:
-        keyword, patterns, guard = children
-        return self._drop_or_keep(ir.Drop, keyword, patterns, guard)
+        return _drop_or_keep(ir.Drop, *children)
 
     def keep(self, children: list) -> ir.Keep | None:
-        keyword, patterns, guard = children
-        return self._drop_or_keep(ir.Keep, keyword, patterns, guard)
-
-    @staticmethod
-    def _drop_or_keep(cls, keyword, patterns, guard):
-        built = build_patterns(patterns, "source", capture_types(patterns))
-        if None in built:
-            return None
-        return new(cls, patterns=built, guard=guard.expr if guard else None,
-                   span=span_of(keyword, _last(patterns[-1], guard, ())))
+        return _drop_or_keep(ir.Keep, *children)
 
     def quantized(self, children: list) -> ir.Quantized | None:
         keyword, sources, guard, *ops = children
-        span = span_of(keyword, _last(sources[-1], guard, tuple(ops)))
+        span = span_of(keyword, _last(sources[-1], guard, ops))
         built = build_patterns(sources, "source", capture_types(sources))
-        fmt = _format(tuple(ops), span, "quantized")
+        fmt = _format(ops, span, "quantized")
         if fmt is None or None in built:
             return None
-        return new(ir.Quantized, sources=built, guard=guard.expr if guard else None, format=fmt, span=span)
+        return new(ir.Quantized, sources=built, guard=guard, format=fmt, span=span)
 
     def dequantize(self, children: list) -> ir.Dequantize | None:
         optional, keyword, sources, target, guard, *ops = children
-        ops = tuple(ops)
         span = span_of(optional or keyword, _last(target, guard, ops))
         types = capture_types(sources)
         built_sources = build_patterns(sources, "source", types)
@@ -134,7 +111,7 @@ class Builder(Transformer):
         if None in built_sources or built_target is None:
             return None
         return new(ir.Dequantize, sources=built_sources, target=built_target,
-                   guard=guard.expr if guard else None, format=fmt,
+                   guard=guard, format=fmt,
                    optional=optional is not None, span=span)
 
     def include(self, children: list) -> ir.Include | None:
@@ -172,11 +149,10 @@ class Builder(Transformer):
                       "define the prefix once per choice: each definition repeats the statements that use it")
                 return None
         return new(ir.Prefix, name=str(name)[1:], source=built_source, target=built_target,
-                   guard=guard.expr if guard else None, span=span_of(keyword, _last(target, guard, ())))
+                   guard=guard, span=span_of(keyword, _last(target, guard, ())))
 
     def macro(self, children: list) -> ir.Macro | None:
         keyword, name, *rest = children
-        rest = tuple(rest)
         params = [p for p in rest if isinstance(p, Token)]
         ops = tuple(op for op in rest if isinstance(op, ir.Op))
         ok = identifier(name, "macro name") is not None
@@ -196,9 +172,9 @@ class Builder(Transformer):
         return new(ir.Macro, name=str(name), params=tuple(str(p) for p in params), ops=ops,
                    span=span_of(keyword, ops[-1]))
 
-    def guard(self, children: list) -> _Guard:
+    def guard(self, children: list) -> ir.Node:
         (expr,) = children
-        return _Guard(atom(expr))
+        return atom(expr)
 
     # -- ops --
 
@@ -213,9 +189,7 @@ class Builder(Transformer):
         return _Arg(None, value, value.span)
 
     def op(self, children: list) -> ir.Op:
-        name, *rest = children
-        rest = tuple(rest)
-        *args, close = rest
+        name, *args, close = children
         given = [a for a in args if a is not None]
         span = span_of(name, close)
         cls = ir.OPS_BY_NAME.get(str(name))
@@ -238,8 +212,7 @@ class Builder(Transformer):
     # -- patterns --
 
     def patterns(self, children: list) -> list[RawPattern]:
-        raws = tuple(children)
-        return list(raws)
+        return children
 
     def pattern(self, children: list) -> RawPattern:
         items = tuple(children)
@@ -283,9 +256,7 @@ class Builder(Transformer):
         return atom(expr)
 
     def list(self, children: list) -> ir.List:
-        open_, *rest = children
-        rest = tuple(rest)
-        *items, close = rest
+        open_, *items, close = children
         values = tuple(atom(i) for i in items if i is not None)
         return new(ir.List, items=values, span=span_of(open_, close))
 
@@ -299,6 +270,13 @@ def _no_formats(ops: tuple) -> None:
         if isinstance(op, ir.FormatCall):
             error("E037", f"`{op.name}` is a quantized format: it belongs in a `dequantize` statement",
                   op.span)
+
+
+def _drop_or_keep(statement: type[ir.Drop | ir.Keep], keyword, patterns, guard) -> ir.Drop | ir.Keep | None:
+    built = build_patterns(patterns, "source", capture_types(patterns))
+    if None in built:
+        return None
+    return new(statement, patterns=built, guard=guard, span=span_of(keyword, _last(patterns[-1], guard, ())))
 
 
 def _format(ops: tuple, span, statement: str) -> ir.FormatCall | None:
@@ -328,9 +306,7 @@ def _last(last_pattern, guard, ops):
     """What a statement's span ends on: its last op, else its guard, else its last pattern."""
     if ops:
         return ops[-1]
-    if guard is not None:
-        return guard.expr
-    return last_pattern
+    return guard if guard is not None else last_pattern
 
 
 def _bind_args(cls: type[ir.Op], name: Token, args: list[_Arg], span: Span) -> dict:

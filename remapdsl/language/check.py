@@ -1,16 +1,11 @@
-"""Static checks of a whole rule program, before any checkpoint is seen (codes E1xx).
-
-Names resolve (lets, captures, macros, dtypes, formats); every capture used in a target is bound
-in the sources; every capture only in the sources is consumed by an op; the list axis of
-alternatives is combined or paired; op arguments have the right types and signs; given the formats'
-parameters (the compile layer passes the registered ones), format calls fit them. All at once.
-"""
+"""Static checks of a whole rule program, before any checkpoint is seen (codes E1xx), all reported at
+once: names resolve, captures are bound and consumed, list axes match, op arguments have the right
+types, and format calls fit the formats' parameters the compile layer passes in."""
 
 from __future__ import annotations
 
 import math
 from collections.abc import Iterator, Mapping
-from dataclasses import dataclass, field
 
 from . import ir
 from ..dtypes import RULE_DTYPE_NAMES as DTYPE_NAMES
@@ -22,14 +17,6 @@ from .literals import op_problems, size_problems
 
 SCALE_DTYPES = ("float32", "e8m0")
 _COMBINE = (ir.Concat, ir.Interleave, ir.Stack)  # list axis -> one tensor (without a capture)
-
-
-@dataclass
-class _Scope:
-    """What names mean at one point of the program."""
-
-    lets: dict[str, tuple[str, Span | None]] = field(default_factory=dict)  # name -> (type, span)
-    macros: dict[str, ir.Macro] = field(default_factory=dict)
 
 
 def check_program(statements: tuple[ir.Statement, ...], line_text,
@@ -50,7 +37,8 @@ class _Checker:
     def __init__(self, line_text, formats):
         self.line_text = line_text
         self.formats = formats
-        self.scope = _Scope()
+        self.lets: dict[str, tuple[str, Span | None]] = {}  # defined so far: name -> (type, span)
+        self.macros: dict[str, ir.Macro] = {}  # defined so far
         self.diagnostics: list[Diagnostic] = []
         self.firsts: dict[str, Span | None] = {}  # statements a program holds once: the first of each
         self.all_lets: dict[str, Span | None] = {}  # every let of the program, for "defined below"
@@ -94,22 +82,22 @@ class _Checker:
 
     def let(self, s: ir.Let) -> None:
         kind = self.expr(s.value, {}, allow_dtype=True)
-        if s.name in self.scope.lets:
-            _, first = self.scope.lets[s.name]
+        if s.name in self.lets:
+            _, first = self.lets[s.name]
             self.error("E131", f"`{s.name}` is already defined" + _at(first, s.span),
                        s.span, "give it another name, or remove one of the two")
             return
-        self.scope.lets[s.name] = (kind, s.span)
+        self.lets[s.name] = (kind, s.span)
 
     def macro(self, s: ir.Macro) -> None:
-        if s.name in self.scope.macros:
+        if s.name in self.macros:
             self.error("E133", f"macro `{s.name}` is already defined"
-                       + _at(self.scope.macros[s.name].span, s.span), s.span)
+                       + _at(self.macros[s.name].span, s.span), s.span)
             return
         params = {p: "int" for p in s.params}
         for op in s.ops:
             self.op(op, params, {})
-        self.scope.macros[s.name] = s
+        self.macros[s.name] = s
 
     def rule(self, s: ir.Rule) -> None:
         if s.otherwise:
@@ -178,7 +166,7 @@ class _Checker:
                         self.error("E109", f"capture `{part.name}` appears twice in one pattern",
                                    part.span, "use two names, or compare them in a `when` guard")
                     in_pattern.add(part.name)
-                    if part.name in self.scope.lets:
+                    if part.name in self.lets:
                         self.error("E132", f"capture `{part.name}` has the name of a `let`",
                                    part.span, "rename one of them")
                     found.setdefault(part.name, (part.type, part.span))
@@ -217,7 +205,7 @@ class _Checker:
                         if arithmetic and bound[name.id][0] != "int":
                             self.error("E106", f"arithmetic needs an integer capture; `{name.id}` is "
                                        f"a {bound[name.id][0]} capture", name.span)
-                    elif name.id in self.scope.lets and arithmetic:
+                    elif name.id in self.lets and arithmetic:
                         continue
                     else:
                         close = _close_name(name.id, bound)
@@ -277,10 +265,10 @@ class _Checker:
                 self.op(op, params, {})
                 yield op
                 continue
-            macro = self.scope.macros.get(op.name)
+            macro = self.macros.get(op.name)
             if macro is None:
                 self.unknown_op = True
-                choices = list(ir.OPS_BY_NAME) + list(self.scope.macros)
+                choices = list(ir.OPS_BY_NAME) + list(self.macros)
                 self.error("E134", f"unknown op `{op.name}`", op.span,
                            did_you_mean(op.name, choices) or f"ops: {', '.join(sorted(ir.OPS_BY_NAME))}")
                 continue
@@ -362,9 +350,9 @@ class _Checker:
         """Check one argument against the kind its parameter declares."""
         if kind in ("dtype", "scale_dtype"):
             choices = DTYPE_NAMES if kind == "dtype" else SCALE_DTYPES
-            if isinstance(value, ir.Name) and value.id in self.scope.lets and kind == "dtype":
-                if self.scope.lets[value.id][0] in ("dtype", "unknown"):
-                    return
+            if (kind == "dtype" and isinstance(value, ir.Name) and value.id in self.lets
+                    and self.lets[value.id][0] in ("dtype", "unknown")):
+                return
             if not isinstance(value, ir.Name) or value.id not in choices:
                 what = "scale type" if kind == "scale_dtype" else "dtype"
                 example = "float32" if kind == "scale_dtype" else "bfloat16"
@@ -379,13 +367,8 @@ class _Checker:
                            hint or f"{what}s: {', '.join(choices)} (docs/language.md)")
             return
         found = self.expr(value, captures, extra=params)
-        ok = {
-            "int": ("int", "unknown"),
-            "number": ("int", "float", "unknown"),
-            "ints": ("list", "unknown"),
-        }[kind]
+        ok, wanted = _ARG_KINDS[kind]
         if found not in ok:
-            wanted = {"int": "an integer", "number": "a number", "ints": "a list of integers"}[kind]
             self.error("E120", f"`{name}` takes {wanted}, not {_A[found]}", value.span)
         elif kind == "ints" and isinstance(value, ir.List):
             for item in value.items:
@@ -395,12 +378,8 @@ class _Checker:
     def expr(self, expr: ir.Node, captures, allow_dtype: bool = False, extra=None) -> str:
         """Resolve the names of an expression and infer its type (or 'unknown' for config reads)."""
         extra = extra or {}
-        if isinstance(expr, ir.Int):
-            return "int"
-        if isinstance(expr, ir.Float):
-            return "float"
-        if isinstance(expr, ir.Bool):
-            return "bool"
+        if isinstance(expr, (ir.Int, ir.Float, ir.Bool)):
+            return expr.kind  # "int", "float", "bool"
         if isinstance(expr, ir.Config):
             return "unknown"
         if isinstance(expr, ir.Name):
@@ -408,8 +387,8 @@ class _Checker:
                 return extra[expr.id]
             if expr.id in captures:
                 return "int" if captures[expr.id][0] == "int" else "unknown"
-            if expr.id in self.scope.lets:
-                return self.scope.lets[expr.id][0]
+            if expr.id in self.lets:
+                return self.lets[expr.id][0]
             if allow_dtype and expr.id in DTYPE_NAMES:
                 return "dtype"
             if expr.id in self.all_lets and self.all_lets[expr.id] is not None:
@@ -423,7 +402,7 @@ class _Checker:
                            "captures", expr.span, "op arguments are integers: numbers, `let`s, "
                            "`config.KEY`")
                 return "unknown"
-            choices = list(self.scope.lets) + list(captures) + list(extra)
+            choices = list(self.lets) + list(captures) + list(extra)
             hint = did_you_mean(expr.id, choices + (list(DTYPE_NAMES) if allow_dtype else []))
             self.error("E130", f"unknown name `{expr.id}`", expr.span,
                        hint or "names are `let`s defined above, this rule's captures, or `config.KEY`")
@@ -435,7 +414,7 @@ class _Checker:
         if isinstance(expr, ir.Neg):
             return self.expr(expr.operand, captures, False, extra)
         if isinstance(expr, (ir.Not, ir.Compare, ir.BoolOp)):
-            for child in _children(expr):
+            for child in expr.children():
                 self.expr(child, captures, False, extra)
             return "bool"
         if isinstance(expr, ir.BinOp):
@@ -457,24 +436,19 @@ class _Checker:
         raise TypeError(f"not an expression: {expr!r}")
 
 
+_ARG_KINDS = {  # a parameter's kind -> the types that fit it, and what it takes in words
+    "int": (("int", "unknown"), "an integer"),
+    "number": (("int", "float", "unknown"), "a number"),
+    "ints": (("list", "unknown"), "a list of integers"),
+}
 _A = {"int": "an integer", "float": "a number with a fraction", "bool": "a boolean",
       "list": "a list", "dtype": "a dtype", "unknown": "an unknown value"}
-
-
-def _children(expr: ir.Node) -> tuple[ir.Node, ...]:
-    if isinstance(expr, (ir.Neg, ir.Not)):
-        return (expr.operand,)
-    if isinstance(expr, (ir.BinOp, ir.Compare, ir.BoolOp, ir.Coalesce)):
-        return (expr.left, expr.right)
-    if isinstance(expr, ir.List):
-        return expr.items
-    return ()
 
 
 def _names(expr: ir.Node) -> Iterator[ir.Name]:
     if isinstance(expr, ir.Name):
         yield expr
-    for child in _children(expr):
+    for child in expr.children():
         yield from _names(child)
 
 

@@ -1,9 +1,5 @@
-"""Comments and blank lines of a rule file -> Trivia on the statements and op lines they belong to.
-
-The grammar ignores comments; this pass finds them by line so that `remapdsl fmt` keeps every
-comment next to the code it describes. A comment line belongs to the statement or `|` line below
-it; a comment after code belongs to that line; comments after the last statement belong to the file.
-"""
+"""Comments and blank lines of a rule file -> Trivia on the statements and op lines they belong to
+(the line below a comment line, the line a trailing comment ends), so `remapdsl fmt` keeps them."""
 
 from __future__ import annotations
 
@@ -44,14 +40,12 @@ def attach_trivia(
             trailing[owner] = comment
     result = []
     for s_index, statement in enumerate(statements):
-        ops = _ops_of(statement)
-        if ops:
-            new_ops = tuple(
-                _with_trivia(op, _comments_only(leading.get((s_index, o_index + 1), ())),
-                             trailing.get((s_index, o_index + 1)))
-                for o_index, op in enumerate(ops)
-            )
-            statement = _replace_ops(statement, new_ops)
+        ops = tuple(_with_trivia(op, [c for c in leading.get((s_index, i), ()) if c], trailing.get((s_index, i)))
+                    for i, op in enumerate(_ops_of(statement), start=1))  # blank lines between ops go
+        if isinstance(statement, (ir.Dequantize, ir.Quantized)):
+            statement = statement.model_copy(update={"format": ops[0]})
+        elif ops:
+            statement = statement.model_copy(update={"ops": ops})
         first = _collapse(leading.get((s_index, 0), ()), at_start=s_index == 0)
         result.append(_with_trivia(statement, first, trailing.get((s_index, 0))))
     return tuple(result), tuple(_collapse(pending, at_start=not statements, at_end=True))
@@ -77,20 +71,10 @@ def _ops_of(statement: ir.Statement) -> tuple[ir.Op, ...]:
     return ()
 
 
-def _replace_ops(statement: ir.Statement, ops: tuple[ir.Op, ...]) -> ir.Statement:
-    if isinstance(statement, (ir.Dequantize, ir.Quantized)):
-        return statement.model_copy(update={"format": ops[0]})
-    return statement.model_copy(update={"ops": ops})
-
-
 def _with_trivia(node, leading, trailing):
     if not leading and trailing is None:
         return node
     return node.model_copy(update={"trivia": ir.Trivia(leading=tuple(leading), trailing=trailing)})
-
-
-def _comments_only(lines) -> tuple[str, ...]:
-    return tuple(line for line in lines if line)
 
 
 def _collapse(lines, at_start: bool = False, at_end: bool = False) -> tuple[str, ...]:

@@ -1,9 +1,5 @@
-"""The state of one parse (Context: path, lines, diagnostics), and the helpers the builder callbacks share:
-tokens and nodes -> spans, problems -> located diagnostics.
-
-The Lark callbacks are stateless; what one parse collects lives in a Context set around
-`Lark.parse` through a context variable (parser.py sets it).
-"""
+"""The state of one parse (Context: path, lines, diagnostics), set around `Lark.parse` through a
+context variable, and the helpers the builder callbacks share: spans, nodes, located problems."""
 
 from __future__ import annotations
 
@@ -41,13 +37,9 @@ def span_of(first: Any, last: Any = None) -> Span:
 
 
 def new(cls: type[ir.Node], **values: Any) -> Any:
-    """A node of this parse, made by its class's own constructor, so the IR's validators check it.
-
-    A node they refuse is kept only where this parse has already reported an error: it stands in for
-    what was reported, so the parse goes on to report the rest, and it never leaves the parse (which
-    then raises). Refused without a reported error, the ValidationError propagates: a problem the
-    callbacks let through.
-    """
+    """A node made by its class's constructor, so the IR's validators check it. One they refuse stands
+    in (unvalidated) only once this parse has reported an error, so the parse goes on to report the
+    rest and then raises; refused without one, the ValidationError is a bug in the callbacks."""
     try:
         return cls(**values)
     except ValidationError:

@@ -1,10 +1,6 @@
-"""Operand tokens and flat operator runs -> expression nodes (precedence climbing), and the nesting limit.
-
-The grammar gives an expression as a flat run `[prefix...] operand (operator [prefix...] operand)*`;
-`flat_expression` applies the precedence of its operators. Nesting is bounded here, in one place:
-a run nested deeper than MAX_DEPTH is reported (E039) rather than recursed into, and so is a
-statement whose expressions nest deeper through parentheses (`too_deep`, called once per file).
-"""
+"""Operand tokens and flat operator runs -> expression nodes (precedence climbing), and the nesting
+limit: a run, or a statement's parenthesized expressions, nested deeper than MAX_DEPTH is reported
+(E039) rather than recursed into."""
 
 from __future__ import annotations
 
@@ -37,11 +33,8 @@ def flat_expression(items: tuple) -> ir.Node:
 
 
 def too_deep(statements: tuple[ir.Statement, ...]) -> None:
-    """Report every statement holding an expression nested deeper than MAX_DEPTH (E039).
-
-    Parentheses nest without any recursion in the parser, so this walks the built statements:
-    only expressions can nest (patterns are flat), and they are walked without recursion.
-    """
+    """Report every statement holding an expression nested deeper than MAX_DEPTH (E039): parentheses
+    nest without recursion in the parser, so the built expressions are walked, without recursion."""
     for statement in statements:
         span = _deep_span(statement)
         if span is not None:
@@ -49,10 +42,7 @@ def too_deep(statements: tuple[ir.Statement, ...]) -> None:
 
 
 def _too_deep(span: Span) -> ir.Int:
-    """Report E039 at the span; the placeholder that stands for what is not built."""
-    error("E039", "expression nested too deeply", span, "split it into several `let` statements")
-    CONTEXT.get().reported.add((span.line, span.column))
-    return _new(ir.Int, value=0, span=span)
+    return _placeholder("E039", "expression nested too deeply", span, "split it into several `let` statements")
 
 
 def _deep_span(statement: ir.Statement) -> Span | None:
@@ -67,11 +57,7 @@ def _deep_span(statement: ir.Statement) -> Span | None:
         node, depth = stack.pop()
         if depth > MAX_DEPTH:
             return node.span
-        for name in node._compared:
-            field = getattr(node, name)
-            for child in field if isinstance(field, tuple) else (field,):
-                if isinstance(child, ir.Node):
-                    stack.append((child, depth + 1))
+        stack.extend((child, depth + 1) for child in node.children())
     return None
 
 
@@ -116,9 +102,12 @@ def atom(item: Any) -> ir.Node:
 
 
 def _bad_word(item: Token, message: str, hint: str | None) -> ir.Int:
-    """Report E038 for a word that is no operand; a placeholder 0 takes its place."""
-    span = span_of(item)
-    error("E038", message, span, hint)
+    return _placeholder("E038", message, span_of(item), hint)
+
+
+def _placeholder(code: str, message: str, span: Span, hint: str | None) -> ir.Int:
+    """Report a problem; the 0 that stands for what is not built (its place marked as reported)."""
+    error(code, message, span, hint)
     CONTEXT.get().reported.add((span.line, span.column))
     return _new(ir.Int, value=0, span=span)
 

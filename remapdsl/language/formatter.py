@@ -16,15 +16,14 @@ INDENT = "    "
 
 # Binding strength, loosest first; an operand weaker than its slot needs parentheses.
 _OR, _AND, _NOT, _COMPARE, _COALESCE, _SUM, _PRODUCT, _UNARY, _ATOM = range(1, 10)
-_BINOP_LEVEL = {"+": _SUM, "-": _SUM, "*": _PRODUCT, "//": _PRODUCT, "%": _PRODUCT}
+_BINARY_LEVEL = {"or": _OR, "and": _AND, "+": _SUM, "-": _SUM, "*": _PRODUCT, "//": _PRODUCT, "%": _PRODUCT}
 
 
 def format_rules(rules: ir.RuleFile) -> str:
     """The canonical text of a rule file, ending in one newline (empty for an empty file)."""
     out: list[str] = []
     for statement in rules.statements:
-        for line in statement.trivia.leading:
-            out.append(line)
+        out.extend(statement.trivia.leading)
         out.extend(format_statement(statement))
     out.extend(rules.trailing)
     return "\n".join(out) + "\n" if out else ""
@@ -159,11 +158,8 @@ def _expr(expr: ir.Node) -> tuple[str, int]:
         return "-" + format_expr(expr.operand, _UNARY + 1 if _is_negative(expr.operand) else _UNARY), _UNARY
     if isinstance(expr, ir.Not):
         return "not " + format_expr(expr.operand, _NOT), _NOT
-    if isinstance(expr, ir.BinOp):
-        level = _BINOP_LEVEL[expr.op]
-        return f"{format_expr(expr.left, level)} {expr.op} {format_expr(expr.right, level + 1)}", level
-    if isinstance(expr, ir.BoolOp):
-        level = _OR if expr.op == "or" else _AND
+    if isinstance(expr, (ir.BinOp, ir.BoolOp)):
+        level = _BINARY_LEVEL[expr.op]
         return f"{format_expr(expr.left, level)} {expr.op} {format_expr(expr.right, level + 1)}", level
     if isinstance(expr, ir.Compare):
         return (f"{format_expr(expr.left, _COALESCE)} {expr.op} "

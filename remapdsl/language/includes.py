@@ -1,10 +1,8 @@
 """A rule file and its includes -> one checked RuleSet: the flat program the compiler reads.
 
-Includes resolve relative to the including file and may not leave the root folder (by default the
-top-level file's folder), so a hostile file cannot pull arbitrary files into error messages; a bare
-name (`include "deepseek_v3"`) that is no file there names a shipped rule file (library.py). Each
-file is included once; a cycle, a second include of the same file, or a chain of includes more than
-MAX_INCLUDE_DEPTH files deep is an error.
+Includes resolve relative to the including file and may not leave the root folder (a hostile file
+cannot pull arbitrary files into error messages); a bare name that is no file there names a shipped
+rule file (library.py). Each file is included once, at most MAX_INCLUDE_DEPTH deep, without cycles.
 """
 
 from __future__ import annotations
@@ -69,23 +67,15 @@ def rules_from_text(text: str, path: str = "<text>", root: str | os.PathLike | N
 
 def _resolve(top: ir.RuleFile, root: Path) -> RuleSet:
     loader = _Includes(root.resolve())
-    statements = tuple(loader.flatten(top, _location(top.path), ()))
+    location = Path(top.path).resolve() if not top.path.startswith("<") else None
+    statements = tuple(loader.flatten(top, location, ()))
     files = (top, *loader.files)
-    lookup = {f.path: f for f in files}
-
-    def line_text(span: Span) -> str | None:
-        file = lookup.get(span.path)
-        return file.line_text(span.line) if file else None
-
+    line_text = RuleSet(files=files, statements=()).line_text
     statements, problems = expand_prefixes(statements, line_text)
     if loader.diagnostics or problems:
         raise RuleCheckError(loader.diagnostics + problems)
     check_program(statements, line_text)
     return RuleSet(files=files, statements=statements)
-
-
-def _location(path: str) -> Path | None:
-    return Path(path).resolve() if not path.startswith("<") else None
 
 
 class _Includes:

@@ -1,23 +1,16 @@
-"""The typed IR of a rule file: statements and RuleFile, frozen pydantic models; re-exports the rest.
-
-This module holds the statements (`remap`, `let`, rules, `drop`, `keep`, `dequantize`, `quantized`,
-`include`, `macro`) and the file; it re-exports the nodes, expressions and patterns of nodes.py and
-the ops of ops.py, so `ir.Concat`, `ir.Pattern` and `ir.Name` all read from here. Equality and
-hashing ignore spans and trivia, so `parse(format(ir)) == ir` holds.
-"""
+"""The typed IR of a rule file: statements and RuleFile (frozen pydantic models), re-exporting the
+nodes of nodes.py and the ops of ops.py, so `ir.Concat`, `ir.Pattern` and `ir.Name` all read from here."""
 
 from __future__ import annotations
 
-from typing import Annotated, Literal, Union
+from typing import Annotated, ClassVar, Literal, Union
 
 from pydantic import Field, field_validator, model_validator
 
-from ..params import Param
 from .nodes import (
-    LANGUAGE_VERSIONS, CAPTURE_TYPES, STATEMENT_KEYWORDS, KEYWORDS, IDENTIFIER, KEY_TEXT,
-    OPTION_TEXT, identifier_problem, checked_identifier, Node, Trivia, NO_TRIVIA, Int,
-    Float, Bool, Name, Config, List, Neg, Not, BinOp, Compare, BoolOp, Coalesce, Expr, Text,
-    Capture, Subst, Alternatives, Star, DoubleStar, PrefixRef, PatternPart, pattern_problems, Pattern,
+    LANGUAGE_VERSIONS, CAPTURE_TYPES, OPTION_TEXT, identifier_problem, checked_identifier, Node, Trivia,
+    NO_TRIVIA, Int, Float, Bool, Name, Config, List, Neg, Not, BinOp, Compare, BoolOp, Coalesce, Expr,
+    Text, Capture, Subst, Alternatives, Star, DoubleStar, PrefixRef, pattern_problems, Pattern,
 )
 from .ops import (
     Op, Concat, Stack, Unstack, Interleave, Deinterleave, Split, Chunk, Transpose, Permute,
@@ -26,23 +19,51 @@ from .ops import (
 )
 
 __all__ = [
-    "LANGUAGE_VERSIONS", "CAPTURE_TYPES", "STATEMENT_KEYWORDS", "KEYWORDS", "IDENTIFIER",
-    "KEY_TEXT", "OPTION_TEXT", "identifier_problem", "checked_identifier", "Node",
-    "Trivia", "NO_TRIVIA", "Int", "Float", "Bool", "Name", "Config", "List", "Neg", "Not", "BinOp",
-    "Compare", "BoolOp", "Coalesce", "Expr", "Text", "Capture", "Subst", "Alternatives", "Star",
-    "DoubleStar", "PrefixRef", "PatternPart", "pattern_problems", "Pattern", "Param", "Op", "Concat", "Stack",
-    "Unstack", "Interleave", "Deinterleave", "Split", "Chunk", "Transpose", "Permute", "Reshape",
-    "Slice", "Pad", "Repeat", "RopePermute", "RopeUnpermute", "Cast", "Scale", "Add", "Arg", "MacroCall",
-    "FormatCall", "BUILTIN_OPS", "OPS_BY_NAME", "BUILTIN_FORMAT_NAMES", "RESERVED_NAMES", "AnyOp",
-    "Statement", "Version", "Let", "Rule", "Drop", "Keep", "Dequantize", "Quantized", "Include",
-    "Macro", "CastAll", "Prefix", "AnyStatement", "RuleFile",
+    "LANGUAGE_VERSIONS", "CAPTURE_TYPES", "OPTION_TEXT", "identifier_problem", "Node", "Trivia", "NO_TRIVIA",
+    "Int", "Float", "Bool", "Name", "Config", "List", "Neg", "Not", "BinOp", "Compare", "BoolOp", "Coalesce",
+    "Text", "Capture", "Subst", "Alternatives", "Star", "DoubleStar", "PrefixRef", "pattern_problems",
+    "Pattern", "Op", "Concat", "Stack", "Unstack", "Interleave", "Deinterleave", "Split", "Chunk",
+    "Transpose", "Permute", "Reshape", "Slice", "Pad", "Repeat", "RopePermute", "RopeUnpermute", "Cast",
+    "Scale", "Add", "Arg", "MacroCall", "FormatCall", "BUILTIN_OPS", "OPS_BY_NAME", "BUILTIN_FORMAT_NAMES",
+    "RESERVED_NAMES", "Statement", "Version", "Let", "Rule", "Drop", "Keep", "Dequantize", "Quantized",
+    "Include", "Macro", "CastAll", "Prefix", "AnyStatement", "RuleFile",
 ]
 
 
+_PIPE = ("layout", "value", "macro")  # the roles of the ops of a mapping rule or a macro
+
+
 class Statement(Node):
-    """Base of every statement: a node with the comments and blank lines around it."""
+    """Base of every statement: a node with the comments and blank lines around it. `sides` names its
+    pattern fields with their side, `roles` its op field, the roles allowed there and what it is."""
 
     trivia: Trivia = Field(default=NO_TRIVIA, repr=False)
+    sides: ClassVar[tuple[tuple[str, str], ...]] = ()
+    roles: ClassVar[tuple[str, tuple[str, ...], str] | None] = None
+
+    @model_validator(mode="after")
+    def _sided(self) -> Statement:
+        """Sources match keys (captures, wildcards), targets name keys (substitutions); each op's
+        role is allowed where it stands."""
+        for field, side in self.sides:
+            wrong = (Subst,) if side == "source" else (Capture, Star, DoubleStar)
+            types: dict[str, str] = {}
+            for pattern in _tuple(getattr(self, field)):
+                for part in pattern.parts:
+                    if isinstance(part, wrong):
+                        raise ValueError(f"a {type(part).__name__} cannot stand in a {side} pattern")
+                    if isinstance(part, Capture) and types.setdefault(part.name, part.type) != part.type:
+                        raise ValueError(f"capture `{part.name}` has two types in one statement")
+        if self.roles is not None:
+            field, allowed, where = self.roles
+            for op in _tuple(getattr(self, field)):
+                if op.role not in allowed:
+                    raise ValueError(f"`{getattr(op, 'name', None) or op.op_name()}` cannot stand in {where}")
+        return self
+
+
+def _tuple(value) -> tuple:
+    return value if isinstance(value, tuple) else (value,)
 
 
 class Version(Statement):
@@ -57,24 +78,6 @@ class Version(Statement):
         if number not in LANGUAGE_VERSIONS:
             raise ValueError(f"unknown language version {number}")
         return number
-
-
-def _sided(patterns: tuple[Pattern, ...], side: str) -> None:
-    """Sources match keys (captures, wildcards); targets name keys (substitutions)."""
-    wrong = (Subst,) if side == "source" else (Capture, Star, DoubleStar)
-    types: dict[str, str] = {}
-    for pattern in patterns:
-        for part in pattern.parts:
-            if isinstance(part, wrong):
-                raise ValueError(f"a {type(part).__name__} cannot stand in a {side} pattern")
-            if isinstance(part, Capture) and types.setdefault(part.name, part.type) != part.type:
-                raise ValueError(f"capture `{part.name}` has two types in one statement")
-
-
-def _roles(ops: tuple, allowed: tuple[str, ...], where: str) -> None:
-    for op in ops:
-        if op.role not in allowed:
-            raise ValueError(f"`{getattr(op, 'name', None) or op.op_name()}` cannot stand in {where}")
 
 
 class Let(Statement):
@@ -95,35 +98,24 @@ class Rule(Statement):
     ops: tuple[AnyOp, ...] = ()
     optional: bool = False
     otherwise: bool = False
-
-    @model_validator(mode="after")
-    def _valid(self) -> Rule:
-        _sided(self.sources, "source")
-        _sided(self.targets, "target")
-        _roles(self.ops, ("layout", "value", "macro"), "a mapping rule")
-        return self
+    sides = (("sources", "source"), ("targets", "target"))
+    roles = ("ops", _PIPE, "a mapping rule")
 
 
-class Drop(Statement):
+class _Patterns(Statement):
+    """`drop` and `keep`: source patterns and a guard."""
+
+    patterns: tuple[Pattern, ...]
+    guard: Expr | None = None
+    sides = (("patterns", "source"),)
+
+
+class Drop(_Patterns):
     kind: Literal["drop"] = "drop"
-    patterns: tuple[Pattern, ...]
-    guard: Expr | None = None
-
-    @model_validator(mode="after")
-    def _valid(self) -> Drop:
-        _sided(self.patterns, "source")
-        return self
 
 
-class Keep(Statement):
+class Keep(_Patterns):
     kind: Literal["keep"] = "keep"
-    patterns: tuple[Pattern, ...]
-    guard: Expr | None = None
-
-    @model_validator(mode="after")
-    def _valid(self) -> Keep:
-        _sided(self.patterns, "source")
-        return self
 
 
 class Dequantize(Statement):
@@ -135,12 +127,11 @@ class Dequantize(Statement):
     guard: Expr | None = None
     format: AnyOp
     optional: bool = False
+    sides = (("sources", "source"), ("target", "target"))
+    roles = ("format", ("format",), "a dequantize statement")
 
     @model_validator(mode="after")
-    def _valid(self) -> Dequantize:
-        _sided(self.sources, "source")
-        _sided((self.target,), "target")
-        _roles((self.format,), ("format",), "a dequantize statement")
+    def _needs_to(self) -> Dequantize:
         if not any(a.name == "to" for a in self.format.args):
             raise ValueError("a dequantize statement's format needs `to=`")
         return self
@@ -154,12 +145,8 @@ class Quantized(Statement):
     sources: tuple[Pattern, ...]
     guard: Expr | None = None
     format: AnyOp
-
-    @model_validator(mode="after")
-    def _valid(self) -> Quantized:
-        _sided(self.sources, "source")
-        _roles((self.format,), ("format",), "a quantized statement")
-        return self
+    sides = (("sources", "source"),)
+    roles = ("format", ("format",), "a quantized statement")
 
 
 class Include(Statement):
@@ -181,11 +168,7 @@ class Macro(Statement):
     name: str
     params: tuple[str, ...] = ()
     ops: tuple[AnyOp, ...] = Field(min_length=1)
-
-    @model_validator(mode="after")
-    def _valid(self) -> Macro:
-        _roles(self.ops, ("layout", "value", "macro"), "a macro")
-        return self
+    roles = ("ops", _PIPE, "a macro")
 
     @field_validator("name")
     @classmethod
@@ -221,12 +204,12 @@ class Prefix(Statement):
     target: Pattern
     guard: Expr | None = None
 
+    sides = (("source", "source"), ("target", "target"))
+
     _check_name = field_validator("name")(checked_identifier)
 
     @model_validator(mode="after")
-    def _valid(self) -> Prefix:
-        _sided((self.source,), "source")
-        _sided((self.target,), "target")
+    def _plain(self) -> Prefix:
         if any(isinstance(part, (PrefixRef, Alternatives)) for p in (self.source, self.target) for part in p.parts):
             raise ValueError("a prefix is defined by plain patterns, without another prefix or alternatives")
         return self

@@ -1,9 +1,7 @@
-"""Rule-file text -> Lark tokens in one regular-expression pass, for Lark's LALR parser.
+"""Rule-file text -> Lark tokens in one regular-expression pass over the grammar's own terminals.
 
-The terminals are the grammar's own (grammars/remap.lark): this module only orders them into one
-pattern and scans with it. The language is lexed without parser context (a keyword is a keyword
-wherever it stands as a whole word), which lets one compiled pattern do the work that Lark's
-contextual lexer does with a pattern per parser state, at a fraction of the cost per token.
+Lexed without parser context (a keyword is a keyword wherever it stands as a whole word), so one
+compiled pattern does what Lark's contextual lexer does with a pattern per parser state, far faster.
 """
 
 from __future__ import annotations

@@ -1,19 +1,15 @@
-"""Bounds on what a rule file may ask for, and the static pass that holds a program to them (E127, E126,
-E129, E136): a flattened program -> problems, each located, found before any checkpoint is read.
+"""Bounds on what a rule file may ask for, and the static pass that holds a program to them (E126,
+E127, E129, E136), before any checkpoint is read.
 
-A rule file comes from strangers, so the work it can ask for is bounded (docs/errors.md, "Limits"):
-integers within int64, sizes and element counts within MAX_SIZE, pieces an op makes within
-MAX_PIECES, ops a rule expands to through its macros within MAX_OPS, includes nested at most
-MAX_INCLUDE_DEPTH deep (includes.py). Expressions without a config read or a capture are constant:
-they are evaluated here, with the semantics of the compiler's evaluator (compile/evaluate.py), so a
-`let` that divides by zero fails `remapdsl check`, not the load. The compiler holds what only the
-config tells to the same limits (E209).
+A rule file comes from strangers, so the work it can ask for is bounded (docs/errors.md, "Limits").
+Constant expressions (no config read, capture or parameter) are evaluated here as the compiler's
+evaluator would (compile/evaluate.py), so a `let` that divides by zero fails `remapdsl check`, not the
+load; the compiler holds what only the config tells to the same limits (E209).
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator
 
 from . import ir
 from ..dtypes import RULE_DTYPE_NAMES
@@ -27,36 +23,31 @@ MAX_BLOCKS = 2**20  # the pieces (blocks) one runtime tensor is described by, af
 MAX_OPS = 256  # ops one rule (or macro) expands to through its macros
 MAX_INCLUDE_DEPTH = 16  # files nested by `include` below the top-level one
 
-COUNT_ARGS = frozenset({"times", "groups", "n", "heads"})
-SIZE_ARGS = frozenset({"to", "start", "stop", "sizes", "shape"})
+_COUNT_ARGS = frozenset({"times", "groups", "n", "heads"})
+_SIZE_ARGS = frozenset({"to", "start", "stop", "sizes", "shape"})
 
 Problem = tuple[str, str, Span | None, str | None]  # code, message, span, hint
 _INT_HINT = "integers are 64-bit, from -2^63 to 2^63 - 1"
 _NOT_CONSTANT = object()  # the value of an expression that reads the config, a capture or a parameter
 
 
-def limit_problems(statements: tuple[ir.Statement, ...]) -> Iterator[Problem]:
+def limit_problems(statements: tuple[ir.Statement, ...]) -> list[Problem]:
     """The problems of a flattened (and otherwise checked) program against the limits, in order."""
-    seen: set[tuple] = set()
-    for problem in _Pass().run(statements):
-        key = (problem[0], problem[1], problem[2])
-        if key not in seen:
-            seen.add(key)
-            yield problem
+    return _Pass().run(statements)
 
 
-def int_problem(value: int) -> str | None:
+def _int_problem(value: int) -> str | None:
     """Why an integer a program computes is out of bounds, or None."""
     if MIN_INT <= value <= MAX_INT:
         return None
     return f"{_short(value)}, outside the 64-bit integer range"
 
 
-def arg_problem(name: str, value: int) -> str | None:
+def _arg_problem(name: str, value: int) -> str | None:
     """Why an integer given to an op parameter is beyond the limits, or None."""
-    if name in COUNT_ARGS and value > MAX_PIECES:
+    if name in _COUNT_ARGS and value > MAX_PIECES:
         return f"`{name}={_short(value)}` is more than 2^16 = {MAX_PIECES}, the most pieces one op makes"
-    if name in SIZE_ARGS and abs(value) > MAX_SIZE:
+    if name in _SIZE_ARGS and abs(value) > MAX_SIZE:
         return f"`{name}` of {_short(value)} is beyond 2^48 = {MAX_SIZE}, the largest size"
     return None
 
@@ -67,9 +58,7 @@ def _short(value: int) -> str:
 
 
 class _Problem(Exception):
-    def __init__(self, code: str, message: str, span: Span | None, hint: str | None = None):
-        super().__init__(message)
-        self.problem: Problem = (code, message, span, hint)
+    """A problem found while folding an expression; its args are (code, message, span[, hint])."""
 
 
 class _Pass:
@@ -93,21 +82,18 @@ class _Pass:
                 self.macro(s)
             elif isinstance(s, ir.Rule):
                 self.pipe(s.ops, s.span, "this rule")
-                self.guard(s.guard)
+                self.fold(s.guard, {})
                 for pattern in s.targets:
                     for part in pattern.parts:
                         if isinstance(part, ir.Subst):
                             self.fold(part.expr, {})
             elif isinstance(s, (ir.Dequantize, ir.Quantized)):
-                self.guard(s.guard)
+                self.fold(s.guard, {})
                 for arg in s.format.args:
                     self.fold(arg.value, {})
             elif isinstance(s, (ir.Drop, ir.Keep)):
-                self.guard(s.guard)
+                self.fold(s.guard, {})
         return self.problems
-
-    def report(self, code: str, message: str, span: Span | None, hint: str | None = None) -> None:
-        self.problems.append((code, message, span, hint))
 
     # -- ops and macros --
 
@@ -122,8 +108,8 @@ class _Pass:
         calls = {op.name for op in s.ops if isinstance(op, ir.MacroCall)}
         if size > MAX_OPS and not calls & self.too_big:
             self.too_big.add(s.name)
-            self.report("E136", f"macro `{s.name}` expands to {size:,} ops, more than {MAX_OPS}",
-                        s.span, "each call of a macro copies its ops; call the macros it uses fewer times")
+            self.at(None, "E136", f"macro `{s.name}` expands to {size:,} ops, more than {MAX_OPS}",
+                    s.span, "each call of a macro copies its ops; call the macros it uses fewer times")
         elif calls & self.too_big:
             self.too_big.add(s.name)
         # the macros its body calls, as defined above it (a macro defined later is not the one called)
@@ -135,8 +121,8 @@ class _Pass:
         size = self.size(ops)
         if size > MAX_OPS:
             if not any(isinstance(op, ir.MacroCall) and op.name in self.too_big for op in ops):
-                self.report("E136", f"{what} expands to {size:,} ops through its macros, more than "
-                            f"{MAX_OPS}", span, "split the work into several rules or smaller macros")
+                self.at(None, "E136", f"{what} expands to {size:,} ops through its macros, more than "
+                        f"{MAX_OPS}", span, "split the work into several rules or smaller macros")
             return
         self.expand(ops, {}, None, self.macros)
 
@@ -166,35 +152,31 @@ class _Pass:
                 nodes = value.items if isinstance(value, ir.List) and isinstance(folded, list) else [value]
                 for item, node in zip(items, nodes):
                     if isinstance(item, int) and not isinstance(item, bool):
-                        problem = arg_problem(param.name, item)
+                        problem = _arg_problem(param.name, item)
                         if problem:
                             self.at(call, "E129", problem, node.span,
                                     "sizes and counts this large cannot be a model's tensors")
 
     def at(self, call: ir.MacroCall | None, code: str, message: str, span, hint=None) -> None:
-        if call is None:
-            self.report(code, message, span, hint)
-        else:
-            self.report(code, f"{message} (in macro `{call.name}`)", call.span, hint)
-
-    def guard(self, guard: ir.Node | None) -> None:
-        if guard is not None:
-            self.fold(guard, {})
+        """Report a problem; one inside a macro's body at the call that expands it."""
+        if call is not None:
+            message, span = f"{message} (in macro `{call.name}`)", call.span
+        self.problems.append((code, message, span, hint))
 
     # -- constant expressions --
 
-    def fold(self, expr: ir.Node, env: dict, call: ir.MacroCall | None = None) -> object:
-        """The constant value of an expression, or _NOT_CONSTANT; its problems are reported."""
+    def fold(self, expr: ir.Node | None, env: dict, call: ir.MacroCall | None = None) -> object:
+        """The constant value of an expression (or none), or _NOT_CONSTANT; its problems are reported."""
         try:
             return self.value(expr, env)
         except _Problem as exc:
-            self.at(call, *exc.problem)
+            self.at(call, *exc.args)
             return _NOT_CONSTANT
 
     def value(self, expr: ir.Node, env: dict) -> object:
         """As the compiler's evaluator, over constants; raises _Problem where it would fail."""
         if isinstance(expr, ir.Int):
-            problem = int_problem(expr.value)
+            problem = _int_problem(expr.value)
             if problem:
                 raise _Problem("E129", f"the integer {problem.replace(',', ' is', 1)}", expr.span, _INT_HINT)
             return expr.value
@@ -218,27 +200,27 @@ class _Pass:
             operand = self.value(expr.operand, env)
             if operand is _NOT_CONSTANT:
                 return operand
-            return self.checked(-self.number(operand, expr.operand, "`-`"), expr)
+            return _checked(-_number(operand, expr.operand, "`-`"), expr)
         if isinstance(expr, ir.Not):
             operand = self.value(expr.operand, env)
-            return operand if operand is _NOT_CONSTANT else not self.boolean(operand, expr.operand, "`not`")
+            return operand if operand is _NOT_CONSTANT else not _boolean(operand, expr.operand, "`not`")
         if isinstance(expr, ir.BoolOp):
             left = self.value(expr.left, env)
             if left is _NOT_CONSTANT:  # the right side is evaluated only for some values of the left
                 self.quiet(expr.right, env)
                 return left
-            if self.boolean(left, expr.left, f"`{expr.op}`") == (expr.op == "or"):
+            if _boolean(left, expr.left, f"`{expr.op}`") == (expr.op == "or"):
                 return left
             right = self.value(expr.right, env)
-            return right if right is _NOT_CONSTANT else self.boolean(right, expr.right, f"`{expr.op}`")
+            return right if right is _NOT_CONSTANT else _boolean(right, expr.right, f"`{expr.op}`")
         if isinstance(expr, ir.Compare):
             left, right = self.value(expr.left, env), self.value(expr.right, env)
             if _NOT_CONSTANT in (left, right):
                 return _NOT_CONSTANT
             if expr.op in ("==", "!="):
                 return (left == right) == (expr.op == "==")
-            a = self.number(left, expr.left, f"`{expr.op}`")
-            b = self.number(right, expr.right, f"`{expr.op}`")
+            a = _number(left, expr.left, f"`{expr.op}`")
+            b = _number(right, expr.right, f"`{expr.op}`")
             return {"<": a < b, "<=": a <= b, ">": a > b, ">=": a >= b}[expr.op]
         if isinstance(expr, ir.BinOp):
             return self.binop(expr, env)
@@ -255,7 +237,7 @@ class _Pass:
                            "the divisor is a constant expression that is zero")
         result = {"+": lambda: left + right, "-": lambda: left - right, "*": lambda: left * right,
                   "//": lambda: left // right, "%": lambda: left % right}[expr.op]()
-        return self.checked(result, expr)
+        return _checked(result, expr)
 
     def quiet(self, expr: ir.Node, env: dict) -> object:
         """A conditionally evaluated expression: its problems are not certain, so not reported."""
@@ -265,27 +247,27 @@ class _Pass:
             pass
         return _NOT_CONSTANT
 
-    @staticmethod
-    def checked(result, expr: ir.Node):
-        if isinstance(result, int):
-            problem = int_problem(result)
-            if problem:
-                raise _Problem("E129", f"`{_text(expr)}` is {problem}", expr.span, _INT_HINT)
-        elif isinstance(result, float) and not math.isfinite(result):
-            raise _Problem("E129", f"`{_text(expr)}` is beyond the range of a 64-bit float", expr.span)
-        return result
 
-    @staticmethod
-    def number(value, expr: ir.Node, what: str):
-        if not _is_number(value):
-            raise _Problem("E126", f"{what} needs a number, not {_kind(value)}", expr.span)
-        return value
+def _checked(result, expr: ir.Node):
+    if isinstance(result, int):
+        problem = _int_problem(result)
+        if problem:
+            raise _Problem("E129", f"`{format_expr(expr)}` is {problem}", expr.span, _INT_HINT)
+    elif isinstance(result, float) and not math.isfinite(result):
+        raise _Problem("E129", f"`{format_expr(expr)}` is beyond the range of a 64-bit float", expr.span)
+    return result
 
-    @staticmethod
-    def boolean(value, expr: ir.Node, what: str) -> bool:
-        if not isinstance(value, bool):
-            raise _Problem("E126", f"{what} needs true or false, not {_kind(value)}", expr.span)
-        return value
+
+def _number(value, expr: ir.Node, what: str):
+    if not _is_number(value):
+        raise _Problem("E126", f"{what} needs a number, not {_kind(value)}", expr.span)
+    return value
+
+
+def _boolean(value, expr: ir.Node, what: str) -> bool:
+    if not isinstance(value, bool):
+        raise _Problem("E126", f"{what} needs true or false, not {_kind(value)}", expr.span)
+    return value
 
 
 def _is_number(value) -> bool:
@@ -300,7 +282,3 @@ def _kind(value) -> str:
     if isinstance(value, str):
         return "a dtype"
     return "a number with a fraction" if isinstance(value, float) else "an integer"
-
-
-def _text(expr: ir.Node) -> str:
-    return format_expr(expr)

@@ -1,20 +1,13 @@
-"""Op and format arguments written as literals -> the problems they show before any checkpoint (E122-E125).
-
-A count below 1, a split or reshape size that cannot be, two inferred sizes in one reshape, a
-`permute` that is not a permutation, a list of sizes of the wrong length for a format parameter
-that declares its entries (`block=[rows, cols]`). Each problem is (code, message, span, hint), for
-the static checks (check.py) to report; arguments that are not literals are checked at compile time.
-"""
+"""Op and format arguments written as literals -> the problems they show before any checkpoint
+(E122-E125); arguments that are not literals are checked at compile time."""
 
 from __future__ import annotations
 
 from collections.abc import Iterator
 
 from . import ir
-from ..errors import Span
 from ..params import Param
-
-Problem = tuple[str, str, Span | None, str | None]  # code, message, span, hint
+from .limits import Problem
 
 _POSITIVE = {"groups", "n", "times", "to", "heads"}
 _COUNTS = {1: "one", 2: "two", 3: "three", 4: "four"}

@@ -1,13 +1,9 @@
-"""IR building blocks: Node (frozen, compared without spans), Trivia, names, expressions and key patterns.
-
-Every node carries the span it was parsed from (None for IR built in code). Equality and hashing
-ignore spans and trivia (comments, blank lines): two IRs are equal when they say the same thing,
-so `parse(format(ir)) == ir` holds. The ops are in ops.py, the statements in ir.py (which
-re-exports everything here).
-"""
+"""IR building blocks: Node, Trivia, names, expressions and key patterns (the ops are in ops.py, the
+statements in ir.py). Equality and hashing ignore spans and trivia, so `parse(format(ir)) == ir`."""
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from typing import Annotated, Any, ClassVar, Literal, Union
 
 import functools
@@ -64,6 +60,12 @@ class Node(BaseModel):
         super().__pydantic_init_subclass__(**kwargs)
         cls._compared = tuple(f for f in cls.model_fields if f not in _NOT_COMPARED)
 
+    def children(self) -> Iterator[Node]:
+        """The nodes this one holds (an expression's operands), in field order."""
+        for name in self._compared:
+            value = getattr(self, name)
+            yield from (v for v in (value if isinstance(value, tuple) else (value,)) if isinstance(v, Node))
+
     def _semantic(self) -> tuple:
         return tuple(getattr(self, f) for f in self._compared)
 
@@ -77,10 +79,8 @@ class Node(BaseModel):
 
 
 class Trivia(BaseModel):
-    """Comments and blank lines around a statement or op line, kept so `fmt` never drops them.
-
-    `leading` holds the lines above, each a comment (starting with `#`) or "" for a blank line.
-    """
+    """Comments and blank lines around a statement or op line, kept so `fmt` never drops them:
+    `leading` holds the lines above, each a comment (starting with `#`) or "" for a blank line."""
 
     model_config = ConfigDict(frozen=True, extra="forbid")
 
@@ -271,9 +271,7 @@ _MATCHERS = (Capture, Star, DoubleStar)
 
 def pattern_problems(parts: tuple[Node, ...]) -> list[tuple[int, str]]:
     """Structural problems of a pattern as (index of the part, message); empty when well formed.
-
-    Shared by the Pattern validator and the parser, which turns each into a located error.
-    """
+    Shared by the Pattern validator and the parser, which turns each into a located error."""
     if not parts:
         return [(0, "a key pattern cannot be empty")]
     problems: list[tuple[int, str]] = []

@@ -1,16 +1,15 @@
 """The ops of a rule file: the built-in layout and value ops, macro calls and format calls (IR nodes).
 
-Each built-in op declares its parameters once (`params`, remapdsl.params.Param), and the parser,
-the static checks and the formatter all read that declaration. A quantized format is not an op
-class: a `dequantize` or `quantized` statement names it in a FormatCall, and the format itself
-(quant/) declares its parameters.
+Each built-in op is made from its parameters (`_op`), which the parser, the static checks and the
+formatter all read. A quantized format is not an op class: a `dequantize` or `quantized`
+statement names it in a FormatCall, and the format itself (quant/) declares its parameters.
 """
 
 from __future__ import annotations
 
 from typing import Annotated, ClassVar, Literal, Union
 
-from pydantic import Field, field_validator
+from pydantic import Field, create_model, field_validator
 
 from ..params import Param
 from ..quant.builtin import BUILTIN_FORMATS
@@ -23,7 +22,6 @@ class Op(Node):
 
     role: ClassVar[Literal["layout", "value", "format", "macro"]] = "layout"
     params: ClassVar[tuple[Param, ...]] = ()
-    summary: ClassVar[str] = ""
     example: ClassVar[str] = ""  # a typical call, shown in hints
     trivia: Trivia = Field(default=NO_TRIVIA, repr=False)
 
@@ -33,183 +31,64 @@ class Op(Node):
         return cls.model_fields["kind"].default
 
 
-_DIM = Param("dim", "int")
-
-
 def _capture_name(name: str | None) -> str | None:
     return None if name is None else checked_identifier(name)
 
 
-class Concat(Op):
-    kind: Literal["concat"] = "concat"
-    example = "concat(dim=0)"
-    params = (Param("capture", "capture", False, True), _DIM, Param("start", "int", False),
-              Param("sizes", "ints", False))
-    summary = "concatenate the list axis (or a capture, ascending) along dim; `sizes=` states each part's"
-    capture: str | None = None
-    dim: Expr
-    start: Expr | None = None
-    sizes: Expr | None = None  # each part's size along dim: checked on load, what a save without `like` needs
-
-    _check_capture = field_validator("capture")(_capture_name)
-
-
-class Stack(Op):
-    kind: Literal["stack"] = "stack"
-    example = "stack(E, dim=0)"
-    params = (Param("capture", "capture", False, True), _DIM, Param("start", "int", False))
-    summary = "stack a capture (ascending, no gaps) or the list axis as a new dim"
-    capture: str | None = None
-    dim: Expr
-    start: Expr | None = None
-
-    _check_capture = field_validator("capture")(_capture_name)
+def _op(cls_name: str, example: str, doc: str, *params: Param, role: str = "layout") -> type[Op]:
+    """A built-in op class: `kind` is the example's name, and each parameter a field (a capture's
+    name or an expression), None when it is optional."""
+    fields: dict = {"kind": (Literal[example.split("(")[0]], example.split("(")[0])}
+    for p in params:
+        kind = str if p.kind == "capture" else Expr
+        fields[p.name] = (kind, ...) if p.required else (kind | None, None)
+    checks = {"_check_capture": field_validator("capture")(_capture_name)} if "capture" in fields else {}
+    cls = create_model(cls_name, __base__=Op, __module__=__name__, __doc__=doc, __validators__=checks,
+                       **fields)
+    cls.role, cls.params, cls.example = role, params, example
+    return cls
 
 
-class Unstack(Op):
-    kind: Literal["unstack"] = "unstack"
-    example = "unstack(E, dim=0)"
-    params = (Param("capture", "capture", True, True), _DIM, Param("start", "int", False))
-    summary = "one target per index of dim, bound to a capture used in the targets"
-    capture: str
-    dim: Expr
-    start: Expr | None = None
+_DIM = Param("dim", "int")
+_START = Param("start", "int", False)
+_CAPTURE = Param("capture", "capture", False, True)
 
-    _check_capture = field_validator("capture")(_capture_name)
-
-
-class Interleave(Op):
-    kind: Literal["interleave"] = "interleave"
-    example = "interleave(dim=0, groups=KV)"
-    params = (_DIM, Param("groups", "int"), Param("sizes", "ints", False))
-    summary = "cut each source into groups along dim; emit group 0 of every source, then 1, ..."
-    dim: Expr
-    groups: Expr
-    sizes: Expr | None = None  # each source's size along dim, as concat's
-
-
-class Deinterleave(Op):
-    kind: Literal["deinterleave"] = "deinterleave"
-    example = "deinterleave(dim=0, groups=KV)"
-    params = (_DIM, Param("groups", "int"))
-    summary = "the inverse of interleave: one source to the targets' list axis"
-    dim: Expr
-    groups: Expr
-
-
-class Split(Op):
-    kind: Literal["split"] = "split"
-    example = "split(dim=0, sizes=[4096, 1024, 1024])"
-    params = (_DIM, Param("sizes", "ints"))
-    summary = "cut one source along dim into the given sizes, one per target"
-    dim: Expr
-    sizes: Expr
-
-
-class Chunk(Op):
-    kind: Literal["chunk"] = "chunk"
-    example = "chunk(dim=0, n=2)"
-    params = (_DIM, Param("n", "int"))
-    summary = "cut one source along dim into n equal parts, one per target"
-    dim: Expr
-    n: Expr
-
-
-class Transpose(Op):
-    kind: Literal["transpose"] = "transpose"
-    example = "transpose(0, 1)"
-    params = (Param("a", "int", True, True), Param("b", "int", True, True))
-    summary = "swap two dims (negative dims count from the end)"
-    a: Expr
-    b: Expr
-
-
-class Permute(Op):
-    kind: Literal["permute"] = "permute"
-    example = "permute([1, 0, 2])"
-    params = (Param("dims", "ints", True, True),)
-    summary = "reorder dims"
-    dims: Expr
-
-
-class Reshape(Op):
-    kind: Literal["reshape"] = "reshape"
-    example = "reshape([-1, 128])"
-    params = (Param("shape", "ints", True, True),)
-    summary = "reshape a contiguous tensor; one -1 allowed"
-    shape: Expr
-
-
-class Slice(Op):
-    kind: Literal["slice"] = "slice"
-    example = "slice(dim=0, start=0, stop=1024)"
-    params = (_DIM, Param("start", "int", False), Param("stop", "int", False))
-    summary = "keep the range [start, stop) of dim"
-    dim: Expr
-    start: Expr | None = None
-    stop: Expr | None = None
-
-
-class Pad(Op):
-    kind: Literal["pad"] = "pad"
-    example = "pad(dim=0, to=32000)"
-    params = (_DIM, Param("to", "int"), Param("value", "number", False))
-    summary = "grow dim to a size; the new region is filled with value (default 0), never read"
-    dim: Expr
-    to: Expr
-    value: Expr | None = None
-
-
-class Repeat(Op):
-    kind: Literal["repeat"] = "repeat"
-    example = "repeat(dim=0, times=2)"
-    params = (_DIM, Param("times", "int"))
-    summary = "repeat the tensor along dim"
-    dim: Expr
-    times: Expr
-
-
-class RopePermute(Op):
-    kind: Literal["rope_permute"] = "rope_permute"
-    example = "rope_permute(heads=NH)"
-    params = (Param("heads", "int"),)
-    summary = "Meta's pair-interleaved rotary rows to rotate-half order, per head"
-    heads: Expr
-
-
-class RopeUnpermute(Op):
-    kind: Literal["rope_unpermute"] = "rope_unpermute"
-    example = "rope_unpermute(heads=NH)"
-    params = (Param("heads", "int"),)
-    summary = "rotate-half rotary rows back to Meta's pair-interleaved order, per head"
-    heads: Expr
-
-
-class Cast(Op):
-    kind: Literal["cast"] = "cast"
-    example = "cast(bfloat16)"
-    role = "value"
-    params = (Param("dtype", "dtype", True, True),)
-    summary = "convert the element type"
-    dtype: Expr
-
-
-class Scale(Op):
-    kind: Literal["scale"] = "scale"
-    example = "scale(0.5)"
-    role = "value"
-    params = (Param("factor", "number", True, True),)
-    summary = "multiply every element"
-    factor: Expr
-
-
-class Add(Op):
-    kind: Literal["add"] = "add"
-    example = "add(1)"
-    role = "value"
-    params = (Param("value", "number", True, True),)
-    summary = "add to every element (zero-centred norms: add(1))"
-    value: Expr
+Concat = _op("Concat", "concat(dim=0)",
+             "concatenate the list axis (or a capture, ascending) along dim; `sizes=` states each part's "
+             "size (checked on load, what a save without `like` needs)",
+             _CAPTURE, _DIM, _START, Param("sizes", "ints", False))
+Stack = _op("Stack", "stack(E, dim=0)", "stack a capture (ascending, no gaps) or the list axis as a new dim",
+            _CAPTURE, _DIM, _START)
+Unstack = _op("Unstack", "unstack(E, dim=0)", "one target per index of dim, bound to a capture used in the targets",
+              Param("capture", "capture", True, True), _DIM, _START)
+Interleave = _op("Interleave", "interleave(dim=0, groups=KV)",
+                 "cut each source into groups along dim; emit group 0 of every source, then 1, ...; "
+                 "`sizes=` as concat's", _DIM, Param("groups", "int"), Param("sizes", "ints", False))
+Deinterleave = _op("Deinterleave", "deinterleave(dim=0, groups=KV)",
+                   "the inverse of interleave: one source to the targets' list axis", _DIM, Param("groups", "int"))
+Split = _op("Split", "split(dim=0, sizes=[4096, 1024, 1024])",
+            "cut one source along dim into the given sizes, one per target", _DIM, Param("sizes", "ints"))
+Chunk = _op("Chunk", "chunk(dim=0, n=2)", "cut one source along dim into n equal parts, one per target",
+            _DIM, Param("n", "int"))
+Transpose = _op("Transpose", "transpose(0, 1)", "swap two dims (negative dims count from the end)",
+                Param("a", "int", True, True), Param("b", "int", True, True))
+Permute = _op("Permute", "permute([1, 0, 2])", "reorder dims", Param("dims", "ints", True, True))
+Reshape = _op("Reshape", "reshape([-1, 128])", "reshape a contiguous tensor; one -1 allowed",
+              Param("shape", "ints", True, True))
+Slice = _op("Slice", "slice(dim=0, start=0, stop=1024)", "keep the range [start, stop) of dim",
+            _DIM, _START, Param("stop", "int", False))
+Pad = _op("Pad", "pad(dim=0, to=32000)",
+          "grow dim to a size; the new region is filled with value (default 0), never read",
+          _DIM, Param("to", "int"), Param("value", "number", False))
+Repeat = _op("Repeat", "repeat(dim=0, times=2)", "repeat the tensor along dim", _DIM, Param("times", "int"))
+RopePermute = _op("RopePermute", "rope_permute(heads=NH)",
+                  "Meta's pair-interleaved rotary rows to rotate-half order, per head", Param("heads", "int"))
+RopeUnpermute = _op("RopeUnpermute", "rope_unpermute(heads=NH)",
+                    "rotate-half rotary rows back to Meta's pair-interleaved order, per head", Param("heads", "int"))
+Cast = _op("Cast", "cast(bfloat16)", "convert the element type", Param("dtype", "dtype", True, True), role="value")
+Scale = _op("Scale", "scale(0.5)", "multiply every element", Param("factor", "number", True, True), role="value")
+Add = _op("Add", "add(1)", "add to every element (zero-centred norms: add(1))",
+          Param("value", "number", True, True), role="value")
 
 
 class Arg(Node):
@@ -267,14 +146,7 @@ OPS_BY_NAME: dict[str, type[Op]] = {cls.op_name(): cls for cls in BUILTIN_OPS}
 BUILTIN_FORMAT_NAMES: tuple[str, ...] = tuple(sorted(fmt.name for fmt in BUILTIN_FORMATS))
 RESERVED_NAMES = frozenset(OPS_BY_NAME) | frozenset(BUILTIN_FORMAT_NAMES)  # no macro takes these
 
-AnyOp = Annotated[
-    Union[
-        Concat, Stack, Unstack, Interleave, Deinterleave, Split, Chunk, Transpose, Permute,
-        Reshape, Slice, Pad, Repeat, RopePermute, RopeUnpermute, Cast, Scale, Add, MacroCall,
-        FormatCall,
-    ],
-    Field(discriminator="kind"),
-]  # fmt: skip
+AnyOp = Annotated[Union[BUILTIN_OPS + (MacroCall, FormatCall)], Field(discriminator="kind")]
 
-for _model in BUILTIN_OPS + (Arg, MacroCall, FormatCall):
+for _model in (Arg, MacroCall, FormatCall):
     _model.model_rebuild()

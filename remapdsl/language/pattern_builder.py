@@ -1,10 +1,5 @@
-"""Pattern tokens and braces -> key patterns (ir.Pattern): parts merged, capture types resolved, structure checked.
-
-The grammar gives a key pattern as a run of tokens (WORD, `*`, `**`, CAPTURE, ALTERNATIVES) and
-braces; nothing but `,` and `->` may separate patterns, so white space inside one is an error
-(E010). A capture's type is declared once per statement, on the source side, and applies to every
-use of the name. Problems are reported through the parse Context.
-"""
+"""Pattern tokens and braces -> key patterns (ir.Pattern): parts merged, capture types resolved (declared
+once per statement, on the source side), structure checked; white space inside a pattern is E010."""
 
 from __future__ import annotations
 
@@ -56,13 +51,10 @@ def _brace_token(token: Token) -> Brace:
         kind_span = Span(span.path, span.line, at + len(name) + 1, span.line, span.end_column - 1)
         return Brace("typed", (_Word(name, name_span), _Word(kind, kind_span)),
                      token.start_pos, token.end_pos, span)
+    # `{L}` itself is read in _part: what comes here is a keyword (`{when}`)
     inner_span = Span(span.path, span.line, span.column + 1, span.line, span.end_column - 1)
-    if ir.identifier_problem(inner):
-        error("E017", f"`{inner}` is not a valid capture name: {ir.identifier_problem(inner)}",
-              inner_span)
-        return Brace("bad", None, token.start_pos, token.end_pos, span)
-    return Brace("expr", new(ir.Name, id=inner, span=inner_span), token.start_pos, token.end_pos,
-                 span)
+    error("E017", f"`{inner}` is not a valid capture name: {ir.identifier_problem(inner)}", inner_span)
+    return Brace("bad", None, token.start_pos, token.end_pos, span)
 
 
 def prefix_name(token: Token) -> str | None:
@@ -116,13 +108,8 @@ def _pattern(raw: RawPattern, side: str, types: dict[str, str]) -> ir.Pattern | 
     for a, b in zip(items, items[1:]):
         if (a.end_pos if isinstance(a, Token) else a.end) != (
                 b.start_pos if isinstance(b, Token) else b.start):
-            gap = Span(path=ctx.path, line=a.end_line if isinstance(a, Token) else
-                                       a.span.end_line,
-                                       column=a.end_column if isinstance(a, Token) else
-                                       a.span.end_column,
-                                       end_line=b.line if isinstance(b, Token) else b.span.line,
-                                       end_column=b.column if isinstance(b, Token) else
-                                       b.span.column)
+            left, right = span_of(a), span_of(b)
+            gap = Span(ctx.path, left.end_line, left.end_column, right.line, right.column)
             error("E010", "white space inside a key pattern", gap,
                   "separate patterns with `,`, and sources from targets with `->`")
     parts: list[ir.Node] = []

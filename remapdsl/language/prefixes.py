@@ -1,12 +1,9 @@
-"""`prefix @name = SOURCE -> TARGET [when GUARD]` and the statements that start a pattern with
-`@name` -> plain statements, one per definition (codes E150-E152).
+"""`prefix @name = SOURCE -> TARGET [when GUARD]` and the statements that use `@name` -> plain
+statements, one per definition (codes E150-E152).
 
-A decoder layer mirrored under another prefix (DeepSeek-V3's multi-token-prediction layers, a
-language model nested in a multimodal one) is written once: each definition of `@name` repeats
-every statement that uses it, with `@name` read as the definition's SOURCE on the checkpoint side
-(rule sources, `drop`, `dequantize`, `quantized`) and its TARGET on the runtime side (rule targets,
-`keep`), and the definition's guard joined to the statement's with `and`. The expanded program is
-what the checks and the compiler see; the files keep what was written, for the formatter.
+`@name` is read as SOURCE on the checkpoint side (rule sources, `drop`, `dequantize`, `quantized`)
+and TARGET on the runtime side (rule targets, `keep`), the definition's guard joined to the
+statement's with `and`. The checks and the compiler see the expansion; the files keep what was written.
 """
 
 from __future__ import annotations

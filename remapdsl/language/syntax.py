@@ -1,11 +1,6 @@
-"""Lark's parse failures -> diagnostics in words: what was found, what was expected, a likely fix.
-
-Lark reports terminal names (`ARROW`, `_NL`); a model author should read "expected `->`". Every
-terminal has a name of the grammar's (grammars/remap.lark), never one Lark generates, so the cases below
-are keyed on names that stay the same when the grammar changes.
-The common mistakes get their own codes and messages: a missing arrow, an unclosed bracket, a `|`
-that continues nothing, an op missing after `|`, a misspelled statement keyword.
-"""
+"""Lark's parse failures -> diagnostics in words ("expected `->`", not `ARROW`), with their own codes for
+the common mistakes. Every terminal has a name of the grammar's, so the cases below are keyed on
+names that stay the same when the grammar changes."""
 
 from __future__ import annotations
 
@@ -14,9 +9,8 @@ import re
 from lark import Lark, UnexpectedInput, UnexpectedToken
 
 from ..errors import Diagnostic, Span, suggest
+from .nodes import STATEMENT_KEYWORDS
 
-STATEMENT_KEYWORDS = ("remap", "let", "drop", "keep", "dequantize", "quantized", "include", "macro",
-                      "cast", "prefix", "optional", "otherwise")
 _NAMED = {
     "WORD": "a name",
     "FLOAT": "a number",
@@ -48,11 +42,11 @@ def syntax_diagnostic(exc: UnexpectedInput, text: str, path: str, parser: Lark) 
         if isinstance(exc, UnexpectedToken):
             kind = exc.token.type
             value = str(exc.token)
-            if kind in ("_NL", "_CONT"):
-                found, width = ("end of line", 1) if kind == "_NL" else ("a `|` line", 1)
-                if kind == "_CONT":
-                    line, column = _cont_position(text, exc.token.end_pos)
-                    found, kind = "`|`", "VBAR"
+            if kind == "_NL":
+                found, width = "end of line", 1
+            elif kind == "_CONT":
+                line, column = _cont_position(text, exc.token.end_pos)
+                found, width, kind = "`|`", 1, "VBAR"
             else:
                 found, width = f"`{value}`", max(len(value.split("\n")[0]), 1)
         else:
@@ -60,22 +54,22 @@ def syntax_diagnostic(exc: UnexpectedInput, text: str, path: str, parser: Lark) 
             char = text[exc.pos_in_stream]
             found, width = _describe_char(char), 1
     line_text = lines[line - 1] if 0 < line <= len(lines) else ""
-    span = Span(path=path, line=line, column=column, end_line=line, end_column=column + width)
     before = line_text[: column - 1]
     expected = set(getattr(exc, "expected", None) or getattr(exc, "allowed", None) or ())
 
-    def diag(code: str, message: str, hint: str | None = None, at: Span | None = None) -> Diagnostic:
-        return Diagnostic(code=code, message=message, span=at or span, line_text=line_text, hint=hint)
+    def diag(code: str, message: str, hint: str | None = None, at: tuple[int, int] | None = None) -> Diagnostic:
+        """`at`: the columns it covers on the line, where not the token's."""
+        start, end = at or (column, column + width)
+        return Diagnostic(code=code, message=message, span=Span(path, line, start, line, end),
+                          line_text=line_text, hint=hint)
 
     opener = _unclosed(line_text)
     if opener is not None and opener[0] < column:
         bracket_column, bracket = opener
         closer = _BRACKETS[bracket]
-        at = Span(path=path, line=line, column=bracket_column, end_line=line,
-                  end_column=bracket_column + 1)
         what = {"{": "a capture or alternatives", "(": "the argument list", "[": "the list"}[bracket]
         return diag("E003", f"unclosed `{bracket}`: {what} opened here has no `{closer}` on this line",
-                    f"close it with `{closer}`", at)
+                    f"close it with `{closer}`", (bracket_column, bracket_column + 1))
     statement = before.strip()
     first_word = statement.split()[0] if statement else ""
     if kind == "CHAR":
@@ -123,18 +117,16 @@ def syntax_diagnostic(exc: UnexpectedInput, text: str, path: str, parser: Lark) 
     if "ARROW" in expected and "->" not in line_text:
         keyword = suggest(first_word, STATEMENT_KEYWORDS)
         if keyword and first_word != keyword and "." not in first_word:
-            at = Span(path=path, line=line, column=len(before) - len(before.lstrip()) + 1,
-                      end_line=line, end_column=len(before) - len(before.lstrip()) + 1 + len(first_word))
-            return diag("E007", f"unknown statement `{first_word}`", f"did you mean `{keyword}`?", at)
+            start = len(before) - len(before.lstrip()) + 1
+            return diag("E007", f"unknown statement `{first_word}`", f"did you mean `{keyword}`?",
+                        (start, start + len(first_word)))
     if "ARROW" in expected and not expected & {"EQUAL"}:
         if kind == "EQUAL" and line_text[column:column + 1] == ">":
-            at = Span(path=path, line=line, column=column, end_line=line, end_column=column + 2)
             return diag("E002", "expected `->` between the source and target patterns, found `=>`",
-                        "write the arrow as `->`", at)
+                        "write the arrow as `->`", (column, column + 2))
         gap = _gap(before)
         if kind in ("_NL", "$END") and gap is not None:
-            at = Span(path=path, line=line, column=gap[0], end_line=line, end_column=gap[1])
-            return diag("E002", "expected `->` between the source and target patterns", None, at)
+            return diag("E002", "expected `->` between the source and target patterns", None, gap)
         return diag("E002", f"expected `->` between the source and target patterns, found {found}",
                     "a rule reads `SOURCES -> TARGETS`; separate several patterns with `,`")
     words = _expected_words(expected, shown)
