@@ -9,9 +9,7 @@ from __future__ import annotations
 import fnmatch
 import json
 import os
-import re
 from collections.abc import Mapping, Sequence
-from functools import cached_property
 from pathlib import Path
 from typing import Any, Literal
 
@@ -79,47 +77,11 @@ class LayoutPlan(_Frozen):
                 rules.append(PlanRule(pattern=prefix + pattern, placements=value))
         return cls(rules=tuple(rules), mesh_dim=mesh_dim)
 
-    @cached_property
-    def _matcher(self) -> re.Pattern[str]:
-        return re.compile("|".join(f"(?P<r{i}>{_glob_regex(r.pattern)})" for i, r in enumerate(self.rules)))
-
     def match(self, runtime_key: str) -> PlanRule | None:
         """The first rule whose glob matches the key or the key's parent module (the key without its
         last `.segment`), or None."""
-        if not self.rules:
-            return None
-        found = [m for m in (self._matcher.fullmatch(runtime_key),) if m]
-        if "." in runtime_key:
-            found += [m for m in (self._matcher.fullmatch(runtime_key.rpartition(".")[0]),) if m]
-        if not found:
-            return None
-        return self.rules[min(int(m.lastgroup[1:]) for m in found)]  # type: ignore[index]
-
-
-def _glob_regex(pattern: str) -> str:
-    """fnmatch syntax as a regex without groups, to join many patterns in one alternation (`[seq]`
-    classes by fnmatch's own translation, so its quirks hold: `[]]`, `[!]]`, empty ranges)."""
-    out, i = [], 0
-    while i < len(pattern):
-        ch = pattern[i]
-        i += 1
-        if ch == "*":
-            out.append(".*")
-        elif ch == "?":
-            out.append(".")
-        elif ch == "[":
-            end = i + (pattern[i : i + 1] == "!")
-            end += pattern[end : end + 1] == "]"
-            end = pattern.find("]", end)
-            if end == -1:
-                out.append(re.escape(ch))
-                continue
-            translated = fnmatch.translate(pattern[i - 1 : end + 1])  # "(?s:<class>)\\Z"
-            out.append(translated[translated.index(":") + 1 : translated.rindex(")")])
-            i = end + 1
-        else:
-            out.append(re.escape(ch))
-    return "".join(out)
+        names = (runtime_key, runtime_key.rpartition(".")[0]) if "." in runtime_key else (runtime_key,)
+        return next((r for r in self.rules if any(fnmatch.fnmatchcase(n, r.pattern) for n in names)), None)
 
 
 def _style_placement(style: str, shape: Sequence[int], runtime_key: str) -> Shard | Replicate | StridedShard:
