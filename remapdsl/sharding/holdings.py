@@ -116,19 +116,15 @@ def owned(holding: Holding, rank: int, spread_over: int = 0) -> dict[str, LocalS
     lowest: dict = {}
     for key, p in holding.placed.items():
         if p.rank_of is None:
-            if rank == (zlib.crc32(key.encode()) % spread_over if spread_over else 0):
-                out[key] = p.shard
+            writer = zlib.crc32(key.encode()) % spread_over if spread_over else 0
+        elif not p.shard.boxes:
             continue
-        if not p.shard.boxes:
-            continue
-        if spread_over:
+        elif spread_over:
             replicas = _replicas(p)
-            if replicas[zlib.crc32(key.encode()) % len(replicas)] == rank:
-                out[key] = p.shard
-            continue
-        if p.spec not in lowest:
-            lowest[p.spec] = min(_replicas(p)) == rank
-        if lowest[p.spec]:
+            writer = replicas[zlib.crc32(key.encode()) % len(replicas)]
+        else:
+            writer = lowest[p.spec] if p.spec in lowest else lowest.setdefault(p.spec, min(_replicas(p)))
+        if writer == rank:
             out[key] = p.shard
     return out
 
