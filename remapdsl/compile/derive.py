@@ -24,7 +24,7 @@ from ..checkpoint import Inventory
 from ..errors import BindError, Diagnostic, RemapError, Span
 from ..language import ir
 from ..language.includes import RuleSet
-from .apply import expand_macros
+from .apply import by_capture, expand_macros
 from .bind import KeyPool, bind, compile_pattern, list_axis
 from .compiler import captures_read, compile_rules, drops, names_in, target_key
 from .evaluate import Evaluator, evaluate_lets
@@ -310,12 +310,8 @@ def _undo_op(op: ir.Op, ev: Evaluator, state: dict, width: int, rule: ir.Rule) -
     name = op.op_name()
     if isinstance(op, ir.Unstack):
         start = ev.integer(op.start, "start") if op.start is not None else 0
-        grouped: dict[tuple, dict[int, list]] = defaultdict(dict)
-        for key, entries in state.items():
-            values = dict(key)
-            grouped[_without(key, op.capture)][values[op.capture]] = entries
         out = {}
-        for rest, by_value in grouped.items():
+        for rest, by_value in by_capture(state, op.capture).items():
             values = sorted(by_value)
             if values != list(range(start, start + len(values))):
                 raise _Undetermined(f"`unstack({op.capture}, ...)` needs {op.capture} from {start} without a "
@@ -442,7 +438,3 @@ def _insert(shape: Shape, dim: int, n: int) -> Shape:
 
 def _replace(shape: Shape, dim: int, n: int) -> Shape:
     return shape[:dim] + (n,) + shape[dim + 1:]
-
-
-def _without(key: tuple, capture: str) -> tuple:
-    return tuple(kv for kv in key if kv[0] != capture)
