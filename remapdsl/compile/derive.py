@@ -1,14 +1,9 @@
 """Runtime shapes + rules + config -> the checkpoint tensors they determine: a save without `like`.
 
-Each mapping rule runs backwards on shapes alone: its targets are matched against the runtime keys
-(a substitution read back as the capture it names, or solved where it is affine in one capture),
-its ops are undone in reverse order, and its sources are named from the captures. Undoing needs
-sizes the op itself states (a split's `sizes`, a concat's or an interleave's `sizes=`, a stack's
-stacked dim); what a rule cannot undo from shapes (a concat without `sizes=`, a slice, a pad, a
-reshape, a cast, a wildcard source) is E520, naming the rule, the op and the size. A tensor the
-rules dequantize is derived unquantized: its logical values, which the same rules load as they
-are. The result is then checked by compiling the rules forward against it: every runtime tensor
-must come back with its shape and dtype, or the derivation is refused.
+Each rule runs backwards on shapes alone: targets matched against the runtime keys, ops undone last
+first, sources named from the captures. What shapes do not determine (a concat without `sizes=`, a
+slice, a pad, a reshape, a cast, a wildcard source) is E520. Dequantized tensors are derived plain.
+The result must compile forward back to every runtime tensor's shape and dtype, or it is refused.
 """
 
 from __future__ import annotations
@@ -65,13 +60,14 @@ class _Deriver:
         self.lets = evaluate_lets(rules.statements, config, rules.line_text)
         self.evaluator = Evaluator(config, self.lets, rules.line_text)
         self.macros = {s.name: s for s in rules.statements if isinstance(s, ir.Macro)}
+        self.namers: dict[int, list] = {}  # id(rule) -> its source_namers
 
     def run(self, runtime: Mapping[str, Entry]) -> dict[str, tuple[str, Shape]]:
         statements = self.rules.statements
-        if any(isinstance(s, ir.CastAll) for s in statements):
-            span = next(s.span for s in statements if isinstance(s, ir.CastAll))
+        cast_all = next((s for s in statements if isinstance(s, ir.CastAll)), None)
+        if cast_all is not None:
             raise _error(self.rules, "`cast` sets the runtime dtype, so the dtype each checkpoint tensor "
-                         "was stored in is not determined by the runtime tensors", span, "save with `like`")
+                         "was stored in is not determined by the runtime tensors", cast_all.span, "save with `like`")
         keep = [compile_pattern(p).regex for s in statements if isinstance(s, ir.Keep) for p in s.patterns]
         keys = [k for k in runtime if not any(r.fullmatch(k) for r in keep)]
         pool = KeyPool(keys, indexed=True)
@@ -132,21 +128,15 @@ class _Deriver:
         bound = bind(targets, pool)
         if not ops and not bound.partial:  # renamed alone: each binding's sources are its targets' shapes
             out = []
-            try:
-                namers = self.source_namers(rule) if bound.bindings else []
-            except _Undetermined as exc:
-                raise _error(self.rules, f"runtime tensor `{bound.bindings[0].keys[0]}`: {exc}", exc.span) from None
             for binding in bound.bindings:
-                captures = self.solve(binding.captures, solvers, types, rule)
-                if captures is None:
-                    continue
                 try:
-                    out.append(({template % tuple([captures[n] for n in names]): runtime[k]
-                                 for (template, names, _), k in zip(namers, binding.keys)}, binding.keys))
-                except KeyError as missing:
-                    raise _error(self.rules, f"runtime tensor `{binding.keys[0]}`: the source pattern's "
-                                 f"`{{{missing.args[0]}}}` appears in no target, so the checkpoint key is not "
-                                 "determined", rule.sources[0].span or rule.span) from None
+                    self.source_namers(rule)  # a wildcard source is reported whatever the guard says
+                    captures = self.solve(binding.captures, solvers, types, rule)
+                    if captures is not None:
+                        out.append((self.name_sources(rule, captures, [runtime[k] for k in binding.keys]),
+                                    binding.keys))
+                except _Undetermined as exc:
+                    raise _error(self.rules, f"runtime tensor `{binding.keys[0]}`: {exc}", exc.span) from None
             return out
         groups: dict[tuple, dict[tuple, list[Entry]]] = defaultdict(dict)
         made: dict[tuple, list[str]] = defaultdict(list)
@@ -252,25 +242,29 @@ class _Deriver:
             ev = Evaluator(self.evaluator.config, self.lets | env, self.rules.line_text)
             state = _undo_op(op, ev, state, widths[i], rule)
         out: dict[str, Entry] = {}
-        namers = self.source_namers(rule)
         guarded = rule.guard is not None and captures_read(rule.guard, rule)
         for inner, entries in state.items():
             captures = outer | dict(inner) if inner else outer
             if guarded and not self.evaluator.boolean(rule.guard, captures):
                 return None
-            for (template, names, pattern), entry in zip(namers, entries):
-                try:
-                    out[template % tuple([captures[n] for n in names])] = entry
-                except KeyError as missing:
-                    raise _Undetermined(f"the source pattern's `{{{missing.args[0]}}}` appears in no target, so "
-                                        "the checkpoint key is not determined", pattern.span or rule.span) from None
+            out.update(self.name_sources(rule, captures, entries))
+        return out
+
+    def name_sources(self, rule: ir.Rule, captures: dict, entries: list[Entry]) -> dict[str, Entry]:
+        """Each list-axis entry under the checkpoint key the rule's sources give it."""
+        out = {}
+        for (template, names, pattern), entry in zip(self.source_namers(rule), entries):
+            try:
+                out[template % tuple([captures[n] for n in names])] = entry
+            except KeyError as missing:
+                raise _Undetermined(f"the source pattern's `{{{missing.args[0]}}}` appears in no target, so "
+                                    "the checkpoint key is not determined", pattern.span or rule.span) from None
         return out
 
     def source_namers(self, rule: ir.Rule) -> list[tuple[str, tuple[str, ...], ir.Pattern]]:
         """Per list-axis entry of the sources: a `%` template of the key and the captures it takes."""
-        cache = self.__dict__.setdefault("_namers", {})
-        if id(rule) in cache:
-            return cache[id(rule)]
+        if id(rule) in self.namers:
+            return self.namers[id(rule)]
         namers = []
         for index, choice in list_axis(rule.sources):
             pattern, text, names, alt = rule.sources[index], [], [], 0
@@ -287,13 +281,12 @@ class _Deriver:
                     raise _Undetermined("the source pattern's wildcard appears in no target, so the checkpoint "
                                         "key is not determined", pattern.span or rule.span)
             namers.append(("".join(text), tuple(names), pattern))
-        cache[id(rule)] = namers
+        self.namers[id(rule)] = namers
         return namers
 
     def note_dequantized(self, out: dict) -> None:
-        """A tensor the rules would dequantize is derived as its logical values, stored plain: which
-        tensors a release stores quantized, and in what blocks, is not a function of the runtime
-        tensors, and a `dequantize` binds only where the packed parts are there (logged)."""
+        """Log the tensors a `dequantize` would decode, derived plain: which tensors a release stores
+        quantized, and in what blocks, does not follow from the runtime tensors."""
         for s in self.rules.statements:
             if isinstance(s, ir.Dequantize):
                 regex = compile_pattern(s.target).regex
@@ -317,8 +310,7 @@ def _undo_op(op: ir.Op, ev: Evaluator, state: dict, width: int, rule: ir.Rule) -
                 raise _Undetermined(f"`unstack({op.capture}, ...)` needs {op.capture} from {start} without a "
                                     f"gap in the model's keys; found {values[:8]}", span)
             dim = _dim(ev.integer(op.dim, "dim"), len(by_value[start][0][0]) + 1)
-            out[rest] = [(_insert(by_value[start][i][0], dim, len(values)), by_value[start][i][1])
-                         for i in range(len(by_value[start]))]
+            out[rest] = [(shape[:dim] + (len(values),) + shape[dim:], dtype) for shape, dtype in by_value[start]]
         return out
     if isinstance(op, (ir.Stack, ir.Concat)) and op.capture is not None:
         start = ev.integer(op.start, "start") if op.start is not None else 0
@@ -430,10 +422,6 @@ def _check_forward(rules: RuleSet, config: dict, runtime: Mapping[str, Entry], d
 
 def _dim(dim: int, ndim: int) -> int:
     return dim % ndim if ndim else 0
-
-
-def _insert(shape: Shape, dim: int, n: int) -> Shape:
-    return shape[:dim] + (n,) + shape[dim:]
 
 
 def _replace(shape: Shape, dim: int, n: int) -> Shape:
