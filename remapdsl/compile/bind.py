@@ -9,9 +9,9 @@ exists; a partial binding (some sources present, others missing) is an error, ne
 from __future__ import annotations
 
 import re
+from collections.abc import Iterable
 from itertools import chain, compress, repeat
 from operator import contains, itemgetter, methodcaller
-from collections.abc import Iterable
 from typing import NamedTuple
 
 from ..language import ir
@@ -95,13 +95,9 @@ def _tails(pattern: ir.Pattern) -> tuple[str, ...]:
 
 
 class KeyPool:
-    """Checkpoint keys that patterns match: the lines of one text, as the regexes read them.
-
-    A pattern that ends in literal text scans only the lines that end in it: found by a pass of
-    `str.endswith`, or, with `indexed` (a pool that many patterns read), among the lines grouped
-    by their last two segments, grouped on first use. Matches keep the order of the lines; the
-    keys must not change while the pool is read.
-    """
+    """Checkpoint keys as the lines of one text, which the patterns' regexes scan. A pattern ending
+    in literal text reads only the lines that end in it; `indexed` (a pool many patterns read) finds
+    those by the lines' last two segments. Matches keep the lines' order; the keys must not change."""
 
     def __init__(self, keys: Iterable[str], indexed: bool = False):
         lines = list(keys)
@@ -154,13 +150,9 @@ _WHOLE = {"path": _is_path, "seg": lambda text: text != "" and "." not in text, 
 
 
 def scan(compiled: PatternRegex, pool: KeyPool, scalar: bool = False) -> tuple[list, list, list | None]:
-    """The keys the pattern matches whole, in the pool's order, with their capture values (the
-    value alone, not a tuple, with `scalar`: the pattern has one capture) and their choice of each
-    alternatives part (None for a pattern without alternatives): three lists, one entry a match.
-
-    The keys are joined into one text, one key per line, and the pattern runs over it in a single
-    `findall`: the scan stays in the regex engine instead of a Python loop over 10^5 keys.
-    """
+    """The keys the pattern matches whole, in the pool's order, with their capture values (the value
+    alone with `scalar`: one capture) and their choice of each alternatives part (None without any).
+    One `findall` over the pool's text keeps the scan in the regex engine, not a loop over 10^5 keys."""
     if compiled.exact is not None and pool.members is not None:  # no scan for a literal key
         found = [compiled.exact] if compiled.exact in pool.members else []
         return found, [()] * len(found), None
@@ -299,12 +291,7 @@ def _entries(found: dict, alternatives: bool, choice: tuple, values: list) -> It
     return map(found.get, zip(values, repeat(choice)) if alternatives else values)
 
 
-class _AnyValue:
-    def __repr__(self) -> str:
-        return "*"
-
-
-_ANY = _AnyValue()
+_ANY = object()  # the value of a capture the pattern lacks
 
 
 def _join(slots: dict[tuple, list]) -> list[tuple[tuple, list]]:

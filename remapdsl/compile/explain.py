@@ -55,7 +55,6 @@ def _box(offsets, sizes) -> str:
 def _source(b: Block) -> str:
     if b.source_key is None:
         return f"fill {b.fill:g}"
-    steps = "".join(f" | {kind}({value if kind == 'cast' else f'{value:g}'})" for kind, value in b.steps)
     # When each runtime dim moves one source dim by +-1, the source region is a box.
     region = []
     for k, row in enumerate(b.coeff):
@@ -67,22 +66,26 @@ def _source(b: Block) -> str:
             lo, hi = sorted((b.base[k], b.base[k] + c * (b.sizes[j] - 1)))
             region.append(str(lo) if lo == hi else f"{lo}:{hi + 1}" + ("" if c > 0 else " reversed"))
         else:
-            return f"{b.source_key} from {list(b.base)}, steps {[list(r) for r in b.coeff]}{steps}"
+            return f"{b.source_key} from {list(b.base)}, steps {[list(r) for r in b.coeff]}{_steps(b)}"
     order = _dim_order(b)
     moved = f" (dims {order})" if order and order != sorted(order) else ""
-    return f"{b.source_key} [{', '.join(region)}]{moved}{steps}"
+    return f"{b.source_key} [{', '.join(region)}]{moved}{_steps(b)}"
 
 
 def _viewed(b: Block, shape) -> str:
     """A block that indexes its source's flat view (a reshape merged its dims): the source box it
     reads where it is one, else its flat map."""
-    steps = "".join(f" | {kind}({value if kind == 'cast' else f'{value:g}'})" for kind, value in b.steps)
+    steps = _steps(b)
     box = source_box(b, shape)
     if box is None:
         return f"{b.source_key} flattened, from {b.base[0]}, steps {list(b.coeff[0])}{steps}"
     region = [str(first) if count == 1 else f"{first}:{first + count}" if step == 1
               else f"{first}:{first + step * (count - 1) + 1}:{step}" for first, count, step in box]
     return f"{b.source_key} [{', '.join(region)}] flattened{steps}"
+
+
+def _steps(b: Block) -> str:
+    return "".join(f" | {kind}({value if kind == 'cast' else f'{value:g}'})" for kind, value in b.steps)
 
 
 def _dim_order(b: Block) -> list[int]:
