@@ -27,13 +27,12 @@ _MAX_TAILS = 64  # literal endings a pattern's trailing alternatives may expand 
 
 class PatternRegex(NamedTuple):
     """A source pattern as a regex, with the names of its groups. The regexes are compiled when
-    first used: a literal key or `{P:path}.weight` is found without one (see scan)."""
+    first used: `{P:path}.weight` is found without one (see scan)."""
 
     source: str  # the regex, as text
     captures: tuple[tuple[str, str], ...]  # (name, type) in group order
     alternatives: tuple[tuple[str, ...], ...]  # options of each alternatives part
     tails: tuple[str, ...]  # literal endings, one of which every matching key has; () if none
-    exact: str | None  # the one key a pattern of literal text alone matches
     head: str | None  # the capture's type when the pattern is one capture, then literal text
     line_source: str  # the regex with one outer group, matching lines of a text, as text
 
@@ -70,15 +69,11 @@ def compile_pattern(pattern: ir.Pattern) -> PatternRegex:
             out.append(_PATH)
     parts = pattern.parts
     scanned = out
-    last = parts[-1]
-    if isinstance(last, ir.DoubleStar) or isinstance(last, ir.Capture) and out[-1].endswith(f">{_PATH})"):
+    if isinstance(parts[-1], ir.DoubleStar) or isinstance(parts[-1], ir.Capture) and out[-1].endswith(f">{_PATH})"):
         scanned = out[:-1] + [out[-1].replace(_PATH, _PATH_TO_END)]
-    line = f"^({''.join(scanned)})$"
-    exact = parts[0].text if len(parts) == 1 and isinstance(parts[0], ir.Text) else None
     one_capture = len(parts) == 2 and isinstance(parts[0], ir.Capture) and isinstance(parts[1], ir.Text)
-    head = parts[0].type if one_capture else None
     return PatternRegex("".join(out), tuple(captures), tuple(alternatives), _tails(pattern),
-                        exact, head, line)
+                        parts[0].type if one_capture else None, f"^({''.join(scanned)})$")
 
 
 def _tails(pattern: ir.Pattern) -> tuple[str, ...]:
@@ -104,7 +99,6 @@ class KeyPool:
         self.text = "\n".join(lines)
         split = self.text.count("\n") != max(len(lines) - 1, 0)  # a key holding a newline
         self.lines = self.text.split("\n") if split else lines
-        self.members = keys if isinstance(keys, (set, frozenset)) and not split else None
         self.indexed = indexed
         self._groups: dict[str, list[int]] | None = None
 
@@ -153,9 +147,6 @@ def scan(compiled: PatternRegex, pool: KeyPool, scalar: bool = False) -> tuple[l
     """The keys the pattern matches whole, in the pool's order, with their capture values (the value
     alone with `scalar`: one capture) and their choice of each alternatives part (None without any).
     One `findall` over the pool's text keeps the scan in the regex engine, not a loop over 10^5 keys."""
-    if compiled.exact is not None and pool.members is not None:  # no scan for a literal key
-        found = [compiled.exact] if compiled.exact in pool.members else []
-        return found, [()] * len(found), None
     if compiled.head is not None:  # `{P:path}.weight`: what the text leaves is the capture, if it is one
         kind, cut = compiled.head, -len(compiled.tails[0])
         found = list(pool.ending(compiled.tails))
