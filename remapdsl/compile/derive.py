@@ -151,7 +151,8 @@ class _Deriver:
         for p in bound.partial:
             captures = self.solve(p.captures, solvers, types, rule)
             if captures is not None:
-                missing = self.target_name(rule, p.missing[0], captures)
+                index, choice = list_axis(rule.targets)[p.missing[0]]
+                missing = target_key(rule.targets[index], choice, captures, self.evaluator)
                 raise _error(self.rules, f"the model has `{p.present[0]}` but not `{missing}`, which this rule "
                              "makes with it", rule.span, "a save writes every tensor a rule's targets name")
         widths = [len(list_axis(rule.sources))]
@@ -210,10 +211,7 @@ class _Deriver:
     def solve(self, found: dict, solvers: dict, types: dict, rule: ir.Rule) -> dict | None:
         """The source captures behind a target match: solved substitutions checked by evaluating
         them again; None where they have no integer solution (the key is not this rule's)."""
-        if not solvers:
-            captures = found
-        else:
-            captures = {k: v for k, v in found.items() if k not in solvers}
+        captures = {k: v for k, v in found.items() if k not in solvers} if solvers else found
         for slot, (name, expr) in solvers.items():
             value = found[slot]
             f0 = self.evaluator.integer(expr, "index", captures | {name: 0})
@@ -229,10 +227,6 @@ class _Deriver:
                 .isdisjoint(set(types) - set(captures)) and not self.evaluator.boolean(guard, captures):
             return None  # a guard over a capture still reduced (`stack(E)`) is read once E is known
         return captures
-
-    def target_name(self, rule: ir.Rule, entry: int, captures: dict) -> str:
-        index, choice = list_axis(rule.targets)[entry]
-        return target_key(rule.targets[index], choice, captures, self.evaluator)
 
     def undo(self, rule: ir.Rule, ops: list, widths: list[int], outer: dict, state: dict) -> dict[str, Entry] | None:
         """One group's state undone op by op (the last first), then its sources named; None where
