@@ -33,7 +33,7 @@ class PatternRegex(NamedTuple):
     captures: tuple[tuple[str, str], ...]  # (name, type) in group order
     alternatives: tuple[tuple[str, ...], ...]  # options of each alternatives part
     tails: tuple[str, ...]  # literal endings, one of which every matching key has; () if none
-    head: str | None  # the capture's type when the pattern is one capture, then literal text
+    head: str | None  # the capture's type when the pattern is one path or seg capture, then literal text
     line_source: str  # the regex with one outer group, matching lines of a text, as text
 
     @property
@@ -71,7 +71,8 @@ def compile_pattern(pattern: ir.Pattern) -> PatternRegex:
     scanned = out
     if isinstance(parts[-1], ir.DoubleStar) or isinstance(parts[-1], ir.Capture) and out[-1].endswith(f">{_PATH})"):
         scanned = out[:-1] + [out[-1].replace(_PATH, _PATH_TO_END)]
-    one_capture = len(parts) == 2 and isinstance(parts[0], ir.Capture) and isinstance(parts[1], ir.Text)
+    one_capture = len(parts) == 2 and isinstance(parts[0], ir.Capture) and isinstance(parts[1], ir.Text) \
+        and parts[0].type != "int"
     return PatternRegex("".join(out), tuple(captures), tuple(alternatives), _tails(pattern),
                         parts[0].type if one_capture else None, f"^({''.join(scanned)})$")
 
@@ -132,30 +133,15 @@ def _all_whole(kind: str, joined: str) -> bool:
     return not (".." in joined or "\n." in joined or ".\n" in joined or joined[0] == "." or joined[-1] == ".")
 
 
-def _is_path(text: str) -> bool:
-    return text != "" and text[0] != "." and text[-1] != "." and ".." not in text
-
-
-def _is_int(text: str) -> bool:  # as _INT: canonical ASCII decimal
-    return text.isascii() and text.isdigit() and (text[0] != "0" or text == "0")
-
-
-_WHOLE = {"path": _is_path, "seg": lambda text: text != "" and "." not in text, "int": _is_int}  # of a line
-
-
 def scan(compiled: PatternRegex, pool: KeyPool, scalar: bool = False) -> tuple[list, list, list | None]:
     """The keys the pattern matches whole, in the pool's order, with their capture values (the value
     alone with `scalar`: one capture) and their choice of each alternatives part (None without any).
     One `findall` over the pool's text keeps the scan in the regex engine, not a loop over 10^5 keys."""
-    if compiled.head is not None:  # `{P:path}.weight`: what the text leaves is the capture, if it is one
-        kind, cut = compiled.head, -len(compiled.tails[0])
+    if compiled.head is not None:  # `{P:path}.weight`: what the text leaves is the capture, if all are
         found = list(pool.ending(compiled.tails))
-        values = [k[:cut] for k in found]
-        if values and (kind == "int" or "" in values or not _all_whole(kind, "\n".join(values))):  # each
-            whole = _WHOLE[kind]
-            found = [k for k, v in zip(found, values) if whole(v)]
-            values = [int(k[:cut]) for k in found] if kind == "int" else [k[:cut] for k in found]
-        return found, values if scalar else list(zip(values)), None
+        values = [k[:-len(compiled.tails[0])] for k in found]
+        if "" not in values and (not values or _all_whole(compiled.head, "\n".join(values))):
+            return found, values if scalar else list(zip(values)), None
     # one outer group for the whole key; findall then yields (key, *groups) tuples from C
     line = compiled.line
     order = sorted(line.groupindex.items(), key=lambda kv: kv[1])
