@@ -103,10 +103,6 @@ class KeyPool:
         self.indexed = indexed
         self._groups: dict[str, list[int]] | None = None
 
-    def text_for(self, compiled: PatternRegex) -> str:
-        """The lines the pattern can match, as one text (all of them when it ends in no literal)."""
-        return "\n".join(self.ending(compiled.tails)) if compiled.tails else self.text
-
     def ending(self, tails: tuple[str, ...]) -> Iterable[str]:
         """The lines that end in one of `tails`, in their order."""
         lines = self.lines
@@ -149,7 +145,7 @@ def scan(compiled: PatternRegex, pool: KeyPool, scalar: bool = False) -> tuple[l
                 for kind in [compiled.captures[int(name[1:])][1]]]
     choices = [(group - 1, {o: k for k, o in enumerate(compiled.alternatives[int(name[1:])])})
                for name, group in order if name[0] == "a"]
-    rows = line.findall(pool.text_for(compiled))
+    rows = line.findall("\n".join(pool.ending(compiled.tails)) if compiled.tails else pool.text)
     if not captures and not choices:
         return rows, [()] * len(rows), None
     if not rows:

@@ -67,7 +67,11 @@ def _source(b: Block) -> str:
             region.append(str(lo) if lo == hi else f"{lo}:{hi + 1}" + ("" if c > 0 else " reversed"))
         else:
             return f"{b.source_key} from {list(b.base)}, steps {[list(r) for r in b.coeff]}{_steps(b)}"
-    order = _dim_order(b)
+    order = []  # for each runtime dim, the source dim it walks (a transpose shows as a permutation)
+    for j in range(len(b.sizes)):
+        walking = [k for k, row in enumerate(b.coeff) if row[j]]
+        if len(walking) == 1:
+            order.append(walking[0])
     moved = f" (dims {order})" if order and order != sorted(order) else ""
     return f"{b.source_key} [{', '.join(region)}]{moved}{_steps(b)}"
 
@@ -86,13 +90,3 @@ def _viewed(b: Block, shape) -> str:
 
 def _steps(b: Block) -> str:
     return "".join(f" | {kind}({value if kind == 'cast' else f'{value:g}'})" for kind, value in b.steps)
-
-
-def _dim_order(b: Block) -> list[int]:
-    """For each runtime dim, the source dim it walks (a transpose shows as a permutation)."""
-    order = []
-    for j in range(len(b.sizes)):
-        walking = [k for k, row in enumerate(b.coeff) if row[j]]
-        if len(walking) == 1:
-            order.append(walking[0])
-    return order

@@ -1,11 +1,7 @@
-"""`dequantize` statements -> logical sources: tensors the checkpoint does not store, made from a
-format's parts (packed values plus scales), that later rules take like any checkpoint tensor;
-`quantized` statements -> parts the rules move as stored, and the checks that no layout op or
-shard cuts their values inside a block.
-
-A binding with all parts becomes one logical source: its parts leave the pool of checkpoint keys
-and the logical key enters it, with the shape and dtype the format gives. A binding with the
-values but no scale is not quantized and passes through; scales without their values are an error.
+"""`dequantize` statements -> logical sources made from a format's parts (values plus scales), which
+take the parts' place among the checkpoint keys; `quantized` statements -> parts the rules move as
+stored, and the checks that no op or shard cuts their values inside a block. Values without a scale
+are not quantized and pass through; scales without their values are an error.
 """
 
 from __future__ import annotations
@@ -155,7 +151,7 @@ def check_cuts(tensor, stored: dict[str, StoredQuantized], shape_of, error: Call
               "dequantize them first (`dequantize`), or keep them as separate tensors")
         return ()
     for block in tensor.blocks:
-        declared = stored.get(block.source_key) if block.source_key else None
+        declared = stored.get(block.source_key)
         if declared is None:
             continue
         extent = shape_of(block.source_key)

@@ -13,7 +13,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import model_validator
+from pydantic import ValidationError, model_validator
 
 from ..errors import Diagnostic, RemapError, did_you_mean
 from .placements import REPLICATE, Mesh, Placement, Replicate, Shard, StridedShard, _fail, _Frozen, _normal_dim
@@ -147,8 +147,6 @@ def parse_mesh(text: str) -> Mesh:
 
 def read_layout(path: str | os.PathLike) -> LayoutPlan:
     """A layout plan from JSON: {"mesh_dim": "tp", "plan": {glob: style or [placements]}}."""
-    from pydantic import ValidationError
-
     kinds = {"shard": Shard, "replicate": Replicate, "strided_shard": StridedShard}
     try:
         data = json.loads(Path(path).read_text(encoding="utf-8"))
