@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Iterable
-from itertools import chain, compress, repeat
+from itertools import chain, compress, product, repeat
 from operator import contains, itemgetter, methodcaller
 from typing import NamedTuple
 
@@ -160,14 +160,8 @@ def scan(compiled: PatternRegex, pool: KeyPool, scalar: bool = False) -> tuple[l
 
 def list_axis(patterns: tuple[ir.Pattern, ...]) -> list[tuple[int, tuple[int, ...]]]:
     """The list axis of a statement: (pattern index, choice of each alternatives part) in order."""
-    axis = []
-    for index, pattern in enumerate(patterns):
-        sizes = [len(p.options) for p in pattern.parts if isinstance(p, ir.Alternatives)]
-        combos: list[tuple[int, ...]] = [()]
-        for size in sizes:
-            combos = [c + (k,) for c in combos for k in range(size)]
-        axis.extend((index, combo) for combo in combos)
-    return axis
+    return [(index, choice) for index, pattern in enumerate(patterns)
+            for choice in product(*(range(len(p.options)) for p in pattern.parts if isinstance(p, ir.Alternatives)))]
 
 
 class Binding(NamedTuple):
@@ -197,11 +191,7 @@ def bind(patterns: tuple[ir.Pattern, ...], keys: Iterable[str] | KeyPool) -> Bou
     pool = keys if isinstance(keys, KeyPool) else KeyPool(keys)
     compiled = [compile_pattern(p) for p in patterns]
     axis = list_axis(patterns)
-    names: list[str] = []
-    for c in compiled:
-        for name, _ in c.captures:
-            if name not in names:
-                names.append(name)
+    names = list(dict.fromkeys(name for c in compiled for name, _ in c.captures))
     every = all(len(c.captures) == len(names) for c in compiled)  # no pattern lacks a capture
     scalar = every and len(names) == 1  # bindings keyed by the one capture's value, not a 1-tuple
     taken: list[tuple[dict, bool]] = []  # per pattern: capture values (and choice) -> key; has alternatives

@@ -1,8 +1,7 @@
 """A state dict and its placements -> what this rank holds of each runtime tensor, and what it writes.
 
-A DTensor says it itself; a plain tensor is whole, or, with a layout plan and a mesh, the shard the
-plan gives this rank. Every tensor is checked against the compiled shape and dtype before any byte
-moves. Tensors of one mesh, placement and shape share their boxes.
+A DTensor says it itself; a plain tensor is whole, or the shard a layout plan gives this rank on a
+mesh. Every tensor is checked against the compiled shape and dtype before any byte moves.
 """
 
 from __future__ import annotations
@@ -67,12 +66,12 @@ def hold(compiled: Compiled, tensors: Mapping[str, Any], layout: LayoutPlan | No
     tensor_type = sys.modules["torch"].Tensor if dtensor_type is not None else None
     check_state_dict(compiled, tensors, local_shards=layout is not None)
     coordinate = mesh.coordinate(rank) if layout is not None else None
-    by_spec: dict = {}
+    by_spec: dict = {}  # tensors of one mesh, placement and shape share their boxes
     placed: dict[str, Placed] = {}
     local: dict[str, Any] = {}
     problems = []
     for d in compiled.runtime_tensors:
-        tensor = tensors[d.runtime_key]
+        tensor = local[d.runtime_key] = tensors[d.runtime_key]
         if dtensor_type is not None and isinstance(tensor, dtensor_type):
             # the mesh by identity: hashing a DeviceMesh costs more than the rest of this loop
             spec = (id(tensor.device_mesh), tensor.placements, d.shape)
@@ -92,10 +91,8 @@ def hold(compiled: Compiled, tensors: Mapping[str, Any], layout: LayoutPlan | No
                                                    runtime_key=d.runtime_key),
                                        mesh.sizes, placements, mesh.rank, spec, coordinate)
             p = by_spec[spec]
-            local[d.runtime_key] = tensor
         else:
             p = Placed(whole_shard(d.shape), (), (), None, None)
-            local[d.runtime_key] = tensor
         placed[d.runtime_key] = p
         if local[d.runtime_key].shape != p.shard.shape:
             problems.append(Diagnostic(code="E233", span=d.rule, message=f"`{d.runtime_key}` is "
@@ -123,7 +120,9 @@ def owned(holding: Holding, rank: int, spread_over: int = 0) -> dict[str, LocalS
             replicas = _replicas(p)
             writer = replicas[zlib.crc32(key.encode()) % len(replicas)]
         else:
-            writer = lowest[p.spec] if p.spec in lowest else lowest.setdefault(p.spec, min(_replicas(p)))
+            if p.spec not in lowest:
+                lowest[p.spec] = min(_replicas(p))
+            writer = lowest[p.spec]
         if writer == rank:
             out[key] = p.shard
     return out
