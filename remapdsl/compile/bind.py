@@ -261,8 +261,6 @@ def _join(slots: dict[tuple, list]) -> list[tuple[tuple, list]]:
     """Merge slot rows where some patterns bind fewer captures (their `_ANY` values)."""
     full = {k: v for k, v in slots.items() if _ANY not in k}
     loose = {k: v for k, v in slots.items() if _ANY in k}
-    if not loose:
-        return sorted(full.items(), key=itemgetter(0))
     if not full:  # no pattern binds every capture: not a sensible statement, keep as is
         return sorted(((tuple(None if v is _ANY else v for v in k), e) for k, e in loose.items()),
                       key=lambda kv: _order(kv[0]))
@@ -271,9 +269,7 @@ def _join(slots: dict[tuple, list]) -> list[tuple[tuple, list]]:
         merged = list(entries)
         for lk, lentries in loose.items():
             if all(a is _ANY or a == b for a, b in zip(lk, k)):
-                for i, e in enumerate(lentries):
-                    if e is not None:
-                        merged[i] = e
+                merged = [e if e is not None else m for e, m in zip(lentries, merged)]
         out.append((k, merged))
     return sorted(out, key=lambda kv: _order(kv[0]))
 
