@@ -1,9 +1,8 @@
 """Key patterns x checkpoint keys -> bindings: which keys each statement takes, with which captures.
 
-A pattern compiles to an anchored regular expression (captures typed: `{L}` a canonical decimal
-integer, `{m:seg}` one segment, `{P:path}` dotted text; alternatives remember their position).
-A binding is one assignment of a statement's captures for which every source of its list axis
-exists; a partial binding (some sources present, others missing) is an error, never skipped.
+A pattern is an anchored regex (`{L}` a canonical decimal integer, `{m:seg}` one segment, `{P:path}`
+dotted text). A binding assigns a statement's captures so that every source of its list axis exists;
+a partial binding (some sources present, others missing) is an error, never skipped.
 """
 
 from __future__ import annotations

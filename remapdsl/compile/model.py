@@ -10,7 +10,6 @@ import bisect
 import hashlib
 from collections.abc import Iterable
 from dataclasses import dataclass, field
-from operator import attrgetter
 from typing import Annotated, Any, NamedTuple
 
 from pydantic import BaseModel, ConfigDict, Field
@@ -127,7 +126,7 @@ class Compiled(BaseModel):
         return {d.runtime_key: torch.empty(d.shape, dtype=getattr(torch, d.dtype), device=device) for d in chosen}
 
     def logical_by_key(self) -> dict[str, LogicalTensor]:
-        return dict(zip(map(attrgetter("logical_key"), self.logical), self.logical))
+        return {t.logical_key: t for t in self.logical}
 
     def digest(self) -> str:
         """sha256 of the canonical JSON form: equal for equal inputs, in any process."""

@@ -1,8 +1,7 @@
 """An explicit, Hugging Face tp_plan-style layout plan: globs over runtime keys -> placements per mesh dim.
 
-For tools, tests and plain (non-DTensor) tensors: `layout_for` gives a runtime tensor's placements
-under a plan, `read_layout` reads a plan from JSON, `parse_mesh` a mesh from `dp=2,tp=4`.
-"""
+For plain (non-DTensor) tensors: `layout_for` gives a runtime tensor's placements under a plan,
+`read_layout` reads a plan from JSON, `parse_mesh` a mesh from `dp=2,tp=4`."""
 
 from __future__ import annotations
 
@@ -91,8 +90,7 @@ def _style_placement(style: str, shape: Sequence[int], runtime_key: str) -> Shar
         return REPLICATE
     if style == "packed_colwise" and ndim == 1:
         return Shard(dim=0)  # transformers shards a packed 1-D bias plainly
-    need = {"colwise": 1, "embedding_colwise": 2}.get(style, 1)
-    if ndim < need:
+    if ndim < (2 if style == "embedding_colwise" else 1):
         raise _fail("E405", f"style `{style}` cannot shard a {ndim}-d tensor", path=runtime_key)
     if style == "colwise":
         return Shard(dim=max(ndim - 2, 0))
@@ -122,12 +120,10 @@ def layout_for(runtime_key: str, shape: Sequence[int], plan: LayoutPlan,
         if len(rule.placements) != len(mesh.sizes):
             raise _fail("E403", f"rule `{rule.pattern}` gives {len(rule.placements)} placements for a "
                         f"{len(mesh.sizes)}-d mesh", "give one placement per mesh dim", runtime_key)
-        ndim = len(shape)
-        for p in rule.placements:
-            if type(p) is not Replicate:
-                _normal_dim(p.dim, ndim, p, runtime_key)
-        return tuple(p if type(p) is Replicate or p.dim >= 0 else p.model_copy(update={"dim": p.dim + ndim})
-                     for p in rule.placements)
+        dims = [None if type(p) is Replicate else _normal_dim(p.dim, len(shape), p, runtime_key)
+                for p in rule.placements]
+        return tuple(p if d is None or d == p.dim else p.model_copy(update={"dim": d})
+                     for p, d in zip(rule.placements, dims))
     on = mesh.index(rule.mesh_dim or plan.mesh_dim)
     placement = _style_placement(rule.style, shape, runtime_key)  # type: ignore[arg-type]
     return tuple(placement if i == on else REPLICATE for i in range(len(mesh.sizes)))
