@@ -6,7 +6,7 @@ from __future__ import annotations
 import fnmatch
 
 from ..indexmap import nbytes, source_box
-from .model import Block, Compiled, RuntimeTensor
+from .model import Block, Compiled
 
 
 def explain(compiled: Compiled, key: str | None = None, max_blocks: int = 8) -> str:
@@ -19,7 +19,14 @@ def explain(compiled: Compiled, key: str | None = None, max_blocks: int = 8) -> 
     logical = compiled.logical_by_key()
     lines: list[str] = []
     for d in shown:
-        lines.extend(_destination(d, sources, max_blocks))
+        where = f"  ({d.rule.path}:{d.rule.line})" if d.rule else ""
+        lines.append(f"{d.runtime_key}  {list(d.shape)} {d.dtype}{where}")
+        for b in d.blocks[:max_blocks]:
+            source = sources.get(b.source_key)
+            viewed = b.view and source is not None and b.view != tuple(source.shape)
+            lines.append(f"    {_box(b.offsets, b.sizes)} <- {_viewed(b, source.shape) if viewed else _source(b)}")
+        if len(d.blocks) > max_blocks:
+            lines.append(f"    ... and {len(d.blocks) - max_blocks} more blocks")
     stored = {p for d in shown for k in d.ckpt_keys for p in (logical[k].parts if k in logical else (k,))}
     read = sum(nbytes(sources[k].dtype, sources[k].shape) for k in stored)
     used = [logical[k] for k in sorted({k for d in shown for k in d.ckpt_keys}) if k in logical]
@@ -34,18 +41,6 @@ def explain(compiled: Compiled, key: str | None = None, max_blocks: int = 8) -> 
                  f"({read / 1e6:.1f} MB)"
                  + (f"; {len(compiled.dropped)} dropped" if compiled.dropped and key is None else ""))
     return "\n".join(lines)
-
-
-def _destination(d: RuntimeTensor, sources, max_blocks: int) -> list[str]:
-    where = f"  ({d.rule.path}:{d.rule.line})" if d.rule else ""
-    out = [f"{d.runtime_key}  {list(d.shape)} {d.dtype}{where}"]
-    for b in d.blocks[:max_blocks]:
-        source = sources.get(b.source_key)
-        viewed = b.view and source is not None and b.view != tuple(source.shape)
-        out.append(f"    {_box(b.offsets, b.sizes)} <- {_viewed(b, source.shape) if viewed else _source(b)}")
-    if len(d.blocks) > max_blocks:
-        out.append(f"    ... and {len(d.blocks) - max_blocks} more blocks")
-    return out
 
 
 def _box(offsets, sizes) -> str:
