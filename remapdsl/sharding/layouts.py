@@ -150,7 +150,5 @@ def read_layout(path: str | os.PathLike) -> LayoutPlan:
                 [kinds[p.pop("kind")](**p) for p in value] for glob, value in data["plan"].items()}
         return LayoutPlan.from_mapping(plan, mesh_dim=data.get("mesh_dim", "tp"))
     except (OSError, ValueError, KeyError, TypeError, AttributeError, ValidationError) as exc:
-        if isinstance(exc, RemapError):
-            raise
         raise RemapError(Diagnostic(code="E409", path=str(path), message=f"cannot read the layout: {exc}",
                                     hint='expected {"mesh_dim": "tp", "plan": {"*.q_proj": "colwise"}}')) from None
