@@ -76,15 +76,10 @@ def _memo(compute: Callable[[list[Part]], Any], inventory_tensors) -> Callable[[
 
     def of(keys: tuple[str, ...]) -> Any:
         infos = list(map(inventory_tensors.__getitem__, keys))
-        signature = tuple((t.dtype, t.shape) for t in infos)
-        try:
-            found = known.get(signature)
-        except TypeError:  # a shape held as a list: not remembered
-            signature, found = None, None
+        signature = tuple((t.dtype, tuple(t.shape)) for t in infos)  # a shape may be held as a list
+        found = known.get(signature)
         if found is None:
-            found = compute([Part(k, t.dtype, tuple(t.shape)) for k, t in zip(keys, infos)])
-            if signature is not None:
-                known[signature] = found
+            found = known[signature] = compute([Part(k, t.dtype, tuple(t.shape)) for k, t in zip(keys, infos)])
         return found
     return of
 
