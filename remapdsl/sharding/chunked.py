@@ -85,13 +85,8 @@ def split_by_chunks(piece: Block, chunks: tuple[Chunk, ...]) -> list[tuple[Block
 
 def _source_range(p: Block) -> tuple[list[int], list[int]]:
     """The lowest and highest source index, per source dim, the piece reads."""
-    lo, hi = list(p.base), list(p.base)
-    for k, row in enumerate(p.coeff):
-        for c, n in zip(row, p.sizes):
-            if c > 0:
-                hi[k] += c * (n - 1)
-            elif c < 0:
-                lo[k] += c * (n - 1)
+    lo = [b + sum(c * (n - 1) for c, n in zip(row, p.sizes) if c < 0) for b, row in zip(p.base, p.coeff)]
+    hi = [b + sum(c * (n - 1) for c, n in zip(row, p.sizes) if c > 0) for b, row in zip(p.base, p.coeff)]
     return lo, hi
 
 

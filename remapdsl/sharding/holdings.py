@@ -104,11 +104,10 @@ def hold(compiled: Compiled, tensors: Mapping[str, Any], layout: LayoutPlan | No
 
 
 def owned(holding: Holding, rank: int, spread_over: int = 0) -> dict[str, LocalShard]:
-    """What this rank writes of each runtime tensor on save: what it holds, if no lower rank holds the
-    same. Two ranks' boxes are identical exactly when their coordinates differ only on mesh dims that
-    replicate the tensor (else disjoint), so a region is written once, by the lowest of its replicas;
-    a tensor whole on every rank by rank 0. `spread_over` (an export: the job's rank count): the writing
-    replica is chosen by the key's hash instead, spreading replicated tensors over the ranks."""
+    """What this rank writes of each runtime tensor on save: what it holds, unless a lower replica holds
+    it too (ranks whose coordinates differ only on replicated mesh dims hold identical boxes, others
+    disjoint ones); whole tensors by rank 0. `spread_over` (an export: the job's rank count) picks the
+    replica by the key's hash instead, spreading replicated tensors over the ranks."""
     out: dict[str, LocalShard] = {}
     lowest: dict = {}
     for key, p in holding.placed.items():
