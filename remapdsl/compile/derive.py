@@ -401,17 +401,14 @@ def _check_forward(rules: RuleSet, config: dict, runtime: Mapping[str, Entry], d
         compiled = compile_rules(rules, Inventory.from_shapes(derived), config, strict=True)
     except BindError as exc:
         d = exc.diagnostics[0]
-        raise RemapError(Diagnostic(code="E520", message="the checkpoint layout derived from the model's "
-                                    f"tensors does not load back: {d.message}", span=d.span,
-                                    line_text=d.line_text, hint="save with `like`")) from None
+        raise _error(rules, f"the checkpoint layout derived from the model's tensors does not load back: "
+                     f"{d.message}", d.span, "save with `like`") from None
     for t in compiled.runtime_tensors:
         entry = runtime.get(t.runtime_key)
         if entry is None or (tuple(entry[0]), entry[1]) != (t.shape, t.dtype):
-            raise RemapError(Diagnostic(code="E520", message=f"the checkpoint layout derived from the model's "
-                                        f"tensors loads `{t.runtime_key}` as {list(t.shape)} {t.dtype}, but the "
-                                        "model " + ("has no such tensor" if entry is None else
-                                                    f"holds {list(entry[0])} {entry[1]}"),
-                                        span=t.rule, line_text=rules.line_text(t.rule), hint="save with `like`"))
+            held = "has no such tensor" if entry is None else f"holds {list(entry[0])} {entry[1]}"
+            raise _error(rules, f"the checkpoint layout derived from the model's tensors loads `{t.runtime_key}` "
+                         f"as {list(t.shape)} {t.dtype}, but the model {held}", t.rule, "save with `like`")
 
 
 def _dim(dim: int, ndim: int) -> int:
