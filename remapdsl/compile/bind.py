@@ -68,7 +68,8 @@ def compile_pattern(pattern: ir.Pattern) -> PatternRegex:
             out.append(_PATH)
     parts = pattern.parts
     scanned = out
-    if isinstance(parts[-1], ir.DoubleStar) or isinstance(parts[-1], ir.Capture) and out[-1].endswith(f">{_PATH})"):
+    last = parts[-1]
+    if isinstance(last, ir.DoubleStar) or isinstance(last, ir.Capture) and out[-1].endswith(f">{_PATH})"):
         scanned = out[:-1] + [out[-1].replace(_PATH, _PATH_TO_END)]
     one_capture = len(parts) == 2 and isinstance(parts[0], ir.Capture) and isinstance(parts[1], ir.Text) \
         and parts[0].type != "int"
@@ -159,8 +160,8 @@ def scan(compiled: PatternRegex, pool: KeyPool, scalar: bool = False) -> tuple[l
 
 def list_axis(patterns: tuple[ir.Pattern, ...]) -> list[tuple[int, tuple[int, ...]]]:
     """The list axis of a statement: (pattern index, choice of each alternatives part) in order."""
-    return [(index, choice) for index, pattern in enumerate(patterns)
-            for choice in product(*(range(len(p.options)) for p in pattern.parts if isinstance(p, ir.Alternatives)))]
+    return [(index, choice) for index, pattern in enumerate(patterns) for choice in
+            product(*(range(len(p.options)) for p in pattern.parts if isinstance(p, ir.Alternatives)))]
 
 
 class Binding(NamedTuple):

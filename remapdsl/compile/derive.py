@@ -67,7 +67,8 @@ class _Deriver:
         cast_all = next((s for s in statements if isinstance(s, ir.CastAll)), None)
         if cast_all is not None:
             raise _error(self.rules, "`cast` sets the runtime dtype, so the dtype each checkpoint tensor "
-                         "was stored in is not determined by the runtime tensors", cast_all.span, "save with `like`")
+                         "was stored in is not determined by the runtime tensors", cast_all.span,
+                         "save with `like`")
         keep = [compile_pattern(p).regex for s in statements if isinstance(s, ir.Keep) for p in s.patterns]
         keys = [k for k in runtime if not any(r.fullmatch(k) for r in keep)]
         pool = KeyPool(keys, indexed=True)
@@ -155,14 +156,15 @@ class _Deriver:
                 missing = target_key(rule.targets[index], choice, captures, self.evaluator)
                 raise _error(self.rules, f"the model has `{p.present[0]}` but not `{missing}`, which this rule "
                              "makes with it", rule.span, "a save writes every tensor a rule's targets name")
+        steps = [(op, Evaluator(self.evaluator.config, self.lets | env, self.rules.line_text))
+                 for op, env in ops]
         widths = [len(list_axis(rule.sources))]
-        for op, env in ops:
-            ev = Evaluator(self.evaluator.config, self.lets | env, self.rules.line_text)
+        for op, ev in steps:
             widths.append(_width_after(op, widths[-1], len(list_axis(rule.targets)), ev))
         out = []
         for outer, state in groups.items():
             try:
-                sources = self.undo(rule, ops, widths, dict(outer), state)
+                sources = self.undo(rule, steps, widths, dict(outer), state)
             except _Undetermined as exc:
                 for key in made[outer]:
                     failures.setdefault(key, exc)
@@ -228,12 +230,12 @@ class _Deriver:
             return None  # a guard over a capture still reduced (`stack(E)`) is read once E is known
         return captures
 
-    def undo(self, rule: ir.Rule, ops: list, widths: list[int], outer: dict, state: dict) -> dict[str, Entry] | None:
+    def undo(self, rule: ir.Rule, steps: list, widths: list[int], outer: dict, state: dict
+             ) -> dict[str, Entry] | None:
         """One group's state undone op by op (the last first), then its sources named; None where
         the rule's guard does not hold for them. `widths`: the list axis's length before each op."""
-        for i in range(len(ops) - 1, -1, -1):
-            op, env = ops[i]
-            ev = Evaluator(self.evaluator.config, self.lets | env, self.rules.line_text)
+        for i in range(len(steps) - 1, -1, -1):
+            op, ev = steps[i]
             state = _undo_op(op, ev, state, widths[i], rule)
         out: dict[str, Entry] = {}
         guarded = rule.guard is not None and captures_read(rule.guard, rule)
@@ -252,7 +254,8 @@ class _Deriver:
                 out[template % tuple([captures[n] for n in names])] = entry
             except KeyError as missing:
                 raise _Undetermined(f"the source pattern's `{{{missing.args[0]}}}` appears in no target, so "
-                                    "the checkpoint key is not determined", pattern.span or rule.span) from None
+                                    "the checkpoint key is not determined", pattern.span or rule.span
+                                    ) from None
         return out
 
     def source_namers(self, rule: ir.Rule) -> list[tuple[str, tuple[str, ...], ir.Pattern]]:
@@ -294,7 +297,6 @@ def _undo_op(op: ir.Op, ev: Evaluator, state: dict, width: int, rule: ir.Rule) -
     """The state before `op` from the state after it (shapes only); `width` is the list axis's
     length before the op."""
     span = op.span or rule.span
-    name = op.op_name()
     if isinstance(op, ir.Unstack):
         start = ev.integer(op.start, "start") if op.start is not None else 0
         out = {}
@@ -304,7 +306,8 @@ def _undo_op(op: ir.Op, ev: Evaluator, state: dict, width: int, rule: ir.Rule) -
                 raise _Undetermined(f"`unstack({op.capture}, ...)` needs {op.capture} from {start} without a "
                                     f"gap in the model's keys; found {values[:8]}", span)
             dim = _dim(ev.integer(op.dim, "dim"), len(by_value[start][0][0]) + 1)
-            out[rest] = [(shape[:dim] + (len(values),) + shape[dim:], dtype) for shape, dtype in by_value[start]]
+            out[rest] = [(shape[:dim] + (len(values),) + shape[dim:], dtype)
+                         for shape, dtype in by_value[start]]
         return out
     if isinstance(op, (ir.Stack, ir.Concat)) and op.capture is not None:
         start = ev.integer(op.start, "start") if op.start is not None else 0
@@ -314,10 +317,10 @@ def _undo_op(op: ir.Op, ev: Evaluator, state: dict, width: int, rule: ir.Rule) -
             for i in range(len(pieces[0])):
                 out[tuple(sorted(key + ((op.capture, start + i),)))] = [p[i] for p in pieces]
         return out
-    return {key: _undo_list(op, ev, entries, width, span, name) for key, entries in state.items()}
+    return {key: _undo_list(op, ev, entries, width, span) for key, entries in state.items()}
 
 
-def _undo_list(op: ir.Op, ev: Evaluator, entries: list[Entry], width: int, span, name: str) -> list[Entry]:
+def _undo_list(op: ir.Op, ev: Evaluator, entries: list[Entry], width: int, span) -> list[Entry]:
     if isinstance(op, (ir.Stack, ir.Concat, ir.Interleave)):
         (shape, dtype), = entries
         return _cut(op, ev, shape, dtype, width, span)
@@ -350,6 +353,7 @@ def _undo_list(op: ir.Op, ev: Evaluator, entries: list[Entry], width: int, span,
                 for shape, dtype in entries]
     if isinstance(op, (ir.RopePermute, ir.RopeUnpermute, ir.Scale, ir.Add)):
         return entries
+    name = op.op_name()
     why = {"reshape": "a reshape's input shape is not given by its output",
            "slice": "a slice leaves out rows whose number it does not state",
            "pad": "a pad's input size is not given by the padded size",
@@ -382,9 +386,7 @@ def _cut(op, ev: Evaluator, shape: Shape, dtype: str, width: int | None, span) -
 
 def _width_after(op: ir.Op, width: int, targets: int, ev: Evaluator) -> int:
     """The list axis's length after `op` (the forward direction's, from the op alone)."""
-    if isinstance(op, (ir.Stack, ir.Concat)) and op.capture is not None or isinstance(op, ir.Unstack):
-        return width
-    if isinstance(op, (ir.Stack, ir.Concat, ir.Interleave)):
+    if isinstance(op, ir.Interleave) or isinstance(op, (ir.Stack, ir.Concat)) and op.capture is None:
         return 1
     if isinstance(op, ir.Split):
         return len(ev.integers(op.sizes, "sizes"))
@@ -407,8 +409,9 @@ def _check_forward(rules: RuleSet, config: dict, runtime: Mapping[str, Entry], d
         entry = runtime.get(t.runtime_key)
         if entry is None or (tuple(entry[0]), entry[1]) != (t.shape, t.dtype):
             held = "has no such tensor" if entry is None else f"holds {list(entry[0])} {entry[1]}"
-            raise _error(rules, f"the checkpoint layout derived from the model's tensors loads `{t.runtime_key}` "
-                         f"as {list(t.shape)} {t.dtype}, but the model {held}", t.rule, "save with `like`")
+            raise _error(rules, f"the checkpoint layout derived from the model's tensors loads "
+                         f"`{t.runtime_key}` as {list(t.shape)} {t.dtype}, but the model {held}", t.rule,
+                         "save with `like`")
 
 
 def _dim(dim: int, ndim: int) -> int:

@@ -24,7 +24,8 @@ def explain(compiled: Compiled, key: str | None = None, max_blocks: int = 8) -> 
         for b in d.blocks[:max_blocks]:
             source = sources.get(b.source_key)
             viewed = b.view and source is not None and b.view != tuple(source.shape)
-            lines.append(f"    {_box(b.offsets, b.sizes)} <- {_viewed(b, source.shape) if viewed else _source(b)}")
+            read_from = _viewed(b, source.shape) if viewed else _source(b)
+            lines.append(f"    {_box(b.offsets, b.sizes)} <- {read_from}")
         if len(d.blocks) > max_blocks:
             lines.append(f"    ... and {len(d.blocks) - max_blocks} more blocks")
     stored = {p for d in shown for k in d.ckpt_keys for p in (logical[k].parts if k in logical else (k,))}

@@ -79,7 +79,8 @@ def _memo(compute: Callable[[list[Part]], Any], inventory_tensors) -> Callable[[
         signature = tuple((t.dtype, tuple(t.shape)) for t in infos)  # a shape may be held as a list
         found = known.get(signature)
         if found is None:
-            found = known[signature] = compute([Part(k, t.dtype, tuple(t.shape)) for k, t in zip(keys, infos)])
+            parts = [Part(k, t.dtype, tuple(t.shape)) for k, t in zip(keys, infos)]
+            found = known[signature] = compute(parts)
         return found
     return of
 
@@ -96,8 +97,9 @@ def _bound(s: ir.Dequantize | ir.Quantized, available: set[str], ev: Evaluator, 
     for p in bound.partial:
         if 0 in p.missing:  # scales (or another part) without the values they scale
             captures = ", ".join(f"{k}={v}" for k, v in p.captures.items())
+            present = ", ".join(f"`{k}`" for k in p.present)
             error("E222", f"`{p.present[0]}` has no `{fmt.parts[0]}` to scale: {{{captures}}} matches the "
-                  f"{fmt.name} parts " + ", ".join(f"`{k}`" for k in p.present) + " but not the first", s.span,
+                  f"{fmt.name} parts {present} but not the first", s.span,
                   "a quantized weight needs every part; drop stray scales with `drop`")
     bindings = bound.bindings
     if s.guard is not None:

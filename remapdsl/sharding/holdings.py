@@ -158,7 +158,8 @@ def check_state_dict(compiled: Compiled, tensors: Mapping[str, Any], local_shard
         dtype = str(tensor.dtype).removeprefix("torch.")
         if (shape, dtype) != (d.shape, d.dtype):
             problems.append(Diagnostic(code="E232", span=d.rule, message=f"`{d.runtime_key}` is "
-                            f"{list(shape)} {dtype} in the model, but the rules make it {list(d.shape)} {d.dtype}",
+                            f"{list(shape)} {dtype} in the model, but the rules make it {list(d.shape)} "
+                            f"{d.dtype}",
                             hint="add `| cast(...)` to the rule" if shape == d.shape else None))
     for key in tensors:
         if key not in produced and not any(k.fullmatch(key) for k in keep):
