@@ -65,8 +65,8 @@ def _list_op(op: ir.Op, ev: Evaluator, tensors: list, targets: int) -> list:
             sizes = list(ev.integers(op.sizes, "sizes"))
             found = [p.shape[dim % len(p.shape)] if p.shape else None for p in tensors]
             if found != sizes:
-                raise sym.OpError(f"the parts it joins are {found} along dim {dim}, but `sizes=` says "
-                                  f"{sizes}")
+                raise sym.OpError(f"the parts it joins are {found} along dim {dim}, "
+                                  f"but `sizes=` says {sizes}")
         if isinstance(op, ir.Interleave):
             return [sym.interleave(tensors, dim, ev.integer(op.groups, "groups"))]
         return [(sym.stack if isinstance(op, ir.Stack) else sym.concat)(tensors, dim)]

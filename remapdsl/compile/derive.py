@@ -326,9 +326,7 @@ def _undo_list(op: ir.Op, ev: Evaluator, entries: list[Entry], width: int, span)
         return _cut(op, ev, shape, dtype, width, span)
     if isinstance(op, (ir.Split, ir.Chunk, ir.Deinterleave)):
         dim = _dim(ev.integer(op.dim, "dim"), len(entries[0][0]))
-        shape = list(entries[0][0])
-        shape[dim] = sum(s[dim] for s, _ in entries)
-        return [(tuple(shape), entries[0][1])]
+        return [(_replace(entries[0][0], dim, sum(s[dim] for s, _ in entries)), entries[0][1])]
     if isinstance(op, ir.Transpose):
         a, b = ev.integer(op.a, "a"), ev.integer(op.b, "b")
         out = []
@@ -364,13 +362,12 @@ def _undo_list(op: ir.Op, ev: Evaluator, entries: list[Entry], width: int, span)
 def _cut(op, ev: Evaluator, shape: Shape, dtype: str, width: int | None, span) -> list[Entry]:
     """The parts a stack, concat or interleave made `shape` of: a stack's from its stacked dim, a
     concat's or an interleave's from its `sizes=` (or the one part)."""
+    dim = _dim(ev.integer(op.dim, "dim"), len(shape))
     if isinstance(op, ir.Stack):
-        dim = _dim(ev.integer(op.dim, "dim"), len(shape))
         n = shape[dim]
         if width is not None and n != width:
             raise _Undetermined(f"`stack` stacks {width} sources, but the model's dim {dim} has {n}", span)
         return [(shape[:dim] + shape[dim + 1:], dtype)] * n
-    dim = _dim(ev.integer(op.dim, "dim"), len(shape))
     if op.sizes is None:
         if width == 1:
             return [(shape, dtype)]

@@ -24,8 +24,8 @@ def explain(compiled: Compiled, key: str | None = None, max_blocks: int = 8) -> 
         for b in d.blocks[:max_blocks]:
             source = sources.get(b.source_key)
             viewed = b.view and source is not None and b.view != tuple(source.shape)
-            read_from = _viewed(b, source.shape) if viewed else _source(b)
-            lines.append(f"    {_box(b.offsets, b.sizes)} <- {read_from}")
+            box = ", ".join(str(o) if s == 1 else f"{o}:{o + s}" for o, s in zip(b.offsets, b.sizes))
+            lines.append(f"    [{box}] <- {_viewed(b, source.shape) if viewed else _source(b)}")
         if len(d.blocks) > max_blocks:
             lines.append(f"    ... and {len(d.blocks) - max_blocks} more blocks")
     stored = {p for d in shown for k in d.ckpt_keys for p in (logical[k].parts if k in logical else (k,))}
@@ -37,15 +37,10 @@ def explain(compiled: Compiled, key: str | None = None, max_blocks: int = 8) -> 
                      + ", ".join(f"`{p}`" for p in source.parts))
     if len(used) > max_blocks:
         lines.append(f"... and {len(used) - max_blocks} more dequantized tensors")
-    lines.append(f"{len(shown)} runtime tensor{'s' if len(shown) != 1 else ''} from "
-                 f"{len(stored)} checkpoint tensors "
-                 f"({read / 1e6:.1f} MB)"
+    lines.append(f"{len(shown)} runtime tensor{'s' if len(shown) != 1 else ''} from {len(stored)} checkpoint "
+                 f"tensors ({read / 1e6:.1f} MB)"
                  + (f"; {len(compiled.dropped)} dropped" if compiled.dropped and key is None else ""))
     return "\n".join(lines)
-
-
-def _box(offsets, sizes) -> str:
-    return "[" + ", ".join(str(o) if s == 1 else f"{o}:{o + s}" for o, s in zip(offsets, sizes)) + "]"
 
 
 def _source(b: Block) -> str:

@@ -69,9 +69,8 @@ def bind_dequantize(s: ir.Dequantize, available: set[str], inventory_tensors, ev
 
 
 def _memo(compute: Callable[[list[Part]], Any], inventory_tensors) -> Callable[[tuple[str, ...]], Any]:
-    """`compute(parts)` of a binding's keys, remembered by the parts' dtypes and shapes: a format
-    decides from those alone (quant/format.py), and the weights of a model repeat a few of them.
-    A failure is not remembered, so each error names the keys that raised it."""
+    """`compute(parts)` of a binding's keys, remembered by the parts' dtypes and shapes (a format decides
+    from them alone, and a model repeats a few); a failure is not, so each error names its own keys."""
     known: dict[tuple, Any] = {}
 
     def of(keys: tuple[str, ...]) -> Any:
