@@ -1,6 +1,5 @@
-"""Ops applied to a rule's state (reduced capture values -> the list axis of symbolic tensors),
-one op at a time, with its arguments evaluated: the compiler's step from a binding group to the
-tensors its targets name (remapdsl/compile/symbolic.py does the index arithmetic)."""
+"""Ops applied to a rule's state (reduced capture values -> the list axis of symbolic tensors), one op
+at a time with its arguments evaluated: from a binding group to the tensors its targets name."""
 
 from __future__ import annotations
 

@@ -111,8 +111,6 @@ class _Deriver:
         self.note_dequantized(out)
         return out
 
-    # -- one rule, backwards --
-
     def rule(self, rule: ir.Rule, pool: KeyPool, runtime: Mapping[str, Entry], failures: dict) -> list:
         """The groups this rule derives: (checkpoint key -> entry, the runtime keys it makes)."""
         guard = rule.guard
