@@ -14,9 +14,9 @@ def parse_size(value: int | str, what: str) -> int:
     if isinstance(value, int) and not isinstance(value, bool):
         number = value
     else:
-        text = str(value)
-        digits = text.strip().upper().rstrip("BKMGTI") or "0"
-        unit = text.strip().upper()[len(digits):]
+        text = str(value).strip().upper()
+        digits = text.rstrip("BKMGTI") or "0"
+        unit = text[len(digits):]
         try:
             number = float(digits) * UNITS[unit]
         except (KeyError, ValueError):

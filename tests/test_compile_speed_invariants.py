@@ -11,7 +11,7 @@ binding (whose errors name their own keys).
 from __future__ import annotations
 
 import pytest
-from hypothesis import HealthCheck, example, given, settings
+from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import remapdsl
@@ -199,70 +199,48 @@ dequantize {{P:path}}.weight, {scales} -> {target}
     | fp8_block(block=[2, 2], scale=float32, to=bfloat16)
 {{X:path}} -> {{X}}
 """
-NAMES = ("a", "b", "a.s", "b.s", "c")
+W, S = ("F8_E4M3", (4, 4)), ("F32", (2, 2))
 
 
 def _outcome(text: str, inventory: Inventory):
     try:
-        return remapdsl.compile_rules(rules_from_text(text, "t.remap"), inventory, {}).model_dump_json()
+        compiled = remapdsl.compile_rules(rules_from_text(text, "t.remap"), inventory, {})
     except remapdsl.RemapError as exc:
         return [(d.code, d.message) for d in exc.diagnostics]
+    return [(t.logical_key, t.parts) for t in compiled.logical], [t.runtime_key for t in compiled.runtime_tensors]
 
 
-@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@example(names={"a", "b"}, scales=[(2, 2), None, None, None, None], others=set(), target="{P}.weight_scale_inv",
-         shared=True)  # binding b takes a's scale, after binding a made a logical tensor of that name
-@given(names=st.sets(st.sampled_from(NAMES), min_size=1),
-       scales=st.lists(st.sampled_from([(2, 2), (3, 2), None]), min_size=len(NAMES), max_size=len(NAMES)),
-       others=st.sets(st.sampled_from(("a.deq", "b.deq", "a.s.weight", "z", "c.weight_scale_inv"))),
-       target=st.sampled_from(("{P}.weight", "{P}.deq", "{P}.weight_scale_inv", "{P}.s.weight", "z",
-                               "{P}.s.weight_scale_inv")),
-       shared=st.booleans())
-def test_dequantize_takes_bindings_at_once_as_one_by_one(names, scales, others, target, shared):
-    """All bindings taken at once (the common case: `{P}.weight` named after its values) give the
-    Compiled, or the errors, that taking them one by one gives: names made twice, names of another
-    binding's parts or of free checkpoint keys, parts that do not fit, a scale that every binding
-    takes (`shared`: then a name made from one binding's parts may be a part of the next)."""
-    from unittest import mock
-
-    from remapdsl.compile import quantized
-
-    shapes = {}
-    for name, scale in zip(NAMES, scales):
-        if name in names:
-            shapes[f"{name}.weight"] = ("F8_E4M3", (4, 4))
-            if scale is not None:
-                shapes[f"{name}.weight_scale_inv"] = ("F32", scale)
-    shapes |= {key: ("F32", (2, 2)) for key in others if key not in shapes}
-    text = DEQUANTIZE.format(scales="a.weight_scale_inv" if shared else "{P}.weight_scale_inv", target=target)
-    inventory = Inventory.from_shapes(shapes)
-    taken, real = [], quantized._at_once
-
-    def spy(*args):
-        taken.append(real(*args))
-        return taken[-1]
-
-    with mock.patch.object(quantized, "_at_once", spy):
-        fast = _outcome(text, inventory)
-    with mock.patch.object(quantized, "_at_once", return_value=False):
-        assert _outcome(text, inventory) == fast
-    if target == "{P}.weight" and not shared and (3, 2) not in [s for n, s in zip(NAMES, scales) if n in names]:
-        assert taken == [True]  # the common case is taken at once
+@pytest.mark.parametrize("shapes, scales, target, want", [
+    ({"a.weight": W, "b.weight": W, "a.weight_scale_inv": S, "b.weight_scale_inv": S}, "{P}.weight_scale_inv",
+     "{P}.weight", ([("a.weight", ("a.weight", "a.weight_scale_inv")),
+                     ("b.weight", ("b.weight", "b.weight_scale_inv"))], ["a.weight", "b.weight"])),
+    # binding b takes a's scale, after binding a made a logical tensor of that name
+    ({"a.weight": W, "b.weight": W, "a.weight_scale_inv": S}, "a.weight_scale_inv", "{P}.weight_scale_inv",
+     ([("a.weight_scale_inv", ("a.weight", "a.weight_scale_inv")),
+       ("b.weight_scale_inv", ("b.weight", "a.weight_scale_inv"))], ["b.weight_scale_inv"])),
+    ({"a.weight": W, "a.weight_scale_inv": S, "a.deq": S}, "{P}.weight_scale_inv", "{P}.deq",
+     [("E223", "logical tensor `a.deq` has the name of a checkpoint tensor it does not consume")]),
+    ({"a.weight": W, "a.s.weight": W, "a.weight_scale_inv": S, "a.s.weight_scale_inv": S}, "{P}.weight_scale_inv",
+     "{P}.s.weight", [("E223", ("logical tensor `a.s.weight` has the name of a checkpoint tensor it does not "
+                      "consume"))]),
+    ({"a.weight": W, "b.weight": W, "a.weight_scale_inv": S, "b.weight_scale_inv": ("F32", (3, 2))},
+     "{P}.weight_scale_inv", "{P}.weight",
+     [("E221", ("`fp8_block` does not fit the tensors of `b.weight`: scales `b.weight_scale_inv` are [3, 2], but "
+       "values [4, 4] in blocks of [2, 2] need a grid of [2, 2]"))]),
+])
+def test_dequantize_binds_each_binding_in_turn(shapes, scales, target, want):
+    """Each binding takes its parts and makes its name in turn: a name may be a part an earlier binding
+    consumed, never a free checkpoint key or a part that stays; a binding that does not fit is E221."""
+    text = DEQUANTIZE.format(scales=scales, target=target)
+    assert _outcome(text, Inventory.from_shapes(shapes)) == want
 
 
-def test_dequantize_names_made_twice_are_reported_as_one_by_one():
-    """Two bindings that name one logical tensor (`{L // 2}`): the second is E223, at once or not."""
-    from unittest import mock
-
-    from remapdsl.compile import quantized
-
+def test_dequantize_names_made_twice_are_reported():
+    """Two bindings that name one logical tensor (`{L // 2}`): the second is E223."""
     text = """remap 1
 dequantize w.{L}, s.{L} -> m.{L // 2} | fp8_block(block=[2, 2], scale=float32, to=bfloat16)
 {X:path} -> {X}
 """
     shapes = {f"w.{i}": ("F8_E4M3", (4, 4)) for i in range(3)} | {f"s.{i}": ("F32", (2, 2)) for i in range(3)}
-    inventory = Inventory.from_shapes(shapes)
-    fast = _outcome(text, inventory)
-    with mock.patch.object(quantized, "_at_once", return_value=False):
-        assert _outcome(text, inventory) == fast
-    assert [code for code, _ in fast] == ["E223"] and "`m.0` is made twice" in fast[0][1]
+    found = _outcome(text, Inventory.from_shapes(shapes))
+    assert [code for code, _ in found] == ["E223"] and "`m.0` is made twice" in found[0][1]

@@ -4,6 +4,6 @@ Entry point: `compile_rules(rules, inventory, config)`. Shapes only; no tensor d
 """
 
 from .compiler import compile_rules
-from .model import Block, BoundRule, Compiled, RuntimeTensor, CkptTensor
+from .model import Compiled
 
-__all__ = ["Block", "BoundRule", "Compiled", "RuntimeTensor", "CkptTensor", "compile_rules"]
+__all__ = ["Compiled", "compile_rules"]

@@ -1,6 +1,5 @@
-"""Ops applied to a rule's state (reduced capture values -> the list axis of symbolic tensors),
-one op at a time, with its arguments evaluated: the compiler's step from a binding group to the
-tensors its targets name (remapdsl/compile/symbolic.py does the index arithmetic)."""
+"""Ops applied to a rule's state (reduced capture values -> the list axis of symbolic tensors), one op
+at a time with its arguments evaluated: from a binding group to the tensors its targets name."""
 
 from __future__ import annotations
 
@@ -35,49 +34,41 @@ def apply_op(op: ir.Op, ev: Evaluator, state: dict, targets: int) -> dict:
     return {key: _list_op(op, ev, tensors, targets) for key, tensors in state.items()}
 
 
-def _combine_capture(op, ev: Evaluator, state: dict) -> dict:
-    start = ev.integer(op.start, "start") if op.start is not None else 0
-    dim = ev.integer(op.dim, "dim")
+def by_capture(state: dict, capture: str) -> dict[tuple, dict[int, list]]:
+    """A rule's state grouped by its other captures, each group keyed by `capture`'s value."""
     grouped: dict[tuple, dict[int, list]] = defaultdict(dict)
-    capture = op.capture
     for key, tensors in state.items():
         grouped[tuple([kv for kv in key if kv[0] != capture])][dict(key)[capture]] = tensors
+    return grouped
+
+
+def _combine_capture(op, ev: Evaluator, state: dict) -> dict:
+    start = ev.integer(op.start, "start") if op.start is not None else 0
+    ev.integer(op.dim, "dim")  # a `dim` that does not evaluate is reported before a gap
     out = {}
-    for rest, by_value in grouped.items():
+    for rest, by_value in by_capture(state, op.capture).items():
         values = sorted(by_value)
         if values != list(range(start, start + len(values))):
             gaps = sorted(set(range(start, max(values) + 1)) - set(values))
             raise GapError(f"`{op.op_name()}({op.capture}, ...)` needs {op.capture} to run from {start} "
-                            f"without a gap; found {_ranges(values)}"
-                            + (f", missing {_ranges(gaps)}" if gaps else ""))
-        combine = sym.stack if isinstance(op, ir.Stack) else sym.concat
-        width = len(by_value[values[0]])
-        parts = [[by_value[v][i] for v in values] for i in range(width)]
-        if isinstance(op, ir.Concat) and op.sizes is not None:
-            for each in parts:
-                _stated_sizes(op, ev, each, dim)
-        out[rest] = [combine(each, dim) for each in parts]
+                           f"without a gap; found {_ranges(values)}"
+                           + (f", missing {_ranges(gaps)}" if gaps else ""))
+        out[rest] = [_list_op(op, ev, list(each), 1)[0] for each in zip(*(by_value[v] for v in values))]
     return out
 
 
-def _stated_sizes(op, ev: Evaluator, parts: list, dim: int) -> None:
-    """A concat's or an interleave's `sizes=`: the parts it joins are that big along `dim`."""
-    sizes = list(ev.integers(op.sizes, "sizes"))
-    found = [p.shape[dim % len(p.shape)] if p.shape else None for p in parts]
-    if found != sizes:
-        raise sym.OpError(f"the parts it joins are {found} along dim {dim}, but `sizes=` says {sizes}")
-
-
 def _list_op(op: ir.Op, ev: Evaluator, tensors: list, targets: int) -> list:
-    if isinstance(op, (ir.Stack, ir.Concat)):
-        combine = sym.stack if isinstance(op, ir.Stack) else sym.concat
-        if isinstance(op, ir.Concat) and op.sizes is not None:
-            _stated_sizes(op, ev, tensors, ev.integer(op.dim, "dim"))
-        return [combine(tensors, ev.integer(op.dim, "dim"))]
-    if isinstance(op, ir.Interleave):
-        if op.sizes is not None:
-            _stated_sizes(op, ev, tensors, ev.integer(op.dim, "dim"))
-        return [sym.interleave(tensors, ev.integer(op.dim, "dim"), ev.integer(op.groups, "groups"))]
+    if isinstance(op, (ir.Stack, ir.Concat, ir.Interleave)):
+        dim = ev.integer(op.dim, "dim")
+        if not isinstance(op, ir.Stack) and op.sizes is not None:  # the parts are that big along `dim`
+            sizes = list(ev.integers(op.sizes, "sizes"))
+            found = [p.shape[dim % len(p.shape)] if p.shape else None for p in tensors]
+            if found != sizes:
+                raise sym.OpError(f"the parts it joins are {found} along dim {dim}, "
+                                  f"but `sizes=` says {sizes}")
+        if isinstance(op, ir.Interleave):
+            return [sym.interleave(tensors, dim, ev.integer(op.groups, "groups"))]
+        return [(sym.stack if isinstance(op, ir.Stack) else sym.concat)(tensors, dim)]
     if isinstance(op, ir.Split):
         return sym.split(tensors[0], ev.integer(op.dim, "dim"), ev.integers(op.sizes, "sizes"))
     if isinstance(op, ir.Chunk):

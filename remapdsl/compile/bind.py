@@ -1,17 +1,16 @@
 """Key patterns x checkpoint keys -> bindings: which keys each statement takes, with which captures.
 
-A pattern compiles to an anchored regular expression (captures typed: `{L}` a canonical decimal
-integer, `{m:seg}` one segment, `{P:path}` dotted text; alternatives remember their position).
-A binding is one assignment of a statement's captures for which every source of its list axis
-exists; a partial binding (some sources present, others missing) is an error, never skipped.
+A pattern is an anchored regex (`{L}` a canonical decimal integer, `{m:seg}` one segment, `{P:path}`
+dotted text). A binding assigns a statement's captures so that every source of its list axis exists;
+a partial binding (some sources present, others missing) is an error, never skipped.
 """
 
 from __future__ import annotations
 
 import re
-from itertools import chain, compress, repeat
-from operator import contains, itemgetter, methodcaller
 from collections.abc import Iterable
+from itertools import chain, compress, product, repeat
+from operator import contains, itemgetter, methodcaller
 from typing import NamedTuple
 
 from ..language import ir
@@ -27,14 +26,13 @@ _MAX_TAILS = 64  # literal endings a pattern's trailing alternatives may expand 
 
 class PatternRegex(NamedTuple):
     """A source pattern as a regex, with the names of its groups. The regexes are compiled when
-    first used: a literal key or `{P:path}.weight` is found without one (see scan)."""
+    first used: `{P:path}.weight` is found without one (see scan)."""
 
     source: str  # the regex, as text
     captures: tuple[tuple[str, str], ...]  # (name, type) in group order
     alternatives: tuple[tuple[str, ...], ...]  # options of each alternatives part
     tails: tuple[str, ...]  # literal endings, one of which every matching key has; () if none
-    exact: str | None  # the one key a pattern of literal text alone matches
-    head: str | None  # the capture's type when the pattern is one capture, then literal text
+    head: str | None  # the capture's type when the pattern is one path or seg capture, then literal text
     line_source: str  # the regex with one outer group, matching lines of a text, as text
 
     @property
@@ -73,12 +71,10 @@ def compile_pattern(pattern: ir.Pattern) -> PatternRegex:
     last = parts[-1]
     if isinstance(last, ir.DoubleStar) or isinstance(last, ir.Capture) and out[-1].endswith(f">{_PATH})"):
         scanned = out[:-1] + [out[-1].replace(_PATH, _PATH_TO_END)]
-    line = f"^({''.join(scanned)})$"
-    exact = parts[0].text if len(parts) == 1 and isinstance(parts[0], ir.Text) else None
-    one_capture = len(parts) == 2 and isinstance(parts[0], ir.Capture) and isinstance(parts[1], ir.Text)
-    head = parts[0].type if one_capture else None
+    one_capture = len(parts) == 2 and isinstance(parts[0], ir.Capture) and isinstance(parts[1], ir.Text) \
+        and parts[0].type != "int"
     return PatternRegex("".join(out), tuple(captures), tuple(alternatives), _tails(pattern),
-                        exact, head, line)
+                        parts[0].type if one_capture else None, f"^({''.join(scanned)})$")
 
 
 def _tails(pattern: ir.Pattern) -> tuple[str, ...]:
@@ -95,26 +91,17 @@ def _tails(pattern: ir.Pattern) -> tuple[str, ...]:
 
 
 class KeyPool:
-    """Checkpoint keys that patterns match: the lines of one text, as the regexes read them.
-
-    A pattern that ends in literal text scans only the lines that end in it: found by a pass of
-    `str.endswith`, or, with `indexed` (a pool that many patterns read), among the lines grouped
-    by their last two segments, grouped on first use. Matches keep the order of the lines; the
-    keys must not change while the pool is read.
-    """
+    """Checkpoint keys as the lines of one text, which the patterns' regexes scan. A pattern ending
+    in literal text reads only the lines that end in it; `indexed` (a pool many patterns read) finds
+    those by the lines' last two segments. Matches keep the lines' order; the keys must not change."""
 
     def __init__(self, keys: Iterable[str], indexed: bool = False):
         lines = list(keys)
         self.text = "\n".join(lines)
         split = self.text.count("\n") != max(len(lines) - 1, 0)  # a key holding a newline
         self.lines = self.text.split("\n") if split else lines
-        self.members = keys if isinstance(keys, (set, frozenset)) and not split else None
         self.indexed = indexed
         self._groups: dict[str, list[int]] | None = None
-
-    def text_for(self, compiled: PatternRegex) -> str:
-        """The lines the pattern can match, as one text (all of them when it ends in no literal)."""
-        return "\n".join(self.ending(compiled.tails)) if compiled.tails else self.text
 
     def ending(self, tails: tuple[str, ...]) -> Iterable[str]:
         """The lines that end in one of `tails`, in their order."""
@@ -142,37 +129,15 @@ def _all_whole(kind: str, joined: str) -> bool:
     return not (".." in joined or "\n." in joined or ".\n" in joined or joined[0] == "." or joined[-1] == ".")
 
 
-def _is_path(text: str) -> bool:
-    return text != "" and text[0] != "." and text[-1] != "." and ".." not in text
-
-
-def _is_int(text: str) -> bool:  # as _INT: canonical ASCII decimal
-    return text.isascii() and text.isdigit() and (text[0] != "0" or text == "0")
-
-
-_WHOLE = {"path": _is_path, "seg": lambda text: text != "" and "." not in text, "int": _is_int}  # of a line
-
-
 def scan(compiled: PatternRegex, pool: KeyPool, scalar: bool = False) -> tuple[list, list, list | None]:
-    """The keys the pattern matches whole, in the pool's order, with their capture values (the
-    value alone, not a tuple, with `scalar`: the pattern has one capture) and their choice of each
-    alternatives part (None for a pattern without alternatives): three lists, one entry a match.
-
-    The keys are joined into one text, one key per line, and the pattern runs over it in a single
-    `findall`: the scan stays in the regex engine instead of a Python loop over 10^5 keys.
-    """
-    if compiled.exact is not None and pool.members is not None:  # no scan for a literal key
-        found = [compiled.exact] if compiled.exact in pool.members else []
-        return found, [()] * len(found), None
-    if compiled.head is not None:  # `{P:path}.weight`: what the text leaves is the capture, if it is one
-        kind, cut = compiled.head, -len(compiled.tails[0])
+    """The keys the pattern matches whole, in the pool's order, with their capture values (the value
+    alone with `scalar`: one capture) and their choice of each alternatives part (None without any).
+    One `findall` over the pool's text keeps the scan in the regex engine, not a loop over 10^5 keys."""
+    if compiled.head is not None:  # `{P:path}.weight`: what the text leaves is the capture, if all are
         found = list(pool.ending(compiled.tails))
-        values = [k[:cut] for k in found]
-        if values and (kind == "int" or "" in values or not _all_whole(kind, "\n".join(values))):  # each
-            whole = _WHOLE[kind]
-            found = [k for k, v in zip(found, values) if whole(v)]
-            values = [int(k[:cut]) for k in found] if kind == "int" else [k[:cut] for k in found]
-        return found, values if scalar else list(zip(values)), None
+        values = [k[:-len(compiled.tails[0])] for k in found]
+        if "" not in values and (not values or _all_whole(compiled.head, "\n".join(values))):
+            return found, values if scalar else list(zip(values)), None
     # one outer group for the whole key; findall then yields (key, *groups) tuples from C
     line = compiled.line
     order = sorted(line.groupindex.items(), key=lambda kv: kv[1])
@@ -180,7 +145,7 @@ def scan(compiled: PatternRegex, pool: KeyPool, scalar: bool = False) -> tuple[l
                 for kind in [compiled.captures[int(name[1:])][1]]]
     choices = [(group - 1, {o: k for k, o in enumerate(compiled.alternatives[int(name[1:])])})
                for name, group in order if name[0] == "a"]
-    rows = line.findall(pool.text_for(compiled))
+    rows = line.findall("\n".join(pool.ending(compiled.tails)) if compiled.tails else pool.text)
     if not captures and not choices:
         return rows, [()] * len(rows), None
     if not rows:
@@ -195,14 +160,8 @@ def scan(compiled: PatternRegex, pool: KeyPool, scalar: bool = False) -> tuple[l
 
 def list_axis(patterns: tuple[ir.Pattern, ...]) -> list[tuple[int, tuple[int, ...]]]:
     """The list axis of a statement: (pattern index, choice of each alternatives part) in order."""
-    axis = []
-    for index, pattern in enumerate(patterns):
-        sizes = [len(p.options) for p in pattern.parts if isinstance(p, ir.Alternatives)]
-        combos: list[tuple[int, ...]] = [()]
-        for size in sizes:
-            combos = [c + (k,) for c in combos for k in range(size)]
-        axis.extend((index, combo) for combo in combos)
-    return axis
+    return [(index, choice) for index, pattern in enumerate(patterns) for choice in
+            product(*(range(len(p.options)) for p in pattern.parts if isinstance(p, ir.Alternatives)))]
 
 
 class Binding(NamedTuple):
@@ -232,11 +191,7 @@ def bind(patterns: tuple[ir.Pattern, ...], keys: Iterable[str] | KeyPool) -> Bou
     pool = keys if isinstance(keys, KeyPool) else KeyPool(keys)
     compiled = [compile_pattern(p) for p in patterns]
     axis = list_axis(patterns)
-    names: list[str] = []
-    for c in compiled:
-        for name, _ in c.captures:
-            if name not in names:
-                names.append(name)
+    names = list(dict.fromkeys(name for c in compiled for name, _ in c.captures))
     every = all(len(c.captures) == len(names) for c in compiled)  # no pattern lacks a capture
     scalar = every and len(names) == 1  # bindings keyed by the one capture's value, not a 1-tuple
     taken: list[tuple[dict, bool]] = []  # per pattern: capture values (and choice) -> key; has alternatives
@@ -299,20 +254,13 @@ def _entries(found: dict, alternatives: bool, choice: tuple, values: list) -> It
     return map(found.get, zip(values, repeat(choice)) if alternatives else values)
 
 
-class _AnyValue:
-    def __repr__(self) -> str:
-        return "*"
-
-
-_ANY = _AnyValue()
+_ANY = object()  # the value of a capture the pattern lacks
 
 
 def _join(slots: dict[tuple, list]) -> list[tuple[tuple, list]]:
     """Merge slot rows where some patterns bind fewer captures (their `_ANY` values)."""
     full = {k: v for k, v in slots.items() if _ANY not in k}
     loose = {k: v for k, v in slots.items() if _ANY in k}
-    if not loose:
-        return sorted(full.items(), key=itemgetter(0))
     if not full:  # no pattern binds every capture: not a sensible statement, keep as is
         return sorted(((tuple(None if v is _ANY else v for v in k), e) for k, e in loose.items()),
                       key=lambda kv: _order(kv[0]))
@@ -321,9 +269,7 @@ def _join(slots: dict[tuple, list]) -> list[tuple[tuple, list]]:
         merged = list(entries)
         for lk, lentries in loose.items():
             if all(a is _ANY or a == b for a, b in zip(lk, k)):
-                for i, e in enumerate(lentries):
-                    if e is not None:
-                        merged[i] = e
+                merged = [e if e is not None else m for e, m in zip(lentries, merged)]
         out.append((k, merged))
     return sorted(out, key=lambda kv: _order(kv[0]))
 

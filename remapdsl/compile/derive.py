@@ -1,14 +1,9 @@
 """Runtime shapes + rules + config -> the checkpoint tensors they determine: a save without `like`.
 
-Each mapping rule runs backwards on shapes alone: its targets are matched against the runtime keys
-(a substitution read back as the capture it names, or solved where it is affine in one capture),
-its ops are undone in reverse order, and its sources are named from the captures. Undoing needs
-sizes the op itself states (a split's `sizes`, a concat's or an interleave's `sizes=`, a stack's
-stacked dim); what a rule cannot undo from shapes (a concat without `sizes=`, a slice, a pad, a
-reshape, a cast, a wildcard source) is E520, naming the rule, the op and the size. A tensor the
-rules dequantize is derived unquantized: its logical values, which the same rules load as they
-are. The result is then checked by compiling the rules forward against it: every runtime tensor
-must come back with its shape and dtype, or the derivation is refused.
+Each rule runs backwards on shapes alone: targets matched against the runtime keys, ops undone last
+first, sources named from the captures. What shapes do not determine (a concat without `sizes=`, a
+slice, a pad, a reshape, a cast, a wildcard source) is E520. Dequantized tensors are derived plain.
+The result must compile forward back to every runtime tensor's shape and dtype, or it is refused.
 """
 
 from __future__ import annotations
@@ -24,7 +19,7 @@ from ..checkpoint import Inventory
 from ..errors import BindError, Diagnostic, RemapError, Span
 from ..language import ir
 from ..language.includes import RuleSet
-from .apply import expand_macros
+from .apply import by_capture, expand_macros
 from .bind import KeyPool, bind, compile_pattern, list_axis
 from .compiler import captures_read, compile_rules, drops, names_in, target_key
 from .evaluate import Evaluator, evaluate_lets
@@ -65,13 +60,15 @@ class _Deriver:
         self.lets = evaluate_lets(rules.statements, config, rules.line_text)
         self.evaluator = Evaluator(config, self.lets, rules.line_text)
         self.macros = {s.name: s for s in rules.statements if isinstance(s, ir.Macro)}
+        self.namers: dict[int, list] = {}  # id(rule) -> its source_namers
 
     def run(self, runtime: Mapping[str, Entry]) -> dict[str, tuple[str, Shape]]:
         statements = self.rules.statements
-        if any(isinstance(s, ir.CastAll) for s in statements):
-            span = next(s.span for s in statements if isinstance(s, ir.CastAll))
+        cast_all = next((s for s in statements if isinstance(s, ir.CastAll)), None)
+        if cast_all is not None:
             raise _error(self.rules, "`cast` sets the runtime dtype, so the dtype each checkpoint tensor "
-                         "was stored in is not determined by the runtime tensors", span, "save with `like`")
+                         "was stored in is not determined by the runtime tensors", cast_all.span,
+                         "save with `like`")
         keep = [compile_pattern(p).regex for s in statements if isinstance(s, ir.Keep) for p in s.patterns]
         keys = [k for k in runtime if not any(r.fullmatch(k) for r in keep)]
         pool = KeyPool(keys, indexed=True)
@@ -114,8 +111,6 @@ class _Deriver:
         self.note_dequantized(out)
         return out
 
-    # -- one rule, backwards --
-
     def rule(self, rule: ir.Rule, pool: KeyPool, runtime: Mapping[str, Entry], failures: dict) -> list:
         """The groups this rule derives: (checkpoint key -> entry, the runtime keys it makes)."""
         guard = rule.guard
@@ -132,21 +127,15 @@ class _Deriver:
         bound = bind(targets, pool)
         if not ops and not bound.partial:  # renamed alone: each binding's sources are its targets' shapes
             out = []
-            try:
-                namers = self.source_namers(rule) if bound.bindings else []
-            except _Undetermined as exc:
-                raise _error(self.rules, f"runtime tensor `{bound.bindings[0].keys[0]}`: {exc}", exc.span) from None
             for binding in bound.bindings:
-                captures = self.solve(binding.captures, solvers, types, rule)
-                if captures is None:
-                    continue
                 try:
-                    out.append(({template % tuple([captures[n] for n in names]): runtime[k]
-                                 for (template, names, _), k in zip(namers, binding.keys)}, binding.keys))
-                except KeyError as missing:
-                    raise _error(self.rules, f"runtime tensor `{binding.keys[0]}`: the source pattern's "
-                                 f"`{{{missing.args[0]}}}` appears in no target, so the checkpoint key is not "
-                                 "determined", rule.sources[0].span or rule.span) from None
+                    self.source_namers(rule)  # a wildcard source is reported whatever the guard says
+                    captures = self.solve(binding.captures, solvers, types, rule)
+                    if captures is not None:
+                        out.append((self.name_sources(rule, captures, [runtime[k] for k in binding.keys]),
+                                    binding.keys))
+                except _Undetermined as exc:
+                    raise _error(self.rules, f"runtime tensor `{binding.keys[0]}`: {exc}", exc.span) from None
             return out
         groups: dict[tuple, dict[tuple, list[Entry]]] = defaultdict(dict)
         made: dict[tuple, list[str]] = defaultdict(list)
@@ -161,17 +150,19 @@ class _Deriver:
         for p in bound.partial:
             captures = self.solve(p.captures, solvers, types, rule)
             if captures is not None:
-                missing = self.target_name(rule, p.missing[0], captures)
+                index, choice = list_axis(rule.targets)[p.missing[0]]
+                missing = target_key(rule.targets[index], choice, captures, self.evaluator)
                 raise _error(self.rules, f"the model has `{p.present[0]}` but not `{missing}`, which this rule "
                              "makes with it", rule.span, "a save writes every tensor a rule's targets name")
+        steps = [(op, Evaluator(self.evaluator.config, self.lets | env, self.rules.line_text))
+                 for op, env in ops]
         widths = [len(list_axis(rule.sources))]
-        for op, env in ops:
-            ev = Evaluator(self.evaluator.config, self.lets | env, self.rules.line_text)
+        for op, ev in steps:
             widths.append(_width_after(op, widths[-1], len(list_axis(rule.targets)), ev))
         out = []
         for outer, state in groups.items():
             try:
-                sources = self.undo(rule, ops, widths, dict(outer), state)
+                sources = self.undo(rule, steps, widths, dict(outer), state)
             except _Undetermined as exc:
                 for key in made[outer]:
                     failures.setdefault(key, exc)
@@ -220,10 +211,7 @@ class _Deriver:
     def solve(self, found: dict, solvers: dict, types: dict, rule: ir.Rule) -> dict | None:
         """The source captures behind a target match: solved substitutions checked by evaluating
         them again; None where they have no integer solution (the key is not this rule's)."""
-        if not solvers:
-            captures = found
-        else:
-            captures = {k: v for k, v in found.items() if k not in solvers}
+        captures = {k: v for k, v in found.items() if k not in solvers} if solvers else found
         for slot, (name, expr) in solvers.items():
             value = found[slot]
             f0 = self.evaluator.integer(expr, "index", captures | {name: 0})
@@ -240,37 +228,38 @@ class _Deriver:
             return None  # a guard over a capture still reduced (`stack(E)`) is read once E is known
         return captures
 
-    def target_name(self, rule: ir.Rule, entry: int, captures: dict) -> str:
-        index, choice = list_axis(rule.targets)[entry]
-        return target_key(rule.targets[index], choice, captures, self.evaluator)
-
-    def undo(self, rule: ir.Rule, ops: list, widths: list[int], outer: dict, state: dict) -> dict[str, Entry] | None:
+    def undo(self, rule: ir.Rule, steps: list, widths: list[int], outer: dict, state: dict
+             ) -> dict[str, Entry] | None:
         """One group's state undone op by op (the last first), then its sources named; None where
         the rule's guard does not hold for them. `widths`: the list axis's length before each op."""
-        for i in range(len(ops) - 1, -1, -1):
-            op, env = ops[i]
-            ev = Evaluator(self.evaluator.config, self.lets | env, self.rules.line_text)
+        for i in range(len(steps) - 1, -1, -1):
+            op, ev = steps[i]
             state = _undo_op(op, ev, state, widths[i], rule)
         out: dict[str, Entry] = {}
-        namers = self.source_namers(rule)
         guarded = rule.guard is not None and captures_read(rule.guard, rule)
         for inner, entries in state.items():
             captures = outer | dict(inner) if inner else outer
             if guarded and not self.evaluator.boolean(rule.guard, captures):
                 return None
-            for (template, names, pattern), entry in zip(namers, entries):
-                try:
-                    out[template % tuple([captures[n] for n in names])] = entry
-                except KeyError as missing:
-                    raise _Undetermined(f"the source pattern's `{{{missing.args[0]}}}` appears in no target, so "
-                                        "the checkpoint key is not determined", pattern.span or rule.span) from None
+            out.update(self.name_sources(rule, captures, entries))
+        return out
+
+    def name_sources(self, rule: ir.Rule, captures: dict, entries: list[Entry]) -> dict[str, Entry]:
+        """Each list-axis entry under the checkpoint key the rule's sources give it."""
+        out = {}
+        for (template, names, pattern), entry in zip(self.source_namers(rule), entries):
+            try:
+                out[template % tuple([captures[n] for n in names])] = entry
+            except KeyError as missing:
+                raise _Undetermined(f"the source pattern's `{{{missing.args[0]}}}` appears in no target, so "
+                                    "the checkpoint key is not determined", pattern.span or rule.span
+                                    ) from None
         return out
 
     def source_namers(self, rule: ir.Rule) -> list[tuple[str, tuple[str, ...], ir.Pattern]]:
         """Per list-axis entry of the sources: a `%` template of the key and the captures it takes."""
-        cache = self.__dict__.setdefault("_namers", {})
-        if id(rule) in cache:
-            return cache[id(rule)]
+        if id(rule) in self.namers:
+            return self.namers[id(rule)]
         namers = []
         for index, choice in list_axis(rule.sources):
             pattern, text, names, alt = rule.sources[index], [], [], 0
@@ -287,13 +276,12 @@ class _Deriver:
                     raise _Undetermined("the source pattern's wildcard appears in no target, so the checkpoint "
                                         "key is not determined", pattern.span or rule.span)
             namers.append(("".join(text), tuple(names), pattern))
-        cache[id(rule)] = namers
+        self.namers[id(rule)] = namers
         return namers
 
     def note_dequantized(self, out: dict) -> None:
-        """A tensor the rules would dequantize is derived as its logical values, stored plain: which
-        tensors a release stores quantized, and in what blocks, is not a function of the runtime
-        tensors, and a `dequantize` binds only where the packed parts are there (logged)."""
+        """Log the tensors a `dequantize` would decode, derived plain: which tensors a release stores
+        quantized, and in what blocks, does not follow from the runtime tensors."""
         for s in self.rules.statements:
             if isinstance(s, ir.Dequantize):
                 regex = compile_pattern(s.target).regex
@@ -307,22 +295,17 @@ def _undo_op(op: ir.Op, ev: Evaluator, state: dict, width: int, rule: ir.Rule) -
     """The state before `op` from the state after it (shapes only); `width` is the list axis's
     length before the op."""
     span = op.span or rule.span
-    name = op.op_name()
     if isinstance(op, ir.Unstack):
         start = ev.integer(op.start, "start") if op.start is not None else 0
-        grouped: dict[tuple, dict[int, list]] = defaultdict(dict)
-        for key, entries in state.items():
-            values = dict(key)
-            grouped[_without(key, op.capture)][values[op.capture]] = entries
         out = {}
-        for rest, by_value in grouped.items():
+        for rest, by_value in by_capture(state, op.capture).items():
             values = sorted(by_value)
             if values != list(range(start, start + len(values))):
                 raise _Undetermined(f"`unstack({op.capture}, ...)` needs {op.capture} from {start} without a "
                                     f"gap in the model's keys; found {values[:8]}", span)
             dim = _dim(ev.integer(op.dim, "dim"), len(by_value[start][0][0]) + 1)
-            out[rest] = [(_insert(by_value[start][i][0], dim, len(values)), by_value[start][i][1])
-                         for i in range(len(by_value[start]))]
+            out[rest] = [(shape[:dim] + (len(values),) + shape[dim:], dtype)
+                         for shape, dtype in by_value[start]]
         return out
     if isinstance(op, (ir.Stack, ir.Concat)) and op.capture is not None:
         start = ev.integer(op.start, "start") if op.start is not None else 0
@@ -332,18 +315,16 @@ def _undo_op(op: ir.Op, ev: Evaluator, state: dict, width: int, rule: ir.Rule) -
             for i in range(len(pieces[0])):
                 out[tuple(sorted(key + ((op.capture, start + i),)))] = [p[i] for p in pieces]
         return out
-    return {key: _undo_list(op, ev, entries, width, span, name) for key, entries in state.items()}
+    return {key: _undo_list(op, ev, entries, width, span) for key, entries in state.items()}
 
 
-def _undo_list(op: ir.Op, ev: Evaluator, entries: list[Entry], width: int, span, name: str) -> list[Entry]:
+def _undo_list(op: ir.Op, ev: Evaluator, entries: list[Entry], width: int, span) -> list[Entry]:
     if isinstance(op, (ir.Stack, ir.Concat, ir.Interleave)):
         (shape, dtype), = entries
         return _cut(op, ev, shape, dtype, width, span)
     if isinstance(op, (ir.Split, ir.Chunk, ir.Deinterleave)):
         dim = _dim(ev.integer(op.dim, "dim"), len(entries[0][0]))
-        shape = list(entries[0][0])
-        shape[dim] = sum(s[dim] for s, _ in entries)
-        return [(tuple(shape), entries[0][1])]
+        return [(_replace(entries[0][0], dim, sum(s[dim] for s, _ in entries)), entries[0][1])]
     if isinstance(op, ir.Transpose):
         a, b = ev.integer(op.a, "a"), ev.integer(op.b, "b")
         out = []
@@ -368,6 +349,7 @@ def _undo_list(op: ir.Op, ev: Evaluator, entries: list[Entry], width: int, span,
                 for shape, dtype in entries]
     if isinstance(op, (ir.RopePermute, ir.RopeUnpermute, ir.Scale, ir.Add)):
         return entries
+    name = op.op_name()
     why = {"reshape": "a reshape's input shape is not given by its output",
            "slice": "a slice leaves out rows whose number it does not state",
            "pad": "a pad's input size is not given by the padded size",
@@ -378,13 +360,12 @@ def _undo_list(op: ir.Op, ev: Evaluator, entries: list[Entry], width: int, span,
 def _cut(op, ev: Evaluator, shape: Shape, dtype: str, width: int | None, span) -> list[Entry]:
     """The parts a stack, concat or interleave made `shape` of: a stack's from its stacked dim, a
     concat's or an interleave's from its `sizes=` (or the one part)."""
+    dim = _dim(ev.integer(op.dim, "dim"), len(shape))
     if isinstance(op, ir.Stack):
-        dim = _dim(ev.integer(op.dim, "dim"), len(shape))
         n = shape[dim]
         if width is not None and n != width:
             raise _Undetermined(f"`stack` stacks {width} sources, but the model's dim {dim} has {n}", span)
         return [(shape[:dim] + shape[dim + 1:], dtype)] * n
-    dim = _dim(ev.integer(op.dim, "dim"), len(shape))
     if op.sizes is None:
         if width == 1:
             return [(shape, dtype)]
@@ -400,9 +381,7 @@ def _cut(op, ev: Evaluator, shape: Shape, dtype: str, width: int | None, span) -
 
 def _width_after(op: ir.Op, width: int, targets: int, ev: Evaluator) -> int:
     """The list axis's length after `op` (the forward direction's, from the op alone)."""
-    if isinstance(op, (ir.Stack, ir.Concat)) and op.capture is not None or isinstance(op, ir.Unstack):
-        return width
-    if isinstance(op, (ir.Stack, ir.Concat, ir.Interleave)):
+    if isinstance(op, ir.Interleave) or isinstance(op, (ir.Stack, ir.Concat)) and op.capture is None:
         return 1
     if isinstance(op, ir.Split):
         return len(ev.integers(op.sizes, "sizes"))
@@ -419,30 +398,20 @@ def _check_forward(rules: RuleSet, config: dict, runtime: Mapping[str, Entry], d
         compiled = compile_rules(rules, Inventory.from_shapes(derived), config, strict=True)
     except BindError as exc:
         d = exc.diagnostics[0]
-        raise RemapError(Diagnostic(code="E520", message="the checkpoint layout derived from the model's "
-                                    f"tensors does not load back: {d.message}", span=d.span,
-                                    line_text=d.line_text, hint="save with `like`")) from None
+        raise _error(rules, f"the checkpoint layout derived from the model's tensors does not load back: "
+                     f"{d.message}", d.span, "save with `like`") from None
     for t in compiled.runtime_tensors:
         entry = runtime.get(t.runtime_key)
         if entry is None or (tuple(entry[0]), entry[1]) != (t.shape, t.dtype):
-            raise RemapError(Diagnostic(code="E520", message=f"the checkpoint layout derived from the model's "
-                                        f"tensors loads `{t.runtime_key}` as {list(t.shape)} {t.dtype}, but the "
-                                        "model " + ("has no such tensor" if entry is None else
-                                                    f"holds {list(entry[0])} {entry[1]}"),
-                                        span=t.rule, line_text=rules.line_text(t.rule), hint="save with `like`"))
+            held = "has no such tensor" if entry is None else f"holds {list(entry[0])} {entry[1]}"
+            raise _error(rules, f"the checkpoint layout derived from the model's tensors loads "
+                         f"`{t.runtime_key}` as {list(t.shape)} {t.dtype}, but the model {held}", t.rule,
+                         "save with `like`")
 
 
 def _dim(dim: int, ndim: int) -> int:
     return dim % ndim if ndim else 0
 
 
-def _insert(shape: Shape, dim: int, n: int) -> Shape:
-    return shape[:dim] + (n,) + shape[dim:]
-
-
 def _replace(shape: Shape, dim: int, n: int) -> Shape:
     return shape[:dim] + (n,) + shape[dim + 1:]
-
-
-def _without(key: tuple, capture: str) -> tuple:
-    return tuple(kv for kv in key if kv[0] != capture)

@@ -6,7 +6,7 @@ from __future__ import annotations
 import fnmatch
 
 from ..indexmap import nbytes, source_box
-from .model import Block, Compiled, RuntimeTensor
+from .model import Block, Compiled
 
 
 def explain(compiled: Compiled, key: str | None = None, max_blocks: int = 8) -> str:
@@ -19,7 +19,15 @@ def explain(compiled: Compiled, key: str | None = None, max_blocks: int = 8) -> 
     logical = compiled.logical_by_key()
     lines: list[str] = []
     for d in shown:
-        lines.extend(_destination(d, sources, max_blocks))
+        where = f"  ({d.rule.path}:{d.rule.line})" if d.rule else ""
+        lines.append(f"{d.runtime_key}  {list(d.shape)} {d.dtype}{where}")
+        for b in d.blocks[:max_blocks]:
+            source = sources.get(b.source_key)
+            viewed = b.view and source is not None and b.view != tuple(source.shape)
+            box = ", ".join(str(o) if s == 1 else f"{o}:{o + s}" for o, s in zip(b.offsets, b.sizes))
+            lines.append(f"    [{box}] <- {_viewed(b, source.shape) if viewed else _source(b)}")
+        if len(d.blocks) > max_blocks:
+            lines.append(f"    ... and {len(d.blocks) - max_blocks} more blocks")
     stored = {p for d in shown for k in d.ckpt_keys for p in (logical[k].parts if k in logical else (k,))}
     read = sum(nbytes(sources[k].dtype, sources[k].shape) for k in stored)
     used = [logical[k] for k in sorted({k for d in shown for k in d.ckpt_keys}) if k in logical]
@@ -29,33 +37,15 @@ def explain(compiled: Compiled, key: str | None = None, max_blocks: int = 8) -> 
                      + ", ".join(f"`{p}`" for p in source.parts))
     if len(used) > max_blocks:
         lines.append(f"... and {len(used) - max_blocks} more dequantized tensors")
-    lines.append(f"{len(shown)} runtime tensor{'s' if len(shown) != 1 else ''} from "
-                 f"{len(stored)} checkpoint tensors "
-                 f"({read / 1e6:.1f} MB)"
+    lines.append(f"{len(shown)} runtime tensor{'s' if len(shown) != 1 else ''} from {len(stored)} checkpoint "
+                 f"tensors ({read / 1e6:.1f} MB)"
                  + (f"; {len(compiled.dropped)} dropped" if compiled.dropped and key is None else ""))
     return "\n".join(lines)
-
-
-def _destination(d: RuntimeTensor, sources, max_blocks: int) -> list[str]:
-    where = f"  ({d.rule.path}:{d.rule.line})" if d.rule else ""
-    out = [f"{d.runtime_key}  {list(d.shape)} {d.dtype}{where}"]
-    for b in d.blocks[:max_blocks]:
-        source = sources.get(b.source_key)
-        viewed = b.view and source is not None and b.view != tuple(source.shape)
-        out.append(f"    {_box(b.offsets, b.sizes)} <- {_viewed(b, source.shape) if viewed else _source(b)}")
-    if len(d.blocks) > max_blocks:
-        out.append(f"    ... and {len(d.blocks) - max_blocks} more blocks")
-    return out
-
-
-def _box(offsets, sizes) -> str:
-    return "[" + ", ".join(str(o) if s == 1 else f"{o}:{o + s}" for o, s in zip(offsets, sizes)) + "]"
 
 
 def _source(b: Block) -> str:
     if b.source_key is None:
         return f"fill {b.fill:g}"
-    steps = "".join(f" | {kind}({value if kind == 'cast' else f'{value:g}'})" for kind, value in b.steps)
     # When each runtime dim moves one source dim by +-1, the source region is a box.
     region = []
     for k, row in enumerate(b.coeff):
@@ -67,16 +57,20 @@ def _source(b: Block) -> str:
             lo, hi = sorted((b.base[k], b.base[k] + c * (b.sizes[j] - 1)))
             region.append(str(lo) if lo == hi else f"{lo}:{hi + 1}" + ("" if c > 0 else " reversed"))
         else:
-            return f"{b.source_key} from {list(b.base)}, steps {[list(r) for r in b.coeff]}{steps}"
-    order = _dim_order(b)
+            return f"{b.source_key} from {list(b.base)}, steps {[list(r) for r in b.coeff]}{_steps(b)}"
+    order = []  # for each runtime dim, the source dim it walks (a transpose shows as a permutation)
+    for j in range(len(b.sizes)):
+        walking = [k for k, row in enumerate(b.coeff) if row[j]]
+        if len(walking) == 1:
+            order.append(walking[0])
     moved = f" (dims {order})" if order and order != sorted(order) else ""
-    return f"{b.source_key} [{', '.join(region)}]{moved}{steps}"
+    return f"{b.source_key} [{', '.join(region)}]{moved}{_steps(b)}"
 
 
 def _viewed(b: Block, shape) -> str:
     """A block that indexes its source's flat view (a reshape merged its dims): the source box it
     reads where it is one, else its flat map."""
-    steps = "".join(f" | {kind}({value if kind == 'cast' else f'{value:g}'})" for kind, value in b.steps)
+    steps = _steps(b)
     box = source_box(b, shape)
     if box is None:
         return f"{b.source_key} flattened, from {b.base[0]}, steps {list(b.coeff[0])}{steps}"
@@ -85,11 +79,5 @@ def _viewed(b: Block, shape) -> str:
     return f"{b.source_key} [{', '.join(region)}] flattened{steps}"
 
 
-def _dim_order(b: Block) -> list[int]:
-    """For each runtime dim, the source dim it walks (a transpose shows as a permutation)."""
-    order = []
-    for j in range(len(b.sizes)):
-        walking = [k for k, row in enumerate(b.coeff) if row[j]]
-        if len(walking) == 1:
-            order.append(walking[0])
-    return order
+def _steps(b: Block) -> str:
+    return "".join(f" | {kind}({value if kind == 'cast' else f'{value:g}'})" for kind, value in b.steps)

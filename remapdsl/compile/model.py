@@ -1,8 +1,7 @@
 """The compiled form every executor runs: runtime tensors tiled by blocks, and the bindings behind them.
 
-Frozen data: it serializes to JSON, and `digest()` is stable across processes for the same inputs.
-It keeps every checkpoint tensor a runtime tensor came from (key, file, dtype, shape) and the rule and
-captures that made it, so the save direction can read the same blocks backwards.
+Frozen data that serializes to JSON, with a `digest()` stable across processes. It keeps each checkpoint
+tensor and the rule and captures behind each runtime tensor, so a save can read the blocks backwards.
 """
 
 from __future__ import annotations
@@ -11,7 +10,6 @@ import bisect
 import hashlib
 from collections.abc import Iterable
 from dataclasses import dataclass, field
-from operator import attrgetter
 from typing import Annotated, Any, NamedTuple
 
 from pydantic import BaseModel, ConfigDict, Field
@@ -23,17 +21,10 @@ from ..records import Pickled
 FEW_BLOCKS = 16  # a runtime tensor with more blocks finds those meeting a box by bisection
 
 
-class _Frozen(BaseModel):
-    model_config = ConfigDict(frozen=True, extra="forbid")
-
-
 @dataclass(frozen=True, slots=True)
 class RuntimeTensor(Pickled):
-    """One runtime tensor: its shape and dtype, the blocks that tile it, the rule that made it.
-
-    A record (a slotted frozen dataclass, in JSON an object of its fields): a rule file that names
-    each checkpoint key makes one per key, 46,000-92,000 at DeepSeek-V3 scale. The compiler makes
-    each from the symbolic tensor its ops left, which tiles it by construction (`check_tiling`)."""
+    """One runtime tensor: its shape and dtype, the blocks that tile it, the rule that made it. A
+    record, not a model: a rule file naming each checkpoint key makes 46,000-92,000 at DeepSeek-V3 scale."""
 
     runtime_key: str
     shape: tuple[int, ...]
@@ -64,10 +55,8 @@ class CkptTensor(NamedTuple):
 
 
 class LogicalTensor(NamedTuple):
-    """A tensor the checkpoint does not store, made by a format from its parts (a `dequantize`
-    binding). Blocks name it by `logical_key` like a checkpoint tensor; `parts` are checkpoint keys in the
-    format's order (values first), `params` the format's evaluated arguments. A named tuple, as
-    `CkptTensor`: an FP8 DeepSeek-V3 makes ~45,000 of them."""
+    """A tensor a format makes from checkpoint parts (a `dequantize` binding), named by blocks like a
+    checkpoint tensor; `parts` in the format's order (values first). ~45,000 in an FP8 DeepSeek-V3."""
 
     logical_key: str
     format: str
@@ -105,13 +94,12 @@ class BoundRule(Pickled):
     runtime_keys: tuple[str, ...]
 
 
-class Compiled(_Frozen):
-    """Everything an executor needs, with no reference to the rule language.
+class Compiled(BaseModel):
+    """Everything an executor needs, with no reference to the rule language. The compiler builds it
+    with `model_construct` (validating its own records again costs up to 0.7 s at DeepSeek-V3 scale);
+    `model_validate_json` validates every field."""
 
-    A model without validators, over records the compiler made: it builds one with `model_construct`
-    (a normal construction would only check each of the records' fields again: up to 0.7 s at
-    DeepSeek-V3 scale); from JSON (`model_validate_json`) every field is validated.
-    """
+    model_config = ConfigDict(frozen=True, extra="forbid")
 
     runtime_tensors: tuple[RuntimeTensor, ...]  # sorted by runtime key
     ckpt_tensors: tuple[CkptTensor, ...]  # every checkpoint tensor, sorted by key
@@ -138,7 +126,7 @@ class Compiled(_Frozen):
         return {d.runtime_key: torch.empty(d.shape, dtype=getattr(torch, d.dtype), device=device) for d in chosen}
 
     def logical_by_key(self) -> dict[str, LogicalTensor]:
-        return dict(zip(map(attrgetter("logical_key"), self.logical), self.logical))
+        return {t.logical_key: t for t in self.logical}
 
     def digest(self) -> str:
         """sha256 of the canonical JSON form: equal for equal inputs, in any process."""

@@ -1,21 +1,14 @@
-"""`dequantize` statements -> logical sources: tensors the checkpoint does not store, made from a
-format's parts (packed values plus scales), that later rules take like any checkpoint tensor;
-`quantized` statements -> parts the rules move as stored, and the checks that no layout op or
-shard cuts their values inside a block.
-
-A binding with all parts becomes one logical source: its parts leave the pool of checkpoint keys
-and the logical key enters it, with the shape and dtype the format gives. A binding with the
-values but no scale is not quantized and passes through; scales without their values are an error.
+"""`dequantize` statements -> logical sources made from a format's parts (values plus scales), which
+take the parts' place among the checkpoint keys; `quantized` statements -> parts the rules move as
+stored, and the checks that no op or shard cuts their values inside a block. Values without a scale
+are not quantized and pass through; scales without their values are an error.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from itertools import chain, repeat
-from operator import attrgetter
 from typing import Any
 
-from ..errors import RemapError
 from ..language import RuleSet, ir
 from ..language.check import check_program
 from ..quant import FormatError, Part, QuantFormat, format_names, get_format
@@ -62,82 +55,41 @@ def bind_dequantize(s: ir.Dequantize, available: set[str], inventory_tensors, ev
     name = ev.namer(s.target)
     shape_of = _memo(lambda parts: tuple(fmt.logical_shape(parts, params)), inventory_tensors)
     plain = _plain_params(params)
-    if _at_once(s, fmt, params, plain, bindings, name, shape_of, available, logical):
-        return
-    made: dict[str, tuple] = {}  # logical key -> the fields of its LogicalTensor, all built at the end
-    try:
-        for captures, keys in bindings:
-            key = name(captures)
-            try:
-                shape = shape_of(keys)
-            except FormatError as exc:
-                error("E221", f"`{fmt.name}` does not fit the tensors of `{key}`: {exc}",
-                      s.format.span or s.span)
-                continue
-            if key in logical or key in made:
-                error("E223", f"logical tensor `{key}` is made twice (also by the statement at "
-                      f"{logical[key].rule if key in logical else s.span})", s.span)
-                continue
-            available.difference_update(keys)
-            if key in available:
-                error("E223", f"logical tensor `{key}` has the name of a checkpoint tensor it does not "
-                      "consume", s.span,
-                      "name the logical tensor after its values part, or after a free key")
-                continue
-            available.add(key)
-            made[key] = (key, fmt.name, plain, tuple(keys), shape, params["to"], s.span)
-    finally:  # what was made before an error stays made
-        logical.update(zip(made, map(LogicalTensor._make, made.values())))
-
-
-_CAPTURES, _KEYS = attrgetter("captures"), attrgetter("keys")
-
-
-def _at_once(s: ir.Dequantize, fmt, params, plain, bindings, name, shape_of, available: set[str],
-             logical: dict) -> bool:
-    """Take the bindings all at once where that gives what taking them one by one gives (False,
-    taking nothing, where it may not): each binding makes a new key that no other makes, takes
-    keys no other takes, fits the format, and makes a key that is no checkpoint key or one of its
-    own parts (`{P}.weight` from `{P}.weight`, ...)."""
-    try:
-        names = list(map(name, map(_CAPTURES, bindings)))
-        parts = list(map(_KEYS, bindings))
-        taken = list(chain.from_iterable(parts))
-        if len(set(names)) != len(names) or not logical.keys().isdisjoint(names) or len(set(taken)) != len(taken) \
-                or not all(key in keys for key, keys in zip(names, parts) if key in available):
-            return False
-        shapes = list(map(shape_of, parts))
-    except (FormatError, RemapError):  # reported one by one, with what was made before it
-        return False
-    available.difference_update(taken)
-    available.update(names)
-    rows = zip(names, repeat(fmt.name), repeat(plain), parts, shapes, repeat(params["to"]), repeat(s.span))
-    logical.update(zip(names, map(LogicalTensor._make, rows)))
-    return True
+    for captures, keys in bindings:
+        key = name(captures)
+        try:
+            shape = shape_of(keys)
+        except FormatError as exc:
+            error("E221", f"`{fmt.name}` does not fit the tensors of `{key}`: {exc}", s.format.span or s.span)
+            continue
+        if key in logical:
+            error("E223", f"logical tensor `{key}` is made twice (also by the statement at "
+                  f"{logical[key].rule})", s.span)
+            continue
+        available.difference_update(keys)
+        if key in available:
+            error("E223", f"logical tensor `{key}` has the name of a checkpoint tensor it does not "
+                  "consume", s.span,
+                  "name the logical tensor after its values part, or after a free key")
+            continue
+        available.add(key)
+        logical[key] = LogicalTensor(key, fmt.name, plain, tuple(keys), shape, params["to"], s.span)
 
 
 def _memo(compute: Callable[[list[Part]], Any], inventory_tensors) -> Callable[[tuple[str, ...]], Any]:
-    """`compute(parts)` of a binding's keys, remembered by the parts' dtypes and shapes: a format
-    decides from those alone (quant/format.py), and the weights of a model repeat a few of them.
-    A failure is not remembered, so each error names the keys that raised it."""
+    """`compute(parts)` of a binding's keys, remembered by the parts' dtypes and shapes (a format decides
+    from them alone, and a model repeats a few); a failure is not, so each error names its own keys."""
     known: dict[tuple, Any] = {}
 
     def of(keys: tuple[str, ...]) -> Any:
         infos = list(map(inventory_tensors.__getitem__, keys))
-        signature = tuple(map(_DTYPE_SHAPE, infos))
-        try:
-            found = known.get(signature)
-        except TypeError:  # a shape held as a list: not remembered
-            signature, found = None, None
+        signature = tuple((t.dtype, tuple(t.shape)) for t in infos)  # a shape may be held as a list
+        found = known.get(signature)
         if found is None:
-            found = compute([Part(k, t.dtype, tuple(t.shape)) for k, t in zip(keys, infos)])
-            if signature is not None:
-                known[signature] = found
+            parts = [Part(k, t.dtype, tuple(t.shape)) for k, t in zip(keys, infos)]
+            found = known[signature] = compute(parts)
         return found
     return of
-
-
-_DTYPE_SHAPE = attrgetter("dtype", "shape")
 
 
 def _bound(s: ir.Dequantize | ir.Quantized, available: set[str], ev: Evaluator, error: Callable[..., None]):
@@ -149,7 +101,13 @@ def _bound(s: ir.Dequantize | ir.Quantized, available: set[str], ev: Evaluator, 
               f"the statement names {len(s.sources)}", s.span)
         return fmt, params, []
     bound = bind(s.sources, available)
-    _stray_scales(bound, fmt, s, error)
+    for p in bound.partial:
+        if 0 in p.missing:  # scales (or another part) without the values they scale
+            captures = ", ".join(f"{k}={v}" for k, v in p.captures.items())
+            present = ", ".join(f"`{k}`" for k in p.present)
+            error("E222", f"`{p.present[0]}` has no `{fmt.parts[0]}` to scale: {{{captures}}} matches the "
+                  f"{fmt.name} parts {present} but not the first", s.span,
+                  "a quantized weight needs every part; drop stray scales with `drop`")
     bindings = bound.bindings
     if s.guard is not None:
         bindings = [b for b in bindings if ev.boolean(s.guard, b.captures)]
@@ -159,10 +117,6 @@ def _bound(s: ir.Dequantize | ir.Quantized, available: set[str], ev: Evaluator, 
 def _plain_params(params: dict[str, Any]) -> tuple:
     """A statement's evaluated arguments as the sorted (name, value) pairs a Compiled holds."""
     return tuple(sorted((k, tuple(v) if isinstance(v, (list, tuple)) else v) for k, v in params.items()))
-
-
-def _captures(captures: dict) -> str:
-    return "{" + ", ".join(f"{k}={v}" for k, v in captures.items()) + "}"
 
 
 def bind_quantized(s: ir.Quantized, available: set[str], inventory_tensors, ev: Evaluator,
@@ -201,7 +155,7 @@ def check_cuts(tensor, stored: dict[str, StoredQuantized], shape_of, error: Call
               "dequantize them first (`dequantize`), or keep them as separate tensors")
         return ()
     for block in tensor.blocks:
-        declared = stored.get(block.source_key) if block.source_key else None
+        declared = stored.get(block.source_key)
         if declared is None:
             continue
         extent = shape_of(block.source_key)
@@ -238,11 +192,3 @@ def _cut(error, declared, tensor, k, g, edge, where, low, j=None, at=None, n=1) 
           f"{declared.rule}){placed}: {where} offset {edge} falls inside a block", tensor.rule,
           f"a cut of block-scaled values must fall on a multiple of {g}; dequantize first to cut anywhere")
 
-
-def _stray_scales(bound, fmt, s, error) -> None:
-    for p in bound.partial:
-        if 0 in p.missing:  # scales (or another part) without the values they scale
-            error("E222", f"`{p.present[0]}` has no `{fmt.parts[0]}` to scale: "
-                  f"{_captures(p.captures)} matches the {fmt.name} parts "
-                  + ", ".join(f"`{k}`" for k in p.present) + " but not the first", s.span,
-                  "a quantized weight needs every part; drop stray scales with `drop`")

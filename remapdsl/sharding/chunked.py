@@ -1,9 +1,8 @@
 """A piece of a block over a chunked checkpoint tensor (DCP-sharded) -> one piece per chunk it touches.
 
-Where a piece's source range crosses chunk boundaries, it is cut along the runtime dim that moves the
-crossing source dim, at the exact crossing index, until each part lies in one chunk, then re-based
-into it: the cuts grow with the chunks a piece touches, never with its rows. A part's chunk is found
-by bisection in the grid of chunk edges, never by a scan.
+A piece crossing chunk edges is cut along the runtime dim moving the crossing source dim, at the
+crossing index, and each part re-based into its chunk (found by bisection in the grid of chunk edges):
+the cuts grow with the chunks a piece touches, never with its rows.
 """
 
 from __future__ import annotations
@@ -86,13 +85,8 @@ def split_by_chunks(piece: Block, chunks: tuple[Chunk, ...]) -> list[tuple[Block
 
 def _source_range(p: Block) -> tuple[list[int], list[int]]:
     """The lowest and highest source index, per source dim, the piece reads."""
-    lo, hi = list(p.base), list(p.base)
-    for k, row in enumerate(p.coeff):
-        for c, n in zip(row, p.sizes):
-            if c > 0:
-                hi[k] += c * (n - 1)
-            elif c < 0:
-                lo[k] += c * (n - 1)
+    lo = [b + sum(c * (n - 1) for c, n in zip(row, p.sizes) if c < 0) for b, row in zip(p.base, p.coeff)]
+    hi = [b + sum(c * (n - 1) for c, n in zip(row, p.sizes) if c > 0) for b, row in zip(p.base, p.coeff)]
     return lo, hi
 
 

@@ -1,8 +1,7 @@
 """A state dict and its placements -> what this rank holds of each runtime tensor, and what it writes.
 
-A DTensor says it itself; a plain tensor is whole, or, with a layout plan and a mesh, the shard the
-plan gives this rank. Every tensor is checked against the compiled shape and dtype before any byte
-moves. Tensors of one mesh, placement and shape share their boxes.
+A DTensor says it itself; a plain tensor is whole, or the shard a layout plan gives this rank on a
+mesh. Every tensor is checked against the compiled shape and dtype before any byte moves.
 """
 
 from __future__ import annotations
@@ -65,20 +64,14 @@ def hold(compiled: Compiled, tensors: Mapping[str, Any], layout: LayoutPlan | No
     # no DTensor exists unless its module was imported: do not pay that import (~0.5 s) otherwise
     dtensor_type = getattr(sys.modules.get("torch.distributed.tensor"), "DTensor", None)
     tensor_type = sys.modules["torch"].Tensor if dtensor_type is not None else None
-    if layout is None:
-        check_state_dict(compiled, tensors)
-    else:  # plain local shards: the checks see the global shape, with the local tensor's dtype
-        shapes = {d.runtime_key: d.shape for d in compiled.runtime_tensors}
-        check_state_dict(compiled, {k: _Global(shapes[k] if k in shapes else tuple(v.shape), v.dtype)
-                                   if hasattr(v, "dtype") and hasattr(v, "shape") else v
-                                   for k, v in tensors.items()})
+    check_state_dict(compiled, tensors, local_shards=layout is not None)
     coordinate = mesh.coordinate(rank) if layout is not None else None
-    by_spec: dict = {}
+    by_spec: dict = {}  # tensors of one mesh, placement and shape share their boxes
     placed: dict[str, Placed] = {}
     local: dict[str, Any] = {}
     problems = []
     for d in compiled.runtime_tensors:
-        tensor = tensors[d.runtime_key]
+        tensor = local[d.runtime_key] = tensors[d.runtime_key]
         if dtensor_type is not None and isinstance(tensor, dtensor_type):
             # the mesh by identity: hashing a DeviceMesh costs more than the rest of this loop
             spec = (id(tensor.device_mesh), tensor.placements, d.shape)
@@ -98,10 +91,8 @@ def hold(compiled: Compiled, tensors: Mapping[str, Any], layout: LayoutPlan | No
                                                    runtime_key=d.runtime_key),
                                        mesh.sizes, placements, mesh.rank, spec, coordinate)
             p = by_spec[spec]
-            local[d.runtime_key] = tensor
         else:
             p = Placed(whole_shard(d.shape), (), (), None, None)
-            local[d.runtime_key] = tensor
         placed[d.runtime_key] = p
         if local[d.runtime_key].shape != p.shard.shape:
             problems.append(Diagnostic(code="E233", span=d.rule, message=f"`{d.runtime_key}` is "
@@ -113,28 +104,25 @@ def hold(compiled: Compiled, tensors: Mapping[str, Any], layout: LayoutPlan | No
 
 
 def owned(holding: Holding, rank: int, spread_over: int = 0) -> dict[str, LocalShard]:
-    """What this rank writes of each runtime tensor on save: what it holds, if no lower rank holds the
-    same. Two ranks' boxes are identical exactly when their coordinates differ only on mesh dims that
-    replicate the tensor (else disjoint), so a region is written once, by the lowest of its replicas;
-    a tensor whole on every rank by rank 0. `spread_over` (an export: the job's rank count): the writing
-    replica is chosen by the key's hash instead, spreading replicated tensors over the ranks."""
+    """What this rank writes of each runtime tensor on save: what it holds, unless a lower replica holds
+    it too (ranks whose coordinates differ only on replicated mesh dims hold identical boxes, others
+    disjoint ones); whole tensors by rank 0. `spread_over` (an export: the job's rank count) picks the
+    replica by the key's hash instead, spreading replicated tensors over the ranks."""
     out: dict[str, LocalShard] = {}
     lowest: dict = {}
     for key, p in holding.placed.items():
         if p.rank_of is None:
-            if rank == (zlib.crc32(key.encode()) % spread_over if spread_over else 0):
-                out[key] = p.shard
+            writer = zlib.crc32(key.encode()) % spread_over if spread_over else 0
+        elif not p.shard.boxes:
             continue
-        if not p.shard.boxes:
-            continue
-        if spread_over:
+        elif spread_over:
             replicas = _replicas(p)
-            if replicas[zlib.crc32(key.encode()) % len(replicas)] == rank:
-                out[key] = p.shard
-            continue
-        if p.spec not in lowest:
-            lowest[p.spec] = min(_replicas(p)) == rank
-        if lowest[p.spec]:
+            writer = replicas[zlib.crc32(key.encode()) % len(replicas)]
+        else:
+            if p.spec not in lowest:
+                lowest[p.spec] = min(_replicas(p))
+            writer = lowest[p.spec]
+        if writer == rank:
             out[key] = p.shard
     return out
 
@@ -146,13 +134,13 @@ def _replicas(p: Placed) -> list[int]:
     return [p.rank_of(index) for index in product(*axes)]
 
 
-def check_state_dict(compiled: Compiled, tensors: Mapping[str, Any]) -> None:
+def check_state_dict(compiled: Compiled, tensors: Mapping[str, Any], local_shards: bool = False) -> None:
     """Every runtime tensor is in the state dict with the compiled shape and dtype, and every state-dict
-    tensor is made by a rule or named by `keep`; all problems at once."""
+    tensor is made by a rule or named by `keep`; all problems at once. `local_shards`: the tensors are
+    this rank's shards under a layout plan, whose shapes `hold` checks against the plan instead."""
     problems = []
     keep = [re.compile(p) for p in compiled.keep]
     produced = {d.runtime_key for d in compiled.runtime_tensors}
-    names: dict = {}  # torch dtype -> its name in the rules (`bfloat16`), found once a dtype
     for d in compiled.runtime_tensors:
         tensor = tensors.get(d.runtime_key)
         if tensor is not None and not (hasattr(tensor, "dtype") and hasattr(tensor, "shape")):
@@ -160,34 +148,22 @@ def check_state_dict(compiled: Compiled, tensors: Mapping[str, Any]) -> None:
                             f"{type(tensor).__name__} in the model, not a tensor",
                             hint="the state dict maps each runtime key to a torch tensor or a DTensor"))
             continue
-        if tensor is not None:
-            dtype = tensor.dtype
-            name = names.get(dtype)
-            if name is None:
-                name = names[dtype] = str(dtype).removeprefix("torch.")
-            if name == d.dtype and tensor.shape == d.shape:  # torch.Size is a tuple
-                continue
         if tensor is None:
             close = suggest(d.runtime_key, list(tensors))
             problems.append(Diagnostic(code="E230", span=d.rule, message=f"the rules produce "
                             f"`{d.runtime_key}`, but the model has no such tensor",
                             hint=f"did you mean `{close}`?" if close else None))
-        else:
+            continue
+        shape = d.shape if local_shards else tuple(tensor.shape)
+        dtype = str(tensor.dtype).removeprefix("torch.")
+        if (shape, dtype) != (d.shape, d.dtype):
             problems.append(Diagnostic(code="E232", span=d.rule, message=f"`{d.runtime_key}` is "
-                            f"{list(tensor.shape)} {str(tensor.dtype).removeprefix('torch.')} in the "
-                            f"model, but the rules make it {list(d.shape)} {d.dtype}",
-                            hint="add `| cast(...)` to the rule" if tuple(tensor.shape) == d.shape
-                            else None))
+                            f"{list(shape)} {dtype} in the model, but the rules make it {list(d.shape)} "
+                            f"{d.dtype}",
+                            hint="add `| cast(...)` to the rule" if shape == d.shape else None))
     for key in tensors:
         if key not in produced and not any(k.fullmatch(key) for k in keep):
             problems.append(Diagnostic(code="E231", message=f"model tensor `{key}` is produced by no "
                             "rule", hint="map it from the checkpoint, or name it in a `keep`"))
     if problems:
         raise BindError(problems)
-
-
-class _Global(NamedTuple):
-    """A stand-in with a sharded plain tensor's global shape, for the shape and dtype checks."""
-
-    shape: tuple[int, ...]
-    dtype: Any

@@ -1,21 +1,18 @@
 """An explicit, Hugging Face tp_plan-style layout plan: globs over runtime keys -> placements per mesh dim.
 
-For tools, tests and plain (non-DTensor) tensors: `layout_for` gives a runtime tensor's placements
-under a plan, `read_layout` reads a plan from JSON, `parse_mesh` a mesh from `dp=2,tp=4`.
-"""
+For plain (non-DTensor) tensors: `layout_for` gives a runtime tensor's placements under a plan,
+`read_layout` reads a plan from JSON, `parse_mesh` a mesh from `dp=2,tp=4`."""
 
 from __future__ import annotations
 
 import fnmatch
 import json
 import os
-import re
 from collections.abc import Mapping, Sequence
-from functools import cached_property
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import model_validator
+from pydantic import ValidationError, model_validator
 
 from ..errors import Diagnostic, RemapError, did_you_mean
 from .placements import REPLICATE, Mesh, Placement, Replicate, Shard, StridedShard, _fail, _Frozen, _normal_dim
@@ -79,47 +76,11 @@ class LayoutPlan(_Frozen):
                 rules.append(PlanRule(pattern=prefix + pattern, placements=value))
         return cls(rules=tuple(rules), mesh_dim=mesh_dim)
 
-    @cached_property
-    def _matcher(self) -> re.Pattern[str]:
-        return re.compile("|".join(f"(?P<r{i}>{_glob_regex(r.pattern)})" for i, r in enumerate(self.rules)))
-
     def match(self, runtime_key: str) -> PlanRule | None:
         """The first rule whose glob matches the key or the key's parent module (the key without its
         last `.segment`), or None."""
-        if not self.rules:
-            return None
-        found = [m for m in (self._matcher.fullmatch(runtime_key),) if m]
-        if "." in runtime_key:
-            found += [m for m in (self._matcher.fullmatch(runtime_key.rpartition(".")[0]),) if m]
-        if not found:
-            return None
-        return self.rules[min(int(m.lastgroup[1:]) for m in found)]  # type: ignore[index]
-
-
-def _glob_regex(pattern: str) -> str:
-    """fnmatch syntax as a regex without groups, to join many patterns in one alternation (`[seq]`
-    classes by fnmatch's own translation, so its quirks hold: `[]]`, `[!]]`, empty ranges)."""
-    out, i = [], 0
-    while i < len(pattern):
-        ch = pattern[i]
-        i += 1
-        if ch == "*":
-            out.append(".*")
-        elif ch == "?":
-            out.append(".")
-        elif ch == "[":
-            end = i + (pattern[i : i + 1] == "!")
-            end += pattern[end : end + 1] == "]"
-            end = pattern.find("]", end)
-            if end == -1:
-                out.append(re.escape(ch))
-                continue
-            translated = fnmatch.translate(pattern[i - 1 : end + 1])  # "(?s:<class>)\\Z"
-            out.append(translated[translated.index(":") + 1 : translated.rindex(")")])
-            i = end + 1
-        else:
-            out.append(re.escape(ch))
-    return "".join(out)
+        names = (runtime_key, runtime_key.rpartition(".")[0]) if "." in runtime_key else (runtime_key,)
+        return next((r for r in self.rules if any(fnmatch.fnmatchcase(n, r.pattern) for n in names)), None)
 
 
 def _style_placement(style: str, shape: Sequence[int], runtime_key: str) -> Shard | Replicate | StridedShard:
@@ -129,8 +90,7 @@ def _style_placement(style: str, shape: Sequence[int], runtime_key: str) -> Shar
         return REPLICATE
     if style == "packed_colwise" and ndim == 1:
         return Shard(dim=0)  # transformers shards a packed 1-D bias plainly
-    need = {"colwise": 1, "embedding_colwise": 2}.get(style, 1)
-    if ndim < need:
+    if ndim < (2 if style == "embedding_colwise" else 1):
         raise _fail("E405", f"style `{style}` cannot shard a {ndim}-d tensor", path=runtime_key)
     if style == "colwise":
         return Shard(dim=max(ndim - 2, 0))
@@ -160,12 +120,10 @@ def layout_for(runtime_key: str, shape: Sequence[int], plan: LayoutPlan,
         if len(rule.placements) != len(mesh.sizes):
             raise _fail("E403", f"rule `{rule.pattern}` gives {len(rule.placements)} placements for a "
                         f"{len(mesh.sizes)}-d mesh", "give one placement per mesh dim", runtime_key)
-        ndim = len(shape)
-        for p in rule.placements:
-            if type(p) is not Replicate:
-                _normal_dim(p.dim, ndim, p, runtime_key)
-        return tuple(p if type(p) is Replicate or p.dim >= 0 else p.model_copy(update={"dim": p.dim + ndim})
-                     for p in rule.placements)
+        dims = [None if type(p) is Replicate else _normal_dim(p.dim, len(shape), p, runtime_key)
+                for p in rule.placements]
+        return tuple(p if d is None or d == p.dim else p.model_copy(update={"dim": d})
+                     for p, d in zip(rule.placements, dims))
     on = mesh.index(rule.mesh_dim or plan.mesh_dim)
     placement = _style_placement(rule.style, shape, runtime_key)  # type: ignore[arg-type]
     return tuple(placement if i == on else REPLICATE for i in range(len(mesh.sizes)))
@@ -185,8 +143,6 @@ def parse_mesh(text: str) -> Mesh:
 
 def read_layout(path: str | os.PathLike) -> LayoutPlan:
     """A layout plan from JSON: {"mesh_dim": "tp", "plan": {glob: style or [placements]}}."""
-    from pydantic import ValidationError
-
     kinds = {"shard": Shard, "replicate": Replicate, "strided_shard": StridedShard}
     try:
         data = json.loads(Path(path).read_text(encoding="utf-8"))
@@ -194,7 +150,5 @@ def read_layout(path: str | os.PathLike) -> LayoutPlan:
                 [kinds[p.pop("kind")](**p) for p in value] for glob, value in data["plan"].items()}
         return LayoutPlan.from_mapping(plan, mesh_dim=data.get("mesh_dim", "tp"))
     except (OSError, ValueError, KeyError, TypeError, AttributeError, ValidationError) as exc:
-        if isinstance(exc, RemapError):
-            raise
         raise RemapError(Diagnostic(code="E409", path=str(path), message=f"cannot read the layout: {exc}",
                                     hint='expected {"mesh_dim": "tp", "plan": {"*.q_proj": "colwise"}}')) from None
