@@ -107,7 +107,9 @@ def _dtensors_on_ranks(rank: int, world: int, cases: list) -> dict:
         full = torch.arange(math.prod(shape), dtype=torch.int64).reshape(shape)
         try:
             mesh = meshes[mesh_shape]
-            d = distribute_tensor(full, mesh, [_torch_placement(p) for p in placements])
+            # every rank holds the same `full`: torch splits it on each rank (`src_data_rank=None`)
+            # as it would have split it on rank 0 to scatter, with no collective per case to wait on
+            d = distribute_tensor(full, mesh, [_torch_placement(p) for p in placements], src_data_rank=None)
             layout = placements_from_dtensor(d)
             assert layout.mesh.sizes == mesh_shape and layout.shape == shape
             assert layout.coordinate == tuple(mesh.get_coordinate())
