@@ -223,14 +223,16 @@ def _fails_on_rank_1(rank: int, world: int, word: str) -> int:
     return rank * 10
 
 
+TP = {"*.self_attn.q_proj": "colwise", "*.self_attn.o_proj": "rowwise",
+      "*.mlp.experts.gate_up_proj": "packed_colwise", "*.mlp.experts.down_proj": "rowwise"}
+
+
 @pytest.mark.distributed
 @pytest.mark.remapdsl_distributed
 def test_sharded_loads_equal_the_whole_load_on_two_gloo_ranks(remapdsl_ranks, tmp_path):
-    tp = {"*.self_attn.q_proj": "colwise", "*.self_attn.o_proj": "rowwise",
-          "*.mlp.experts.gate_up_proj": "packed_colwise", "*.mlp.experts.down_proj": "rowwise"}
-    reports = assert_sharded_equals_whole(QWEN3_RULES, TINY, tp, mesh={"tp": 2})
-    assert len(reports) == 2 and all(r["bytes_read"] == r["bytes_owned"] > 0 for r in reports)
-    # the default layout (every tensor cut on every mesh dim), a 2-d mesh, a random scaled-down checkpoint
+    """Under a tp_plan-style layout, the sharded load's checks run in the round trip below (one
+    spawn for both); here the default layout (every tensor cut on every mesh dim), a 2-d mesh, a
+    random scaled-down checkpoint."""
     folder = write_checkpoint(TINY, tmp_path / "random", seed=7, experts=3)
     reports = assert_sharded_equals_whole(QWEN3_RULES, folder, mesh="dp=1,tp=2")
     assert sum(r["bytes_owned"] for r in reports) == sum(t.nbytes for t in remapdsl.open_checkpoint(folder).tensors.values())
@@ -241,13 +243,15 @@ def test_sharded_loads_equal_the_whole_load_on_two_gloo_ranks(remapdsl_ranks, tm
 
 @pytest.mark.distributed
 def test_a_sharded_save_of_the_sharded_load_gives_the_checkpoint_back_and_names_a_lossy_cast(tmp_path):
-    tp = {"*.self_attn.q_proj": "colwise", "*.mlp.experts.gate_up_proj": "packed_colwise"}
-    reports = assert_sharded_round_trip(QWEN3_RULES, TINY, tp, mesh={"tp": 2})
-    assert len(reports) == 2 and sum(r["bytes_written"] for r in reports) > 0
+    """The round trip runs `assert_sharded_equals_whole`'s checks of the load first (each shard
+    equals the whole load sliced, each rank read exactly the bytes it owns), then the save."""
+    reports = assert_sharded_round_trip(QWEN3_RULES, TINY, TP, mesh={"tp": 2})
+    assert len(reports) == 2 and all(r["bytes_read"] == r["bytes_owned"] > 0 for r in reports)
+    assert sum(r["bytes_written"] for r in reports) > 0
     lossy = wrong_rules(tmp_path, QWEN3_RULES, "model.norm.weight -> model.norm.weight",
                         "model.norm.weight -> model.norm.weight | cast(float16)")
     with pytest.raises(AssertionError) as info:
-        assert_sharded_round_trip(lossy, TINY, tp, mesh={"tp": 2})
+        assert_sharded_round_trip(lossy, TINY, TP, mesh={"tp": 2})
     assert "the sharded save failed" in str(info.value) and "E502" in str(info.value)
     assert "model.norm.weight" in str(info.value)
 
