@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from gloo import each_backend
 
 import remapdsl
 from remapdsl.drivers import load as load_driver
@@ -152,10 +153,32 @@ def _ranks_prepare_again_together(rank: int, world: int, folder: str, backend_no
     return {"codes": []}
 
 
+def _under_each_backend(rank: int, world: int, folder: str) -> dict:
+    """`_ranks_prepare_again_together` under each default group in turn (plain gloo, then
+    `cuda:gloo`, NCCL's device contract), each in a folder of its own: backend -> what it returned,
+    and the failures (a traceback) of any that raised."""
+    results = {}
+
+    def run(backend: str) -> list[str]:
+        own = Path(folder) / backend.replace(":", "-")
+        own.mkdir(exist_ok=True)
+        results[backend] = _ranks_prepare_again_together(rank, world, str(own), backend)
+        return []
+
+    return {"results": results, "failures": each_backend(rank, world, folder, run)}
+
+
+@pytest.fixture(scope="module")
+def prepared_again(tmp_path_factory) -> list[dict]:
+    """Each rank's results of the one spawn of two ranks that runs the case under both backends."""
+    return run_ranks(_under_each_backend, 2, str(tmp_path_factory.mktemp("prepared")), timeout=120)
+
+
 @pytest.mark.distributed
 @pytest.mark.parametrize("backend", ["gloo", "cuda:gloo"])
-def test_a_change_seen_by_one_rank_prepares_every_rank_again(backend, tmp_path):
-    results = run_ranks(_ranks_prepare_again_together, 2, str(tmp_path), backend, backend=backend, timeout=60)
+def test_a_change_seen_by_one_rank_prepares_every_rank_again(backend, prepared_again):
+    assert not [f for r in prepared_again for f in r["failures"]], prepared_again
+    results = [r["results"][backend] for r in prepared_again]
     assert [r["codes"] for r in results] == [["E410"], ["E410"]]
     assert all("rules1.remap" in r["text"] or "line" in r["text"] for r in results)
 
