@@ -96,7 +96,7 @@ def compile_rules(rules: str | os.PathLike | RuleSet, checkpoint: str | os.PathL
     """
     inventory = open_checkpoint(checkpoint)
     rules = rules_for(rules, inventory, config)
-    ruleset = rules if isinstance(rules, RuleSet) else load_rules(rules)
+    ruleset = rules if isinstance(rules, RuleSet) else _load_rules(rules)  # compiling checks the format calls
     return _compile_rules(ruleset, inventory, checkpoint_config(inventory) if config is None else config,
                           strict=strict)
 
