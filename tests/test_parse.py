@@ -239,3 +239,58 @@ def test_every_terminal_has_a_name_of_the_grammar():
     names = {t.name for t in lark_parser().terminals}
     assert not {n for n in names if n.startswith("__")}
     assert {"ARROW", "EQUAL", "COMMA", "WHEN"} <= names
+
+
+def test_parser_from_built_tables_parses_every_shipped_rule_file_as_the_grammar_does(monkeypatch):
+    """The tables built with the package (language/tables.py) stand in for building the parser
+    from the grammar: the same IR for every shipped rule file, the same syntax error."""
+    from pathlib import Path
+
+    from lark import Lark
+
+    from remapdsl.language import parser, tables
+    from remapdsl.language.builder import Builder
+    from remapdsl.language.lexer import RuleLexer
+
+    grammar = parser.grammar_text()
+    built = tables.parser_from_tables(tables.tables_json(grammar), grammar, RuleLexer, Builder())
+    from_grammar = Lark(grammar, lexer=RuleLexer, transformer=Builder(), **tables.OPTIONS)
+    root = Path(__file__).parent.parent
+    files = sorted(root.glob("rules/*.remap")) + sorted(root.glob("examples/**/*.remap"))
+    outcomes = []
+    for lark_parser in (built, from_grammar):
+        monkeypatch.setattr(parser, "lark_parser", lambda: lark_parser)
+        rule_files = [parse_text(path.read_text(), str(path)) for path in files]
+        with pytest.raises(RemapError) as info:
+            parse_text("a.{L}.b -> c.{L}\n    | concat(dim=\nx -> y\n", "t.remap")
+        outcomes.append((rule_files, str(info.value)))
+    assert built is not from_grammar and len(files) > 15
+    assert outcomes[0] == outcomes[1] and "E0" in outcomes[0][1]
+
+
+def test_tables_of_another_grammar_or_another_lark_are_not_used():
+    import json
+
+    from remapdsl.language import tables
+    from remapdsl.language.builder import Builder
+    from remapdsl.language.lexer import RuleLexer
+    from remapdsl.language.parser import grammar_text
+
+    grammar = grammar_text()
+    text = tables.tables_json(grammar)
+    assert tables.parser_from_tables(text, grammar + "\n// edited\n", RuleLexer, Builder()) is None
+    other_lark = json.loads(text)
+    other_lark["key"][1] = "0.0.1"
+    assert tables.parser_from_tables(json.dumps(other_lark), grammar, RuleLexer, Builder()) is None
+
+
+def test_the_install_built_this_grammars_tables():
+    """`pip install` runs hatch_build.py, which writes them beside the grammar: a process then reads
+    them instead of building the tables at its first parse (0.08 s)."""
+    import json
+
+    from remapdsl.language import parser, tables
+
+    text = parser._shipped(tables.FILE_NAME)
+    assert text is not None, "no parser tables beside the grammar: install with pip (hatch_build.py)"
+    assert json.loads(text)["key"] == tables._key(parser.grammar_text())

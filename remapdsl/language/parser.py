@@ -21,26 +21,37 @@ from .comments import attach_trivia
 from .context import CONTEXT, Context
 from .lexer import RuleLexer
 from .syntax import syntax_diagnostic
+from .tables import FILE_NAME, OPTIONS, parser_from_tables
 
-_GRAMMAR_LOCATIONS = (
-    Path(__file__).parent.parent / "grammars" / "remap.lark",  # installed wheel
-    Path(__file__).parent.parent.parent / "grammars" / "remap.lark",  # source tree, editable install
+_GRAMMAR_FOLDERS = (
+    Path(__file__).parent.parent / "grammars",  # installed wheel
+    Path(__file__).parent.parent.parent / "grammars",  # source tree, editable install
 )
 
 
 def grammar_text() -> str:
     """The grammar shipped with the package."""
-    for location in _GRAMMAR_LOCATIONS:
-        if location.is_file():
-            return location.read_text(encoding="utf-8")
-    raise FileNotFoundError(f"remap.lark not found in {[str(p) for p in _GRAMMAR_LOCATIONS]}")
+    text = _shipped("remap.lark")
+    if text is None:
+        raise FileNotFoundError(f"remap.lark not found in {[str(p) for p in _GRAMMAR_FOLDERS]}")
+    return text
 
 
 @functools.cache
 def lark_parser() -> Lark:
-    """The parser, built at its first use in the process (the only module-level state: immutable;
-    its callbacks are stateless). Nothing is read from or written to disk but the grammar."""
-    return Lark(grammar_text(), parser="lalr", lexer=RuleLexer, transformer=Builder(), maybe_placeholders=True)
+    """The parser, made at its first use in the process from the tables built with the package, or
+    from the grammar where they are missing or not this grammar's and this Lark's (immutable; its
+    callbacks are stateless). Nothing is written anywhere."""
+    grammar, tables = grammar_text(), _shipped(FILE_NAME)
+    parser = tables and parser_from_tables(tables, grammar, RuleLexer, Builder())
+    return parser or Lark(grammar, lexer=RuleLexer, transformer=Builder(), **OPTIONS)
+
+
+def _shipped(name: str) -> str | None:
+    for folder in _GRAMMAR_FOLDERS:
+        if (folder / name).is_file():
+            return (folder / name).read_text(encoding="utf-8")
+    return None
 
 
 def parse_text(text: str, path: str = "<text>") -> ir.RuleFile:
