@@ -145,13 +145,13 @@ class _Compiler:
         """Bind one rule against `keys` (the pool's), build its runtime tensors; return the
         checkpoint keys it consumed.
 
-        A guard that reads no capture is evaluated once: false switches the rule off (its patterns
-        need not match). A guard over captures filters the bindings, complete or partial; where a
+        A guard that reads no capture, or an `and` term of it that reads none, is evaluated once:
+        false switches the rule off (its patterns need not match). A guard over captures filters the bindings, complete or partial; where a
         pattern matched nothing, the rule is off when no binding the others found satisfies it."""
         guard, note = rule.guard, None
+        if guard is not None and guard_off(guard, rule, self.evaluator):
+            return set()
         if guard is not None and not captures_read(guard, rule):
-            if not self.evaluator.boolean(guard, {}):
-                return set()
             guard, note = None, f"its guard `{self.source_text(guard)}` holds for this config"
         bindings, partial, unmatched, ambiguous = bind(rule.sources, keys)
         if ambiguous:  # named in key order, whatever order the keys were scanned in
@@ -414,6 +414,21 @@ def captures_read(guard: ir.Node, rule: ir.Rule) -> bool:
     """Whether a guard reads a capture of the rule's sources."""
     bound = {part.name for p in rule.sources for part in p.parts if isinstance(part, ir.Capture)}
     return any(name.id in bound for name in names_in(guard))
+
+
+def guard_off(guard: ir.Node, rule: ir.Rule, evaluator: Evaluator, alone: bool = True) -> bool:
+    """Whether a guard is false for every binding: it reads no capture and is false for this config,
+    or an `and` term of it is (a prefix's capture guard joined with a rule's config guard). A term
+    that fails to evaluate alone decides nothing: the bindings evaluate it in the whole guard."""
+    if not captures_read(guard, rule):
+        try:
+            return not evaluator.boolean(guard, {})
+        except BindError:
+            if alone:
+                raise
+            return False
+    return isinstance(guard, ir.BoolOp) and guard.op == "and" and (
+        guard_off(guard.left, rule, evaluator, False) or guard_off(guard.right, rule, evaluator, False))
 
 
 def _taken(bindings, partial) -> set[str]:

@@ -21,7 +21,7 @@ from ..language import ir
 from ..language.includes import RuleSet
 from .apply import by_capture, expand_macros
 from .bind import KeyPool, bind, compile_pattern, list_axis
-from .compiler import captures_read, compile_rules, drops, names_in, target_key
+from .compiler import captures_read, compile_rules, drops, guard_off, names_in, target_key
 from .evaluate import Evaluator, evaluate_lets
 
 _log = logging.getLogger("remapdsl")
@@ -114,7 +114,7 @@ class _Deriver:
     def rule(self, rule: ir.Rule, pool: KeyPool, runtime: Mapping[str, Entry], failures: dict) -> list:
         """The groups this rule derives: (checkpoint key -> entry, the runtime keys it makes)."""
         guard = rule.guard
-        if guard is not None and not captures_read(guard, rule) and not self.evaluator.boolean(guard, {}):
+        if guard is not None and guard_off(guard, rule, self.evaluator):
             return []
         ops = expand_macros(rule.ops, self.macros, self.evaluator.config, self.lets, self.rules.line_text)
         unstacked = [op.capture for op, _ in ops if isinstance(op, ir.Unstack)]
