@@ -13,7 +13,7 @@ from ..sharding.holdings import hold
 from ..sharding.plans import make_load_plan
 from ..gcpause import frozen_heap
 from ..runtime import bounds, dist
-from .prepare import check_mesh, layout_agreement, tensors_of
+from .prepare import HeldTogether, check_mesh, tensors_of
 from ..runtime.read import run_load_plan
 from ..runtime.staging import Rings, staging_within
 
@@ -45,7 +45,7 @@ def load(prepared, state_dict, *, layout=None, mesh=None, read_replicated_once: 
         def read():
             start = time.perf_counter()
             check_mesh(mesh)
-            holding = hold(compiled, tensors, layout, mesh, rank)
+            holding = hold(compiled, tensors, layout, mesh, rank, whole=not dist.active())
             held = holding.held()
             shared = holding.everywhere() if read_replicated_once and dist.active() else []
             if rank != 0:  # rank 0 reads what every rank holds whole, and broadcasts it
@@ -54,15 +54,15 @@ def load(prepared, state_dict, *, layout=None, mesh=None, read_replicated_once: 
             plan = prepared.kept("load", (held, rank), lambda: make_load_plan(compiled, inventory, held, rank))
             with Rings(staging) as rings:
                 run_load_plan(plan, inventory, holding.local, rings=rings)
-            report = LoadReport(loaded=tuple(d.runtime_key for d in compiled.runtime_tensors),
+            report = LoadReport(loaded=tuple(d.runtime_key for d in compiled.runtime_tensors if d.runtime_key in holding.placed),
                                 ckpt_keys=tuple(sorted({i.ckpt_key for i in plan.items if i.ckpt_key}
                                                        | {p.ckpt_key for i in plan.decodes for p in i.parts})),
                                 bytes_read=plan.bytes_read, bytes_owned=plan.bytes_owned,
                                 scale_bytes_read=plan.scale_bytes_read, rank=rank, rules=prepared.rules_path,
                                 seconds=time.perf_counter() - start)
-            return report, [holding.local[k] for k in shared], holding
+            return report, [holding.local[k] for k in shared], holding, shared
 
-        report, shared, _ = dist.together(read, agree_on=layout_agreement("tensor layouts", lambda r: r[2], mesh),
-                                          phase="reading")
+        together = HeldTogether(compiled, lambda r: r[2], mesh, read_once=lambda r: r[3])
+        report, shared, _, _ = dist.together(read, joint=together.joint(), phase="reading")
         dist.broadcast_from_first(shared)  # after every rank's reads succeeded, so none waits in vain
         return report

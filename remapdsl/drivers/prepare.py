@@ -4,18 +4,21 @@ the rules compiled identically on every rank, the ranks agreeing on it; a failur
 
 from __future__ import annotations
 
+import functools
 import hashlib
+import itertools
 import json
 import logging
+import operator
 import os
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import Any, NamedTuple
 
 from ..checkpoint import Inventory, open_inventory, read_config
 from ..checkpoint.snapshot import config_of
 from ..compile import Compiled, compile_rules
-from ..errors import Diagnostic, RemapError, shorten
+from ..errors import BindError, Diagnostic, RemapError, shorten
 from ..language.includes import RuleSet, load_rules, rule_texts
 from ..language.library import AUTO, choose_rules
 
@@ -226,34 +229,106 @@ def _mesh_text(mesh) -> str:
     return "`" + ", ".join(f"{n}={s}" for n, s in zip(mesh.names, mesh.sizes)) + "`"
 
 
-def layout_agreement(what: str, holding_of: Callable[[Any], Any], mesh=None):
-    """The ranks' agreement on each runtime tensor's mesh sizes and placements as each rank's holding says (a
-    DTensor's, or its layout plan's), and on the `mesh` argument: else E410 on every rank, before the plans
-    are used, naming the meshes and the tensors that differ."""
-    from ..runtime import dist
+class HeldTogether:
+    """What the ranks check together about what they hold, riding on one phase's exchange (`joint()`):
+    every runtime tensor held by some rank (else E230, naming the first no rank holds), each placed alike
+    by every rank that holds it (a DTensor's mesh sizes and placements, or its layout plan's) and the same
+    `mesh` argument on every rank (else E410, naming the tensors and the ranks). Afterwards `holders` says
+    which rank holds what where some rank holds only part (pipeline stages); None where each holds all."""
 
-    def describe(result) -> dict[str, str]:
+    def __init__(self, compiled, holding_of: Callable[[Any], Any], mesh=None,
+                 read_once: Callable[[Any], list[str]] | None = None):
+        self.keys = [d.runtime_key for d in compiled.runtime_tensors]
+        self.holding_of, self.mesh, self.read_once = holding_of, mesh, read_once
+        self.holders = None
+
+    def joint(self):
+        from ..runtime import dist
+
+        return dist.Joint(self.part, self.check)
+
+    def part(self, result) -> tuple[str, dict[str, int], int]:
+        """The mesh given (a malformed one fails here, in the phase), per placement the tensors this rank
+        holds so, as the bits of their positions among the runtime tensors, and those `read_once` names
+        (a load's `read_replicated_once`: rank 0 reads them for every rank)."""
+        index = {key: i for i, key in enumerate(self.keys)}
         shown: dict[int, str] = {}  # tensors of one spec share their Placed: described once
-        out = {}
-        for runtime_key, p in holding_of(result).placed.items():
+        placed: dict[str, int] = {}
+        for key, p in self.holding_of(result).placed.items():
             text = shown.get(id(p))
             if text is None:
                 text = shown[id(p)] = f"mesh {list(p.sizes)} {', '.join(map(_placement, p.placements)) or 'whole'}"
-            out[runtime_key] = text
-        return out
+            placed[text] = placed.get(text, 0) | 1 << index[key]
+        once = sum(1 << index[key] for key in self.read_once(result)) if self.read_once else 0
+        return ("none" if self.mesh is None else _mesh_text(self.mesh)), placed, once
 
-    def explain(aspect: str, details: dict[int, Any]) -> list[str]:
-        if aspect == "mesh":
-            return _per_rank(details, lambda ours, theirs: [f"mesh {ours} vs {theirs}"], "mesh")
-        return _per_rank(details, lambda ours, theirs: _mapping_difference(ours, theirs, "tensor"), "tensor")
+    def check(self, parts: list[tuple[str, dict[str, int], int]]) -> None:
+        from ..runtime.bounds import ranks_text
+        from ..sharding.holdings import Holders
 
-    def given() -> str:  # inside the phase: a malformed mesh fails there, on every rank together
-        return "none" if mesh is None else _mesh_text(mesh)
+        lines = _placement_lines(self.keys, parts) + _mesh_lines(parts)
+        differ = [r for r, part in enumerate(parts) if part[2] != parts[0][2]]
+        if differ:  # rank 0 would read tensors for ranks that do not hold them, or miss some
+            lines.append(f"read_replicated_once: the tensors every rank holds whole differ on "
+                         f"{ranks_text(differ)} from rank 0's (each rank must hold the same ones)")
+        if lines:
+            raise RemapError(Diagnostic(
+                code="E410", message="ranks disagree on the tensor layouts:\n" + "\n".join(lines),
+                hint="every rank that holds a tensor must place it alike (the same layout plan and mesh, or "
+                     "DTensors of one mesh and the same placements)"))
+        held = [functools.reduce(operator.or_, placed.values(), 0) for _, placed, _ in parts]
+        every = (1 << len(self.keys)) - 1
+        missing = every & ~functools.reduce(operator.or_, held, 0)
+        if missing:
+            keys = [self.keys[i] for i in _bits(missing)]
+            shown = ", ".join(f"`{k}`" for k in keys[:MAX_LISTED]) + (
+                f" (and {len(keys) - MAX_LISTED} more)" if len(keys) > MAX_LISTED else "")
+            raise BindError(Diagnostic(
+                code="E230", message=f"the rules produce {len(keys)} runtime tensor{'s' if len(keys) > 1 else ''} "
+                f"that no rank holds: {shown}",
+                hint="each runtime tensor must be in the state dict of at least one rank (a pipeline stage "
+                     "holds its layers, the stages together the whole model)"))
+        if any(h != every for h in held):
+            self.holders = Holders(held, {key: i for i, key in enumerate(self.keys)})
 
-    return dist.Agreement(what, lambda result: {"layout": _sha(describe(result)), "mesh": _sha(given())},
-                          lambda result, aspect: given() if aspect == "mesh" else describe(result), explain,
-                          hint="every rank must place each tensor alike (the same layout plan and mesh, or "
-                               "DTensors of one mesh and the same placements)")
+
+def _bits(value: int) -> Iterator[int]:
+    """The positions of the bits set in `value`, lowest first."""
+    while value:
+        low = value & -value
+        yield low.bit_length() - 1
+        value ^= low
+
+
+def _placement_lines(keys: list[str], parts) -> list[str]:
+    """`rank a vs rank b: tensor `k`: `placement` vs `placement``, for the tensors two ranks place
+    differently (MAX_LISTED of them; the rest counted)."""
+    union: dict[str, int] = {}
+    for _, placed, _ in parts:
+        for text, bits in placed.items():
+            union[text] = union.get(text, 0) | bits
+    lines, more = [], 0
+    for a, b in itertools.combinations(sorted(union), 2):
+        for i in _bits(union[a] & union[b]):
+            if len(lines) == MAX_LISTED:
+                more += 1
+                continue
+            ra = next(r for r, part in enumerate(parts) if part[1].get(a, 0) >> i & 1)
+            rb = next(r for r, part in enumerate(parts) if part[1].get(b, 0) >> i & 1)
+            (ra, a_text), (rb, b_text) = sorted([(ra, a), (rb, b)])
+            lines.append(f"  rank {ra} vs rank {rb}: tensor `{keys[i]}`: `{a_text}` vs `{b_text}`")
+    if more:
+        lines.append(f"  and {more} more tensor{'s' if more > 1 else ''}")
+    return ["layout: tensors placed differently by different ranks", *lines] if lines else []
+
+
+def _mesh_lines(parts) -> list[str]:
+    """Each rank whose `mesh` argument differs from rank 0's, as `rank 0 vs rank r: mesh A vs B`."""
+    first = parts[0][0]
+    lines = [f"  rank 0 vs rank {r}: mesh {first} vs {part[0]}" for r, part in enumerate(parts) if part[0] != first]
+    more = len(lines) - MAX_LISTED
+    return ["mesh: ranks given different meshes", *lines[:MAX_LISTED],
+            *([f"  and {more} more rank{'s' if more > 1 else ''}"] if more > 0 else [])] if lines else []
 
 
 def _placement(placement) -> str:

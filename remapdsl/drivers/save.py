@@ -27,7 +27,7 @@ from ..sharding.holdings import hold, owned
 from ..sharding.plans import make_write_plan
 from ..sizes import parse_size
 from ..runtime import bounds, dist
-from .prepare import check_mesh, layout_agreement, prepare_everywhere, tensors_of
+from .prepare import HeldTogether, check_mesh, prepare_everywhere, tensors_of
 from ..runtime.write import run_write_plan
 
 _log = logging.getLogger("remapdsl")
@@ -61,20 +61,25 @@ def save(prepared, state_dict, folder, *, rules=None, like=None, config=None, la
         inventory, compiled, _ = prepared.current()
         rank, world = dist.rank(), dist.world_size()
 
-        def plan():
+        def place():
             check_dropped(dropped)
             check_mesh(mesh)
             chosen = prepared.kept("writers", (allow_lossy, requantize, dropped), lambda: writers_paused(
                 compiled, allow_lossy=allow_lossy, requantize=requantize, dropped=dropped))
             out = derived or prepared.kept("output", (dropped, requantize),
                                            lambda: output_checkpoint(compiled, inventory, dropped, requantize))
-            holding = hold(compiled, tensors, layout, mesh, rank)
-            mine = owned(holding, rank)
-            return prepared.kept("save", (allow_lossy, requantize, dropped, mine, rank), lambda: make_write_plan(
-                chosen, out.inventory, mine, rank, compiled.logical_by_key(), requantize)), out, holding
+            return chosen, out, hold(compiled, tensors, layout, mesh, rank, whole=not dist.active())
 
-        plan, out, holding = dist.together(plan, agree_on=layout_agreement("tensor layouts", lambda r: r[2], mesh),
-                                           phase="planning the writes")
+        # which rank writes a tensor held by several follows from what all hold: known after this exchange
+        together = HeldTogether(compiled, lambda placed: placed[2], mesh)
+        chosen, out, holding = dist.together(place, joint=together.joint(), phase="placing the tensors")
+
+        def plan():
+            mine = owned(holding, rank, holders=together.holders)
+            return prepared.kept("save", (allow_lossy, requantize, dropped, mine, rank), lambda: make_write_plan(
+                chosen, out.inventory, mine, rank, compiled.logical_by_key(), requantize))
+
+        plan = dist.together(plan, phase="planning the writes")
         copies = copy_share(compiled, inventory, out.inventory, dropped, requantize, rank, world)
         copied = sum(piece[-1] for piece in copies)
         reader = CheckpointReader(inventory)
@@ -175,8 +180,15 @@ def prepared_checkpoint(rules, like, config, tensors, layout, root: Path, max_sh
     given, check = like, check or (lambda: None)
     if like is None and config is None:
         config = {}
+    # a pipeline stage holds only its tensors: a derived layout follows from every rank's shapes
+    runtime: dict[str, tuple] = {}
+    for shapes in dist.gather_all({} if like is not None else {
+            k: (tuple(v.shape), str(v.dtype).removeprefix("torch.")) for k, v in tensors.items()
+            if hasattr(v, "shape") and hasattr(v, "dtype")}, "sharing the runtime tensors' shapes"):
+        for key, shape in shapes.items():
+            runtime.setdefault(key, shape)
     derived = dist.from_first(lambda: (check(), None if given is not None else derived_checkpoint(
-        rules, config, tensors, layout, root, max_shard_size))[1], "deriving the checkpoint layout")
+        rules, config, runtime, layout, root, max_shard_size))[1], "deriving the checkpoint layout")
     like = like if derived is None else derived.inventory
     # not strict: a checkpoint tensor no rule reads is the save's own error (E501)
     ready = prepare_everywhere(rules, like, config, strict=False, on_disk=derived is None,
@@ -193,9 +205,9 @@ def same_like(like, derived) -> None:
                                     hint="give every rank the same `like`, or none to derive the layout"))
 
 
-def derived_checkpoint(rules, config, tensors, layout, folder: Path, max_shard_size: int | str) -> NewCheckpoint:
+def derived_checkpoint(rules, config, runtime, layout, folder: Path, max_shard_size: int | str) -> NewCheckpoint:
     """The files a save without `like` writes: the tensors the rules derive from the runtime tensors'
-    global shapes (compile/derive.py), sharded as Hugging Face shards."""
+    global shapes and dtypes (`runtime`, every rank's), sharded as Hugging Face shards."""
     if layout is not None:
         raise RemapError(Diagnostic(code="E520", message="without `like`, the checkpoint layout is derived from "
                                     "the runtime tensors' global shapes, and with `layout=` the state dict holds "
@@ -203,8 +215,6 @@ def derived_checkpoint(rules, config, tensors, layout, folder: Path, max_shard_s
                                     "give the checkpoint with `like`"))
     max_shard_bytes = parse_size(max_shard_size, f"max_shard_size={max_shard_size!r}")
     ruleset = rules if isinstance(rules, RuleSet) else load_rules(rules)
-    runtime = {k: (tuple(v.shape), str(v.dtype).removeprefix("torch.")) for k, v in tensors.items()
-               if hasattr(v, "shape") and hasattr(v, "dtype")}
     return new_checkpoint(str(folder), derive_checkpoint(ruleset, runtime, config), max_shard_bytes)
 
 

@@ -78,27 +78,42 @@ class Agreement(NamedTuple):
     hint: str = "every rank must load the same rules from the same checkpoint"
 
 
-def together(fn: Callable[[], T], agree_on: Agreement | None = None, phase: str = "a phase") -> T:
+class Joint(NamedTuple):
+    """What only the ranks together can check, for `together(..., joint=...)`: each rank's `part(result)`
+    travels with the phase's outcome (no exchange of its own), and `check(parts)`, every rank's in rank
+    order, runs alike on every rank."""
+
+    part: Callable[[Any], Any]
+    check: Callable[[list[Any]], None]
+
+
+def together(fn: Callable[[], T], agree_on: Agreement | None = None, phase: str = "a phase",
+             joint: Joint | None = None) -> T:
     """Run one phase on every rank; if any rank fails, all raise the same error naming the ranks. With
-    `agree_on`, results whose digests differ are E410 on every rank, saying what differs."""
+    `agree_on`, results whose digests differ are E410 on every rank, saying what differs; with `joint`,
+    its check of every rank's part runs on every rank (in a job only: one process checks alone)."""
     error: BaseException | None = None
-    result = digests = None
+    result = digests = part = None
     try:
         result = fn()
-        digests = agree_on.digests(result) if agree_on is not None and active() else None
+        if active():
+            digests = agree_on.digests(result) if agree_on is not None else None
+            part = joint.part(result) if joint is not None else None
     except Exception as exc:  # noqa: BLE001 - shared with the other ranks, then raised
         error = exc
     if not active():
         if error is not None:
             raise error
         return result
-    mine = (_report(error), None) if error is not None else (None, digests)
+    mine = (_report(error), None, None) if error is not None else (None, digests, part)
     gathered = gather_all(mine, phase)
-    failed = [(r, report) for r, (report, _) in enumerate(gathered) if report is not None]
+    failed = [(r, report) for r, (report, _, _) in enumerate(gathered) if report is not None]
     if failed:
         _raise(failed, len(gathered))
     if agree_on is not None:
-        _agree(agree_on, result, [d for _, d in gathered])
+        _agree(agree_on, result, [d for _, d, _ in gathered])
+    if joint is not None:
+        joint.check([p for _, _, p in gathered])
     return result
 
 

@@ -58,20 +58,41 @@ class Holding(NamedTuple):
                       if all(isinstance(pl, Replicate) or n == 1 for pl, n in zip(p.placements, p.sizes)))
 
 
+class Holders(NamedTuple):
+    """Which rank holds which runtime tensors, in a job where some rank holds only some of them (pipeline
+    stages): per rank an integer whose bit i says it holds `compiled.runtime_tensors[i]`."""
+
+    bits: list[int]
+    index: dict[str, int]  # runtime key -> its bit
+
+    def has(self, rank: int, key: str) -> bool:
+        return self.bits[rank] >> self.index[key] & 1 == 1
+
+    def first(self, key: str, start: int = 0) -> int:
+        """The first rank holding `key`, counting from `start` round the ranks."""
+        world = len(self.bits)
+        return next(r % world for r in range(start, start + world) if self.has(r % world, key))
+
+
 def hold(compiled: Compiled, tensors: Mapping[str, Any], layout: LayoutPlan | None = None,
-         mesh: Mesh | None = None, rank: int = 0) -> Holding:
-    """Resolve every runtime tensor's placement on this rank; all problems reported at once."""
+         mesh: Mesh | None = None, rank: int = 0, whole: bool = True) -> Holding:
+    """Resolve the placement on this rank of every runtime tensor the state dict holds; all problems
+    reported at once. `whole`: it must hold all of them (one process); in a job a rank holds any part,
+    and the ranks check together that every one is held somewhere (drivers/prepare.py, HeldTogether)."""
     # no DTensor exists unless its module was imported: do not pay that import (~0.5 s) otherwise
     dtensor_type = getattr(sys.modules.get("torch.distributed.tensor"), "DTensor", None)
     tensor_type = sys.modules["torch"].Tensor if dtensor_type is not None else None
-    check_state_dict(compiled, tensors, local_shards=layout is not None)
+    check_state_dict(compiled, tensors, local_shards=layout is not None, whole=whole)
     coordinate = mesh.coordinate(rank) if layout is not None else None
     by_spec: dict = {}  # tensors of one mesh, placement and shape share their boxes
     placed: dict[str, Placed] = {}
     local: dict[str, Any] = {}
     problems = []
     for d in compiled.runtime_tensors:
-        tensor = local[d.runtime_key] = tensors[d.runtime_key]
+        tensor = tensors.get(d.runtime_key)
+        if tensor is None:
+            continue  # held by other ranks
+        local[d.runtime_key] = tensor
         if dtensor_type is not None and isinstance(tensor, dtensor_type):
             # the mesh by identity: hashing a DeviceMesh costs more than the rest of this loop
             spec = (id(tensor.device_mesh), tensor.placements, d.shape)
@@ -103,21 +124,24 @@ def hold(compiled: Compiled, tensors: Mapping[str, Any], layout: LayoutPlan | No
     return Holding(placed, local)
 
 
-def owned(holding: Holding, rank: int, spread_over: int = 0) -> dict[str, LocalShard]:
+def owned(holding: Holding, rank: int, spread_over: int = 0, holders: Holders | None = None) -> dict[str, LocalShard]:
     """What this rank writes of each runtime tensor on save: what it holds, unless a lower replica holds
     it too (ranks whose coordinates differ only on replicated mesh dims hold identical boxes, others
-    disjoint ones); whole tensors by rank 0. `spread_over` (an export: the job's rank count) picks the
-    replica by the key's hash instead, spreading replicated tensors over the ranks."""
+    disjoint ones); whole tensors by the lowest rank. `spread_over` (an export: the job's rank count)
+    picks the replica by the key's hash instead, spreading replicated tensors over the ranks. `holders`:
+    where ranks hold only some tensors, a replica or rank that does not hold a tensor is passed over."""
     out: dict[str, LocalShard] = {}
     lowest: dict = {}
     for key, p in holding.placed.items():
         if p.rank_of is None:
             writer = zlib.crc32(key.encode()) % spread_over if spread_over else 0
+            if holders is not None:
+                writer = holders.first(key, writer)
         elif not p.shard.boxes:
             continue
-        elif spread_over:
-            replicas = _replicas(p)
-            writer = replicas[zlib.crc32(key.encode()) % len(replicas)]
+        elif spread_over or holders is not None:
+            replicas = [r for r in _replicas(p) if holders is None or holders.has(r, key)]
+            writer = replicas[zlib.crc32(key.encode()) % len(replicas)] if spread_over else min(replicas)
         else:
             if p.spec not in lowest:
                 lowest[p.spec] = min(_replicas(p))
@@ -134,10 +158,12 @@ def _replicas(p: Placed) -> list[int]:
     return [p.rank_of(index) for index in product(*axes)]
 
 
-def check_state_dict(compiled: Compiled, tensors: Mapping[str, Any], local_shards: bool = False) -> None:
-    """Every runtime tensor is in the state dict with the compiled shape and dtype, and every state-dict
-    tensor is made by a rule or named by `keep`; all problems at once. `local_shards`: the tensors are
-    this rank's shards under a layout plan, whose shapes `hold` checks against the plan instead."""
+def check_state_dict(compiled: Compiled, tensors: Mapping[str, Any], local_shards: bool = False,
+                     whole: bool = True) -> None:
+    """Every runtime tensor is in the state dict (unless not `whole`) with the compiled shape and dtype,
+    and every state-dict tensor is made by a rule or named by `keep`; all problems at once.
+    `local_shards`: the tensors are this rank's shards under a layout plan, whose shapes `hold` checks
+    against the plan instead."""
     problems = []
     keep = [re.compile(p) for p in compiled.keep]
     produced = {d.runtime_key for d in compiled.runtime_tensors}
@@ -147,6 +173,8 @@ def check_state_dict(compiled: Compiled, tensors: Mapping[str, Any], local_shard
             problems.append(Diagnostic(code="E232", span=d.rule, message=f"`{d.runtime_key}` is a "
                             f"{type(tensor).__name__} in the model, not a tensor",
                             hint="the state dict maps each runtime key to a torch tensor or a DTensor"))
+            continue
+        if tensor is None and not whole:
             continue
         if tensor is None:
             close = suggest(d.runtime_key, list(tensors))
