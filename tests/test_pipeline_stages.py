@@ -37,6 +37,8 @@ def _stages(rank: int, world: int, whole_path: str, out: str) -> dict:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 
+    from remapdsl.runtime.dist import gather_all
+
     whole = load_file(whole_path)
     results = {}
     for kind in ("dtensor", "plain"):
@@ -62,7 +64,16 @@ def _stages(rank: int, world: int, whole_path: str, out: str) -> dict:
         remapdsl.save(state, saved, "qwen3_moe", like=CHECKPOINT)
         derived = Path(out) / f"{kind}-derived"
         remapdsl.save(state, derived, "qwen3_moe", config=CONFIG)
-        results[kind] = report.bytes_read
+        exported = dict(remapdsl.export(state, "qwen3_moe", like=CHECKPOINT, gather="tp" if kind == "dtensor" else ()))
+        for value in state.values():  # ingest what every rank exported into zeroed stages
+            (value.to_local() if hasattr(value, "to_local") else value).zero_()
+        everyone = {}
+        for part in gather_all(exported):
+            everyone.update(part)
+        remapdsl.ingest(state, everyone, "qwen3_moe", like=CHECKPOINT)
+        local = {k: (v.to_local() if hasattr(v, "to_local") else v) for k, v in state.items()}
+        assert all(torch.equal(local[k], expected[k]) for k in mine), f"{kind}: ingest"
+        results[kind] = report.bytes_read, exported
     with pytest.raises(remapdsl.RemapError) as info:  # stage 1 gone: nothing of it is held
         remapdsl.load({k: torch.zeros_like(v) for k, v in whole.items() if rank < 2 and stage_of(k) == 0},
                       CHECKPOINT, "qwen3_moe")
@@ -83,6 +94,11 @@ def test_each_stage_loads_and_saves_what_it_holds(tmp_path, backend):
         derived = load_file(str(tmp_path / f"{name}-derived" / "model.safetensors"))
         original = load_file(str(Path(CHECKPOINT) / "model.safetensors"))
         assert derived.keys() == original.keys() and all(torch.equal(derived[k], original[k]) for k in original)
+    for kind in ("dtensor", "plain"):  # the export: every checkpoint tensor once, from the stage holding it
+        exported = [r[kind][1] for r in results]
+        keys = [k for part in exported for k in part]
+        assert sorted(keys) == sorted(original) and all(
+            torch.equal(part[k], original[k]) for part in exported for k in part), kind
     missing = {r["missing"] for r in results}
     (code, message), = missing
     assert code == "E230" and message.startswith("the rules produce 13 runtime tensors that no rank holds: "

@@ -27,7 +27,7 @@ from ..sharding.plans import make_write_plan
 from ..runtime import bounds, dist
 from ..runtime.pieces import torch_dtype
 from .convert import batches
-from .prepare import check_mesh, tensors_of
+from .prepare import HeldTogether, check_mesh, tensors_of
 from .save import prepared_checkpoint, writers_paused
 from ..runtime.write import run_write_plan
 
@@ -56,7 +56,7 @@ def _export(prepared, rules, like, config, state_dict, gather, bucket_bytes: int
         out, compiled, _ = prepared.current()
         rank, world = dist.rank(), dist.world_size()
 
-        def plan():
+        def place():
             _check_bucket(bucket_bytes)
             check_mesh(mesh)
             check_unquantized(compiled, "an export streams the runtime tensors' own values, and re-encoding them "
@@ -65,32 +65,58 @@ def _export(prepared, rules, like, config, state_dict, gather, bucket_bytes: int
                               "it loads")
             chosen = prepared.kept("writers", (allow_lossy, False, "omit"), lambda: writers_paused(
                 compiled, allow_lossy=allow_lossy, dropped="omit"))
-            holding = hold(compiled, tensors, layout, mesh, rank)
-            # the replica that writes a replicated tensor chosen by its key, so no one group assembles them all
-            boxes = owned(holding, rank, spread_over=world)
-            return (*prepared.kept("export", (allow_lossy, boxes, rank), lambda: _export_plan(
-                chosen, out, boxes, rank, compiled)), holding)
+            return chosen, hold(compiled, tensors, layout, mesh, rank, whole=not dist.active())
 
-        plan, producer, mine, holding = dist.together(plan, phase="planning the export")
+        together = HeldTogether(compiled, lambda placed: placed[1], mesh)
+        chosen, holding = dist.together(place, joint=together.joint(), phase="placing the tensors")
+
+        def plan():
+            # the replica that writes a replicated tensor chosen by its key, so no one group assembles them all
+            boxes = owned(holding, rank, spread_over=world, holders=together.holders)
+            return prepared.kept("export", (allow_lossy, boxes, rank), lambda: _export_plan(
+                chosen, out, boxes, rank, compiled.logical_by_key(), _coordinates(tensors, layout, mesh, rank)))
+
+        plan, mine = dist.together(plan, phase="planning the export")
         empty = prepared.kept("empty", None, lambda: _empty(out, compiled))
         if not regions:
             everyone = dist.gather_all(mine, "sharing what each rank exports")
             schedule = dist.together(lambda: prepared.kept(
-                "schedule", (everyone, bucket_bytes, gather, layout, mesh),
-                lambda: _schedule(everyone, out, bucket_bytes, gather, producer, tensors, layout, mesh, empty)),
-                phase="scheduling the export")
+                "schedule", (everyone, bucket_bytes, gather),
+                lambda: _schedule(everyone, out, bucket_bytes, gather, empty)), phase="scheduling the export")
     yield from _regions(plan, out, holding.local, bucket_bytes, empty if rank == 0 else []) if regions else \
         _rounds(plan, schedule, out, holding.local, rank, world)
 
 
-def _export_plan(chosen, out, boxes, rank: int, compiled) -> tuple:
-    """This rank's write plan into memory, which checkpoint tensor each runtime tensor makes, and
-    the bytes of each checkpoint tensor the rank holds (what the ranks exchange to schedule)."""
-    plan = make_write_plan(chosen, out, boxes, rank, compiled.logical_by_key())
+def _export_plan(chosen, out, boxes, rank: int, logical, coordinates: Callable[[str], tuple]) -> tuple:
+    """This rank's write plan into memory, and for each checkpoint tensor it writes part of: the bytes it
+    holds and its coordinates on the mesh of the runtime tensor that makes it (what the ranks exchange
+    to schedule)."""
+    plan = make_write_plan(chosen, out, boxes, rank, logical)
+    producer = {w.block.source_key: w.runtime_key for w in chosen}
     mine: dict[str, int] = defaultdict(int)
     for item in plan.items:
         mine[item.ckpt_key] += item.runs.total
-    return plan, {w.block.source_key: w.runtime_key for w in chosen}, dict(mine)
+    return plan, {key: (n, coordinates(producer[key])) for key, n in mine.items()}
+
+
+def _coordinates(tensors, layout, mesh, rank: int) -> Callable[[str], tuple]:
+    """Runtime key -> this rank's ((mesh dim name, coordinate), ...) on the mesh the tensor lives on: a
+    DTensor's own, `mesh` under a layout plan, none for a plain whole tensor (one tuple per mesh)."""
+    seen: dict[int, tuple] = {}
+
+    def coordinates(runtime_key: str) -> tuple:
+        device_mesh = getattr(tensors.get(runtime_key), "device_mesh", None)
+        on = device_mesh if device_mesh is not None else mesh if layout is not None else None
+        if on is None:
+            return ()
+        if id(on) not in seen:
+            if device_mesh is not None:
+                names = device_mesh.mesh_dim_names or tuple(f"dim{i}" for i in range(device_mesh.ndim))
+                seen[id(on)] = tuple(zip(names, device_mesh.get_coordinate()))
+            else:
+                seen[id(on)] = tuple(zip(on.names, on.coordinate(rank)))
+        return seen[id(on)]
+    return coordinates
 
 
 def _empty(out, compiled) -> list[str]:
@@ -107,13 +133,12 @@ class _Schedule(NamedTuple):
     rounds: int
 
 
-def _schedule(everyone: list[dict], out, bucket_bytes: int, gather: tuple, producer, tensors, layout, mesh,
-              empty: list[str]) -> _Schedule:
+def _schedule(everyone: list[dict], out, bucket_bytes: int, gather: tuple, empty: list[str]) -> _Schedule:
     writers: dict[str, list[int]] = defaultdict(list)
     for r, keys in enumerate(everyone):
         for key in keys:
             writers[key].append(r)
-    _check_gather(writers, producer, tensors, layout, mesh, gather)
+    _check_gather(writers, everyone, gather)
     load = [0] * len(everyone)
     owner: dict[str, int] = dict.fromkeys(empty, 0)  # no bytes, so no writer: rank 0 yields them
     for key in sorted(writers):
@@ -134,27 +159,11 @@ def _schedule(everyone: list[dict], out, bucket_bytes: int, gather: tuple, produ
     return _Schedule(owner, round_of, 1 + max((at for at, _ in filled.values()), default=-1))
 
 
-def _check_gather(writers: dict[str, list[int]], producer, tensors, layout, mesh, gather: tuple) -> None:
+def _check_gather(writers: dict[str, list[int]], everyone: list[dict], gather: tuple) -> None:
     """E542 for a `gather` dim no mesh has; E541 for a checkpoint tensor whose writers differ on a mesh dim
-    `gather` does not name (mesh coordinates by the mesh its runtime tensor lives on: a DTensor's own, or
-    `mesh` under a layout plan)."""
-    tables: dict[int, tuple[tuple[str, ...], dict[int, tuple[int, ...]]]] = {}
-
-    def coordinates(runtime_key: str):
-        device_mesh = getattr(tensors.get(runtime_key), "device_mesh", None)
-        on = device_mesh if device_mesh is not None else mesh if layout is not None else None
-        if on is None:
-            return (), {}
-        if id(on) not in tables:
-            if device_mesh is not None:
-                ranks = device_mesh.mesh.numpy()
-                names = tuple(device_mesh.mesh_dim_names or (f"dim{i}" for i in range(ranks.ndim)))
-                tables[id(on)] = (names, {int(r): c for c, r in np.ndenumerate(ranks)})
-            else:
-                tables[id(on)] = (tuple(on.names), {r: tuple(on.coordinate(r)) for r in range(on.size)})
-        return tables[id(on)]
-
-    names = {name for key in tensors for name in coordinates(key)[0]}
+    `gather` does not name (each writer's coordinates on the mesh its runtime tensor lives on: a DTensor's
+    own, or `mesh` under a layout plan)."""
+    names = {name for keys in everyone for _, coordinates in keys.values() for name, _ in coordinates}
     unknown = [g for g in gather if g not in names]
     if unknown:
         raise RemapError(Diagnostic(code="E542", message=f"gather={gather!r}: the mesh has no dim "
@@ -162,10 +171,9 @@ def _check_gather(writers: dict[str, list[int]], producer, tensors, layout, mesh
                                     + (", ".join(f"`{n}`" for n in sorted(names)) or "none (plain tensors)")))
     for ckpt_key in sorted(k for k, ranks in writers.items() if len(ranks) > 1):
         ranks = writers[ckpt_key]
-        dims, table = coordinates(producer[ckpt_key])
-        coords = [table.get(r) for r in ranks]
-        split = sorted({dims[d] for c in coords if c is not None for d, v in enumerate(c)
-                        if v != coords[0][d]}) if table and None not in coords else ["(the whole job)"]
+        coords = [dict(everyone[r][ckpt_key][1]) for r in ranks]
+        split = sorted({d for c in coords for d, v in c.items() if v != coords[0].get(d)}) \
+            if all(coords) else ["(the whole job)"]
         outside = [d for d in split if d not in gather]
         if outside:
             shown = ", ".join(map(str, ranks[:6])) + (f" and {len(ranks) - 6} more" if len(ranks) > 6 else "")

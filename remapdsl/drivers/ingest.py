@@ -21,7 +21,7 @@ from ..sharding.holdings import hold
 from ..sharding.plans import make_load_plan
 from ..runtime import bounds, dist
 from .export import check_unquantized
-from .prepare import check_mesh, tensors_of
+from .prepare import HeldTogether, check_mesh, tensors_of
 from ..runtime.read import run_load_plan
 from .save import prepared_checkpoint
 from ..runtime.staging import Rings, staging_within
@@ -56,13 +56,14 @@ def ingest(prepared, state_dict, pairs, *, rules=None, like=None, config: Mappin
             check_mesh(mesh)
             check_unquantized(compiled, "an ingest takes the checkpoint tensors' own values, and decoding streamed "
                               "quantized parts is not supported", "ingest with the rule file of the unquantized layout")
-            holding = hold(compiled, tensors, layout, mesh, rank)
+            holding = hold(compiled, tensors, layout, mesh, rank, whole=not dist.active())
             held = holding.held()
             memory = prepared.kept("memory", None, lambda: in_memory(inventory))
             plan = prepared.kept("ingest", (held, rank), lambda: make_load_plan(compiled, memory, held, rank))
             return memory, plan, holding
 
-        memory, load_plan, holding = dist.together(plan, phase="planning the ingest")
+        memory, load_plan, holding = dist.together(plan, joint=HeldTogether(compiled, lambda r: r[2], mesh).joint(),
+                                                   phase="planning the ingest")
         reads, fills = defaultdict(list), []  # fills: pads, no pair needed
         for item in load_plan.items:
             (fills if item.ckpt_key is None else reads[item.ckpt_key]).append(item)
