@@ -147,8 +147,9 @@ class RuleStateDictAdapter(BaseStateDictAdapter):
 
     def save_hf(self, state_dict: Mapping[str, Any], folder: str | os.PathLike, **kwargs: Any):
         """Write the model back to the layout of `hf_assets_path` (remapdsl.save with `like=`, each rank
-        its own bytes); returns its SaveReport. Every rank calls it with the whole state dict; keys the
-        rules do not make are left out. `kwargs`: remapdsl.save's (`timeout` by default the adapter's)."""
+        its own bytes); returns its SaveReport. Every rank calls it with its state dict (a pipeline stage:
+        its own layers; the ranks together hold the model); keys the rules do not make are left out.
+        `kwargs`: remapdsl.save's (`timeout` by default the adapter's)."""
         made = self._open(self.hf_assets_path).read_metadata().state_dict_metadata.keys()
         runtime = {k: v for k, v in state_dict.items() if k in made}
         return save(runtime, folder, self.rules, like=self.hf_assets_path, config=self.config,

@@ -62,6 +62,10 @@ def _stages(rank: int, world: int, whole_path: str, out: str) -> dict:
         assert sorted(report.loaded) == sorted(mine)
         saved = Path(out) / f"{kind}-like"
         remapdsl.save(state, saved, "qwen3_moe", like=CHECKPOINT)
+        if kind == "plain":  # torchtitan's adapter saves from the stages too
+            from remapdsl.torchtitan import RuleStateDictAdapter
+
+            RuleStateDictAdapter(None, CHECKPOINT, rules="qwen3_moe").save_hf(state, Path(out) / "titan")
         derived = Path(out) / f"{kind}-derived"
         remapdsl.save(state, derived, "qwen3_moe", config=CONFIG)
         exported = dict(remapdsl.export(state, "qwen3_moe", like=CHECKPOINT, gather="tp" if kind == "dtensor" else ()))
@@ -89,6 +93,7 @@ def test_each_stage_loads_and_saves_what_it_holds(tmp_path, backend):
     save_file(whole, str(tmp_path / "whole.safetensors"))
     results = run_ranks(_stages, 4, str(tmp_path / "whole.safetensors"), str(tmp_path), backend=backend)
     source = (Path(CHECKPOINT) / "model.safetensors").read_bytes()
+    assert (tmp_path / "titan" / "model.safetensors").read_bytes() == source
     for name in ("dtensor", "plain"):
         assert (tmp_path / f"{name}-like" / "model.safetensors").read_bytes() == source, name
         derived = load_file(str(tmp_path / f"{name}-derived" / "model.safetensors"))
