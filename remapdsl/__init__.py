@@ -132,7 +132,8 @@ def prepare(rules, checkpoint, *, config: Mapping[str, Any] | None = None, stric
 
 
 def load(state_dict, checkpoint, rules, *, config: Mapping[str, Any] | None = None, strict: bool = True,
-         layout=None, mesh=None, read_replicated_once: bool = False, timeout=None, staging_bytes: int | None = None):
+         layout=None, mesh=None, read_replicated_once: bool = False, timeout=None, staging_bytes: int | None = None,
+         local: Mapping[str, Any] | None = None):
     """Fill existing tensors in place from a checkpoint, through a rule file; returns a LoadReport.
 
     In a torch.distributed job every rank calls it: rank 0 reads the headers and shares them, the ranks check
@@ -154,6 +155,9 @@ def load(state_dict, checkpoint, rules, *, config: Mapping[str, Any] | None = No
             default 300 s, apart from the process group's own); a rank that does not arrive is named (E415).
         staging_bytes: the most host memory pinned to copy into CUDA tensors (reusable 2 MiB buffers for each
             of two reader threads; default 16 MiB in all); CPU tensors are read into directly.
+        local: this rank's local names -> the global runtime names, as data: templates with one `{}` (the
+            number) and their offsets, `{"decoder.layers.{}": stage_offset}` (Megatron-Core's numbering of a
+            pipeline stage's layers or an expert-parallel rank's experts; docs/distributed.md).
     """
     from .drivers.prepared import prepare as _prepare
 
@@ -161,12 +165,12 @@ def load(state_dict, checkpoint, rules, *, config: Mapping[str, Any] | None = No
     prepared = _prepare(rules_for(rules, checkpoint, config), checkpoint, config=config, strict=strict,
                         timeout=timeout, watched=False)
     return prepared.load(state_dict, layout=layout, mesh=mesh, read_replicated_once=read_replicated_once,
-                         timeout=timeout, staging_bytes=staging_bytes)
+                         timeout=timeout, staging_bytes=staging_bytes, local=local)
 
 
 def save(state_dict, folder, rules, *, like=None, config: Mapping[str, Any] | None = None, layout=None,
          mesh=None, overwrite: bool = False, allow_lossy: bool = False, requantize: bool = False,
-         dropped: str = "error", max_shard_size: int | str = "5GB", timeout=None):
+         dropped: str = "error", max_shard_size: int | str = "5GB", timeout=None, local: Mapping[str, Any] | None = None):
     """Write runtime tensors back to the checkpoint layout `like` through the rules that load it, every rank
     its own bytes (no gather); returns a SaveReport.
 
@@ -193,19 +197,19 @@ def save(state_dict, folder, rules, *, like=None, config: Mapping[str, Any] | No
             (a file left empty is not written).
         max_shard_size: without `like`: start a new output file past this size (bytes, or a text such as
             "5GB" or "2GiB", as for `save_pretrained`).
-        timeout: as for `load`.
+        timeout, local: as for `load`.
     """
     from .drivers.save import save as _save
 
     require_data(like, "a save (`like`)")
     return _save(None, state_dict, folder, rules=rules_for(rules, like, config), like=like, config=config,
                  layout=layout, mesh=mesh, overwrite=overwrite, allow_lossy=allow_lossy, requantize=requantize,
-                 dropped=dropped, max_shard_size=max_shard_size, timeout=timeout)
+                 dropped=dropped, max_shard_size=max_shard_size, timeout=timeout, local=local)
 
 
 def export(state_dict, rules, *, like=None, config: Mapping[str, Any] | None = None, gather=(),
            bucket_bytes: int = 256 << 20, layout=None, mesh=None, allow_lossy: bool = False, regions: bool = False,
-           timeout=None):
+           timeout=None, local: Mapping[str, Any] | None = None):
     """The checkpoint layout of a sharded runtime state dict, in memory: an iterator of (checkpoint key,
     tensor) pairs, each a whole checkpoint tensor, for weight sync without files.
 
@@ -227,18 +231,18 @@ def export(state_dict, rules, *, like=None, config: Mapping[str, Any] | None = N
         regions: yield `(key, offsets, tensor)` instead: each box of a checkpoint tensor this rank holds and
             no lower rank does (the bytes a save would have it write), no communication; a piece that is no
             box (rows strided by a rope order) is E549.
-        timeout: as for `load`.
+        timeout, local: as for `load`.
     """
     from .drivers.export import export as _export
 
     require_data(like, "an export (`like`)")
     return _export(None, state_dict, rules=rules_for(rules, like, config), like=like, config=config, gather=gather,
                    bucket_bytes=bucket_bytes, layout=layout, mesh=mesh, allow_lossy=allow_lossy, regions=regions,
-                   timeout=timeout)
+                   timeout=timeout, local=local)
 
 
 def ingest(state_dict, pairs, rules, *, like=None, config: Mapping[str, Any] | None = None, layout=None,
-           mesh=None, timeout=None, staging_bytes: int | None = None):
+           mesh=None, timeout=None, staging_bytes: int | None = None, local: Mapping[str, Any] | None = None):
     """Fill a runtime state dict in place from (checkpoint key, tensor) pairs, through the rules: the mirror of
     `export`, a load from memory instead of files. Returns an IngestReport.
 
@@ -253,13 +257,13 @@ def ingest(state_dict, pairs, rules, *, like=None, config: Mapping[str, Any] | N
         rules: as for `load`.
         like: the checkpoint whose layout the pairs are in (its headers only); None: derived from the state
             dict's shapes, as a save without `like` does.
-        config, layout, mesh, timeout, staging_bytes: as for `load`.
+        config, layout, mesh, timeout, staging_bytes, local: as for `load`.
     """
     from .drivers.ingest import ingest as _ingest
 
     require_data(like, "an ingest (`like`)")
     return _ingest(None, state_dict, pairs, rules=rules_for(rules, like, config), like=like, config=config,
-                   layout=layout, mesh=mesh, timeout=timeout, staging_bytes=staging_bytes)
+                   layout=layout, mesh=mesh, timeout=timeout, staging_bytes=staging_bytes, local=local)
 
 
 def convert(src, dst, rules, *, reverse: bool = False, like=None, max_shard_bytes: int = 5 * 10**9,

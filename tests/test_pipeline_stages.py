@@ -108,3 +108,83 @@ def test_each_stage_loads_and_saves_what_it_holds(tmp_path, backend):
     (code, message), = missing
     assert code == "E230" and message.startswith("the rules produce 13 runtime tensors that no rank holds: "
                                                  "`lm_head.weight`, `model.layers.1.input_layernorm.weight`"), message
+
+
+# Megatron-Core's rank-local names: a stage numbers its layers from 0, an expert-parallel rank its experts
+MEGATRON_STYLE = """remap 1
+model.layers.{L}.mlp.experts.{E}.{gate,up}_proj.weight -> decoder.layers.{L}.mlp.experts.linear_fc1.weight{E}
+    | concat(dim=0)
+model.layers.{L}.mlp.experts.{E}.down_proj.weight -> decoder.layers.{L}.mlp.experts.linear_fc2.weight{E}
+model.layers.{L}.self_attn.{N:seg}.weight -> decoder.layers.{L}.self_attention.{N}.weight
+model.layers.{L}.{N:seg}_layernorm.weight -> decoder.layers.{L}.{N}_layernorm.weight
+model.layers.{L}.mlp.gate.weight -> decoder.layers.{L}.mlp.router.weight
+model.embed_tokens.weight -> embedding.word_embeddings.weight
+model.norm.weight -> decoder.final_layernorm.weight
+lm_head.weight -> output_layer.weight
+"""
+
+
+def local_name(key: str, stage: int, ep: int) -> str | None:
+    """The name rank (stage, ep) gives a global runtime tensor, or None where it does not hold it: its
+    stage's layer as layer 0, its two of the four experts as 0 and 1; the rest of a stage on both ep ranks."""
+    parts = key.split(".")
+    if key.startswith("decoder.layers."):
+        if int(parts[2]) != stage:
+            return None
+        parts[2] = "0"
+        if "experts" in parts:
+            expert = int(parts[-1].removeprefix("weight"))
+            if expert // 2 != ep:
+                return None
+            parts[-1] = f"weight{expert % 2}"
+        return ".".join(parts)
+    return key if (stage == 0) == key.startswith("embedding.") else None
+
+
+def _local_names(rank: int, world: int, whole_path: str, rules_path: str, out: str) -> dict:
+    whole = load_file(whole_path)
+    stage, ep = divmod(rank, 2)
+    local = {"decoder.layers.{}": stage, "decoder.layers.*.mlp.experts.linear_fc1.weight{}": 2 * ep,
+             "decoder.layers.*.mlp.experts.linear_fc2.weight{}": 2 * ep}
+    names = {local_name(k, stage, ep): k for k in whole if local_name(k, stage, ep)}
+    state = {name: torch.zeros_like(whole[key]) for name, key in names.items()}
+    report = remapdsl.load(state, CHECKPOINT, rules_path, local=local)
+    assert all(torch.equal(state[name], whole[key]) for name, key in names.items())
+    remapdsl.save(state, Path(out) / "megatron-like", rules_path, like=CHECKPOINT, local=local)
+    errors = []
+    shifted = dict(local, **{"decoder.layers.*.mlp.experts.linear_fc2.weight{}": 2 * ep + 1})  # one off
+    twice = {**state, "chunk1.decoder.layers.0.input_layernorm.weight": state["decoder.layers.0.input_layernorm.weight"]}
+    for wrong in ({"local": shifted if rank == 0 else local},  # rank 0's experts 0, 1 as 1, 2: no rank holds 0
+                  {"state_dict": twice if rank == 0 else state,  # a chunk renamed onto layer 0 of the stage
+                   "local": {**local, "chunk1.decoder.layers.{}": ("decoder.layers.{}", stage)}}):
+        with pytest.raises(remapdsl.RemapError) as info:
+            remapdsl.load(**{"state_dict": state, "checkpoint": CHECKPOINT, "rules": rules_path, **wrong})
+        errors.append((info.value.diagnostic.code, info.value.diagnostic.message))
+    return sorted(report.loaded), errors
+
+
+def test_rank_local_names_of_stages_and_expert_ranks_load_and_save(tmp_path):
+    """4 ranks as pp=2 x ep=2, each naming what it holds as Megatron-Core does (`decoder.layers.0...`,
+    `linear_fc1.weight0` and `weight1`), with `local=` its offsets: each loads its global tensors, and
+    the ranks together save the checkpoint back byte for byte. On rank 0 alone, an offset one off
+    leaves a tensor no rank holds (E230), and a renaming that makes two local names one global name
+    is E419: both on every rank."""
+    rules = tmp_path / "megatron_style.remap"
+    rules.write_text(MEGATRON_STYLE)
+    compiled = remapdsl.compile_rules(remapdsl.load_rules(rules), CHECKPOINT)
+    whole = compiled.empty_state_dict()
+    remapdsl.load(whole, CHECKPOINT, rules)
+    save_file(whole, str(tmp_path / "whole.safetensors"))
+    results = run_ranks(_local_names, 4, str(tmp_path / "whole.safetensors"), str(rules), str(tmp_path))
+    assert (tmp_path / "megatron-like" / "model.safetensors").read_bytes() == \
+        (Path(CHECKPOINT) / "model.safetensors").read_bytes()
+    loaded = [r[0] for r in results]
+    assert loaded[1] == [k for k in sorted(whole) if local_name(k, 0, 1)]  # global names in the report
+    assert sorted(k for part in loaded for k in part) == sorted(k for k in whole for _ in
+                                                                range(1 if "experts" in k else 2))
+    (shifted, twice), = {tuple(r[1]) for r in results}  # the same errors on every rank
+    assert shifted == ("E230", "the rules produce 1 runtime tensor that no rank holds: "
+                               "`decoder.layers.0.mlp.experts.linear_fc2.weight0`")
+    assert twice == ("E419", "local names `decoder.layers.0.input_layernorm.weight` and "
+                             "`chunk1.decoder.layers.0.input_layernorm.weight` both become "
+                             "`decoder.layers.0.input_layernorm.weight` (on rank 0)")

@@ -27,30 +27,30 @@ from ..sharding.plans import make_write_plan
 from ..runtime import bounds, dist
 from ..runtime.pieces import torch_dtype
 from .convert import batches
-from .prepare import HeldTogether, check_mesh, tensors_of
+from .prepare import HeldTogether, check_mesh, named_together
 from .save import prepared_checkpoint, writers_paused
 from ..runtime.write import run_write_plan
 
 
 def export(prepared, state_dict, *, rules=None, like=None, config: Mapping[str, Any] | None = None, gather=(),
            bucket_bytes: int = 256 << 20, layout=None, mesh=None, allow_lossy: bool = False, regions: bool = False,
-           timeout=None) -> Iterator[tuple]:
+           timeout=None, local=None) -> Iterator[tuple]:
     """`remapdsl.export` (`prepared` None: the layout of `like`, or the one derived without it, prepared for
     this call) or `Prepared.export`: (checkpoint key, tensor) pairs, or with `regions` (key, offsets, tensor)."""
     bounds.seconds(timeout)  # a bad timeout is refused at the call, before the first item is asked for
     return bounds.bounded_iter(_export(prepared, rules, like, config, state_dict, gather, bucket_bytes, layout, mesh,
-                                       allow_lossy, regions), timeout)
+                                       allow_lossy, regions, local), timeout)
 
 
 def _export(prepared, rules, like, config, state_dict, gather, bucket_bytes: int, layout, mesh, allow_lossy: bool,
-            regions: bool) -> Iterator[tuple]:
+            regions: bool, local) -> Iterator[tuple]:
     gather = (gather,) if isinstance(gather, str) else tuple(gather)
     if regions and gather:
         raise RemapError(Diagnostic(code="E542", message=f"regions=True yields the boxes each rank holds and "
                                     f"moves nothing, so it takes no gather (got gather={gather!r})",
                                     hint="drop `gather`, or drop `regions` to assemble whole tensors"))
-    tensors = tensors_of(state_dict)
     with frozen_heap():  # until the first item: the consumer's own code runs between items
+        tensors = named_together(state_dict, local)
         # the layout streamed: `like`'s, or the derived one (headers needed by no file here)
         prepared = prepared or prepared_checkpoint(rules, like, config, tensors, layout, Path("<export>"))[0]
         out, compiled, _ = prepared.current()

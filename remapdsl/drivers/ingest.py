@@ -21,7 +21,7 @@ from ..sharding.holdings import hold
 from ..sharding.plans import make_load_plan
 from ..runtime import bounds, dist
 from .export import check_unquantized
-from .prepare import HeldTogether, check_mesh, tensors_of
+from .prepare import HeldTogether, check_mesh, named_together
 from ..runtime.read import run_load_plan
 from .save import prepared_checkpoint
 from ..runtime.staging import Rings, staging_within
@@ -40,12 +40,12 @@ class IngestReport(BaseModel):
 
 
 def ingest(prepared, state_dict, pairs, *, rules=None, like=None, config: Mapping[str, Any] | None = None,
-           layout=None, mesh=None, timeout=None, staging_bytes: int | None = None) -> IngestReport:
+           layout=None, mesh=None, timeout=None, staging_bytes: int | None = None, local=None) -> IngestReport:
     """`remapdsl.ingest` (`prepared` None: the layout of `like`, or the one derived without it, prepared for
     this call) or `Prepared.ingest`."""
     staging = staging_within(staging_bytes)
     with bounds.bounded(timeout), frozen_heap(), Rings(staging) as rings:  # one ring per reader thread, over all pairs
-        tensors = tensors_of(state_dict)
+        tensors = named_together(state_dict, local)
         if prepared is None:
             prepared = prepared_checkpoint(rules, like, config, tensors, layout, Path("<ingest>"))[0]
         start = time.perf_counter()

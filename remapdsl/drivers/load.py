@@ -34,17 +34,17 @@ class LoadReport(BaseModel):
 
 
 def load(prepared, state_dict, *, layout=None, mesh=None, read_replicated_once: bool = False, timeout=None,
-         staging_bytes: int | None = None) -> LoadReport:
+         staging_bytes: int | None = None, local=None) -> LoadReport:
     """Fill existing tensors in place from a prepared checkpoint; the arguments are `remapdsl.load`'s."""
     staging = staging_within(staging_bytes)
     with bounds.bounded(timeout), frozen_heap():
         inventory, compiled, _ = prepared.current()
-        tensors = tensors_of(state_dict)
         rank = dist.rank()
 
         def read():
             start = time.perf_counter()
             check_mesh(mesh)
+            tensors = tensors_of(state_dict, local)
             holding = hold(compiled, tensors, layout, mesh, rank, whole=not dist.active())
             held = holding.held()
             shared = holding.everywhere() if read_replicated_once and dist.active() else []

@@ -208,9 +208,20 @@ def _checkpoint_difference(ours, theirs) -> list[str]:
                   for name in sorted(set(sizes) | set(other_sizes)) if sizes.get(name) != other_sizes.get(name)]
 
 
-def tensors_of(state_dict) -> Mapping[str, Any]:
-    """A state dict's tensors (a module's parameters and buffers as they are, not detached)."""
-    return state_dict.state_dict(keep_vars=True) if hasattr(state_dict, "state_dict") else state_dict
+def tensors_of(state_dict, local=None) -> Mapping[str, Any]:
+    """A state dict's tensors (a module's parameters and buffers as they are, not detached), under their
+    global names (`local`: this rank's renumbering, sharding/local_names.py)."""
+    from ..sharding.local_names import global_names
+
+    return global_names(state_dict.state_dict(keep_vars=True) if hasattr(state_dict, "state_dict") else state_dict,
+                        local)
+
+
+def named_together(state_dict, local) -> Mapping[str, Any]:
+    """`tensors_of` on every rank together (a rank's E419 raised on every rank)."""
+    from ..runtime import dist
+
+    return dist.together(lambda: tensors_of(state_dict, local), phase="naming the tensors")
 
 
 def check_mesh(mesh) -> None:

@@ -90,35 +90,37 @@ class Prepared:
     # -------------------------------------------------------------------------------- the calls
 
     def load(self, state_dict, *, layout=None, mesh=None, read_replicated_once: bool = False, timeout=None,
-             staging_bytes: int | None = None):
+             staging_bytes: int | None = None, local=None):
         """Fill existing tensors in place from the checkpoint; the arguments are `remapdsl.load`'s."""
         from .load import load
 
         return load(self, state_dict, layout=layout, mesh=mesh, read_replicated_once=read_replicated_once,
-                    timeout=timeout, staging_bytes=staging_bytes)
+                    timeout=timeout, staging_bytes=staging_bytes, local=local)
 
     def save(self, state_dict, folder, *, layout=None, mesh=None, overwrite: bool = False,
-             allow_lossy: bool = False, requantize: bool = False, dropped: str = "error", timeout=None):
+             allow_lossy: bool = False, requantize: bool = False, dropped: str = "error", timeout=None, local=None):
         """Write runtime tensors back to the checkpoint's layout (it is `like`); as `remapdsl.save`."""
         from .save import save
 
         return save(self, state_dict, folder, config=self._config, layout=layout, mesh=mesh, overwrite=overwrite,
-                    allow_lossy=allow_lossy, requantize=requantize, dropped=dropped, timeout=timeout)
+                    allow_lossy=allow_lossy, requantize=requantize, dropped=dropped, timeout=timeout, local=local)
 
     def export(self, state_dict, *, gather=(), bucket_bytes: int = 256 << 20, layout=None, mesh=None,
-               allow_lossy: bool = False, regions: bool = False, timeout=None):
+               allow_lossy: bool = False, regions: bool = False, timeout=None, local=None):
         """The checkpoint's layout of a sharded runtime state dict, in memory (it is `like`); as `remapdsl.export`."""
         from .export import export
 
         return export(self, state_dict, gather=gather, bucket_bytes=bucket_bytes, layout=layout, mesh=mesh,
-                      allow_lossy=allow_lossy, regions=regions, timeout=timeout)
+                      allow_lossy=allow_lossy, regions=regions, timeout=timeout, local=local)
 
-    def ingest(self, state_dict, pairs, *, layout=None, mesh=None, timeout=None, staging_bytes: int | None = None):
+    def ingest(self, state_dict, pairs, *, layout=None, mesh=None, timeout=None, staging_bytes: int | None = None,
+               local=None):
         """Fill a runtime state dict from (checkpoint key, tensor) pairs in the checkpoint's layout (it is
         `like`); as `remapdsl.ingest`."""
         from .ingest import ingest
 
-        return ingest(self, state_dict, pairs, layout=layout, mesh=mesh, timeout=timeout, staging_bytes=staging_bytes)
+        return ingest(self, state_dict, pairs, layout=layout, mesh=mesh, timeout=timeout, staging_bytes=staging_bytes,
+                      local=local)
 
 
 def prepare(rules, checkpoint, *, config=None, strict: bool = True, timeout=None, watched: bool = True) -> Prepared:

@@ -27,7 +27,7 @@ from ..sharding.holdings import hold, owned
 from ..sharding.plans import make_write_plan
 from ..sizes import parse_size
 from ..runtime import bounds, dist
-from .prepare import HeldTogether, check_mesh, prepare_everywhere, tensors_of
+from .prepare import HeldTogether, check_mesh, named_together, prepare_everywhere
 from ..runtime.write import run_write_plan
 
 _log = logging.getLogger("remapdsl")
@@ -49,12 +49,12 @@ class SaveReport(BaseModel):
 
 def save(prepared, state_dict, folder, *, rules=None, like=None, config=None, layout=None, mesh=None,
          overwrite: bool = False, allow_lossy: bool = False, requantize: bool = False, dropped: str = "error",
-         max_shard_size: int | str = "5GB", timeout=None) -> SaveReport:
+         max_shard_size: int | str = "5GB", timeout=None, local=None) -> SaveReport:
     """`remapdsl.save` (`prepared` None: the layout of `like`, or the one derived without it, prepared for
     this call) or `Prepared.save`; the arguments are `remapdsl.save`'s."""
     with bounds.bounded(timeout), frozen_heap():
         folder, derived = Path(folder).absolute(), None
-        tensors = tensors_of(state_dict)
+        tensors = named_together(state_dict, local)
         if prepared is None:
             prepared, derived = prepared_checkpoint(rules, like, config, tensors, layout, folder, max_shard_size)
         start = time.perf_counter()

@@ -1,0 +1,76 @@
+"""A rank's local tensor names -> the global runtime names the rules make (`local=` of load, save, export,
+ingest): Megatron-Core numbers a pipeline stage's layers and an expert-parallel rank's experts from zero.
+
+`local` maps a template of local names to the offset its number gets: `{"decoder.layers.{}": 8}` makes
+`decoder.layers.3.mlp...` `decoder.layers.11.mlp...`. In a template, `{}` is the number (digits, a whole
+name segment or the end of one: `linear_fc1.weight{}`) and `*` any one segment, kept. A value may also be
+(global template, offset), to rename as well: `{"chunk1.decoder.layers.{}": ("decoder.layers.{}", 16)}`
+for a virtual pipeline chunk given under a prefix. Each template applies once per name, in order, to the
+name as the templates before it left it. Data only: the same code on every rank, each rank its own offsets.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Mapping
+from typing import Any
+
+from ..errors import Diagnostic, RemapError
+
+
+def global_names(tensors: Mapping[str, Any], local: Mapping[str, Any] | None) -> Mapping[str, Any]:
+    """`tensors` under their global names (the same tensor objects); E419 for a malformed `local` or two
+    local names that become one global name."""
+    if not local:
+        return tensors
+    renames = [_template(pattern, value) for pattern, value in _items(local)]
+    out: dict[str, Any] = {}
+    came_from: dict[str, str] = {}
+    for name, tensor in tensors.items():
+        key = name
+        for pattern, make in renames:
+            key = pattern.sub(make, key, count=1)
+        if key in out:
+            raise _error(f"local names `{came_from[key]}` and `{name}` both become `{key}`",
+                         "give each local template the offset of this rank's own part (stage, chunk or experts)")
+        out[key], came_from[key] = tensor, name
+    return out
+
+
+def _items(local) -> list[tuple[Any, Any]]:
+    if not isinstance(local, Mapping):
+        raise _error(f"local={local!r} is not a mapping of local name templates to offsets",
+                     'for example local={"decoder.layers.{}": stage * layers_per_stage}')
+    return list(local.items())
+
+
+def _template(pattern, value) -> tuple[re.Pattern, Any]:
+    """A local template as a pattern matching a name's start, and what replaces the match."""
+    target, offset = value if isinstance(value, tuple) and len(value) == 2 else (pattern, value)
+    for text in (pattern, target):
+        if not isinstance(text, str) or text.count("{}") != 1 or "**" in text:
+            raise _error(f"local template {text!r} must be a name with exactly one `{{}}` (the number)",
+                         'for example "decoder.layers.{}" or "decoder.layers.*.mlp.experts.linear_fc1.weight{}"')
+    if isinstance(offset, bool) or not isinstance(offset, int) or offset < 0:
+        raise _error(f"local[{pattern!r}] = {value!r}: the offset must be an integer of 0 or more",
+                     "the offset is what this rank's first local number is globally")
+    if pattern.count("*") != target.count("*"):
+        raise _error(f"local template {pattern!r} and its global {target!r} have different numbers of `*`",
+                     "each `*` of the local name is kept in the same place of the global one")
+    regex = re.compile("".join(r"([^.]+)" if part == "*" else r"([0-9]+)" if part == "{}" else re.escape(part)
+                               for part in re.split(r"(\*|\{\})", pattern)) + r"(?=\.|$)")
+    pieces = re.split(r"(\*|\{\})", target)
+    number_at = [p for p in re.split(r"(\*|\{\})", pattern) if p in ("*", "{}")].index("{}")
+
+    def make(match: re.Match) -> str:
+        groups, stars, out = match.groups(), iter(g for i, g in enumerate(match.groups()) if i != number_at), []
+        for piece in pieces:
+            out.append(str(int(groups[number_at]) + offset) if piece == "{}" else next(stars) if piece == "*"
+                       else piece)
+        return "".join(out)
+
+    return re.compile("^" + regex.pattern), make
+
+
+def _error(message: str, hint: str) -> RemapError:
+    return RemapError(Diagnostic(code="E419", message=message, hint=hint))
