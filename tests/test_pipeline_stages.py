@@ -18,12 +18,17 @@ from gloo import BACKENDS
 from safetensors.torch import load_file, save_file
 
 import remapdsl
+from remapdsl.sharding import LayoutPlan, Mesh
 from remapdsl.testing import run_ranks
 
 pytestmark = pytest.mark.distributed
 
 CHECKPOINT = str(Path(__file__).parent.parent / "examples" / "tiny-qwen3-moe")
 CONFIG = json.loads((Path(CHECKPOINT) / "config.json").read_text())
+# plain local shards: Megatron-style column and row cuts on tp, the stages on pp (replicated there)
+LAYOUT = LayoutPlan.from_mapping({"*.self_attn.*_proj": "colwise", "*.mlp.experts.down_proj": "rowwise",
+                                  "model.embed_tokens": "embedding_rowwise", "lm_head": "colwise"}, mesh_dim="tp")
+MESH = Mesh.of({"pp": 2, "tp": 2})
 
 
 def stage_of(key: str) -> int:
@@ -38,13 +43,16 @@ def _stages(rank: int, world: int, whole_path: str, out: str) -> dict:
     from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 
     from remapdsl.runtime.dist import gather_all
+    from remapdsl.sharding.holdings import held_by_layout
 
     whole = load_file(whole_path)
+    compiled = remapdsl.compile_rules(remapdsl.load_rules("qwen3_moe"), CHECKPOINT)
     results = {}
-    for kind in ("dtensor", "plain"):
+    for kind in ("dtensor", "plain", "layout"):
         mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("pp", "tp"))
         stage, tp = rank // 2, mesh["tp"]
         mine = {k: v for k, v in whole.items() if stage_of(k) == stage}
+        shards = {"layout": LAYOUT, "mesh": MESH} if kind == "layout" else {}
 
         def placed(k, v):
             placement = Shard(0) if v.dim() and v.shape[0] % 2 == 0 else Replicate()
@@ -53,28 +61,34 @@ def _stages(rank: int, world: int, whole_path: str, out: str) -> dict:
         if kind == "dtensor":
             state = {k: placed(k, torch.zeros_like(v)) for k, v in mine.items()}
             expected = {k: placed(k, v).to_local() for k, v in mine.items()}
-        else:
+        elif kind == "plain":
             state = {k: torch.zeros_like(v) for k, v in mine.items()}
             expected = mine
-        report = remapdsl.load(state, CHECKPOINT, "qwen3_moe")
+        else:  # this rank's shards under a layout plan (each one box: Shard placements only)
+            held = held_by_layout(compiled, LAYOUT, MESH, rank)
+            expected = {k: v[tuple(slice(o, o + n) for o, n in zip(*held[k].boxes[0]))].clone()
+                        for k, v in mine.items()}
+            state = {k: torch.zeros_like(v) for k, v in expected.items()}
+        report = remapdsl.load(state, CHECKPOINT, "qwen3_moe", **shards)
         local = {k: (v.to_local() if hasattr(v, "to_local") else v) for k, v in state.items()}
         assert all(torch.equal(local[k], expected[k]) for k in mine), kind
         assert sorted(report.loaded) == sorted(mine)
         saved = Path(out) / f"{kind}-like"
-        remapdsl.save(state, saved, "qwen3_moe", like=CHECKPOINT)
+        remapdsl.save(state, saved, "qwen3_moe", like=CHECKPOINT, **shards)
         if kind == "plain":  # torchtitan's adapter saves from the stages too
             from remapdsl.torchtitan import RuleStateDictAdapter
 
             RuleStateDictAdapter(None, CHECKPOINT, rules="qwen3_moe").save_hf(state, Path(out) / "titan")
         derived = Path(out) / f"{kind}-derived"
-        remapdsl.save(state, derived, "qwen3_moe", config=CONFIG)
-        exported = dict(remapdsl.export(state, "qwen3_moe", like=CHECKPOINT, gather="tp" if kind == "dtensor" else ()))
+        remapdsl.save(state, derived, "qwen3_moe", config=CONFIG, **shards)
+        exported = dict(remapdsl.export(state, "qwen3_moe", like=CHECKPOINT, gather="tp" if kind != "plain" else (),
+                                        **shards))
         for value in state.values():  # ingest what every rank exported into zeroed stages
             (value.to_local() if hasattr(value, "to_local") else value).zero_()
         everyone = {}
         for part in gather_all(exported):
             everyone.update(part)
-        remapdsl.ingest(state, everyone, "qwen3_moe", like=CHECKPOINT)
+        remapdsl.ingest(state, everyone, "qwen3_moe", like=CHECKPOINT, **shards)
         local = {k: (v.to_local() if hasattr(v, "to_local") else v) for k, v in state.items()}
         assert all(torch.equal(local[k], expected[k]) for k in mine), f"{kind}: ingest"
         results[kind] = report.bytes_read, exported
@@ -94,12 +108,12 @@ def test_each_stage_loads_and_saves_what_it_holds(tmp_path, backend):
     results = run_ranks(_stages, 4, str(tmp_path / "whole.safetensors"), str(tmp_path), backend=backend)
     source = (Path(CHECKPOINT) / "model.safetensors").read_bytes()
     assert (tmp_path / "titan" / "model.safetensors").read_bytes() == source
-    for name in ("dtensor", "plain"):
+    for name in ("dtensor", "plain", "layout"):
         assert (tmp_path / f"{name}-like" / "model.safetensors").read_bytes() == source, name
         derived = load_file(str(tmp_path / f"{name}-derived" / "model.safetensors"))
         original = load_file(str(Path(CHECKPOINT) / "model.safetensors"))
         assert derived.keys() == original.keys() and all(torch.equal(derived[k], original[k]) for k in original)
-    for kind in ("dtensor", "plain"):  # the export: every checkpoint tensor once, from the stage holding it
+    for kind in ("dtensor", "plain", "layout"):  # the export: every checkpoint tensor once, from the stage holding it
         exported = [r[kind][1] for r in results]
         keys = [k for part in exported for k in part]
         assert sorted(keys) == sorted(original) and all(

@@ -222,16 +222,6 @@ def test_stated_sizes_are_checked_on_load():
     assert d.code == "E207" and "[2, 3]" in d.message and "[3, 2]" in d.message and d.span.column == 15
 
 
-def test_a_layout_file_is_refused_and_nothing_is_written(tmp_path):
-    from remapdsl.sharding import LayoutPlan, Mesh
-
-    with pytest.raises(RemapError) as info:
-        remapdsl.save({"b": torch.zeros(2)}, tmp_path / "out", rules_from_text("remap 1\na -> b\n"),
-                      layout=LayoutPlan.from_mapping({"*": []}), mesh=Mesh.of({"dp": 1}))
-    assert info.value.diagnostics[0].code == "E520" and "layout=" in info.value.diagnostics[0].message
-    assert not (tmp_path / "out").exists()
-
-
 def test_max_shard_size_takes_bytes_or_hugging_face_s_text(tmp_path):
     rules = rules_from_text("remap 1\n{a,b} -> ab | concat(dim=0, sizes=[500, 500])\n")
     state = {"ab": torch.zeros(1000)}  # two 2,000-byte tensors

@@ -52,7 +52,8 @@ def _export(prepared, rules, like, config, state_dict, gather, bucket_bytes: int
     with frozen_heap():  # until the first item: the consumer's own code runs between items
         tensors = named_together(state_dict, local)
         # the layout streamed: `like`'s, or the derived one (headers needed by no file here)
-        prepared = prepared or prepared_checkpoint(rules, like, config, tensors, layout, Path("<export>"))[0]
+        prepared = prepared or prepared_checkpoint(rules, like, config, tensors, layout, Path("<export>"),
+                                                           mesh=mesh)[0]
         out, compiled, _ = prepared.current()
         rank, world = dist.rank(), dist.world_size()
 

@@ -47,7 +47,8 @@ def ingest(prepared, state_dict, pairs, *, rules=None, like=None, config: Mappin
     with bounds.bounded(timeout), frozen_heap(), Rings(staging) as rings:  # one ring per reader thread, over all pairs
         tensors = named_together(state_dict, local)
         if prepared is None:
-            prepared = prepared_checkpoint(rules, like, config, tensors, layout, Path("<ingest>"))[0]
+            prepared = prepared_checkpoint(rules, like, config, tensors, layout, Path("<ingest>"),
+                                           mesh=mesh)[0]
         start = time.perf_counter()
         inventory, compiled, _ = prepared.current()
         rank = dist.rank()

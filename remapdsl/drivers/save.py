@@ -24,6 +24,7 @@ from ..errors import Diagnostic, RemapError
 from ..gcpause import frozen_heap, paused_gc
 from ..language.includes import RuleSet, load_rules
 from ..sharding.holdings import hold, owned
+from ..sharding.layouts import global_shapes
 from ..sharding.plans import make_write_plan
 from ..sizes import parse_size
 from ..runtime import bounds, dist
@@ -56,7 +57,8 @@ def save(prepared, state_dict, folder, *, rules=None, like=None, config=None, la
         folder, derived = Path(folder).absolute(), None
         tensors = named_together(state_dict, local)
         if prepared is None:
-            prepared, derived = prepared_checkpoint(rules, like, config, tensors, layout, folder, max_shard_size)
+            prepared, derived = prepared_checkpoint(rules, like, config, tensors, layout, folder, max_shard_size,
+                                                    mesh=mesh)
         start = time.perf_counter()
         inventory, compiled, _ = prepared.current()
         rank, world = dist.rank(), dist.world_size()
@@ -170,7 +172,7 @@ def copy_bytes(pieces, reader, writer) -> None:
 
 
 def prepared_checkpoint(rules, like, config, tensors, layout, root: Path, max_shard_size: int | str = "5GB",
-                        check=None):
+                        check=None, mesh=None):
     """Every rank: a Prepared for one call's save (export, ingest) of `like`'s layout, or, without it, of
     the one rank 0 derives from the rules and its tensors' shapes (also returned: a NewCheckpoint, else None;
     the config then empty unless given). The same exchanges on every rank, so ranks given and not given
@@ -180,15 +182,12 @@ def prepared_checkpoint(rules, like, config, tensors, layout, root: Path, max_sh
     given, check = like, check or (lambda: None)
     if like is None and config is None:
         config = {}
-    # a pipeline stage holds only its tensors: a derived layout follows from every rank's shapes
-    runtime: dict[str, tuple] = {}
-    for shapes in dist.gather_all({} if like is not None else {
-            k: (tuple(v.shape), str(v.dtype).removeprefix("torch.")) for k, v in tensors.items()
-            if hasattr(v, "shape") and hasattr(v, "dtype")}, "sharing the runtime tensors' shapes"):
-        for key, shape in shapes.items():
-            runtime.setdefault(key, shape)
+    # a derived layout follows from every rank's shapes: a stage holds only its tensors, a shard part of one
+    shapes = dist.gather_all({} if like is not None else {
+        k: (tuple(v.shape), str(v.dtype).removeprefix("torch.")) for k, v in tensors.items()
+        if hasattr(v, "shape") and hasattr(v, "dtype")}, "sharing the runtime tensors' shapes")
     derived = dist.from_first(lambda: (check(), None if given is not None else derived_checkpoint(
-        rules, config, runtime, layout, root, max_shard_size))[1], "deriving the checkpoint layout")
+        rules, config, shapes, layout, mesh, root, max_shard_size))[1], "deriving the checkpoint layout")
     like = like if derived is None else derived.inventory
     # not strict: a checkpoint tensor no rule reads is the save's own error (E501)
     ready = prepare_everywhere(rules, like, config, strict=False, on_disk=derived is None,
@@ -205,14 +204,13 @@ def same_like(like, derived) -> None:
                                     hint="give every rank the same `like`, or none to derive the layout"))
 
 
-def derived_checkpoint(rules, config, runtime, layout, folder: Path, max_shard_size: int | str) -> NewCheckpoint:
+def derived_checkpoint(rules, config, shapes: list[dict], layout, mesh, folder: Path,
+                       max_shard_size: int | str) -> NewCheckpoint:
     """The files a save without `like` writes: the tensors the rules derive from the runtime tensors'
-    global shapes and dtypes (`runtime`, every rank's), sharded as Hugging Face shards."""
-    if layout is not None:
-        raise RemapError(Diagnostic(code="E520", message="without `like`, the checkpoint layout is derived from "
-                                    "the runtime tensors' global shapes, and with `layout=` the state dict holds "
-                                    "local shards", hint="pass DTensors (their global shapes are known), or "
-                                    "give the checkpoint with `like`"))
+    global shapes and dtypes (from `shapes`, every rank's in rank order: whole tensors or DTensors, or
+    local shards under `layout` on `mesh`), sharded as Hugging Face shards."""
+    check_mesh(mesh)
+    runtime = global_shapes(shapes, layout, mesh)
     max_shard_bytes = parse_size(max_shard_size, f"max_shard_size={max_shard_size!r}")
     ruleset = rules if isinstance(rules, RuleSet) else load_rules(rules)
     return new_checkpoint(str(folder), derive_checkpoint(ruleset, runtime, config), max_shard_bytes)

@@ -9,6 +9,7 @@ import fnmatch
 import json
 import os
 from collections.abc import Mapping, Sequence
+from itertools import product
 from pathlib import Path
 from typing import Any, Literal
 
@@ -152,3 +153,33 @@ def read_layout(path: str | os.PathLike) -> LayoutPlan:
     except (OSError, ValueError, KeyError, TypeError, AttributeError, ValidationError) as exc:
         raise RemapError(Diagnostic(code="E409", path=str(path), message=f"cannot read the layout: {exc}",
                                     hint='expected {"mesh_dim": "tp", "plan": {"*.q_proj": "colwise"}}')) from None
+
+
+def global_shapes(shapes: list[Mapping[str, tuple]], plan: LayoutPlan | None = None,
+                  mesh: Mesh | None = None) -> dict[str, tuple]:
+    """Each runtime tensor's (global shape, dtype) from every rank's (shape, dtype) of it, in rank order:
+    a whole tensor's or a DTensor's shape is global; under `plan` on `mesh` a plain tensor is a shard,
+    and a dim its placements cut is the sum of the shards along the mesh dims that cut it."""
+    held: dict[str, int] = {}  # runtime key -> the first rank holding it
+    for rank, part in enumerate(shapes):
+        for key in part:
+            held.setdefault(key, rank)
+    if plan is None:
+        return {key: shapes[rank][key] for key, rank in held.items()}
+    out = {}
+    for key, rank in held.items():
+        shape, dtype = shapes[rank][key]
+        at = mesh.coordinate(rank)
+        placements = layout_for(key, shape, plan, mesh)
+        size = list(shape)
+        for dim in range(len(shape)):
+            along = [m for m, p in enumerate(placements) if not isinstance(p, Replicate) and p.dim == dim]
+            if along:
+                size[dim] = 0
+                for index in product(*(range(mesh.sizes[m]) for m in along)):
+                    coordinate = list(at)
+                    for m, i in zip(along, index):
+                        coordinate[m] = i
+                    size[dim] += shapes[mesh.rank(coordinate)].get(key, (shape,))[0][dim]
+        out[key] = (tuple(size), dtype)
+    return out
