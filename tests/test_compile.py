@@ -371,3 +371,23 @@ def test_the_guard_guarding_a_negative_index_is_enough(tmp_path):
     folder = tiny_checkpoint(tmp_path, {"m.0.w": randn(2), "m.1.w": randn(2)}, {})
     compiled = compile_text("m.{L}.w -> layers.{L - 1}.w when L >= 1\ndrop m.0.w\n", folder)
     assert [d.runtime_key for d in compiled.runtime_tensors] == ["layers.0.w"]
+
+
+@pytest.mark.parametrize("two", [1, 2])
+def test_a_config_guard_false_under_a_prefix_with_a_capture_guard_switches_the_rule_off(tmp_path, two):
+    """`@x.u -> @x.y when config.two > 1` joined with the definition's `L < 100`: false for every
+    binding when `config.two > 1` is, so the rule is off though no key matched to bind L (with
+    config.two = 2 the rule is on, and its missing key is E201). Saving without `like` (deriving
+    the checkpoint layout) decides alike."""
+    tiny_checkpoint(tmp_path, {"a.0.w": torch.zeros(2)}, {"two": two})
+    text = "remap 1\nprefix @x = a.{L} -> b.{L} when L < 100\n@x.w -> @x.v\n@x.u -> @x.y when config.two > 1\n"
+    rules = rules_from_text(text, "t.remap")
+    if two == 2:
+        with pytest.raises(remapdsl.RemapError, match="E201"):
+            remapdsl.compile_rules(rules, tmp_path)
+        return
+    compiled = remapdsl.compile_rules(rules, tmp_path)
+    assert [t.runtime_key for t in compiled.runtime_tensors] == ["b.0.v"]
+    state = {"b.0.v": torch.ones(2)}
+    remapdsl.save(state, tmp_path / "out", rules, config={"two": two})
+    assert list(remapdsl.open_checkpoint(tmp_path / "out").tensors) == ["a.0.w"]
