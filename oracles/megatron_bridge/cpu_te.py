@@ -188,18 +188,23 @@ class TENorm:
         return (LayerNorm if config.normalization == "LayerNorm" else RMSNorm)(hidden_size, config)
 
 
+class TEDotProductAttention(nn.Module):
+    """Core attention holds no parameter (without attention sinks)."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__()
+
+
 class _TENormWithResidual:
     def __new__(cls, *args, **kwargs):
         return TENorm(*args, **kwargs)
 
 
 def spec_provider():
-    """Megatron-Core's TESpecProvider with the stand-ins above (core attention: the local one, which holds
-    no parameter)."""
+    """Megatron-Core's TESpecProvider with the stand-ins above."""
     from functools import partial
 
     from megatron.core.models.backends import BackendSpecProvider
-    from megatron.core.transformer.dot_product_attention import DotProductAttention
     from megatron.core.transformer.mlp import MLPSubmodules
     from megatron.core.transformer.moe.experts import GroupedMLPSubmodules, SequentialMLP, TEGroupedMLP
 
@@ -223,7 +228,7 @@ def spec_provider():
             return _TENormWithResidual if has_residual else TENorm
 
         def core_attention(self):
-            return DotProductAttention
+            return TEDotProductAttention
 
         def grouped_mlp_modules(self, moe_use_grouped_gemm):
             if moe_use_grouped_gemm:
@@ -244,7 +249,8 @@ def install() -> None:
     TransformerBlock's final norm, `LayerNormImpl`, is TENorm as where TE is installed)."""
     provider = spec_provider()
     standins = {"TESpecProvider": provider, "TENorm": TENorm, "LayerNormImpl": TENorm, "TELinear": TELinear,
-                "TEColumnParallelLinear": TEColumnParallelLinear, "TERowParallelLinear": TERowParallelLinear,
+                "TEColumnParallelLinear": TEColumnParallelLinear, "TEDotProductAttention": TEDotProductAttention,
+                "TERowParallelLinear": TERowParallelLinear,
                 "TELayerNormColumnParallelLinear": TELayerNormColumnParallelLinear,
                 "TEColumnParallelGroupedLinear": TEColumnParallelGroupedLinear,
                 "TERowParallelGroupedLinear": TERowParallelGroupedLinear}
