@@ -41,7 +41,7 @@ MODELS: dict[str, dict] = {
                         norm_topk_prob=True),
 }
 # The FP8 release of a model: every projection as E4M3 values plus float32 scales per block.
-FP8_RELEASES: dict[str, tuple[str, tuple[int, int]]] = {"deepseek_v3_fp8": ("deepseek_v3", (16, 16))}
+FP8_RELEASES: dict[str, tuple[str, tuple[int, int]]] = {"deepseek_v3_fp8": ("deepseek_v3", (128, 128))}
 
 
 def checkpoint_shapes(name: str) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:

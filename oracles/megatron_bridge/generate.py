@@ -249,7 +249,7 @@ def main(argv=None) -> int:
         export = manifest["export"] or {}
         kinds: dict[str, int] = {}
         for verdict in export.values():
-            kind = verdict.split(",")[0] if verdict.startswith("exported as") else verdict
+            kind = "exported in another dtype or shape" if verdict.startswith("exported as") else verdict
             kinds[kind] = kinds.get(kind, 0) + 1
         print(f"{name}: {manifest['world']} ranks, {len(manifest['ranks'][0]['tensors'])} tensors on rank 0; "
               f"unwritten {unwritten}; export: {kinds}")
