@@ -17,8 +17,8 @@ from pathlib import Path
 
 import torch
 
-_COMMON = dict(vocab_size=64, hidden_size=64, num_attention_heads=4, num_key_value_heads=2,
-               max_position_embeddings=128, rms_norm_eps=1e-6, tie_word_embeddings=False, dtype="bfloat16")
+_COMMON = {"vocab_size": 64, "hidden_size": 64, "num_attention_heads": 4, "num_key_value_heads": 2,
+           "max_position_embeddings": 128, "rms_norm_eps": 1e-6, "tie_word_embeddings": False, "dtype": "bfloat16"}
 
 # name -> config.json (what save_pretrained writes is a superset; transformers fills the rest).
 MODELS: dict[str, dict] = {
@@ -132,7 +132,7 @@ def quantize_fp8_block(weight: torch.Tensor, block: tuple[int, int]) -> tuple[to
 def is_fp8_quantized(key: str) -> bool:
     """The weights DeepSeek-V3's release stores in FP8: every linear projection (not the embedding, norms,
     router, eh_proj or the heads)."""
-    return key.endswith("_proj.weight") or key.endswith("kv_a_proj_with_mqa.weight")
+    return key.endswith(("_proj.weight", "kv_a_proj_with_mqa.weight"))
 
 
 def checkpoint_tensors(name: str) -> dict[str, torch.Tensor]:

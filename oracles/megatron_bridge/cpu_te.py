@@ -42,7 +42,7 @@ def import_bridge():
     """Import megatron.bridge. Its conversion modules import its PEFT modules, which import
     `transformer_engine.pytorch` unconditionally (for LoRA layers the conversion never builds); a
     placeholder module stands in for that import only, and is removed again after it."""
-    import megatron.core.models.gpt.gpt_layer_specs  # noqa: F401  - Megatron-Core first: it sees no TE
+    import megatron.core.models.gpt.gpt_layer_specs  # Megatron-Core first: it sees no TE
 
     names = ["transformer_engine", "transformer_engine.pytorch", "transformer_engine.pytorch.ops"]
     for name in names:
