@@ -61,7 +61,9 @@ def test_check_passes_on_a_checkpoint_it_loads(name, tmp_path, capsys):
 def test_every_shipped_file_is_checked_against_a_checkpoint():
     from hf_models import CASES
     from test_families import CHECKED
-    from test_megatron_bridge import RULES as MEGATRON  # test_megatron_bridge.test_check_passes_on_each_megatron_file
+    from test_megatron_bridge import (
+        RULES as MEGATRON,  # test_megatron_bridge.test_check_passes_on_each_megatron_file
+    )
 
     from remapdsl.language.library import shipped_names
 
