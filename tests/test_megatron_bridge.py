@@ -299,3 +299,19 @@ def test_check_passes_on_each_megatron_file(checkpoints, capsys):
         m = manifest(case)
         assert main(["check", rules_of(m), "--checkpoint", str(checkpoints(m["checkpoint"]))]) == 0, \
             capsys.readouterr().err
+
+
+def test_a_megatron_model_of_the_fp8_release_exports_bf16_without_like(whole, checkpoints, tmp_path):
+    """As Megatron-Bridge exports the FP8 release: the model loaded through `megatron_deepseek_v3_fp8`
+    (dequantized) saved without `like` through the unquantized `megatron_deepseek_v3` gives a bf16 Hugging
+    Face checkpoint with no scales, whose load is the model again, bit for bit."""
+    folder = checkpoints("deepseek_v3_fp8")
+    state = whole("deepseek_v3_fp8", "megatron_deepseek_v3_fp8")
+    config = json.loads((folder / "config.json").read_text())
+    remapdsl.save(state, tmp_path / "bf16", "megatron_deepseek_v3", config=config)
+    written = load_file(tmp_path / "bf16" / "model.safetensors")
+    assert not [k for k in written if k.endswith("_scale_inv")]
+    assert {str(t.dtype) for k, t in written.items() if k.endswith("proj.weight")} == {"torch.bfloat16"}
+    again = remapdsl.compile_rules("megatron_deepseek_v3", str(tmp_path / "bf16")).empty_state_dict()
+    remapdsl.load(again, str(tmp_path / "bf16"), "megatron_deepseek_v3")
+    assert sorted(again) == sorted(state) and not {k for k in state if differences(again[k], state[k])}
