@@ -1,10 +1,12 @@
 """Pipeline stages: each rank holds only its stage's tensors, and loads and saves exactly those.
 
 Four gloo ranks as pp=2 x tp=2 over the bundled tiny Qwen3-MoE: stage 0 (ranks 0, 1) holds the
-embedding and layer 0, stage 1 (ranks 2, 3) layer 1, the final norm and the head, under global
-names (as torchtitan keeps them). Inside a stage the tensors are DTensors on the stage's own tp
-submesh, or plain whole tensors. Together the ranks hold every runtime tensor once per stage, and
-the ranks check that together (a tensor no rank holds is E230 on every rank).
+embedding and layer 0, stage 1 (ranks 2, 3) layer 1, the final norm and the head. Inside a stage the
+tensors are DTensors on the stage's own tp submesh, plain whole tensors, or plain shards under a
+layout plan, under global names (as torchtitan keeps them) or, the shards, under Megatron-style local
+names (each stage's layer numbered from 0, `local=` its offset). Then four ranks as pp=2 x ep=2 under
+Megatron-Core's local names (experts numbered from 0 per expert rank) and under global names. The
+ranks check together that every runtime tensor is held by some rank (E230 on every rank otherwise).
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ CONFIG = json.loads((Path(CHECKPOINT) / "config.json").read_text())
 LAYOUT = LayoutPlan.from_mapping({"*.self_attn.*_proj": "colwise", "*.mlp.experts.down_proj": "rowwise",
                                   "model.embed_tokens": "embedding_rowwise", "lm_head": "colwise"}, mesh_dim="tp")
 MESH = Mesh.of({"pp": 2, "tp": 2})
+KINDS = ("dtensor", "plain", "layout", "local")  # how a stage holds its tensors (_stages)
 
 
 def stage_of(key: str) -> int:
@@ -48,11 +51,13 @@ def _stages(rank: int, world: int, whole_path: str, out: str) -> dict:
     whole = load_file(whole_path)
     compiled = remapdsl.compile_rules(remapdsl.load_rules("qwen3_moe"), CHECKPOINT)
     results = {}
-    for kind in ("dtensor", "plain", "layout"):
+    for kind in KINDS:
         mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("pp", "tp"))
         stage, tp = rank // 2, mesh["tp"]
         mine = {k: v for k, v in whole.items() if stage_of(k) == stage}
-        shards = {"layout": LAYOUT, "mesh": MESH} if kind == "layout" else {}
+        shards = {"layout": LAYOUT, "mesh": MESH} if kind in ("layout", "local") else {}
+        # "local": the layout's shards under Megatron-style names, each stage's layer numbered from 0
+        renamed = {"local": {"model.layers.{}": stage}} if kind == "local" else {}
 
         def placed(k, v):
             placement = Shard(0) if v.dim() and v.shape[0] % 2 == 0 else Replicate()
@@ -69,26 +74,27 @@ def _stages(rank: int, world: int, whole_path: str, out: str) -> dict:
             expected = {k: v[tuple(slice(o, o + n) for o, n in zip(*held[k].boxes[0]))].clone()
                         for k, v in mine.items()}
             state = {k: torch.zeros_like(v) for k, v in expected.items()}
-        report = remapdsl.load(state, CHECKPOINT, "qwen3_moe", **shards)
+        given = {k.replace(f"model.layers.{stage}.", "model.layers.0.") if renamed else k: v for k, v in state.items()}
+        report = remapdsl.load(given, CHECKPOINT, "qwen3_moe", **shards, **renamed)
         local = {k: (v.to_local() if hasattr(v, "to_local") else v) for k, v in state.items()}
         assert all(torch.equal(local[k], expected[k]) for k in mine), kind
         assert sorted(report.loaded) == sorted(mine)
         saved = Path(out) / f"{kind}-like"
-        remapdsl.save(state, saved, "qwen3_moe", like=CHECKPOINT, **shards)
+        remapdsl.save(given, saved, "qwen3_moe", like=CHECKPOINT, **shards, **renamed)
         if kind == "plain":  # torchtitan's adapter saves from the stages too
             from remapdsl.torchtitan import RuleStateDictAdapter
 
             RuleStateDictAdapter(None, CHECKPOINT, rules="qwen3_moe").save_hf(state, Path(out) / "titan")
         derived = Path(out) / f"{kind}-derived"
-        remapdsl.save(state, derived, "qwen3_moe", config=CONFIG, **shards)
-        exported = dict(remapdsl.export(state, "qwen3_moe", like=CHECKPOINT, gather="tp" if kind != "plain" else (),
-                                        **shards))
+        remapdsl.save(given, derived, "qwen3_moe", config=CONFIG, **shards, **renamed)
+        exported = dict(remapdsl.export(given, "qwen3_moe", like=CHECKPOINT, gather="tp" if kind != "plain" else (),
+                                        **shards, **renamed))
         for value in state.values():  # ingest what every rank exported into zeroed stages
             (value.to_local() if hasattr(value, "to_local") else value).zero_()
         everyone = {}
         for part in gather_all(exported):
             everyone.update(part)
-        remapdsl.ingest(state, everyone, "qwen3_moe", like=CHECKPOINT, **shards)
+        remapdsl.ingest(given, everyone, "qwen3_moe", like=CHECKPOINT, **shards, **renamed)
         local = {k: (v.to_local() if hasattr(v, "to_local") else v) for k, v in state.items()}
         assert all(torch.equal(local[k], expected[k]) for k in mine), f"{kind}: ingest"
         results[kind] = report.bytes_read, exported
@@ -108,12 +114,12 @@ def test_each_stage_loads_and_saves_what_it_holds(tmp_path, backend):
     results = run_ranks(_stages, 4, str(tmp_path / "whole.safetensors"), str(tmp_path), backend=backend)
     source = (Path(CHECKPOINT) / "model.safetensors").read_bytes()
     assert (tmp_path / "titan" / "model.safetensors").read_bytes() == source
-    for name in ("dtensor", "plain", "layout"):
+    for name in KINDS:
         assert (tmp_path / f"{name}-like" / "model.safetensors").read_bytes() == source, name
         derived = load_file(str(tmp_path / f"{name}-derived" / "model.safetensors"))
         original = load_file(str(Path(CHECKPOINT) / "model.safetensors"))
         assert derived.keys() == original.keys() and all(torch.equal(derived[k], original[k]) for k in original)
-    for kind in ("dtensor", "plain", "layout"):  # the export: every checkpoint tensor once, from the stage holding it
+    for kind in KINDS:  # the export: every checkpoint tensor once, from the stage holding it
         exported = [r[kind][1] for r in results]
         keys = [k for part in exported for k in part]
         assert sorted(keys) == sorted(original) and all(
@@ -164,6 +170,9 @@ def _local_names(rank: int, world: int, whole_path: str, rules_path: str, out: s
     state = {name: torch.zeros_like(whole[key]) for name, key in names.items()}
     report = remapdsl.load(state, CHECKPOINT, rules_path, local=local)
     assert all(torch.equal(state[name], whole[key]) for name, key in names.items())
+    by_global = {key: torch.zeros_like(whole[key]) for key in names.values()}  # torchtitan's convention
+    remapdsl.load(by_global, CHECKPOINT, rules_path)
+    assert all(torch.equal(by_global[key], whole[key]) for key in names.values())
     remapdsl.save(state, Path(out) / "megatron-like", rules_path, like=CHECKPOINT, local=local)
     errors = []
     shifted = dict(local, **{"decoder.layers.*.mlp.experts.linear_fc2.weight{}": 2 * ep + 1})  # one off
