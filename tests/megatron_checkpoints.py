@@ -16,6 +16,7 @@ import zlib
 from pathlib import Path
 
 import torch
+from quant_reference import quantize_fp8_block
 
 _COMMON = {"vocab_size": 64, "hidden_size": 64, "num_attention_heads": 4, "num_key_value_heads": 2,
            "max_position_embeddings": 128, "rms_norm_eps": 1e-6, "tie_word_embeddings": False, "dtype": "bfloat16"}
@@ -115,18 +116,6 @@ def tensor_values(key: str, shape: tuple[int, ...], dtype: torch.dtype) -> torch
     i = torch.arange(n, dtype=torch.int64)
     x = (i * 2654435761 + seed * 40503 + 12345) % 1000003
     return ((x.to(torch.float64) / 1000003.0 - 0.5) * 4.0).to(dtype).reshape(shape)
-
-
-def quantize_fp8_block(weight: torch.Tensor, block: tuple[int, int]) -> tuple[torch.Tensor, torch.Tensor]:
-    """E4M3 values and float32 scales (amax / 448 per block), as DeepSeek-V3's release is made."""
-    rows, cols = weight.shape
-    grid = (-(-rows // block[0]), -(-cols // block[1]))
-    padded = torch.zeros(grid[0] * block[0], grid[1] * block[1])
-    padded[:rows, :cols] = weight.float()
-    tiles = padded.view(grid[0], block[0], grid[1], block[1])
-    scales = tiles.abs().amax(dim=(1, 3)).clamp(min=1e-12) / 448.0
-    values = (tiles / scales[:, None, :, None]).view(padded.shape)[:rows, :cols]
-    return values.to(torch.float8_e4m3fn).contiguous(), scales.contiguous()
 
 
 def is_fp8_quantized(key: str) -> bool:
