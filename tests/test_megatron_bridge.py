@@ -315,3 +315,43 @@ def test_a_megatron_model_of_the_fp8_release_exports_bf16_without_like(whole, ch
     again = remapdsl.compile_rules("megatron_deepseek_v3", str(tmp_path / "bf16")).empty_state_dict()
     remapdsl.load(again, str(tmp_path / "bf16"), "megatron_deepseek_v3")
     assert sorted(again) == sorted(state) and not {k for k in state if differences(again[k], state[k])}
+
+
+def _dense_stages(rank: int, world: int, whole_path: str, folder: str, out: str) -> None:
+    """pp=2 x tp=2: stage `rank // 2` holds its layer (and the embedding first, the head last), each
+    tensor the layout's tp shard, under global names and under Megatron-Core's local names."""
+    whole = load_file(whole_path)
+    plan, mesh, tp_mesh = read_layout(LAYOUT), Mesh.of({"pp": 2, "tp": 2}), Mesh.of({"tp": 2})
+    stage, tp = divmod(rank, 2)
+
+    def of_stage(key: str) -> bool:
+        if key.startswith("decoder.layers."):
+            return int(key.split(".")[2]) == stage
+        return (stage == 0) == key.startswith("embedding.")
+
+    shards = {k: local_tensor(v, k, plan, tp_mesh, tp) for k, v in whole.items() if of_stage(k)}
+    for names, local in (("global", None), ("local", {"decoder.layers.{}": stage})):
+        state = {(k.replace(f"decoder.layers.{stage}.", "decoder.layers.0.") if local else k): torch.full_like(
+            v, float("nan")) for k, v in shards.items()}
+        remapdsl.load(state, folder, "megatron_llama", layout=plan, mesh=mesh, local=local)
+        given = dict(zip(shards, state.values()))
+        wrong = [k for k in shards if differences(given[k], shards[k])]
+        assert not wrong, f"{names}: {wrong}"
+        remapdsl.save(state, Path(out) / names, "megatron_llama", like=folder, layout=plan, mesh=mesh, local=local)
+
+
+@pytest.mark.distributed
+def test_dense_pipeline_stages_with_tensor_parallel_shards_by_both_names(whole, checkpoints, tmp_path):
+    """4 gloo ranks as pp=2 x tp=2 on the Llama checkpoint through `megatron_llama` and
+    examples/megatron_tp_layout.json: each stage's tp shards, named globally (torchtitan's way) or
+    locally (Megatron-Core's, `local=` the stage's offset), load to the whole load's boxes, and the
+    stages together save the checkpoint back byte for byte."""
+    from safetensors.torch import save_file
+
+    from remapdsl.testing.ranks import run_ranks
+
+    folder = checkpoints("llama")
+    save_file(whole("llama", "megatron_llama"), str(tmp_path / "whole.safetensors"))
+    run_ranks(_dense_stages, 4, str(tmp_path / "whole.safetensors"), str(folder), str(tmp_path), timeout=120)
+    for names in ("global", "local"):
+        assert filecmp.cmp(folder / "model.safetensors", tmp_path / names / "model.safetensors", shallow=False), names
