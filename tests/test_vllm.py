@@ -211,3 +211,14 @@ def test_each_tp2_rank_is_a_cut_of_the_rule_files_load(case, whole):
         wrong = {k: d for k, t in tensors.items()
                  if (d := differences(vllm_local(k, r["owners"][k], state[k], m, r["rank"]), t))}
         assert wrong == {}, f"rank {r['rank']}"
+
+
+@pytest.mark.parametrize("checkpoint", ["llama", "qwen3_moe"])
+def test_a_save_without_like_says_the_padded_vocabulary_is_not_derivable(checkpoint, whole, checkpoints, tmp_path):
+    """Without `like`, the checkpoint's vocabulary size is not a function of the padded runtime
+    tensors: the save refuses with E520 at the `pad`, and writes nothing."""
+    config = json.loads((checkpoints(checkpoint) / "config.json").read_text())
+    with pytest.raises(remapdsl.RemapError) as caught:
+        remapdsl.save(whole(checkpoint), tmp_path / "out", RULES[checkpoint], config=config)
+    assert "E520" in str(caught.value) and "pad" in str(caught.value)
+    assert not list((tmp_path / "out").glob("*.safetensors"))
