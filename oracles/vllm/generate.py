@@ -3,8 +3,8 @@
 For each case (a tiny checkpoint of tests/vllm_checkpoints.py and a tp / expert-parallel placement),
 spawns one CPU process per rank; each builds vLLM's config with `EngineArgs(...).create_engine_config()`,
 joins a gloo group (`init_distributed_environment`, `initialize_model_parallel(tp)`), builds the model
-with the loader's `create_model` (`initialize_model(vllm_config)` under the config's dtype), fills every parameter with NaN (so a parameter the loader leaves
-unwritten shows), and runs `get_model_loader(load_config).load_weights(model, model_config)`, vLLM's
+with the loader's `create_model` (`initialize_model(vllm_config)` under the config's dtype), fills every
+parameter with NaN (so a parameter the loader leaves unwritten shows), and runs `get_model_loader(load_config).load_weights(model, model_config)`, vLLM's
 `DefaultModelLoader`, unmodified. What `model.named_parameters()` then holds (before
 `process_weights_after_loading`, which repacks weights for the CPU kernels) is written to
 tests/goldens/vllm/CASE/rank{R}.safetensors, with a manifest.json (versions, config, tp, ep, each rank's
@@ -148,7 +148,7 @@ def check_layout_against_transformers(name: str, folder: Path) -> None:
     with tempfile.TemporaryDirectory() as tmp:
         model.save_pretrained(tmp)
         with safe_open(str(Path(tmp) / "model.safetensors"), "pt") as f:
-            theirs = {k: tuple(f.get_slice(k).get_shape()) for k in f.keys()}
+            theirs = {k: tuple(f.get_slice(k).get_shape()) for k in f.keys()}  # noqa: SIM118 - safe_open has no __iter__
     ours = {k: shape for k, (shape, _) in checkpoint_shapes(name).items()}
     if theirs != ours:
         raise SystemExit(f"{name}: keys or shapes differ from transformers': only ours {sorted(set(ours) - set(theirs))}"
