@@ -284,13 +284,18 @@ def vllm_llama(built: Built) -> dict[str, torch.Tensor]:
         for leaf in ("weight", "bias"):
             fuse(f"model.layers.{layer}.self_attn", ("q_proj", "k_proj", "v_proj"), "qkv_proj", leaf)
         fuse(f"model.layers.{layer}.mlp", ("gate_proj", "up_proj"), "gate_up_proj", "weight")
-    if built.case.tied:
-        out["lm_head.weight"] = out["model.embed_tokens.weight"]
+    # vLLM pads the vocabulary to a multiple of 64 with zero rows, and a tied checkpoint has no
+    # lm_head parameter (vocab_parallel_embedding.py; llama.py's tie_weights).
+    for key in ("model.embed_tokens.weight", "lm_head.weight"):
+        if key in out:
+            rows = -(-out[key].shape[0] // 64) * 64
+            out[key] = torch.cat([out[key], out[key].new_zeros(rows - out[key].shape[0], out[key].shape[1])])
     return out
 
 
 def vllm_qwen3_moe(built: Built) -> dict[str, torch.Tensor]:
-    """vLLM's FusedMoE holds a layer's experts as w13_weight [E, 2 I, H] and w2_weight [E, H, I]; its
+    """vLLM's FusedMoE holds a layer's experts in its RoutedExperts module (`experts.routed_experts.`)
+    as w13_weight [E, 2 I, H] and w2_weight [E, H, I]; its
     weight_loader puts expert e's gate_proj (shard w1) in rows 0:I of w13_weight[e] and up_proj (w3)
     in rows I:2I, and down_proj (w2) in w2_weight[e] (FusedMoE.make_expert_params_mapping and
     _load_w13 in vllm/model_executor/layers/fused_moe/layer.py). Attention and dense MLPs are fused
@@ -301,13 +306,13 @@ def vllm_qwen3_moe(built: Built) -> dict[str, torch.Tensor]:
         if f"{stem}.0.down_proj.weight" not in out:
             continue  # a dense layer
         experts = range(built.case.config["num_experts"])
-        out[f"{stem}.w13_weight"] = torch.stack(
+        out[f"{stem}.routed_experts.w13_weight"] = torch.stack(
             [
                 torch.cat([out.pop(f"{stem}.{e}.gate_proj.weight"), out.pop(f"{stem}.{e}.up_proj.weight")])
                 for e in experts
             ]
         )
-        out[f"{stem}.w2_weight"] = torch.stack([out.pop(f"{stem}.{e}.down_proj.weight") for e in experts])
+        out[f"{stem}.routed_experts.w2_weight"] = torch.stack([out.pop(f"{stem}.{e}.down_proj.weight") for e in experts])
     return out
 
 

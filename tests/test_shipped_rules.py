@@ -64,9 +64,10 @@ def test_every_shipped_file_is_checked_against_a_checkpoint():
     from test_megatron_bridge import (
         RULES as MEGATRON,  # test_megatron_bridge.test_check_passes_on_each_megatron_file
     )
+    from test_vllm import RULES as VLLM  # test_vllm.test_check_passes_on_each_vllm_file
 
     from remapdsl.language.library import shipped_names
 
     checked = {Path(c.rules).stem for c in CASES.values()} | {rules for rules, _ in CHECKED} \
-        | {"qwen3_moe_fp8", "llama_fp8"} | set(CHECKED_HERE) | set(MEGATRON.values())  # the FP8 pair: test_families.test_check_passes_on_the_fp8_release
+        | {"qwen3_moe_fp8", "llama_fp8"} | set(CHECKED_HERE) | set(MEGATRON.values()) | set(VLLM.values())  # the FP8 pair: test_families.test_check_passes_on_the_fp8_release
     assert sorted(set(shipped_names()) - checked) == []
