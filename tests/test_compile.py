@@ -391,3 +391,24 @@ def test_a_config_guard_false_under_a_prefix_with_a_capture_guard_switches_the_r
     state = {"b.0.v": torch.ones(2)}
     remapdsl.save(state, tmp_path / "out", rules, config={"two": two})
     assert list(remapdsl.open_checkpoint(tmp_path / "out").tensors) == ["a.0.w"]
+
+
+@pytest.mark.parametrize("guard, code", [
+    ("config.off and L < 100", None),  # a false config term on the left: off, whatever L
+    ("L < 100 and config.off", None),  # on the right (a prefix's capture guard joined first)
+    ("config.absent > 1 and L < 100", "E201"),  # a term that fails alone decides nothing: the key
+    ("L < 100 and config.absent > 1", "E201"),  # must match, as for any guard that holds
+    ("config.absent > 1", "E211"),  # a whole guard that reads no capture is evaluated, and fails
+])
+def test_an_and_term_of_a_guard_that_reads_no_capture_decides_alone(tmp_path, guard, code):
+    """No checkpoint key has `u`: a false term switches the rule off; one that cannot be evaluated
+    alone (a missing config key) leaves the rule on, so its pattern must match (E201), never raising
+    the term's own error where the other term might have made it unnecessary."""
+    folder = tiny_checkpoint(tmp_path, {"a.0.w": torch.zeros(2)}, {"off": False})
+    rules = rules_from_text(f"remap 1\na.{{L}}.w -> b.{{L}}.v\na.{{L}}.u -> b.{{L}}.y when {guard}\n", "t.remap")
+    if code is None:
+        assert [t.runtime_key for t in remapdsl.compile_rules(rules, folder).runtime_tensors] == ["b.0.v"]
+        return
+    with pytest.raises(remapdsl.RemapError) as info:
+        remapdsl.compile_rules(rules, folder)
+    assert [d.code for d in info.value.diagnostics] == [code]
