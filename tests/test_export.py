@@ -19,6 +19,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from checkpoints import tiny_checkpoint
 from gloo import distributed_like
 from safetensors.torch import load_file
 
@@ -146,7 +147,10 @@ def _several(rank: int, world: int, calls: list) -> dict:
 def folders(tmp_path_factory) -> dict[str, tuple[Path, str]]:
     """The transformers checkpoints the ranks export (case -> folder, rules), built once."""
     root = tmp_path_factory.mktemp("models")
-    return {case: _checkpoint(case, root / case) for case in ("mixtral", "llama", "qwen3_moe", "deepseek_v3")}
+    made = {case: _checkpoint(case, root / case) for case in ("mixtral", "llama", "qwen3_moe", "deepseek_v3")}
+    cube = tiny_checkpoint(root / "cube", {"a": torch.arange(24, dtype=torch.float32).reshape(2, 3, 4)}, {})
+    (root / "cube.remap").write_text("remap 1\na -> b\n")
+    return made | {"cube": (cube, str(root / "cube.remap"))}
 
 
 @pytest.fixture(scope="module")
@@ -159,7 +163,8 @@ def two_ranks(folders) -> tuple[list[dict], dict]:
              ("refused", "_refused_on_ranks", tuple(map(str, folders["qwen3_moe"]))),
              ("rows", "_regions_on_ranks", (str(EXAMPLE), QWEN, {"*": [Shard(dim=0)]})),
              ("columns", "_regions_on_ranks", (str(EXAMPLE), QWEN, {"*norm*": "replicate", "*": [Shard(dim=1)]})),
-             ("strided", "_regions_on_ranks", (str(folders["llama"][0]), titan, {"*": [Shard(dim=0)]}))]
+             ("strided", "_regions_on_ranks", (str(folders["llama"][0]), titan, {"*": [Shard(dim=0)]})),
+             ("last dim", "_regions_on_ranks", (*map(str, folders["cube"]), {"b": [Shard(dim=2)]}))]
     return run_ranks(_several, 2, calls, timeout=300, backend="cuda:gloo"), folders
 
 
@@ -331,12 +336,14 @@ def _regions_on_ranks(rank: int, world: int, folder: str, rules: str, placements
 
 
 @pytest.mark.distributed
-@pytest.mark.parametrize("case", ["rows", "columns"])
+@pytest.mark.parametrize("case", ["rows", "columns", "last dim"])
 def test_regions_tile_every_checkpoint_tensor_once_without_moving_a_byte(two_ranks, case):
-    """FSDP rows and TP columns on 2 ranks: each rank's boxes, put where their offsets say, make
-    every checkpoint tensor exactly once."""
+    """FSDP rows and TP columns on 2 ranks, and the last dim of a 3-d tensor (each rank's piece is
+    rows of 2 elements repeated over both outer dims as one run set): each rank's boxes, put where
+    their offsets say, make every checkpoint tensor exactly once."""
     results = [r[case] for r in two_ranks[0]]
-    want = load_file(str(EXAMPLE / "model.safetensors"))
+    folder = two_ranks[1]["cube"][0] if case == "last dim" else EXAMPLE
+    want = load_file(str(Path(folder) / "model.safetensors"))
     full = {k: torch.full_like(v, float("nan")) for k, v in want.items()}
     covered = dict.fromkeys(want, 0)
     for regions in results:

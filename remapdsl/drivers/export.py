@@ -325,14 +325,18 @@ def _box(runs, info, key: str) -> tuple[tuple[int, ...], tuple[int, ...]]:
     sizes[j] = inner // elements[j]
     sizes[j + 1:] = shape[j + 1:]
     box = all(offsets[d] == 0 for d in range(j + 1, len(shape)))  # one run: whole trailing rows
-    for count, stride in zip(runs.counts, runs.strides):  # each repeat: an outer dim of its own
-        if count == 1:
-            continue
+    for count, stride in zip(runs.counts, runs.strides):  # each repeat: outer dims, the innermost first
         d = next((d for d in range(j) if elements[d] * itemsize == stride and sizes[d] == 1), None)
-        if d is None:
+        while count > 1 and d is not None and d >= 0 and sizes[d] == 1:
+            if count <= shape[d] - offsets[d]:
+                sizes[d], count = count, 1
+            elif offsets[d] == 0 and count % shape[d] == 0:  # whole rows of this dim, repeated outside it
+                sizes[d], count, d = shape[d], count // shape[d], d - 1
+            else:
+                break
+        if count > 1:
             box = False
             break
-        sizes[d] = count
     if not (box and all(o + n <= m for o, n, m in zip(offsets, sizes, shape))
             and prod(sizes) * itemsize == runs.total):
         raise RemapError(Diagnostic(code="E549", message=f"checkpoint tensor `{key}`: a piece this rank holds is "
