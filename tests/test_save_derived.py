@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors import safe_open
+from safetensors.torch import load_file
 
 import remapdsl
 from remapdsl import RemapError
@@ -28,14 +29,12 @@ from remapdsl.testing.ranks import run_ranks
 
 ROOT = Path(__file__).resolve().parent.parent
 
-# shipped file -> the test checkpoint it loads (hf_models CASES / FAMILY_CASES; ":fp8" an FP8 release of it).
-# The vllm_* files pad the vocabulary, whose unpadded size a save without `like` cannot derive
-# (tests/test_vllm.py::test_a_save_without_like_says_the_padded_vocabulary_is_not_derivable).
+# shipped file -> the test checkpoint it loads (hf_models CASES / FAMILY_CASES; ":fp8" an FP8 release of it)
 PLAIN = {
     "llama": "llama_tied", "qwen3_moe": "qwen3_moe_dense0", "mixtral": "mixtral", "qwen2_moe": "qwen2_moe",
     "deepseek_v3": "deepseek_v3_bf16", "gemma2": "gemma3_text", "phi3": "phi3", "phi3_split": "phi3",
     "gpt_neox": "gpt_neox", "gpt_neox_split": "gpt_neox", "llama4_text": "llama4_text_interleaved",
-    "llama_fused": "llama", "identity": "qwen3_moe",
+    "vllm_llama": "qwen2", "vllm_qwen3_moe": "qwen3_moe_dense0", "llama_fused": "llama", "identity": "qwen3_moe",
     "torchtitan_llama3": "llama", "torchtitan_qwen3": "qwen3_moe", "torchtitan_deepseek_v3": "deepseek_v3",
 }
 QUANTIZED = {"deepseek_v3_fp8": "deepseek_v3:fp8", "llama_fp8": "llama:fp8", "qwen3_moe_fp8": "qwen3_moe:fp8",
@@ -222,6 +221,22 @@ def test_stated_sizes_are_checked_on_load():
         compile_rules(rules, Inventory.from_shapes({"a": ("float32", (2,)), "b": ("float32", (3,))}), {})
     d = info.value.diagnostics[0]
     assert d.code == "E207" and "[2, 3]" in d.message and "[3, 2]" in d.message and d.span.column == 15
+    with pytest.raises(remapdsl.errors.BindError) as info:  # a pad's `size=`, the size it pads from
+        compile_rules(rules_from_text("remap 1\na -> b | pad(dim=0, to=8, size=5)\n"),
+                      Inventory.from_shapes({"a": ("float32", (6, 2))}), {})
+    d = info.value.diagnostics[0]
+    assert d.code == "E207" and "pads dim 0 of size 6, but `size=` says 5" in d.message
+
+
+def test_a_pad_saves_back_without_like_when_it_states_its_size(tmp_path):
+    """`pad(..., size=N)` is undone: the derived checkpoint tensor has N rows; without `size=` a save
+    without `like` cannot know them (E520, saying to add it)."""
+    state = {"b": torch.cat([torch.arange(10.0).reshape(5, 2), torch.zeros(3, 2)])}
+    remapdsl.save(state, tmp_path / "out", rules_from_text("remap 1\na -> b | pad(dim=0, to=8, size=5)\n"))
+    assert torch.equal(load_file(str(tmp_path / "out" / "model.safetensors"))["a"], state["b"][:5])
+    with pytest.raises(RemapError) as info:
+        remapdsl.save(state, tmp_path / "unsized", rules_from_text("remap 1\na -> b | pad(dim=0, to=8)\n"))
+    assert info.value.diagnostics[0].code == "E520" and "add `size=`" in info.value.diagnostics[0].message
 
 
 def test_max_shard_size_takes_bytes_or_hugging_face_s_text(tmp_path):

@@ -92,7 +92,11 @@ def _one(op: ir.Op, ev: Evaluator, t: sym.Sym) -> sym.Sym:
         return sym.slice_(t, ev.integer(op.dim, "dim"), start, stop)
     if isinstance(op, ir.Pad):
         value = ev.number(op.value, "value") if op.value is not None else 0.0
-        return sym.pad(t, ev.integer(op.dim, "dim"), ev.integer(op.to, "to"), value)
+        dim = ev.integer(op.dim, "dim")
+        if op.size is not None and t.shape and t.shape[dim % len(t.shape)] != ev.integer(op.size, "size"):
+            raise sym.OpError(f"it pads dim {dim} of size {t.shape[dim % len(t.shape)]}, but `size=` says "
+                              f"{ev.integer(op.size, 'size')}")
+        return sym.pad(t, dim, ev.integer(op.to, "to"), value)
     if isinstance(op, ir.Repeat):
         return sym.repeat(t, ev.integer(op.dim, "dim"), ev.integer(op.times, "times"))
     if isinstance(op, ir.RopePermute):

@@ -349,10 +349,19 @@ def _undo_list(op: ir.Op, ev: Evaluator, entries: list[Entry], width: int, span)
                 for shape, dtype in entries]
     if isinstance(op, (ir.RopePermute, ir.RopeUnpermute, ir.Scale, ir.Add)):
         return entries
+    if isinstance(op, ir.Pad) and op.size is not None:  # `size=` states what it padded from
+        dim, to, size = ev.integer(op.dim, "dim"), ev.integer(op.to, "to"), ev.integer(op.size, "size")
+        out = []
+        for shape, dtype in entries:
+            d = _dim(dim, len(shape))
+            if shape[d] != to:
+                raise _Undetermined(f"`pad` pads dim {dim} to {to}, but the model's has {shape[d]}", span)
+            out.append((_replace(shape, d, size), dtype))
+        return out
     name = op.op_name()
     why = {"reshape": "a reshape's input shape is not given by its output",
            "slice": "a slice leaves out rows whose number it does not state",
-           "pad": "a pad's input size is not given by the padded size",
+           "pad": "a pad's input size is not given by the padded size: add `size=`",
            "cast": "the dtype before a cast is not given by the dtype after it"}.get(name, "it cannot be undone")
     raise _Undetermined(f"`{name}`: {why}", span)
 

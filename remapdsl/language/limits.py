@@ -24,7 +24,7 @@ MAX_OPS = 256  # ops one rule (or macro) expands to through its macros
 MAX_INCLUDE_DEPTH = 16  # files nested by `include` below the top-level one
 
 _COUNT_ARGS = frozenset({"times", "groups", "n", "heads"})
-_SIZE_ARGS = frozenset({"to", "start", "stop", "sizes", "shape"})
+_SIZE_ARGS = frozenset({"to", "start", "stop", "sizes", "shape", "size"})
 
 Problem = tuple[str, str, Span | None, str | None]  # code, message, span, hint
 _INT_HINT = "integers are 64-bit, from -2^63 to 2^63 - 1"

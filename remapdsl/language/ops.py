@@ -78,8 +78,9 @@ Reshape = _op("Reshape", "reshape([-1, 128])", "reshape a contiguous tensor; one
 Slice = _op("Slice", "slice(dim=0, start=0, stop=1024)", "keep the range [start, stop) of dim",
             _DIM, _START, Param("stop", "int", False))
 Pad = _op("Pad", "pad(dim=0, to=32000)",
-          "grow dim to a size; the new region is filled with value (default 0), never read",
-          _DIM, Param("to", "int"), Param("value", "number", False))
+          "grow dim to a size; the new region is filled with value (default 0), never read; `size=` states "
+          "the size it grows from (checked on load, what a save without `like` needs)",
+          _DIM, Param("to", "int"), Param("value", "number", False), Param("size", "int", False))
 Repeat = _op("Repeat", "repeat(dim=0, times=2)", "repeat the tensor along dim", _DIM, Param("times", "int"))
 RopePermute = _op("RopePermute", "rope_permute(heads=NH)",
                   "Meta's pair-interleaved rotary rows to rotate-half order, per head", Param("heads", "int"))
