@@ -11,10 +11,9 @@ through the rule files. Needs torch and safetensors only.
 
 from __future__ import annotations
 
-import json
-import zlib
 from pathlib import Path
 
+import hf_shapes
 import torch
 from quant_reference import quantize_fp8_block
 
@@ -47,75 +46,7 @@ FP8_RELEASES: dict[str, tuple[str, tuple[int, int]]] = {"deepseek_v3_fp8": ("dee
 
 def checkpoint_shapes(name: str) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
     """The checkpoint's keys, in sorted order, with their shapes and dtypes."""
-    c = MODELS[name]
-    V, H, NH, KV, I = (c[k] for k in ("vocab_size", "hidden_size", "num_attention_heads", "num_key_value_heads",
-                                       "intermediate_size"))
-    bf16 = torch.bfloat16
-    out: dict[str, tuple[tuple[int, ...], torch.dtype]] = {
-        "model.embed_tokens.weight": ((V, H), bf16), "model.norm.weight": ((H,), bf16),
-        "lm_head.weight": ((V, H), bf16)}
-
-    def dense_mlp(p: str, inter: int) -> None:
-        out.update({f"{p}gate_proj.weight": ((inter, H), bf16), f"{p}up_proj.weight": ((inter, H), bf16),
-                    f"{p}down_proj.weight": ((H, inter), bf16)})
-
-    if c["model_type"] == "deepseek_v3":
-        layers = c["num_hidden_layers"] + c["num_nextn_predict_layers"]
-        QL, KL, NOPE, ROPE, VD = (c[k] for k in ("q_lora_rank", "kv_lora_rank", "qk_nope_head_dim",
-                                                 "qk_rope_head_dim", "v_head_dim"))
-        for L in range(layers):
-            p = f"model.layers.{L}."
-            out.update({
-                p + "input_layernorm.weight": ((H,), bf16), p + "post_attention_layernorm.weight": ((H,), bf16),
-                p + "self_attn.q_a_proj.weight": ((QL, H), bf16), p + "self_attn.q_a_layernorm.weight": ((QL,), bf16),
-                p + "self_attn.q_b_proj.weight": ((NH * (NOPE + ROPE), QL), bf16),
-                p + "self_attn.kv_a_proj_with_mqa.weight": ((KL + ROPE, H), bf16),
-                p + "self_attn.kv_a_layernorm.weight": ((KL,), bf16),
-                p + "self_attn.kv_b_proj.weight": ((NH * (NOPE + VD), KL), bf16),
-                p + "self_attn.o_proj.weight": ((H, NH * VD), bf16)})
-            if L < c["first_k_dense_replace"]:
-                dense_mlp(p + "mlp.", I)
-                continue
-            E, MI = c["n_routed_experts"], c["moe_intermediate_size"]
-            out.update({p + "mlp.gate.weight": ((E, H), bf16),
-                        p + "mlp.gate.e_score_correction_bias": ((E,), torch.float32)})
-            for e in range(E):
-                dense_mlp(f"{p}mlp.experts.{e}.", MI)
-            dense_mlp(p + "mlp.shared_experts.", MI * c["n_shared_experts"])
-            if L >= c["num_hidden_layers"]:  # the MTP layer
-                out.update({p + "enorm.weight": ((H,), bf16), p + "hnorm.weight": ((H,), bf16),
-                            p + "eh_proj.weight": ((H, 2 * H), bf16), p + "shared_head.norm.weight": ((H,), bf16),
-                            p + "shared_head.head.weight": ((V, H), bf16), p + "embed_tokens.weight": ((V, H), bf16)})
-        return dict(sorted(out.items()))
-
-    D = c["head_dim"]
-    for L in range(c["num_hidden_layers"]):
-        p = f"model.layers.{L}."
-        out.update({
-            p + "input_layernorm.weight": ((H,), bf16), p + "post_attention_layernorm.weight": ((H,), bf16),
-            p + "self_attn.q_proj.weight": ((NH * D, H), bf16), p + "self_attn.k_proj.weight": ((KV * D, H), bf16),
-            p + "self_attn.v_proj.weight": ((KV * D, H), bf16), p + "self_attn.o_proj.weight": ((H, NH * D), bf16)})
-        if c["model_type"] in ("qwen3", "qwen3_moe"):
-            out.update({p + "self_attn.q_norm.weight": ((D,), bf16), p + "self_attn.k_norm.weight": ((D,), bf16)})
-        if c["model_type"] == "qwen3_moe":
-            out[p + "mlp.gate.weight"] = ((c["num_experts"], H), bf16)
-            for e in range(c["num_experts"]):
-                dense_mlp(f"{p}mlp.experts.{e}.", c["moe_intermediate_size"])
-        else:
-            dense_mlp(p + "mlp.", I)
-    return dict(sorted(out.items()))
-
-
-def tensor_values(key: str, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
-    """Distinct values in [-2, 2) from the key's CRC-32 and each element's index (integer arithmetic,
-    then one float64 -> dtype rounding): the same bytes everywhere."""
-    n = 1
-    for s in shape:
-        n *= s
-    seed = zlib.crc32(key.encode())
-    i = torch.arange(n, dtype=torch.int64)
-    x = (i * 2654435761 + seed * 40503 + 12345) % 1000003
-    return ((x.to(torch.float64) / 1000003.0 - 0.5) * 4.0).to(dtype).reshape(shape)
+    return hf_shapes.checkpoint_shapes(MODELS[name])
 
 
 def is_fp8_quantized(key: str) -> bool:
@@ -135,7 +66,7 @@ def checkpoint_tensors(name: str) -> dict[str, torch.Tensor]:
             else:
                 out[key] = value
         return dict(sorted(out.items()))
-    return {k: tensor_values(k, shape, dtype) for k, (shape, dtype) in checkpoint_shapes(name).items()}
+    return {k: hf_shapes.tensor_values(k, shape, dtype) for k, (shape, dtype) in checkpoint_shapes(name).items()}
 
 
 def checkpoint_config(name: str) -> dict:
@@ -148,10 +79,4 @@ def checkpoint_config(name: str) -> dict:
 
 def write_checkpoint(name: str, folder) -> Path:
     """`config.json` and `model.safetensors` of checkpoint `name` in `folder` (created)."""
-    from safetensors.torch import save_file
-
-    folder = Path(folder)
-    folder.mkdir(parents=True, exist_ok=True)
-    save_file(checkpoint_tensors(name), str(folder / "model.safetensors"), metadata={"format": "pt"})
-    (folder / "config.json").write_text(json.dumps(checkpoint_config(name), indent=2, sort_keys=True) + "\n")
-    return folder
+    return hf_shapes.write_checkpoint(folder, checkpoint_tensors(name), checkpoint_config(name))
