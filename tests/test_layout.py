@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import fnmatch
 import math
+from pathlib import Path
 from itertools import product
 
 import numpy as np
@@ -419,3 +420,17 @@ def test_each_rank_owns_what_no_lower_rank_holds(case):
         expected = [b for b in shard.boxes if b not in lower]
         got = owned(holding, rank).get("t")
         assert (list(got.boxes) if got else []) == expected
+
+
+def test_the_json_layout_in_docs_reads_as_the_page_says(tmp_path):
+    """docs/layout.md's layout file example: experts cut on `ep`, gate/up packed on `tp`."""
+    import re
+
+    from remapdsl.sharding import Mesh, layout_for, read_layout
+    from remapdsl.sharding.placements import Shard, StridedShard
+
+    page = (Path(__file__).resolve().parent.parent / "docs" / "layout.md").read_text()
+    (tmp_path / "layout.json").write_text(re.search(r"```json\n(.*?)```", page, re.DOTALL).group(1))
+    plan = read_layout(tmp_path / "layout.json")
+    assert layout_for("model.layers.0.mlp.experts.gate_up_proj", (4, 16, 16), plan, Mesh.of({"ep": 2, "tp": 2})) \
+        == (Shard(dim=0), StridedShard(dim=1, split_factor=2))
