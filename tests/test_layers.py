@@ -143,5 +143,8 @@ def test_the_checker_sees_a_violation(tmp_path):
 @pytest.mark.parametrize("module", sorted(_modules()))
 def test_modules_stay_small(module):
     path = _modules()[module]
-    lines = path.read_text(encoding="utf-8").count("\n")
+    text = path.read_text(encoding="utf-8")
+    if "__mutmut_orig" in text:  # mutation/run's copy: the module with its mutants written in
+        pytest.skip("a module mutmut rewrote with its mutants")
+    lines = text.count("\n")
     assert lines <= MAX_LINES, f"{path.relative_to(PACKAGE.parent)} has {lines} lines: split it by job"
