@@ -93,9 +93,10 @@ def _one(op: ir.Op, ev: Evaluator, t: sym.Sym) -> sym.Sym:
     if isinstance(op, ir.Pad):
         value = ev.number(op.value, "value") if op.value is not None else 0.0
         dim = ev.integer(op.dim, "dim")
-        if op.size is not None and t.shape and t.shape[dim % len(t.shape)] != ev.integer(op.size, "size"):
-            raise sym.OpError(f"it pads dim {dim} of size {t.shape[dim % len(t.shape)]}, but `size=` says "
-                              f"{ev.integer(op.size, 'size')}")
+        if op.size is not None and t.shape:
+            found, size = t.shape[dim % len(t.shape)], ev.integer(op.size, "size")
+            if found != size:
+                raise sym.OpError(f"it pads dim {dim} of size {found}, but `size=` says {size}")
         return sym.pad(t, dim, ev.integer(op.to, "to"), value)
     if isinstance(op, ir.Repeat):
         return sym.repeat(t, ev.integer(op.dim, "dim"), ev.integer(op.times, "times"))

@@ -54,7 +54,8 @@ def load(prepared, state_dict, *, layout=None, mesh=None, read_replicated_once: 
             plan = prepared.kept("load", (held, rank), lambda: make_load_plan(compiled, inventory, held, rank))
             with Rings(staging) as rings:
                 run_load_plan(plan, inventory, holding.local, rings=rings)
-            report = LoadReport(loaded=tuple(d.runtime_key for d in compiled.runtime_tensors if d.runtime_key in holding.placed),
+            loaded = tuple(d.runtime_key for d in compiled.runtime_tensors if d.runtime_key in holding.placed)
+            report = LoadReport(loaded=loaded,
                                 ckpt_keys=tuple(sorted({i.ckpt_key for i in plan.items if i.ckpt_key}
                                                        | {p.ckpt_key for i in plan.decodes for p in i.parts})),
                                 bytes_read=plan.bytes_read, bytes_owned=plan.bytes_owned,

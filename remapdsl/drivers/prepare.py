@@ -250,6 +250,7 @@ class HeldTogether:
     def __init__(self, compiled, holding_of: Callable[[Any], Any], mesh=None,
                  read_once: Callable[[Any], list[str]] | None = None):
         self.keys = [d.runtime_key for d in compiled.runtime_tensors]
+        self.index = {key: i for i, key in enumerate(self.keys)}  # a tensor's bit in a rank's part
         self.holding_of, self.mesh, self.read_once = holding_of, mesh, read_once
         self.holders = None
 
@@ -262,7 +263,7 @@ class HeldTogether:
         """The mesh given (a malformed one fails here, in the phase), per placement the tensors this rank
         holds so, as the bits of their positions among the runtime tensors, and those `read_once` names
         (a load's `read_replicated_once`: rank 0 reads them for every rank)."""
-        index = {key: i for i, key in enumerate(self.keys)}
+        index = self.index
         shown: dict[int, str] = {}  # tensors of one spec share their Placed: described once
         placed: dict[str, int] = {}
         for key, p in self.holding_of(result).placed.items():
@@ -300,7 +301,7 @@ class HeldTogether:
                 hint="each runtime tensor must be in the state dict of at least one rank (a pipeline stage "
                      "holds its layers, the stages together the whole model)"))
         if any(h != every for h in held):
-            self.holders = Holders(held, {key: i for i, key in enumerate(self.keys)})
+            self.holders = Holders(held, self.index)
 
 
 def _bits(value: int) -> Iterator[int]:

@@ -57,10 +57,11 @@ def _template(pattern, value) -> tuple[re.Pattern, Any]:
     if pattern.count("*") != target.count("*"):
         raise _error(f"local template {pattern!r} and its global {target!r} have different numbers of `*`",
                      "each `*` of the local name is kept in the same place of the global one")
-    regex = re.compile("".join(r"([^.]+)" if part == "*" else r"([0-9]+)" if part == "{}" else re.escape(part)
-                               for part in re.split(r"(\*|\{\})", pattern)) + r"(?=\.|$)")
+    parts = re.split(r"(\*|\{\})", pattern)
+    regex = re.compile("^" + "".join(r"([^.]+)" if part == "*" else r"([0-9]+)" if part == "{}" else re.escape(part)
+                                     for part in parts) + r"(?=\.|$)")
     pieces = re.split(r"(\*|\{\})", target)
-    number_at = [p for p in re.split(r"(\*|\{\})", pattern) if p in ("*", "{}")].index("{}")
+    number_at = [p for p in parts if p in ("*", "{}")].index("{}")
 
     def make(match: re.Match) -> str:
         groups, stars, out = match.groups(), iter(g for i, g in enumerate(match.groups()) if i != number_at), []
@@ -69,7 +70,7 @@ def _template(pattern, value) -> tuple[re.Pattern, Any]:
                        else piece)
         return "".join(out)
 
-    return re.compile("^" + regex.pattern), make
+    return regex, make
 
 
 def _error(message: str, hint: str) -> RemapError:
