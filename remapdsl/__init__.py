@@ -29,7 +29,7 @@ from .language.library import ShippedRules, shipped_rules
 from .language.library import choose_rules as _choose_rules
 from .drivers.prepare import rules_for
 from .drivers.prepared import Prepared
-from .sharding import parse_mesh, read_layout
+from .sharding import layout_for, parse_mesh, read_layout
 from .sharding.placements import LayoutError
 from .sizes import parse_size
 
@@ -101,12 +101,15 @@ def compile_rules(rules: str | os.PathLike | RuleSet, checkpoint: str | os.PathL
                           strict=strict)
 
 
-def plan_rank(compiled: Compiled, inventory: Inventory, layout, mesh, rank: int):
+def plan_rank(compiled: Compiled, inventory: Inventory, layout, mesh, rank: int,
+              config: Mapping[str, Any] | None = None):
     """The LoadPlan of one rank under a layout plan (`remapdsl.sharding.LayoutPlan` on a
-    `remapdsl.sharding.Mesh`), without a process group or tensors."""
+    `remapdsl.sharding.Mesh`), without a process group or tensors. `config` (default: the checkpoint's)
+    gives the config keys the layout's packed placements name."""
     from .sharding.holdings import held_by_layout
     from .sharding.plans import make_load_plan
 
+    layout = layout.resolved(checkpoint_config(inventory) if config is None else config)
     return make_load_plan(compiled, inventory, held_by_layout(compiled, layout, mesh, rank), rank)
 
 
@@ -313,6 +316,7 @@ __all__ = [
     "export",
     "format_rules",
     "ingest",
+    "layout_for",
     "load",
     "load_rules",
     "open_checkpoint",

@@ -299,7 +299,8 @@ def _plan(args: argparse.Namespace) -> int:
               f"{plan.bytes_owned / 1e6:.2f} MB owned, {files if plan.files else 'no file'}")
         if args.tensors:
             for key, (pieces, runs, nbytes) in tensors.items():
-                print(f"    {key}: {pieces} piece{'s' if pieces != 1 else ''}, {runs} run{'s' if runs != 1 else ''}, "
+                placed = remapdsl.layout_for(key, compiled.runtime_tensor(key).shape, layout, mesh)
+                print(f"    {key} [{', '.join(map(str, placed))}]: {pieces} piece{'s' if pieces != 1 else ''}, {runs} run{'s' if runs != 1 else ''}, "
                       f"{nbytes / 1e6:.2f} MB")
         if args.rank is not None:
             for item in plan.items:

@@ -114,7 +114,7 @@ def test_plan_command_reads_exactly_what_each_rank_owns(capsys):
 
 def test_plan_command_summarizes_first_and_last_rank_of_a_large_mesh(capsys):
     """Past 16 ranks the summary shows ranks first and last unless asked; `--tensors` adds one line per
-    runtime tensor; each run set prints as one phrase, never one line per run."""
+    runtime tensor, with its placements; each run set prints as one phrase, never one line per run."""
     args = ["plan", "rules/qwen3_moe.remap", "--checkpoint", "examples/tiny-qwen3-moe", "--mesh", "dp=16,tp=2",
             "--layout", "examples/tp2_layout.json"]
     assert main(args) == 0
@@ -124,7 +124,7 @@ def test_plan_command_summarizes_first_and_last_rank_of_a_large_mesh(capsys):
     assert main([*args, "--ranks", "1,last,1", "--tensors"]) == 0
     out = capsys.readouterr().out
     assert [line.split(" {")[0] for line in out.splitlines() if line.startswith("rank ")] == ["rank 1", "rank 31"]
-    assert "    model.layers.0.mlp.experts.down_proj: 4 pieces, 64 runs, " in out
+    assert "    model.layers.0.mlp.experts.down_proj [R, S(2)]: 4 pieces, 64 runs, " in out
     assert main([*args, "--rank", "1"]) == 0
     out = capsys.readouterr().out
     assert "<- model.layers.0.mlp.experts.0.down_proj.weight (16 runs of 16 B, 32 B apart)" in out

@@ -337,8 +337,8 @@ class _NotAPlacement:
     (((4,), (2,), [Shard(dim=0)], (-1,)), ("E404", "coordinate (-1,) is outside mesh (2,)", None)),
     (((4,), (2, 2), [Shard(dim=0), Replicate()], (1,)), ("E404", "coordinate (1,) is outside mesh (2, 2)", None)),
     (((4,), (2,), [_NotAPlacement()], (0,)), ("E402", "NotAPlacement() is not a remapdsl placement",
-                                             ("use remapdsl.sharding.placements's Shard, Replicate, StridedShard "
-                                              "(placements_from_dtensor converts torch's)"))),
+                                             ("use remapdsl.sharding.placements's Shard, Replicate, StridedShard, "
+                                              "PackedShard or FirstOnly (placements_from_dtensor converts torch's)"))),
     (((4,), (2,), [Shard(dim=1)], (0,)), ("E405", "placement S(1) names dim 1 of a 1-d tensor", None)),
 ])
 def test_local_shard_s_errors_name_the_tensor(args, diagnostic):

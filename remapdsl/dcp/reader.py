@@ -73,7 +73,7 @@ class RuleStorageReader(StorageReader):
         with bounds.bounded(self._timeout), frozen_heap():
             rules = rules_for(self._rules, path, self._config)  # `auto`: chosen and logged as load does
             # `compiled`: the rules compiled against the checkpoint, the `Compiled` the metadata presents
-            self._inventory, self.compiled, _ = prepare_everywhere(rules, path, self._config, self._strict)
+            self._inventory, self.compiled, _, _ = prepare_everywhere(rules, path, self._config, self._strict)
             self._metadata = runtime_metadata(self.compiled, path, _rules_named(rules))  # the runtime layout
         self.checkpoint_id: str | os.PathLike = path
 

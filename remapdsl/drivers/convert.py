@@ -60,7 +60,7 @@ def convert(src, dst, rules, *, reverse: bool = False, like=None, max_shard_byte
                                                     None, dst, max_shard_bytes, check=lambda: check_dropped(dropped))
             checkpoint, compiled = prepared.inventory, prepared.compiled
         else:
-            checkpoint, compiled, _ = prepare_everywhere(rules, like if reverse else src,
+            checkpoint, compiled, _, _ = prepare_everywhere(rules, like if reverse else src,
                                                          check=lambda: check_dropped(dropped))
         runtime = {d.runtime_key: d for d in compiled.runtime_tensors}
         rank, world = dist.rank(), dist.world_size()

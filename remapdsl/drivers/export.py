@@ -54,7 +54,8 @@ def _export(prepared, rules, like, config, state_dict, gather, bucket_bytes: int
         # the layout streamed: `like`'s, or the derived one (headers needed by no file here)
         prepared = prepared or prepared_checkpoint(rules, like, config, tensors, layout, Path("<export>"),
                                                            mesh=mesh)[0]
-        out, compiled, _ = prepared.current()
+        ready = prepared.current()
+        out, compiled, layout = ready.inventory, ready.compiled, ready.placing(layout)
         rank, world = dist.rank(), dist.world_size()
 
         def place():

@@ -50,7 +50,8 @@ def ingest(prepared, state_dict, pairs, *, rules=None, like=None, config: Mappin
             prepared = prepared_checkpoint(rules, like, config, tensors, layout, Path("<ingest>"),
                                            mesh=mesh)[0]
         start = time.perf_counter()
-        inventory, compiled, _ = prepared.current()
+        ready = prepared.current()
+        inventory, compiled, layout = ready.inventory, ready.compiled, ready.placing(layout)
         rank = dist.rank()
 
         def plan():

@@ -38,7 +38,8 @@ def load(prepared, state_dict, *, layout=None, mesh=None, read_replicated_once: 
     """Fill existing tensors in place from a prepared checkpoint; the arguments are `remapdsl.load`'s."""
     staging = staging_within(staging_bytes)
     with bounds.bounded(timeout), frozen_heap():
-        inventory, compiled, _ = prepared.current()
+        ready = prepared.current()
+        inventory, compiled, layout = ready.inventory, ready.compiled, ready.placing(layout)
         rank = dist.rank()
 
         def read():

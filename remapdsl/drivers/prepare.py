@@ -88,6 +88,11 @@ class Ready(NamedTuple):
     inventory: Inventory  # rank 0's headers, with this rank's own files' modification times
     compiled: Compiled
     rule_texts: list[tuple[str, str]]  # (path, text) of every rule file compiled, the top-level one first
+    config: Mapping[str, Any]  # the model config the rules compiled with
+
+    def placing(self, layout):
+        """`layout` with the config's values for the config keys its packed placements name (None: None)."""
+        return None if layout is None else layout.resolved(self.config)
 
 
 def prepare_everywhere(rules, checkpoint, config=None, strict: bool = True,
@@ -118,7 +123,7 @@ def prepare_everywhere(rules, checkpoint, config=None, strict: bool = True,
         headers = header_digests(own) if dist.world_size() > 1 and on_disk else {}
         compiled = compile_rules(ruleset, inventory, given, strict=strict)
         aspects = _inputs(rule_texts(ruleset), given, strict, checkpoint)
-        return Ready(own, compiled, aspects["rule files"]), {**aspects, "file headers": headers}
+        return Ready(own, compiled, aspects["rule files"], given), {**aspects, "file headers": headers}
 
     agreement = dist.Agreement("compiled rules and checkpoint", lambda r: _digests(r[1]),
                                lambda r, aspect: r[1][aspect], explain_difference)

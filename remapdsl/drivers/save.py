@@ -60,7 +60,8 @@ def save(prepared, state_dict, folder, *, rules=None, like=None, config=None, la
             prepared, derived = prepared_checkpoint(rules, like, config, tensors, layout, folder, max_shard_size,
                                                     mesh=mesh)
         start = time.perf_counter()
-        inventory, compiled, _ = prepared.current()
+        ready = prepared.current()
+        inventory, compiled, layout = ready.inventory, ready.compiled, ready.placing(layout)
         rank, world = dist.rank(), dist.world_size()
 
         def place():
@@ -210,7 +211,7 @@ def derived_checkpoint(rules, config, shapes: list[dict], layout, mesh, folder: 
     global shapes and dtypes (from `shapes`, every rank's in rank order: whole tensors or DTensors, or
     local shards under `layout` on `mesh`), sharded as Hugging Face shards."""
     check_mesh(mesh)
-    runtime = global_shapes(shapes, layout, mesh)
+    runtime = global_shapes(shapes, None if layout is None else layout.resolved(config), mesh)
     max_shard_bytes = parse_size(max_shard_size, f"max_shard_size={max_shard_size!r}")
     ruleset = rules if isinstance(rules, RuleSet) else load_rules(rules)
     return new_checkpoint(str(folder), derive_checkpoint(ruleset, runtime, config), max_shard_bytes)

@@ -94,6 +94,15 @@ def shipped_path(name: str) -> Path | None:
     return Path(display_path(path)) if path.is_file() else None
 
 
+def shipped_layout_path(name: str) -> Path | None:
+    """The shipped layout plan (`layouts/NAME.json` beside the rule files) a bare name names, or None."""
+    folder = library_folder()
+    if folder is None or not is_name(name):
+        return None
+    path = folder / "layouts" / f"{name}.json"
+    return path if path.is_file() else None
+
+
 def names_hint(name: str) -> str:
     """`did you mean ...?` (when one is close) and the shipped names, for a name that is none."""
     names = shipped_names()

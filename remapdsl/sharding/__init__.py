@@ -2,7 +2,8 @@
 No process group is needed for any of it."""
 
 from .layouts import LayoutPlan, layout_for, parse_mesh, read_layout
-from .placements import LayoutError, Mesh, Replicate, Shard, StridedShard, local_shard, placements_from_dtensor
+from .placements import (FirstOnly, LayoutError, Mesh, PackedShard, Replicate, Shard, StridedShard, local_shard,
+                         placements_from_dtensor)
 
-__all__ = ["LayoutError", "LayoutPlan", "Mesh", "Replicate", "Shard", "StridedShard", "layout_for", "local_shard",
-           "parse_mesh", "placements_from_dtensor", "read_layout"]
+__all__ = ["FirstOnly", "LayoutError", "LayoutPlan", "Mesh", "PackedShard", "Replicate", "Shard", "StridedShard",
+           "layout_for", "local_shard", "parse_mesh", "placements_from_dtensor", "read_layout"]

@@ -16,7 +16,7 @@ from typing import Any, NamedTuple
 from ..compile.model import Compiled
 from ..errors import BindError, Diagnostic, suggest
 from .layouts import LayoutPlan, layout_for
-from .placements import Box, LocalShard, Mesh, Replicate, local_shard, placements_from_dtensor
+from .placements import Box, LocalShard, Mesh, PackedShard, Replicate, local_shard, placements_from_dtensor
 
 
 def whole_shard(shape: tuple[int, ...]) -> LocalShard:
@@ -41,6 +41,7 @@ class Placed(NamedTuple):
     rank_of: Callable[[tuple[int, ...]], int] | None  # mesh coordinate -> global rank
     spec: Hashable  # equal for tensors of one mesh, placement and shape
     coordinate: tuple[int, ...] = ()  # this rank's mesh coordinate
+    writes: LocalShard | None = None  # of `shard`, what no lower coordinate holds too (packed parts); None: all
 
 
 class Holding(NamedTuple):
@@ -108,9 +109,10 @@ def hold(compiled: Compiled, tensors: Mapping[str, Any], layout: LayoutPlan | No
             placements = layout_for(d.runtime_key, d.shape, layout, mesh)
             spec = (placements, d.shape)
             if spec not in by_spec:
-                by_spec[spec] = Placed(local_shard(d.shape, mesh.sizes, placements, coordinate,
-                                                   runtime_key=d.runtime_key),
-                                       mesh.sizes, placements, mesh.rank, spec, coordinate)
+                shard = local_shard(d.shape, mesh.sizes, placements, coordinate, runtime_key=d.runtime_key)
+                writes = local_shard(d.shape, mesh.sizes, placements, coordinate, owned=True) \
+                    if any(type(pl) is PackedShard for pl in placements) else None
+                by_spec[spec] = Placed(shard, mesh.sizes, placements, mesh.rank, spec, coordinate, writes)
             p = by_spec[spec]
         else:
             p = Placed(whole_shard(d.shape), (), (), None, None)
@@ -127,7 +129,8 @@ def hold(compiled: Compiled, tensors: Mapping[str, Any], layout: LayoutPlan | No
 def owned(holding: Holding, rank: int, spread_over: int = 0, holders: Holders | None = None) -> dict[str, LocalShard]:
     """What this rank writes of each runtime tensor on save: what it holds, unless a lower replica holds
     it too (ranks whose coordinates differ only on replicated mesh dims hold identical boxes, others
-    disjoint ones); whole tensors by the lowest rank. `spread_over` (an export: the job's rank count)
+    disjoint ones, but for the replicated units of packed parts: the first coordinate holding one writes
+    it); whole tensors by the lowest rank. `spread_over` (an export: the job's rank count)
     picks the replica by the key's hash instead, spreading replicated tensors over the ranks. `holders`:
     where ranks hold only some tensors, a replica or rank that does not hold a tensor is passed over."""
     out: dict[str, LocalShard] = {}
@@ -147,7 +150,7 @@ def owned(holding: Holding, rank: int, spread_over: int = 0, holders: Holders | 
                 lowest[p.spec] = min(_replicas(p))
             writer = lowest[p.spec]
         if writer == rank:
-            out[key] = p.shard
+            out[key] = p.shard if p.writes is None else p.writes
     return out
 
 

@@ -16,7 +16,11 @@ from typing import Any, Literal
 from pydantic import ValidationError, model_validator
 
 from ..errors import Diagnostic, RemapError, did_you_mean
-from .placements import REPLICATE, Mesh, Placement, Replicate, Shard, StridedShard, _fail, _Frozen, _normal_dim
+from ..language.library import shipped_layout_path
+from .placements import (REPLICATE, FirstOnly, Mesh, PackedShard, Placement, Replicate, Shard, StridedShard, _fail,
+                         _chunk, _Frozen, _normal_dim)
+
+PLACEMENTS = (Shard, Replicate, StridedShard, PackedShard, FirstOnly)
 
 
 Style = Literal["colwise", "rowwise", "packed_colwise", "packed_rowwise", "embedding_rowwise", "embedding_colwise",
@@ -69,19 +73,45 @@ class LayoutPlan(_Frozen):
             else:
                 value = tuple(value)
                 for placement in value:
-                    if not isinstance(placement, (Shard, Replicate, StridedShard)):
+                    if not isinstance(placement, PLACEMENTS):
                         whose = "torch's " if type(placement).__module__.startswith("torch") else ""
                         raise _fail("E402", f"{whose}`{placement!r}` is not a placement remapdsl knows",
-                                    "use remapdsl.sharding's Shard(dim), Replicate() or StridedShard(dim, "
-                                    "split_factor), one per mesh dim (or a style name)", prefix + pattern)
+                                    "use remapdsl.sharding's Shard(dim), Replicate(), StridedShard(dim, "
+                                    "split_factor), PackedShard(dim, units) or FirstOnly(), one per mesh dim "
+                                    "(or a style name)", prefix + pattern)
                 rules.append(PlanRule(pattern=prefix + pattern, placements=value))
         return cls(rules=tuple(rules), mesh_dim=mesh_dim)
+
+    def resolved(self, config: Mapping[str, Any] | None) -> LayoutPlan:
+        """The plan with each `PackedShard` unit count that names a config key (`"a ?? b"`: the first
+        present) replaced by the config's value; the plan itself where none does. E406 for a key the config
+        lacks or whose value is no whole number."""
+        if not any(isinstance(u, str) for r in self.rules for p in r.placements or () for u in getattr(p, "units", ())):
+            return self
+        rules = tuple(r if r.placements is None else r.model_copy(update={"placements": tuple(
+            p.model_copy(update={"units": tuple(_unit(u, config or {}, r.pattern) for u in p.units)})
+            if type(p) is PackedShard else p for p in r.placements)}) for r in self.rules)
+        return self.model_copy(update={"rules": rules})
 
     def match(self, runtime_key: str) -> PlanRule | None:
         """The first rule whose glob matches the key or the key's parent module (the key without its
         last `.segment`), or None."""
         names = (runtime_key, runtime_key.rpartition(".")[0]) if "." in runtime_key else (runtime_key,)
         return next((r for r in self.rules if any(fnmatch.fnmatchcase(n, r.pattern) for n in names)), None)
+
+
+def _unit(unit: int | str, config: Mapping[str, Any], pattern: str) -> int:
+    """A unit count of a packed part: the number, or the config's value of the first key named present."""
+    if isinstance(unit, int):
+        return unit
+    names = [name.strip() for name in unit.split("??")]
+    value = next((config[name] for name in names if config.get(name) is not None), None)
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        found = "none of them is in the config" if value is None else f"it is {value!r}"
+        raise _fail("E406", f"packed_shard's unit count `{unit}` names config keys, but {found}",
+                    "name a key of the model's config.json that holds a whole number (heads, or rows), or "
+                    "give the number", pattern)
+    return value
 
 
 def _style_placement(style: str, shape: Sequence[int], runtime_key: str) -> Shard | Replicate | StridedShard:
@@ -104,8 +134,7 @@ def _style_placement(style: str, shape: Sequence[int], runtime_key: str) -> Shar
     return Shard(dim=1 if style == "embedding_colwise" else 0)  # embedding_rowwise, grouped_gemm
 
 
-def layout_for(runtime_key: str, shape: Sequence[int], plan: LayoutPlan,
-               mesh: Mesh) -> tuple[Shard | Replicate | StridedShard, ...]:
+def layout_for(runtime_key: str, shape: Sequence[int], plan: LayoutPlan, mesh: Mesh) -> tuple[Placement, ...]:
     """The placements (one per mesh dim) `plan` gives the runtime tensor `runtime_key` of `shape`.
 
     Args:
@@ -121,7 +150,7 @@ def layout_for(runtime_key: str, shape: Sequence[int], plan: LayoutPlan,
         if len(rule.placements) != len(mesh.sizes):
             raise _fail("E403", f"rule `{rule.pattern}` gives {len(rule.placements)} placements for a "
                         f"{len(mesh.sizes)}-d mesh", "give one placement per mesh dim", runtime_key)
-        dims = [None if type(p) is Replicate else _normal_dim(p.dim, len(shape), p, runtime_key)
+        dims = [None if type(p) in (Replicate, FirstOnly) else _normal_dim(p.dim, len(shape), p, runtime_key)
                 for p in rule.placements]
         return tuple(p if d is None or d == p.dim else p.model_copy(update={"dim": d})
                      for p, d in zip(rule.placements, dims))
@@ -143,8 +172,11 @@ def parse_mesh(text: str) -> Mesh:
 
 
 def read_layout(path: str | os.PathLike) -> LayoutPlan:
-    """A layout plan from JSON: {"mesh_dim": "tp", "plan": {glob: style or [placements]}}."""
-    kinds = {"shard": Shard, "replicate": Replicate, "strided_shard": StridedShard}
+    """A layout plan from JSON: {"mesh_dim": "tp", "plan": {glob: style or [placements]}}; a bare name that
+    is no file names a shipped plan (`vllm_tp`: layouts/vllm_tp.json beside the shipped rule files)."""
+    kinds = {kind.model_fields["kind"].default: kind for kind in PLACEMENTS}
+    if not Path(path).is_file():
+        path = shipped_layout_path(os.fspath(path)) or path
     try:
         data = json.loads(Path(path).read_text(encoding="utf-8"))
         plan = {glob: value if isinstance(value, str) else
@@ -173,8 +205,11 @@ def global_shapes(shapes: list[Mapping[str, tuple]], plan: LayoutPlan | None = N
         placements = layout_for(key, shape, plan, mesh)
         size = list(shape)
         for dim in range(len(shape)):
-            along = [m for m, p in enumerate(placements) if not isinstance(p, Replicate) and p.dim == dim]
-            if along:
+            along = [m for m, p in enumerate(placements) if getattr(p, "dim", None) == dim]
+            packed = [m for m in along if type(placements[m]) is PackedShard]
+            if packed:
+                size[dim] = _packed_length(shape[dim], placements, along, mesh, at, key)
+            elif along:
                 size[dim] = 0
                 for index in product(*(range(mesh.sizes[m]) for m in along)):
                     coordinate = list(at)
@@ -183,3 +218,25 @@ def global_shapes(shapes: list[Mapping[str, tuple]], plan: LayoutPlan | None = N
                     size[dim] += shapes[mesh.rank(coordinate)].get(key, (shape,))[0][dim]
         out[key] = (tuple(size), dtype)
     return out
+
+
+def _packed_length(local: int, placements, along: list[int], mesh: Mesh, at: tuple[int, ...], key: str) -> int:
+    """The global length of a dim a `PackedShard` alone cuts, from one rank's local length: the units it
+    holds of each part, to the units of all."""
+    if len(along) > 1:
+        raise _fail("E406", f"{', '.join(map(str, (placements[m] for m in along)))} cut one dim: a save without "
+                    "`like` cannot derive its global length", "give `like`, or cut a packed dim on one mesh dim",
+                    key)
+    placement, n, c = placements[along[0]], mesh.sizes[along[0]], at[along[0]]
+    held = sum(_held_units(u, n, c) for u in placement.units)
+    if not held or local % held:
+        raise _fail("E405", f"placement {placement}: this rank's {local} is not {held} units of one size", path=key)
+    return local // held * sum(placement.units)
+
+
+def _held_units(units: int, n: int, c: int) -> int:
+    """How many units of a part of `units` coordinate c of n holds under `PackedShard`."""
+    if units >= n:
+        lo, hi = _chunk(units, n, c)
+        return hi - lo
+    return min(units, 1)

@@ -122,6 +122,8 @@ def _load_plan(compiled: Compiled, inventory: Inventory, held: Mapping[str, Loca
         if shard is None:
             continue
         key = d.runtime_key
+        if shard.zeros:  # a FirstOnly placement's other ranks: zeros, no value read
+            items.append(ReadItem(key, (0,) * len(shard.shape), shard.shape, None, None, None, None, (), (), 0.0))
         for box, local_offsets in zip(shard.boxes, shard.local_offsets):
             if d.grid:
                 _check_grid(d, box, rank)
