@@ -34,7 +34,9 @@ def anchor(heading: str) -> str:
     return re.sub(r"[^\w\- ]", "", heading.strip().lower()).replace(" ", "-")
 
 
-@pytest.mark.parametrize("number", range(len(python_blocks())))
+@pytest.mark.parametrize("number", [
+    pytest.param(n, marks=pytest.mark.distributed) if "init_process_group" in code else n  # starts gloo ranks
+    for n, (code, _) in enumerate(python_blocks())])
 def test_each_python_block_runs_as_printed(tmp_path, number):
     pytest.importorskip("transformers")
     code, printed = python_blocks()[number]

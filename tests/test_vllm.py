@@ -7,10 +7,9 @@ tp, ep, and the vLLM class that owns each parameter). The checkpoints are writte
 byte. No vLLM is imported.
 
 At tp=1 the rule files' loads are vLLM's parameters bit for bit. At tp=2 (and tp=2 with expert
-parallelism) each rank's golden is checked against `vllm_local`, which cuts the tp=1 golden the way
-vLLM's weight loaders do (oracles/vllm/README.md says it in words): the library has no placement yet for
-qkv_proj's unequal packed parts, replicated KV heads or rank-0-only biases, so these tests pin the facts
-a layout will have to reproduce.
+parallelism) each rank's golden is checked here against `vllm_local`, which cuts the tp=1 golden the way
+vLLM's weight loaders do (oracles/vllm/README.md says it in words); tests/test_vllm_ranks.py loads each
+rank through the shipped layout plans on gloo ranks and compares it with the goldens themselves.
 """
 
 from __future__ import annotations
