@@ -5,13 +5,11 @@ the `remap` block the page shows; every shipped family has a section, and the in
 
 from __future__ import annotations
 
-import os
 import re
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+from doc_blocks import run_block
 
 import remapdsl
 
@@ -40,24 +38,7 @@ def anchor(heading: str) -> str:
 def test_each_python_block_runs_as_printed(tmp_path, number):
     pytest.importorskip("transformers")
     code, printed = python_blocks()[number]
-    script = tmp_path / f"cookbook_{number}.py"
-    script.write_text(code)
-    env = dict(
-        os.environ,
-        HF_HUB_OFFLINE="1",
-        TRANSFORMERS_OFFLINE="1",
-        TMPDIR=str(tmp_path),
-        PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]),
-    )
-    run = subprocess.run(
-        [sys.executable, str(script)],
-        check=False,
-        cwd=tmp_path,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+    run = run_block(code, tmp_path, f"cookbook_{number}")
     assert run.returncode == 0, run.stderr[-4000:]
     assert printed, "a python block must be followed by what it prints"
     assert run.stdout == printed

@@ -295,21 +295,15 @@ def test_two_ranks_save_dtensors_without_like_to_the_one_process_files(checkpoin
 def test_the_pages_python_blocks_run_as_printed(tmp_path, page):
     """docs/saving.md's and docs/export.md's examples run in a fresh process, offline, and print
     what the page shows (the export page's second one on 2 gloo ranks)."""
-    import os
     import re
-    import subprocess
-    import sys
+
+    from doc_blocks import run_block
 
     pytest.importorskip("transformers")
     blocks = re.findall(r"```python\n((?:(?!```).)*)```\n\nIt prints:\n\n```text\n(.*?)```", (ROOT / "docs" / page).read_text(),
                         re.DOTALL)
     assert blocks
     for number, (code, printed) in enumerate(blocks):
-        script = tmp_path / f"{page[:-3]}_{number}.py"
-        script.write_text(code)
-        env = dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1",
-                   PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
-        run = subprocess.run([sys.executable, str(script)], cwd=tmp_path, env=env, capture_output=True, text=True,
-                             timeout=300, check=False)
+        run = run_block(code, tmp_path, f"{page[:-3]}_{number}")
         assert run.returncode == 0, run.stderr[-4000:]
         assert run.stdout == printed
