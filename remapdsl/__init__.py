@@ -212,7 +212,7 @@ def save(state_dict, folder, rules, *, like=None, config: Mapping[str, Any] | No
 
 def export(state_dict, rules, *, like=None, config: Mapping[str, Any] | None = None, gather=(),
            bucket_bytes: int = 256 << 20, layout=None, mesh=None, allow_lossy: bool = False, regions: bool = False,
-           timeout=None, local: Mapping[str, Any] | None = None):
+           by_round: bool = False, timeout=None, local: Mapping[str, Any] | None = None):
     """The checkpoint layout of a sharded runtime state dict, in memory: an iterator of (checkpoint key,
     tensor) pairs, each a whole checkpoint tensor, for weight sync without files.
 
@@ -234,6 +234,10 @@ def export(state_dict, rules, *, like=None, config: Mapping[str, Any] | None = N
         regions: yield `(key, offsets, tensor)` instead: each box of a checkpoint tensor this rank holds and
             no lower rank does (the bytes a save would have it write), no communication; a piece that is no
             box (rows strided by a rope order) is E549.
+        by_round: yield one list of (key, tensor) pairs per round instead: the tensors this rank assembled in
+            that round (an empty list where it assembled none), the same number of lists on every rank, so a
+            consumer may run its own collective once a round (a transport to engine ranks that need parts of
+            every tensor: bench/weight_sync_bench.py); not with `regions` (E542).
         timeout, local: as for `load`.
     """
     from .drivers.export import export as _export
@@ -241,7 +245,7 @@ def export(state_dict, rules, *, like=None, config: Mapping[str, Any] | None = N
     require_data(like, "an export (`like`)")
     return _export(None, state_dict, rules=rules_for(rules, like, config), like=like, config=config, gather=gather,
                    bucket_bytes=bucket_bytes, layout=layout, mesh=mesh, allow_lossy=allow_lossy, regions=regions,
-                   timeout=timeout, local=local)
+                   by_round=by_round, timeout=timeout, local=local)
 
 
 def ingest(state_dict, pairs, rules, *, like=None, config: Mapping[str, Any] | None = None, layout=None,

@@ -2,7 +2,8 @@
 
 Every rank runs the save's plan into memory; each checkpoint tensor is assembled on one rank that holds its
 bytes (balanced by bytes), the other writers sending their pieces there in rounds of at most half of
-`bucket_bytes` per owner (one all-to-all a round). With `regions`, each rank yields its boxes and nothing moves.
+`bucket_bytes` per owner (one all-to-all a round); with `by_round`, each round's pairs are yielded as one
+list, the same number of lists on every rank. With `regions`, each rank yields its boxes and nothing moves.
 """
 
 from __future__ import annotations
@@ -34,21 +35,26 @@ from ..runtime.write import run_write_plan
 
 def export(prepared, state_dict, *, rules=None, like=None, config: Mapping[str, Any] | None = None, gather=(),
            bucket_bytes: int = 256 << 20, layout=None, mesh=None, allow_lossy: bool = False, regions: bool = False,
-           timeout=None, local=None) -> Iterator[tuple]:
+           by_round: bool = False, timeout=None, local=None) -> Iterator:
     """`remapdsl.export` (`prepared` None: the layout of `like`, or the one derived without it, prepared for
-    this call) or `Prepared.export`: (checkpoint key, tensor) pairs, or with `regions` (key, offsets, tensor)."""
+    this call) or `Prepared.export`: (checkpoint key, tensor) pairs, or with `regions` (key, offsets, tensor),
+    or with `by_round` one list of pairs per round."""
     bounds.seconds(timeout)  # a bad timeout is refused at the call, before the first item is asked for
     return bounds.bounded_iter(_export(prepared, rules, like, config, state_dict, gather, bucket_bytes, layout, mesh,
-                                       allow_lossy, regions, local), timeout)
+                                       allow_lossy, regions, by_round, local), timeout)
 
 
 def _export(prepared, rules, like, config, state_dict, gather, bucket_bytes: int, layout, mesh, allow_lossy: bool,
-            regions: bool, local) -> Iterator[tuple]:
+            regions: bool, by_round: bool, local) -> Iterator:
     gather = (gather,) if isinstance(gather, str) else tuple(gather)
     if regions and gather:
         raise RemapError(Diagnostic(code="E542", message=f"regions=True yields the boxes each rank holds and "
                                     f"moves nothing, so it takes no gather (got gather={gather!r})",
                                     hint="drop `gather`, or drop `regions` to assemble whole tensors"))
+    if regions and by_round:
+        raise RemapError(Diagnostic(code="E542", message="regions=True yields the boxes each rank holds and "
+                                    "moves nothing, so it has no rounds to group by (got by_round=True)",
+                                    hint="drop `by_round`, or drop `regions` to assemble whole tensors"))
     with frozen_heap():  # until the first item: the consumer's own code runs between items
         tensors = named_together(state_dict, local)
         # the layout streamed: `like`'s, or the derived one (headers needed by no file here)
@@ -86,7 +92,7 @@ def _export(prepared, rules, like, config, state_dict, gather, bucket_bytes: int
                 "schedule", (everyone, bucket_bytes, gather),
                 lambda: _schedule(everyone, out, bucket_bytes, gather, empty)), phase="scheduling the export")
     yield from _regions(plan, out, holding.local, bucket_bytes, empty if rank == 0 else []) if regions else \
-        _rounds(plan, schedule, out, holding.local, rank, world)
+        _rounds(plan, schedule, out, holding.local, rank, world, by_round)
 
 
 def _export_plan(chosen, out, boxes, rank: int, logical, coordinates: Callable[[str], tuple]) -> tuple:
@@ -185,10 +191,12 @@ def _check_gather(writers: dict[str, list[int]], everyone: list[dict], gather: t
                                         f"gather={tuple(dict.fromkeys((*gather, *outside)))!r}"))
 
 
-def _rounds(plan, schedule: _Schedule, out, local, rank: int, world: int) -> Iterator[tuple[str, torch.Tensor]]:
-    by_round: dict[int, list] = defaultdict(list)
+def _rounds(plan, schedule: _Schedule, out, local, rank: int, world: int, by_round: bool) -> Iterator:
+    """The pairs this rank assembles, each as soon as its round is done; with `by_round`, one list of them
+    a round instead (empty where it assembles none), the same number of lists on every rank."""
+    items: dict[int, list] = defaultdict(list)
     for item in plan.items:
-        by_round[schedule.round_of[item.ckpt_key]].append(item)
+        items[schedule.round_of[item.ckpt_key]].append(item)
     mine, tensor_at = defaultdict(list), _tensor_at(out)
     for key, o in schedule.owner.items():
         if o == rank:
@@ -196,21 +204,31 @@ def _rounds(plan, schedule: _Schedule, out, local, rank: int, world: int) -> Ite
     for t in range(schedule.rounds):
         assembling = {key: torch.empty(out.tensors[key].nbytes, dtype=torch.uint8) for key in mine[t]}
         collector = _Collector(out, tensor_at, schedule.owner, assembling, rank, world)
-        if by_round[t]:
-            run_write_plan(plan.model_copy(update={"items": tuple(by_round[t]), "encodes": ()}), collector, local)
+        if items[t]:
+            run_write_plan(plan.model_copy(update={"items": tuple(items[t]), "encodes": ()}), collector,
+                           local)
         if world > 1:
             received = dist.exchange(*collector.payload(), f"exporting round {t + 1} of {schedule.rounds}")
             for r, payload in enumerate(received):
                 if r != rank and payload.numel():
                     collector.unpack(payload)
             del received
-        by_round[t] = []
+        items[t] = []
+        pairs = []
         for key in mine[t]:
             info = out.tensors[key]
             if collector.filled[key] != info.nbytes:  # every byte has one writer: a bug in remapdsl if not
                 raise RuntimeError(f"remapdsl bug: {collector.filled[key]} of the {info.nbytes} bytes of `{key}` "
                                    f"reached rank {rank}; please report it with the layout")
-            yield key, assembling.pop(key).view(torch_dtype(info.dtype)).view(info.shape)
+            tensor = assembling.pop(key).view(torch_dtype(info.dtype)).view(info.shape)
+            if by_round:
+                pairs.append((key, tensor))
+            else:
+                yield key, tensor
+            del tensor  # the consumer's to keep or drop
+        if by_round:
+            yield pairs
+            del pairs
 
 
 def _tensor_at(out) -> Callable[[str, int], str]:

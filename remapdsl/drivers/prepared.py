@@ -106,12 +106,15 @@ class Prepared:
                     allow_lossy=allow_lossy, requantize=requantize, dropped=dropped, timeout=timeout, local=local)
 
     def export(self, state_dict, *, gather=(), bucket_bytes: int = 256 << 20, layout=None, mesh=None,
-               allow_lossy: bool = False, regions: bool = False, timeout=None, local=None):
-        """The checkpoint's layout of a sharded runtime state dict, in memory (it is `like`); as `remapdsl.export`."""
+               allow_lossy: bool = False, regions: bool = False, by_round: bool = False, timeout=None,
+               local=None):
+        """The checkpoint's layout of a sharded runtime state dict, in memory (it is `like`); as
+        `remapdsl.export` (`by_round`: one list of pairs a round, the same number of lists on every rank)."""
         from .export import export
 
         return export(self, state_dict, gather=gather, bucket_bytes=bucket_bytes, layout=layout, mesh=mesh,
-                      allow_lossy=allow_lossy, regions=regions, timeout=timeout, local=local)
+                      allow_lossy=allow_lossy, regions=regions, by_round=by_round, timeout=timeout,
+                      local=local)
 
     def ingest(self, state_dict, pairs, *, layout=None, mesh=None, timeout=None, staging_bytes: int | None = None,
                local=None):
