@@ -144,18 +144,24 @@ def test_placements_print_and_read_back_from_json(tmp_path):
     path = tmp_path / "layout.json"
     path.write_text(json.dumps({"mesh_dim": "tp", "plan": {
         "*.qkv_proj": [{"kind": "packed_shard", "dim": 0, "units": ["num_attention_heads", 2, 2]}],
-        "*.w2_bias": [{"kind": "first_only"}]}}))
+        "*.w2_bias": {"kind": "first_only"}, "*.sinks": {"kind": "shard", "dim": -1}}}))
     plan = read_layout(path)
     mesh = Mesh.of({"tp": 2})
     assert [str(p) for p in layout_for("a.qkv_proj.weight", (8, 4), plan, mesh)] == \
         ["P(0, ['num_attention_heads', 2, 2])"]
     assert layout_for("a.w2_bias", (3, 4), plan, mesh) == (FirstOnly(),)
+    # one placement, not a list: on the plan's mesh dim, as a style is, its dim made positive
+    assert layout_for("a.sinks", (3, 4), plan, Mesh.of({"dp": 2, "tp": 2})) == (Replicate(), Shard(dim=1))
 
 
-def test_the_shipped_vllm_layouts_read_by_name():
+def test_the_shipped_vllm_layouts_read_by_name_and_replicate_over_engine_replicas():
     plan = read_layout("vllm_tp").resolved({"num_attention_heads": 8, "num_key_value_heads": 2})
-    assert layout_for("model.layers.0.self_attn.qkv_proj.weight", (24, 16), plan, Mesh.of({"tp": 2})) == \
-        (PackedShard(dim=0, units=(8, 2, 2)),)
+    key = "model.layers.0.self_attn.qkv_proj.weight"
+    assert layout_for(key, (24, 16), plan, Mesh.of({"tp": 2})) == (PackedShard(dim=0, units=(8, 2, 2)),)
+    assert layout_for(key, (24, 16), plan, Mesh.of({"dp": 2, "tp": 2})) == \
+        (Replicate(), PackedShard(dim=0, units=(8, 2, 2)))
+    assert layout_for("model.layers.0.mlp.experts.routed_experts.w2_bias", (4, 16),
+                      read_layout("vllm_gpt_oss_tp"), Mesh.of({"dp": 2, "tp": 2})) == (Replicate(), FirstOnly())
     with pytest.raises(RemapError, match="E409"):
         read_layout("no_such_layout")
 

@@ -170,5 +170,5 @@ def test_the_cases_cover_every_shipped_vllm_layout_and_the_new_placements():
     plans = {layout_name(c) for c in CASES}
     assert plans == {p.stem for p in LAYOUTS.glob("vllm_*.json")}
     kinds = {p["kind"] for name in plans for value in json.loads((LAYOUTS / f"{name}.json").read_text())["plan"].values()
-             if isinstance(value, list) for p in value}
+             if not isinstance(value, str) for p in ([value] if isinstance(value, dict) else value)}
     assert {"packed_shard", "first_only"} <= kinds

@@ -88,8 +88,10 @@ def ingest(prepared, state_dict, pairs, *, rules=None, like=None, config: Mappin
                 continue
             used += 1
             source = tensor.detach().contiguous().cpu()  # each a no-op where it already is
+            # one thread: the bytes are in memory, so reader threads overlap no I/O, and a pool a pair costs
+            # more than the copies (bench/weight_sync_bench.py: ingest alone 1.6-2.0 s with them, 0.6-0.9 s without)
             run_load_plan(load_plan.model_copy(update={"items": tuple(items), "decodes": ()}), memory, holding.local,
-                          reader=MemoryReader(memory, {key: source}), rings=rings)
+                          threads=1, reader=MemoryReader(memory, {key: source}), rings=rings)
         missing = sorted(set(reads) - seen)
         if missing:
             problems.append(Diagnostic(code="E547", message=f"{len(missing)} checkpoint tensor(s) this rank needs "

@@ -29,11 +29,12 @@ STYLES: tuple[str, ...] = Style.__args__  # type: ignore[attr-defined]
 
 
 class PlanRule(_Frozen):
-    """One entry of a layout plan: a glob over runtime keys and either a style (on `mesh_dim`, or the
-    plan's) or an explicit placement per mesh dim."""
+    """One entry of a layout plan: a glob over runtime keys and one of a style or a single placement (on
+    `mesh_dim`, or the plan's, replicated on every other mesh dim) or an explicit placement per mesh dim."""
 
     pattern: str
     style: Style | None = None
+    placement: Placement | None = None
     placements: tuple[Placement, ...] | None = None
     mesh_dim: str | None = None
 
@@ -47,8 +48,9 @@ class PlanRule(_Frozen):
 
     @model_validator(mode="after")
     def _check(self) -> PlanRule:
-        if (self.style is None) == (self.placements is None):
-            raise _fail("E407", "a plan rule needs exactly one of a style or placements", path=self.pattern)
+        if [self.style, self.placement, self.placements].count(None) != 2:
+            raise _fail("E407", "a plan rule needs exactly one of a style, a placement or placements",
+                        path=self.pattern)
         if self.placements is not None and self.mesh_dim is not None:
             raise _fail("E407", "explicit placements cover every mesh dim; drop `mesh_dim`", path=self.pattern)
         return self
@@ -65,11 +67,14 @@ class LayoutPlan(_Frozen):
     def from_mapping(cls, plan: Mapping[str, str | Sequence[Placement]], *, mesh_dim: str = "tp",
                      prefix: str = "") -> LayoutPlan:
         """`{"layers.*.self_attn.q_proj": "colwise", ...}` in order; `prefix` is put before every pattern
-        (`"model."` for a transformers `base_model_tp_plan`). A value may be a list of placements."""
+        (`"model."` for a transformers `base_model_tp_plan`). A value may be one placement (on `mesh_dim`,
+        as a style) or a list of placements, one per mesh dim."""
         rules = []
         for pattern, value in plan.items():
             if isinstance(value, str):
                 rules.append(PlanRule(pattern=prefix + pattern, style=value))
+            elif isinstance(value, PLACEMENTS):
+                rules.append(PlanRule(pattern=prefix + pattern, placement=value))
             else:
                 value = tuple(value)
                 for placement in value:
@@ -86,12 +91,15 @@ class LayoutPlan(_Frozen):
         """The plan with each `PackedShard` unit count that names a config key (`"a ?? b"`: the first
         present) replaced by the config's value; the plan itself where none does. E406 for a key the config
         lacks or whose value is no whole number."""
-        if not any(isinstance(u, str) for r in self.rules for p in r.placements or () for u in getattr(p, "units", ())):
-            return self
-        rules = tuple(r if r.placements is None else r.model_copy(update={"placements": tuple(
-            p.model_copy(update={"units": tuple(_unit(u, config or {}, r.pattern) for u in p.units)})
-            if type(p) is PackedShard else p for p in r.placements)}) for r in self.rules)
-        return self.model_copy(update={"rules": rules})
+        def resolved(p, pattern: str):
+            if type(p) is not PackedShard or not any(isinstance(u, str) for u in p.units):
+                return p
+            return p.model_copy(update={"units": tuple(_unit(u, config or {}, pattern) for u in p.units)})
+
+        rules = tuple(r.model_copy(update={
+            "placement": r.placement and resolved(r.placement, r.pattern),
+            "placements": r.placements and tuple(resolved(p, r.pattern) for p in r.placements)}) for r in self.rules)
+        return self if rules == self.rules else self.model_copy(update={"rules": rules})
 
     def match(self, runtime_key: str) -> PlanRule | None:
         """The first rule whose glob matches the key or the key's parent module (the key without its
@@ -155,7 +163,13 @@ def layout_for(runtime_key: str, shape: Sequence[int], plan: LayoutPlan, mesh: M
         return tuple(p if d is None or d == p.dim else p.model_copy(update={"dim": d})
                      for p, d in zip(rule.placements, dims))
     on = mesh.index(rule.mesh_dim or plan.mesh_dim)
-    placement = _style_placement(rule.style, shape, runtime_key)  # type: ignore[arg-type]
+    if rule.placement is not None:
+        placement = rule.placement
+        if type(placement) not in (Replicate, FirstOnly):
+            dim = _normal_dim(placement.dim, len(shape), placement, runtime_key)
+            placement = placement if dim == placement.dim else placement.model_copy(update={"dim": dim})
+    else:
+        placement = _style_placement(rule.style, shape, runtime_key)  # type: ignore[arg-type]
     return tuple(placement if i == on else REPLICATE for i in range(len(mesh.sizes)))
 
 
@@ -172,15 +186,16 @@ def parse_mesh(text: str) -> Mesh:
 
 
 def read_layout(path: str | os.PathLike) -> LayoutPlan:
-    """A layout plan from JSON: {"mesh_dim": "tp", "plan": {glob: style or [placements]}}; a bare name that
+    """A layout plan from JSON: {"mesh_dim": "tp", "plan": {glob: style, placement or [placements]}}; a bare name that
     is no file names a shipped plan (`vllm_tp`: layouts/vllm_tp.json beside the shipped rule files)."""
     kinds = {kind.model_fields["kind"].default: kind for kind in PLACEMENTS}
     if not Path(path).is_file():
         path = shipped_layout_path(os.fspath(path)) or path
     try:
         data = json.loads(Path(path).read_text(encoding="utf-8"))
-        plan = {glob: value if isinstance(value, str) else
-                [kinds[p.pop("kind")](**p) for p in value] for glob, value in data["plan"].items()}
+        plan = {glob: value if isinstance(value, str) else kinds[value.pop("kind")](**value)
+                if isinstance(value, dict) else [kinds[p.pop("kind")](**p) for p in value]
+                for glob, value in data["plan"].items()}
         return LayoutPlan.from_mapping(plan, mesh_dim=data.get("mesh_dim", "tp"))
     except (OSError, ValueError, KeyError, TypeError, AttributeError, ValidationError) as exc:
         raise RemapError(Diagnostic(code="E409", path=str(path), message=f"cannot read the layout: {exc}",

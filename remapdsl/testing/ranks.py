@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 import remapdsl
-from remapdsl.checkpoint.snapshot import require_data
+from remapdsl.checkpoint.snapshot import config_of, require_data
 from remapdsl.sharding import LayoutPlan, Mesh, Replicate, Shard, layout_for, local_shard, parse_mesh, read_layout
 
 
@@ -175,7 +175,7 @@ def _prepared(rules, checkpoint, layout, mesh, config, what: str) -> tuple[Mesh,
         layout = LayoutPlan.from_mapping(dict(layout), mesh_dim=mesh.names[0])
     elif not isinstance(layout, LayoutPlan):
         layout = read_layout(layout)
-    return mesh, layout
+    return mesh, layout.resolved(config_of(checkpoint) if config is None else config)
 
 
 def _sharded_rank(rank: int, world: int, rules, checkpoint, layout, mesh, config, save_to) -> dict:
@@ -198,6 +198,8 @@ def _sharded_rank(rank: int, world: int, rules, checkpoint, layout, mesh, config
     report = remapdsl.load(local, checkpoint, rules, layout=layout, mesh=mesh, config=config)
     found = []
     for key, shard in shards.items():
+        if shard.zeros and bool(local[key].count_nonzero()):  # a FirstOnly placement's other coordinates
+            found.append(f"`{key}`: this rank holds zeros in its layout, but the load left other values")
         for box, at in zip(shard.boxes, shard.local_offsets):
             want = whole[key][tuple(slice(o, o + s) for o, s in zip(box.offsets, box.sizes))]
             got = local[key][tuple(slice(o, o + s) for o, s in zip(at, box.sizes))]

@@ -21,7 +21,7 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict
 
 import remapdsl
-from remapdsl.checkpoint.snapshot import SnapshotInventory
+from remapdsl.checkpoint.snapshot import SnapshotInventory, config_of
 from remapdsl.errors import Diagnostic, RemapError
 from remapdsl.sharding import read_layout
 from remapdsl.testing.assertions import assert_matches_reference, assert_round_trip
@@ -89,7 +89,7 @@ def verify(rules: str | os.PathLike, checkpoint: str | os.PathLike, meshes: Sequ
     rule_set = remapdsl.load_rules(rules)
     inventory = remapdsl.open_checkpoint(checkpoint)
     parsed = [(text, as_mesh(text)) for text in meshes]
-    plan = read_layout(layout) if layout is not None else None
+    plan = read_layout(layout).resolved(config_of(inventory)) if layout is not None else None
     if against == "transformers":
         _require_transformers()
     synthesized = isinstance(inventory, SnapshotInventory)
