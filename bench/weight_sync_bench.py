@@ -8,8 +8,7 @@ engine side is colocated, as RL frameworks run it (verl, OpenRLHF, slime: traine
 on the same ranks): the same 4 processes are two vLLM replicas of tp=2, mesh `dp=2,tp=2`, each rank
 holding vLLM 0.32's parameters (rules `vllm_qwen3_moe`: fused qkv_proj, stacked w13/w2 experts) cut as
 the shipped layout plan `vllm_tp` cuts them: plain local tensors of `local_shard(...).shape`, made
-and touched (NaN) before the timing, as an engine's weights already are. `vllm_tp` gives qkv_proj one
-explicit placement (a tp-only mesh); the bench widens it with `Replicate()` on `dp`, as its styles do.
+and touched (NaN) before the timing, as an engine's weights already are.
 
 Three phases, each in a fresh 4-rank job (`remapdsl.testing.ranks.run_ranks`), interleaved (export,
 sync, ingest, ingest, sync, export, ...), `--runs` of each, every job holding both sides' shards:
@@ -87,19 +86,12 @@ ALIGN = 64  # each tensor's offset in a packed buffer, so that any dtype's view 
 # ------------------------------------------------------------------------------------------ the engine side
 
 
-def engine_plan(config: Mapping, mesh):
-    """The shipped vLLM layout plan, its config-named unit counts resolved, on `mesh`: a rule of one
-    explicit placement (written for a tp-only mesh) gets `Replicate()` on every other mesh dim, as the
-    plan's styles do."""
+def engine_plan(config: Mapping):
+    """The shipped vLLM layout plan, its config-named unit counts resolved (its rules shard on `tp` and
+    replicate on `dp`, the other engine replica)."""
     import remapdsl
-    from remapdsl.sharding import Replicate
 
-    plan = remapdsl.read_layout(ENGINE_LAYOUT).resolved(config)
-    on = mesh.index(plan.mesh_dim)
-    rules = tuple(r if r.placements is None or len(r.placements) == len(mesh.sizes) else r.model_copy(update={
-        "placements": tuple(r.placements[0] if i == on else Replicate() for i in range(len(mesh.sizes)))})
-        for r in plan.rules)
-    return plan.model_copy(update={"rules": rules})
+    return remapdsl.read_layout(ENGINE_LAYOUT).resolved(config)
 
 
 def engine_state(folder: str, config: Mapping, plan, mesh, rank: int) -> dict:
@@ -209,7 +201,7 @@ def rank_phase(rank: int, world: int, mode: str, spec: dict, folder: str, bucket
     DTensor.from_local(torch.zeros(2), mesh, [Replicate(), Shard(0)]).to_local()
     engine_mesh = remapdsl.parse_mesh(ENGINE_MESH)
     config = qwen3_moe_config(spec)
-    plan = engine_plan(config, engine_mesh)
+    plan = engine_plan(config)
     gc.collect()
     rss_base = rss_now()  # the process before any shard
     started = time.perf_counter()
