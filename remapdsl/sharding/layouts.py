@@ -91,14 +91,14 @@ class LayoutPlan(_Frozen):
         """The plan with each `PackedShard` unit count that names a config key (`"a ?? b"`: the first
         present) replaced by the config's value; the plan itself where none does. E406 for a key the config
         lacks or whose value is no whole number."""
-        def resolved(p, pattern: str):
+        def resolve(p, pattern: str):
             if type(p) is not PackedShard or not any(isinstance(u, str) for u in p.units):
                 return p
             return p.model_copy(update={"units": tuple(_unit(u, config or {}, pattern) for u in p.units)})
 
         rules = tuple(r.model_copy(update={
-            "placement": r.placement and resolved(r.placement, r.pattern),
-            "placements": r.placements and tuple(resolved(p, r.pattern) for p in r.placements)}) for r in self.rules)
+            "placement": r.placement and resolve(r.placement, r.pattern),
+            "placements": r.placements and tuple(resolve(p, r.pattern) for p in r.placements)}) for r in self.rules)
         return self if rules == self.rules else self.model_copy(update={"rules": rules})
 
     def match(self, runtime_key: str) -> PlanRule | None:
@@ -158,19 +158,19 @@ def layout_for(runtime_key: str, shape: Sequence[int], plan: LayoutPlan, mesh: M
         if len(rule.placements) != len(mesh.sizes):
             raise _fail("E403", f"rule `{rule.pattern}` gives {len(rule.placements)} placements for a "
                         f"{len(mesh.sizes)}-d mesh", "give one placement per mesh dim", runtime_key)
-        dims = [None if type(p) in (Replicate, FirstOnly) else _normal_dim(p.dim, len(shape), p, runtime_key)
-                for p in rule.placements]
-        return tuple(p if d is None or d == p.dim else p.model_copy(update={"dim": d})
-                     for p, d in zip(rule.placements, dims))
+        return tuple(_positive(p, len(shape), runtime_key) for p in rule.placements)
     on = mesh.index(rule.mesh_dim or plan.mesh_dim)
-    if rule.placement is not None:
-        placement = rule.placement
-        if type(placement) not in (Replicate, FirstOnly):
-            dim = _normal_dim(placement.dim, len(shape), placement, runtime_key)
-            placement = placement if dim == placement.dim else placement.model_copy(update={"dim": dim})
-    else:
-        placement = _style_placement(rule.style, shape, runtime_key)  # type: ignore[arg-type]
+    placement = _positive(rule.placement, len(shape), runtime_key) if rule.placement is not None else \
+        _style_placement(rule.style, shape, runtime_key)  # type: ignore[arg-type]
     return tuple(placement if i == on else REPLICATE for i in range(len(mesh.sizes)))
+
+
+def _positive(placement: Placement, ndim: int, runtime_key: str) -> Placement:
+    """`placement` with its tensor dim made positive (Replicate and FirstOnly name none)."""
+    if type(placement) in (Replicate, FirstOnly):
+        return placement
+    dim = _normal_dim(placement.dim, ndim, placement, runtime_key)
+    return placement if dim == placement.dim else placement.model_copy(update={"dim": dim})
 
 
 def parse_mesh(text: str) -> Mesh:
@@ -186,8 +186,8 @@ def parse_mesh(text: str) -> Mesh:
 
 
 def read_layout(path: str | os.PathLike) -> LayoutPlan:
-    """A layout plan from JSON: {"mesh_dim": "tp", "plan": {glob: style, placement or [placements]}}; a bare name that
-    is no file names a shipped plan (`vllm_tp`: layouts/vllm_tp.json beside the shipped rule files)."""
+    """A layout plan from JSON: {"mesh_dim": "tp", "plan": {glob: style, placement or [placements]}}; a bare
+    name that is no file names a shipped plan (`vllm_tp`: layouts/vllm_tp.json beside the shipped rule files)."""
     kinds = {kind.model_fields["kind"].default: kind for kind in PLACEMENTS}
     if not Path(path).is_file():
         path = shipped_layout_path(os.fspath(path)) or path
