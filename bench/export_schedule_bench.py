@@ -33,14 +33,15 @@ EXPERT = re.compile(r"\.experts\.(\d+)\.")
 
 
 def writers_of(shapes: dict, inventory: Inventory, ep: int, dp: int) -> list[dict]:
-    """What each rank of an ep x dp_shard mesh writes (key -> bytes), rank = e * dp + d."""
+    """What each rank of an ep x dp_shard mesh writes (key -> (bytes, its mesh coordinates)), as the ranks
+    of an export exchange it; rank = e * dp + d."""
     everyone: list[dict] = [{} for _ in range(ep * dp)]
     for key in shapes:
         m = EXPERT.search(key)
         e = int(m.group(1)) % ep if m else zlib.crc32(key.encode()) % ep  # a replicated tensor: its key's replica
         share = inventory.tensors[key].nbytes // dp
         for d in range(dp):
-            everyone[e * dp + d][key] = share
+            everyone[e * dp + d][key] = (share, (("ep", e), ("dp_shard", d)))
     return everyone
 
 
@@ -52,11 +53,9 @@ def main() -> None:
     for ep, dp in ((128, 8), (256, 32)):
         mesh = Mesh.of({"ep": ep, "dp_shard": dp})
         everyone = writers_of(shapes, inventory, ep, dp)
-        producer = {k: k for k in shapes}  # each key's runtime tensor: any name on the one mesh
-        tensors = dict.fromkeys(shapes)
 
-        def schedule(everyone=everyone, producer=producer, tensors=tensors, mesh=mesh):
-            return _schedule(everyone, inventory, 256 << 20, ("dp_shard",), producer, tensors, object(), mesh, [])
+        def schedule(everyone=everyone):
+            return _schedule(everyone, inventory, 256 << 20, ("dp_shard",), [])
 
         def baseline(everyone=everyone):
             return sorted((k, r) for r, keys in enumerate(everyone) for k in keys)

@@ -15,9 +15,10 @@ sync, ingest, ingest, sync, export, ...), `--runs` of each, every job holding bo
   export  `remapdsl.export(trainer, "qwen3_moe", config=cfg, gather=("dp_shard",), bucket_bytes=B)`
           on every rank, each pair dropped as it comes (only its key kept): the export alone.
   sync    the same export with `by_round=True` (one list of pairs a round, the same number of rounds on
-          every rank), then per round the transport: one `all_gather_object` of each rank's (key, shape,
-          dtype) list, then for each rank in turn one `dist.broadcast` of its round's tensors packed
-          into one flat buffer (at most half a bucket: the export's own bound per owner a round), the
+          every rank) and half the bucket (the other half is the transport's), then per round the
+          transport: one `all_gather_object` of each rank's (key, shape, dtype) list, then for each rank
+          in turn one `dist.broadcast` of its round's tensors packed into one flat buffer (at most half a
+          bucket: what a rank assembles in a round is within the export's bucket), the
           buffer's tensors fed one by one to `remapdsl.ingest(engine, pairs, "vllm_qwen3_moe",
           like=<the HF checkpoint folder>, config=cfg, layout=plan, mesh="dp=2,tp=2")` on every rank,
           which keeps the parts of its shards and skips the rest. A round's buffer is freed before the
@@ -235,7 +236,7 @@ def rank_phase(rank: int, world: int, mode: str, spec: dict, folder: str, bucket
                                  layout=plan, mesh=engine_mesh)
     else:
         groups = remapdsl.export(trainer, RULES, config=config, gather=("dp_shard",),
-                                 bucket_bytes=bucket_bytes, by_round=True)
+                                 bucket_bytes=bucket_bytes // 2, by_round=True)  # half for the transport
         report = remapdsl.ingest(engine, broadcast_rounds(groups, rank, world, stats), ENGINE_RULES,
                                  like=folder, config=config, layout=plan, mesh=engine_mesh)
     seconds = time.perf_counter() - started

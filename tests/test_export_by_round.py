@@ -28,6 +28,7 @@ model.layers.{L}.mlp.experts.{E}.{gate,up}_proj.weight -> model.layers.{L}.mlp.e
     | concat(dim=1, sizes=[config.moe_intermediate_size, config.moe_intermediate_size])
 model.layers.{L}.mlp.gate.weight -> model.layers.{L}.mlp.gate.weight
 model.norm.weight -> model.norm.weight
+model.embed_tokens.weight -> model.embed_tokens.weight
 """
 CONFIG = {"moe_intermediate_size": 8}
 LAYERS, EXPERTS, HIDDEN = 3, 8, 16
@@ -42,7 +43,8 @@ def _grouped_on_ranks(rank: int, world: int, bucket: int) -> dict:
     rules = remapdsl.language.rules_from_text(RULES, "grouped.remap")
     mesh = init_device_mesh("cpu", (2, world // 2), mesh_dim_names=("ep", "dp_shard"))
     torch.manual_seed(0)  # the same global tensors on every rank; each keeps its shards
-    whole = {"model.norm.weight": torch.randn(HIDDEN)}
+    # a 4 kB embedding, over the bucket: a round of its own, in which only its owner assembles anything
+    whole = {"model.norm.weight": torch.randn(HIDDEN), "model.embed_tokens.weight": torch.randn(64, HIDDEN)}
     for layer in range(LAYERS):
         whole[f"model.layers.{layer}.mlp.experts.gate_up_proj"] = torch.randn(EXPERTS, 16, HIDDEN)
         whole[f"model.layers.{layer}.mlp.gate.weight"] = torch.randn(EXPERTS, HIDDEN)
@@ -65,7 +67,7 @@ def _grouped_on_ranks(rank: int, world: int, bucket: int) -> dict:
 
 @pytest.fixture(scope="module")
 def four_ranks() -> list[dict]:
-    # 2 kB buckets: a 1 kB gate_up tensor or a 512 B gate, at most 1 kB assembled per owner a round
+    # 2 kB buckets: a 1 kB gate_up tensor or a 512 B gate, at most 2 kB in flight on a rank a round
     return run_ranks(_grouped_on_ranks, 4, 2048, timeout=120)
 
 
@@ -74,7 +76,7 @@ def test_every_rank_yields_the_same_number_of_rounds(four_ranks):
     counts = [len(r["rounds"]) for r in four_ranks]
     assert len(set(counts)) == 1 and counts[0] > 1, counts
     assert all(r["pairs"] for r in four_ranks)
-    # the owners are balanced by bytes, not by count: some rank has nothing in some round, and still yields
+    # a rank that assembles nothing in a round (the embedding's, alone over the bucket) still yields its list
     assert any(not group for r in four_ranks for group in r["rounds"])
 
 
@@ -84,7 +86,8 @@ def test_the_rounds_end_to_end_are_the_plain_export(four_ranks):
         assert [k for group in r["rounds"] for k in group] == r["plain"]
         assert r["equal"]
     every = sorted(k for r in four_ranks for k in r["plain"])
-    names = {"model.norm.weight"} | {f"model.layers.{layer}.mlp.gate.weight" for layer in range(LAYERS)} | {
+    names = {"model.norm.weight", "model.embed_tokens.weight"} | {
+        f"model.layers.{layer}.mlp.gate.weight" for layer in range(LAYERS)} | {
         f"model.layers.{layer}.mlp.experts.{e}.{p}_proj.weight" for layer in range(LAYERS) for e in range(EXPERTS)
         for p in ("gate", "up")}
     assert every == sorted(names)  # each key once over the ranks
