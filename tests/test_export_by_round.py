@@ -67,7 +67,7 @@ def _grouped_on_ranks(rank: int, world: int, bucket: int) -> dict:
 
 @pytest.fixture(scope="module")
 def four_ranks() -> list[dict]:
-    # 2 kB buckets: a 1 kB gate_up tensor or a 512 B gate, at most 2 kB in flight on a rank a round
+    # 2 kB buckets: a 1 kB gate_up tensor or a 512 B gate, at most 1 kB assembled per owner a round
     return run_ranks(_grouped_on_ranks, 4, 2048, timeout=120)
 
 

@@ -1,8 +1,8 @@
 """`remapdsl.export`: a sharded runtime state dict streamed in the checkpoint layout, no files (weight sync).
 
 Every rank runs the save's plan into memory; each checkpoint tensor is assembled on one rank that holds its
-bytes (balanced by bytes), the other writers sending their pieces there in rounds in which no rank has more
-than `bucket_bytes` in flight (one all-to-all a round); with `by_round`, each round's pairs are yielded as one
+bytes (balanced by bytes), the other writers sending their pieces there in rounds of at most half of
+`bucket_bytes` per owner (one all-to-all a round); with `by_round`, each round's pairs are yielded as one
 list, the same number of lists on every rank. With `regions`, each rank yields its boxes and nothing moves.
 """
 
@@ -152,27 +152,19 @@ def _schedule(everyone: list[dict], out, bucket_bytes: int, gather: tuple, empty
     for key in sorted(writers):
         o = owner[key] = min(writers[key], key=lambda r: (load[r], r))
         load[o] += out.tensors[key].nbytes
-    # Rounds, every rank's bytes in flight within the bucket: an owner holds the tensor and the pieces it
-    # receives for it, every other writer the pieces it sends. Each rank fills its rounds in key order; a
-    # tensor goes to the first round all its ranks have reached and have room in (alone over it: its own).
+    # half a bucket assembled a round: with the pieces it sends and receives meanwhile (each about
+    # the same again, spread over the group), a rank holds about one bucket beyond its shards
+    capacity = max(1, bucket_bytes // 2)
     round_of: dict[str, int] = {}
-    at = [0] * len(everyone)  # each rank's current round
-    held = [0] * len(everyone)  # its bytes in flight in that round
+    filled: dict[int, tuple[int, int]] = {}  # owner -> (its current round, bytes in it)
     for key in sorted(owner):
-        o, nbytes = owner[key], out.tensors[key].nbytes
-        need = {o: 2 * nbytes - everyone[o].get(key, (0,))[0]}
-        for r in writers.get(key, ()):
-            if r != o:
-                need[r] = everyone[r][key][0]
-        t = max(at[r] for r in need)
-        if any(at[r] == t and held[r] and held[r] + n > bucket_bytes for r, n in need.items()):
-            t += 1
-        for r, n in need.items():
-            if at[r] < t:
-                at[r], held[r] = t, 0
-            held[r] += n
-        round_of[key] = t
-    return _Schedule(owner, round_of, 1 + max(round_of.values(), default=-1))
+        o, n = owner[key], out.tensors[key].nbytes
+        at, size = filled.get(o, (0, 0))
+        if size and size + n > capacity:
+            at, size = at + 1, 0
+        filled[o] = (at, size + n)
+        round_of[key] = at
+    return _Schedule(owner, round_of, 1 + max((at for at, _ in filled.values()), default=-1))
 
 
 def _check_gather(writers: dict[str, list[int]], everyone: list[dict], gather: tuple) -> None:
