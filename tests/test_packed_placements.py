@@ -61,17 +61,18 @@ def test_packed_shard_holds_what_vllms_loaders_give_each_rank(case, cols):
 
 
 @settings(max_examples=300, deadline=None)
-@given(packed(), st.integers(1, 3), st.sampled_from(["replicate", "shard"]))
+@given(packed(), st.integers(1, 3), st.sampled_from(["replicate", "shard", "shard the packed dim"]))
 def test_every_element_has_one_writer_and_the_writer_holds_it_there(case, other, kind):
     """`owned=True` boxes over every coordinate tile the tensor once (replicated units written by their
-    first holder), each at the place in the local tensor where the rank holds it; with a second mesh dim."""
+    first holder), each at the place in the local tensor where the rank holds it; with a second mesh dim
+    that replicates, cuts another dim, or cuts what the packed placement left of its own dim."""
     units, unit, n = case
     t = torch.arange(sum(units) * unit * 4).reshape(-1, 4)
-    second = Replicate() if kind == "replicate" else Shard(dim=1)
+    second = {"replicate": Replicate(), "shard": Shard(dim=1), "shard the packed dim": Shard(dim=0)}[kind]
     placements = [PackedShard(dim=0, units=tuple(units)), second]
     writes = torch.zeros(t.shape, dtype=torch.long)
     for c in range(n):
-        for d in range(other if kind == "shard" else 1):  # replicas on a Replicate dim are the caller's to choose
+        for d in range(1 if kind == "replicate" else other):  # replicas on a Replicate dim: the caller chooses
             held = local_shard(t.shape, (n, other), placements, (c, d))
             mine = local_shard(t.shape, (n, other), placements, (c, d), owned=True)
             assert mine.shape == held.shape
@@ -131,10 +132,15 @@ def test_unit_counts_name_config_keys_resolved_by_the_plan():
 def test_an_unresolved_name_or_units_that_do_not_divide_are_errors_naming_the_tensor():
     with pytest.raises(RemapError) as unresolved:
         local_shard((6,), (2,), [PackedShard(dim=0, units=("heads", 1))], (0,), runtime_key="w")
-    assert (unresolved.value.diagnostics[0].code, unresolved.value.diagnostics[0].path) == ("E406", "w")
+    d = unresolved.value.diagnostics[0]
+    assert (d.code, d.path) == ("E406", "w")
+    assert "names config keys; the layout plan was not resolved against a config" in d.message
+    assert "LayoutPlan.resolved(config)" in d.hint
     with pytest.raises(RemapError) as uneven:
         local_shard((7,), (2,), [PackedShard(dim=0, units=(2, 1))], (0,), runtime_key="w")
-    assert uneven.value.diagnostics[0].code == "E405" and "a dim of 7 is not 3 units" in str(uneven.value)
+    d = uneven.value.diagnostics[0]
+    assert (d.code, d.path) == ("E405", "w") and "a dim of 7 is not 3 units of one size" in d.message
+    assert d.hint == "the parts' unit counts must add up to a divisor of the dim"
     for units in ((), (2, -1)):
         with pytest.raises(RemapError, match="E406"):
             PackedShard(dim=0, units=units)
