@@ -113,7 +113,7 @@ class SplitPlanner:
                     cuts = sorted(rng.sample(range(1, lengths[d]), rng.randint(1, 2))) if lengths[d] > 2 else \
                         [1] if lengths[d] == 2 else []
                     for a, b in zip([0, *cuts], [*cuts, lengths[d]]):
-                        def at(values, by=a):
+                        def at(values, by=a, d=d):
                             return torch.Size([v + by if k == d else v for k, v in enumerate(values)])
                         items.append(ReadItem(item.type, item.dest_index, at(item.dest_offsets), item.storage_index,
                                               at(item.storage_offsets),

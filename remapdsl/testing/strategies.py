@@ -11,7 +11,7 @@ import shutil
 import tempfile
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from itertools import product
+from itertools import pairwise, product
 from pathlib import Path
 
 import torch
@@ -435,9 +435,9 @@ def chunk_tilings(draw, shape: Sequence[int], max_chunks: int = 16, kinds: Seque
     elif kind == "staircase":
         rows = _cuts(draw, shape[0], max(1, max_chunks // 2))
         boxes = []
-        for a, b in zip(rows, rows[1:]):
+        for a, b in pairwise(rows):
             cols = _cuts(draw, shape[1], max(1, max_chunks // (len(rows) - 1)))
-            for c, d in zip(cols, cols[1:]):
+            for c, d in pairwise(cols):
                 boxes.append(((a, c) + (0,) * (ndim - 2), (b - a, d - c) + shape[2:]))
     else:
         boxes = [((0,) * ndim, shape)]
