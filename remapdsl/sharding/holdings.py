@@ -138,7 +138,8 @@ def unfillable(compiled: Compiled, local: Mapping[str, Any]) -> list[Diagnostic]
     """`check_fillable`'s problems."""
     problems = []
     for key, tensor in local.items():
-        shared = [d for d, (n, step) in enumerate(zip(tensor.shape, tensor.stride())) if n > 1 and step == 0]
+        shared = [d for d, (n, step) in enumerate(zip(tensor.shape, tensor.stride())) if n > 1 and step == 0] \
+            if tensor.numel() else []
         if shared:
             problems.append(Diagnostic(code="E234", span=compiled.runtime_tensor(key).rule, message=f"`{key}` "
                             f"{list(tensor.shape)} holds dim {shared[0]} at stride 0 (an expanded view: its "
