@@ -140,6 +140,27 @@ def test_save_and_export_read_sources_of_any_strides(case, data):
 
 @examples(15)
 @given(st.lists(st.integers(1, 4), min_size=1, max_size=3).map(lambda s: [max(2, s[0]), *s[1:]]).flatmap(
+    lambda shape: memory_layouts(shape, expanded=True)), st.integers(0, 2**16))
+def test_expanded_sources_are_read_as_their_values(held, seed):
+    """A source whose elements share memory holds values all the same: a save and an export read
+    them (the checkpoint's bytes, its tensors), and an ingest takes such a pair."""
+    note(held.how)
+    held.base.copy_(torch.randn(held.base.shape, generator=torch.Generator().manual_seed(seed)))
+    values = held.tensor.contiguous()
+    rules = rules_from_text("remap 1\na -> b\n    | transpose(0, -1)\n", "x.remap")
+    with tempfile.TemporaryDirectory() as tmp:
+        like = tiny_checkpoint(Path(tmp) / "in", {"a": values.transpose(0, -1).contiguous()})
+        remapdsl.save({"b": held.tensor}, Path(tmp) / "out", rules, like=like, config={})
+        assert (Path(tmp) / "out" / "model.safetensors").read_bytes() == (like / "model.safetensors").read_bytes()
+        (key, tensor), = remapdsl.export({"b": held.tensor}, rules, like=like, config={})
+        assert key == "a" and torch.equal(tensor, values.transpose(0, -1))
+        filled = {"b": torch.full(values.shape, float("nan"))}
+        remapdsl.ingest(filled, {"a": held.tensor.transpose(0, -1)}, rules, like=like, config={})
+        assert torch.equal(filled["b"], values)
+
+
+@examples(15)
+@given(st.lists(st.integers(1, 4), min_size=1, max_size=3).map(lambda s: [max(2, s[0]), *s[1:]]).flatmap(
     lambda shape: memory_layouts(shape, expanded=True)))
 def test_a_destination_whose_elements_share_memory_is_refused_before_a_byte_moves(held):
     """An expanded view (stride 0 on a dim of several elements) cannot hold a tensor's values: `load`,
