@@ -59,7 +59,7 @@ def expected(tensors: dict) -> dict:
     return {"a": tensors["w"].t(), "f": torch.cat([tensors["u.p"], tensors["u.q"]]), "v": tensors["v"]}
 
 
-@examples(25)
+@examples(20)
 @given(tiled_checkpoints(), st.data())
 def test_any_tiling_loads_the_whole_tensors_into_any_memory_layout(tiled, data):
     """Loaded whole, into destinations of drawn strides: plain torch's tensors, each byte read once."""
@@ -124,7 +124,7 @@ class SplitPlanner:
         return Planner()
 
 
-@examples(20)
+@examples(15)
 @given(tiled_checkpoints(), st.data())
 def test_dcp_load_with_several_requests_for_one_key_fills_each_piece(tiled, data):
     """`dcp.load` through `RuleStorageReader` with a planner asking for each tensor in up to three

@@ -290,7 +290,7 @@ def _schedules(draw) -> tuple[list[dict], dict, int, list[str]]:
     return everyone, out, draw(st.integers(1, 1500)), [k for k, n in sizes.items() if not n]
 
 
-@settings(max_examples=scaled(200), deadline=None)
+@settings(max_examples=scaled(100), deadline=None)
 @given(_schedules())
 def test_the_schedule_puts_at_most_half_a_bucket_in_each_round_of_each_owner(drawn):
     """Drawn writers, sizes and buckets: each tensor's owner is one of its writers (rank 0 for one of no

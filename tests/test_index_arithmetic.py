@@ -73,7 +73,7 @@ def _same(got: dict, want: dict) -> None:
         assert got[key].dtype == t.dtype and torch.equal(got[key], t), key
 
 
-@examples(20)
+@examples(12)
 @given(models())
 def test_affine_targets_derive_the_checkpoint_and_load_back(model):
     text, checkpoint, runtime, _ = model

@@ -113,7 +113,7 @@ def test_ingest_fills_what_the_rules_pad(drawn, data):
             _filled({"b": h}, {"b": want})
 
 
-@examples(25)
+@examples(15)
 @given(list_axis_cases(), st.data())
 def test_save_and_export_read_sources_of_any_strides(case, data):
     """A loaded state dict copied into drawn layouts: the save writes the checkpoint's own bytes, the
