@@ -143,3 +143,22 @@ def run_with_bound(target, world: int, args: tuple, bound: float) -> list[int]:
         if p.is_alive():
             p.kill()
     return alive
+
+
+def layout_spec(held) -> tuple:
+    """A drawn memory layout (`remapdsl.testing.strategies.Held`) as plain data for `run_ranks`: spawned
+    ranks are handed tensors in shared memory, which every rank would then write into; each rank makes
+    its own (`held_from`)."""
+    return (tuple(held.base.shape), tuple(held.tensor.shape), held.tensor.stride(), held.tensor.storage_offset(),
+            str(held.base.dtype).removeprefix("torch."), held.how)
+
+
+def held_from(spec: tuple):
+    """The layout of `layout_spec`, in memory of this process's own, every element NaN."""
+    import torch
+
+    from remapdsl.testing.strategies import Held
+
+    base_shape, shape, stride, offset, dtype, how = spec
+    base = torch.full(base_shape, float("nan"), dtype=getattr(torch, dtype))
+    return Held(base.as_strided(shape, stride, offset), base, how)

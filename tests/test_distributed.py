@@ -10,6 +10,7 @@ rank must read exactly the bytes it owns. A rank with other rules, or a bad tens
 from __future__ import annotations
 
 import functools
+import pickle
 import re
 import traceback
 from pathlib import Path
@@ -18,7 +19,7 @@ import pytest
 import torch
 import torch.distributed as dist
 from checkpoints import tiny_checkpoint
-from gloo import CHECK_FAILURES, distributed_like, each_backend
+from gloo import CHECK_FAILURES, distributed_like, each_backend, held_from, layout_spec
 
 import remapdsl
 from remapdsl.sharding import LayoutPlan, Mesh, Replicate, Shard, layout_for, local_shard
@@ -68,6 +69,7 @@ def _cases(rank: int, world: int, out: str) -> list[str]:
             failures.append(f"{name}: {traceback.format_exc()}")
     for check in (functools.partial(_disagreeing_rules_fail_everyone, other=Path(out) / "other"),
                   _one_bad_rank_fails_everyone, _replicated_tensors_read_once,
+                  functools.partial(_replicated_views_read_once, drawn=Path(out) / "views.pickle"),
                   functools.partial(_another_checkpoint_fails_everyone, other=Path(out) / "other")):
         try:
             check(rank)
@@ -148,6 +150,64 @@ def _replicated_tensors_read_once(rank: int) -> None:
         assert reports[True].bytes_read < reports[False].bytes_read
 
 
+def _replicated_views_read_once(rank: int, drawn: Path) -> None:
+    """The tensors TP replicates, each rank holding them in its own drawn memory layout (transposed,
+    sliced out of a larger tensor, strided; `_drawn_views`), loaded with read_replicated_once: rank 0
+    reads them and every rank's views hold the single-process load, their bases untouched outside the
+    views; a replicated tensor one rank holds expanded is E234 on every rank, its memory untouched."""
+
+    expected = full_state()
+    remapdsl.load(expected, CHECKPOINT, RULES)
+    mesh, plan = Mesh.of({"tp": dist.get_world_size()}), LayoutPlan.from_mapping(TP, mesh_dim="tp")
+    for example in pickle.loads(drawn.read_bytes()):
+        local, held = {}, {}
+        for key, full in expected.items():
+            if key in example:
+                held[key] = held_from(example[key][rank % 2])
+                local[key] = held[key].tensor
+                continue
+            shard = local_shard(full.shape, mesh.sizes, layout_for(key, full.shape, plan, mesh), mesh.coordinate(rank))
+            local[key] = torch.full(shard.shape, float("nan"), dtype=full.dtype)
+        expanded = [k for k, pair in example.items() if 0 in pair[rank % 2][2]]
+        if any(0 in spec[2] for pair in example.values() for spec in pair):
+            with pytest.raises(remapdsl.RemapError) as info:
+                remapdsl.load(local, CHECKPOINT, RULES, layout=plan, mesh=mesh, read_replicated_once=True)
+            assert info.value.diagnostics[0].code == "E234", str(info.value)
+            assert all(held[k].base.isnan().all() for k in expanded), "written before the refusal"
+            continue
+        remapdsl.load(local, CHECKPOINT, RULES, layout=plan, mesh=mesh, read_replicated_once=True)
+        for key, h in held.items():
+            assert torch.equal(h.tensor, expected[key]), f"`{key}` ({h.how})"
+            assert h.outside().isnan().all(), f"`{key}` ({h.how}): written outside the view"
+
+
+def _drawn_views(world: int) -> list[dict]:
+    """For `_replicated_views_read_once`: memory layouts (two per tensor, ranks 0 and 1; the others
+    take them in turn) of the tensors TP replicates, drawn by `remapdsl.testing.strategies`, and last
+    the first draw with one tensor expanded on rank 1. Plain data: `gloo.layout_spec`."""
+    from hypothesis import given, settings
+    from hypothesis import strategies as st
+
+    from remapdsl.testing.strategies import Held, memory_layouts
+
+    mesh, plan = Mesh.of({"tp": world}), LayoutPlan.from_mapping(TP, mesh_dim="tp")
+    shapes = {k: tuple(t.shape) for k, t in full_state().items()
+              if all(isinstance(p, Replicate) for p in layout_for(k, t.shape, plan, mesh))}
+    drawn: list[dict] = []
+
+    @settings(max_examples=5, deadline=None, database=None)
+    @given(st.fixed_dictionaries({k: st.tuples(memory_layouts(s), memory_layouts(s)) for k, s in shapes.items()}))
+    def collect(example):
+        drawn.append({k: tuple(layout_spec(h) for h in pair) for k, pair in example.items()})
+
+    collect()
+    key = max(shapes, key=lambda k: len(shapes[k]))  # a matrix: the gate's weight
+    base = torch.full((1, *shapes[key][1:]), float("nan"))
+    drawn.append(dict(drawn[0], **{key: (drawn[0][key][0], layout_spec(Held(base.expand(shapes[key]), base, "expanded")))}))
+    assert len(drawn) > 2 and any(len(s) > 1 for s in shapes.values())
+    return drawn
+
+
 def _one_bad_rank_fails_everyone(rank: int) -> None:
     state = full_state()
     if rank == 1:
@@ -169,5 +229,6 @@ def test_sharded_loads_equal_the_sliced_single_process_load(world, tmp_path):
     tensors = load_file(str(Path(CHECKPOINT) / "model.safetensors"))
     tensors.pop("lm_head.weight")
     tiny_checkpoint(tmp_path / "other", tensors)
+    (tmp_path / "views.pickle").write_bytes(pickle.dumps(_drawn_views(world)))
     failures = run_ranks(_on_ranks, world, str(tmp_path), timeout=180)
     assert failures == [[]] * world, "\n\n".join(f for r in failures for f in r)

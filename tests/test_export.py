@@ -6,21 +6,25 @@ by both), plain TP shards under a layout plan, and the shipped MoE rules (Qwen3-
 DeepSeek-V3): a vLLM-style consumer on every rank (a function taking `(name, tensor)` pairs and
 comparing each with the checkpoint `save_pretrained` wrote) receives every checkpoint key exactly
 once over the ranks; an ingest of those pairs fills each rank's shards with exactly what a load from
-the files gives. Each rank's memory during an export stays within one bucket of its shards (peak
-RSS, measured in fresh processes); tensors split over a mesh dim that `gather` does not name are
-refused on every rank.
+the files gives. What each export round assembles stays within half a bucket per owner (the
+schedule, drawn and as the ranks run it, rounds told apart by their exchanges); zero-size checkpoint
+tensors are yielded once over the ranks, with and without `regions`; tensors split over a mesh dim
+that `gather` does not name are refused on every rank.
 """
 
 from __future__ import annotations
 
 import importlib.util
-import resource
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
 from checkpoints import tiny_checkpoint
+from depth import scaled
 from gloo import distributed_like
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from safetensors.torch import load_file
 
 import remapdsl
@@ -150,7 +154,7 @@ def folders(tmp_path_factory) -> dict[str, tuple[Path, str]]:
     made = {case: _checkpoint(case, root / case) for case in ("mixtral", "llama", "qwen3_moe", "deepseek_v3")}
     cube = tiny_checkpoint(root / "cube", {"a": torch.arange(24, dtype=torch.float32).reshape(2, 3, 4)}, {})
     (root / "cube.remap").write_text("remap 1\na -> b\n")
-    return made | {"cube": (cube, str(root / "cube.remap"))}
+    return made | {"cube": (cube, str(root / "cube.remap")), "zero size": _zero_size_cases(root / "zero")}
 
 
 @pytest.fixture(scope="module")
@@ -164,7 +168,8 @@ def two_ranks(folders) -> tuple[list[dict], dict]:
              ("rows", "_regions_on_ranks", (str(EXAMPLE), QWEN, {"*": [Shard(dim=0)]})),
              ("columns", "_regions_on_ranks", (str(EXAMPLE), QWEN, {"*norm*": "replicate", "*": [Shard(dim=1)]})),
              ("strided", "_regions_on_ranks", (str(folders["llama"][0]), titan, {"*": [Shard(dim=0)]})),
-             ("last dim", "_regions_on_ranks", (*map(str, folders["cube"]), {"b": [Shard(dim=2)]}))]
+             ("last dim", "_regions_on_ranks", (*map(str, folders["cube"]), {"b": [Shard(dim=2)]})),
+             ("zero size", "_zero_size_on_ranks", (folders["zero size"],))]
     return run_ranks(_several, 2, calls, timeout=300, backend="cuda:gloo"), folders
 
 
@@ -200,15 +205,18 @@ def test_a_split_the_gather_does_not_name_is_refused_on_every_rank(two_ranks):
     assert code == "E542" and "`tp`" in message and "`dp_shard`" in hint
 
 
-# -- memory: shards plus one bucket ----------------------------------------------------------------
+# -- memory: half a bucket assembled a round ---------------------------------------------------------
 
 
-def _peak_growth(rank: int, world: int, experts: int, bucket: int) -> tuple[int, int, int]:
-    """Export a model of `experts` 1 MiB experts per layer on an ep x dp_shard mesh; returns this
-    rank's shard bytes, its peak RSS growth during the export, and the bytes it assembled."""
+def _rounds_on_ranks(rank: int, world: int, experts: int, bucket: int) -> tuple[int, list[list[int]]]:
+    """Export a model of `experts` 1 MiB experts per layer on an ep x dp_shard mesh, telling its rounds
+    apart by their exchanges (the real all-to-all runs: the spy only counts); returns this rank's shard
+    bytes and, per round, the nbytes of each tensor this rank yields (assembles) in it."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import DTensor
     from torch.distributed.tensor import Shard as TorchShard
+
+    from remapdsl.runtime import dist
 
     config = {"moe_intermediate_size": 256, "tie_word_embeddings": False}
     rules = remapdsl.language.rules_from_text(
@@ -216,19 +224,27 @@ def _peak_growth(rank: int, world: int, experts: int, bucket: int) -> tuple[int,
         "    | stack(E, dim=0)\n    | concat(dim=1, sizes=[config.moe_intermediate_size, config.moe_intermediate_size])\n",
         "experts.remap")
     mesh = init_device_mesh("cpu", (2, world // 2), mesh_dim_names=("ep", "dp_shard"))
-    torch.manual_seed(rank)  # each rank makes only its own shards: no whole tensor ever raised the peak
+    torch.manual_seed(rank)
     shape = (experts, 512, 512)
     state = {f"model.layers.{L}.mlp.experts.gate_up_proj": DTensor.from_local(
         torch.randn(experts // 2, 512 // (world // 2), 512), mesh, [TorchShard(0), TorchShard(1)], shape=shape,
         stride=(512 * 512, 512, 1)) for L in range(4)}
     shards = sum(t.to_local().nbytes for t in state.values())
-    before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-    assembled = 0
-    for _, tensor in remapdsl.export(state, rules, config=config, gather="dp_shard", bucket_bytes=bucket):
-        assembled += tensor.nbytes
-        del tensor
-    after = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-    return shards, after - before, assembled
+    rounds: list[list[int]] = []
+    exchange = dist.exchange
+
+    def counted(*args, **kwargs):
+        rounds.append([])  # a round's tensors are yielded after its exchange
+        return exchange(*args, **kwargs)
+
+    dist.exchange = counted
+    try:
+        for _, tensor in remapdsl.export(state, rules, config=config, gather="dp_shard", bucket_bytes=bucket):
+            rounds[-1].append(tensor.nbytes)
+            del tensor
+    finally:
+        dist.exchange = exchange
+    return shards, rounds
 
 
 BUCKET = 16 << 20
@@ -236,25 +252,68 @@ BUCKET = 16 << 20
 
 @pytest.fixture(scope="module")
 def four_ranks(folders) -> list[dict]:
-    """The 4-rank cases, run in one process group: the memory check first (its peak is measured
-    in processes that have done nothing else yet), then the exports."""
+    """The 4-rank cases, run in one process group: the export's rounds, then the exports."""
     models = [tuple(map(str, folders[case])) for case in ("qwen3_moe", "deepseek_v3")]
-    calls = [("memory", "_peak_growth", (32, BUCKET)),
+    calls = [("rounds", "_rounds_on_ranks", (32, BUCKET)),
              ("meshes", "_export_on_ranks", (models, [m for m in MESHES if m[0] == 4]))]
     return run_ranks(_several, 4, calls, timeout=240)
 
 
 @pytest.mark.distributed
-def test_each_rank_holds_its_shards_plus_one_bucket(four_ranks):
-    """4 layers of 32 stacked experts, 128 MiB in all, 32 MiB of shards on each of 4 ranks (ep=2 x
-    dp_shard=2), 16 MiB buckets: each rank's peak RSS grows by at most one bucket (and 4 MiB of
-    allocator slack) while it exports, where a gather to one rank would hold all 128 MiB."""
-    bucket = BUCKET
-    results = [r["memory"] for r in four_ranks]
-    total = sum(shards for shards, _, _ in results)
-    assert sum(a for _, _, a in results) == total  # every byte assembled once
-    for shards, growth, _ in results:
-        assert growth <= bucket + (4 << 20) < shards, (growth, shards)
+def test_each_round_assembles_at_most_half_a_bucket_per_rank(four_ranks):
+    """4 layers of 32 stacked 1 MiB experts, 128 MiB in all, 32 MiB of shards on each of 4 ranks (ep=2 x
+    dp_shard=2), 16 MiB buckets: in every round each rank assembles at most 8 MiB (so it holds about one
+    bucket beyond its shards, with the pieces it sends and receives), where a gather to one rank would
+    hold all 128 MiB; every rank takes part in every round, and every byte is assembled once."""
+    results = [r["rounds"] for r in four_ranks]
+    total = sum(shards for shards, _ in results)
+    assert sum(n for _, rounds in results for r in rounds for n in r) == total
+    assert len({len(rounds) for _, rounds in results}) == 1  # the exchanges are collectives
+    for shards, rounds in results:
+        assert len(rounds) > 1 and any(rounds)
+        for assembled in rounds:
+            assert sum(assembled) <= BUCKET // 2 or len(assembled) == 1, assembled
+
+
+@st.composite
+def _schedules(draw) -> tuple[list[dict], dict, int, list[str]]:
+    """What the ranks share before an export (per rank: checkpoint key -> (bytes it holds, its mesh
+    coordinates)), the checkpoint tensors' sizes, a bucket, and the tensors without bytes."""
+    world = draw(st.integers(1, 4))
+    sizes = draw(st.dictionaries(st.sampled_from([f"t{i}" for i in range(12)]), st.integers(0, 600), min_size=1))
+    everyone: list[dict] = [{} for _ in range(world)]
+    for key, n in sizes.items():
+        if n:
+            for r in draw(st.sets(st.integers(0, world - 1), min_size=1)):
+                everyone[r][key] = (1, (("dp_shard", r),))
+    out = SimpleNamespace(tensors={k: SimpleNamespace(nbytes=n) for k, n in sizes.items()})
+    return everyone, out, draw(st.integers(1, 1500)), [k for k, n in sizes.items() if not n]
+
+
+@settings(max_examples=scaled(100), deadline=None)
+@given(_schedules())
+def test_the_schedule_puts_at_most_half_a_bucket_in_each_round_of_each_owner(drawn):
+    """Drawn writers, sizes and buckets: each tensor's owner is one of its writers (rank 0 for one of no
+    bytes), each owner's round holds at most half a bucket unless one tensor (and ones of no bytes) fills it alone, rounds are
+    numbered from 0 without a gap; where every rank holds every tensor, the owners' loads differ by at
+    most the largest tensor."""
+    from remapdsl.drivers.export import _schedule
+
+    everyone, out, bucket, empty = drawn
+    gather = ("dp_shard",) if any(everyone) else ()
+    schedule = _schedule(everyone, out, bucket, gather, empty)
+    assert set(schedule.owner) == set(out.tensors) == set(schedule.round_of)
+    per_round: dict[tuple[int, int], list[int]] = {}
+    for key, owner in schedule.owner.items():
+        writers = [r for r, keys in enumerate(everyone) if key in keys]
+        assert owner in (writers or [0]), (key, owner, writers)
+        per_round.setdefault((owner, schedule.round_of[key]), []).append(out.tensors[key].nbytes)
+    for (owner, at), sizes in per_round.items():
+        assert sum(sizes) <= max(1, bucket // 2) or sum(1 for n in sizes if n) == 1, (owner, at, sizes, bucket)
+    assert sorted({at for _, at in per_round}) == list(range(schedule.rounds))
+    if all(keys.keys() == everyone[0].keys() for keys in everyone):  # every rank writes every tensor
+        loads = [sum(out.tensors[k].nbytes for k, o in schedule.owner.items() if o == r) for r in range(len(everyone))]
+        assert max(loads) - min(loads) <= max(t.nbytes for t in out.tensors.values()), loads
 
 
 # -- one process: the pairs themselves, and what an export or ingest refuses ----------------------
@@ -365,3 +424,82 @@ def test_a_strided_piece_is_no_region(two_ranks):
     with pytest.raises(remapdsl.RemapError) as info:
         next(remapdsl.export({}, QWEN, gather="dp_shard", regions=True))
     assert info.value.diagnostics[0].code == "E542" and "takes no gather" in info.value.diagnostics[0].message
+
+
+def test_a_tensor_of_strided_pieces_written_whole_is_one_region(tmp_path):
+    """Rows in a rotary pair order: each of the pieces one process writes is no box of the checkpoint
+    tensor, but together they are all of it, so the tensor comes whole, once, at offsets 0 (E549 is
+    for a piece of a tensor the rank does not write whole: `test_a_strided_piece_is_no_region`)."""
+    a = torch.randn(8, 3)
+    folder = tiny_checkpoint(tmp_path, {"a": a, "c": torch.randn(2, 2)})
+    rules = remapdsl.language.rules_from_text("remap 1\na -> b\n    | rope_permute(heads=2)\nc -> c\n")
+    state = remapdsl.compile_rules(rules, folder, {}).empty_state_dict()
+    remapdsl.load(state, folder, rules, config={})
+    regions = list(remapdsl.export(state, rules, like=folder, config={}, regions=True, bucket_bytes=16))
+    assert [(k, o) for k, o, _ in regions if k == "a"] == [("a", (0, 0))]
+    assert torch.equal(next(t for k, _, t in regions if k == "a"), a)
+
+
+# -- zero-size checkpoint tensors, on 2 ranks -------------------------------------------------------
+
+
+def _zero_size_cases(root: Path) -> list[tuple[str, str, dict]]:
+    """Checkpoints whose tensors have a dim of size 0 (drawn shapes), each with drawn placements on a
+    `dp_shard` mesh of 2: (folder, rules, placements)."""
+    cases: list[tuple[str, str, dict]] = []
+
+    @settings(max_examples=4, deadline=None, database=None)
+    @given(st.lists(st.lists(st.integers(0, 3), min_size=1, max_size=3), min_size=2, max_size=4)
+           .filter(lambda shapes: any(0 in s for s in shapes) and any(0 not in s for s in shapes)), st.data())
+    def draw(shapes, data):
+        folder = root / f"case{len(cases)}"
+        tensors = {f"t{i}": torch.randn(s) for i, s in enumerate(shapes)}
+        tiny_checkpoint(folder, tensors, {})
+        (folder / "r.remap").write_text("remap 1\nt{I} -> r{I}\n")
+        placements = {f"r{i}": [data.draw(st.sampled_from([Replicate()] + [Shard(dim=d) for d in range(len(s))]))]
+                      for i, s in enumerate(shapes)}
+        cases.append((str(folder), str(folder / "r.remap"), placements))
+
+    draw()
+    return cases
+
+
+def _zero_size_on_ranks(rank: int, world: int, cases: list) -> list[dict]:
+    """Each case exported whole (gather) and as regions: the keys this rank yielded, with shapes."""
+    out = []
+    for folder, rules, placements in cases:
+        state, config = _full_state(folder, rules)
+        mesh = Mesh.of({"dp_shard": world})
+        sharded, wanted = distributed_like(state, mesh, LayoutPlan.from_mapping(placements, mesh_dim="dp_shard"))
+        for key, target in sharded.items():
+            target.to_local().copy_(wanted[key])
+        out.append({"whole": [(k, t.clone()) for k, t in remapdsl.export(sharded, rules, config=config,
+                                                                          gather="dp_shard", bucket_bytes=16)],
+                    "regions": [(k, o, t.clone()) for k, o, t in remapdsl.export(sharded, rules, config=config,
+                                                                                 regions=True, bucket_bytes=16)]})
+    return out
+
+
+@pytest.mark.distributed
+def test_zero_size_tensors_are_yielded_once_over_the_ranks(two_ranks):
+    """Checkpoint tensors with a dim of size 0 among others, sharded or replicated on 2 ranks: exported
+    whole and as regions, each key comes once over both ranks (a zero-size one from one rank, in its
+    shape and dtype), and the regions tile the others exactly once."""
+    results, folders = two_ranks
+    for number, (folder, _, placements) in enumerate(folders["zero size"]):
+        want = load_file(str(Path(folder) / "model.safetensors"))
+        whole = [pair for r in results for pair in r["zero size"][number]["whole"]]
+        assert sorted(k for k, _ in whole) == sorted(want), placements
+        assert all(torch.equal(t, want[k]) for k, t in whole)
+        regions = [piece for r in results for piece in r["zero size"][number]["regions"]]
+        count = {k: 0 for k in want}
+        full = {k: torch.full_like(v, float("nan")) for k, v in want.items()}
+        for key, offsets, tensor in regions:
+            if not want[key].numel():
+                assert tensor.shape == want[key].shape and offsets == (0,) * want[key].dim(), (key, offsets)
+                count[key] += 1
+                continue
+            full[key][tuple(slice(o, o + n) for o, n in zip(offsets, tensor.shape))] = tensor
+            count[key] += tensor.numel()
+        assert count == {k: v.numel() or 1 for k, v in want.items()}, placements
+        assert all(torch.equal(full[k], want[k]) for k in want)

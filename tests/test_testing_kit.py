@@ -31,6 +31,7 @@ from remapdsl.testing import (
     write_checkpoint,
 )
 from remapdsl.testing.compare import file_differences
+from remapdsl.testing.strategies import affine_indices, chunk_tilings, memory_layouts
 
 ROOT = Path(__file__).resolve().parent.parent
 TINY = ROOT / "examples" / "tiny-qwen3-moe"
@@ -369,3 +370,46 @@ def test_random_checkpoints_from_a_transformers_config_load_through_the_rules(da
     assert_matches_reference(LLAMA_RULES, folder, "transformers")
     with pytest.raises(ValueError, match="its own numbers of layers"):
         checkpoints(config, layers=1)
+
+
+# -- the strategies for memory layouts, index maps and chunk tilings -----------------------------------
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.lists(st.integers(0, 4), max_size=3).flatmap(
+    lambda shape: st.tuples(st.just(shape), memory_layouts(shape), memory_layouts(shape, expanded=True))))
+def test_memory_layouts_are_views_of_the_shape_drawn(drawn):
+    """A drawn layout is a view of the shape into its base, filled with the fill value; its elements
+    are distinct memory unless expanded, and `outside()` is exactly the base's other elements (marked
+    by writing through the view); an expanded one shares memory on a dim of several elements."""
+    shape, held, expanded = drawn
+    assert tuple(held.tensor.shape) == tuple(shape) and held.tensor.isnan().all()
+    assert held.tensor.untyped_storage().data_ptr() == held.base.untyped_storage().data_ptr()
+    held.tensor.copy_(torch.arange(held.tensor.numel(), dtype=torch.float32).reshape(shape))  # no overlap
+    assert held.base.isnan().sum() == held.outside().numel() == held.base.numel() - held.tensor.numel()
+    assert torch.equal(held.tensor.flatten(), torch.arange(held.tensor.numel(), dtype=torch.float32))
+    wide = [d for d, n in enumerate(shape) if n > 1]
+    assert bool(wide) == any(expanded.tensor.stride(d) == 0 for d in wide)
+
+
+@settings(max_examples=40, deadline=None)
+@given(affine_indices(st.integers(1, 5)))
+def test_affine_indices_map_their_indices_to_distinct_non_negative_ones(affine):
+    images = [affine(i) for i in affine.indices]
+    assert min(affine.indices) >= 0 and min(images) >= 0 and len(set(images)) == len(images)
+    L = affine.indices[-1]
+    assert eval(affine.text.strip("{}"), {}, {affine.name: L}) == affine(L)  # noqa: S307 - the text is ours
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.integers(1, 6), max_size=3).flatmap(
+    lambda shape: st.tuples(chunk_tilings(shape, max_chunks=10), chunk_tilings(shape, max_chunks=10, gaps=True))))
+def test_chunk_tilings_cover_every_element_once_and_gaps_leave_the_removed_ones(drawn):
+    tiling, gapped = drawn
+    for t, boxes in ((tiling, tiling.boxes), (gapped, gapped.boxes + gapped.removed)):
+        count = torch.zeros(t.shape, dtype=torch.int64)
+        for offsets, sizes in boxes:
+            assert all(o >= 0 and o + n <= m for o, n, m in zip(offsets, sizes, t.shape))
+            count[tuple(slice(o, o + n) for o, n in zip(offsets, sizes))] += 1
+        assert bool((count == 1).all()), (t.kind, boxes)
+    assert not gapped.removed or all(all(n for n in sizes) for _, sizes in gapped.removed)

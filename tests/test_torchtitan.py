@@ -16,6 +16,7 @@ when those adapters cannot be imported.
 from __future__ import annotations
 
 import filecmp
+import os
 import json
 import multiprocessing
 import types
@@ -410,3 +411,77 @@ def test_adapter_loads_dtensors_through_dcp_and_saves_them_back_on_two_ranks(che
     saved = tmp_path / "saved"
     assert sorted(p.name for p in saved.iterdir()) == sorted(p.name for p in built.folder.iterdir())
     assert [p.name for p in saved.iterdir() if not filecmp.cmp(p, built.folder / p.name, shallow=False)] == []
+
+
+# -- the adapter's non-default arguments ------------------------------------------------------------
+
+
+def _dcp_load(state_dict: dict, reader) -> None:
+    import warnings
+
+    import torch.distributed.checkpoint as dcp
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        dcp.load(state_dict, storage_reader=reader)
+
+
+@pytest.mark.parametrize("given", ["argument", "with_rules"])
+@pytest.mark.parametrize("extra", ["checkpoint", "state dict", "both"])
+def test_a_non_strict_adapter_passes_over_tensors_no_rule_takes(checkpoints, tmp_path, given, extra):
+    """strict=False, given to the adapter or bound by `with_rules`: a checkpoint tensor no rule reads and
+    a state-dict tensor no rule makes (neither named by a `keep`) are passed over, and the rest loads
+    as torchtitan's own adapter loads it; the strict adapter refuses each (E202 from the reader's
+    compile, E613 from `to_hf`) before anything is read."""
+    built = checkpoints("llama3")
+    expected, model_state = torchtitan_load(built)
+    folder = built.folder
+    if extra in ("checkpoint", "both"):
+        folder = copy_checkpoint(built.folder, tmp_path / "extra", lambda t: t | {"model.extra.weight": torch.ones(3)})
+    state = {k: torch.full(v.shape, float("nan"), dtype=v.dtype) for k, v in model_state.items()}
+    if extra in ("state dict", "both"):
+        state["extra.buffer"] = torch.zeros(2)
+    config = built.case.titan_config(built.case.hf_config)
+    rules = REPO / built.case.hf.rules
+
+    def adapter(strict: bool):
+        if given == "argument":
+            return RuleStateDictAdapter.with_rules(rules)(config, str(folder), strict=strict)
+        return RuleStateDictAdapter.with_rules(rules, strict=strict)(config, str(folder))
+
+    with pytest.raises(RemapError) as info:
+        adapter(True).to_hf(state)
+    assert info.value.diagnostics[0].code == ("E613" if extra == "state dict" else "E202"), str(info.value)
+    lenient = adapter(False)
+    asked = lenient.to_hf(state)
+    assert sorted(asked) == sorted(expected) and sorted(lenient.match.loaded) == sorted(expected)
+    assert lenient.match.not_in_rules == (("extra.buffer",) if extra != "checkpoint" else ())
+    _dcp_load(asked, lenient.get_hf_storage_reader(folder))
+    assert [k for k, v in expected.items() if not torch.equal(lenient.from_hf(asked)[k], v)] == []
+    if "extra.buffer" in state:
+        assert state["extra.buffer"].eq(0).all()  # not the adapter's: left as it was
+
+
+def test_the_storage_reader_of_another_folder_reads_that_folder(checkpoints, tmp_path):
+    """`get_hf_storage_reader(path)` for a folder other than `hf_assets_path` (another step's
+    checkpoint of the same model) serves that folder's values; asked for `hf_assets_path` again, its
+    own; each equal to remapdsl.load of that folder."""
+    built = checkpoints("llama3")
+    other = copy_checkpoint(built.folder, tmp_path / "step2", lambda t: {k: v * 2 + 1 for k, v in t.items()})
+    rules = REPO / built.case.hf.rules
+    config = built.case.titan_config(built.case.hf_config)
+    adapter = RuleStateDictAdapter.with_rules(rules)(config, str(built.folder))
+    with torch.device("meta"):
+        model_state = config.build().state_dict()
+    wanted = {}
+    for name, folder in (("own", built.folder), ("other", other)):
+        wanted[name] = remapdsl.compile_rules(rules, folder).empty_state_dict()
+        remapdsl.load(wanted[name], folder, rules)
+    assert any(not torch.equal(wanted["own"][k], wanted["other"][k]) for k in wanted["own"])
+    for name, folder in (("other", other), ("own", built.folder), ("other", other)):
+        state = {k: torch.zeros(v.shape, dtype=v.dtype) for k, v in model_state.items()}
+        asked = adapter.to_hf(state)
+        reader = adapter.get_hf_storage_reader(folder)
+        assert os.path.abspath(reader.checkpoint_id) == os.path.abspath(folder)
+        _dcp_load(asked, reader)
+        assert [k for k, v in wanted[name].items() if not torch.equal(asked[k], v)] == [], name

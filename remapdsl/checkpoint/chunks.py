@@ -189,15 +189,29 @@ def _first_overlap(chunks: list[Chunk]) -> tuple[Chunk, Chunk] | None:
 
 
 def _gap(chunks: list[Chunk], shape: tuple[int, ...]) -> str:
-    """Where the first uncovered element along dim 0 is, when the chunks leave a whole slab open."""
-    if not shape:
+    """Where the first element no chunk holds is (in row-major order): the dim-0 index, when no chunk
+    touches that slab; else the element itself."""
+    found = _first_uncovered([(c.offsets, c.end) for c in chunks], shape, 0)
+    if found is None:
         return ""
-    reach = 0
-    for c in sorted(chunks, key=lambda c: c.offsets[0]):
-        if c.offsets[0] > reach:
+    if not any(c.offsets[0] <= found[0] < c.end[0] for c in chunks):
+        return f" (no chunk holds dim-0 index {found[0]})"
+    return f" (no chunk holds element {list(found)})"
+
+
+def _first_uncovered(boxes: list[tuple[tuple[int, ...], tuple[int, ...]]], shape: tuple[int, ...],
+                     dim: int) -> tuple[int, ...] | None:
+    """The first index, from `dim` on, that none of `boxes` (start, end) holds, or None. Along each dim
+    only 0 and the boxes' edges need trying: between two edges every index meets the same boxes."""
+    if dim == len(shape):
+        return None if boxes else ()
+    for x in sorted({0, *(b[0][dim] for b in boxes), *(b[1][dim] for b in boxes)}):
+        if x >= shape[dim]:
             break
-        reach = max(reach, c.offsets[0] + c.sizes[0])
-    return f" (no chunk holds dim-0 index {reach})" if reach < shape[0] else ""
+        rest = _first_uncovered([b for b in boxes if b[0][dim] <= x < b[1][dim]], shape, dim + 1)
+        if rest is not None:
+            return (x, *rest)
+    return None
 
 
 def _box(c: Chunk) -> str:

@@ -29,6 +29,7 @@ from typing import NamedTuple
 from ..dtypes import BY_NAME
 from ..indexmap import Runs, nbytes
 from ..errors import CheckpointError, Diagnostic
+from .chunks import SHARDING_INFO
 from .header import FileInfo, TensorInfo, check_tensor_info
 from .inventory import Inventory
 from .reader import os_error
@@ -175,9 +176,20 @@ def without(like: Inventory, omitted) -> NewCheckpoint:
     infos, files, headers = {}, {}, {}
     for name, keys in kept.items():
         if keys or like.index_file is None:
-            headers[name], files[name] = _lay_out_file(name, keys, shapes, like.files[name].metadata, infos)
+            metadata = _sharding_info_without(like.files[name].metadata, omitted)
+            headers[name], files[name] = _lay_out_file(name, keys, shapes, metadata, infos)
     inventory = Inventory(root=like.root, tensors=infos, files=files, index_file=like.index_file)
     return NewCheckpoint(inventory, headers, None)
+
+
+def _sharding_info_without(metadata: Mapping[str, str], omitted: set[str]) -> Mapping[str, str]:
+    """A file's `__metadata__` with the omitted tensors out of its DCP_SHARDING_INFO (a file torch's
+    distributed writer wrote names each of its tensors there; one it does not hold is E354)."""
+    text = metadata.get(SHARDING_INFO)
+    if text is None:
+        return metadata
+    info = json.loads(text)  # it parsed when `like` was opened
+    return {**metadata, SHARDING_INFO: json.dumps({k: v for k, v in info.items() if k not in omitted})}
 
 
 def omitted_index(like: Inventory, out: Inventory) -> dict | None:

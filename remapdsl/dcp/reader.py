@@ -25,6 +25,7 @@ from ..drivers.prepare import prepare_everywhere, rules_for
 from ..gcpause import frozen_heap
 from ..runtime.read import run_load_plan
 from ..runtime.staging import Rings, staging_within
+from ..sharding.holdings import unfillable
 from ..sharding.placements import LocalShard
 from ..sharding.plans import make_load_plan
 from . import errors
@@ -187,5 +188,6 @@ def _check_views(views: dict, held: dict[str, LocalShard], compiled) -> None:
                 f"into a view of {list(view.shape)}, but the rules make it {list(d.shape)}",
                 hint="the planner's request does not fit the tensor; DCP's default planner makes requests "
                 "that do").diagnostic)
+    problems.extend(unfillable(compiled, views))
     if problems:
         raise errors.ReaderError(problems)

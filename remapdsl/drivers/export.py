@@ -304,27 +304,57 @@ class _Collector:
 
 def _regions(plan, out, local, bucket_bytes: int, empty: list[str]) -> Iterator[tuple]:
     """(key, offsets, tensor): each box of a checkpoint tensor this rank writes, in plan order, a
-    bucket of them made at a time; no communication."""
+    bucket of them made at a time; no communication. A checkpoint tensor whose pieces are no boxes
+    (rows strided by a rope order) but which this rank writes whole is yielded whole, once its last
+    piece is made."""
     for key in empty:
         info = out.tensors[key]
         yield key, (0,) * len(info.shape), torch.empty(info.shape, dtype=torch_dtype(info.dtype))
     tensor_at = _tensor_at(out)
+    written: dict[str, int] = defaultdict(int)
+    strided: set[str] = set()
+    for item in plan.items:
+        written[item.ckpt_key] += item.runs.total
+        info = out.tensors[item.ckpt_key]
+        try:
+            _box(item.runs._replace(first=item.runs.first - info.byte_offset), info, item.ckpt_key)
+        except RemapError:
+            strided.add(item.ckpt_key)
+    # the pieces of these are gathered into the whole tensor; any other strided one is E549 at its piece
+    whole = {key for key in strided if written[key] == out.tensors[key].nbytes}
+    assembling: dict[str, torch.Tensor] = {}  # a tensor of `whole` -> its bytes, until the last came
+    filled: dict[str, int] = defaultdict(int)
     for batch in batches(list(plan.items), lambda item: item.runs.total, bucket_bytes):
-        writer = _RegionWriter(out, tensor_at)
+        writer = _RegionWriter(out, tensor_at, whole, assembling, filled)
         run_write_plan(plan.model_copy(update={"items": tuple(batch), "encodes": ()}), writer, local, threads=1)
         yield from writer.regions
 
 
 class _RegionWriter:
-    """The writer of `_regions`: each piece's bytes become a tensor of its box (checkpoint order)."""
+    """The writer of `_regions`: each piece's bytes become a tensor of its box (checkpoint order), or,
+    for a tensor in `whole`, go into its buffer in `assembling` until every byte came."""
 
-    def __init__(self, out, tensor_at: Callable[[str, int], str]):
+    def __init__(self, out, tensor_at: Callable[[str, int], str], whole: set[str], assembling: dict, filled: dict):
         self.out, self.tensor_at, self.regions = out, tensor_at, []
+        self.whole, self.assembling, self.filled = whole, assembling, filled
 
     def write_runs(self, file: str, runs, data: memoryview) -> None:
         key = self.tensor_at(file, runs.first)
         info = self.out.tensors[key]
-        offsets, sizes = _box(runs._replace(first=runs.first - info.byte_offset), info, key)
+        runs = runs._replace(first=runs.first - info.byte_offset)
+        if key in self.whole:
+            buffer = self.assembling.get(key)
+            if buffer is None:
+                buffer = self.assembling[key] = torch.empty(info.nbytes, dtype=torch.uint8)
+            shape = tuple(runs.counts) + (runs.length,)
+            target = np.lib.stride_tricks.as_strided(buffer.numpy()[runs.first:], shape, tuple(runs.strides) + (1,))
+            np.copyto(target, np.frombuffer(data, dtype=np.uint8).reshape(shape))
+            self.filled[key] += runs.total
+            if self.filled[key] == info.nbytes:
+                tensor = self.assembling.pop(key).view(torch_dtype(info.dtype)).view(info.shape)
+                self.regions.append((key, (0,) * len(info.shape), tensor))
+            return
+        offsets, sizes = _box(runs, info, key)
         values = torch.frombuffer(bytearray(data), dtype=torch.uint8).view(torch_dtype(info.dtype)).view(sizes)
         self.regions.append((key, offsets, values))
 

@@ -17,7 +17,7 @@ from pydantic import BaseModel, ConfigDict
 from ..checkpoint.memory import MemoryReader, in_memory
 from ..gcpause import frozen_heap
 from ..errors import Diagnostic, RemapError, did_you_mean
-from ..sharding.holdings import hold
+from ..sharding.holdings import check_fillable, hold
 from ..sharding.plans import make_load_plan
 from ..runtime import bounds, dist
 from .export import check_unquantized
@@ -59,6 +59,7 @@ def ingest(prepared, state_dict, pairs, *, rules=None, like=None, config: Mappin
             check_unquantized(compiled, "an ingest takes the checkpoint tensors' own values, and decoding streamed "
                               "quantized parts is not supported", "ingest with the rule file of the unquantized layout")
             holding = hold(compiled, tensors, layout, mesh, rank, whole=not dist.active())
+            check_fillable(compiled, holding.local)
             held = holding.held()
             memory = prepared.kept("memory", None, lambda: in_memory(inventory))
             plan = prepared.kept("ingest", (held, rank), lambda: make_load_plan(compiled, memory, held, rank))

@@ -9,7 +9,7 @@ import time
 
 from pydantic import BaseModel, ConfigDict
 
-from ..sharding.holdings import hold
+from ..sharding.holdings import check_fillable, hold
 from ..sharding.plans import make_load_plan
 from ..gcpause import frozen_heap
 from ..runtime import bounds, dist
@@ -47,6 +47,7 @@ def load(prepared, state_dict, *, layout=None, mesh=None, read_replicated_once: 
             check_mesh(mesh)
             tensors = tensors_of(state_dict, local)
             holding = hold(compiled, tensors, layout, mesh, rank, whole=not dist.active())
+            check_fillable(compiled, holding.local)
             held = holding.held()
             shared = holding.everywhere() if read_replicated_once and dist.active() else []
             if rank != 0:  # rank 0 reads what every rank holds whole, and broadcasts it

@@ -126,6 +126,28 @@ def hold(compiled: Compiled, tensors: Mapping[str, Any], layout: LayoutPlan | No
     return Holding(placed, local)
 
 
+def check_fillable(compiled: Compiled, local: Mapping[str, Any]) -> None:
+    """E234 for a tensor a load would fill whose elements share memory (a dim of several elements at
+    stride 0: `expand`ed, broadcast): no fill in place can give them different values."""
+    problems = unfillable(compiled, local)
+    if problems:
+        raise BindError(problems)
+
+
+def unfillable(compiled: Compiled, local: Mapping[str, Any]) -> list[Diagnostic]:
+    """`check_fillable`'s problems."""
+    problems = []
+    for key, tensor in local.items():
+        shared = [d for d, (n, step) in enumerate(zip(tensor.shape, tensor.stride())) if n > 1 and step == 0] \
+            if tensor.numel() else []
+        if shared:
+            problems.append(Diagnostic(code="E234", span=compiled.runtime_tensor(key).rule, message=f"`{key}` "
+                            f"{list(tensor.shape)} holds dim {shared[0]} at stride 0 (an expanded view: its "
+                            "elements share memory), so a load cannot fill it in place",
+                            hint="give it memory of its own (`.clone()`) before loading into it"))
+    return problems
+
+
 def owned(holding: Holding, rank: int, spread_over: int = 0, holders: Holders | None = None) -> dict[str, LocalShard]:
     """What this rank writes of each runtime tensor on save: what it holds, unless a lower replica holds
     it too (ranks whose coordinates differ only on replicated mesh dims hold identical boxes, others

@@ -193,3 +193,31 @@ def write_pretrained(config: Mapping, folder: Path, seed: int = 0) -> Path:
                     value.copy_(torch.randn(value.shape, dtype=torch.float32).to(value.dtype))
     model.save_pretrained(folder)
     return Path(folder)
+
+
+def write_dcp_sharded(tensors: Mapping[str, Any], folder: str | os.PathLike, tilings: Mapping[str, Any],
+                      config: Mapping[str, Any] | None = None) -> Path:
+    """Write `tensors` (key -> torch tensor) as torch's `HuggingFaceStorageWriter(save_distributed=True)`
+    does: the chunks of each key (`tilings[key]`: a `strategies.Tiling`, or a sequence of
+    `(offsets, sizes)` boxes; a key without one is written whole) in files `shard-0000i-model-00001-of-00001
+    .safetensors`, chunk i of every key in file i, each file's `DCP_SHARDING_INFO` giving its chunks'
+    offsets; and `config` as config.json. Chunks of no element are written too, as DCP writes them."""
+    from safetensors.torch import save_file
+
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    files: dict[int, tuple[dict, dict]] = {}
+    for key, tensor in tensors.items():
+        tiling = tilings.get(key)
+        boxes = getattr(tiling, "boxes", tiling) or [((0,) * tensor.dim(), tuple(tensor.shape))]
+        for i, (offsets, sizes) in enumerate(boxes):
+            piece = tensor[tuple(slice(o, o + n) for o, n in zip(offsets, sizes))]
+            chunk, info = files.setdefault(i, ({}, {}))
+            chunk[key] = piece.contiguous()
+            info[key] = {"saved_offsets": list(offsets)}
+    for i, (chunk, info) in sorted(files.items()):
+        save_file(chunk, str(folder / f"shard-{i + 1:05d}-model-00001-of-00001.safetensors"),
+                  metadata={"DCP_SHARDING_INFO": json.dumps(info), "DCP_VERSION": "1.0", "format": "pt"})
+    if config is not None:
+        (folder / "config.json").write_text(json.dumps(dict(config), indent=2) + "\n")
+    return folder

@@ -11,6 +11,7 @@ import shutil
 import tempfile
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+from itertools import pairwise, product
 from pathlib import Path
 
 import torch
@@ -269,3 +270,196 @@ def op_chains(draw, shapes: Sequence[Sequence[int]], max_ops: int = 4, cuts: boo
     `shapes`: layout ops, cuts (with `cuts`), pads, casts and value ops. `.ops` is its text, `.shapes`
     the targets'; `remapdsl.testing.reference.apply_ops` gives the expected tensors."""
     return draw_ops(draw, Chain([tuple(s) for s in shapes]), draw(st.integers(1, max_ops)), may_cut=cuts)
+
+
+# ---- memory layouts ------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Held:
+    """A tensor as a caller may hold it: `tensor` (what is passed to remapdsl) is a view into `base`
+    (all the memory behind it); `how` says its layout in words (for a failing example's note)."""
+
+    tensor: torch.Tensor
+    base: torch.Tensor
+    how: str
+
+    def outside(self) -> torch.Tensor:
+        """The elements of `base` that `tensor` does not cover (what a fill of `tensor` must leave alone)."""
+        mask = torch.ones(self.base.shape, dtype=torch.bool)
+        marks = mask.view(-1).as_strided(self.tensor.shape, self.tensor.stride(),
+                                          self.tensor.storage_offset() - self.base.storage_offset())
+        marks.fill_(False)
+        return self.base[mask]
+
+
+@st.composite
+def memory_layouts(draw, shape: Sequence[int], dtype: torch.dtype = torch.float32, *, fill: float = float("nan"),
+                   expanded: bool = False) -> Held:
+    """A tensor of `shape` and `dtype` in a memory layout of its own, every element `fill`: contiguous,
+    or a view with other strides: dims permuted (a transposed weight), a slice of a larger tensor (margins
+    on any dim, a storage offset), every k-th element of a dim, or all of those at once. With `expanded`,
+    some dims of more than one element may have stride 0 (`expand`: several elements share memory), which
+    no load can fill."""
+    shape = tuple(int(n) for n in shape)
+    ndim = len(shape)
+    order = draw(st.permutations(range(ndim))) if ndim > 1 else list(range(ndim))
+    wide = [n > 1 for n in shape]
+    shared = [expanded and wide[d] and draw(st.booleans()) for d in range(ndim)]
+    if expanded and any(wide) and not any(shared):
+        shared[draw(st.sampled_from([d for d in range(ndim) if wide[d]]))] = True
+    stored, cuts, how = [], [], []
+    for d in order:  # the base holds the dims in this order, outermost first
+        n = 1 if shared[d] else shape[d]
+        step = draw(st.integers(1, 3)) if n > 1 else 1
+        low, high = draw(st.integers(0, 2)), draw(st.integers(0, 2))
+        stored.append(low + (n - 1) * step + 1 + high if n else low + high)
+        cuts.append(slice(low, low + (n - 1) * step + 1 if n else low, step))
+        if low or high:
+            how.append(f"dim {d} a slice {low}:{low + max(0, n - 1) * step + 1} of {stored[-1]}")
+        if step > 1:
+            how.append(f"dim {d} every {step}th")
+    base = torch.full(stored, fill, dtype=dtype)
+    view = base[tuple(cuts)].permute([order.index(d) for d in range(ndim)]) if ndim else base
+    if any(shared):
+        view = view.expand(shape)
+        how.append("dims " + ", ".join(str(d) for d in range(ndim) if shared[d]) + " expanded (stride 0)")
+    if list(order) != list(range(ndim)):
+        how.append(f"stored in dim order {list(order)}")
+    return Held(view, base, "; ".join(how) or "contiguous")
+
+
+def laid_out(values: torch.Tensor) -> st.SearchStrategy[torch.Tensor]:
+    """`values` copied into a tensor of a drawn memory layout (`memory_layouts`, nothing expanded): the
+    same shape, dtype and values, other strides."""
+    def copy(held: Held) -> torch.Tensor:
+        held.tensor.copy_(values)
+        return held.tensor
+
+    return memory_layouts(tuple(values.shape), values.dtype, fill=0).map(copy)
+
+
+# ---- affine index maps ---------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Affine:
+    """An index map `slope * L + offset` (`name`: the capture) as a target's `{...}` writes it, and the
+    source indices drawn with it (`indices`: each non-negative, as is its image)."""
+
+    slope: int
+    offset: int
+    indices: tuple[int, ...]
+    name: str = "L"
+
+    def __call__(self, index: int) -> int:
+        return self.slope * index + self.offset
+
+    @property
+    def text(self) -> str:
+        """The substitution: `{2 * L + 1}`, `{L - 3}`, `{7 - 2 * L}`, `{L}`."""
+        a, b, n = self.slope, self.offset, self.name
+        term = n if abs(a) == 1 else f"{abs(a)} * {n}"
+        if a < 0:
+            return f"{{{b} - {term}}}"
+        return f"{{{term}{f' + {b}' if b > 0 else f' - {-b}' if b < 0 else ''}}}"
+
+
+@st.composite
+def affine_indices(draw, count: int | st.SearchStrategy[int] = st.integers(1, 4), name: str = "L",
+                   max_slope: int = 3, max_offset: int = 6) -> Affine:
+    """An affine index map `a * L + b` (a != 0, of either sign; b of either sign) with `count`
+    consecutive source indices from a drawn start, all of them and their images non-negative and the
+    images distinct: what a target's `{2 * L + 1}`, `{L - 2}` or `{7 - L}` maps a checkpoint's layers by."""
+    count = draw(_strategy(count))
+    slope = draw(st.integers(-max_slope, max_slope).filter(bool))
+    offset = draw(st.integers(-max_offset, max_offset))
+    if slope > 0:  # the least start whose image is >= 0
+        start = max(0, -(offset // slope))
+    else:  # the images fall with L: the offset must hold the last one >= 0
+        start = 0
+        offset = max(offset, -slope * (count - 1))
+    start += draw(st.integers(0, 2))
+    if slope < 0:
+        offset += -slope * 2  # room for the start drawn above
+    return Affine(slope, offset, tuple(range(start, start + count)), name)
+
+
+# ---- DCP chunk tilings ---------------------------------------------------------------------------
+
+Box = tuple[tuple[int, ...], tuple[int, ...]]  # (offsets, sizes)
+TILINGS = ("grid", "staircase", "guillotine")
+
+
+@dataclass(frozen=True)
+class Tiling:
+    """Boxes `(offsets, sizes)` of a tensor of `shape`, as the ranks of a DCP save write its chunks
+    (`remapdsl.testing.write_dcp_sharded` writes them), of kind `kind`; `removed` holds boxes taken
+    out of an exact tiling (`chunk_tilings(..., gaps=True)`): the gaps."""
+
+    shape: tuple[int, ...]
+    boxes: tuple[Box, ...]
+    kind: str
+    removed: tuple[Box, ...] = ()
+
+
+def _cuts(draw, n: int, most: int) -> list[int]:
+    """Sorted edges 0 < ... < n of up to `most` parts of a dim of size `n`."""
+    if n < 2 or most < 2:
+        return [0, n]
+    count = draw(st.integers(0, min(most, n) - 1))
+    inner = sorted(draw(st.sets(st.integers(1, n - 1), min_size=count, max_size=count)))
+    return [0, *inner, n]
+
+
+@st.composite
+def chunk_tilings(draw, shape: Sequence[int], max_chunks: int = 16, kinds: Sequence[str] = TILINGS,
+                  empty: bool = True, gaps: bool = False) -> Tiling:
+    """How the ranks of a DCP save may have cut a tensor of `shape` into chunks: boxes that tile it
+    exactly once. `grid`: cuts per dim, every combination a chunk (what DTensor placements give);
+    `staircase` (2 dims or more): bands along dim 0, each cut along dim 1 at its own places, so the
+    chunk edges do not line up; `guillotine`: boxes split in two along any dim at any place, again and
+    again (irregular tilings of any rank). `empty`: zero-size chunks may be added, as DCP writes for a
+    rank holding none of a tensor. `gaps`: one or two non-empty chunks are taken out (`removed`)."""
+    shape = tuple(int(n) for n in shape)
+    ndim = len(shape)
+    kinds = [k for k in kinds if k != "staircase" or ndim >= 2]
+    kind = draw(st.sampled_from(kinds))
+    if not ndim or not all(shape):
+        boxes = [((0,) * ndim, shape)]
+    elif kind == "grid":
+        per = max(1, round(max_chunks ** (1 / ndim)))
+        edges = [_cuts(draw, n, per) for n in shape]
+        boxes = [(tuple(e[i] for e, i in zip(edges, at)), tuple(e[i + 1] - e[i] for e, i in zip(edges, at)))
+                 for at in product(*[range(len(e) - 1) for e in edges])]
+    elif kind == "staircase":
+        rows = _cuts(draw, shape[0], max(1, max_chunks // 2))
+        boxes = []
+        for a, b in pairwise(rows):
+            cols = _cuts(draw, shape[1], max(1, max_chunks // (len(rows) - 1)))
+            for c, d in pairwise(cols):
+                boxes.append(((a, c) + (0,) * (ndim - 2), (b - a, d - c) + shape[2:]))
+    else:
+        boxes = [((0,) * ndim, shape)]
+        for _ in range(draw(st.integers(0, max_chunks - 1))):
+            i = draw(st.integers(0, len(boxes) - 1))
+            offsets, sizes = boxes[i]
+            dims = [d for d in range(ndim) if sizes[d] > 1]
+            if not dims:
+                continue
+            d = draw(st.sampled_from(dims))
+            at = draw(st.integers(1, sizes[d] - 1))
+            boxes[i:i + 1] = [(offsets, sizes[:d] + (at,) + sizes[d + 1:]),
+                              (offsets[:d] + (offsets[d] + at,) + offsets[d + 1:],
+                               sizes[:d] + (sizes[d] - at,) + sizes[d + 1:])]
+    removed: list[Box] = []
+    if gaps and len(boxes) > 1:
+        for _ in range(draw(st.integers(1, min(2, len(boxes) - 1)))):
+            removed.append(boxes.pop(draw(st.integers(0, len(boxes) - 1))))
+    if empty and ndim and draw(st.booleans()):
+        d = draw(st.integers(0, ndim - 1))
+        at = draw(st.integers(0, shape[d]))
+        boxes.append((tuple(at if k == d else 0 for k in range(ndim)),
+                      tuple(0 if k == d else shape[k] for k in range(ndim))))
+    boxes = draw(st.permutations(boxes))  # the ranks' order says nothing of where their chunks lie
+    return Tiling(shape, tuple(boxes), kind, tuple(removed))
