@@ -17,7 +17,7 @@ import remapdsl
 from remapdsl.errors import RemapError
 from remapdsl.sharding import FirstOnly, LayoutPlan, Mesh, PackedShard, Replicate, Shard, read_layout
 from remapdsl.sharding.layouts import global_shapes, layout_for
-from remapdsl.sharding.placements import local_shard
+from remapdsl.sharding.placements import held_runs, local_shard
 
 
 def vllm_cut(t: torch.Tensor, units: list[int], n: int, c: int) -> torch.Tensor:
@@ -61,23 +61,27 @@ def test_packed_shard_holds_what_vllms_loaders_give_each_rank(case, cols):
 
 
 @settings(max_examples=300, deadline=None)
-@given(packed(), st.integers(1, 3), st.sampled_from(["replicate", "shard", "shard the packed dim"]))
+@given(packed(), st.integers(1, 3), st.sampled_from(["replicate", "shard", "shard the packed dim", "one dim only"]))
 def test_every_element_has_one_writer_and_the_writer_holds_it_there(case, other, kind):
     """`owned=True` boxes over every coordinate tile the tensor once (replicated units written by their
     first holder), each at the place in the local tensor where the rank holds it; with a second mesh dim
     that replicates, cuts another dim, or cuts what the packed placement left of its own dim."""
     units, unit, n = case
     t = torch.arange(sum(units) * unit * 4).reshape(-1, 4)
-    second = {"replicate": Replicate(), "shard": Shard(dim=1), "shard the packed dim": Shard(dim=0)}[kind]
+    if kind == "one dim only":  # a bias: the packed dim is the tensor's only one
+        t = t[:, 0].contiguous()
+    second = {"replicate": Replicate(), "shard": Shard(dim=1), "shard the packed dim": Shard(dim=0),
+              "one dim only": Replicate()}[kind]
     placements = [PackedShard(dim=0, units=tuple(units)), second]
     writes = torch.zeros(t.shape, dtype=torch.long)
     for c in range(n):
-        for d in range(1 if kind == "replicate" else other):  # replicas on a Replicate dim: the caller chooses
+        for d in range(1 if type(second) is Replicate else other):  # replicas on a Replicate dim: the caller chooses
             held = local_shard(t.shape, (n, other), placements, (c, d))
             mine = local_shard(t.shape, (n, other), placements, (c, d), owned=True)
             assert mine.shape == held.shape
             local = gathered(t, held)
             for (offsets, sizes), at in zip(mine.boxes, mine.local_offsets):
+                assert all(sizes), sizes  # no empty box, as held boxes never are
                 box = tuple(slice(o, o + s) for o, s in zip(offsets, sizes))
                 assert torch.equal(local[tuple(slice(a, a + s) for a, s in zip(at, sizes))], t[box])
                 writes[box] += 1
@@ -93,7 +97,14 @@ def test_kv_heads_fewer_than_ranks_are_replicated_as_vllm_assigns_them():
     assert local_shard((12, 3), (2,), placement, (1,), owned=True).boxes == (((4, 0), (4, 3)),)
 
 
+def test_held_runs_of_a_packed_dim_are_every_unit_a_coordinate_holds():
+    """Replicated units included: `held_runs` says what a rank holds, not what it writes."""
+    assert held_runs(12, [(PackedShard(dim=0, units=(4, 1, 1)), 2, 1)]) == [(4, 12)]
+    assert held_runs(12, [(PackedShard(dim=0, units=(4, 1, 1)), 2, 0)]) == [(0, 4), (8, 12)]
+
+
 def test_first_only_is_whole_on_the_first_coordinate_and_zeros_elsewhere():
+    assert (str(FirstOnly()), str(PackedShard(dim=1, units=(2, "kv")))) == ("F", "P(1, [2, 'kv'])")
     first = local_shard((4, 6), (2, 3), [FirstOnly(), Shard(dim=1)], (0, 1))
     assert first.boxes == (((0, 2), (4, 2)),) and not first.zeros
     other = local_shard((4, 6), (2, 3), [FirstOnly(), Shard(dim=1)], (1, 1))
