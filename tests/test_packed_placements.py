@@ -146,7 +146,7 @@ def test_an_unresolved_name_or_units_that_do_not_divide_are_errors_naming_the_te
     d = unresolved.value.diagnostics[0]
     assert (d.code, d.path) == ("E406", "w")
     assert "names config keys; the layout plan was not resolved against a config" in d.message
-    assert "LayoutPlan.resolved(config)" in d.hint
+    assert d.hint == "pass the config the rules compile with (LayoutPlan.resolved(config))"
     with pytest.raises(RemapError) as uneven:
         local_shard((7,), (2,), [PackedShard(dim=0, units=(2, 1))], (0,), runtime_key="w")
     d = uneven.value.diagnostics[0]
