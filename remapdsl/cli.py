@@ -95,8 +95,8 @@ def _parser() -> argparse.ArgumentParser:
     plan.add_argument("--mesh", required=True, metavar="DIMS",
                       help="mesh dims and sizes, outermost first, e.g. `dp=2,tp=4`")
     plan.add_argument("--layout", required=True, metavar="FILE",
-                      help="JSON: {\"mesh_dim\": \"tp\", \"plan\": {glob: style or [placements]}} "
-                      "(styles as in a transformers tp_plan; docs/layout.md)")
+                      help="JSON: {\"mesh_dim\": \"tp\", \"plan\": {glob: style, placement or [placements]}} "
+                      "(styles as in a transformers tp_plan; docs/layout.md), or a shipped plan's name (vllm_tp)")
     plan.add_argument("--rank", type=int, metavar="R", help="show one rank in detail: every piece it reads")
     plan.add_argument("--ranks", metavar="LIST",
                       help="the ranks to summarize: `all`, or numbers, `first` and `last` separated by commas "
@@ -155,7 +155,8 @@ def _parser() -> argparse.ArgumentParser:
                         help="a mesh to shard on, e.g. `tp=2` or `ep=2,tp=2`; repeat for several "
                         "(default: one mesh, tp=2)")
     verify.add_argument("--layout", metavar="FILE",
-                        help="a layout JSON file (docs/layout.md); default: every tensor cut on every mesh dim")
+                        help="a layout JSON file (docs/layout.md) or a shipped plan's name (vllm_tp); default: "
+                        "every tensor cut on every mesh dim")
     verify.add_argument("--against", choices=["transformers"],
                         help="also compare the load with transformers' from_pretrained")
     verify.add_argument("--json", action="store_true", help="print the checks as JSON")
