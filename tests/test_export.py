@@ -15,6 +15,7 @@ that `gather` does not name are refused on every rank.
 from __future__ import annotations
 
 import importlib.util
+import weakref
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -208,10 +209,11 @@ def test_a_split_the_gather_does_not_name_is_refused_on_every_rank(two_ranks):
 # -- memory: half a bucket assembled a round ---------------------------------------------------------
 
 
-def _rounds_on_ranks(rank: int, world: int, experts: int, bucket: int) -> tuple[int, list[list[int]]]:
+def _rounds_on_ranks(rank: int, world: int, experts: int, bucket: int) -> tuple[int, list[list[int]], int]:
     """Export a model of `experts` 1 MiB experts per layer on an ep x dp_shard mesh, telling its rounds
     apart by their exchanges (the real all-to-all runs: the spy only counts); returns this rank's shard
-    bytes and, per round, the nbytes of each tensor this rank yields (assembles) in it."""
+    bytes, per round the nbytes of each tensor this rank yields (assembles) in it, and how many of the
+    round's receive buffers were still alive when its tensors were yielded."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import DTensor
     from torch.distributed.tensor import Shard as TorchShard
@@ -232,19 +234,24 @@ def _rounds_on_ranks(rank: int, world: int, experts: int, bucket: int) -> tuple[
     shards = sum(t.to_local().nbytes for t in state.values())
     rounds: list[list[int]] = []
     exchange = dist.exchange
+    received: list = []  # weak references to the last round's receive buffers
 
     def counted(*args, **kwargs):
         rounds.append([])  # a round's tensors are yielded after its exchange
-        return exchange(*args, **kwargs)
+        out = exchange(*args, **kwargs)
+        received[:] = [weakref.ref(t) for t in out]
+        return out
 
     dist.exchange = counted
+    kept = 0  # receive buffers still alive when a round's tensor is yielded
     try:
         for _, tensor in remapdsl.export(state, rules, config=config, gather="dp_shard", bucket_bytes=bucket):
             rounds[-1].append(tensor.nbytes)
+            kept += sum(ref() is not None for ref in received)
             del tensor
     finally:
         dist.exchange = exchange
-    return shards, rounds
+    return shards, rounds, kept
 
 
 BUCKET = 16 << 20
@@ -266,13 +273,21 @@ def test_each_round_assembles_at_most_half_a_bucket_per_rank(four_ranks):
     bucket beyond its shards, with the pieces it sends and receives), where a gather to one rank would
     hold all 128 MiB; every rank takes part in every round, and every byte is assembled once."""
     results = [r["rounds"] for r in four_ranks]
-    total = sum(shards for shards, _ in results)
-    assert sum(n for _, rounds in results for r in rounds for n in r) == total
-    assert len({len(rounds) for _, rounds in results}) == 1  # the exchanges are collectives
-    for shards, rounds in results:
+    total = sum(shards for shards, _, _ in results)
+    assert sum(n for _, rounds, _ in results for r in rounds for n in r) == total
+    assert len({len(rounds) for _, rounds, _ in results}) == 1  # the exchanges are collectives
+    for shards, rounds, _ in results:
         assert len(rounds) > 1 and any(rounds)
         for assembled in rounds:
             assert sum(assembled) <= BUCKET // 2 or len(assembled) == 1, assembled
+
+
+@pytest.mark.distributed
+def test_a_round_s_receive_buffers_are_freed_before_its_tensors_are_yielded(four_ranks):
+    """What the other ranks sent a round is scattered into its tensors, and that buffer is gone by the time
+    the consumer gets them: a consumer holding the last round's tensors while the next is assembled
+    (as `for key, t in export(...)` does) holds nothing of the exchange besides."""
+    assert [r["rounds"][2] for r in four_ranks] == [0] * 4
 
 
 @st.composite

@@ -208,11 +208,7 @@ def _rounds(plan, schedule: _Schedule, out, local, rank: int, world: int, by_rou
             run_write_plan(plan.model_copy(update={"items": tuple(items[t]), "encodes": ()}), collector,
                            local)
         if world > 1:
-            received = dist.exchange(*collector.payload(), f"exporting round {t + 1} of {schedule.rounds}")
-            for r, payload in enumerate(received):
-                if r != rank and payload.numel():
-                    collector.unpack(payload)
-            del received
+            collector.exchange(f"exporting round {t + 1} of {schedule.rounds}")
         items[t] = []
         pairs = []
         for key in mine[t]:
@@ -292,6 +288,14 @@ class _Collector:
                 at += len(chunk)
         self.outgoing = [[] for _ in self.outgoing]
         return send, sizes
+
+    def exchange(self, phase: str) -> None:
+        """Send the pieces to their owners and scatter what the others sent into this rank's tensors; both
+        buffers are freed on return, before the round's tensors are yielded (the consumer may hold them)."""
+        received = dist.exchange(*self.payload(), phase)
+        for r, payload in enumerate(received):
+            if r != self.rank and payload.numel():
+                self.unpack(payload)
 
     def unpack(self, payload: torch.Tensor) -> None:
         data = memoryview(payload.numpy())
