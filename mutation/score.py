@@ -63,6 +63,11 @@ def main(patterns: list[str]) -> None:
     print(_line("all", total))
     print("score: killed / (mutants checked); score less equivalent: killed / (checked - the survivors "
           "mutation/survivors.md lists as equivalent), the issue's measure")
+    if patterns == ["*"]:  # the package's modules that have no kept results: no mutant of them was run
+        modules = (".".join(p.with_suffix("").parts) for p in sorted(Path("remapdsl").rglob("*.py")))
+        never = [m for m in modules if m not in by_module and not m.endswith("__init__")]
+        if never:
+            print(f"{len(never)} modules not run yet: {', '.join(never)}")
     if unexplained:
         print(f"{len(unexplained)} survivors neither killed nor listed as equivalent:")
         print("\n".join(f"  {u}" for u in unexplained))
