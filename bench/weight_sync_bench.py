@@ -18,7 +18,8 @@ sync, ingest, ingest, sync, export, ...), `--runs` of each, every job holding bo
           every rank) and half the bucket (the other half is the transport's), then per round the
           transport: one `all_gather_object` of each rank's (key, shape, dtype) list, then for each rank
           in turn one `dist.broadcast` of its round's tensors packed into one flat buffer (at most half a
-          bucket: what a rank assembles in a round is within the export's bucket), the
+          bucket: what a rank assembles in a round is within the export's bucket; a round of one
+          tensor is sent as it is, not copied), the
           buffer's tensors fed one by one to `remapdsl.ingest(engine, pairs, "vllm_qwen3_moe",
           like=<the HF checkpoint folder>, config=cfg, layout=plan, mesh="dp=2,tp=2")` on every rank,
           which keeps the parts of its shards and skips the rest. A round's buffer is freed before the
@@ -157,7 +158,10 @@ def broadcast_rounds(groups: Iterator[list], rank: int, world: int, stats: Trans
             if not meta:
                 continue
             flat = buffer[:sum(_aligned(n) for *_, n in meta)]
-            if src == rank:
+            if src == rank and len(group) == 1:  # one tensor (one over the round's budget is alone): sent
+                flat = group.pop()[1].reshape(-1).view(torch.uint8)  # as it is, no second copy of it
+                stats.sent += flat.numel()
+            elif src == rank:
                 at = 0
                 for _, t in group:
                     flat[at:at + t.nbytes].copy_(t.reshape(-1).view(torch.uint8))
