@@ -290,3 +290,20 @@ def test_an_omitting_save_like_a_dcp_folder_of_whole_tensors_opens(tmp_path):
     again = {k: torch.full_like(v, float("nan")) for k, v in state.items()}
     remapdsl.load(again, tmp_path / "out", RULES, config={})
     assert all(torch.equal(again[k], v) for k, v in state.items())
+
+
+def test_a_piece_over_elements_no_chunk_holds_is_e355_naming_them():
+    """The planner's own check behind E350 (which `open_inventory` raises first, so no file reaches it):
+    a piece whose elements lie in no chunk is E355 naming its source key and those elements, never a
+    read of a wrong chunk."""
+    from remapdsl.checkpoint.chunks import Chunk
+    from remapdsl.indexmap import Block
+    from remapdsl.sharding.chunked import split_by_chunks
+
+    table = (Chunk("f", 0, (0,), (4,)), Chunk("f", 16, (6,), (2,)))  # rows 4 and 5 in no chunk
+    piece = Block(offsets=(0,), sizes=(8,), source_key="w", base=(0,), coeff=((1,),))
+    with pytest.raises(remapdsl.RemapError) as info:
+        split_by_chunks(piece, table)
+    (d,) = info.value.diagnostics
+    assert (d.code, d.message) == ("E355", "`w`: elements [4]..[5] lie in 0 chunks, not one (the chunks do not "
+                                           "tile the tensor)")

@@ -472,7 +472,6 @@ def evidence() -> dict[str, str]:
 # Codes added while their tests are still being written (issue #18), each with what raises it. Once a
 # test asserts one, the meta-test below fails until it leaves this list: the list only shrinks.
 PENDING: dict[str, str] = {
-    "E355": "remapdsl/sharding/chunked.py: a piece that meets no chunk, or chunks that do not tile",
     "E602": "remapdsl/dcp/metadata.py: a runtime dtype torch has no type for",
 }
 
