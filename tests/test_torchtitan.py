@@ -342,13 +342,39 @@ def test_adapter_errors_name_what_is_missing(checkpoints):
         state = config.build().state_dict()
     with pytest.raises(RemapError) as info:  # the transformers layout's rules for a torchtitan model
         RuleStateDictAdapter.with_rules("llama")(config, str(built.folder)).to_hf(state)
-    assert info.value.diagnostic.code == "E613" and "`tok_embeddings.weight`" in info.value.diagnostic.message
+    made = {t.runtime_key for t in remapdsl.compile_rules("llama", str(built.folder)).runtime_tensors}
+    unknown = [k for k in state if k not in made]  # more than five: the first five, then a count
+    d = info.value.diagnostic
+    assert len(unknown) > 5 and (d.code, d.message, d.hint, str(d.path)) == (
+        "E613", f"{len(unknown)} of the state dict's {len(state)} tensors are made by no rule and named by no "
+        f"`keep`: {', '.join(f'`{k}`' for k in unknown[:5])} and {len(unknown) - 5} more",
+        "is this the rule file for this model? Tensors that take nothing from the checkpoint (buffers) belong "
+        "in a `keep` statement; or pass strict=False", str(built.folder))
     with torch.device("meta"):  # a model of other sizes than the checkpoint's config.json
         wider = llama3_config(dict(built.case.hf_config, intermediate_size=48)).build().state_dict()
     with pytest.raises(RemapError) as info:
         RuleStateDictAdapter.with_rules("torchtitan_llama3")(config, str(built.folder)).to_hf(wider)
+    wrong = [f"`{k}` is {tuple(t.shape)} in the model, {tuple(state[k].shape)} from the rules"
+             for k, t in wider.items() if t.shape != state[k].shape]  # more than five: the first five
     d = info.value.diagnostic
-    assert d.code == "E614" and "`layers.0.feed_forward.w1.weight` is (48, 64) in the model, (32, 64)" in d.message
+    assert len(wrong) > 5 and (d.code, d.message, d.hint, str(d.path)) == (
+        "E614", f"{len(wrong)} tensors differ in shape between the model and the rules: " + "; ".join(wrong[:5]),
+        "the model config and the checkpoint's config.json describe different sizes", str(built.folder))
+
+
+@pytest.mark.parametrize("strays", [1, 5, 6])
+def test_e613_lists_up_to_five_tensors_no_rule_makes_then_counts_the_rest(checkpoints, strays):
+    """The tensors no rule makes, in the state dict's order: all of them up to five, else five and a count."""
+    built = checkpoints("llama3")
+    config = built.case.titan_config(built.case.hf_config)
+    with torch.device("meta"):
+        state = config.build().state_dict()
+        extra = {f"layers.0.stray{i}": torch.empty(2) for i in range(strays)}
+    with pytest.raises(RemapError) as info:
+        RuleStateDictAdapter.with_rules("torchtitan_llama3")(config, str(built.folder)).to_hf({**state, **extra})
+    shown = ", ".join(f"`{k}`" for k in list(extra)[:5]) + (f" and {strays - 5} more" if strays > 5 else "")
+    assert info.value.diagnostic.message == (f"{strays} of the state dict's {len(state) + strays} tensors are made "
+                                             f"by no rule and named by no `keep`: {shown}")
 
 
 def _placements(runtime_key: str, shape) -> list:
