@@ -252,9 +252,14 @@ def test_save_writes_the_original_files(checkpoints, tmp_path, name):
     built = checkpoints(name)
     expected, _ = torchtitan_load(built)
     remapdsl.save(expected, tmp_path / "out", REPO / built.case.hf.rules, like=built.folder)
-    written = sorted(p.name for p in (tmp_path / "out").iterdir())
-    assert written == sorted(p.name for p in built.folder.iterdir())
-    assert [n for n in written if not filecmp.cmp(tmp_path / "out" / n, built.folder / n, shallow=False)] == []
+    # the adapter's save_hf, as torchtitan's trainer calls it: a key the rules do not make is left out
+    adapter = RuleStateDictAdapter.with_rules(REPO / built.case.hf.rules)(
+        built.case.titan_config(built.case.hf_config), str(built.folder))
+    adapter.save_hf({**expected, "freqs_cis": torch.zeros(2)}, tmp_path / "adapter")
+    for out in ("out", "adapter"):
+        written = sorted(p.name for p in (tmp_path / out).iterdir())
+        assert written == sorted(p.name for p in built.folder.iterdir())
+        assert [n for n in written if not filecmp.cmp(tmp_path / out / n, built.folder / n, shallow=False)] == []
 
 
 def test_the_mtp_layers_copies_of_embedding_and_head_cannot_be_saved_back(checkpoints, tmp_path):
@@ -334,10 +339,16 @@ def test_adapter_errors_name_what_is_missing(checkpoints):
     config = built.case.titan_config(built.case.hf_config)
     with pytest.raises(RemapError) as info:
         RuleStateDictAdapter(config, str(built.folder))
-    assert info.value.diagnostic.code == "E610" and "with_rules" in info.value.diagnostic.hint
+    d = info.value.diagnostic
+    assert (d.code, d.message, d.hint) == ("E610", "RuleStateDictAdapter was made without a rule file",
+                                           'pass rules="model.remap", or name RuleStateDictAdapter.with_rules('
+                                           '"model.remap") in the model spec')
     with pytest.raises(RemapError) as info:
         RuleStateDictAdapter.with_rules("torchtitan_llama3")(config, None).to_hf({})
-    assert info.value.diagnostic.code == "E611"
+    d = info.value.diagnostic
+    assert (d.code, d.message, d.hint) == (
+        "E611", "RuleStateDictAdapter has no checkpoint folder to compile its rules against (hf_assets_path is None)",
+        "set hf_assets_path in the trainer config to the Hugging Face checkpoint folder")
     with torch.device("meta"):
         state = config.build().state_dict()
     with pytest.raises(RemapError) as info:  # the transformers layout's rules for a torchtitan model
@@ -375,6 +386,24 @@ def test_e613_lists_up_to_five_tensors_no_rule_makes_then_counts_the_rest(checkp
     shown = ", ".join(f"`{k}`" for k in list(extra)[:5]) + (f" and {strays - 5} more" if strays > 5 else "")
     assert info.value.diagnostic.message == (f"{strays} of the state dict's {len(state) + strays} tensors are made "
                                              f"by no rule and named by no `keep`: {shown}")
+
+
+@pytest.mark.parametrize("bound", [True, False])
+def test_the_adapters_config_reaches_its_rules_bound_or_given(checkpoints, bound):
+    """`config=` (bound by `with_rules`, or given to the adapter) is the config the rules compile with, in
+    place of config.json: one without the head count the rules read is E211 naming it. The bound class
+    is named for its rule file, in this module, as torchtitan's logs print it."""
+    built = checkpoints("llama3")
+    config = built.case.titan_config(built.case.hf_config)
+    with torch.device("meta"):
+        state = config.build().state_dict()
+    headless = {k: v for k, v in built.case.hf_config.items() if k != "num_attention_heads"}
+    cls = RuleStateDictAdapter.with_rules("torchtitan_llama3", config=headless if bound else None)
+    assert (cls.__name__, cls.__module__) == ("RuleStateDictAdapter[torchtitan_llama3]", "remapdsl.torchtitan")
+    adapter = cls(config, str(built.folder)) if bound else cls(config, str(built.folder), config=headless)
+    with pytest.raises(RemapError) as info:
+        adapter.to_hf(state)
+    assert info.value.diagnostics[0].code == "E211" and "config.num_attention_heads" in str(info.value)
 
 
 def _placements(runtime_key: str, shape) -> list:
