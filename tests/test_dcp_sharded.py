@@ -345,11 +345,17 @@ def test_chunks_outside_the_shape_and_of_other_dtypes_and_ranks(tmp_path):
     _shard(tmp_path / "shard-00002-model-00001-of-00001.safetensors",
            {"w": z(2, 4, 1), "v": z(4), "g": z(2, 2)},
            {"w": [2, 0, 0], "v": [4], "g": [2, 2]})
-    found = dict(_codes(tmp_path))
+    with pytest.raises(RemapError) as caught:
+        open_inventory(tmp_path)
+    found = {d.code: d for d in caught.value.diagnostics}
     assert set(found) == {"E350", "E352", "E353"}
-    assert "`w`" in found["E352"] and "shard-00002-model-00001-of-00001.safetensors: [2, 4, 1]" in found["E352"]
-    assert "`v`" in found["E353"] and "bfloat16" in found["E353"] and "float32" in found["E353"]
-    assert "`g` [4, 4]" in found["E350"] and "cover 8 of its 16 elements" in found["E350"]
+    one, two = "shard-00001-model-00001-of-00001.safetensors", "shard-00002-model-00001-of-00001.safetensors"
+    assert [(d.message, d.hint, d.path) for d in (found["E352"], found["E353"])] == [
+        (f"tensor `w`: its chunks have different numbers of dims ({one}: [2, 4], {two}: [2, 4, 1])", None,
+         str(tmp_path / one)),
+        (f"tensor `v`: its chunks disagree on the dtype ({one}: bfloat16, {two}: float32)",
+         "every rank must save the tensor in one dtype", str(tmp_path / one))]
+    assert "`g` [4, 4]" in found["E350"].message and "cover 8 of its 16 elements" in found["E350"].message
 
 
 @pytest.mark.parametrize("info, says", [

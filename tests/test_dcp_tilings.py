@@ -213,13 +213,16 @@ def test_a_gap_is_named_at_the_first_element_no_chunk_holds(tiling):
             return
         with pytest.raises(remapdsl.RemapError) as info:
             open_inventory(tmp)
+        files = sorted(p.name for p in Path(tmp).glob("*.safetensors"))  # each holds a chunk of `g`
     (d,) = info.value.diagnostics
     first = tuple(int(i) for i in torch.unravel_index((~covered).flatten().nonzero()[0, 0], shape))
     where = f"dim-0 index {first[0]}" if not covered[first[0]].any() else f"element {list(first)}"
-    assert d.code == "E350", d
-    assert f"`g` {list(shape)}: its chunks in " in d.message, d.message
-    assert f"cover {int(covered.sum())} of its {covered.numel()} elements: a gap (no chunk holds {where})" \
-        in d.message, d.message
+    listed = ", ".join(files[:6]) + (" …" if len(files) > 6 else "")  # six files, then an ellipsis
+    assert (d.code, d.message, d.hint) == (
+        "E350", f"tensor `g` {list(shape)}: its chunks in {listed} cover {int(covered.sum())} of its "
+        f"{covered.numel()} elements: a gap (no chunk holds {where})",
+        "a rank's shard file is missing, or it was written by another save"), d
+    assert Path(d.path).parent == Path(tmp) and Path(d.path).name in files, d.path
 
 
 _BOX = re.compile(r"\[([0-9:, ]+)\] in (\S+)")
@@ -241,6 +244,8 @@ def test_an_overlap_names_two_chunks_that_share_elements(drawn):
             open_inventory(tmp)
         (d,) = info.value.diagnostics
         assert d.code == "E351" and d.message.startswith("tensor `g`: chunks overlap: "), d
+        assert d.hint == "each element of a tensor must be saved by exactly one rank", d
+        assert Path(d.path).parent == Path(tmp) and Path(d.path).name == _BOX.findall(d.message)[1][1], d.path
         named = []
         for spans, file in _BOX.findall(d.message):
             box = tuple(tuple(int(x) for x in span.split(":")) for span in spans.split(", "))
