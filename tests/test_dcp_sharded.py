@@ -358,25 +358,63 @@ def test_chunks_outside_the_shape_and_of_other_dtypes_and_ranks(tmp_path):
     assert "`g` [4, 4]" in found["E350"].message and "cover 8 of its 16 elements" in found["E350"].message
 
 
-@pytest.mark.parametrize("info, says", [
-    ("{not json", "is not JSON"),
-    ('["w"]', "is not a JSON object"),
-    ('{"w": {"saved_offsets": [0]}}', "must be {\"saved_offsets\": [2 non-negative ints]}"),
-    ('{"w": {"saved_offsets": [0, -1]}}', "must be {\"saved_offsets\""),
-    ('{"w": {"saved_offsets": [0, 0]}, "x": {"saved_offsets": [0]}}', "names tensor `x`, which the file does not hold"),
-    ("{}", "no entry"),
+_ONE = "shard-00001-model-00001-of-00001.safetensors"
+_REWRITE = "the file was not written whole by torch.distributed.checkpoint's HuggingFaceStorageWriter; write the " \
+           "checkpoint again"
+_LONG = {"saved_offsets": [0], "note": "x" * 100}  # what is shown of an entry: its first 80 characters
+
+
+@pytest.mark.parametrize("info, message, hint", [
+    ("{not json", '`__metadata__["DCP_SHARDING_INFO"]` is not JSON (Expecting property name enclosed in double '
+                  "quotes: line 1 column 2 (char 1))", None),
+    ('["w"]', '`__metadata__["DCP_SHARDING_INFO"]` is not a JSON object of tensor key to {"saved_offsets": [...]}',
+     None),
+    ('{"w": {"saved_offsets": [0]}}', '`DCP_SHARDING_INFO` for tensor `w` [2, 2] must be {"saved_offsets": [2 '
+                                      'non-negative ints]}, found {"saved_offsets": [0]}', _REWRITE),
+    ('{"w": {"saved_offsets": [0, -1]}}', '`DCP_SHARDING_INFO` for tensor `w` [2, 2] must be {"saved_offsets": [2 '
+                                          'non-negative ints]}, found {"saved_offsets": [0, -1]}', _REWRITE),
+    (json.dumps({"w": _LONG}), '`DCP_SHARDING_INFO` for tensor `w` [2, 2] must be {"saved_offsets": [2 '
+                               f'non-negative ints]}}, found {json.dumps(_LONG)[:80]}', _REWRITE),
+    ('{"w": {"saved_offsets": [0, 0]}, "x": {"saved_offsets": [0]}}',
+     "`DCP_SHARDING_INFO` names tensor `x`, which the file does not hold", None),
+    ('{"w": {"saved_offsets": [0, 0]}, "x": {"saved_offsets": [0]}, "y": {"saved_offsets": [0]}}',
+     "`DCP_SHARDING_INFO` names tensor `x` and 1 more, which the file does not hold", None),
+    ("{}", '`DCP_SHARDING_INFO` for tensor `w` [2, 2] must be {"saved_offsets": [2 non-negative ints]}, found no entry',
+     _REWRITE),
 ])
-def test_malformed_sharding_info(tmp_path, info, says):
-    _shard(tmp_path / "shard-00001-model-00001-of-00001.safetensors", {"w": torch.zeros(2, 2)}, info)
-    found = _codes(tmp_path)
-    assert [c for c, _ in found] == ["E354"] and says in found[0][1], found
+def test_malformed_sharding_info(tmp_path, info, message, hint):
+    """Each way a file's DCP_SHARDING_INFO can be wrong is E354, naming the file (its message and path)."""
+    _shard(tmp_path / _ONE, {"w": torch.zeros(2, 2)}, info)
+    with pytest.raises(RemapError) as caught:
+        open_inventory(tmp_path)
+    assert [(d.code, d.message, d.hint, d.path) for d in caught.value.diagnostics] == [
+        ("E354", f"{_ONE}: {message}", hint, str(tmp_path / _ONE))]
 
 
 def test_a_key_both_chunked_and_whole_is_in_two_files(tmp_path):
-    _shard(tmp_path / "shard-00001-model-00001-of-00001.safetensors", {"w": torch.zeros(2, 2)}, {"w": [2, 0]})
+    _shard(tmp_path / _ONE, {"w": torch.zeros(2, 2)}, {"w": [2, 0]})
     save_file({"w": torch.zeros(4, 2)}, str(tmp_path / "model.safetensors"))
-    found = _codes(tmp_path)
-    assert [c for c, _ in found] == ["E324"] and "not all of them DCP-sharded" in found[0][1]
+    with pytest.raises(RemapError) as caught:
+        open_inventory(tmp_path)
+    assert [(d.code, d.message, d.path) for d in caught.value.diagnostics] == [
+        ("E324", f"tensor `w` is in 2 files: model.safetensors, {_ONE}, not all of them DCP-sharded",
+         str(tmp_path / _ONE))]
+
+
+def test_whole_tensors_beside_chunked_ones_open_as_plain_tensors(tmp_path):
+    """A folder with whole tensors in a file of their own beside DCP-sharded ones (each key in one kind of
+    file): the whole ones are plain tensors of their file, the sharded ones chunked, and both load."""
+    a, b = torch.arange(8.0).reshape(4, 2), torch.arange(6.0)
+    _shard(tmp_path / _ONE, {"w": a[:2]}, {"w": [0, 0]})
+    _shard(tmp_path / "shard-00002-model-00001-of-00001.safetensors", {"w": a[2:]}, {"w": [2, 0]})
+    save_file({"b": b, "c": b[:2].clone()}, str(tmp_path / "model.safetensors"))
+    inventory = open_inventory(tmp_path)
+    assert sorted(inventory.chunks) == ["w"]
+    assert [(k, inventory.tensors[k].file, inventory.tensors[k].shape) for k in ("b", "c", "w")] == [
+        ("b", "model.safetensors", (6,)), ("c", "model.safetensors", (2,)), ("w", _ONE, (4, 2))]
+    state = {"w": torch.empty(4, 2), "b": torch.empty(6), "c": torch.empty(2)}
+    remapdsl.load(state, tmp_path, remapdsl.language.rules_from_text("remap 1\n{w,b,c} -> {w,b,c}\n"), config={})
+    assert torch.equal(state["w"], a) and torch.equal(state["b"], b) and torch.equal(state["c"], b[:2])
 
 
 def test_quantized_parts_in_chunks_are_refused(tmp_path):
