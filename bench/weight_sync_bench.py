@@ -157,7 +157,8 @@ def broadcast_rounds(groups: Iterator[list], rank: int, world: int, stats: Trans
         for src, meta in enumerate(metas):
             if not meta:
                 continue
-            flat = buffer[:sum(_aligned(n) for *_, n in meta)]
+            # a round of one tensor is sent as it is (its own length), others packed at aligned offsets
+            flat = buffer[:meta[0][-1] if len(meta) == 1 else sum(_aligned(n) for *_, n in meta)]
             if src == rank and len(group) == 1:  # one tensor (one over the round's budget is alone): sent
                 flat = group.pop()[1].reshape(-1).view(torch.uint8)  # as it is, no second copy of it
                 stats.sent += flat.numel()
