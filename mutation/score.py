@@ -1,9 +1,9 @@
 """The mutation score from mutmut's results, per module and in all: killed (timeouts count as killed)
 over the mutants checked, and over those less the survivors mutation/survivors.md lists as equivalent
 (the issue's measure); then every survivor that is neither, the ones to look at. A survivor of a
-narrowed run that mutation/killed.txt names (a test outside the run's selection, or one written
-since, killed it under `mutation/try`) counts as killed elsewhere. Run by mutation/run in its
-scratch copy, with the mutant-name patterns it ran."""
+narrowed run, or a mutant no run reached, that mutation/killed.txt names (a test outside the run's
+selection, or one written since, killed it under `mutation/try`) counts as killed elsewhere. Run by
+mutation/run in its scratch copy, with the mutant-name patterns it ran."""
 
 import collections
 import fnmatch
@@ -49,7 +49,7 @@ def main(patterns: list[str]) -> None:
         if not name or not any(fnmatch.fnmatch(name, p) for p in patterns):
             continue
         counts = by_module[name.split(".x_")[0].split(".x\u01c1")[0]]
-        if status in ("survived", "no tests", "segfault") and name in elsewhere:
+        if status in ("survived", "no tests", "segfault", "not checked") and name in elsewhere:
             status = "killed elsewhere"
         counts[status] += 1
         if status == "survived" and name in equivalent:
