@@ -259,15 +259,14 @@ def test_an_overlap_names_two_chunks_that_share_elements(drawn):
 def test_the_kinds_of_tiling_include_ones_no_grid_describes():
     """The strategy's staircases and guillotine cuts reach tilings whose chunk edges make far more
     grid cells than chunks: the reader's scan, not its grid, cuts pieces there (checked above)."""
-    from remapdsl.checkpoint.chunks import Chunk
-    from remapdsl.sharding.chunked import grid_of
+    from remapdsl.checkpoint.chunks import Chunk, ChunkTable
 
     seen = set()
 
     @settings(max_examples=60, deadline=None, database=None)
     @given(chunk_tilings((16, 18), max_chunks=40, kinds=["staircase"], empty=False))
     def draw(tiling):
-        seen.add(grid_of(tuple(sorted(Chunk("f", 0, o, s) for o, s in tiling.boxes))) is None)
+        seen.add(ChunkTable(sorted(Chunk("f", 0, o, s) for o, s in tiling.boxes)).grid is None)
 
     draw()
     assert seen == {True, False}
@@ -276,7 +275,7 @@ def test_the_kinds_of_tiling_include_ones_no_grid_describes():
     boxes = [((a, 0), (1, 1 + a)) for a, _ in rows] + [((a, 1 + a), (1, 17 - a)) for a, _ in rows]
     with tempfile.TemporaryDirectory() as tmp:
         write_dcp_sharded(tensors, tmp, {"w": boxes})
-        assert grid_of(open_inventory(tmp).chunks["w"]) is None
+        assert open_inventory(tmp).chunks["w"].grid is None
         state = {"a": torch.full((18, 16), float("nan"))}
         remapdsl.load(state, tmp, rules_from_text("remap 1\nw -> a\n    | transpose(0, 1)\n"), config={})
     assert torch.equal(state["a"], tensors["w"].t())

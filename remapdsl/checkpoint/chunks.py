@@ -8,7 +8,10 @@ where the pieces end (as torch's consolidation computes it). The chunks must til
 from __future__ import annotations
 
 import json
+from bisect import bisect_left
 from collections.abc import Mapping
+from functools import cached_property
+from itertools import product
 from math import prod
 from typing import NamedTuple
 
@@ -22,6 +25,7 @@ from remapdsl.records import record_schema
 
 SHARDING_INFO = "DCP_SHARDING_INFO"  # the `__metadata__` entry torch's writer puts in each file
 SAVED_OFFSETS = "saved_offsets"
+MOST_CELLS = 1 << 20  # a grid of more cells than this and 4x the chunks is not made: chunks are scanned
 
 
 class Chunk(NamedTuple):
@@ -44,6 +48,38 @@ class Chunk(NamedTuple):
     @classmethod
     def __get_pydantic_core_schema__(cls, source: type, handler: GetCoreSchemaHandler) -> CoreSchema:
         return record_schema(cls, source, handler)  # an Inventory checks its chunks against its files
+
+
+class Grid(NamedTuple):
+    """A chunked tensor's chunk edges per dim (sorted, both ends included) and each grid cell's chunk."""
+
+    lines: tuple[tuple[int, ...], ...]
+    cells: dict[tuple[int, ...], Chunk]
+
+
+class ChunkTable(tuple):
+    """A chunked tensor's chunks sorted by offsets (an `Inventory.chunks` entry), with their grid made
+    once per table, when a piece is first cut by it."""
+
+    @cached_property
+    def grid(self) -> Grid | None:
+        """The grid of the chunks, or None where it would have far more cells than chunks (an irregular
+        tiling) or the tensor has no dims."""
+        if not self or not self[0].offsets:
+            return None
+        lines = tuple(tuple(sorted({c.offsets[k] for c in self} | {c.offsets[k] + c.sizes[k] for c in self}))
+                      for k in range(len(self[0].offsets)))
+        if prod(len(edges) - 1 for edges in lines) > max(len(self), min(MOST_CELLS, 4 * len(self))):
+            return None
+        cells: dict[tuple[int, ...], Chunk] = {}
+        for c in self:
+            spans = [range(bisect_left(edges, o), bisect_left(edges, o + n))
+                     for edges, o, n in zip(lines, c.offsets, c.sizes)]
+            cells.update(dict.fromkeys(product(*spans), c))
+        return Grid(lines, cells)
+
+    def __reduce__(self):
+        return ChunkTable, (tuple(self),)  # pickled without its grid
 
 
 def has_sharding_info(headers: Mapping[str, Header]) -> bool:

@@ -15,7 +15,7 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, field_validator, model_validator
 
-from remapdsl.checkpoint.chunks import Chunk, _diag, assemble_chunked, has_sharding_info
+from remapdsl.checkpoint.chunks import Chunk, ChunkTable, _diag, assemble_chunked, has_sharding_info
 from remapdsl.checkpoint.header import (
     MAX_HEADER_NBYTES,
     PREFIX_NBYTES,
@@ -50,14 +50,19 @@ class Inventory(BaseModel):
     files: dict[str, FileInfo]  # the files read, with each one's `__metadata__`
     ignored_files: tuple[str, ...] = ()  # `.safetensors` files in root that the index does not name
     index_file: str | None = None  # the index used, relative to root
-    # keys stored in pieces over several files (DCP-sharded), key -> chunks sorted by offsets; their
+    # keys stored in pieces over several files (DCP-sharded), key -> ChunkTable sorted by offsets; their
     # `tensors` entry has the whole shape and bytes and names the first chunk. Empty for most checkpoints.
     chunks: dict[str, tuple[Chunk, ...]] = FrozenDict()
 
-    @field_validator("tensors", "files", "chunks", mode="after")
+    @field_validator("tensors", "files", mode="after")
     @classmethod
     def _freeze(cls, value: dict) -> dict:
         return FrozenDict(sorted(value.items()))
+
+    @field_validator("chunks", mode="after")
+    @classmethod
+    def _tables(cls, value: dict) -> dict:
+        return FrozenDict(sorted((key, ChunkTable(chunks)) for key, chunks in value.items()))
 
     @model_validator(mode="after")
     def _check(self) -> Inventory:

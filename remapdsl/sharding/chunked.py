@@ -7,54 +7,19 @@ the cuts grow with the chunks a piece touches, never with its rows.
 
 from __future__ import annotations
 
-from bisect import bisect_left, bisect_right
-from itertools import pairwise, product
-from math import prod
-from typing import NamedTuple
+from bisect import bisect_right
+from itertools import pairwise
 
-from ..checkpoint.chunks import Chunk
+from ..checkpoint.chunks import Chunk, ChunkTable
 from ..errors import Diagnostic, RemapError
 from ..indexmap import Block, cut
-
-MOST_CELLS = 1 << 20  # a grid of more cells than this and 4x the chunks is not made: chunks are scanned
-
-
-class Grid(NamedTuple):
-    """A chunked tensor's chunk edges per dim (sorted, both ends included) and each grid cell's chunk."""
-
-    lines: tuple[tuple[int, ...], ...]
-    cells: dict[tuple[int, ...], Chunk]
-
-
-_GRIDS: dict[int, tuple[tuple[Chunk, ...], Grid | None]] = {}
-
-
-def grid_of(chunks: tuple[Chunk, ...]) -> Grid | None:
-    """The grid of a tensor's chunks (kept per chunk table), or None where it would have far more cells
-    than chunks (an irregular tiling)."""
-    kept = _GRIDS.get(id(chunks))
-    if kept is not None and kept[0] is chunks:
-        return kept[1]
-    lines = tuple(tuple(sorted({c.offsets[k] for c in chunks} | {c.offsets[k] + c.sizes[k] for c in chunks}))
-                  for k in range(len(chunks[0].offsets)))
-    cells_count = prod(len(edges) - 1 for edges in lines)
-    grid = None
-    if cells_count <= max(len(chunks), min(MOST_CELLS, 4 * len(chunks))):
-        cells: dict[tuple[int, ...], Chunk] = {}
-        for c in chunks:
-            spans = [range(bisect_left(edges, o), bisect_left(edges, o + n)) for edges, o, n in zip(lines, c.offsets, c.sizes)]
-            cells.update(dict.fromkeys(product(*spans), c))
-        grid = Grid(lines, cells)
-    if len(_GRIDS) > 4096:
-        _GRIDS.clear()
-    _GRIDS[id(chunks)] = (chunks, grid)
-    return grid
 
 
 def split_by_chunks(piece: Block, chunks: tuple[Chunk, ...]) -> list[tuple[Block, Chunk]]:
     """The parts of `piece` (a block reading a chunked tensor; `chunks` sorted by offsets) each
-    inside one chunk, with their base re-based into it, in the piece's own order."""
-    grid = grid_of(chunks) if chunks and chunks[0].offsets else None
+    inside one chunk, with their base re-based into it, in the piece's own order. An inventory's
+    `ChunkTable` keeps its grid across calls; a plain tuple has one made for this call."""
+    grid = (chunks if isinstance(chunks, ChunkTable) else ChunkTable(chunks)).grid
     out: list[tuple[Block, Chunk]] = []
     stack = [piece]
     while stack:
