@@ -1,9 +1,5 @@
-"""Tensors split over files by torch.distributed.checkpoint: each file's pieces -> one logical tensor of chunks.
-
-`HuggingFaceStorageWriter(save_distributed=True)` writes each rank's pieces under the tensor's own key,
-with each piece's `saved_offsets` in the file's `__metadata__["DCP_SHARDING_INFO"]`; the whole shape is
-where the pieces end (as torch's consolidation computes it). The chunks must tile it exactly (E350-E354).
-"""
+"""Tensors split over files by DCP's `HuggingFaceStorageWriter(save_distributed=True)` (each piece's
+`saved_offsets` in `__metadata__["DCP_SHARDING_INFO"]`) -> one tensor of chunks that tile it (E350-E354)."""
 
 from __future__ import annotations
 
@@ -29,8 +25,7 @@ MOST_CELLS = 1 << 20  # a grid of more cells than this and 4x the chunks is not 
 
 
 class Chunk(NamedTuple):
-    """One stored piece of a chunked tensor: the box [offsets, offsets + sizes) of the whole tensor,
-    row-major at absolute `byte_offset` of `file`."""
+    """One stored piece of a chunked tensor: the box [offsets, offsets + sizes), row-major in `file`."""
 
     file: str
     byte_offset: int
@@ -58,13 +53,11 @@ class Grid(NamedTuple):
 
 
 class ChunkTable(tuple):
-    """A chunked tensor's chunks sorted by offsets (an `Inventory.chunks` entry), with their grid made
-    once per table, when a piece is first cut by it."""
+    """A chunked tensor's chunks sorted by offsets (an `Inventory.chunks` entry), with their grid."""
 
     @cached_property
     def grid(self) -> Grid | None:
-        """The grid of the chunks, or None where it would have far more cells than chunks (an irregular
-        tiling) or the tensor has no dims."""
+        """The grid of the chunks, or None where it would have far more cells than chunks, or no dims."""
         if not self or not self[0].offsets:
             return None
         lines = tuple(tuple(sorted({c.offsets[k] for c in self} | {c.offsets[k] + c.sizes[k] for c in self}))
@@ -88,8 +81,7 @@ def has_sharding_info(headers: Mapping[str, Header]) -> bool:
 
 
 class Assembled(NamedTuple):
-    """Headers made into tensors (a chunked key's TensorInfo: the whole shape at its first chunk), the
-    chunks, and the problems found."""
+    """Headers made into tensors (a chunked key's TensorInfo names its first chunk), chunks and problems."""
 
     tensors: dict[str, TensorInfo]
     chunks: dict[str, tuple[Chunk, ...]]
@@ -97,8 +89,7 @@ class Assembled(NamedTuple):
 
 
 def assemble_chunked(headers: Mapping[str, Header], path_of) -> Assembled:
-    """The tensors of headers some of which carry DCP_SHARDING_INFO, every problem found (a key both in
-    a file without sharding info and elsewhere: E324); `path_of(file)`: a file's path for messages."""
+    """The tensors of headers some of which carry DCP_SHARDING_INFO, and every problem found."""
     diags: list[Diagnostic] = []
     reported: set[str] = set()
     pieces: dict[str, list[tuple[TensorInfo, tuple[int, ...]]]] = {}
@@ -149,8 +140,7 @@ def assemble_chunked(headers: Mapping[str, Header], path_of) -> Assembled:
 
 
 def _sharding_info(name: str, header: Header, path: str, diags: list[Diagnostic]) -> dict | None | bool:
-    """A file's DCP_SHARDING_INFO as an object of key -> entry, None where it has none, False where
-    it is no such object (E354 added)."""
+    """A file's DCP_SHARDING_INFO (key -> entry), None where it has none, False where malformed (E354)."""
     text = header.info.metadata.get(SHARDING_INFO)
     if text is None:
         return None
@@ -209,8 +199,7 @@ def _chunked(key: str, found: list, path_of, diags: list[Diagnostic]) -> tuple[T
 
 
 def _first_overlap(chunks: list[Chunk]) -> tuple[Chunk, Chunk] | None:
-    """Two chunks sharing an element, or None: a sweep along the dim where the chunks start at the
-    most places, so each chunk is compared only with those still open at its start, not with all."""
+    """Two chunks sharing an element, or None: a sweep along the dim where most chunks start."""
     if not chunks or not chunks[0].sizes:
         return (chunks[0], chunks[1]) if len(chunks) > 1 else None
     dim = max(range(len(chunks[0].sizes)), key=lambda k: len({c.offsets[k] for c in chunks}))
@@ -225,8 +214,7 @@ def _first_overlap(chunks: list[Chunk]) -> tuple[Chunk, Chunk] | None:
 
 
 def _gap(chunks: list[Chunk], shape: tuple[int, ...]) -> str:
-    """Where the first element no chunk holds is (in row-major order): the dim-0 index, when no chunk
-    touches that slab; else the element itself."""
+    """Where the first element no chunk holds is: its dim-0 index where no chunk meets that slab, else it."""
     found = _first_uncovered([(c.offsets, c.end) for c in chunks], shape, 0)
     if found is None:
         return ""
@@ -237,8 +225,7 @@ def _gap(chunks: list[Chunk], shape: tuple[int, ...]) -> str:
 
 def _first_uncovered(boxes: list[tuple[tuple[int, ...], tuple[int, ...]]], shape: tuple[int, ...],
                      dim: int) -> tuple[int, ...] | None:
-    """The first index, from `dim` on, that none of `boxes` (start, end) holds, or None. Along each dim
-    only 0 and the boxes' edges need trying: between two edges every index meets the same boxes."""
+    """The first index, from `dim` on, that none of `boxes` (start, end) holds (only edges need trying)."""
     if dim == len(shape):
         return None if boxes else ()
     for x in sorted({0, *(b[0][dim] for b in boxes), *(b[1][dim] for b in boxes)}):

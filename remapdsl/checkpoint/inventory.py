@@ -1,9 +1,5 @@
 """A checkpoint folder's headers (and index) -> `Inventory`: each checkpoint key's file, dtype, shape, bytes.
-
-An index, where there is one, is authoritative: files it does not name are ignored, and every key must
-sit in the file it assigns. Without one, a key in two files is an error unless DCP's distributed writer
-made them (one tensor of chunks, chunks.py). Only headers are read; all problems are raised at once.
-"""
+An index, where there is one, is authoritative; only headers are read; all problems are raised at once."""
 
 from __future__ import annotations
 
@@ -37,11 +33,8 @@ DEFAULT_INDEX = "model.safetensors.index.json"
 
 
 class Inventory(BaseModel):
-    """Every tensor of one checkpoint, from headers alone; the input of the compiler and the planner.
-
-    `tensors` is sorted by checkpoint key; `files` by name. Names in `files`, `ignored_files` and
-    `TensorInfo.file` are relative to `root`, `/`-separated. Dtypes are `remapdsl.dtypes` names.
-    """
+    """Every tensor of one checkpoint, from headers alone, sorted by key (`files` by name); file names are
+    relative to `root`, `/`-separated; dtypes are `remapdsl.dtypes` names."""
 
     model_config = ConfigDict(frozen=True, extra="forbid")
 
@@ -66,8 +59,7 @@ class Inventory(BaseModel):
 
     @model_validator(mode="after")
     def _check(self) -> Inventory:
-        """Each tensor is filed under its own key, in one of the files, inside that file's data
-        section (a chunked tensor: each of its chunks; its first chunk does not hold it whole)."""
+        """Each tensor (a chunked one: each chunk) is filed under its key inside a file's data section."""
         files, chunks = self.files, self.chunks
         for name, info in files.items():
             if info.file != name:
@@ -89,17 +81,14 @@ class Inventory(BaseModel):
         return self
 
     def __reduce__(self):
-        """Pickled as columns (rank 0 sends it to every rank: several times faster than a record per
-        tensor), a subclass's own fields (a snapshot's config) beside them."""
+        """Pickled as columns (rank 0 sends it to every rank), a subclass's own fields beside them."""
         columns = tuple(map(list, zip(*self.tensors.values()))) or tuple([] for _ in TensorInfo._fields)
         extra = {name: getattr(self, name) for name in type(self).model_fields if name not in Inventory.model_fields}
         return _from_columns, (type(self), self.root, dict(self.files), self.ignored_files, self.index_file,
                                columns, dict(self.chunks), extra)
 
     def restamped(self, checkpoint: str | os.PathLike[str] | None = None) -> Inventory:
-        """This inventory at `checkpoint` (default its own root), with each file's modification time as
-        this process sees it: for a rank given the headers another read (each node may hold its own
-        copy). A file that cannot be looked at keeps its time (opening it for data says why)."""
+        """This inventory at `checkpoint` (default its root), each file's modification time as seen here."""
         root = self.root
         if checkpoint is not None:
             path = os.path.abspath(os.fspath(checkpoint))
@@ -136,10 +125,8 @@ class Inventory(BaseModel):
     @classmethod
     def from_shapes(cls, entries: Mapping[str, tuple[str, Sequence[int]]], *, root: str = "/synthetic",
                     file: str = "model.safetensors") -> Inventory:
-        """A synthetic inventory: one file holding `entries` (ckpt_key -> (dtype, shape)), no file on disk.
-
-        Tensors are laid out in key order, back to back, as a writer would; for compiler benchmarks and
-        tests. A dtype may be a `remapdsl.dtypes` name or a safetensors code; it is stored as the name.
+        """A synthetic inventory: one file holding `entries` (ckpt_key -> (dtype, shape)) back to back in key
+        order, no file on disk. A dtype may be a `remapdsl.dtypes` name or a safetensors code.
 
         Raises:
             CheckpointError: unknown dtypes and bad shapes (E306, E307, E309), all at once.
@@ -210,8 +197,7 @@ def open_inventory(path: str | os.PathLike[str]) -> Inventory:
 
 
 def listing(path: str | os.PathLike[str]) -> list:
-    """What identifies a checkpoint without opening it: its folder's name and the name and size of
-    each `.safetensors` file in it (or of the one file named)."""
+    """What identifies a checkpoint without opening it: its folder's name, its files' names and sizes."""
     path = os.path.abspath(os.fspath(path))
     folder = path if os.path.isdir(path) else os.path.dirname(path)
     try:

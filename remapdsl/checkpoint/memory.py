@@ -1,8 +1,5 @@
-"""Checkpoint tensors held in memory, read as a checkpoint's files are: for `remapdsl.ingest`.
-
-`in_memory` lays the tensors out one to a file, each its own bytes from offset 0; MemoryReader serves
-a plan's reads from the buffers with the reader's own code (positioned reads become copies).
-"""
+"""Checkpoint tensors held in memory, read as a checkpoint's files are (for `remapdsl.ingest`): one tensor
+to a file from offset 0, a plan's positioned reads become copies."""
 
 from __future__ import annotations
 
@@ -23,8 +20,7 @@ def in_memory(layout: Inventory) -> Inventory:
 
 
 class MemoryReader(CheckpointReader):
-    """Reads of an `in_memory` inventory, from `buffers` (checkpoint key -> its bytes: anything
-    with the buffer protocol, a contiguous CPU tensor's `as_byte_view`)."""
+    """Reads of an `in_memory` inventory from `buffers` (checkpoint key -> its bytes)."""
 
     def __init__(self, inventory: Inventory, buffers: Mapping[str, object]):
         super().__init__(inventory)

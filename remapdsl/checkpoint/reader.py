@@ -1,10 +1,5 @@
-"""Positioned byte-range reads from an inventory's files into caller-owned memory: (file, range) -> buffer.
-
-No pickle, no whole-file reads: `os.preadv` fills the caller's buffer in place; many short runs (a
-column shard) are one strided copy from the file's read-only map. Every range is checked against the
-inventory first, and a file changed since its header was read is refused (E342). Thread-safe:
-`os.preadv` moves no file position.
-"""
+"""Positioned byte-range reads from an inventory's files into caller-owned memory (`os.preadv`, thread-safe;
+many short runs one strided copy from the file's map): each range checked first, a changed file refused."""
 
 from __future__ import annotations
 
@@ -51,8 +46,7 @@ def bytes_at(address: int, nbytes: int) -> memoryview:
 
 
 class CheckpointReader:
-    """Reads byte ranges (absolute file offsets) of one inventory's files, opening each on first use;
-    a context manager (or call `close()`)."""
+    """Reads byte ranges (absolute offsets) of one inventory's files, opening each on first use."""
 
     def __init__(self, inventory: Inventory):
         self.inventory = inventory
@@ -93,8 +87,7 @@ class CheckpointReader:
             return self._maps[file]
 
     def read_into(self, file: str, byte_offset: int, buffer: object) -> int:
-        """Fill buffer with the bytes of `file` from byte_offset on (inside its data section, perhaps over
-        several tensors); returns how many."""
+        """Fill buffer with the bytes of `file` from `byte_offset` on (its data section); returns how many."""
         view = as_byte_view(buffer)
         self._check_range(file, byte_offset, byte_offset + view.nbytes)
         self._read_fully(file, [view], byte_offset, view.nbytes)
@@ -113,8 +106,7 @@ class CheckpointReader:
                 f"[{info.data_offset}, {info.nbytes})", path=self.inventory.path(file)))
 
     def read_runs_into(self, file: str, runs: Runs, buffer: object) -> int:
-        """Fill buffer with the concatenated bytes of a strided run set of `file`; returns how many.
-        A few runs are positioned reads; many are one strided copy from the mapped file."""
+        """Fill buffer with the concatenated bytes of a strided run set of `file`; returns how many."""
         view = as_byte_view(buffer)
         if view.nbytes != runs.total:
             raise ValueError(f"the buffer has {view.nbytes} bytes, the runs {runs.total}")
@@ -130,16 +122,14 @@ class CheckpointReader:
         return view.nbytes
 
     def scatter_into(self, file: str, first: int, buffers: list[memoryview]) -> int:
-        """Fill `buffers` in order with the bytes of `file` from `first` on (one file range spread over
-        several destinations: one positioned read for all of them); returns how many bytes."""
+        """Fill `buffers` in order with the bytes of `file` from `first` on, in one positioned read."""
         total = sum(b.nbytes for b in buffers)
         self._check_range(file, first, first + total)
         self._read_fully(file, buffers, first, total)
         return total
 
     def _read_fully(self, file: str, buffers: list[memoryview], first: int, total: int) -> None:
-        """Positioned reads of `file` from `first` into `buffers` in order until all `total` bytes
-        are in, resuming after a short read (in the middle of a buffer included)."""
+        """Positioned reads of `file` from `first` into `buffers` until all `total` bytes are in."""
         if not total:
             return
         fd, done, at = self._fd(file), 0, 0
@@ -191,7 +181,7 @@ class CheckpointReader:
         return out
 
     def _fd(self, file: str) -> int:
-        """The open descriptor of file, opened now if needed, after checking its size is still the same."""
+        """The open descriptor of file, opened (and checked unchanged) on first use."""
         with self._lock:
             fd = self._fds.get(file)
             if fd is not None:
@@ -211,8 +201,7 @@ class CheckpointReader:
             return fd
 
     def _check_unchanged(self, file: str, fd: int) -> None:
-        """E342 unless the open file has the size and modification time recorded when its header was
-        read (else its bytes may no longer be what the header describes)."""
+        """E342 unless the open file has the size and modification time recorded when its header was read."""
         st, info = os.fstat(fd), self.inventory.files[file]
         if st.st_size != info.nbytes:
             found = f"has {st.st_size} bytes, its header said {info.nbytes}"
@@ -246,8 +235,7 @@ def os_error(exc: OSError) -> str:
 
 
 def _preadv_many(fd: int, buffers: list[memoryview], offset: int) -> int:
-    """One positioned read into consecutive buffers (at most IOV_MAX of them); where the platform
-    lacks preadv, os.pread into the first one plus a copy."""
+    """One positioned read into consecutive buffers (at most IOV_MAX); without preadv, into the first."""
     if hasattr(os, "preadv"):
         return os.preadv(fd, buffers[:IOV_MAX], offset)
     chunk = os.pread(fd, buffers[0].nbytes, offset)

@@ -1,9 +1,5 @@
-"""A checkpoint without its data: an Inventory plus config.json <-> a small, deterministic JSON file.
-
-What the compiler and planner read (each file's header, the index used, the files it ignores,
-config.json), so CI checks rules without a release's weights. Each file's entry is its own
-safetensors header, validated on reading by the header's own rules; data readers refuse one (E331).
-"""
+"""A checkpoint without its data: an Inventory plus config.json <-> a small, deterministic JSON file, so
+CI checks rules without a release's weights. Each file's entry is its safetensors header, validated as one."""
 
 from __future__ import annotations
 
@@ -50,8 +46,7 @@ class SnapshotInventory(Inventory):
 
 
 def is_snapshot(checkpoint: object) -> bool:
-    """Whether `checkpoint` is a snapshot: a SnapshotInventory, or the path of a `.json` file that is
-    not a safetensors index."""
+    """Whether `checkpoint` is a SnapshotInventory or the path of a `.json` file but a safetensors index."""
     if isinstance(checkpoint, SnapshotInventory):
         return True
     if not isinstance(checkpoint, (str, os.PathLike)):
@@ -68,8 +63,7 @@ def checkpoint_config(inventory: Inventory) -> dict[str, Any]:
 
 
 def config_of(checkpoint) -> dict[str, Any]:
-    """The model config of a checkpoint folder (or its index or .safetensors file), a snapshot or
-    an Inventory, without reading a folder's safetensors headers."""
+    """The model config of a checkpoint, snapshot or Inventory, without reading safetensors headers."""
     if isinstance(checkpoint, Inventory) or is_snapshot(checkpoint):
         inventory = checkpoint if isinstance(checkpoint, Inventory) else open_snapshot(checkpoint)
         return checkpoint_config(inventory)
@@ -90,8 +84,7 @@ def require_data(checkpoint: object, what: str) -> None:
 
 
 def snapshot_of(checkpoint: str | os.PathLike | Inventory, config: Mapping[str, Any] | None = None) -> dict:
-    """The snapshot of a checkpoint (as `open_checkpoint` takes it) as a JSON-ready dict; `config` by
-    default its config.json."""
+    """The snapshot of a checkpoint as a JSON-ready dict; `config` by default its config.json."""
     if isinstance(checkpoint, Inventory):
         inventory = checkpoint
     else:
@@ -112,8 +105,7 @@ def snapshot_of(checkpoint: str | os.PathLike | Inventory, config: Mapping[str, 
 
 
 def snapshot_text(snapshot: Mapping[str, Any]) -> str:
-    """A snapshot as text: keys sorted, one tensor a line, so equal checkpoints give equal bytes and
-    a changed tensor is a one-line diff."""
+    """A snapshot as text: keys sorted, one tensor a line, so equal checkpoints give equal bytes."""
     def dump(value) -> str:
         return json.dumps(value, sort_keys=True, ensure_ascii=False, allow_nan=False)
 
@@ -149,9 +141,8 @@ def open_snapshot(path: str | os.PathLike) -> SnapshotInventory:
     """Read and validate a snapshot file (untrusted input) into the inventory it describes.
 
     Raises:
-        CheckpointError: E330 for what is not a snapshot of this version (each problem named by its
-            path in the JSON), and the header codes E305-E313 and E322 for the files it describes,
-            all problems at once.
+        CheckpointError: E330 for what is not a snapshot of this version (named by its path in the JSON),
+            and the header codes E305-E313 and E322 for the files it describes, all problems at once.
     """
     path = os.path.abspath(os.fspath(path))
     try:

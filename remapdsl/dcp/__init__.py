@@ -1,8 +1,5 @@
-"""remapdsl for torch.distributed.checkpoint: `dcp.load` through a rule file (docs/dcp.md).
-
-`RuleStorageReader(path, rules)` presents a checkpoint folder in the runtime layout its rules make.
-Importing this package imports torch.
-"""
+"""remapdsl for torch.distributed.checkpoint: `dcp.load` through a rule file, the checkpoint presented in
+the runtime layout its rules make (docs/dcp.md). Importing this package imports torch."""
 
 from __future__ import annotations
 

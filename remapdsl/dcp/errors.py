@@ -1,6 +1,5 @@
 """The reader's errors (E600-E609), and `remap_errors`, which takes a RemapError back out of the
-CheckpointException DCP wraps what ranks raise in (pickled intact: `RemapError.__reduce__`).
-"""
+CheckpointException DCP wraps what ranks raise in."""
 
 from __future__ import annotations
 
@@ -20,8 +19,7 @@ def fail(code: str, message: str, hint: str | None = None, path: str | None = No
 
 @contextmanager
 def remap_errors() -> Iterator[None]:
-    """Around `dcp.load`: a CheckpointException DCP raised for RemapErrors re-raised as the lowest
-    failing rank's RemapError, with `failed_ranks` (the same on every rank); anything else unchanged."""
+    """Around `dcp.load`: DCP's CheckpointException re-raised as the lowest failing rank's RemapError."""
     from torch.distributed.checkpoint.api import CheckpointException
 
     try:

@@ -1,6 +1,5 @@
 """Compiled rules -> the DCP `Metadata` of the checkpoint as the runtime sees it: each runtime tensor
-one whole chunk, so DCP's default planner asks exactly the box each destination shard holds.
-"""
+one whole chunk, so DCP's default planner asks exactly the box each destination shard holds."""
 
 from __future__ import annotations
 

@@ -1,8 +1,5 @@
-"""`RuleStorageReader`: a DCP StorageReader serving `dcp.load` from a checkpoint folder through a rule file.
-
-Construction is collective (any error a RemapError on every rank before DCP starts). `read_data` makes
-the planner's requests one box per runtime tensor and runs one load plan: it grows with the tensors.
-"""
+"""`RuleStorageReader`: a DCP StorageReader serving `dcp.load` from a checkpoint folder through a rule file;
+`read_data` makes the planner's requests one box per runtime tensor and runs one load plan."""
 
 from __future__ import annotations
 
@@ -48,8 +45,7 @@ class RuleStorageReader(StorageReader):
 
     Args:
         path: a checkpoint folder (or its index or .safetensors file).
-        rules: a .remap file path, a shipped name (`qwen3_moe`), `"auto"` or a RuleSet, as for
-            `remapdsl.load`.
+        rules: a .remap file path, a shipped name (`qwen3_moe`), `"auto"` or a RuleSet, as for `remapdsl.load`.
         config: the model config; by default the folder's config.json.
         strict: refuse checkpoint tensors that no rule takes and no `drop` names.
         timeout: the most a rank waits at one of the reader's exchanges (seconds or a timedelta; default
@@ -73,16 +69,12 @@ class RuleStorageReader(StorageReader):
         path = os.fspath(path)
         with bounds.bounded(self._timeout), frozen_heap():
             rules = rules_for(self._rules, path, self._config)  # `auto`: chosen and logged as load does
-            # `compiled`: the rules compiled against the checkpoint, the `Compiled` the metadata presents
             self._inventory, self.compiled, _, _ = prepare_everywhere(rules, path, self._config, self._strict)
             self._metadata = runtime_metadata(self.compiled, path, _rules_named(rules))  # the runtime layout
         self.checkpoint_id: str | os.PathLike = path
 
-    # ------------------------------------------------------------------ StorageReader, in call order
-
     def reset(self, checkpoint_id: str | os.PathLike | None = None) -> None:
-        """A new read: a `checkpoint_id` naming another checkpoint is opened on every rank together; the
-        same one is not re-opened (files rewritten since are refused at the reads, E342)."""
+        """A new read: a `checkpoint_id` naming another checkpoint is opened on every rank together."""
         self.report = None
         if checkpoint_id is not None and os.path.abspath(checkpoint_id) != os.path.abspath(self.checkpoint_id):
             self._open(checkpoint_id)
@@ -144,8 +136,7 @@ def _rules_named(rules) -> str:
 
 
 def _rounds(items: list[ReadItem], made) -> list[dict[str, ReadItem]]:
-    """The requests in rounds of at most one per runtime key, every key's first in the first; a key
-    `made` lacks is E600 (a planner other than DCP's default may ask without checking)."""
+    """The requests in rounds of at most one per runtime key; a key `made` lacks is E600."""
     rounds: list[dict[str, ReadItem]] = []
     for item in items:
         made.require(item.dest_index.fqn)
@@ -170,8 +161,7 @@ def _shard(item: ReadItem) -> LocalShard:
 
 
 def _check_views(views: dict, held: dict[str, LocalShard], compiled) -> None:
-    """Every resolved view has the request's shape and the rules' dtype, its box inside the tensor;
-    all problems at once (E601, E604)."""
+    """Each resolved view has the request's shape and the rules' dtype, its box in the tensor (E601, E604)."""
     problems = []
     for key, view in views.items():
         d = compiled.runtime_tensor(key)

@@ -1,9 +1,5 @@
-"""How long a rank waits for the others, and over which group.
-
-Every wait is bounded by the call's `timeout=`, not the group's: a rank waiting past ARRIVAL_SECONDS
-notes it in the store, so past the bound the ranks that never arrived are named (E415); after a failed
-collective the survivors name the lost ranks the same way (`roll_call`).
-"""
+"""How long a rank waits for the others (the call's `timeout=`, E415 naming the ranks that never
+arrived), over which group, and who is gone after a failed collective (`roll_call`)."""
 
 from __future__ import annotations
 
@@ -115,7 +111,6 @@ def _meet(name: str, phase: str) -> None:
 
 
 def _store():
-    """The default group's store (where the ranks meet and answer roll calls)."""
     return dist.distributed_c10d._get_default_store()
 
 
@@ -133,8 +128,7 @@ def late(missing: list[int], limit: float, phase: str) -> RemapError:
 
 
 def wait_bounded(work, phase: str, collective: int) -> None:
-    """Wait for `work` at most the call's timeout; past ARRIVAL_SECONDS noted in the store (cleared when
-    done), so that after a timeout the ranks not waiting are named (E415). A backend error is raised as is."""
+    """Wait for `work` at most the call's timeout, then name the ranks not waiting (E415)."""
     limit = _timeout.get()
     first = min(ARRIVAL_SECONDS, limit)
     if _waited(work, first):
@@ -159,19 +153,16 @@ def _waited(work, limit: float) -> bool:
 
 
 def _at_least_a_millisecond(limit: float) -> datetime.timedelta:
-    """A wait's bound in whole milliseconds, as torch takes it (0 would mean no bound)."""
     return datetime.timedelta(milliseconds=max(1, round(limit * 1000)))
 
 
 def _waiting(rank: int) -> str:
-    """The store's entry saying at which collective `rank` is waiting long ("" once it is not)."""
+    """The store's entry saying at which collective `rank` waits long ("" once it does not)."""
     return f"remapdsl/waiting/{rank}"
 
 
 def _missing(collective: int) -> list[int]:
-    """The ranks not waiting in any exchange (a broadcast's receivers may wait at the next one while its
-    root still waits), after up to ROLL_CALL_SECONDS. The first rank to ask looks and leaves the answer
-    in the store for the others: store traffic grows with the ranks, not their square."""
+    """The ranks not waiting in any exchange after ROLL_CALL_SECONDS (the first to ask tells the others)."""
     store, world, me = _store(), dist.get_world_size(), dist.get_rank()
     answer = f"remapdsl/missing/{collective}"
     if store.add(answer + "/asked", 1) != 1:
@@ -197,8 +188,7 @@ def _missing(collective: int) -> list[int]:
 
 
 def roll_call(collective: int) -> str:
-    """Which ranks are gone after a collective failed: each survivor notes in the store that it waits,
-    then waits up to ROLL_CALL_SECONDS for the others. A store gone too means rank 0 (its host), likely."""
+    """Which ranks are gone after a collective failed: those not waiting within ROLL_CALL_SECONDS."""
     try:
         _store().set(_waiting(dist.get_rank()), str(collective))
         missing = _missing(collective)

@@ -1,10 +1,5 @@
-"""The ranks' exchanges: share headers, agree on the compiled rules, fail together.
-
-Every rank calls each function in the same order. With runtime/bounds.py, the only caller of
-torch.distributed: control exchanges go over its control group, device tensors over the default group.
-Every buffer of a collective stays referenced until the backend released it (`_settled`): a tensor
-freed on a gloo worker thread during interpreter shutdown aborts the process.
-"""
+"""The ranks' exchanges (every rank calls each function in the same order): share headers, agree on the
+compiled rules, fail together. With bounds.py, the only caller of torch.distributed."""
 
 from __future__ import annotations
 
@@ -42,8 +37,7 @@ def world_size() -> int:
 
 
 def share_inventory(checkpoint, phase: str = "reading the checkpoint's headers") -> Inventory:
-    """Rank 0 reads the headers once; every rank gets the Inventory (or rank 0's error), checked
-    against its own files' modification times (`Inventory.restamped`)."""
+    """Rank 0 reads the headers once; every rank gets the Inventory (or rank 0's error), restamped."""
     if isinstance(checkpoint, Inventory):
         return checkpoint
     inventory = from_first(lambda: open_inventory(checkpoint), phase)  # pickled: rank 0 validated it
@@ -67,9 +61,8 @@ def from_first(fn: Callable[[], T], phase: str = "sharing rank 0's result", sour
 
 
 class Agreement(NamedTuple):
-    """What the ranks must have been given alike, for `together(..., agree_on=...)`: `digests(result)`
-    maps each aspect to a digest; where one differs, the first rank of each version sends
-    `detail(result, aspect)` and `explain(aspect, {rank: detail})` says in sentences what differs."""
+    """What the ranks must have been given alike, for `together(..., agree_on=...)`: `digests(result)` maps
+    each aspect to a digest; where one differs, `explain(aspect, {rank: detail(result, aspect)})` says how."""
 
     what: str
     digests: Callable[[Any], dict[str, str]]
@@ -80,8 +73,7 @@ class Agreement(NamedTuple):
 
 class Joint(NamedTuple):
     """What only the ranks together can check, for `together(..., joint=...)`: each rank's `part(result)`
-    travels with the phase's outcome (no exchange of its own), and `check(parts)`, every rank's in rank
-    order, runs alike on every rank."""
+    travels with the phase's outcome, and `check(parts)` (in rank order) runs alike on every rank."""
 
     part: Callable[[Any], Any]
     check: Callable[[list[Any]], None]
@@ -90,8 +82,7 @@ class Joint(NamedTuple):
 def together(fn: Callable[[], T], agree_on: Agreement | None = None, phase: str = "a phase",
              joint: Joint | None = None) -> T:
     """Run one phase on every rank; if any rank fails, all raise the same error naming the ranks. With
-    `agree_on`, results whose digests differ are E410 on every rank, saying what differs; with `joint`,
-    its check of every rank's part runs on every rank (in a job only: one process checks alone)."""
+    `agree_on`, differing digests are E410 on every rank; with `joint`, its check runs (in a job only)."""
     error: BaseException | None = None
     result = digests = part = None
     try:
@@ -155,8 +146,7 @@ def _report(error: BaseException) -> tuple:
 
 
 def _raise(failed: list[tuple[int, tuple]], world: int) -> None:
-    """The one error every rank raises for `failed` (rank, report): user errors keep diagnostics and
-    class, naming their ranks unless all raised them; anything else is E411, each rank with its error."""
+    """The one error every rank raises for `failed` (rank, report): user errors as they are, else E411."""
     if all(rep[2] is not None for _, rep in failed):  # user errors: the same diagnostics everywhere
         seen: dict[str, tuple[Diagnostic, list[int]]] = {}
         for r, rep in failed:
@@ -186,8 +176,7 @@ def _error_class(name: str) -> type[RemapError]:
 
 
 def broadcast_from_first(tensors: list) -> None:
-    """Rank 0's contents of each tensor on every rank, as uint8 (FP8 passes gloo): a device tensor over
-    the default group, a CPU one over the control group."""
+    """Rank 0's contents of each tensor on every rank, as uint8 (FP8 passes gloo)."""
     if not active():
         return
     for tensor in tensors:
@@ -254,9 +243,8 @@ def _all_gather_bytes(payload: bytes, phase: str) -> list[bytes]:
 
 
 def _settled(start: Callable[[], Any], buffers: list[torch.Tensor], phase: str, bound: bool = True) -> None:
-    """Run one collective to completion; return once the backend holds none of `buffers` (their
-    reference counts back to what they were), so none is ever freed on a backend thread. With
-    `bound`, the wait is the call's timeout (E415); a collective the backend fails is E413."""
+    """Run one collective to completion, returning once the backend holds none of `buffers` (a tensor freed
+    on a gloo thread at shutdown aborts the process). `bound`: the call's timeout (E415); failed: E413."""
     global _COLLECTIVES
     _COLLECTIVES += 1
     before = _references(buffers)
@@ -283,5 +271,4 @@ def _settled(start: Callable[[], Any], buffers: list[torch.Tensor], phase: str, 
 
 
 def _references(buffers: list[torch.Tensor]) -> int:
-    """The references to all of `buffers` together (counted the same way before and after)."""
     return sum(sys.getrefcount(buffer) for buffer in buffers)

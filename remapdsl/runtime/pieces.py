@@ -36,8 +36,7 @@ def outside(item, what: str) -> RemapError:
 
 
 def mapped_values(reader: CheckpointReader, item) -> torch.Tensor | None:
-    """A read item's elements as a strided view of the mapped file (many short runs: one copy, not a
-    read each), or None where its first byte is not aligned to its dtype."""
+    """A read item's elements as a strided view of the mapped file (None: first byte unaligned)."""
     dtype = torch_dtype(item.dtype)
     if item.runs.first % dtype.itemsize:
         return None

@@ -1,9 +1,5 @@
-"""A rank's LoadPlan + its local tensors -> the tensors filled from the checkpoint files.
-
-Each item reads exactly its byte runs: straight into tensor memory where they are its region as it is;
-else copied from the mapped file or read into staging, then placed through a strided view with its
-value steps. A device tensor's bytes go through the pinned staging rings (staging.py).
-"""
+"""A rank's LoadPlan + its local tensors -> the tensors filled from the checkpoint files: each item's
+byte runs straight into tensor memory where they are its region as it is, else placed through a view."""
 
 from __future__ import annotations
 
@@ -27,9 +23,7 @@ from .staging import STAGING, Rings, StagingRing, run_pieces, tensor_pieces
 
 def run_load_plan(plan: LoadPlan, inventory: Inventory, tensors: Mapping[str, torch.Tensor],
                   threads: int = 2, reader: CheckpointReader | None = None, rings: Rings | None = None) -> None:
-    """Execute one rank's plan into its local tensors on `threads` reader threads. `reader`: where the
-    bytes come from (default `inventory`'s files); `rings`: a caller's staging rings, kept over several
-    plans, else made and closed here, so every copy has finished when this returns, failing or not."""
+    """Execute one rank's plan into its local tensors on `threads` threads (`rings`: kept over plans)."""
     own = rings is None
     rings = Rings(STAGING) if own else rings
     with reader or CheckpointReader(inventory) as reader, torch.no_grad():
@@ -44,8 +38,7 @@ def run_load_plan(plan: LoadPlan, inventory: Inventory, tensors: Mapping[str, to
 
 
 def _run_units(units: Iterator, reader: CheckpointReader, threads: int, rings: Rings) -> None:
-    """Run the units in order: large and staged ones on `threads` threads (started at the first), small
-    ones, or all where `threads` <= 1, here. The first error is raised once every thread stopped."""
+    """Run the units: large and staged ones on `threads` threads, small ones here; then the first error."""
     queue: SimpleQueue = SimpleQueue()
     errors: list[BaseException] = []
 
@@ -82,8 +75,7 @@ def _run_units(units: Iterator, reader: CheckpointReader, threads: int, rings: R
 
 
 def _small(unit, rings: Rings) -> bool:
-    """Whether a unit runs on the calling thread: under SMALL_UNIT bytes (an item or a decode: its
-    elements at 4 bytes) and not staged (only items and decodes ever are)."""
+    """Whether a unit runs on the calling thread: unstaged, under SMALL_UNIT bytes (decodes: 4 a value)."""
     if isinstance(unit, _Scatter):
         return sum(n for _, n in unit.places) < SMALL_UNIT
     if isinstance(unit, _Direct):
@@ -112,8 +104,7 @@ def _memory(tensor: torch.Tensor, staged: bool) -> _Memory:
 
 
 def _address(memory: _Memory, item: ReadItem) -> int | None:
-    """Where an item's region starts in its tensor's memory, if its runs fill one contiguous range in
-    order (no value step, the same dtype); else None. The range is checked to lie in the tensor (E417)."""
+    """Where an item's region starts in tensor memory, if its runs fill one range in order; E417 outside."""
     if memory.address is None or item.ckpt_key is None or item.steps or memory.dtype != item.dtype:
         return None
     sizes, offsets, total = item.sizes, item.local_offsets, item.runs.total
@@ -171,8 +162,7 @@ class _Item(NamedTuple):
 
 
 def _work(items, tensors, staged: bool) -> Iterator:
-    """The units of work of the plain items, in file order: direct reads (items continuing each other
-    in the file merged, cut into chunks), and the others as they are (all, with `staged`)."""
+    """The units of work of the plain items in file order: direct reads (merged, cut in chunks), the rest."""
     memories: dict[str, _Memory] = {}
     merged: list | None = None  # [file, first byte, bytes, places] of the open single-range read
     for item in items:
@@ -207,8 +197,7 @@ def _work(items, tensors, staged: bool) -> Iterator:
 
 
 def _cut(merged: list, whole: bool = True) -> Iterator:
-    """One file range read as chunks of at most CHUNK bytes and IOV_MAX places each. `whole=False`:
-    only the full chunks, the rest left in `merged` for the items that continue it."""
+    """One file range as reads of at most CHUNK bytes and IOV_MAX places (`whole=False`: full ones only)."""
     file, first, _, places = merged
     chunk: list[tuple[int, int]] = []
     size = 0
@@ -234,8 +223,7 @@ class _Decode(NamedTuple):
 
 
 def _run_decode(unit: _Decode, reader: CheckpointReader, rings: Rings) -> None:
-    """Decode the parts' covering boxes, straight into the tensor when the piece is the box in its own
-    order; else into a scratch box (staged to the device for a device tensor), then placed."""
+    """Decode the parts' covering boxes, straight into the tensor where the piece is the box in its order."""
     from ..quant import get_format
 
     item, view = unit
@@ -258,7 +246,6 @@ def _run_decode(unit: _Decode, reader: CheckpointReader, rings: Rings) -> None:
 
 
 def _run_batch(batch, reader: CheckpointReader, rings: Rings) -> None:
-    """Run one unit of work."""
     if isinstance(batch, _Decode):
         return _run_decode(batch, reader, rings)
     if isinstance(batch, _Scatter):  # straight into the runtime tensor's memory, one call
@@ -284,8 +271,7 @@ def _run_batch(batch, reader: CheckpointReader, rings: Rings) -> None:
 
 
 def _run_staged(item: ReadItem, view: torch.Tensor, reader: CheckpointReader, ring: StagingRing) -> None:
-    """An item's bytes through the ring: straight into its region when contiguous in source order with
-    no value step; else into a scratch tensor on the region's device, then stepped and placed there."""
+    """An item's bytes through the ring: straight into its region where contiguous and unstepped."""
     dtype = torch_dtype(item.dtype)
     whole = (not item.steps and view.dtype == dtype and view.is_contiguous()
              and is_row_major(item.strides, item.sizes))

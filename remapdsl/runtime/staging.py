@@ -1,8 +1,5 @@
-"""Bounded host staging for bytes bound for a device: a ring of reused pinned buffers, never one a read.
-
-Each buffer is reused once its asynchronous copy finished (a CUDA event says when), so a rank pins at
-most the bound whatever it loads; each reader thread has its own ring, waiting only for its own copies.
-"""
+"""Bounded host staging for bytes bound for a device: per reader thread a ring of pinned buffers, each
+reused once its asynchronous copy finished, so a rank pins at most the bound whatever it loads."""
 
 from __future__ import annotations
 
@@ -17,9 +14,7 @@ from ..errors import Diagnostic, RemapError
 
 
 class Staging(NamedTuple):
-    """`buffers` buffers of `buffer_bytes` per reader thread, pinned when CUDA is there (`everything`: CPU
-    destinations too, for tests). 2 MiB stays in the CPU's cache yet keeps the copy engine busy
-    (bench/staging_bench.py); four a thread let reads run ahead of the copies."""
+    """`buffers` buffers of `buffer_bytes` per reader thread, pinned where CUDA is (`everything`: CPU too)."""
 
     buffer_bytes: int = 2 << 20
     buffers: int = 4
@@ -35,8 +30,8 @@ STAGING = Staging()  # a call's default bound: 16 MiB, four 2 MiB buffers for ea
 
 
 def staging_within(staging_bytes: int | None, threads: int = 2) -> Staging:
-    """The staging of a call's `staging_bytes=` (None: STAGING) on `threads` threads: as many 2 MiB
-    buffers as fit a thread's share, else two of half of it. E416 under two 1 kB buffers a thread."""
+    """The staging of a call's `staging_bytes=` (None: STAGING) on `threads` threads: 2 MiB buffers filling
+    a thread's share, else two of half of it. E416 under two 1 kB buffers a thread."""
     if staging_bytes is None:
         return STAGING
     threads = max(1, threads)
@@ -52,13 +47,13 @@ def staging_within(staging_bytes: int | None, threads: int = 2) -> Staging:
         return STAGING._replace(buffers=share // STAGING.buffer_bytes)
     return STAGING._replace(buffer_bytes=share // 2, buffers=2)
 
+
 # (bytes, fill): a piece of a destination in order; `fill(buffer)` writes its bytes into `buffer`
 Piece = tuple[int, Callable[[torch.Tensor], object]]
 
 
 class StagingRing:
-    """At most `buffers` host buffers; `upload` fills them in turn and copies each to its place (to a CUDA
-    device asynchronously); `close` waits for every copy, so none outlives its call."""
+    """At most `buffers` host buffers, each filled, then copied (to a CUDA device asynchronously)."""
 
     def __init__(self, staging: Staging = STAGING, event: Callable[[torch.device], object] | None = None):
         if staging.buffer_bytes < 1 or staging.buffers < 1:
@@ -75,8 +70,7 @@ class StagingRing:
         return len(self._busy)
 
     def upload(self, destination: torch.Tensor, pieces: Iterable[Piece]) -> None:
-        """Fill `destination` (flat uint8, any device) from `pieces` in order, each piece (at most
-        `buffer_bytes`) through one buffer; every byte of the destination is written once."""
+        """Fill `destination` (flat uint8, any device) from `pieces` in order, each through one buffer."""
         at = 0
         for nbytes, fill in pieces:
             if nbytes > self.staging.buffer_bytes:
@@ -95,8 +89,7 @@ class StagingRing:
             raise ValueError(f"the pieces hold {at} bytes, the destination {destination.numel()}")
 
     def _take(self) -> torch.Tensor:
-        """A free buffer: the one whose copy finished last (likely still in cache), a new one while
-        fewer than `buffers` exist, else the oldest in flight once its copy finished."""
+        """A free buffer, a new one while fewer than `buffers` exist, else the oldest once its copy ends."""
         for _ in range(len(self._busy)):  # those finished, in order: the newest ends on top
             buffer, event = self._busy.popleft()
             if event is None or event.query():
@@ -126,8 +119,7 @@ class StagingRing:
 
 
 class Rings:
-    """The staging rings of a call: a thread takes one (idle, or new) at its first staged item and hands it
-    back when it stops (`release`), so there are never more rings than threads at once."""
+    """The staging rings of a call: a thread takes one at its first staged item, hands it back (`release`)."""
 
     def __init__(self, staging: Staging = STAGING):
         self.staging = staging
@@ -141,18 +133,14 @@ class Rings:
         return tensor.device.type != "cpu" or self.staging.everything
 
     def ring(self) -> StagingRing:
-        """This thread's ring."""
         thread = threading.get_ident()
         with self._lock:
-            ring = self._held.get(thread)
-            if ring is None:
-                if self._idle:
-                    ring = self._idle.pop()
-                else:
-                    ring = StagingRing(self.staging)
-                    self._made.append(ring)
-                self._held[thread] = ring
-        return ring
+            if thread not in self._held:
+                if not self._idle:
+                    self._made.append(StagingRing(self.staging))
+                    self._idle.append(self._made[-1])
+                self._held[thread] = self._idle.pop()
+            return self._held[thread]
 
     def release(self) -> None:
         """This thread stops staging: its ring (copies still in flight included) goes idle."""
@@ -163,7 +151,6 @@ class Rings:
 
     @property
     def allocated(self) -> int:
-        """Bytes of staging buffers made, over all rings."""
         return sum(r.allocated for r in self._made)
 
     @property
@@ -194,8 +181,7 @@ def _event_after_copy(device: torch.device):
 
 
 def run_pieces(file: str, runs, reader, most: int) -> Iterable[Piece]:
-    """The bytes of a strided run set of `file`, in order, as pieces of at most `most` bytes: chunks
-    of whole runs where one fits, else each run cut."""
+    """The bytes of a strided run set of `file`, in order, as pieces of at most `most` bytes."""
     if runs.length <= most:
         for chunk in runs.chunks(max(1, most // max(1, runs.length))):
             yield chunk.total, lambda buffer, chunk=chunk: reader.read_runs_into(file, chunk, buffer)

@@ -17,8 +17,7 @@ from .pieces import apply_steps, read_part, region, torch_dtype
 
 def run_write_plan(plan: WritePlan, writer, tensors: Mapping[str, torch.Tensor], threads: int = 2,
                    reader: CheckpointReader | None = None) -> None:
-    """Write one rank's pieces on `threads` threads, each gathered into source order (or straight from
-    memory), its value steps undone; a dequantized one encoded with the scales `reader` reads."""
+    """Write one rank's pieces on `threads` threads, value steps undone (dequantized ones encoded again)."""
     with torch.no_grad():
         work = [(item, region(tensors[item.runtime_key], item)) for item in (*plan.items, *plan.encodes)]
 

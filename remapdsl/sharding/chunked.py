@@ -1,9 +1,5 @@
-"""A piece of a block over a chunked checkpoint tensor (DCP-sharded) -> one piece per chunk it touches.
-
-A piece crossing chunk edges is cut along the runtime dim moving the crossing source dim, at the
-crossing index, and each part re-based into its chunk (found by bisection in the grid of chunk edges):
-the cuts grow with the chunks a piece touches, never with its rows.
-"""
+"""A piece of a block over a chunked checkpoint tensor (DCP-sharded) -> one piece per chunk it touches, cut
+where the source crosses chunk edges: the cuts grow with the chunks a piece touches, never with its rows."""
 
 from __future__ import annotations
 
@@ -16,9 +12,8 @@ from ..indexmap import Block, cut
 
 
 def split_by_chunks(piece: Block, chunks: tuple[Chunk, ...]) -> list[tuple[Block, Chunk]]:
-    """The parts of `piece` (a block reading a chunked tensor; `chunks` sorted by offsets) each
-    inside one chunk, with their base re-based into it, in the piece's own order. An inventory's
-    `ChunkTable` keeps its grid across calls; a plain tuple has one made for this call."""
+    """The parts of `piece` (over `chunks`, sorted by offsets) each inside one chunk and re-based into it,
+    in the piece's order. An inventory's `ChunkTable` keeps its grid; a plain tuple gets one per call."""
     grid = (chunks if isinstance(chunks, ChunkTable) else ChunkTable(chunks)).grid
     out: list[tuple[Block, Chunk]] = []
     stack = [piece]

@@ -1,8 +1,5 @@
-"""A state dict and its placements -> what this rank holds of each runtime tensor, and what it writes.
-
-A DTensor says it itself; a plain tensor is whole, or the shard a layout plan gives this rank on a
-mesh. Every tensor is checked against the compiled shape and dtype before any byte moves.
-"""
+"""A state dict and its placements (a DTensor's own, else whole or a layout plan's shard) -> what this rank
+holds of each runtime tensor, and what it writes; each checked against the compiled shape and dtype."""
 
 from __future__ import annotations
 
@@ -60,8 +57,7 @@ class Holding(NamedTuple):
 
 
 class Holders(NamedTuple):
-    """Which rank holds which runtime tensors, in a job where some rank holds only some of them (pipeline
-    stages): per rank an integer whose bit i says it holds `compiled.runtime_tensors[i]`."""
+    """Which rank holds which runtime tensors (pipeline stages): per rank a bit per runtime tensor."""
 
     bits: list[int]
     index: dict[str, int]  # runtime key -> its bit
@@ -77,9 +73,8 @@ class Holders(NamedTuple):
 
 def hold(compiled: Compiled, tensors: Mapping[str, Any], layout: LayoutPlan | None = None,
          mesh: Mesh | None = None, rank: int = 0, whole: bool = True) -> Holding:
-    """Resolve the placement on this rank of every runtime tensor the state dict holds; all problems
-    reported at once. `whole`: it must hold all of them (one process); in a job a rank holds any part,
-    and the ranks check together that every one is held somewhere (drivers/prepare.py, HeldTogether)."""
+    """Resolve the placement on this rank of every runtime tensor the state dict holds; all problems at
+    once. `whole`: it must hold all of them (one process; in a job the ranks check that together)."""
     # no DTensor exists unless its module was imported: do not pay that import (~0.5 s) otherwise
     dtensor_type = getattr(sys.modules.get("torch.distributed.tensor"), "DTensor", None)
     tensor_type = sys.modules["torch"].Tensor if dtensor_type is not None else None
@@ -127,8 +122,7 @@ def hold(compiled: Compiled, tensors: Mapping[str, Any], layout: LayoutPlan | No
 
 
 def check_fillable(compiled: Compiled, local: Mapping[str, Any]) -> None:
-    """E234 for a tensor a load would fill whose elements share memory (a dim of several elements at
-    stride 0: `expand`ed, broadcast): no fill in place can give them different values."""
+    """E234 for a tensor a load would fill whose elements share memory (a dim of several at stride 0)."""
     problems = unfillable(compiled, local)
     if problems:
         raise BindError(problems)
@@ -149,12 +143,9 @@ def unfillable(compiled: Compiled, local: Mapping[str, Any]) -> list[Diagnostic]
 
 
 def owned(holding: Holding, rank: int, spread_over: int = 0, holders: Holders | None = None) -> dict[str, LocalShard]:
-    """What this rank writes of each runtime tensor on save: what it holds, unless a lower replica holds
-    it too (ranks whose coordinates differ only on replicated mesh dims hold identical boxes, others
-    disjoint ones, but for the replicated units of packed parts: the first coordinate holding one writes
-    it); whole tensors by the lowest rank. `spread_over` (an export: the job's rank count)
-    picks the replica by the key's hash instead, spreading replicated tensors over the ranks. `holders`:
-    where ranks hold only some tensors, a replica or rank that does not hold a tensor is passed over."""
+    """What this rank writes of each runtime tensor on save: what it holds unless a lower replica holds it
+    too (packed parts: the first coordinate holding a unit). `spread_over` (an export: the job's rank count)
+    picks the replica by the key's hash instead; `holders` passes over ranks not holding a tensor."""
     out: dict[str, LocalShard] = {}
     lowest: dict = {}
     for key, p in holding.placed.items():
@@ -185,10 +176,8 @@ def _replicas(p: Placed) -> list[int]:
 
 def check_state_dict(compiled: Compiled, tensors: Mapping[str, Any], local_shards: bool = False,
                      whole: bool = True) -> None:
-    """Every runtime tensor is in the state dict (unless not `whole`) with the compiled shape and dtype,
-    and every state-dict tensor is made by a rule or named by `keep`; all problems at once.
-    `local_shards`: the tensors are this rank's shards under a layout plan, whose shapes `hold` checks
-    against the plan instead."""
+    """Every runtime tensor is in the state dict (unless not `whole`) with the compiled shape and dtype, and
+    every state-dict tensor is made by a rule or kept. `local_shards`: shapes checked by `hold` instead."""
     problems = []
     keep = [re.compile(p) for p in compiled.keep]
     produced = {d.runtime_key for d in compiled.runtime_tensors}

@@ -1,7 +1,5 @@
-"""An explicit, Hugging Face tp_plan-style layout plan: globs over runtime keys -> placements per mesh dim.
-
-For plain (non-DTensor) tensors: `layout_for` gives a runtime tensor's placements under a plan,
-`read_layout` reads a plan from JSON, `parse_mesh` a mesh from `dp=2,tp=4`."""
+"""An explicit, Hugging Face tp_plan-style layout plan for plain (non-DTensor) tensors: globs over runtime
+keys -> placements per mesh dim; read from JSON (`read_layout`), a mesh from `dp=2,tp=4` (`parse_mesh`)."""
 
 from __future__ import annotations
 
@@ -29,8 +27,7 @@ STYLES: tuple[str, ...] = Style.__args__  # type: ignore[attr-defined]
 
 
 class PlanRule(_Frozen):
-    """One entry of a layout plan: a glob over runtime keys and one of a style or a single placement (on
-    `mesh_dim`, or the plan's, replicated on every other mesh dim) or an explicit placement per mesh dim."""
+    """One entry of a layout plan: a glob over runtime keys and a style, a placement or placements."""
 
     pattern: str
     style: Style | None = None
@@ -57,8 +54,7 @@ class PlanRule(_Frozen):
 
 
 class LayoutPlan(_Frozen):
-    """Runtime-key globs -> layout, in the style of a transformers tp_plan. The first matching rule wins;
-    a key no rule matches is replicated. Styles shard over `mesh_dim` and replicate on every other dim."""
+    """Runtime-key globs -> layout, as a transformers tp_plan: the first match wins, no match replicates."""
 
     rules: tuple[PlanRule, ...]
     mesh_dim: str = "tp"
@@ -102,8 +98,7 @@ class LayoutPlan(_Frozen):
         return self if rules == self.rules else self.model_copy(update={"rules": rules})
 
     def match(self, runtime_key: str) -> PlanRule | None:
-        """The first rule whose glob matches the key or the key's parent module (the key without its
-        last `.segment`), or None."""
+        """The first rule whose glob matches the key or its parent module (the key less its last segment)."""
         names = (runtime_key, runtime_key.rpartition(".")[0]) if "." in runtime_key else (runtime_key,)
         return next((r for r in self.rules if any(fnmatch.fnmatchcase(n, r.pattern) for n in names)), None)
 
@@ -143,14 +138,8 @@ def _style_placement(style: str, shape: Sequence[int], runtime_key: str) -> Shar
 
 
 def layout_for(runtime_key: str, shape: Sequence[int], plan: LayoutPlan, mesh: Mesh) -> tuple[Placement, ...]:
-    """The placements (one per mesh dim) `plan` gives the runtime tensor `runtime_key` of `shape`.
-
-    Args:
-        runtime_key: the tensor's runtime name; matched against the plan's globs.
-        shape: its global shape (styles pick dims by rank, as transformers does).
-        plan: the layout plan; the first matching rule wins, no match replicates.
-        mesh: the device mesh the tensor lives on.
-    """
+    """The placements (one per mesh dim of `mesh`) `plan` gives the runtime tensor `runtime_key` of global
+    `shape`: the first matching rule's (styles pick dims by rank, as transformers does), else replicated."""
     rule = plan.match(runtime_key)
     if rule is None:
         return (REPLICATE,) * len(mesh.sizes)
@@ -186,8 +175,7 @@ def parse_mesh(text: str) -> Mesh:
 
 
 def read_layout(path: str | os.PathLike) -> LayoutPlan:
-    """A layout plan from JSON: {"mesh_dim": "tp", "plan": {glob: style, placement or [placements]}}; a bare
-    name that is no file names a shipped plan (`vllm_tp`: layouts/vllm_tp.json beside the shipped rule files)."""
+    """A layout plan from JSON (docs/layout.md), or the shipped plan a bare name names (`vllm_tp`)."""
     kinds = {kind.model_fields["kind"].default: kind for kind in PLACEMENTS}
     if not Path(path).is_file():
         path = shipped_layout_path(os.fspath(path)) or path
@@ -236,8 +224,7 @@ def global_shapes(shapes: list[Mapping[str, tuple]], plan: LayoutPlan | None = N
 
 
 def _packed_length(local: int, placements, along: list[int], mesh: Mesh, at: tuple[int, ...], key: str) -> int:
-    """The global length of a dim a `PackedShard` alone cuts, from one rank's local length: the units it
-    holds of each part, to the units of all."""
+    """The global length of a dim a `PackedShard` alone cuts, from one rank's local length."""
     if len(along) > 1:
         raise _fail("E406", f"{', '.join(map(str, (placements[m] for m in along)))} cut one dim: a save without "
                     "`like` cannot derive its global length", "give `like`, or cut a packed dim on one mesh dim",

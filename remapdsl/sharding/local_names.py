@@ -1,13 +1,6 @@
 """A rank's local tensor names -> the global runtime names the rules make (`local=` of load, save, export,
-ingest): Megatron-Core numbers a pipeline stage's layers and an expert-parallel rank's experts from zero.
-
-`local` maps a template of local names to the offset its number gets: `{"decoder.layers.{}": 8}` makes
-`decoder.layers.3.mlp...` `decoder.layers.11.mlp...`. In a template, `{}` is the number (digits, a whole
-name segment or the end of one: `linear_fc1.weight{}`) and `*` any one segment, kept. A value may also be
-(global template, offset), to rename as well: `{"chunk1.decoder.layers.{}": ("decoder.layers.{}", 16)}`
-for a virtual pipeline chunk given under a prefix. Each template applies once per name, in order, to the
-name as the templates before it left it. Data only: the same code on every rank, each rank its own offsets.
-"""
+ingest; docs/distributed.md): `{"decoder.layers.{}": 8}` makes `decoder.layers.3.x` `decoder.layers.11.x`;
+a value (global template, offset) renames as well. Each template applies once per name, in order."""
 
 from __future__ import annotations
 
@@ -19,8 +12,7 @@ from ..errors import Diagnostic, RemapError
 
 
 def global_names(tensors: Mapping[str, Any], local: Mapping[str, Any] | None) -> Mapping[str, Any]:
-    """`tensors` under their global names (the same tensor objects); E419 for a malformed `local` or two
-    local names that become one global name."""
+    """`tensors` under their global names; E419 for a malformed `local` or two names becoming one."""
     if not local:
         return tensors
     renames = [_template(pattern, value) for pattern, value in _items(local)]
