@@ -1,6 +1,5 @@
-"""Properties of a rule file on a real checkpoint, as assertions run in this process: save(load(x)) is
-x byte for byte, and a load equals a reference loader's state dict (the sharded ones: testing/ranks.py).
-"""
+"""Properties of a rule file on a real checkpoint, asserted in this process: save(load(x)) is x byte for
+byte, and a load equals a reference loader's state dict (the sharded ones: testing/ranks.py)."""
 
 from __future__ import annotations
 
@@ -26,15 +25,8 @@ def load_whole(rules, checkpoint, *, config: Mapping[str, Any] | None = None) ->
 
 
 def assert_round_trip(rules, checkpoint, *, config: Mapping[str, Any] | None = None, **save_options) -> None:
-    """Assert that saving the load of a checkpoint gives it back: the same files, byte for byte, and
-    the same index (else an AssertionError naming the files, tensors or index entries that differ).
-
-    Args:
-        rules: a .remap path or RuleSet.
-        checkpoint: a checkpoint folder (a snapshot has no data: write one with `write_checkpoint`).
-        config: the model config; by default the checkpoint's config.json.
-        save_options: passed to `remapdsl.save` (`allow_lossy`, ...).
-    """
+    """Assert that saving the load of a checkpoint folder gives it back: the same files, byte for byte, and the
+    same index (else an AssertionError naming what differs); `save_options` go to `remapdsl.save`."""
     require_data(checkpoint, "a round trip")
     inventory = remapdsl.open_checkpoint(checkpoint)
     state = load_whole(rules, checkpoint, config=config)
@@ -83,16 +75,10 @@ def transformers_state_dict(checkpoint, *, dtype: Any = "auto") -> dict:
 
 def assert_matches_reference(rules, checkpoint, reference: Callable[[Any], Mapping] | str, *,
                              config: Mapping[str, Any] | None = None) -> None:
-    """Assert that the rules load a checkpoint into exactly what a reference loader makes of it: the
-    catch for a rule that is wrong but consistent (gate and up swapped round-trips fine). The
-    AssertionError names the keys one side lacks, then the tensors whose shape, dtype or values differ.
-
-    Args:
-        rules, checkpoint, config: as for `assert_round_trip`.
-        reference: `"transformers"` (`AutoModelForCausalLM.from_pretrained` on the folder; the load
-            fills that model's own state dict) or a callable taking the checkpoint and returning
-            the state dict (or module) it must equal.
-    """
+    """Assert that the rules load a checkpoint into exactly what a reference loader makes of it, the catch for
+    a rule that is wrong but consistent (gate and up swapped round-trips fine). `reference`: `"transformers"`
+    (`from_pretrained` on the folder) or a callable taking the checkpoint and returning the state dict (or
+    module) it must equal."""
     require_data(checkpoint, "a comparison with a reference")
     if reference == "transformers":
         expected = transformers_state_dict(checkpoint)

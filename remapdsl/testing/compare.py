@@ -77,13 +77,8 @@ def state_dict_differences(actual, expected, names: tuple[str, str] = ("actual",
 
 
 def assert_state_dicts_equal(actual, expected, *, names: tuple[str, str] = ("actual", "expected")) -> None:
-    """Assert two state dicts (runtime key -> tensor, or modules) hold the same keys and exactly the
-    same tensors: dtype, shape and every bit (else an AssertionError: `state_dict_differences`).
-
-    Args:
-        actual, expected: the state dicts (or `torch.nn.Module`s; DTensors are compared whole).
-        names: what the two are called in the message (`("remapdsl", "transformers")`).
-    """
+    """Assert two state dicts (or modules; DTensors compared whole) hold the same keys and exactly the same
+    tensors, every bit (else an AssertionError: `state_dict_differences`); `names` name the two in it."""
     found = state_dict_differences(actual, expected, names)
     if found:
         raise AssertionError(f"state dicts differ ({names[0]} vs {names[1]}):\n  " + "\n  ".join(found))

@@ -1,9 +1,5 @@
-"""Real multi-rank runs on the CPU: a function on N spawned gloo processes, and the sharded properties.
-
-Processes are spawned (forking torch's threads is not safe) and meet through a file rendezvous (no TCP
-port to race for); the function must be importable by module and name. Each rank's result or failure
-comes back through a file.
-"""
+"""Real multi-rank runs on the CPU: a function on N gloo processes, spawned (forking torch's threads is not
+safe) and meeting through a file rendezvous (no TCP port to race for); and the sharded properties."""
 
 from __future__ import annotations
 
@@ -111,18 +107,10 @@ def shard_everything(compiled, mesh: Mesh) -> LayoutPlan:
 def assert_sharded_equals_whole(rules, checkpoint, layout: LayoutPlan | Mapping | str | None = None,
                                 mesh: Mesh | Mapping[str, int] | str = "tp=2", *,
                                 config: Mapping[str, Any] | None = None, timeout: float = 120.0) -> list[dict]:
-    """Assert, on real gloo processes (one per rank of `mesh`), that every rank's sharded load equals
-    the whole load sliced, and (without `dequantize`) that each rank reads exactly the bytes it owns;
-    returns per rank `{"bytes_read": ..., "bytes_owned": ...}`. The AssertionError names, per failing
-    rank, the tensors whose shard differs (box, first differing index, both values) or the bytes read.
-
-    Args:
-        rules, checkpoint, config: as for `assert_round_trip`.
-        layout: a `LayoutPlan`, a mapping of glob to style or placements (tp_plan style, on the
-            mesh's first dim), a layout JSON file, or None: every tensor cut on every mesh dim.
-        mesh: the device mesh: a `Mesh`, `{"tp": 2}` or `"dp=2,tp=2"`.
-        timeout: seconds the ranks may take.
-    """
+    """Assert, on one gloo process per rank of `mesh`, that every rank's sharded load equals the whole load
+    sliced and (without `dequantize`) reads exactly the bytes it owns; returns per rank `{"bytes_read": ...,
+    "bytes_owned": ...}`. `layout`: a `LayoutPlan`, a tp_plan-style mapping, a layout file, or None (every
+    tensor cut on every mesh dim); `mesh`: a `Mesh`, `{"tp": 2}` or `"dp=2,tp=2"`; `timeout`: seconds."""
     mesh, layout = _prepared(rules, checkpoint, layout, mesh, config, "a sharded load")
     return sharded_load_and_save(rules, checkpoint, layout, mesh, None, config=config, timeout=timeout)
 

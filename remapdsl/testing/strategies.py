@@ -35,16 +35,10 @@ def _strategy(value) -> st.SearchStrategy:
 
 def checkpoints(source, *, root: str | os.PathLike | None = None, layers=None, experts=None,
                 seeds: st.SearchStrategy[int] = st.integers(0, 2**31 - 1)) -> st.SearchStrategy[Path]:
-    """Checkpoint folders in the layout of `source` (a snapshot, checkpoint folder or Inventory) with
-    random finite values; or, for a transformers config dict with `model_type`, a tiny model of it
-    (`write_pretrained`). Each example is a new folder under `root` (default: a temporary folder).
-
-    Args:
-        layers, experts: keep the first N layers / experts (an int, or a strategy of ints, e.g.
-            `st.integers(1, 2)`), config adjusted (`remapdsl.testing.scale_down`); None keeps all.
-            A config says its own sizes: give neither with one.
-        seeds: the values' seeds.
-    """
+    """Checkpoint folders in the layout of `source` (a snapshot, checkpoint folder or Inventory) with random
+    values from `seeds`, or, for a transformers config dict, a tiny model of it (`write_pretrained`); each a new
+    folder under `root` (default: a temporary one). `layers`, `experts`: keep the first N (an int or a
+    strategy; `scale_down`), not with a config, which says its own."""
     pretrained = isinstance(source, Mapping)
     if pretrained and (layers is not None or experts is not None):
         raise ValueError("a config says its own numbers of layers and experts: set them in it")
@@ -96,8 +90,7 @@ def placements(shape: Sequence[int], mesh: Mesh) -> st.SearchStrategy[tuple]:
     one = [st.just(Replicate())]
     if ndim:
         dims = st.integers(0, ndim - 1)
-        one.append(st.builds(Shard, dim=dims))
-        one.append(st.builds(StridedShard, dim=dims, split_factor=st.integers(1, 4)))
+        one += [st.builds(Shard, dim=dims), st.builds(StridedShard, dim=dims, split_factor=st.integers(1, 4))]
     chosen = st.tuples(*[st.one_of(one) for _ in mesh.sizes])
     return chosen.filter(lambda c: _valid(shape, mesh, c))
 
@@ -132,9 +125,10 @@ class Chain:
         self.ops.append(text)
 
 
-def _dim(draw, ndim: int) -> int:
-    d = draw(st.integers(0, ndim - 1))
-    return d - ndim if draw(st.booleans()) and draw(st.booleans()) else d  # sometimes negative
+def _dim(draw, ndim: int, d: int | None = None) -> int:
+    """Dim `d` (default: drawn) of `ndim`, sometimes written negative."""
+    d = draw(st.integers(0, ndim - 1)) if d is None else d
+    return d - ndim if draw(st.booleans()) and draw(st.booleans()) else d
 
 
 def _divisors(n: int) -> list[int]:
@@ -172,11 +166,11 @@ def _combine(draw, chain: Chain) -> str | None:
         d = draw(st.integers(0, ndim))
         return f"stack(dim={d})"
     d = draw(st.sampled_from(along))
-    text_d = d - ndim if draw(st.booleans()) and draw(st.booleans()) else d
+    dim = _dim(draw, ndim, d)
     if kind == "concat":
-        return f"concat(dim={text_d})"
+        return f"concat(dim={dim})"
     groups = draw(st.sampled_from(_divisors(math.gcd(*(s[d] for s in shapes)))))
-    return f"interleave(dim={text_d}, groups={groups})"
+    return f"interleave(dim={dim}, groups={groups})"
 
 
 def _cut(draw, shape: tuple[int, ...]) -> tuple[str, int] | None:
@@ -332,11 +326,7 @@ def memory_layouts(draw, shape: Sequence[int], dtype: torch.dtype = torch.float3
 def laid_out(values: torch.Tensor) -> st.SearchStrategy[torch.Tensor]:
     """`values` copied into a tensor of a drawn memory layout (`memory_layouts`, nothing expanded): the
     same shape, dtype and values, other strides."""
-    def copy(held: Held) -> torch.Tensor:
-        held.tensor.copy_(values)
-        return held.tensor
-
-    return memory_layouts(tuple(values.shape), values.dtype, fill=0).map(copy)
+    return memory_layouts(tuple(values.shape), values.dtype, fill=0).map(lambda held: held.tensor.copy_(values))
 
 
 # ---- affine index maps ---------------------------------------------------------------------------
@@ -434,11 +424,8 @@ def chunk_tilings(draw, shape: Sequence[int], max_chunks: int = 16, kinds: Seque
                  for at in product(*[range(len(e) - 1) for e in edges])]
     elif kind == "staircase":
         rows = _cuts(draw, shape[0], max(1, max_chunks // 2))
-        boxes = []
-        for a, b in pairwise(rows):
-            cols = _cuts(draw, shape[1], max(1, max_chunks // (len(rows) - 1)))
-            for c, d in pairwise(cols):
-                boxes.append(((a, c) + (0,) * (ndim - 2), (b - a, d - c) + shape[2:]))
+        boxes = [((a, c) + (0,) * (ndim - 2), (b - a, d - c) + shape[2:]) for a, b in pairwise(rows)
+                 for c, d in pairwise(_cuts(draw, shape[1], max(1, max_chunks // (len(rows) - 1))))]
     else:
         boxes = [((0,) * ndim, shape)]
         for _ in range(draw(st.integers(0, max_chunks - 1))):
@@ -454,8 +441,8 @@ def chunk_tilings(draw, shape: Sequence[int], max_chunks: int = 16, kinds: Seque
                                sizes[:d] + (sizes[d] - at,) + sizes[d + 1:])]
     removed: list[Box] = []
     if gaps and len(boxes) > 1:
-        for _ in range(draw(st.integers(1, min(2, len(boxes) - 1)))):
-            removed.append(boxes.pop(draw(st.integers(0, len(boxes) - 1))))
+        removed = [boxes.pop(draw(st.integers(0, len(boxes) - 1)))
+                   for _ in range(draw(st.integers(1, min(2, len(boxes) - 1))))]
     if empty and ndim and draw(st.booleans()):
         d = draw(st.integers(0, ndim - 1))
         at = draw(st.integers(0, shape[d]))
