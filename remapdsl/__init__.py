@@ -37,8 +37,8 @@ __version__ = "0.1.0"
 
 
 def load_rules(path: str | os.PathLike, root: str | os.PathLike | None = None) -> RuleSet:
-    """Read, parse and statically check a rule file (a path, or a shipped name) and everything it includes, its
-    format calls against the formats registered now; `root`: the folder includes may not leave."""
+    """Read, parse and statically check a rule file (a path, or a shipped name) and everything it includes,
+    its format calls against the formats registered now; `root`: the folder includes may not leave."""
     rules = _load_rules(path, root)
     _check_formats(rules)
     return rules
@@ -67,8 +67,8 @@ def open_checkpoint(checkpoint: str | os.PathLike | Inventory) -> Inventory:
 
 
 def write_snapshot(checkpoint: str | os.PathLike | Inventory, path: str | os.PathLike) -> str:
-    """Write a checkpoint's headers, index and config.json, without its data, to `path` (`*.headers.json`): a
-    small deterministic JSON file that stands in for the folder where only headers are read; returns its text."""
+    """Write a checkpoint's headers, index and config.json, no data, to `path` (`*.headers.json`), a small
+    deterministic JSON file that stands in for the folder where only headers are read; returns its text."""
     return _write_snapshot(checkpoint, path)
 
 
@@ -182,8 +182,8 @@ def export(state_dict, rules, *, like=None, config: Mapping[str, Any] | None = N
 
 def ingest(state_dict, pairs, rules, *, like=None, config: Mapping[str, Any] | None = None, layout=None,
            mesh=None, timeout=None, staging_bytes: int | None = None, local: Mapping[str, Any] | None = None):
-    """Fill a runtime state dict in place from (checkpoint key, tensor) pairs, through the rules: the mirror of
-    `export`, a load from memory. Every rank is given the same pairs (a dict or an iterable, read once) and
+    """Fill a runtime state dict in place from (checkpoint key, tensor) pairs, through the rules: the mirror
+    of `export`, a load from memory. Every rank is given the same pairs (a dict or an iterable, read once) and
     takes its own part; returns an IngestReport (docs/export.md#ingest; shared arguments: docs/api.md).
     `like`: the checkpoint whose layout the pairs are in; None: derived, as a save without `like` does."""
     from .drivers.ingest import ingest as _ingest

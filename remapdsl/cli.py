@@ -52,7 +52,8 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=f"remapdsl {remapdsl.__version__}")
     commands = parser.add_subparsers(title="commands", metavar="COMMAND")
 
-    def command(name: str, run, summary: str, description: str, rules: bool = False) -> argparse.ArgumentParser:
+    def command(name: str, run, summary: str, description: str,
+                rules: bool = False) -> argparse.ArgumentParser:
         """A subcommand that calls `run(args)`; with `rules`, it takes RULES and --checkpoint."""
         sub = commands.add_parser(name, help=summary, description=description)
         sub.set_defaults(run=run)
@@ -79,9 +80,9 @@ def _parser() -> argparse.ArgumentParser:
 
     explain = command(
         "explain", _explain, "show how a checkpoint's tensors fill each runtime tensor",
-        "Compile rules against a checkpoint (headers only, no tensor data) and print, for each runtime tensor, "
-        "its shape and dtype and which regions of which checkpoint tensors fill it, through which rule.",
-        rules=True)
+        "Compile rules against a checkpoint (headers only, no tensor data) and print, for each runtime "
+        "tensor, its shape and dtype and which regions of which checkpoint tensors fill it, through which "
+        "rule.", rules=True)
     explain.add_argument("--key", metavar="PATTERN",
                          help="only runtime tensors (or their checkpoint keys) matching this glob")
     explain.add_argument("--blocks", type=int, default=8, metavar="N", help="blocks shown per tensor (default 8)")
@@ -91,9 +92,9 @@ def _parser() -> argparse.ArgumentParser:
 
     plan = command(
         "plan", _plan, "show what each rank of a sharded load reads, without reading tensor data",
-        "Compile rules against a checkpoint and plan a sharded load on a device mesh: per rank, the tensors it "
-        "holds, its boxes, the bytes it reads and the files it touches, and totals across ranks. Reads headers "
-        "only.", rules=True)
+        "Compile rules against a checkpoint and plan a sharded load on a device mesh: per rank, the tensors "
+        "it holds, its boxes, the bytes it reads and the files it touches, and totals across ranks. Reads "
+        "headers only.", rules=True)
     plan.add_argument("--mesh", required=True, metavar="DIMS",
                       help="mesh dims and sizes, outermost first, e.g. `dp=2,tp=4`")
     plan.add_argument("--layout", required=True, metavar="FILE",
@@ -108,10 +109,10 @@ def _parser() -> argparse.ArgumentParser:
     convert = command(
         "convert", _convert, "convert a checkpoint between layouts, offline (also under torchrun)",
         "Write SRC in the runtime layout RULES make (keys = runtime keys; safetensors shards and an index as "
-        "Hugging Face writes them), or with --reverse write SRC (in the runtime layout) back to the layout of "
-        "the checkpoint --like names (without --like: the layout the rules, SRC's config.json and its shapes "
-        "determine). Each rank converts a share of the tensors a batch at a time; the output appears at DST "
-        "only when complete.")
+        "Hugging Face writes them), or with --reverse write SRC (in the runtime layout) back to the layout "
+        "of the checkpoint --like names (without --like: the layout the rules, SRC's config.json and its "
+        "shapes determine). Each rank converts a share of the tensors a batch at a time; the output appears "
+        "at DST only when complete.")
     convert.add_argument("src", metavar="SRC", help="the checkpoint folder to convert")
     convert.add_argument("dst", metavar="DST", help="the output folder (must not exist unless --overwrite)")
     convert.add_argument("--rules", required=True, metavar="RULES", help="the rules that load the "
@@ -133,9 +134,9 @@ def _parser() -> argparse.ArgumentParser:
 
     snapshot = command(
         "snapshot", _snapshot, "write a checkpoint's headers, index and config as a small JSON file",
-        "Write the inventory of a checkpoint (keys, dtypes, shapes, file grouping, index, config.json), without "
-        "tensor data, as a deterministic JSON file that check --checkpoint, explain and plan accept in place of "
-        "the folder.")
+        "Write the inventory of a checkpoint (keys, dtypes, shapes, file grouping, index, config.json), "
+        "without tensor data, as a deterministic JSON file that check --checkpoint, explain and plan accept "
+        "in place of the folder.")
     snapshot.add_argument("checkpoint", metavar="CKPT", help="a checkpoint folder (or index or .safetensors file)")
     snapshot.add_argument("-o", "--output", required=True, metavar="FILE",
                           help="the snapshot to write, e.g. model.headers.json (replaced if it exists)")
@@ -143,10 +144,10 @@ def _parser() -> argparse.ArgumentParser:
     verify = command(
         "verify", _verify, "prove a rule file right on a checkpoint: compile, sharded load, round trip",
         "Prove, on real data and real gloo CPU processes started for it, that the rules compile against the "
-        "checkpoint and cover every tensor; that on each mesh every rank's sharded load equals the whole load "
-        "and reads exactly the bytes it owns; that save(load(x)) is x byte for byte; and, with --against "
-        "transformers, that the load equals transformers' own. A snapshot is replaced by random values in its "
-        "layout. Exit 0 when all hold, 1 when one fails, 2 on a user error.", rules=True)
+        "checkpoint and cover every tensor; that on each mesh every rank's sharded load equals the whole "
+        "load and reads exactly the bytes it owns; that save(load(x)) is x byte for byte; and, with "
+        "--against transformers, that the load equals transformers' own. A snapshot is replaced by random "
+        "values in its layout. Exit 0 when all hold, 1 when one fails, 2 on a user error.", rules=True)
     verify.add_argument("--mesh", action="append", metavar="DIMS",
                         help="a mesh to shard on, e.g. `tp=2` or `ep=2,tp=2`; repeat for several "
                         "(default: one mesh, tp=2)")
@@ -165,9 +166,9 @@ def _parser() -> argparse.ArgumentParser:
 
     library = command(
         "rules", _rules, "list the shipped rule files: what each converts, for which models, how verified",
-        "List the rule files shipped with remapdsl, which any command (and remapdsl.load) takes by name: what each "
-        "converts (its header comment), the config.json model_type and architectures `auto` matches it by, and "
-        "the tests that verify it.")
+        "List the rule files shipped with remapdsl, which any command (and remapdsl.load) takes by name: "
+        "what each converts (its header comment), the config.json model_type and architectures `auto` "
+        "matches it by, and the tests that verify it.")
     library.add_argument("--json", action="store_true", help="print the list as JSON")
     return parser
 
@@ -294,8 +295,8 @@ def _plan(args: argparse.Namespace) -> int:
         if args.tensors:
             for key, (pieces, runs, nbytes) in tensors.items():
                 placed = remapdsl.layout_for(key, compiled.runtime_tensor(key).shape, layout, mesh)
-                print(f"    {key} [{', '.join(map(str, placed))}]: {_count(pieces, 'piece')}, {_count(runs, 'run')}, "
-                      f"{nbytes / 1e6:.2f} MB")
+                print(f"    {key} [{', '.join(map(str, placed))}]: {_count(pieces, 'piece')}, "
+                      f"{_count(runs, 'run')}, {nbytes / 1e6:.2f} MB")
         if args.rank is not None:
             for item in plan.items:
                 source = f"{item.ckpt_key} ({_runs(item.runs)})" if item.ckpt_key else f"fill {item.fill:g}"

@@ -158,12 +158,8 @@ def _width(text: str) -> int:
     for ch in text:
         if ch == "\t":
             width += 4 - width % 4
-        elif unicodedata.combining(ch):
-            continue
-        elif unicodedata.east_asian_width(ch) in ("W", "F"):
-            width += 2
-        else:
-            width += 1
+        elif not unicodedata.combining(ch):
+            width += 2 if unicodedata.east_asian_width(ch) in ("W", "F") else 1
     return width
 
 

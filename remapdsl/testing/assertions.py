@@ -25,8 +25,8 @@ def load_whole(rules, checkpoint, *, config: Mapping[str, Any] | None = None) ->
 
 
 def assert_round_trip(rules, checkpoint, *, config: Mapping[str, Any] | None = None, **save_options) -> None:
-    """Assert that saving the load of a checkpoint folder gives it back: the same files, byte for byte, and the
-    same index (else an AssertionError naming what differs); `save_options` go to `remapdsl.save`."""
+    """Assert that saving the load of a checkpoint folder gives it back: the same files, byte for byte, and
+    the same index (else an AssertionError naming what differs); `save_options` go to `remapdsl.save`."""
     require_data(checkpoint, "a round trip")
     inventory = remapdsl.open_checkpoint(checkpoint)
     state = load_whole(rules, checkpoint, config=config)

@@ -36,8 +36,8 @@ def _strategy(value) -> st.SearchStrategy:
 def checkpoints(source, *, root: str | os.PathLike | None = None, layers=None, experts=None,
                 seeds: st.SearchStrategy[int] = st.integers(0, 2**31 - 1)) -> st.SearchStrategy[Path]:
     """Checkpoint folders in the layout of `source` (a snapshot, checkpoint folder or Inventory) with random
-    values from `seeds`, or, for a transformers config dict, a tiny model of it (`write_pretrained`); each a new
-    folder under `root` (default: a temporary one). `layers`, `experts`: keep the first N (an int or a
+    values from `seeds`, or, for a transformers config dict, a tiny model of it (`write_pretrained`); each a
+    new folder under `root` (default: a temporary one). `layers`, `experts`: keep the first N (an int or a
     strategy; `scale_down`), not with a config, which says its own."""
     pretrained = isinstance(source, Mapping)
     if pretrained and (layers is not None or experts is not None):
@@ -326,7 +326,8 @@ def memory_layouts(draw, shape: Sequence[int], dtype: torch.dtype = torch.float3
 def laid_out(values: torch.Tensor) -> st.SearchStrategy[torch.Tensor]:
     """`values` copied into a tensor of a drawn memory layout (`memory_layouts`, nothing expanded): the
     same shape, dtype and values, other strides."""
-    return memory_layouts(tuple(values.shape), values.dtype, fill=0).map(lambda held: held.tensor.copy_(values))
+    return memory_layouts(tuple(values.shape), values.dtype, fill=0).map(
+        lambda held: held.tensor.copy_(values))
 
 
 # ---- affine index maps ---------------------------------------------------------------------------
@@ -364,14 +365,11 @@ def affine_indices(draw, count: int | st.SearchStrategy[int] = st.integers(1, 4)
     count = draw(_strategy(count))
     slope = draw(st.integers(-max_slope, max_slope).filter(bool))
     offset = draw(st.integers(-max_offset, max_offset))
-    if slope > 0:  # the least start whose image is >= 0
-        start = max(0, -(offset // slope))
-    else:  # the images fall with L: the offset must hold the last one >= 0
-        start = 0
-        offset = max(offset, -slope * (count - 1))
-    start += draw(st.integers(0, 2))
-    if slope < 0:
-        offset += -slope * 2  # room for the start drawn above
+    if slope > 0:  # from the least start whose image is >= 0
+        start = max(0, -(offset // slope)) + draw(st.integers(0, 2))
+    else:  # the images fall with L: the offset holds the last one >= 0, with room for a start up to 2
+        start = draw(st.integers(0, 2))
+        offset = max(offset, -slope * (count - 1)) - slope * 2
     return Affine(slope, offset, tuple(range(start, start + count)), name)
 
 

@@ -62,10 +62,10 @@ class Verification(BaseModel):
 def verify(rules: str | os.PathLike, checkpoint: str | os.PathLike, meshes: Sequence[str] = DEFAULT_MESHES,
            layout: str | os.PathLike | None = None, against: str | None = None, *, seed: int = 0,
            timeout: float = 120.0) -> Verification:
-    """Prove the properties of a rule file on a checkpoint folder or snapshot (random values in its layout from
-    `seed`): it compiles strictly; on each of `meshes`, the sharded load and save on gloo ranks under `layout`
-    (None: `shard_everything`); the round trip; and with `against="transformers"`, the reference load. A user
-    error raises RemapError before any property runs; `timeout`: seconds one mesh's ranks may take."""
+    """Prove the properties of a rule file on a checkpoint folder or snapshot (random values in its layout
+    from `seed`): it compiles strictly; on each of `meshes`, the sharded load and save on gloo ranks under
+    `layout` (None: `shard_everything`); the round trip; with `against="transformers"`, the reference load.
+    A user error raises RemapError before any property runs; `timeout`: seconds per mesh's ranks."""
     if against is not None and against not in REFERENCES:
         raise ValueError(f"against must be None or one of {REFERENCES}, not {against!r}")
     rule_set = remapdsl.load_rules(rules)
@@ -88,10 +88,12 @@ def _checks(rule_set, rules, folder, meshes, plan, against, timeout: float) -> I
     try:
         compiled = remapdsl.compile_rules(rule_set, folder)
     except RemapError as exc:
-        yield Check(property="compile", status="fail", seconds=time.perf_counter() - started, detail=exc.render())
+        yield Check(property="compile", status="fail", seconds=time.perf_counter() - started,
+                    detail=exc.render())
         skipped = [(p, text) for text, _ in meshes for p in ("sharded load", "sharded save")]
         skipped += [("round trip", None)] + ([("transformers", None)] if against else [])
-        yield from (Check(property=p, mesh=m, status="skipped", detail="the rules do not compile") for p, m in skipped)
+        for p, m in skipped:
+            yield Check(property=p, mesh=m, status="skipped", detail="the rules do not compile")
         return
     yield Check(property="compile", status="pass", seconds=time.perf_counter() - started,
                 detail=f"{len(compiled.runtime_tensors)} runtime tensors from {len(compiled.ckpt_tensors)} "
