@@ -12,8 +12,8 @@ from typing import Any
 
 import remapdsl
 from remapdsl.checkpoint.snapshot import require_data
-from remapdsl.testing.compare import (MAX_LISTED, _listed, _state, assert_state_dicts_equal, file_differences,
-                                      key_differences)
+from remapdsl.testing.compare import (MAX_LISTED, _listed, _state, assert_state_dicts_equal, fail_on,
+                                      file_differences, key_differences)
 
 
 def load_whole(rules, checkpoint, *, config: Mapping[str, Any] | None = None) -> dict:
@@ -34,8 +34,7 @@ def assert_round_trip(rules, checkpoint, *, config: Mapping[str, Any] | None = N
         out = Path(tmp) / "copy"
         remapdsl.save(state, out, rules, like=checkpoint, config=config, **save_options)
         found = round_trip_differences(inventory, out)
-    if found:
-        raise AssertionError(f"save(load(checkpoint)) differs from {os.fspath(checkpoint)}:\n  " + "\n  ".join(found))
+    fail_on(found, f"save(load(checkpoint)) differs from {os.fspath(checkpoint)}")
 
 
 def round_trip_differences(inventory, out: Path) -> list[str]:
@@ -96,8 +95,7 @@ def assert_matches_reference(rules, checkpoint, reference: Callable[[Any], Mappi
         if tuple(t.shape) != tuple(want.shape) or t.dtype != str(want.dtype).removeprefix("torch."):
             found.append(f"`{key}`: the rules make {t.dtype} {list(t.shape)}, {names[1]} has "
                          f"{str(want.dtype).removeprefix('torch.')} {list(want.shape)}")
-    if found:
-        raise AssertionError(f"state dicts differ ({names[0]} vs {names[1]}):\n  " + "\n  ".join(found[:2 * MAX_LISTED]))
+    fail_on(found[:2 * MAX_LISTED], f"state dicts differ ({names[0]} vs {names[1]})")
     import torch
 
     target = {key: torch.empty_like(value, device="cpu") for key, value in expected.items()}

@@ -5,6 +5,7 @@
 
 from __future__ import annotations
 
+import itertools
 import json
 from collections.abc import Mapping
 from pathlib import Path
@@ -33,12 +34,10 @@ def remapdsl_checkpoint(tmp_path):
     transformers config dict with `model_type` (or a config.json path holding one)."""
     from remapdsl.testing.data import write_checkpoint, write_pretrained
 
-    made = 0
+    made = itertools.count(1)
 
     def make(source, *, layers: int | None = None, experts: int | None = None, seed: int = 0) -> Path:
-        nonlocal made
-        made += 1
-        folder = tmp_path / f"checkpoint{made}"
+        folder = tmp_path / f"checkpoint{next(made)}"
         if isinstance(source, (str, Path)) and Path(source).name == "config.json":
             source = json.loads(Path(source).read_text())
         if isinstance(source, Mapping):

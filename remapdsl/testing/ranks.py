@@ -16,6 +16,7 @@ from typing import Any
 import remapdsl
 from remapdsl.checkpoint.snapshot import config_of, require_data
 from remapdsl.sharding import LayoutPlan, Mesh, Replicate, Shard, layout_for, local_shard, parse_mesh, read_layout
+from remapdsl.testing.compare import fail_on, tensor_difference
 
 
 def run_ranks(fn: Callable[..., Any], world: int = 2, *args: Any, timeout: float = 120.0,
@@ -45,11 +46,8 @@ def run_ranks(fn: Callable[..., Any], world: int = 2, *args: Any, timeout: float
                     process.terminate()
         results, failures = [], [died] if died else []
         for rank in range(world):
-            path = os.path.join(folder, f"rank{rank}.pickle")
-            ok, value = False, "no result"
-            if os.path.exists(path):
-                with open(path, "rb") as f:
-                    ok, value = pickle.load(f)
+            path = Path(folder, f"rank{rank}.pickle")
+            ok, value = pickle.loads(path.read_bytes()) if path.exists() else (False, "no result")
             results.append(value if ok else None)
             if not ok:
                 failures.append(f"rank {rank}: {value}")
@@ -78,8 +76,7 @@ def _entry(rank: int, world: int, folder: str, fn, args, timeout: float, backend
         data = pickle.dumps(outcome)
     except Exception:  # noqa: BLE001 - an unpicklable return value (pickled whole first: no torn file)
         data = pickle.dumps((False, f"returned an unpicklable {type(outcome[1]).__name__}"))
-    with open(os.path.join(folder, f"rank{rank}.pickle"), "wb") as f:
-        f.write(data)
+    Path(folder, f"rank{rank}.pickle").write_bytes(data)
     try:
         dist.barrier(group=control_group())  # leave together: a rank tearing gloo down while a peer is in a collective can abort it
     finally:
@@ -127,9 +124,7 @@ def assert_sharded_round_trip(rules, checkpoint, layout: LayoutPlan | Mapping | 
         out = os.path.join(tmp, "copy")
         ranks = sharded_load_and_save(rules, checkpoint, layout, mesh, out, config=config, timeout=timeout)
         found = sharded_save_problems(ranks, checkpoint, out)
-    if found:
-        raise AssertionError(f"the sharded save of the sharded load differs from {os.fspath(checkpoint)}:\n  "
-                             + "\n  ".join(found))
+    fail_on(found, f"the sharded save of the sharded load differs from {os.fspath(checkpoint)}")
     return ranks
 
 
@@ -169,8 +164,6 @@ def _prepared(rules, checkpoint, layout, mesh, config, what: str) -> tuple[Mesh,
 def _sharded_rank(rank: int, world: int, rules, checkpoint, layout, mesh, config, save_to) -> dict:
     import torch
 
-    from remapdsl.testing.compare import tensor_difference
-
     nan_dtypes = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
     compiled = remapdsl.compile_rules(rules, checkpoint, config)
     whole = compiled.empty_state_dict()
@@ -197,9 +190,8 @@ def _sharded_rank(rank: int, world: int, rules, checkpoint, layout, mesh, config
                 found.append(f"`{key}`[{where}]: {why} (indices within the box)")
     if not compiled.logical and report.bytes_read != report.bytes_owned:
         found.append(f"read {report.bytes_read} B for {report.bytes_owned} B owned")
-    if found:
-        coordinate = ", ".join(f"{n}={c}" for n, c in zip(mesh.names, mesh.coordinate(rank)))
-        raise AssertionError(f"({coordinate}) shards differ from the whole load:\n  " + "\n  ".join(found[:10]))
+    coordinate = ", ".join(f"{n}={c}" for n, c in zip(mesh.names, mesh.coordinate(rank)))
+    fail_on(found[:10], f"({coordinate}) shards differ from the whole load")
     out = {"bytes_read": report.bytes_read, "bytes_owned": report.bytes_owned}
     if save_to is not None:
         started = time.perf_counter()
