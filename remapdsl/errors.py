@@ -81,9 +81,8 @@ class RemapError(Exception):
     """Base of every user-facing error: one or more diagnostics, rendered by str()."""
 
     def __init__(self, diagnostics: Diagnostic | Sequence[Diagnostic]):
-        if isinstance(diagnostics, Diagnostic):
-            diagnostics = (diagnostics,)
-        self.diagnostics: tuple[Diagnostic, ...] = tuple(diagnostics)
+        self.diagnostics: tuple[Diagnostic, ...] = (
+            (diagnostics,) if isinstance(diagnostics, Diagnostic) else tuple(diagnostics))
         if not self.diagnostics:
             raise ValueError("RemapError needs at least one diagnostic")
         super().__init__(self.render())

@@ -117,9 +117,6 @@ def random_bytes(dtype: DType, shape: Sequence[int], seed: int) -> bytes:
     return rng.integers(low, low + 200, size=count).astype(numpy_dtype).tobytes()
 
 
-# ------------------------------------------------------------------------------------ scaling down
-
-
 def layer_and_expert(ckpt_key: str) -> tuple[int | None, int | None]:
     """The layer and expert indices a key names (`model.layers.3.mlp.experts.7.w1` -> (3, 7)): an
     integer segment right after one of LAYER_WORDS / EXPERT_WORDS."""
@@ -193,10 +190,9 @@ def write_pretrained(config: Mapping, folder: Path, seed: int = 0) -> Path:
 def write_dcp_sharded(tensors: Mapping[str, Any], folder: str | os.PathLike, tilings: Mapping[str, Any],
                       config: Mapping[str, Any] | None = None) -> Path:
     """Write `tensors` (key -> torch tensor) as torch's `HuggingFaceStorageWriter(save_distributed=True)`
-    does: the chunks of each key (`tilings[key]`: a `strategies.Tiling`, or a sequence of
-    `(offsets, sizes)` boxes; a key without one is written whole) in files `shard-0000i-model-00001-of-00001
-    .safetensors`, chunk i of every key in file i, each file's `DCP_SHARDING_INFO` giving its chunks'
-    offsets; and `config` as config.json. Chunks of no element are written too, as DCP writes them."""
+    does: chunk i of each key (`tilings[key]`: a `strategies.Tiling` or `(offsets, sizes)` boxes; none: whole)
+    in file i, `shard-0000i-model-00001-of-00001.safetensors`, whose `DCP_SHARDING_INFO` gives its chunks'
+    offsets (empty chunks too, as DCP writes them); and `config` as config.json."""
     from safetensors.torch import save_file
 
     folder = Path(folder)

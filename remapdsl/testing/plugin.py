@@ -1,10 +1,10 @@
 """The pytest plugin of remapdsl.testing (entry point `pytest11`): fixtures `remapdsl_checkpoint` and
 `remapdsl_ranks`, marker `remapdsl_distributed` (tests that start processes), and hypothesis profile
-`remapdsl-ci` (derandomized, no deadline, the failing example printed).
-"""
+`remapdsl-ci` (derandomized, no deadline, the failing example printed)."""
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import json
 from collections.abc import Mapping
@@ -15,12 +15,12 @@ import pytest
 PROFILE = "remapdsl-ci"
 MARKER = "remapdsl_distributed"
 
-try:  # registered on import, so hypothesis' own plugin finds it when it reads --hypothesis-profile
+# Registered on import, so hypothesis' own plugin finds it when it reads --hypothesis-profile; the kit works
+# without hypothesis (only the strategies need it).
+with contextlib.suppress(ImportError):
     from hypothesis import settings as _settings
 
     _settings.register_profile(PROFILE, derandomize=True, deadline=None, print_blob=True)
-except ImportError:  # the kit works without hypothesis; only the strategies need it
-    pass
 
 
 def pytest_configure(config) -> None:

@@ -115,10 +115,9 @@ def assert_sharded_equals_whole(rules, checkpoint, layout: LayoutPlan | Mapping 
 def assert_sharded_round_trip(rules, checkpoint, layout: LayoutPlan | Mapping | str | None = None,
                               mesh: Mesh | Mapping[str, int] | str = "tp=2", *,
                               config: Mapping[str, Any] | None = None, timeout: float = 120.0) -> list[dict]:
-    """Assert, on real gloo processes, that a sharded load saved back by the same ranks (each writing
-    the bytes it owns) gives the checkpoint back byte for byte, with the same index. Arguments as
-    `assert_sharded_equals_whole`, whose checks of the load run too; per rank, its result gains
-    `bytes_written` and `save_seconds`."""
+    """Assert, as `assert_sharded_equals_whole` (whose checks run too), that the ranks saving their shards
+    back (each writing the bytes it owns) give the checkpoint back byte for byte, with the same index; per
+    rank, its result gains `bytes_written` and `save_seconds`."""
     mesh, layout = _prepared(rules, checkpoint, layout, mesh, config, "a sharded round trip")
     with tempfile.TemporaryDirectory(prefix="remapdsl-sharded-round-trip-") as tmp:
         out = os.path.join(tmp, "copy")

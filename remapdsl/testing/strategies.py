@@ -103,9 +103,6 @@ def layouts(draw, compiled, mesh: Mesh) -> LayoutPlan:
     return LayoutPlan.from_mapping(plan, mesh_dim=mesh.names[0])
 
 
-# ---- op chains ---------------------------------------------------------------------------------
-
-
 def _ops(text: str) -> list[ir.Op]:
     return list(parse_text(f"a -> b | {text}").statements[0].ops)
 
@@ -266,9 +263,6 @@ def op_chains(draw, shapes: Sequence[Sequence[int]], max_ops: int = 4, cuts: boo
     return draw_ops(draw, Chain([tuple(s) for s in shapes]), draw(st.integers(1, max_ops)), may_cut=cuts)
 
 
-# ---- memory layouts ------------------------------------------------------------------------------
-
-
 @dataclass(frozen=True)
 class Held:
     """A tensor as a caller may hold it: `tensor` (what is passed to remapdsl) is a view into `base`
@@ -330,9 +324,6 @@ def laid_out(values: torch.Tensor) -> st.SearchStrategy[torch.Tensor]:
         lambda held: held.tensor.copy_(values))
 
 
-# ---- affine index maps ---------------------------------------------------------------------------
-
-
 @dataclass(frozen=True)
 class Affine:
     """An index map `slope * L + offset` (`name`: the capture) as a target's `{...}` writes it, and the
@@ -373,17 +364,14 @@ def affine_indices(draw, count: int | st.SearchStrategy[int] = st.integers(1, 4)
     return Affine(slope, offset, tuple(range(start, start + count)), name)
 
 
-# ---- DCP chunk tilings ---------------------------------------------------------------------------
-
 Box = tuple[tuple[int, ...], tuple[int, ...]]  # (offsets, sizes)
 TILINGS = ("grid", "staircase", "guillotine")
 
 
 @dataclass(frozen=True)
 class Tiling:
-    """Boxes `(offsets, sizes)` of a tensor of `shape`, as the ranks of a DCP save write its chunks
-    (`remapdsl.testing.write_dcp_sharded` writes them), of kind `kind`; `removed` holds boxes taken
-    out of an exact tiling (`chunk_tilings(..., gaps=True)`): the gaps."""
+    """Chunk boxes `(offsets, sizes)` of a tensor of `shape`, as `write_dcp_sharded` writes them; `removed`:
+    the boxes taken out of an exact tiling (`chunk_tilings(..., gaps=True)`)."""
 
     shape: tuple[int, ...]
     boxes: tuple[Box, ...]
@@ -403,12 +391,10 @@ def _cuts(draw, n: int, most: int) -> list[int]:
 @st.composite
 def chunk_tilings(draw, shape: Sequence[int], max_chunks: int = 16, kinds: Sequence[str] = TILINGS,
                   empty: bool = True, gaps: bool = False) -> Tiling:
-    """How the ranks of a DCP save may have cut a tensor of `shape` into chunks: boxes that tile it
-    exactly once. `grid`: cuts per dim, every combination a chunk (what DTensor placements give);
-    `staircase` (2 dims or more): bands along dim 0, each cut along dim 1 at its own places, so the
-    chunk edges do not line up; `guillotine`: boxes split in two along any dim at any place, again and
-    again (irregular tilings of any rank). `empty`: zero-size chunks may be added, as DCP writes for a
-    rank holding none of a tensor. `gaps`: one or two non-empty chunks are taken out (`removed`)."""
+    """How the ranks of a DCP save may have cut a tensor of `shape`: chunks that tile it exactly once, of one
+    of `kinds` (`grid`: cuts per dim, as DTensor placements give; `staircase`: bands along dim 0, each cut
+    along dim 1 at its own places; `guillotine`: boxes split in two again and again). `empty`: zero-size
+    chunks may be added, as DCP writes for a rank holding none; `gaps`: one or two taken out (`removed`)."""
     shape = tuple(int(n) for n in shape)
     ndim = len(shape)
     kinds = [k for k in kinds if k != "staircase" or ndim >= 2]
