@@ -18,7 +18,6 @@ import torch
 from hypothesis import strategies as st
 
 from remapdsl import open_checkpoint
-from remapdsl.language import ir
 from remapdsl.language.parser import parse_text
 from remapdsl.sharding import LayoutError, LayoutPlan, Mesh, Replicate, Shard, StridedShard, local_shard
 from remapdsl.testing.data import write_checkpoint, write_pretrained
@@ -103,10 +102,6 @@ def layouts(draw, compiled, mesh: Mesh) -> LayoutPlan:
     return LayoutPlan.from_mapping(plan, mesh_dim=mesh.names[0])
 
 
-def _ops(text: str) -> list[ir.Op]:
-    return list(parse_text(f"a -> b | {text}").statements[0].ops)
-
-
 @dataclass
 class Chain:
     """An op chain being drawn, with the shapes of its list axis so far (`ops`: the ops' text)."""
@@ -117,7 +112,8 @@ class Chain:
     ops: list[str] = field(default_factory=list)
 
     def push(self, text: str, targets: int | None = None) -> None:
-        out = apply_ops(_ops(text), [torch.zeros(s) for s in self.shapes], targets=targets)
+        ops = list(parse_text(f"a -> b | {text}").statements[0].ops)
+        out = apply_ops(ops, [torch.zeros(s) for s in self.shapes], targets=targets)
         self.shapes = [tuple(t.shape) for t in out]
         self.ops.append(text)
 
