@@ -1,9 +1,7 @@
 """remapdsl: one declarative rule file -> exact, sharded loads and saves of model checkpoints.
 
-The public API, a few drivers over stages of frozen data (docs/architecture.md); the rest lives in the
-subpackages `language`, `checkpoint`, `quant`, `compile`, `sharding` and `runtime`. Importing it does not
-import torch; the functions that move tensors do, when called.
-"""
+The public API: a few drivers over the subpackages' stages of frozen data (docs/architecture.md). Importing
+it does not import torch; the functions that move tensors do, when called."""
 
 from __future__ import annotations
 

@@ -4,6 +4,7 @@ safe) and meeting through a file rendezvous (no TCP port to race for); and the s
 from __future__ import annotations
 
 import datetime
+import glob
 import os
 import pickle
 import tempfile
@@ -16,6 +17,7 @@ from typing import Any
 import remapdsl
 from remapdsl.checkpoint.snapshot import config_of, require_data
 from remapdsl.sharding import LayoutPlan, Mesh, Replicate, Shard, layout_for, local_shard, parse_mesh, read_layout
+from remapdsl.testing.assertions import round_trip_differences
 from remapdsl.testing.compare import fail_on, tensor_difference
 
 
@@ -92,8 +94,6 @@ def as_mesh(mesh: Mesh | Mapping[str, int] | str) -> Mesh:
 
 def shard_everything(compiled, mesh: Mesh) -> LayoutPlan:
     """A layout cutting every runtime tensor on every mesh dim (mesh dim i cuts tensor dim i mod ndim)."""
-    import glob
-
     plan = {}
     for t in compiled.runtime_tensors:
         ndim = len(t.shape)
@@ -137,8 +137,6 @@ def sharded_load_and_save(rules, checkpoint, layout: LayoutPlan, mesh: Mesh, sav
 
 def sharded_save_problems(ranks: list[dict], checkpoint, save_to) -> list[str]:
     """What is wrong with what `sharded_load_and_save` wrote: the save's error, or how it differs."""
-    from remapdsl.testing.assertions import round_trip_differences
-
     failed = [r["save_error"] for r in ranks if "save_error" in r]
     if failed:
         return [f"the sharded save failed: {failed[0]}"]

@@ -145,9 +145,7 @@ def _factorization(draw, numel: int) -> list[int]:
 def _combine(draw, chain: Chain) -> str | None:
     shapes = chain.shapes
     ndim = len(shapes[0])
-    kinds = []
-    if all(s == shapes[0] for s in shapes):
-        kinds.append("stack")
+    kinds = ["stack"] if all(s == shapes[0] for s in shapes) else []
     along = [d for d in range(ndim) if all(s[:d] + s[d + 1:] == shapes[0][:d] + shapes[0][d + 1:]
                                            for s in shapes)]
     if along:
@@ -156,8 +154,7 @@ def _combine(draw, chain: Chain) -> str | None:
         return None
     kind = draw(st.sampled_from(kinds))
     if kind == "stack":
-        d = draw(st.integers(0, ndim))
-        return f"stack(dim={d})"
+        return f"stack(dim={draw(st.integers(0, ndim))})"
     d = draw(st.sampled_from(along))
     dim = _dim(draw, ndim, d)
     if kind == "concat":
