@@ -118,8 +118,7 @@ def load(state_dict, checkpoint, rules, *, config: Mapping[str, Any] | None = No
         strict: refuse checkpoint tensors that no rule takes and no `drop` names.
         read_replicated_once: tensors every rank holds whole are read by rank 0 and broadcast.
         staging_bytes: the most host memory pinned to copy into CUDA tensors (default 16 MiB).
-        local: this rank's local names -> the global runtime names, `{"decoder.layers.{}": stage_offset}`
-            (a pipeline stage's layers, an expert-parallel rank's experts; docs/distributed.md).
+        local: this rank's local names -> global runtime names, `{"decoder.layers.{}": stage_offset}`.
     """
     from .drivers.prepared import prepare as _prepare
 
@@ -162,12 +161,10 @@ def export(state_dict, rules, *, like=None, config: Mapping[str, Any] | None = N
     (docs/export.md; shared arguments: docs/api.md).
 
     Args:
-        gather: the mesh dims over which a tensor's pieces are assembled (`("dp_shard",)`; E541 where they
-            differ on another).
+        gather: the mesh dims over which a tensor's pieces are assembled (`("dp_shard",)`).
         bucket_bytes: the most bytes of tensors a rank assembles in one round.
         allow_lossy: as for `save`.
-        regions: yield `(key, offsets, tensor)`: the boxes this rank holds and no lower rank does, no
-            communication.
+        regions: yield `(key, offsets, tensor)`, the boxes this rank holds and no lower rank does.
         by_round: yield one list of pairs per round, the same number on every rank (not with `regions`).
     """
     from .drivers.export import export as _export
