@@ -148,8 +148,7 @@ def _combine(draw, chain: Chain) -> str | None:
     kinds = ["stack"] if all(s == shapes[0] for s in shapes) else []
     along = [d for d in range(ndim) if all(s[:d] + s[d + 1:] == shapes[0][:d] + shapes[0][d + 1:]
                                            for s in shapes)]
-    if along:
-        kinds += ["concat", "interleave"]
+    kinds += ["concat", "interleave"] if along else []
     if not kinds:
         return None
     kind = draw(st.sampled_from(kinds))
