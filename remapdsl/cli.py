@@ -52,46 +52,49 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=f"remapdsl {remapdsl.__version__}")
     commands = parser.add_subparsers(title="commands", metavar="COMMAND")
 
-    check = commands.add_parser("check", help="parse and statically check rule files",
-                                description="Parse rule files, follow their includes and run every "
-                                "check that needs no checkpoint. Exit 0 when clean, 2 on errors.")
+    def command(name: str, run, summary: str, description: str,
+                rules: bool = False) -> argparse.ArgumentParser:
+        """A subcommand that calls `run(args)`; with `rules`, it takes RULES and --checkpoint."""
+        sub = commands.add_parser(name, help=summary, description=description)
+        sub.set_defaults(run=run)
+        if rules:
+            sub.add_argument("rules", metavar="RULES", help=RULES_HELP)
+            sub.add_argument("--checkpoint", required=True, metavar="DIR|SNAPSHOT", help=CHECKPOINT_HELP)
+        return sub
+
+    check = command("check", _check, "parse and statically check rule files",
+                    "Parse rule files, follow their includes and run every check that needs no checkpoint. "
+                    "Exit 0 when clean, 2 on errors.")
     check.add_argument("files", nargs="+", metavar="FILE", help=FILE_HELP + "; `auto` with --checkpoint")
     check.add_argument("--root", help="folder that includes may not leave (default: each file's folder)")
     check.add_argument("--checkpoint", metavar="DIR|SNAPSHOT",
                        help="also compile against this checkpoint or snapshot (headers only) and report `drop` "
                        "statements that matched nothing and .safetensors files the index ignores")
-    check.set_defaults(run=_check)
 
-    fmt = commands.add_parser("fmt", help="rewrite rule files in canonical form",
-                              description="Rewrite rule files in canonical form, keeping comments. "
-                              "With --check, change nothing and exit 1 if a file is not formatted.")
+    fmt = command("fmt", _fmt, "rewrite rule files in canonical form",
+                  "Rewrite rule files in canonical form, keeping comments. "
+                  "With --check, change nothing and exit 1 if a file is not formatted.")
     fmt.add_argument("files", nargs="+", metavar="FILE", help=FILE_HELP)
     fmt.add_argument("--check", action="store_true", help="report files that are not formatted")
     fmt.add_argument("--diff", action="store_true", help="print what would change, as a diff")
-    fmt.set_defaults(run=_fmt)
 
-    explain = commands.add_parser(
-        "explain", help="show how a checkpoint's tensors fill each runtime tensor",
-        description="Compile rules against a checkpoint (headers only, no tensor data) and print, for "
-        "each runtime tensor, its shape and dtype and which regions of which checkpoint tensors fill "
-        "it, through which rule.")
-    explain.add_argument("rules", metavar="RULES", help=RULES_HELP)
-    explain.add_argument("--checkpoint", required=True, metavar="DIR|SNAPSHOT", help=CHECKPOINT_HELP)
+    explain = command(
+        "explain", _explain, "show how a checkpoint's tensors fill each runtime tensor",
+        "Compile rules against a checkpoint (headers only, no tensor data) and print, for each runtime "
+        "tensor, its shape and dtype and which regions of which checkpoint tensors fill it, through which "
+        "rule.", rules=True)
     explain.add_argument("--key", metavar="PATTERN",
                          help="only runtime tensors (or their checkpoint keys) matching this glob")
     explain.add_argument("--blocks", type=int, default=8, metavar="N", help="blocks shown per tensor (default 8)")
     explain.add_argument("--json", action="store_true", help="print the compiled form as JSON")
     explain.add_argument("--lenient", action="store_true",
                          help="leave out checkpoint tensors no rule takes, instead of failing")
-    explain.set_defaults(run=_explain)
 
-    plan = commands.add_parser(
-        "plan", help="show what each rank of a sharded load reads, without reading tensor data",
-        description="Compile rules against a checkpoint and plan a sharded load on a device mesh: "
-        "per rank, the tensors it holds, its boxes, the bytes it reads and the files it touches, "
-        "and totals across ranks. Reads headers only.")
-    plan.add_argument("rules", metavar="RULES", help=RULES_HELP)
-    plan.add_argument("--checkpoint", required=True, metavar="DIR|SNAPSHOT", help=CHECKPOINT_HELP)
+    plan = command(
+        "plan", _plan, "show what each rank of a sharded load reads, without reading tensor data",
+        "Compile rules against a checkpoint and plan a sharded load on a device mesh: per rank, the tensors "
+        "it holds, its boxes, the bytes it reads and the files it touches, and totals across ranks. Reads "
+        "headers only.", rules=True)
     plan.add_argument("--mesh", required=True, metavar="DIMS",
                       help="mesh dims and sizes, outermost first, e.g. `dp=2,tp=4`")
     plan.add_argument("--layout", required=True, metavar="FILE",
@@ -102,15 +105,14 @@ def _parser() -> argparse.ArgumentParser:
                       help="the ranks to summarize: `all`, or numbers, `first` and `last` separated by commas "
                       f"(default: all on a mesh of up to {ALL_RANKS} ranks, else first,last)")
     plan.add_argument("--tensors", action="store_true", help="one line per runtime tensor under each rank")
-    plan.set_defaults(run=_plan)
 
-    convert = commands.add_parser(
-        "convert", help="convert a checkpoint between layouts, offline (also under torchrun)",
-        description="Write SRC in the runtime layout RULES make (keys = runtime keys; safetensors "
-        "shards and an index as Hugging Face writes them), or with --reverse write SRC (in the runtime "
-        "layout) back to the layout of the checkpoint --like names (without --like: the layout the rules, "
-        "SRC's config.json and its shapes determine). Each rank converts a share of the "
-        "tensors a batch at a time; the output appears at DST only when complete.")
+    convert = command(
+        "convert", _convert, "convert a checkpoint between layouts, offline (also under torchrun)",
+        "Write SRC in the runtime layout RULES make (keys = runtime keys; safetensors shards and an index as "
+        "Hugging Face writes them), or with --reverse write SRC (in the runtime layout) back to the layout "
+        "of the checkpoint --like names (without --like: the layout the rules, SRC's config.json and its "
+        "shapes determine). Each rank converts a share of the tensors a batch at a time; the output appears "
+        "at DST only when complete.")
     convert.add_argument("src", metavar="SRC", help="the checkpoint folder to convert")
     convert.add_argument("dst", metavar="DST", help="the output folder (must not exist unless --overwrite)")
     convert.add_argument("--rules", required=True, metavar="RULES", help="the rules that load the "
@@ -129,28 +131,23 @@ def _parser() -> argparse.ArgumentParser:
     convert.add_argument("--dropped", choices=("copy", "omit", "error"), default="error",
                          help="with --reverse: the tensors of --like the rules drop are copied unchanged "
                          "(copy), left out (omit) or refused (error, the default)")
-    convert.set_defaults(run=_convert)
 
-    snapshot = commands.add_parser(
-        "snapshot", help="write a checkpoint's headers, index and config as a small JSON file",
-        description="Write the inventory of a checkpoint (keys, dtypes, shapes, file grouping, index, "
-        "config.json), without tensor data, as a deterministic JSON file that check --checkpoint, "
-        "explain and plan accept in place of the folder.")
+    snapshot = command(
+        "snapshot", _snapshot, "write a checkpoint's headers, index and config as a small JSON file",
+        "Write the inventory of a checkpoint (keys, dtypes, shapes, file grouping, index, config.json), "
+        "without tensor data, as a deterministic JSON file that check --checkpoint, explain and plan accept "
+        "in place of the folder.")
     snapshot.add_argument("checkpoint", metavar="CKPT", help="a checkpoint folder (or index or .safetensors file)")
     snapshot.add_argument("-o", "--output", required=True, metavar="FILE",
                           help="the snapshot to write, e.g. model.headers.json (replaced if it exists)")
-    snapshot.set_defaults(run=_snapshot)
 
-    verify = commands.add_parser(
-        "verify", help="prove a rule file right on a checkpoint: compile, sharded load, round trip",
-        description="Prove, on real data and real gloo CPU processes started for it, that the rules "
-        "compile against the checkpoint and cover every tensor; that on each mesh every rank's sharded "
-        "load equals the whole load and reads exactly the bytes it owns; that save(load(x)) is x byte "
-        "for byte; and, with --against transformers, that the load equals transformers' own. A "
-        "snapshot is replaced by random values in its layout. Exit 0 when all hold, 1 when one fails, "
-        "2 on a user error.")
-    verify.add_argument("rules", metavar="RULES", help=RULES_HELP)
-    verify.add_argument("--checkpoint", required=True, metavar="DIR|SNAPSHOT", help=CHECKPOINT_HELP)
+    verify = command(
+        "verify", _verify, "prove a rule file right on a checkpoint: compile, sharded load, round trip",
+        "Prove, on real data and real gloo CPU processes started for it, that the rules compile against the "
+        "checkpoint and cover every tensor; that on each mesh every rank's sharded load equals the whole "
+        "load and reads exactly the bytes it owns; that save(load(x)) is x byte for byte; and, with "
+        "--against transformers, that the load equals transformers' own. A snapshot is replaced by random "
+        "values in its layout. Exit 0 when all hold, 1 when one fails, 2 on a user error.", rules=True)
     verify.add_argument("--mesh", action="append", metavar="DIMS",
                         help="a mesh to shard on, e.g. `tp=2` or `ep=2,tp=2`; repeat for several "
                         "(default: one mesh, tp=2)")
@@ -160,22 +157,19 @@ def _parser() -> argparse.ArgumentParser:
     verify.add_argument("--against", choices=["transformers"],
                         help="also compare the load with transformers' from_pretrained")
     verify.add_argument("--json", action="store_true", help="print the checks as JSON")
-    verify.set_defaults(run=_verify)
 
-    show = commands.add_parser("ir", help="print the parsed IR of a rule file",
-                               description="Print the typed IR of a rule file, for editors and tools.")
+    show = command("ir", _ir, "print the parsed IR of a rule file",
+                   "Print the typed IR of a rule file, for editors and tools.")
     show.add_argument("file", metavar="FILE", help="a .remap file, or the name of a shipped one")
     show.add_argument("--json", action="store_true", help="print the IR as JSON (with source spans)")
     show.add_argument("--resolved", action="store_true", help="print the checked program with includes expanded")
-    show.set_defaults(run=_ir)
 
-    library = commands.add_parser(
-        "rules", help="list the shipped rule files: what each converts, for which models, how verified",
-        description="List the rule files shipped with remapdsl, which any command (and remapdsl.load) "
-        "takes by name: what each converts (its header comment), the config.json model_type and "
-        "architectures `auto` matches it by, and the tests that verify it.")
+    library = command(
+        "rules", _rules, "list the shipped rule files: what each converts, for which models, how verified",
+        "List the rule files shipped with remapdsl, which any command (and remapdsl.load) takes by name: "
+        "what each converts (its header comment), the config.json model_type and architectures `auto` "
+        "matches it by, and the tests that verify it.")
     library.add_argument("--json", action="store_true", help="print the list as JSON")
-    library.set_defaults(run=_rules)
     return parser
 
 
@@ -217,7 +211,7 @@ def _check(args: argparse.Namespace) -> int:
             errors.append(exc)
             continue
         included = len(rules.files) - 1
-        more = f", {included} included file{'s' if included != 1 else ''}" if included else ""
+        more = f", {_count(included, 'included file')}" if included else ""
         print(f"ok: {name} ({len(rules.statements)} statements{more}{against})")
     for exc in errors:
         print(exc.render(), file=sys.stderr)
@@ -238,8 +232,8 @@ def _against_checkpoint(rules, folder: str) -> str:
 def _snapshot(args: argparse.Namespace) -> int:
     text = remapdsl.write_snapshot(args.checkpoint, args.output)
     inventory = remapdsl.open_checkpoint(args.output)
-    print(f"wrote {args.output}: {len(inventory.tensors)} tensors in {len(inventory.files)} "
-          f"file{'s' if len(inventory.files) != 1 else ''}, {_bytes(len(text.encode()))}", file=sys.stderr)
+    print(f"wrote {args.output}: {len(inventory.tensors)} tensors in {_count(len(inventory.files), 'file')}, "
+          f"{_bytes(len(text.encode()))}", file=sys.stderr)
     return EXIT_OK
 
 
@@ -301,8 +295,8 @@ def _plan(args: argparse.Namespace) -> int:
         if args.tensors:
             for key, (pieces, runs, nbytes) in tensors.items():
                 placed = remapdsl.layout_for(key, compiled.runtime_tensor(key).shape, layout, mesh)
-                print(f"    {key} [{', '.join(map(str, placed))}]: {pieces} piece{'s' if pieces != 1 else ''}, {runs} run{'s' if runs != 1 else ''}, "
-                      f"{nbytes / 1e6:.2f} MB")
+                print(f"    {key} [{', '.join(map(str, placed))}]: {_count(pieces, 'piece')}, "
+                      f"{_count(runs, 'run')}, {nbytes / 1e6:.2f} MB")
         if args.rank is not None:
             for item in plan.items:
                 source = f"{item.ckpt_key} ({_runs(item.runs)})" if item.ckpt_key else f"fill {item.fill:g}"
@@ -315,8 +309,7 @@ def _plan(args: argparse.Namespace) -> int:
              + (f"; {total_read / (total_owned + total_scales):.2f}x owned values + covering scales"
                 if total_scales else "") + ")") if total_owned else ""
     shown = f" of {mesh.size} (--ranks all for every rank)" if len(ranks) < mesh.size and args.rank is None else ""
-    print(f"total: {total_read / 1e6:.2f} MB read{ratio} over {len(ranks)} rank{'s' if len(ranks) != 1 else ''}"
-          f"{shown}")
+    print(f"total: {total_read / 1e6:.2f} MB read{ratio} over {_count(len(ranks), 'rank')}{shown}")
     return EXIT_OK
 
 
@@ -388,7 +381,7 @@ def _convert(args: argparse.Namespace) -> int:
             print(file=sys.stderr)
         if rank == 0:
             rate = report.bytes_written / report.seconds / 1e9 if report.seconds else 0.0
-            print(f"converted {args.src} -> {report.folder}: {report.files} file{'s' if report.files != 1 else ''}; "
+            print(f"converted {args.src} -> {report.folder}: {_count(report.files, 'file')}; "
                   f"rank 0 of {report.ranks} wrote {report.tensors} tensors, {_bytes(report.bytes_written)}, "
                   f"in {report.seconds:.2f} s ({rate:.2f} GB/s)")
         return EXIT_OK
@@ -398,6 +391,10 @@ def _convert(args: argparse.Namespace) -> int:
 
             dist.barrier()
             dist.destroy_process_group()
+
+
+def _count(n: int, noun: str) -> str:
+    return f"{n} {noun}{'s' if n != 1 else ''}"
 
 
 def _bytes(n: int) -> str:

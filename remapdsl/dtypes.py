@@ -1,10 +1,8 @@
 """The element types remapdsl knows (the 22 codes of safetensors 0.8): rule-file (torch) names, safetensors
-codes, bit widths; one table for the language, the header parser and the executors.
-
-Sub-byte codes count elements: an `F4` shape counts 4-bit values, so a tensor is prod(shape) * bits / 8
-bytes, a whole number (safetensors rejects `F4 [3]`); torch's `float4_e2m1fn_x2` packs two per element,
-so its last dim is half the header's. `F6_E2M3` / `F6_E3M2` have no torch dtype (OCP / ml_dtypes names).
-"""
+codes and bit widths, one table for the language, the header parser and the executors. Sub-byte codes count
+elements: a tensor is prod(shape) * bits / 8 bytes, a whole number (safetensors rejects `F4 [3]`); torch's
+`float4_e2m1fn_x2` packs two per element, so its last dim is half the header's. `F6_E2M3` / `F6_E3M2` have
+no torch dtype (OCP / ml_dtypes names)."""
 
 from __future__ import annotations
 

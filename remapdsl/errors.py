@@ -81,9 +81,8 @@ class RemapError(Exception):
     """Base of every user-facing error: one or more diagnostics, rendered by str()."""
 
     def __init__(self, diagnostics: Diagnostic | Sequence[Diagnostic]):
-        if isinstance(diagnostics, Diagnostic):
-            diagnostics = (diagnostics,)
-        self.diagnostics: tuple[Diagnostic, ...] = tuple(diagnostics)
+        self.diagnostics: tuple[Diagnostic, ...] = (
+            (diagnostics,) if isinstance(diagnostics, Diagnostic) else tuple(diagnostics))
         if not self.diagnostics:
             raise ValueError("RemapError needs at least one diagnostic")
         super().__init__(self.render())
@@ -158,12 +157,8 @@ def _width(text: str) -> int:
     for ch in text:
         if ch == "\t":
             width += 4 - width % 4
-        elif unicodedata.combining(ch):
-            continue
-        elif unicodedata.east_asian_width(ch) in ("W", "F"):
-            width += 2
-        else:
-            width += 1
+        elif not unicodedata.combining(ch):
+            width += 2 if unicodedata.east_asian_width(ch) in ("W", "F") else 1
     return width
 
 

@@ -1,9 +1,6 @@
-"""Keep Python's cyclic garbage collector off the objects a call builds by the hundred thousand.
-
-With a large heap (a model, torch.distributed state), full collections cost more than the compile. So the
-collector is paused while compiling and planning (`paused_gc`), and a driver's call (`frozen_heap`) freezes
-what was alive at its start and what each paused phase built, so its I/O's collections walk only the new.
-"""
+"""Keep Python's cyclic garbage collector off the objects a call builds by the hundred thousand: with a
+large heap, full collections cost more than the compile. Compiling and planning pause it (`paused_gc`); a
+driver's call freezes what was alive and what each pause built (`frozen_heap`): its I/O's walk the new."""
 
 from __future__ import annotations
 

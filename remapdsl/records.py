@@ -1,8 +1,5 @@
-"""Records: the hot data of a checkpoint and a compiled program, and how a pydantic model holds one.
-
-Data made by the tens of thousands (TensorInfos, Chunks, blocks, bindings) are named tuples or slotted
-frozen dataclasses built from checked values; pydantic models stay where input is validated.
-"""
+"""Records: data made by the tens of thousands (TensorInfos, Chunks, blocks, bindings) are named tuples or
+slotted frozen dataclasses of checked values, which pydantic models (input validation) hold as they are."""
 
 from __future__ import annotations
 

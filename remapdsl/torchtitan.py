@@ -1,8 +1,5 @@
-"""torchtitan's state-dict adapter protocol, driven by a rule file: `RuleStateDictAdapter` (docs/torchtitan.md).
-
-The storage reader (`remapdsl.dcp.RuleStorageReader`) does the whole conversion, so `to_hf` and `from_hf` pass
-the runtime tensors through; the save direction is `save_hf`. Importing this module imports torchtitan.
-"""
+"""torchtitan's state-dict adapter protocol, driven by a rule file (docs/torchtitan.md). The storage reader
+does the whole conversion, so `to_hf` and `from_hf` pass the runtime tensors through; saving is `save_hf`."""
 
 from __future__ import annotations
 
@@ -42,18 +39,8 @@ class Match(NamedTuple):
 class RuleStateDictAdapter(BaseStateDictAdapter):
     """A torchtitan `BaseStateDictAdapter` whose conversion is a rule file. torchtitan makes it as
     `cls(model_config, hf_assets_path)`, so a model spec names a class with its rules bound:
-    `RuleStateDictAdapter.with_rules("m.remap")`. `to_hf` is a collective (it compiles the rules).
-
-    Args:
-        model_config: the torchtitan model config (kept; the rules read the checkpoint's config.json).
-        hf_assets_path: the Hugging Face checkpoint folder the rules are compiled against.
-        rules: a .remap path, a shipped name (`torchtitan_qwen3`) or a RuleSet; by default the
-            class's own (`with_rules`).
-        config: the model config the rules read; by default the folder's config.json.
-        strict: refuse checkpoint tensors that no rule takes and no `drop` names.
-        timeout: the most a rank waits at one of the adapter's exchanges (seconds or a timedelta;
-            default 300 s), as for `remapdsl.load`.
-    """
+    `RuleStateDictAdapter.with_rules("m.remap")`. `rules`, `config`, `strict` and `timeout` are as for
+    `remapdsl.load` (rules by default the class's own); `to_hf` is a collective (it compiles the rules)."""
 
     default_rules: str | os.PathLike | RuleSet | None = None
     default_config: Mapping[str, Any] | None = None
@@ -85,8 +72,6 @@ class RuleStateDictAdapter(BaseStateDictAdapter):
                     {"default_rules": rules, "default_config": config, "default_strict": strict,
                      "__module__": cls.__module__})
 
-    # ------------------------------------------------------------------ the protocol, in call order
-
     def to_hf(self, state_dict: dict[str, Any]) -> dict[str, Any]:
         """The tensors of `state_dict` the rules make, as they are; every rank calls it (it opens the
         reader). A tensor the rules neither make nor `keep` is E613 unless `strict=False`, one of
@@ -106,7 +91,8 @@ class RuleStateDictAdapter(BaseStateDictAdapter):
 
     def _check(self, state_dict: Mapping[str, Any], made: Mapping[str, tuple[int, ...]],
                not_in_rules: tuple[str, ...]) -> None:
-        """E613 / E614 for this rank's state dict (run on every rank together: one stage failing fails all)."""
+        """E613 / E614 for this rank's state dict (run on every rank together: one stage failing fails
+        all)."""
         keep = [re.compile(p) for p in self._open(self.hf_assets_path).compiled.keep]
         unknown = [k for k in not_in_rules if not any(r.fullmatch(k) for r in keep)]
         if unknown and self.strict:
@@ -143,13 +129,10 @@ class RuleStateDictAdapter(BaseStateDictAdapter):
                          "adapter.save_hf(model.state_dict(), folder): the rules write the original layout, "
                          "each rank its own bytes")
 
-    # ------------------------------------------------------------------ the save direction
-
     def save_hf(self, state_dict: Mapping[str, Any], folder: str | os.PathLike, **kwargs: Any):
-        """Write the model back to the layout of `hf_assets_path` (remapdsl.save with `like=`, each rank
-        its own bytes); returns its SaveReport. Every rank calls it with its state dict (a pipeline stage:
-        its own layers; the ranks together hold the model); keys the rules do not make are left out.
-        `kwargs`: remapdsl.save's (`timeout` by default the adapter's)."""
+        """Write the model back to the layout of `hf_assets_path` (remapdsl.save with `like=` and
+        `kwargs`), every rank its state dict (a pipeline stage: its own layers); keys the rules do not make
+        are left out."""
         made = self._open(self.hf_assets_path).read_metadata().state_dict_metadata.keys()
         runtime = {k: v for k, v in state_dict.items() if k in made}
         return save(runtime, folder, self.rules, like=self.hf_assets_path, config=self.config,

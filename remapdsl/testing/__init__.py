@@ -1,7 +1,6 @@
 """remapdsl.testing: a kit for proving a rule file right in a model's own CI (docs/testing.md): assertions,
 a gloo multi-rank runner, random checkpoints in a snapshot's layout, hypothesis strategies (`.strategies`),
-a pytest plugin (`.plugin`), and every property at once (`.verify`, `remapdsl verify`).
-"""
+a pytest plugin (`.plugin`), and every property at once (`.verify`, `remapdsl verify`)."""
 
 from remapdsl.testing.assertions import assert_matches_reference, assert_round_trip, load_whole, transformers_state_dict
 from remapdsl.testing.compare import assert_state_dicts_equal, state_dict_differences, tensor_difference

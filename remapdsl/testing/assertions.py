@@ -1,6 +1,5 @@
-"""Properties of a rule file on a real checkpoint, as assertions run in this process: save(load(x)) is
-x byte for byte, and a load equals a reference loader's state dict (the sharded ones: testing/ranks.py).
-"""
+"""Properties of a rule file on a real checkpoint, asserted in this process: save(load(x)) is x byte for
+byte, and a load equals a reference loader's state dict (the sharded ones: testing/ranks.py)."""
 
 from __future__ import annotations
 
@@ -13,8 +12,8 @@ from typing import Any
 
 import remapdsl
 from remapdsl.checkpoint.snapshot import require_data
-from remapdsl.testing.compare import (MAX_LISTED, _listed, _state, assert_state_dicts_equal, file_differences,
-                                      key_differences)
+from remapdsl.testing.compare import (MAX_LISTED, _listed, _state, assert_state_dicts_equal, fail_on,
+                                      file_differences, key_differences)
 
 
 def load_whole(rules, checkpoint, *, config: Mapping[str, Any] | None = None) -> dict:
@@ -26,15 +25,8 @@ def load_whole(rules, checkpoint, *, config: Mapping[str, Any] | None = None) ->
 
 
 def assert_round_trip(rules, checkpoint, *, config: Mapping[str, Any] | None = None, **save_options) -> None:
-    """Assert that saving the load of a checkpoint gives it back: the same files, byte for byte, and
-    the same index (else an AssertionError naming the files, tensors or index entries that differ).
-
-    Args:
-        rules: a .remap path or RuleSet.
-        checkpoint: a checkpoint folder (a snapshot has no data: write one with `write_checkpoint`).
-        config: the model config; by default the checkpoint's config.json.
-        save_options: passed to `remapdsl.save` (`allow_lossy`, ...).
-    """
+    """Assert that saving the load of a checkpoint folder gives it back: the same files, byte for byte, and
+    the same index (else an AssertionError naming what differs); `save_options` go to `remapdsl.save`."""
     require_data(checkpoint, "a round trip")
     inventory = remapdsl.open_checkpoint(checkpoint)
     state = load_whole(rules, checkpoint, config=config)
@@ -42,8 +34,7 @@ def assert_round_trip(rules, checkpoint, *, config: Mapping[str, Any] | None = N
         out = Path(tmp) / "copy"
         remapdsl.save(state, out, rules, like=checkpoint, config=config, **save_options)
         found = round_trip_differences(inventory, out)
-    if found:
-        raise AssertionError(f"save(load(checkpoint)) differs from {os.fspath(checkpoint)}:\n  " + "\n  ".join(found))
+    fail_on(found, f"save(load(checkpoint)) differs from {os.fspath(checkpoint)}")
 
 
 def round_trip_differences(inventory, out: Path) -> list[str]:
@@ -83,16 +74,10 @@ def transformers_state_dict(checkpoint, *, dtype: Any = "auto") -> dict:
 
 def assert_matches_reference(rules, checkpoint, reference: Callable[[Any], Mapping] | str, *,
                              config: Mapping[str, Any] | None = None) -> None:
-    """Assert that the rules load a checkpoint into exactly what a reference loader makes of it: the
-    catch for a rule that is wrong but consistent (gate and up swapped round-trips fine). The
-    AssertionError names the keys one side lacks, then the tensors whose shape, dtype or values differ.
-
-    Args:
-        rules, checkpoint, config: as for `assert_round_trip`.
-        reference: `"transformers"` (`AutoModelForCausalLM.from_pretrained` on the folder; the load
-            fills that model's own state dict) or a callable taking the checkpoint and returning
-            the state dict (or module) it must equal.
-    """
+    """Assert that the rules load a checkpoint into exactly what a reference loader makes of it, the catch for
+    a rule that is wrong but consistent (gate and up swapped round-trips fine). `reference`: `"transformers"`
+    (`from_pretrained` on the folder) or a callable taking the checkpoint and returning the state dict (or
+    module) it must equal."""
     require_data(checkpoint, "a comparison with a reference")
     if reference == "transformers":
         expected = transformers_state_dict(checkpoint)
@@ -110,8 +95,7 @@ def assert_matches_reference(rules, checkpoint, reference: Callable[[Any], Mappi
         if tuple(t.shape) != tuple(want.shape) or t.dtype != str(want.dtype).removeprefix("torch."):
             found.append(f"`{key}`: the rules make {t.dtype} {list(t.shape)}, {names[1]} has "
                          f"{str(want.dtype).removeprefix('torch.')} {list(want.shape)}")
-    if found:
-        raise AssertionError(f"state dicts differ ({names[0]} vs {names[1]}):\n  " + "\n  ".join(found[:2 * MAX_LISTED]))
+    fail_on(found[:2 * MAX_LISTED], f"state dicts differ ({names[0]} vs {names[1]})")
     import torch
 
     target = {key: torch.empty_like(value, device="cpu") for key, value in expected.items()}

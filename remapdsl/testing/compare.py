@@ -16,6 +16,18 @@ def _listed(keys, limit: int = MAX_LISTED) -> str:
     return shown + (f" and {len(keys) - limit} more" if len(keys) > limit else "")
 
 
+def fail_on(found: list[str], headline: str) -> None:
+    """Raise an AssertionError of `headline` and the differences found, one a line, if there are any."""
+    if found:
+        raise AssertionError(f"{headline}:\n  " + "\n  ".join(found))
+
+
+def _capped(found: list[str], prefix: str = "") -> list[str]:
+    """The first MAX_LISTED differences found, the rest counted."""
+    more = len(found) - MAX_LISTED
+    return found[:MAX_LISTED] + ([f"{prefix}and {more} more tensors differ"] if more > 0 else [])
+
+
 def key_differences(a, b, names: tuple[str, str]) -> list[str]:
     """`only in ...` for the keys of each side the other lacks."""
     return [f"only in {name}: {_listed(set(x) - set(y))}" for name, x, y in ((names[0], a, b), (names[1], b, a))
@@ -68,25 +80,15 @@ def tensor_difference(actual, expected, names: tuple[str, str] = ("actual", "exp
 def state_dict_differences(actual, expected, names: tuple[str, str] = ("actual", "expected")) -> list[str]:
     """The differences between two state dicts (or modules), keys first: empty when equal."""
     a, b = _state(actual), _state(expected)
-    out = key_differences(a, b, names)
-    found = [(k, why) for k in sorted(set(a) & set(b)) if (why := tensor_difference(a[k], b[k], names))]
-    out.extend(f"`{k}`: {why}" for k, why in found[:MAX_LISTED])
-    if len(found) > MAX_LISTED:
-        out.append(f"and {len(found) - MAX_LISTED} more tensors differ")
-    return out
+    found = [f"`{k}`: {why}" for k in sorted(set(a) & set(b))
+             if (why := tensor_difference(a[k], b[k], names))]
+    return key_differences(a, b, names) + _capped(found)
 
 
 def assert_state_dicts_equal(actual, expected, *, names: tuple[str, str] = ("actual", "expected")) -> None:
-    """Assert two state dicts (runtime key -> tensor, or modules) hold the same keys and exactly the
-    same tensors: dtype, shape and every bit (else an AssertionError: `state_dict_differences`).
-
-    Args:
-        actual, expected: the state dicts (or `torch.nn.Module`s; DTensors are compared whole).
-        names: what the two are called in the message (`("remapdsl", "transformers")`).
-    """
-    found = state_dict_differences(actual, expected, names)
-    if found:
-        raise AssertionError(f"state dicts differ ({names[0]} vs {names[1]}):\n  " + "\n  ".join(found))
+    """Assert two state dicts (or modules; DTensors compared whole) hold the same keys and exactly the same
+    tensors, every bit (else an AssertionError: `state_dict_differences`); `names` name the two in it."""
+    fail_on(state_dict_differences(actual, expected, names), f"state dicts differ ({names[0]} vs {names[1]})")
 
 
 def file_differences(inventory, produced: Path) -> list[str]:
@@ -131,7 +133,5 @@ def file_differences(inventory, produced: Path) -> list[str]:
                 at = next(i for i, (x, y) in enumerate(zip(got, want)) if x != y)
                 why = f"byte {at} of the tensor differs: written 0x{got[at]:02x}, original 0x{want[at]:02x}"
             differing.append(f"{name}: tensor `{t.ckpt_key}`: {why}")
-        out.extend(differing[:MAX_LISTED])
-        if len(differing) > MAX_LISTED:
-            out.append(f"{name}: and {len(differing) - MAX_LISTED} more tensors differ")
+        out += _capped(differing, f"{name}: ")
     return out

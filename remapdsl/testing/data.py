@@ -1,10 +1,7 @@
-"""Real checkpoints with random values: an inventory or snapshot -> safetensors files on disk in its
-layout, optionally scaled down to the first layers and experts.
-
-Values make a wrong rule show and a right one round-trip exactly: every float is +-(1 + m/8) * 2^k
-(k in -3..3, m in 0..7: exact in every float dtype, its products with such scales exact in bfloat16),
-FP8 codes finite, E8M0 scales between 2^-7 and 2^7; a tensor's values depend only on the seed and key.
-"""
+"""Real checkpoints with random values in an inventory's or snapshot's layout, optionally scaled down to the
+first layers and experts. Every float is +-(1 + m/8) * 2^k (k in -3..3, m in 0..7), exact in every float
+dtype and, times such scales, in bfloat16: a wrong rule shows and a right one round-trips exactly. FP8
+codes are finite, E8M0 scales between 2^-7 and 2^7."""
 
 from __future__ import annotations
 
@@ -12,6 +9,7 @@ import json
 import os
 import zlib
 from collections.abc import Mapping, Sequence
+from itertools import pairwise
 from pathlib import Path
 from typing import Any
 
@@ -32,16 +30,9 @@ EXPERT_CONFIG_KEYS = ("num_experts", "num_local_experts", "n_routed_experts")
 def write_checkpoint(source: str | os.PathLike | Inventory, folder: str | os.PathLike, *, seed: int = 0,
                      layers: int | None = None, experts: int | None = None,
                      config: Mapping[str, Any] | None = None) -> Path:
-    """Write a checkpoint in the layout of `source` (a snapshot, checkpoint folder or Inventory)
-    with random values: the same keys, dtypes, shapes, files and index, and its config.json.
-
-    Args:
-        source: what to imitate; a plain `Inventory.from_shapes` inventory has no config.
-        folder: the output folder (created; existing files of the same names are replaced).
-        seed: the values' seed; each tensor's values depend on the seed and its key only.
-        layers, experts: keep only the first N layers / experts (`scale_down`).
-        config: the config.json to write; by default the source's (scaled down with it).
-    """
+    """Write a checkpoint in the layout of `source` (a snapshot, checkpoint folder or Inventory) with random
+    values that depend on `seed` and each key only: the same keys, dtypes, shapes, files and index, and its
+    config.json (`config`, by default the source's). `layers`, `experts`: keep the first N (`scale_down`)."""
     inventory = source if isinstance(source, Inventory) else open_checkpoint(source)
     given = dict(checkpoint_config(inventory) if config is None else config)
     if layers is not None or experts is not None:
@@ -49,19 +40,14 @@ def write_checkpoint(source: str | os.PathLike | Inventory, folder: str | os.Pat
         given = inventory.config if config is None else given
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
-    by_file: dict[str, list] = {name: [] for name in inventory.files}
-    for t in inventory.tensors.values():
-        by_file[t.file].append(t)
-    for name, tensors in by_file.items():
-        tensors.sort(key=lambda t: t.byte_offset)
+    for name, tensors in _by_file(inventory).items():
         header_bytes, _ = _header(tensors, inventory.files[name].metadata)
         path = folder.joinpath(*name.split("/"))
         path.parent.mkdir(parents=True, exist_ok=True)
         with open(path, "wb") as f:
             f.write(len(header_bytes).to_bytes(8, "little"))
             f.write(header_bytes)
-            for t in tensors:
-                f.write(random_bytes(BY_NAME[t.dtype], t.shape, _seed(seed, t.ckpt_key)))
+            f.writelines(random_bytes(BY_NAME[t.dtype], t.shape, _seed(seed, t.ckpt_key)) for t in tensors)
     if inventory.index_file is not None:
         weight_map = {k: t.file for k, t in inventory.tensors.items()}
         total = sum(t.nbytes for t in inventory.tensors.values())
@@ -70,6 +56,15 @@ def write_checkpoint(source: str | os.PathLike | Inventory, folder: str | os.Pat
     if given or isinstance(inventory, SnapshotInventory):
         (folder / "config.json").write_text(json.dumps(given, indent=2) + "\n")
     return folder
+
+
+def _by_file(inventory: Inventory, keep=lambda t: True) -> dict[str, list]:
+    """File name -> the tensors in it that `keep` takes, in byte order."""
+    by_file: dict[str, list] = {name: [] for name in inventory.files}
+    for t in sorted(inventory.tensors.values(), key=lambda t: t.byte_offset):
+        if keep(t):
+            by_file[t.file].append(t)
+    return by_file
 
 
 def _header(tensors: Sequence, metadata: Mapping[str, str]) -> tuple[bytes, dict]:
@@ -122,15 +117,12 @@ def random_bytes(dtype: DType, shape: Sequence[int], seed: int) -> bytes:
     return rng.integers(low, low + 200, size=count).astype(numpy_dtype).tobytes()
 
 
-# ------------------------------------------------------------------------------------ scaling down
-
-
 def layer_and_expert(ckpt_key: str) -> tuple[int | None, int | None]:
     """The layer and expert indices a key names (`model.layers.3.mlp.experts.7.w1` -> (3, 7)): an
     integer segment right after one of LAYER_WORDS / EXPERT_WORDS."""
     parts = ckpt_key.split(".")
     layer = expert = None
-    for word, following in zip(parts, parts[1:]):
+    for word, following in pairwise(parts):
         if following.isdigit():
             if word in LAYER_WORDS and layer is None:
                 layer = int(following)
@@ -145,14 +137,14 @@ def scale_down(inventory: Inventory, *, layers: int | None = None, experts: int 
     anew (empty ones dropped), its config's counts and per-layer lists cut to match. Tensors that stack
     all experts in one keep their shape."""
     config = dict(checkpoint_config(inventory) if config is None else config)
-    kept: dict[str, list] = {name: [] for name in inventory.files}
-    for t in sorted(inventory.tensors.values(), key=lambda t: (t.file, t.byte_offset)):
+
+    def keep(t) -> bool:
         layer, expert = layer_and_expert(t.ckpt_key)
-        if (layers is None or layer is None or layer < layers) and (experts is None or expert is None
-                                                                    or expert < experts):
-            kept[t.file].append(t)
+        return (layers is None or layer is None or layer < layers) and (experts is None or expert is None
+                                                                         or expert < experts)
+
     files = {}
-    for name, tensors in kept.items():
+    for name, tensors in _by_file(inventory, keep).items():
         if not tensors:
             continue
         header_bytes, header = _header(tensors, inventory.files[name].metadata)
@@ -198,10 +190,9 @@ def write_pretrained(config: Mapping, folder: Path, seed: int = 0) -> Path:
 def write_dcp_sharded(tensors: Mapping[str, Any], folder: str | os.PathLike, tilings: Mapping[str, Any],
                       config: Mapping[str, Any] | None = None) -> Path:
     """Write `tensors` (key -> torch tensor) as torch's `HuggingFaceStorageWriter(save_distributed=True)`
-    does: the chunks of each key (`tilings[key]`: a `strategies.Tiling`, or a sequence of
-    `(offsets, sizes)` boxes; a key without one is written whole) in files `shard-0000i-model-00001-of-00001
-    .safetensors`, chunk i of every key in file i, each file's `DCP_SHARDING_INFO` giving its chunks'
-    offsets; and `config` as config.json. Chunks of no element are written too, as DCP writes them."""
+    does: chunk i of each key (`tilings[key]`: a `strategies.Tiling` or `(offsets, sizes)` boxes; none: whole)
+    in file i, `shard-0000i-model-00001-of-00001.safetensors`, whose `DCP_SHARDING_INFO` gives its chunks'
+    offsets (empty chunks too, as DCP writes them); and `config` as config.json."""
     from safetensors.torch import save_file
 
     folder = Path(folder)

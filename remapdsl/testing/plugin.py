@@ -1,10 +1,11 @@
 """The pytest plugin of remapdsl.testing (entry point `pytest11`): fixtures `remapdsl_checkpoint` and
 `remapdsl_ranks`, marker `remapdsl_distributed` (tests that start processes), and hypothesis profile
-`remapdsl-ci` (derandomized, no deadline, the failing example printed).
-"""
+`remapdsl-ci` (derandomized, no deadline, the failing example printed)."""
 
 from __future__ import annotations
 
+import contextlib
+import itertools
 import json
 from collections.abc import Mapping
 from pathlib import Path
@@ -14,12 +15,12 @@ import pytest
 PROFILE = "remapdsl-ci"
 MARKER = "remapdsl_distributed"
 
-try:  # registered on import, so hypothesis' own plugin finds it when it reads --hypothesis-profile
+# Registered on import, so hypothesis' own plugin finds it when it reads --hypothesis-profile; the kit works
+# without hypothesis (only the strategies need it).
+with contextlib.suppress(ImportError):
     from hypothesis import settings as _settings
 
     _settings.register_profile(PROFILE, derandomize=True, deadline=None, print_blob=True)
-except ImportError:  # the kit works without hypothesis; only the strategies need it
-    pass
 
 
 def pytest_configure(config) -> None:
@@ -33,12 +34,10 @@ def remapdsl_checkpoint(tmp_path):
     transformers config dict with `model_type` (or a config.json path holding one)."""
     from remapdsl.testing.data import write_checkpoint, write_pretrained
 
-    made = 0
+    made = itertools.count(1)
 
     def make(source, *, layers: int | None = None, experts: int | None = None, seed: int = 0) -> Path:
-        nonlocal made
-        made += 1
-        folder = tmp_path / f"checkpoint{made}"
+        folder = tmp_path / f"checkpoint{next(made)}"
         if isinstance(source, (str, Path)) and Path(source).name == "config.json":
             source = json.loads(Path(source).read_text())
         if isinstance(source, Mapping):

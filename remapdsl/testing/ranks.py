@@ -1,13 +1,10 @@
-"""Real multi-rank runs on the CPU: a function on N spawned gloo processes, and the sharded properties.
-
-Processes are spawned (forking torch's threads is not safe) and meet through a file rendezvous (no TCP
-port to race for); the function must be importable by module and name. Each rank's result or failure
-comes back through a file.
-"""
+"""Real multi-rank runs on the CPU: a function on N gloo processes, spawned (forking torch's threads is not
+safe) and meeting through a file rendezvous (no TCP port to race for); and the sharded properties."""
 
 from __future__ import annotations
 
 import datetime
+import glob
 import os
 import pickle
 import tempfile
@@ -20,6 +17,8 @@ from typing import Any
 import remapdsl
 from remapdsl.checkpoint.snapshot import config_of, require_data
 from remapdsl.sharding import LayoutPlan, Mesh, Replicate, Shard, layout_for, local_shard, parse_mesh, read_layout
+from remapdsl.testing.assertions import round_trip_differences
+from remapdsl.testing.compare import fail_on, tensor_difference
 
 
 def run_ranks(fn: Callable[..., Any], world: int = 2, *args: Any, timeout: float = 120.0,
@@ -49,11 +48,8 @@ def run_ranks(fn: Callable[..., Any], world: int = 2, *args: Any, timeout: float
                     process.terminate()
         results, failures = [], [died] if died else []
         for rank in range(world):
-            path = os.path.join(folder, f"rank{rank}.pickle")
-            ok, value = False, "no result"
-            if os.path.exists(path):
-                with open(path, "rb") as f:
-                    ok, value = pickle.load(f)
+            path = Path(folder, f"rank{rank}.pickle")
+            ok, value = pickle.loads(path.read_bytes()) if path.exists() else (False, "no result")
             results.append(value if ok else None)
             if not ok:
                 failures.append(f"rank {rank}: {value}")
@@ -82,8 +78,7 @@ def _entry(rank: int, world: int, folder: str, fn, args, timeout: float, backend
         data = pickle.dumps(outcome)
     except Exception:  # noqa: BLE001 - an unpicklable return value (pickled whole first: no torn file)
         data = pickle.dumps((False, f"returned an unpicklable {type(outcome[1]).__name__}"))
-    with open(os.path.join(folder, f"rank{rank}.pickle"), "wb") as f:
-        f.write(data)
+    Path(folder, f"rank{rank}.pickle").write_bytes(data)
     try:
         dist.barrier(group=control_group())  # leave together: a rank tearing gloo down while a peer is in a collective can abort it
     finally:
@@ -99,8 +94,6 @@ def as_mesh(mesh: Mesh | Mapping[str, int] | str) -> Mesh:
 
 def shard_everything(compiled, mesh: Mesh) -> LayoutPlan:
     """A layout cutting every runtime tensor on every mesh dim (mesh dim i cuts tensor dim i mod ndim)."""
-    import glob
-
     plan = {}
     for t in compiled.runtime_tensors:
         ndim = len(t.shape)
@@ -111,18 +104,10 @@ def shard_everything(compiled, mesh: Mesh) -> LayoutPlan:
 def assert_sharded_equals_whole(rules, checkpoint, layout: LayoutPlan | Mapping | str | None = None,
                                 mesh: Mesh | Mapping[str, int] | str = "tp=2", *,
                                 config: Mapping[str, Any] | None = None, timeout: float = 120.0) -> list[dict]:
-    """Assert, on real gloo processes (one per rank of `mesh`), that every rank's sharded load equals
-    the whole load sliced, and (without `dequantize`) that each rank reads exactly the bytes it owns;
-    returns per rank `{"bytes_read": ..., "bytes_owned": ...}`. The AssertionError names, per failing
-    rank, the tensors whose shard differs (box, first differing index, both values) or the bytes read.
-
-    Args:
-        rules, checkpoint, config: as for `assert_round_trip`.
-        layout: a `LayoutPlan`, a mapping of glob to style or placements (tp_plan style, on the
-            mesh's first dim), a layout JSON file, or None: every tensor cut on every mesh dim.
-        mesh: the device mesh: a `Mesh`, `{"tp": 2}` or `"dp=2,tp=2"`.
-        timeout: seconds the ranks may take.
-    """
+    """Assert, on one gloo process per rank of `mesh`, that every rank's sharded load equals the whole load
+    sliced and (without `dequantize`) reads exactly the bytes it owns; returns per rank `{"bytes_read": ...,
+    "bytes_owned": ...}`. `layout`: a `LayoutPlan`, a tp_plan-style mapping, a layout file, or None (every
+    tensor cut on every mesh dim); `mesh`: a `Mesh`, `{"tp": 2}` or `"dp=2,tp=2"`; `timeout`: seconds."""
     mesh, layout = _prepared(rules, checkpoint, layout, mesh, config, "a sharded load")
     return sharded_load_and_save(rules, checkpoint, layout, mesh, None, config=config, timeout=timeout)
 
@@ -130,18 +115,15 @@ def assert_sharded_equals_whole(rules, checkpoint, layout: LayoutPlan | Mapping 
 def assert_sharded_round_trip(rules, checkpoint, layout: LayoutPlan | Mapping | str | None = None,
                               mesh: Mesh | Mapping[str, int] | str = "tp=2", *,
                               config: Mapping[str, Any] | None = None, timeout: float = 120.0) -> list[dict]:
-    """Assert, on real gloo processes, that a sharded load saved back by the same ranks (each writing
-    the bytes it owns) gives the checkpoint back byte for byte, with the same index. Arguments as
-    `assert_sharded_equals_whole`, whose checks of the load run too; per rank, its result gains
-    `bytes_written` and `save_seconds`."""
+    """Assert, as `assert_sharded_equals_whole` (whose checks run too), that the ranks saving their shards
+    back (each writing the bytes it owns) give the checkpoint back byte for byte, with the same index; per
+    rank, its result gains `bytes_written` and `save_seconds`."""
     mesh, layout = _prepared(rules, checkpoint, layout, mesh, config, "a sharded round trip")
     with tempfile.TemporaryDirectory(prefix="remapdsl-sharded-round-trip-") as tmp:
         out = os.path.join(tmp, "copy")
         ranks = sharded_load_and_save(rules, checkpoint, layout, mesh, out, config=config, timeout=timeout)
         found = sharded_save_problems(ranks, checkpoint, out)
-    if found:
-        raise AssertionError(f"the sharded save of the sharded load differs from {os.fspath(checkpoint)}:\n  "
-                             + "\n  ".join(found))
+    fail_on(found, f"the sharded save of the sharded load differs from {os.fspath(checkpoint)}")
     return ranks
 
 
@@ -155,8 +137,6 @@ def sharded_load_and_save(rules, checkpoint, layout: LayoutPlan, mesh: Mesh, sav
 
 def sharded_save_problems(ranks: list[dict], checkpoint, save_to) -> list[str]:
     """What is wrong with what `sharded_load_and_save` wrote: the save's error, or how it differs."""
-    from remapdsl.testing.assertions import round_trip_differences
-
     failed = [r["save_error"] for r in ranks if "save_error" in r]
     if failed:
         return [f"the sharded save failed: {failed[0]}"]
@@ -180,8 +160,6 @@ def _prepared(rules, checkpoint, layout, mesh, config, what: str) -> tuple[Mesh,
 
 def _sharded_rank(rank: int, world: int, rules, checkpoint, layout, mesh, config, save_to) -> dict:
     import torch
-
-    from remapdsl.testing.compare import tensor_difference
 
     nan_dtypes = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
     compiled = remapdsl.compile_rules(rules, checkpoint, config)
@@ -209,9 +187,8 @@ def _sharded_rank(rank: int, world: int, rules, checkpoint, layout, mesh, config
                 found.append(f"`{key}`[{where}]: {why} (indices within the box)")
     if not compiled.logical and report.bytes_read != report.bytes_owned:
         found.append(f"read {report.bytes_read} B for {report.bytes_owned} B owned")
-    if found:
-        coordinate = ", ".join(f"{n}={c}" for n, c in zip(mesh.names, mesh.coordinate(rank)))
-        raise AssertionError(f"({coordinate}) shards differ from the whole load:\n  " + "\n  ".join(found[:10]))
+    coordinate = ", ".join(f"{n}={c}" for n, c in zip(mesh.names, mesh.coordinate(rank)))
+    fail_on(found[:10], f"({coordinate}) shards differ from the whole load")
     out = {"bytes_read": report.bytes_read, "bytes_owned": report.bytes_owned}
     if save_to is not None:
         started = time.perf_counter()

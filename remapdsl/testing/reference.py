@@ -1,10 +1,6 @@
-"""The reference conversion: a rule's ops applied to whole tensors with plain torch ops.
-
-An oracle for property tests: each op implemented from its definition (docs/language.md,
-"Operations"), knowing nothing of blocks or byte ranges (no import of remapdsl.compile). `state` is a
-list of tensors, or, while a capture is still to be reduced, a dict capture value -> list of tensors.
-Value ops compute in float32 and cast back, as the load executor does (runtime/pieces.py).
-"""
+"""The reference conversion, an oracle for property tests: a rule's ops applied to whole tensors with plain
+torch ops, each from its definition (docs/language.md), knowing nothing of the compiler's blocks. Value
+ops compute in float32 and cast back, as the load executor does."""
 
 from __future__ import annotations
 
@@ -33,14 +29,9 @@ def literal(expr: ir.Node) -> Any:
 
 def apply_ops(ops: list[ir.Op], tensors: State, evaluate: Callable[[ir.Node], Any] = literal,
               targets: int | None = None) -> State:
-    """Apply a rule's ops, in order, to its sources; returns the state they leave.
-
-    Args:
-        ops: the rule's ops (no macro calls; `rope_permute` is an op of its own).
-        tensors: the sources of one binding (a list), or capture value -> sources (a dict).
-        evaluate: the value of an argument expression; by default literals only.
-        targets: the number of targets, which `deinterleave` cuts into.
-    """
+    """Apply a rule's ops (no macro calls) in order to its sources: a list, or capture value -> sources while
+    a capture is still to be reduced; returns the state they leave. `evaluate`: an argument's value (by
+    default literals only); `targets`: the number of targets `deinterleave` cuts into."""
     state = tensors
     for op in ops:
         state = _apply(op, state, evaluate, targets)
@@ -52,12 +43,12 @@ def _apply(op: ir.Op, state: State, ev: Callable, targets: int | None) -> State:
         value = getattr(op, name)
         return default if value is None else ev(value)
 
+    join = torch.stack if isinstance(op, ir.Stack) else torch.cat
     if isinstance(op, (ir.Stack, ir.Concat)) and op.capture is not None:
         assert isinstance(state, Mapping), "a capture is reduced from a dict of capture values"
         start = arg("start", 0)
         values = sorted(state)
         assert values == list(range(start, start + len(values))), f"gap in {op.capture}: {values}"
-        join = torch.stack if isinstance(op, ir.Stack) else torch.cat
         return [join([state[v][i] for v in values], dim=arg("dim"))
                 for i in range(len(state[values[0]]))]
     if isinstance(state, Mapping):
@@ -65,10 +56,8 @@ def _apply(op: ir.Op, state: State, ev: Callable, targets: int | None) -> State:
     if isinstance(op, ir.Unstack):
         (t,) = state
         return {arg("start", 0) + i: [piece] for i, piece in enumerate(t.unbind(arg("dim")))}
-    if isinstance(op, ir.Concat):
-        return [torch.cat(state, dim=arg("dim"))]
-    if isinstance(op, ir.Stack):
-        return [torch.stack(state, dim=arg("dim"))]
+    if isinstance(op, (ir.Stack, ir.Concat)):
+        return [join(state, dim=arg("dim"))]
     if isinstance(op, ir.Interleave):
         dim, groups = arg("dim"), arg("groups")
         chunks = [_equal_parts(t, dim, groups) for t in state]
@@ -111,14 +100,11 @@ def _one(op: ir.Op, t: torch.Tensor, arg: Callable) -> torch.Tensor:
         return torch.cat([t, torch.full(shape, float(arg("value", 0)), dtype=t.dtype)], dim=dim)
     if isinstance(op, ir.Repeat):
         return torch.cat([t] * arg("times"), dim=arg("dim"))
-    if isinstance(op, ir.RopePermute):
+    if isinstance(op, (ir.RopePermute, ir.RopeUnpermute)):  # each head's rows: halves <-> interleaved pairs
         heads, rows, rest = arg("heads"), t.shape[0], t.shape[1:]
         assert rows % (2 * heads) == 0
-        return t.reshape(heads, rows // heads // 2, 2, *rest).transpose(1, 2).reshape(rows, *rest)
-    if isinstance(op, ir.RopeUnpermute):
-        heads, rows, rest = arg("heads"), t.shape[0], t.shape[1:]
-        assert rows % (2 * heads) == 0
-        return t.reshape(heads, 2, rows // heads // 2, *rest).transpose(1, 2).reshape(rows, *rest)
+        split = (rows // heads // 2, 2) if isinstance(op, ir.RopePermute) else (2, rows // heads // 2)
+        return t.reshape(heads, *split, *rest).transpose(1, 2).reshape(rows, *rest)
     if isinstance(op, ir.Cast):
         return t.to(getattr(torch, arg("dtype")))
     if isinstance(op, ir.Scale):

@@ -18,7 +18,6 @@ import torch
 from hypothesis import strategies as st
 
 from remapdsl import open_checkpoint
-from remapdsl.language import ir
 from remapdsl.language.parser import parse_text
 from remapdsl.sharding import LayoutError, LayoutPlan, Mesh, Replicate, Shard, StridedShard, local_shard
 from remapdsl.testing.data import write_checkpoint, write_pretrained
@@ -35,16 +34,10 @@ def _strategy(value) -> st.SearchStrategy:
 
 def checkpoints(source, *, root: str | os.PathLike | None = None, layers=None, experts=None,
                 seeds: st.SearchStrategy[int] = st.integers(0, 2**31 - 1)) -> st.SearchStrategy[Path]:
-    """Checkpoint folders in the layout of `source` (a snapshot, checkpoint folder or Inventory) with
-    random finite values; or, for a transformers config dict with `model_type`, a tiny model of it
-    (`write_pretrained`). Each example is a new folder under `root` (default: a temporary folder).
-
-    Args:
-        layers, experts: keep the first N layers / experts (an int, or a strategy of ints, e.g.
-            `st.integers(1, 2)`), config adjusted (`remapdsl.testing.scale_down`); None keeps all.
-            A config says its own sizes: give neither with one.
-        seeds: the values' seeds.
-    """
+    """Checkpoint folders in the layout of `source` (a snapshot, checkpoint folder or Inventory) with random
+    values from `seeds`, or, for a transformers config dict, a tiny model of it (`write_pretrained`); each a
+    new folder under `root` (default: a temporary one). `layers`, `experts`: keep the first N (an int or a
+    strategy; `scale_down`), not with a config, which says its own."""
     pretrained = isinstance(source, Mapping)
     if pretrained and (layers is not None or experts is not None):
         raise ValueError("a config says its own numbers of layers and experts: set them in it")
@@ -96,8 +89,7 @@ def placements(shape: Sequence[int], mesh: Mesh) -> st.SearchStrategy[tuple]:
     one = [st.just(Replicate())]
     if ndim:
         dims = st.integers(0, ndim - 1)
-        one.append(st.builds(Shard, dim=dims))
-        one.append(st.builds(StridedShard, dim=dims, split_factor=st.integers(1, 4)))
+        one += [st.builds(Shard, dim=dims), st.builds(StridedShard, dim=dims, split_factor=st.integers(1, 4))]
     chosen = st.tuples(*[st.one_of(one) for _ in mesh.sizes])
     return chosen.filter(lambda c: _valid(shape, mesh, c))
 
@@ -110,13 +102,6 @@ def layouts(draw, compiled, mesh: Mesh) -> LayoutPlan:
     return LayoutPlan.from_mapping(plan, mesh_dim=mesh.names[0])
 
 
-# ---- op chains ---------------------------------------------------------------------------------
-
-
-def _ops(text: str) -> list[ir.Op]:
-    return list(parse_text(f"a -> b | {text}").statements[0].ops)
-
-
 @dataclass
 class Chain:
     """An op chain being drawn, with the shapes of its list axis so far (`ops`: the ops' text)."""
@@ -127,14 +112,16 @@ class Chain:
     ops: list[str] = field(default_factory=list)
 
     def push(self, text: str, targets: int | None = None) -> None:
-        out = apply_ops(_ops(text), [torch.zeros(s) for s in self.shapes], targets=targets)
+        ops = list(parse_text(f"a -> b | {text}").statements[0].ops)
+        out = apply_ops(ops, [torch.zeros(s) for s in self.shapes], targets=targets)
         self.shapes = [tuple(t.shape) for t in out]
         self.ops.append(text)
 
 
-def _dim(draw, ndim: int) -> int:
-    d = draw(st.integers(0, ndim - 1))
-    return d - ndim if draw(st.booleans()) and draw(st.booleans()) else d  # sometimes negative
+def _dim(draw, ndim: int, d: int | None = None) -> int:
+    """Dim `d` (default: drawn) of `ndim`, sometimes written negative."""
+    d = draw(st.integers(0, ndim - 1)) if d is None else d
+    return d - ndim if draw(st.booleans()) and draw(st.booleans()) else d
 
 
 def _divisors(n: int) -> list[int]:
@@ -158,25 +145,21 @@ def _factorization(draw, numel: int) -> list[int]:
 def _combine(draw, chain: Chain) -> str | None:
     shapes = chain.shapes
     ndim = len(shapes[0])
-    kinds = []
-    if all(s == shapes[0] for s in shapes):
-        kinds.append("stack")
+    kinds = ["stack"] if all(s == shapes[0] for s in shapes) else []
     along = [d for d in range(ndim) if all(s[:d] + s[d + 1:] == shapes[0][:d] + shapes[0][d + 1:]
                                            for s in shapes)]
-    if along:
-        kinds += ["concat", "interleave"]
+    kinds += ["concat", "interleave"] if along else []
     if not kinds:
         return None
     kind = draw(st.sampled_from(kinds))
     if kind == "stack":
-        d = draw(st.integers(0, ndim))
-        return f"stack(dim={d})"
+        return f"stack(dim={draw(st.integers(0, ndim))})"
     d = draw(st.sampled_from(along))
-    text_d = d - ndim if draw(st.booleans()) and draw(st.booleans()) else d
+    dim = _dim(draw, ndim, d)
     if kind == "concat":
-        return f"concat(dim={text_d})"
+        return f"concat(dim={dim})"
     groups = draw(st.sampled_from(_divisors(math.gcd(*(s[d] for s in shapes)))))
-    return f"interleave(dim={text_d}, groups={groups})"
+    return f"interleave(dim={dim}, groups={groups})"
 
 
 def _cut(draw, shape: tuple[int, ...]) -> tuple[str, int] | None:
@@ -272,9 +255,6 @@ def op_chains(draw, shapes: Sequence[Sequence[int]], max_ops: int = 4, cuts: boo
     return draw_ops(draw, Chain([tuple(s) for s in shapes]), draw(st.integers(1, max_ops)), may_cut=cuts)
 
 
-# ---- memory layouts ------------------------------------------------------------------------------
-
-
 @dataclass(frozen=True)
 class Held:
     """A tensor as a caller may hold it: `tensor` (what is passed to remapdsl) is a view into `base`
@@ -332,14 +312,8 @@ def memory_layouts(draw, shape: Sequence[int], dtype: torch.dtype = torch.float3
 def laid_out(values: torch.Tensor) -> st.SearchStrategy[torch.Tensor]:
     """`values` copied into a tensor of a drawn memory layout (`memory_layouts`, nothing expanded): the
     same shape, dtype and values, other strides."""
-    def copy(held: Held) -> torch.Tensor:
-        held.tensor.copy_(values)
-        return held.tensor
-
-    return memory_layouts(tuple(values.shape), values.dtype, fill=0).map(copy)
-
-
-# ---- affine index maps ---------------------------------------------------------------------------
+    return memory_layouts(tuple(values.shape), values.dtype, fill=0).map(
+        lambda held: held.tensor.copy_(values))
 
 
 @dataclass(frozen=True)
@@ -374,18 +348,13 @@ def affine_indices(draw, count: int | st.SearchStrategy[int] = st.integers(1, 4)
     count = draw(_strategy(count))
     slope = draw(st.integers(-max_slope, max_slope).filter(bool))
     offset = draw(st.integers(-max_offset, max_offset))
-    if slope > 0:  # the least start whose image is >= 0
-        start = max(0, -(offset // slope))
-    else:  # the images fall with L: the offset must hold the last one >= 0
-        start = 0
-        offset = max(offset, -slope * (count - 1))
-    start += draw(st.integers(0, 2))
-    if slope < 0:
-        offset += -slope * 2  # room for the start drawn above
+    if slope > 0:  # from the least start whose image is >= 0
+        start = max(0, -(offset // slope)) + draw(st.integers(0, 2))
+    else:  # the images fall with L: the offset holds the last one >= 0, with room for a start up to 2
+        start = draw(st.integers(0, 2))
+        offset = max(offset, -slope * (count - 1)) - slope * 2
     return Affine(slope, offset, tuple(range(start, start + count)), name)
 
-
-# ---- DCP chunk tilings ---------------------------------------------------------------------------
 
 Box = tuple[tuple[int, ...], tuple[int, ...]]  # (offsets, sizes)
 TILINGS = ("grid", "staircase", "guillotine")
@@ -393,9 +362,8 @@ TILINGS = ("grid", "staircase", "guillotine")
 
 @dataclass(frozen=True)
 class Tiling:
-    """Boxes `(offsets, sizes)` of a tensor of `shape`, as the ranks of a DCP save write its chunks
-    (`remapdsl.testing.write_dcp_sharded` writes them), of kind `kind`; `removed` holds boxes taken
-    out of an exact tiling (`chunk_tilings(..., gaps=True)`): the gaps."""
+    """Chunk boxes `(offsets, sizes)` of a tensor of `shape`, as `write_dcp_sharded` writes them; `removed`:
+    the boxes taken out of an exact tiling (`chunk_tilings(..., gaps=True)`)."""
 
     shape: tuple[int, ...]
     boxes: tuple[Box, ...]
@@ -415,12 +383,10 @@ def _cuts(draw, n: int, most: int) -> list[int]:
 @st.composite
 def chunk_tilings(draw, shape: Sequence[int], max_chunks: int = 16, kinds: Sequence[str] = TILINGS,
                   empty: bool = True, gaps: bool = False) -> Tiling:
-    """How the ranks of a DCP save may have cut a tensor of `shape` into chunks: boxes that tile it
-    exactly once. `grid`: cuts per dim, every combination a chunk (what DTensor placements give);
-    `staircase` (2 dims or more): bands along dim 0, each cut along dim 1 at its own places, so the
-    chunk edges do not line up; `guillotine`: boxes split in two along any dim at any place, again and
-    again (irregular tilings of any rank). `empty`: zero-size chunks may be added, as DCP writes for a
-    rank holding none of a tensor. `gaps`: one or two non-empty chunks are taken out (`removed`)."""
+    """How the ranks of a DCP save may have cut a tensor of `shape`: chunks that tile it exactly once, of one
+    of `kinds` (`grid`: cuts per dim, as DTensor placements give; `staircase`: bands along dim 0, each cut
+    along dim 1 at its own places; `guillotine`: boxes split in two again and again). `empty`: zero-size
+    chunks may be added, as DCP writes for a rank holding none; `gaps`: one or two taken out (`removed`)."""
     shape = tuple(int(n) for n in shape)
     ndim = len(shape)
     kinds = [k for k in kinds if k != "staircase" or ndim >= 2]
@@ -434,11 +400,8 @@ def chunk_tilings(draw, shape: Sequence[int], max_chunks: int = 16, kinds: Seque
                  for at in product(*[range(len(e) - 1) for e in edges])]
     elif kind == "staircase":
         rows = _cuts(draw, shape[0], max(1, max_chunks // 2))
-        boxes = []
-        for a, b in pairwise(rows):
-            cols = _cuts(draw, shape[1], max(1, max_chunks // (len(rows) - 1)))
-            for c, d in pairwise(cols):
-                boxes.append(((a, c) + (0,) * (ndim - 2), (b - a, d - c) + shape[2:]))
+        boxes = [((a, c) + (0,) * (ndim - 2), (b - a, d - c) + shape[2:]) for a, b in pairwise(rows)
+                 for c, d in pairwise(_cuts(draw, shape[1], max(1, max_chunks // (len(rows) - 1))))]
     else:
         boxes = [((0,) * ndim, shape)]
         for _ in range(draw(st.integers(0, max_chunks - 1))):
@@ -454,8 +417,8 @@ def chunk_tilings(draw, shape: Sequence[int], max_chunks: int = 16, kinds: Seque
                                sizes[:d] + (sizes[d] - at,) + sizes[d + 1:])]
     removed: list[Box] = []
     if gaps and len(boxes) > 1:
-        for _ in range(draw(st.integers(1, min(2, len(boxes) - 1)))):
-            removed.append(boxes.pop(draw(st.integers(0, len(boxes) - 1))))
+        removed = [boxes.pop(draw(st.integers(0, len(boxes) - 1)))
+                   for _ in range(draw(st.integers(1, min(2, len(boxes) - 1))))]
     if empty and ndim and draw(st.booleans()):
         d = draw(st.integers(0, ndim - 1))
         at = draw(st.integers(0, shape[d]))

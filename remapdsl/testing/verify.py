@@ -1,20 +1,12 @@
-"""`remapdsl verify` as a function: rules and a checkpoint (or its snapshot) -> a Verification, one
-Check per property and mesh, each proven on real data by the kit's assertions.
-
-The properties, in order: the rules compile strictly; on each mesh, every rank's sharded load (gloo
-processes) equals the whole load sliced and reads exactly the bytes it owns (without `dequantize`),
-and the same ranks saving their shards give the checkpoint back byte for byte; save(load(x)) is x byte
-for byte; with `against="transformers"`, the load equals transformers'. A snapshot is replaced by random
-values in its layout (`write_checkpoint`). User errors raise RemapError before any property runs; a
-property that does not hold is a failed Check with the assertion's message.
-"""
+"""`remapdsl verify` as a function: rules and a checkpoint (or its snapshot) -> a Verification, one Check
+per property and mesh, each proven on real data by the kit's assertions (docs/testing.md#remapdsl-verify)."""
 
 from __future__ import annotations
 
 import os
 import tempfile
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Literal
 
@@ -70,20 +62,10 @@ class Verification(BaseModel):
 def verify(rules: str | os.PathLike, checkpoint: str | os.PathLike, meshes: Sequence[str] = DEFAULT_MESHES,
            layout: str | os.PathLike | None = None, against: str | None = None, *, seed: int = 0,
            timeout: float = 120.0) -> Verification:
-    """Prove the properties of a rule file on a checkpoint (see the module docstring); a user error
-    raises RemapError before any property runs.
-
-    Args:
-        rules: a .remap file.
-        checkpoint: a checkpoint folder, or a snapshot (`remapdsl snapshot`): then random values
-            in its layout (`seed`) are written to a temporary folder and checked.
-        meshes: the meshes to shard on (`"tp=2"`, `"ep=2,tp=2"`); one sharded check each, on one
-            gloo process per rank; empty: no sharded check.
-        layout: a layout JSON file (docs/layout.md); None: every runtime tensor cut on every
-            mesh dim (`shard_everything`).
-        against: None, or `"transformers"`: also compare the load with `from_pretrained`.
-        timeout: seconds one mesh's ranks may take.
-    """
+    """Prove the properties of a rule file on a checkpoint folder or snapshot (random values in its layout
+    from `seed`): it compiles strictly; on each of `meshes`, the sharded load and save on gloo ranks under
+    `layout` (None: `shard_everything`); the round trip; with `against="transformers"`, the reference load.
+    A user error raises RemapError before any property runs; `timeout`: seconds per mesh's ranks."""
     if against is not None and against not in REFERENCES:
         raise ValueError(f"against must be None or one of {REFERENCES}, not {against!r}")
     rule_set = remapdsl.load_rules(rules)
@@ -93,39 +75,42 @@ def verify(rules: str | os.PathLike, checkpoint: str | os.PathLike, meshes: Sequ
     if against == "transformers":
         _require_transformers()
     synthesized = isinstance(inventory, SnapshotInventory)
-    checks: list[Check] = []
     with tempfile.TemporaryDirectory(prefix="remapdsl-verify-") as tmp:
         folder = write_checkpoint(inventory, Path(tmp) / "synthesized", seed=seed) if synthesized else checkpoint
-        started = time.perf_counter()
-        try:
-            compiled = remapdsl.compile_rules(rule_set, folder)
-        except RemapError as exc:
-            checks.append(Check(property="compile", status="fail", seconds=time.perf_counter() - started,
-                                detail=exc.render()))
-            skipped = [(p, text) for text, _ in parsed for p in ("sharded load", "sharded save")]
-            skipped += [("round trip", None)] + ([("transformers", None)] if against else [])
-            checks.extend(Check(property=p, mesh=m, status="skipped", detail="the rules do not compile")
-                          for p, m in skipped)
-            return Verification(rules=os.fspath(rules), checkpoint=os.fspath(checkpoint), synthesized=synthesized,
-                                checks=tuple(checks))
-        checks.append(Check(property="compile", status="pass", seconds=time.perf_counter() - started,
-                            detail=f"{len(compiled.runtime_tensors)} runtime tensors from "
-                            f"{len(compiled.ckpt_tensors)} checkpoint tensors, every one used or dropped"))
-        data = remapdsl.open_checkpoint(folder)
-        layouts = [(text, mesh, plan or shard_everything(compiled, mesh)) for text, mesh in parsed]
-        for _, mesh, mesh_layout in layouts:  # a layout that does not fit a mesh is the user's error: raise now
-            for rank in range(mesh.size):
-                remapdsl.plan_rank(compiled, data, mesh_layout, mesh, rank)
-        for text, mesh, mesh_layout in layouts:
-            checks.extend(_sharded(rules, folder, mesh_layout, text, mesh, compiled.logical, timeout))
-        checks.append(_timed("round trip", lambda: assert_round_trip(rules, folder),
-                             f"{len(data.files)} file{'s' if len(data.files) != 1 else ''}"
-                             f"{' and the index' if data.index_file else ''} written back byte for byte"))
-        if against == "transformers":
-            checks.append(_timed("transformers", lambda: assert_matches_reference(rules, folder, "transformers"),
-                                 "every runtime tensor equals from_pretrained's, bit for bit"))
+        checks = tuple(_checks(rule_set, rules, folder, parsed, plan, against, timeout))
     return Verification(rules=os.fspath(rules), checkpoint=os.fspath(checkpoint), synthesized=synthesized,
-                        checks=tuple(checks))
+                        checks=checks)
+
+
+def _checks(rule_set, rules, folder, meshes, plan, against, timeout: float) -> Iterator[Check]:
+    """The checks in the order they run, on the checkpoint with data in `folder`."""
+    started = time.perf_counter()
+    try:
+        compiled = remapdsl.compile_rules(rule_set, folder)
+    except RemapError as exc:
+        yield Check(property="compile", status="fail", seconds=time.perf_counter() - started,
+                    detail=exc.render())
+        skipped = [(p, text) for text, _ in meshes for p in ("sharded load", "sharded save")]
+        skipped += [("round trip", None)] + ([("transformers", None)] if against else [])
+        for p, m in skipped:
+            yield Check(property=p, mesh=m, status="skipped", detail="the rules do not compile")
+        return
+    yield Check(property="compile", status="pass", seconds=time.perf_counter() - started,
+                detail=f"{len(compiled.runtime_tensors)} runtime tensors from {len(compiled.ckpt_tensors)} "
+                "checkpoint tensors, every one used or dropped")
+    data = remapdsl.open_checkpoint(folder)
+    layouts = [(text, mesh, plan or shard_everything(compiled, mesh)) for text, mesh in meshes]
+    for _, mesh, mesh_layout in layouts:  # a layout that does not fit a mesh is the user's error: raise now
+        for rank in range(mesh.size):
+            remapdsl.plan_rank(compiled, data, mesh_layout, mesh, rank)
+    for text, mesh, mesh_layout in layouts:
+        yield from _sharded(rules, folder, mesh_layout, text, mesh, compiled.logical, timeout)
+    yield _timed("round trip", lambda: assert_round_trip(rules, folder),
+                 f"{len(data.files)} file{'s' if len(data.files) != 1 else ''}"
+                 f"{' and the index' if data.index_file else ''} written back byte for byte")
+    if against == "transformers":
+        yield _timed("transformers", lambda: assert_matches_reference(rules, folder, "transformers"),
+                     "every runtime tensor equals from_pretrained's, bit for bit")
 
 
 def _sharded(rules, folder, layout, text: str, mesh, logical: bool, timeout: float) -> tuple[Check, Check]:
