@@ -44,8 +44,9 @@ def syntax_diagnostic(exc: UnexpectedInput, text: str, path: str, parser: Lark) 
             value = str(exc.token)
             if kind == "_NL":
                 found, width = "end of line", 1
-            elif kind == "_CONT":
-                line, column = _cont_position(text, exc.token.end_pos)
+            elif kind == "_CONT":  # the `|` that ends the token
+                bar = char_span(text, exc.token.end_pos - 1, path)
+                line, column = bar.line, bar.column
                 found, width, kind = "`|`", 1, "VBAR"
             else:
                 found, width = f"`{value}`", max(len(value.split("\n")[0]), 1)
@@ -231,11 +232,11 @@ def _unclosed(line: str) -> tuple[int, str] | None:
     return stack[0] if stack else None
 
 
-def _cont_position(text: str, end: int) -> tuple[int, int]:
-    """Line and column of the `|` that ends a continuation token ending at `end`."""
-    bar = end - 1
-    line = text.count("\n", 0, bar) + 1
-    return line, bar - (text.rfind("\n", 0, bar) + 1) + 1
+def char_span(text: str, at: int, path: str) -> Span:
+    """The span of the character at index `at` of `text` (or of the end of the text)."""
+    line = text.count("\n", 0, at) + 1
+    column = at - text.rfind("\n", 0, at)
+    return Span(path=path, line=line, column=column, end_line=line, end_column=column + 1)
 
 
 def _statement_above(lines: list[str], line: int) -> str | None:
