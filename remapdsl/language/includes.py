@@ -1,9 +1,6 @@
-"""A rule file and its includes -> one checked RuleSet: the flat program the compiler reads.
-
-Includes resolve relative to the including file and may not leave the root folder (a hostile file
-cannot pull arbitrary files into error messages); a bare name that is no file there names a shipped
-rule file (library.py). Each file is included once, at most MAX_INCLUDE_DEPTH deep, without cycles.
-"""
+"""A rule file and its includes -> one checked RuleSet: the flat program the compiler reads. Includes
+resolve relative to the including file, inside the root folder (a hostile file cannot pull arbitrary files
+into error messages), else name a shipped file; each once, at most MAX_INCLUDE_DEPTH deep, without cycles."""
 
 from __future__ import annotations
 

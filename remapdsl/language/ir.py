@@ -54,12 +54,19 @@ class Statement(Node):
                         raise ValueError(f"a {type(part).__name__} cannot stand in a {side} pattern")
                     if isinstance(part, Capture) and types.setdefault(part.name, part.type) != part.type:
                         raise ValueError(f"capture `{part.name}` has two types in one statement")
-        if self.roles is not None:
-            field, allowed, where = self.roles
-            for op in _tuple(getattr(self, field)):
-                if op.role not in allowed:
-                    raise ValueError(f"`{getattr(op, 'name', None) or op.op_name()}` cannot stand in {where}")
+        for op in self.ops_of():
+            if op.role not in self.roles[1]:
+                name = getattr(op, "name", None) or op.op_name()
+                raise ValueError(f"`{name}` cannot stand in {self.roles[2]}")
         return self
+
+    def patterns_of(self) -> tuple[Pattern, ...]:
+        """Every key pattern of the statement, in field order."""
+        return tuple(p for field, _ in self.sides for p in _tuple(getattr(self, field)))
+
+    def ops_of(self) -> tuple[AnyOp, ...]:
+        """The ops of its pipe (the format of a `dequantize` or `quantized`), () where it has none."""
+        return () if self.roles is None else _tuple(getattr(self, self.roles[0]))
 
 
 def _tuple(value) -> tuple:

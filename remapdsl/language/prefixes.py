@@ -69,29 +69,14 @@ def _reason(exc: ValidationError) -> str:
     return exc.errors()[0]["msg"].removeprefix("Value error, ")
 
 
-def _patterns(s) -> tuple[tuple[ir.Pattern, ...], ...]:
-    """A statement's patterns, by side: checkpoint side, runtime side."""
-    if isinstance(s, ir.Rule):
-        return s.sources, s.targets
-    if isinstance(s, ir.Drop):
-        return s.patterns, ()
-    if isinstance(s, ir.Keep):
-        return (), s.patterns
-    if isinstance(s, ir.Dequantize):
-        return (*s.sources, s.target), ()
-    if isinstance(s, ir.Quantized):
-        return s.sources, ()
-    return (), ()
-
-
 def _ref(s, name: str) -> Span | None:
     """Where a statement first writes `@name` (the statement where no span is known)."""
-    return next((part.span for side in _patterns(s) for p in side for part in p.parts
+    return next((part.span for p in s.patterns_of() for part in p.parts
                  if isinstance(part, ir.PrefixRef) and part.name == name and part.span), s.span)
 
 
 def _used(s) -> set[str]:
-    return {part.name for side in _patterns(s) for p in side for part in p.parts if isinstance(part, ir.PrefixRef)}
+    return {part.name for p in s.patterns_of() for part in p.parts if isinstance(part, ir.PrefixRef)}
 
 
 def _matching(parts: tuple) -> tuple | None:
