@@ -21,12 +21,11 @@ def attach_trivia(
     statements: tuple[ir.Statement, ...], text: str
 ) -> tuple[tuple[ir.Statement, ...], tuple[str, ...]]:
     """Return the statements with their trivia filled in, and the file's trailing comments."""
-    lines = text.split("\n")
     owners = _line_owners(statements)
     leading: dict[tuple[int, int], list[str]] = {}
     trailing: dict[tuple[int, int], str] = {}
     pending: list[str] = []
-    for number, line in enumerate(lines, start=1):
+    for number, line in enumerate(text.split("\n"), start=1):
         has_code, comment = split_comment(line)
         owner = owners.get(number)
         if owner is None:

@@ -32,12 +32,8 @@ class RuleSet(BaseModel):
 
     def line_text(self, span: Span | None) -> str | None:
         """The source line a span points at, for diagnostics raised by later stages."""
-        if span is None:
-            return None
-        for file in self.files:
-            if file.path == span.path:
-                return file.line_text(span.line)
-        return None
+        file = next((f for f in self.files if span is not None and f.path == span.path), None)
+        return file.line_text(span.line) if file else None
 
 
 def load_rules(path: str | os.PathLike, root: str | os.PathLike | None = None) -> RuleSet:

@@ -273,18 +273,11 @@ def pattern_problems(parts: tuple[Node, ...]) -> list[tuple[int, str]]:
         elif isinstance(a, _MATCHERS) and isinstance(b, _MATCHERS):
             problems.append((i, "two wildcards or captures side by side cannot be told apart; "
                                 "put literal text between them"))
-    # Segment structure: stand-ins for non-literal parts, then split on dots.
-    index_of_char: list[int] = []
-    flat = ""
-    for i, part in enumerate(parts):
-        if isinstance(part, Text):
-            piece = part.text
-        elif isinstance(part, (DoubleStar, PrefixRef)):  # a prefix: whole segments
-            piece = "#"
-        else:
-            piece = "x"
-        flat += piece
-        index_of_char.extend([i] * len(piece))
+    # Segment structure: one character for each non-literal part ("#": whole segments), split on dots.
+    pieces = [part.text if isinstance(part, Text) else
+              "#" if isinstance(part, (DoubleStar, PrefixRef)) else "x" for part in parts]
+    flat = "".join(pieces)
+    index_of_char = [i for i, piece in enumerate(pieces) for _ in piece]
     position = 0
     for segment in flat.split("."):
         owner = index_of_char[min(position, len(flat) - 1)] if flat else 0

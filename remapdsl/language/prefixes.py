@@ -1,10 +1,6 @@
-"""`prefix @name = SOURCE -> TARGET [when GUARD]` and the statements that use `@name` -> plain
-statements, one per definition (codes E150-E152).
-
-`@name` is read as SOURCE on the checkpoint side (rule sources, `drop`, `dequantize`, `quantized`)
-and TARGET on the runtime side (rule targets, `keep`), the definition's guard joined to the
-statement's with `and`. The checks and the compiler see the expansion; the files keep what was written.
-"""
+"""`prefix @name = SOURCE -> TARGET [when GUARD]` and the statements that use `@name` -> plain statements,
+one per definition (E150-E152): `@name` read as SOURCE on the checkpoint side, TARGET on the runtime side
+(rule targets, `keep`), the guards joined with `and`. The checks and the compiler see the expansion."""
 
 from __future__ import annotations
 
