@@ -1,11 +1,6 @@
-"""Lark parser callbacks -> IR nodes (remapdsl.language.ir), called while parsing, without a parse tree.
-
-Statements and ops are built here (op arguments bound to each built-in op's declared parameters),
-key patterns in pattern_builder.py, expressions in expr_builder.py. Which formats exist is the static
-checks' question, so a format call is a FormatCall whatever its name. Nodes are built with their own
-constructors (`context.new`), so the IR validators check each one; the callbacks check the same
-invariants first, with the same functions, to report them as located errors, all at the end of the parse.
-"""
+"""Lark parser callbacks -> IR nodes (remapdsl.language.ir), called while parsing, without a parse tree:
+statements and ops here, key patterns in pattern_builder.py, expressions in expr_builder.py. The callbacks
+check what the IR validators check first, to report it as located errors, all at the end of the parse."""
 
 from __future__ import annotations
 
@@ -29,7 +24,6 @@ class _Arg(NamedTuple):
     span: Span
 
 
-
 class Builder(Transformer):
     """The callbacks Lark calls on each reduction, with the list of its children; stateless (the
     parse's state is in the Context). No `v_args`: its wrappers cost a tenth of the parse."""
@@ -37,8 +31,7 @@ class Builder(Transformer):
     # -- file and statements --
 
     def start(self, children: list) -> tuple[ir.Statement, ...]:
-        statements = tuple(children)
-        found = tuple(s for s in statements if s is not None)
+        found = tuple(s for s in children if s is not None)
         for s in found[1:]:
             if isinstance(s, ir.Version):
                 error("E032", "the `remap` version line must be the first statement", s.span)
@@ -204,8 +197,7 @@ class Builder(Transformer):
                 new(ir.Arg, name=str(a.name) if a.name else None, value=a.value, span=a.span)
                 for a in given))
         fields = _bind_args(cls, name, given, span)
-        missing = [p.name for p in cls.params if p.required and p.name not in fields]
-        if missing:
+        if any(p.required and p.name not in fields for p in cls.params):  # reported
             return new(ir.MacroCall, name=_INVALID, span=span)
         return new(cls, span=span, **fields)
 
@@ -280,9 +272,8 @@ def _drop_or_keep(statement: type[ir.Drop | ir.Keep], keyword, patterns, guard) 
 
 
 def _format(ops: tuple, span, statement: str) -> ir.FormatCall | None:
-    """The one format of a `dequantize` or `quantized` statement, or None after reporting what is
-    wrong. Any call that is not a built-in op becomes a FormatCall: the static checks, not the
-    parser, look its name up among the registered formats."""
+    """The one format of a `dequantize` or `quantized` statement, or None (reported); any call that is not
+    a built-in op is a FormatCall, its name looked up by the static checks."""
     if len(ops) != 1:
         where = ops[1].span if len(ops) > 1 else span
         error("E034", f"a `{statement}` statement names exactly one format after `|`, found {len(ops)}",

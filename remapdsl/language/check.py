@@ -192,8 +192,7 @@ class _Checker:
     def targets(self, patterns, captures, unstacked) -> set[str]:
         """Check target substitutions; return the capture names the targets use."""
         used: set[str] = set()
-        bound = dict(captures)
-        bound.update({name: ("int", span) for name, span in unstacked.items()})
+        bound = captures | {name: ("int", span) for name, span in unstacked.items()}
         for pattern in patterns:
             for part in pattern.parts:
                 if not isinstance(part, ir.Subst):
@@ -223,7 +222,7 @@ class _Checker:
         length = sum(_list_length(p) for p in s.sources)
         wanted = sum(_list_length(p) for p in s.targets)
         for op in ops:
-            if isinstance(op, _COMBINE) and (not isinstance(op, (ir.Stack, ir.Concat)) or op.capture is None):
+            if isinstance(op, _COMBINE) and getattr(op, "capture", None) is None:
                 if length < 2:
                     self.error("E110", f"`{op.op_name()}` combines several sources, but there is "
                                "only one here", op.span, "list sources with `,` or `{a,b}`")
@@ -349,13 +348,12 @@ class _Checker:
     def typed(self, value: ir.Node, kind: str, params, name: str, captures) -> None:
         """Check one argument against the kind its parameter declares."""
         if kind in ("dtype", "scale_dtype"):
-            choices = DTYPE_NAMES if kind == "dtype" else SCALE_DTYPES
+            choices, what, example = {"dtype": (DTYPE_NAMES, "dtype", "bfloat16"),
+                                      "scale_dtype": (SCALE_DTYPES, "scale type", "float32")}[kind]
             if (kind == "dtype" and isinstance(value, ir.Name) and value.id in self.lets
                     and self.lets[value.id][0] in ("dtype", "unknown")):
                 return
             if not isinstance(value, ir.Name) or value.id not in choices:
-                what = "scale type" if kind == "scale_dtype" else "dtype"
-                example = "float32" if kind == "scale_dtype" else "bfloat16"
                 if isinstance(value, ir.Name):
                     message = f"unknown {what} `{value.id}`"
                     hint = did_you_mean(value.id, choices)
@@ -459,10 +457,7 @@ def _list_length(pattern: ir.Pattern) -> int:
 
 def _close_name(name: str, choices) -> str | None:
     """A capture the misspelled `name` most likely meant, ignoring case first."""
-    for choice in choices:
-        if choice.lower() == name.lower():
-            return choice
-    return suggest(name, choices)
+    return next((c for c in choices if c.lower() == name.lower()), None) or suggest(name, choices)
 
 
 def _at(first: Span | None, here: Span | None) -> str:

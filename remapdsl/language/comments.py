@@ -21,12 +21,11 @@ def attach_trivia(
     statements: tuple[ir.Statement, ...], text: str
 ) -> tuple[tuple[ir.Statement, ...], tuple[str, ...]]:
     """Return the statements with their trivia filled in, and the file's trailing comments."""
-    lines = text.split("\n")
     owners = _line_owners(statements)
     leading: dict[tuple[int, int], list[str]] = {}
     trailing: dict[tuple[int, int], str] = {}
     pending: list[str] = []
-    for number, line in enumerate(lines, start=1):
+    for number, line in enumerate(text.split("\n"), start=1):
         has_code, comment = split_comment(line)
         owner = owners.get(number)
         if owner is None:
@@ -41,7 +40,7 @@ def attach_trivia(
     result = []
     for s_index, statement in enumerate(statements):
         ops = tuple(_with_trivia(op, [c for c in leading.get((s_index, i), ()) if c], trailing.get((s_index, i)))
-                    for i, op in enumerate(_ops_of(statement), start=1))  # blank lines between ops go
+                    for i, op in enumerate(statement.ops_of(), start=1))  # blank lines between ops go
         if isinstance(statement, (ir.Dequantize, ir.Quantized)):
             statement = statement.model_copy(update={"format": ops[0]})
         elif ops:
@@ -57,18 +56,10 @@ def _line_owners(statements: tuple[ir.Statement, ...]) -> dict[int, tuple[int, i
     for s_index, statement in enumerate(statements):
         assert statement.span is not None
         owners[statement.span.line] = (s_index, 0)
-        for o_index, op in enumerate(_ops_of(statement)):
+        for o_index, op in enumerate(statement.ops_of()):
             if op.span is not None and op.span.line != statement.span.line:
                 owners[op.span.line] = (s_index, o_index + 1)
     return owners
-
-
-def _ops_of(statement: ir.Statement) -> tuple[ir.Op, ...]:
-    if isinstance(statement, (ir.Rule, ir.Macro)):
-        return statement.ops
-    if isinstance(statement, (ir.Dequantize, ir.Quantized)):
-        return (statement.format,)
-    return ()
 
 
 def _with_trivia(node, leading, trailing):

@@ -14,7 +14,6 @@ from . import ir
 from ..errors import Diagnostic, Span
 
 
-
 @dataclass
 class Context:
     """What one parse call collects; set around `Lark.parse` through a context variable."""
@@ -37,9 +36,8 @@ def span_of(first: Any, last: Any = None) -> Span:
 
 
 def new(cls: type[ir.Node], **values: Any) -> Any:
-    """A node made by its class's constructor, so the IR's validators check it. One they refuse stands
-    in (unvalidated) only once this parse has reported an error, so the parse goes on to report the
-    rest and then raises; refused without one, the ValidationError is a bug in the callbacks."""
+    """A node made by its class's constructor, so the IR's validators check it; one they refuse stands in
+    unvalidated once this parse has reported an error (without one, it is a bug in the callbacks)."""
     try:
         return cls(**values)
     except ValidationError:

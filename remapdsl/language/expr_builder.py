@@ -17,7 +17,7 @@ from .context import CONTEXT, error, new as _new, span_of
 MAX_DEPTH = 64  # expression nesting; deeper is refused rather than recursed into
 _DECIMAL = re.compile(r"[0-9]+\.[0-9]+")
 
-# Binding strength of binary operators (loosest first) and whether they chain to the left.
+# Binding strength of the binary operators, loosest first (docs/language.md).
 _BINARY = {"or": 1, "and": 2, "==": 4, "!=": 4, "<": 4, "<=": 4, ">": 4, ">=": 4, "??": 5,
            "+": 6, "-": 6, "*": 7, "//": 7, "%": 7}
 _COMPARE_LEVEL = 4
@@ -27,7 +27,7 @@ def flat_expression(items: tuple) -> ir.Node:
     """The node of one flat run, by precedence; a run nested too deeply is reported (E039) and
     stands as a placeholder, so the parse goes on to report what else is wrong."""
     try:
-        return _Precedence(items).parse()
+        return _Precedence(items).binary(1)
     except _TooDeep:
         return _too_deep(span_of(items[0]))
 
@@ -48,8 +48,7 @@ def _too_deep(span: Span) -> ir.Int:
 def _deep_span(statement: ir.Statement) -> Span | None:
     """The span of an expression nested deeper than MAX_DEPTH in a statement, if any."""
     roots = [getattr(statement, name) for name in ("value", "guard") if hasattr(statement, name)]
-    ops = getattr(statement, "ops", ()) or ((statement.format,) if hasattr(statement, "format") else ())
-    for op in ops:
+    for op in statement.ops_of():
         roots.extend(getattr(op, p.name) for p in op.params if p.kind != "capture")
         roots.extend(arg.value for arg in getattr(op, "args", ()))
     stack = [(root, 0) for root in roots if isinstance(root, ir.Node)]
@@ -66,10 +65,8 @@ def atom(item: Any) -> ir.Node:
     if not isinstance(item, Token):
         return item
     span = span_of(item)
-    if item.type == "TRUE":
-        return _new(ir.Bool, value=True, span=span)
-    if item.type == "FALSE":
-        return _new(ir.Bool, value=False, span=span)
+    if item.type in ("TRUE", "FALSE"):
+        return _new(ir.Bool, value=item.type == "TRUE", span=span)
     text = str(item)
     if item.type == "FLOAT" or _DECIMAL.fullmatch(text):
         value = float(text)
@@ -123,9 +120,6 @@ class _Precedence:
         self.items = items
         self.at = 0
 
-    def parse(self) -> ir.Node:
-        return self.binary(1)
-
     def peek_operator(self) -> str | None:
         if self.at < len(self.items):
             item = self.items[self.at]
@@ -135,9 +129,7 @@ class _Precedence:
 
     def binary(self, level: int, depth: int = 0) -> ir.Node:
         """Operands joined by the operators binding at least as tightly as `level`."""
-        if depth > MAX_DEPTH:
-            raise _TooDeep
-        left = self.prefixed(level, depth)
+        left = self.prefixed(depth)  # raises _TooDeep past MAX_DEPTH
         compared = False  # whether `left` is a comparison made in this run (not parenthesized)
         while (op := self.peek_operator()) is not None and _BINARY[op] >= level:
             strength = _BINARY[op]
@@ -161,7 +153,7 @@ class _Precedence:
                 left = _new(ir.BinOp, op=op, left=left, right=right, span=span)
         return left
 
-    def prefixed(self, level: int, depth: int) -> ir.Node:
+    def prefixed(self, depth: int) -> ir.Node:
         """An operand with its prefix operators; `not` takes a whole comparison as operand."""
         if depth > MAX_DEPTH:
             raise _TooDeep
@@ -171,12 +163,10 @@ class _Precedence:
             if item.type == "NOT":  # its operand is a whole comparison, as in Python
                 operand = self.binary(_COMPARE_LEVEL, depth + 1)
                 return _new(ir.Not, operand=operand, span=span_of(item, operand))
-            operand = self.prefixed(level, depth + 1)
+            operand = self.prefixed(depth + 1)
             span = span_of(item, operand)
-            if isinstance(operand, ir.Int):
-                return _new(ir.Int, value=-operand.value, span=span)
-            if isinstance(operand, ir.Float):
-                return _new(ir.Float, value=-operand.value, span=span)
+            if isinstance(operand, (ir.Int, ir.Float)):  # `-3` is the literal -3
+                return _new(type(operand), value=-operand.value, span=span)
             return _new(ir.Neg, operand=operand, span=span)
         self.at += 1
         return atom(item)

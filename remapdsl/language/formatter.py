@@ -1,11 +1,5 @@
-"""IR -> canonical rule-file text, with comments kept; `parse(format(ir)) == ir`.
-
-Canonical form: one statement per line; a rule's ops inline when there is one op, no op comment
-and the line fits in 100 columns, else one `| op` per line indented by four spaces; a built-in
-op's arguments in declared order (captures and the op's positional parameters bare, the rest as
-`name=value`), a macro's or a format's as written; the fewest parentheses that keep the meaning;
-a capture's type written at its first use only.
-"""
+"""IR -> canonical rule-file text (docs/language.md, "Canonical form"), with comments kept;
+`parse(format(ir)) == ir`. A capture's type is written at its first use only."""
 
 from __future__ import annotations
 
@@ -31,8 +25,7 @@ def format_rules(rules: ir.RuleFile) -> str:
 
 def format_statement(statement: ir.Statement) -> list[str]:
     """The lines of one statement, with its comments."""
-    seen: set[str] = set()
-    head, ops = _head(statement, seen)
+    head, ops = _head(statement, set())
     trailing = f"  {statement.trivia.trailing}" if statement.trivia.trailing else ""
     op_texts = [format_op(op) for op in ops]
     inline = f"{head} | {op_texts[0]}" if len(ops) == 1 else ""

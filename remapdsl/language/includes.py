@@ -1,9 +1,6 @@
-"""A rule file and its includes -> one checked RuleSet: the flat program the compiler reads.
-
-Includes resolve relative to the including file and may not leave the root folder (a hostile file
-cannot pull arbitrary files into error messages); a bare name that is no file there names a shipped
-rule file (library.py). Each file is included once, at most MAX_INCLUDE_DEPTH deep, without cycles.
-"""
+"""A rule file and its includes -> one checked RuleSet: the flat program the compiler reads. Includes
+resolve relative to the including file, inside the root folder (a hostile file cannot pull arbitrary files
+into error messages), else name a shipped file; each once, at most MAX_INCLUDE_DEPTH deep, without cycles."""
 
 from __future__ import annotations
 
@@ -35,12 +32,8 @@ class RuleSet(BaseModel):
 
     def line_text(self, span: Span | None) -> str | None:
         """The source line a span points at, for diagnostics raised by later stages."""
-        if span is None:
-            return None
-        for file in self.files:
-            if file.path == span.path:
-                return file.line_text(span.line)
-        return None
+        file = next((f for f in self.files if span is not None and f.path == span.path), None)
+        return file.line_text(span.line) if file else None
 
 
 def load_rules(path: str | os.PathLike, root: str | os.PathLike | None = None) -> RuleSet:

@@ -8,7 +8,7 @@ from typing import Annotated, ClassVar, Literal, Union
 from pydantic import Field, field_validator, model_validator
 
 from .nodes import (
-    LANGUAGE_VERSIONS, CAPTURE_TYPES, OPTION_TEXT, identifier_problem, checked_identifier, Node, Trivia,
+    LANGUAGE_VERSIONS, CAPTURE_TYPES, OPTION_TEXT, identifier_problem, Identifier, Node, Trivia,
     NO_TRIVIA, Int, Float, Bool, Name, Config, List, Neg, Not, BinOp, Compare, BoolOp, Coalesce, Expr,
     Text, Capture, Subst, Alternatives, Star, DoubleStar, PrefixRef, pattern_problems, Pattern,
 )
@@ -54,12 +54,19 @@ class Statement(Node):
                         raise ValueError(f"a {type(part).__name__} cannot stand in a {side} pattern")
                     if isinstance(part, Capture) and types.setdefault(part.name, part.type) != part.type:
                         raise ValueError(f"capture `{part.name}` has two types in one statement")
-        if self.roles is not None:
-            field, allowed, where = self.roles
-            for op in _tuple(getattr(self, field)):
-                if op.role not in allowed:
-                    raise ValueError(f"`{getattr(op, 'name', None) or op.op_name()}` cannot stand in {where}")
+        for op in self.ops_of():
+            if op.role not in self.roles[1]:
+                name = getattr(op, "name", None) or op.op_name()
+                raise ValueError(f"`{name}` cannot stand in {self.roles[2]}")
         return self
+
+    def patterns_of(self) -> tuple[Pattern, ...]:
+        """Every key pattern of the statement, in field order."""
+        return tuple(p for field, _ in self.sides for p in _tuple(getattr(self, field)))
+
+    def ops_of(self) -> tuple[AnyOp, ...]:
+        """The ops of its pipe (the format of a `dequantize` or `quantized`), () where it has none."""
+        return () if self.roles is None else _tuple(getattr(self, self.roles[0]))
 
 
 def _tuple(value) -> tuple:
@@ -82,10 +89,8 @@ class Version(Statement):
 
 class Let(Statement):
     kind: Literal["let"] = "let"
-    name: str
+    name: Identifier
     value: Expr
-
-    _check_name = field_validator("name")(checked_identifier)
 
 
 class Rule(Statement):
@@ -165,24 +170,24 @@ class Macro(Statement):
     """`macro NAME(params) = op | op ...`: a named op chain with integer parameters."""
 
     kind: Literal["macro"] = "macro"
-    name: str
-    params: tuple[str, ...] = ()
+    name: Identifier
+    params: tuple[Identifier, ...] = ()
     ops: tuple[AnyOp, ...] = Field(min_length=1)
     roles = ("ops", _PIPE, "a macro")
 
     @field_validator("name")
     @classmethod
-    def _check_name(cls, name: str) -> str:
+    def _not_builtin(cls, name: str) -> str:
         if name in RESERVED_NAMES:
             raise ValueError(f"`{name}` is a built-in op")
-        return checked_identifier(name)
+        return name
 
     @field_validator("params")
     @classmethod
-    def _check_params(cls, params: tuple[str, ...]) -> tuple[str, ...]:
+    def _once_each(cls, params: tuple[str, ...]) -> tuple[str, ...]:
         if len(set(params)) != len(params):
             raise ValueError(f"parameters repeat a name: {params}")
-        return tuple(checked_identifier(p) for p in params)
+        return params
 
 
 class CastAll(Statement):
@@ -199,14 +204,11 @@ class Prefix(Statement):
     the checkpoint side and TARGET on the runtime side, the guards joined (language/prefixes.py)."""
 
     kind: Literal["prefix"] = "prefix"
-    name: str
+    name: Identifier
     source: Pattern
     target: Pattern
     guard: Expr | None = None
-
     sides = (("source", "source"), ("target", "target"))
-
-    _check_name = field_validator("name")(checked_identifier)
 
     @model_validator(mode="after")
     def _plain(self) -> Prefix:
@@ -245,6 +247,3 @@ class RuleFile(Node):
         lines = self.source.split("\n")
         return lines[line - 1] if 0 < line <= len(lines) else None
 
-
-for _model in (Rule, Dequantize, Quantized, Macro, Let, Drop, Keep, CastAll, Prefix, RuleFile):
-    _model.model_rebuild()

@@ -1,8 +1,5 @@
-"""Rule-file text -> Lark tokens in one regular-expression pass over the grammar's own terminals.
-
-Lexed without parser context (a keyword is a keyword wherever it stands as a whole word), so one
-compiled pattern does what Lark's contextual lexer does with a pattern per parser state, far faster.
-"""
+"""Rule-file text -> Lark tokens in one regular-expression pass over the grammar's own terminals, without
+parser context (a keyword is a keyword wherever it stands as a whole word)."""
 
 from __future__ import annotations
 
@@ -39,28 +36,18 @@ class RuleLexer(Lexer):
         text = lexer_state.text
         if not isinstance(text, str):  # Lark >= 1.2 wraps the text
             text = text.text
-        match = self.pattern.match
-        ignore, keywords = self.ignore, self.keywords
-        pos, line, line_start, end = 0, 1, 0, len(text)
-        while pos < end:
-            m = match(text, pos)
+        pos, line, line_start = 0, 1, 0
+        while pos < len(text):
+            m = self.pattern.match(text, pos)
             if m is None:
                 raise UnexpectedCharacters(text, pos, line, pos - line_start + 1,
                                            allowed=self.allowed, state=parser_state)
-            kind = m.lastgroup
-            stop = m.end()
-            value = m.group()
+            kind, value, stop = m.lastgroup, m.group(), m.end()
             newlines = value.count("\n")
-            if kind not in ignore:
-                if kind == "WORD" and value in keywords:
-                    kind = keywords[value]
-                if newlines:
-                    last = text.rindex("\n", pos, stop)
-                    end_line, end_column = line + newlines, stop - last
-                else:
-                    end_line, end_column = line, stop - line_start + 1
-                yield Token(kind, value, pos, line, pos - line_start + 1, end_line, end_column, stop)
-            if newlines:
-                line += newlines
-                line_start = text.rindex("\n", pos, stop) + 1
-            pos = stop
+            next_start = text.rindex("\n", pos, stop) + 1 if newlines else line_start  # of the last line
+            if kind not in self.ignore:
+                if kind == "WORD":
+                    kind = self.keywords.get(value, kind)
+                yield Token(kind, value, pos, line, pos - line_start + 1, line + newlines,
+                            stop - next_start + 1, stop)
+            pos, line, line_start = stop, line + newlines, next_start

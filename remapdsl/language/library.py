@@ -1,9 +1,6 @@
-"""The shipped rule library: names -> rule files, each file's header -> what it converts, and a
-checkpoint's config.json -> the one file that fits (`auto`).
-
-The files are package data (`remapdsl/rules/*.remap` in the wheel, `rules/` in the source tree).
-A file describes itself in its leading comment block: free text (what it converts), then
-`# key: value` lines that `remapdsl rules` and `auto` read:
+"""The shipped rule library (`remapdsl/rules/*.remap` in the wheel, `rules/` in the source tree): names ->
+rule files, a checkpoint's config.json -> the one file that fits (`auto`), and each file's leading comment
+block -> what it converts (free text), then the `# key: value` lines that `remapdsl rules` and `auto` read:
 
     # model_type: llama, mistral      config.json model_types it loads (what `auto` matches)
     # architectures: LlamaForCausalLM config.json architectures it loads (also matched)
@@ -15,6 +12,7 @@ A file describes itself in its leading comment block: free text (what it convert
 from __future__ import annotations
 
 import difflib
+import itertools
 import os
 import re
 from collections.abc import Mapping
@@ -52,11 +50,7 @@ class ShippedRules(BaseModel):
     @property
     def summary(self) -> str:
         """The header's first sentence, on one line (its diagrams left out)."""
-        lines = []
-        for line in self.converts.splitlines():
-            if line.startswith(" ") or not line:
-                break
-            lines.append(line)
+        lines = itertools.takewhile(lambda line: line and not line.startswith(" "), self.converts.splitlines())
         return re.split(r"(?<=\.)\s", " ".join(lines), maxsplit=1)[0].rstrip(":")
 
 

@@ -1,11 +1,6 @@
-"""Bounds on what a rule file may ask for, and the static pass that holds a program to them (E126,
-E127, E129, E136), before any checkpoint is read.
-
-A rule file comes from strangers, so the work it can ask for is bounded (docs/errors.md, "Limits").
-Constant expressions (no config read, capture or parameter) are evaluated here as the compiler's
-evaluator would (compile/evaluate.py), so a `let` that divides by zero fails `remapdsl check`, not the
-load; the compiler holds what only the config tells to the same limits (E209).
-"""
+"""Bounds on what a rule file from strangers may ask for (docs/errors.md, "Limits"), and the static pass
+that holds a program to them before any checkpoint is read (E126, E127, E129, E136), evaluating constant
+expressions as compile/evaluate.py would; the compiler holds what only the config tells to them (E209)."""
 
 from __future__ import annotations
 
@@ -34,13 +29,6 @@ _NOT_CONSTANT = object()  # the value of an expression that reads the config, a 
 def limit_problems(statements: tuple[ir.Statement, ...]) -> list[Problem]:
     """The problems of a flattened (and otherwise checked) program against the limits, in order."""
     return _Pass().run(statements)
-
-
-def _int_problem(value: int) -> str | None:
-    """Why an integer a program computes is out of bounds, or None."""
-    if MIN_INT <= value <= MAX_INT:
-        return None
-    return f"{_short(value)}, outside the 64-bit integer range"
 
 
 def _arg_problem(name: str, value: int) -> str | None:
@@ -127,9 +115,8 @@ class _Pass:
         self.expand(ops, {}, None, self.macros)
 
     def expand(self, ops, env: dict, call: ir.MacroCall | None, scope: dict[str, ir.Macro]) -> None:
-        """Fold the arguments of each op of a pipe (bounded by `size`), macros with their arguments'
-        values; a problem inside a macro's body is reported at the outermost call. `scope`: the
-        macros the pipe's calls name."""
+        """Fold the arguments of each op of a pipe, macros with their arguments' values (a problem inside
+        a macro's body reported at the outermost call); `scope`: the macros the pipe's calls name."""
         for op in ops:
             if isinstance(op, ir.MacroCall):
                 macro = scope.get(op.name)
@@ -176,9 +163,9 @@ class _Pass:
     def value(self, expr: ir.Node, env: dict) -> object:
         """As the compiler's evaluator, over constants; raises _Problem where it would fail."""
         if isinstance(expr, ir.Int):
-            problem = _int_problem(expr.value)
-            if problem:
-                raise _Problem("E129", f"the integer {problem.replace(',', ' is', 1)}", expr.span, _INT_HINT)
+            if not MIN_INT <= expr.value <= MAX_INT:
+                raise _Problem("E129", f"the integer {_short(expr.value)} is outside the 64-bit integer "
+                               "range", expr.span, _INT_HINT)
             return expr.value
         if isinstance(expr, (ir.Float, ir.Bool)):
             return expr.value
@@ -188,8 +175,6 @@ class _Pass:
             if expr.id in self.lets:
                 return self.lets[expr.id]
             return expr.id if expr.id in RULE_DTYPE_NAMES else _NOT_CONSTANT
-        if isinstance(expr, ir.Config):
-            return _NOT_CONSTANT
         if isinstance(expr, ir.List):
             items = [self.value(item, env) for item in expr.items]
             return _NOT_CONSTANT if _NOT_CONSTANT in items else items
@@ -224,7 +209,7 @@ class _Pass:
             return {"<": a < b, "<=": a <= b, ">": a > b, ">=": a >= b}[expr.op]
         if isinstance(expr, ir.BinOp):
             return self.binop(expr, env)
-        return _NOT_CONSTANT
+        return _NOT_CONSTANT  # a config read
 
     def binop(self, expr: ir.BinOp, env: dict) -> object:
         left, right = self.value(expr.left, env), self.value(expr.right, env)
@@ -250,9 +235,9 @@ class _Pass:
 
 def _checked(result, expr: ir.Node):
     if isinstance(result, int):
-        problem = _int_problem(result)
-        if problem:
-            raise _Problem("E129", f"`{format_expr(expr)}` is {problem}", expr.span, _INT_HINT)
+        if not MIN_INT <= result <= MAX_INT:
+            raise _Problem("E129", f"`{format_expr(expr)}` is {_short(result)}, outside the 64-bit integer "
+                           "range", expr.span, _INT_HINT)
     elif isinstance(result, float) and not math.isfinite(result):
         raise _Problem("E129", f"`{format_expr(expr)}` is beyond the range of a 64-bit float", expr.span)
     return result
@@ -275,10 +260,5 @@ def _is_number(value) -> bool:
 
 
 def _kind(value) -> str:
-    if isinstance(value, bool):
-        return "a boolean"
-    if isinstance(value, list):
-        return "a list"
-    if isinstance(value, str):
-        return "a dtype"
-    return "a number with a fraction" if isinstance(value, float) else "an integer"
+    return {bool: "a boolean", list: "a list", str: "a dtype", float: "a number with a fraction",
+            int: "an integer"}[type(value)]

@@ -7,10 +7,9 @@ from collections.abc import Iterator
 from typing import Annotated, Any, ClassVar, Literal, Union
 
 import functools
-import math
 import re
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validator
 
 from ..errors import SpanField
 
@@ -42,6 +41,9 @@ def checked_identifier(name: str) -> str:
     if problem:
         raise ValueError(f"{name!r}: {problem}")
     return name
+
+
+Identifier = Annotated[str, AfterValidator(checked_identifier)]  # a let, capture, macro or prefix name
 
 
 _NOT_COMPARED = frozenset({"span", "trivia", "source"})
@@ -100,14 +102,7 @@ class Int(Node):
 
 class Float(Node):
     kind: Literal["float"] = "float"
-    value: float
-
-    @field_validator("value")
-    @classmethod
-    def _finite(cls, value: float) -> float:
-        if not math.isfinite(value):
-            raise ValueError("a number in a rule file is finite")
-        return value
+    value: float = Field(allow_inf_nan=False)  # a number in a rule file is finite
 
 
 class Bool(Node):
@@ -119,24 +114,14 @@ class Name(Node):
     """A `let` name, a capture, a macro parameter or a dtype, resolved by the static checks."""
 
     kind: Literal["name"] = "name"
-    id: str
-
-    _check_id = field_validator("id")(checked_identifier)
+    id: Identifier
 
 
 class Config(Node):
     """`config.a.b`: a value read from the model config (config.json)."""
 
     kind: Literal["config"] = "config"
-    path: tuple[str, ...] = Field(min_length=1)
-
-    @field_validator("path")
-    @classmethod
-    def _segments(cls, path: tuple[str, ...]) -> tuple[str, ...]:
-        for segment in path:
-            if not re.fullmatch(r"[A-Za-z0-9_]+", segment):
-                raise ValueError(f"config key segment {segment!r}")
-        return path
+    path: tuple[Annotated[str, Field(pattern=r"^[A-Za-z0-9_]+$")], ...] = Field(min_length=1)
 
 
 class List(Node):
@@ -211,10 +196,8 @@ class Capture(Node):
     """`{L}`, `{m:seg}`, `{P:path}` on the matching side: binds a name to part of a key."""
 
     kind: Literal["capture"] = "capture"
-    name: str
+    name: Identifier
     type: Literal["int", "seg", "path"] = "int"
-
-    _check_name = field_validator("name")(checked_identifier)
 
 
 class Subst(Node):
@@ -257,9 +240,7 @@ class PrefixRef(Node):
     """`@name` at the start of a pattern: each definition's pattern in turn (`prefix @name = ...`)."""
 
     kind: Literal["prefix_ref"] = "prefix_ref"
-    name: str
-
-    _check_name = field_validator("name")(checked_identifier)
+    name: Identifier
 
 
 PatternPart = Annotated[Union[Text, Capture, Subst, Alternatives, Star, DoubleStar, PrefixRef],
@@ -292,18 +273,11 @@ def pattern_problems(parts: tuple[Node, ...]) -> list[tuple[int, str]]:
         elif isinstance(a, _MATCHERS) and isinstance(b, _MATCHERS):
             problems.append((i, "two wildcards or captures side by side cannot be told apart; "
                                 "put literal text between them"))
-    # Segment structure: stand-ins for non-literal parts, then split on dots.
-    index_of_char: list[int] = []
-    flat = ""
-    for i, part in enumerate(parts):
-        if isinstance(part, Text):
-            piece = part.text
-        elif isinstance(part, (DoubleStar, PrefixRef)):  # a prefix: whole segments
-            piece = "#"
-        else:
-            piece = "x"
-        flat += piece
-        index_of_char.extend([i] * len(piece))
+    # Segment structure: one character for each non-literal part ("#": whole segments), split on dots.
+    pieces = [part.text if isinstance(part, Text) else
+              "#" if isinstance(part, (DoubleStar, PrefixRef)) else "x" for part in parts]
+    flat = "".join(pieces)
+    index_of_char = [i for i, piece in enumerate(pieces) for _ in piece]
     position = 0
     for segment in flat.split("."):
         owner = index_of_char[min(position, len(flat) - 1)] if flat else 0
@@ -323,8 +297,7 @@ class Pattern(Node):
     @field_validator("parts")
     @classmethod
     def _well_formed(cls, parts: tuple[Node, ...]) -> tuple[Node, ...]:
-        # A field validator, not a model validator: it runs when a pattern is made, not again each
-        # time a statement that holds the pattern is made.
+        # a field validator: not run again each time a statement that holds the pattern is made
         problems = pattern_problems(parts)
         if problems:
             raise ValueError("; ".join(message for _, message in problems))

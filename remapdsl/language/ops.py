@@ -1,9 +1,5 @@
-"""The ops of a rule file: the built-in layout and value ops, macro calls and format calls (IR nodes).
-
-Each built-in op is made from its parameters (`_op`), which the parser, the static checks and the
-formatter all read. A quantized format is not an op class: a `dequantize` or `quantized`
-statement names it in a FormatCall, and the format itself (quant/) declares its parameters.
-"""
+"""The ops of a rule file (IR nodes): built-in layout and value ops, each made from its declared
+parameters (`_op`), macro calls, and format calls (a format declares its own parameters, in quant/)."""
 
 from __future__ import annotations
 
@@ -13,7 +9,7 @@ from pydantic import Field, create_model, field_validator
 
 from ..params import Param
 from ..quant.builtin import BUILTIN_FORMATS
-from .nodes import NO_TRIVIA, Expr, Node, Trivia, checked_identifier
+from .nodes import NO_TRIVIA, Expr, Identifier, Node, Trivia, checked_identifier
 
 
 class Op(Node):
@@ -31,20 +27,14 @@ class Op(Node):
         return cls.model_fields["kind"].default
 
 
-def _capture_name(name: str | None) -> str | None:
-    return None if name is None else checked_identifier(name)
-
-
 def _op(cls_name: str, example: str, doc: str, *params: Param, role: str = "layout") -> type[Op]:
     """A built-in op class: `kind` is the example's name, and each parameter a field (a capture's
     name or an expression), None when it is optional."""
     fields: dict = {"kind": (Literal[example.split("(")[0]], example.split("(")[0])}
     for p in params:
-        kind = str if p.kind == "capture" else Expr
+        kind = Identifier if p.kind == "capture" else Expr
         fields[p.name] = (kind, ...) if p.required else (kind | None, None)
-    checks = {"_check_capture": field_validator("capture")(_capture_name)} if "capture" in fields else {}
-    cls = create_model(cls_name, __base__=Op, __module__=__name__, __doc__=doc, __validators__=checks,
-                       **fields)
+    cls = create_model(cls_name, __base__=Op, __module__=__name__, __doc__=doc, **fields)
     cls.role, cls.params, cls.example = role, params, example
     return cls
 
@@ -95,10 +85,8 @@ Add = _op("Add", "add(1)", "add to every element (zero-centred norms: add(1))",
 class Arg(Node):
     """One argument of a macro or format call, as written."""
 
-    name: str | None = None
+    name: Identifier | None = None
     value: Expr
-
-    _check_name = field_validator("name")(_capture_name)
 
 
 class _NamedCall(Op):
@@ -123,9 +111,8 @@ class MacroCall(_NamedCall):
 
 
 class FormatCall(_NamedCall):
-    """The quantized format of a `dequantize` or `quantized` statement, built in or registered from
-    Python (`remapdsl.quant.register_format`): the parser takes any name, and the static checks
-    look it up and hold its arguments to the format's declared parameters."""
+    """The format of a `dequantize` or `quantized` statement, built in or registered from Python
+    (`remapdsl.quant.register_format`); the static checks look its name and arguments up."""
 
     kind: Literal["format_call"] = "format_call"
     role = "format"
@@ -148,6 +135,3 @@ BUILTIN_FORMAT_NAMES: tuple[str, ...] = tuple(sorted(fmt.name for fmt in BUILTIN
 RESERVED_NAMES = frozenset(OPS_BY_NAME) | frozenset(BUILTIN_FORMAT_NAMES)  # no macro takes these
 
 AnyOp = Annotated[Union[BUILTIN_OPS + (MacroCall, FormatCall)], Field(discriminator="kind")]
-
-for _model in (Arg, MacroCall, FormatCall):
-    _model.model_rebuild()

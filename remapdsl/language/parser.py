@@ -1,11 +1,5 @@
-"""Rule-file text -> IR (remapdsl.language.ir) with source spans, comments kept as trivia.
-
-Lark's LALR parser runs with the grammar's terminals scanned by lexer.py and the IR built by the
-callbacks of builder.py during parsing (no parse tree); every problem the callbacks find (the
-nesting limit included) is in the parse Context when it ends. Syntax errors become diagnostics in
-syntax.py. Checks that need the whole program (names, captures, formats) live in check.py, includes
-in includes.py.
-"""
+"""Rule-file text -> IR (remapdsl.language.ir) with source spans, comments kept as trivia: Lark's LALR
+parser with lexer.py's lexer and builder.py's callbacks (no parse tree), syntax errors worded by syntax.py."""
 
 from __future__ import annotations
 
@@ -15,12 +9,12 @@ from pathlib import Path
 from lark import Lark, UnexpectedInput
 
 from . import ir
-from ..errors import Diagnostic, RemapError, RuleSyntaxError, Span
+from ..errors import Diagnostic, RemapError, RuleSyntaxError
 from .builder import Builder
 from .comments import attach_trivia
 from .context import CONTEXT, Context
 from .lexer import RuleLexer
-from .syntax import syntax_diagnostic
+from .syntax import char_span, syntax_diagnostic
 from .tables import FILE_NAME, OPTIONS, parser_from_tables
 
 _GRAMMAR_FOLDERS = (
@@ -39,9 +33,8 @@ def grammar_text() -> str:
 
 @functools.cache
 def lark_parser() -> Lark:
-    """The parser, made at its first use in the process from the tables built with the package, or
-    from the grammar where they are missing or not this grammar's and this Lark's (immutable; its
-    callbacks are stateless). Nothing is written anywhere."""
+    """The parser (immutable, its callbacks stateless), from the tables built with the package, or from
+    the grammar where they are missing or not this grammar's and this Lark's."""
     grammar, tables = grammar_text(), _shipped(FILE_NAME)
     parser = tables and parser_from_tables(tables, grammar, RuleLexer, Builder())
     return parser or Lark(grammar, lexer=RuleLexer, transformer=Builder(), **OPTIONS)
@@ -70,8 +63,7 @@ def parse_text(text: str, path: str = "<text>") -> ir.RuleFile:
     if context.diagnostics:
         raise RuleSyntaxError(context.diagnostics)
     statements, trailing = attach_trivia(statements, text)
-    return ir.RuleFile(path=path, statements=statements, trailing=trailing,
-                        source=text)
+    return ir.RuleFile(path=path, statements=statements, trailing=trailing, source=text)
 
 
 def parse_file(path: str | Path) -> ir.RuleFile:
@@ -92,13 +84,11 @@ def read_rule_text(path: str | Path) -> str:
         text = data.decode("utf-8")
     except UnicodeDecodeError as exc:
         good = data[: exc.start].decode("utf-8")
-        line = good.count("\n") + 1
-        column = len(good) - (good.rfind("\n") + 1) + 1
-        line_text = data.split(b"\n")[line - 1].decode("utf-8", errors="replace")
+        span = char_span(good, len(good), str(path))
         raise RuleSyntaxError(Diagnostic(
-            code="E008", message=f"not UTF-8 text: byte {data[exc.start]:#04x} cannot be decoded",
-            span=Span(path=str(path), line=line, column=column, end_line=line, end_column=column + 1),
-            line_text=line_text, hint="save the file as UTF-8",
+            code="E008", message=f"not UTF-8 text: byte {data[exc.start]:#04x} cannot be decoded", span=span,
+            line_text=data.split(b"\n")[span.line - 1].decode("utf-8", errors="replace"),
+            hint="save the file as UTF-8",
         )) from None
     return _normalize(text, str(path))
 
@@ -108,11 +98,9 @@ def _normalize(text: str, path: str) -> str:
     text = text.removeprefix("\ufeff").replace("\r\n", "\n")
     cr = text.find("\r")
     if cr >= 0:
-        line = text.count("\n", 0, cr) + 1
-        column = cr - (text.rfind("\n", 0, cr) + 1) + 1
+        span = char_span(text, cr, path)
         raise RuleSyntaxError(Diagnostic(
-            code="E001", message="stray carriage return: lines end with LF or CRLF",
-            span=Span(path=path, line=line, column=column, end_line=line, end_column=column + 1),
-            line_text=text.split("\n")[line - 1].replace("\r", " "),
+            code="E001", message="stray carriage return: lines end with LF or CRLF", span=span,
+            line_text=text.split("\n")[span.line - 1].replace("\r", " "),
         ))
     return text

@@ -51,8 +51,9 @@ def _brace_token(token: Token) -> Brace:
         kind_span = Span(span.path, span.line, at + len(name) + 1, span.line, span.end_column - 1)
         return Brace("typed", (_Word(name, name_span), _Word(kind, kind_span)),
                      token.start_pos, token.end_pos, span)
-    # `{L}` itself is read in _part: what comes here is a keyword (`{when}`)
     inner_span = Span(span.path, span.line, span.column + 1, span.line, span.end_column - 1)
+    if not ir.identifier_problem(inner):  # `{L}`, else a keyword (`{when}`)
+        return Brace("expr", new(ir.Name, id=inner, span=inner_span), token.start_pos, token.end_pos, span)
     error("E017", f"`{inner}` is not a valid capture name: {ir.identifier_problem(inner)}", inner_span)
     return Brace("bad", None, token.start_pos, token.end_pos, span)
 
@@ -156,13 +157,6 @@ def _part(item: Any, side: str, types: dict[str, str]) -> ir.Node | None:
         if kind == "PREFIX_NAME":
             name = prefix_name(item)
             return None if name is None else new(ir.PrefixRef, name=name, span=span)
-        if kind == "CAPTURE" and ":" not in item:  # the common `{L}`, without an intermediate
-            name = str(item)[1:-1]
-            if not ir.identifier_problem(name):
-                if side == "source":
-                    return new(ir.Capture, name=name, type=types.get(name, "int"), span=span)
-                inner = Span(span.path, span.line, span.column + 1, span.line, span.end_column - 1)
-                return new(ir.Subst, expr=new(ir.Name, id=name, span=inner), span=span)
         if kind in ("CAPTURE", "ALTERNATIVES"):
             return _part(_brace_token(item), side, types)
         if side == "target":

@@ -1,10 +1,6 @@
-"""`prefix @name = SOURCE -> TARGET [when GUARD]` and the statements that use `@name` -> plain
-statements, one per definition (codes E150-E152).
-
-`@name` is read as SOURCE on the checkpoint side (rule sources, `drop`, `dequantize`, `quantized`)
-and TARGET on the runtime side (rule targets, `keep`), the definition's guard joined to the
-statement's with `and`. The checks and the compiler see the expansion; the files keep what was written.
-"""
+"""`prefix @name = SOURCE -> TARGET [when GUARD]` and the statements that use `@name` -> plain statements,
+one per definition (E150-E152): `@name` read as SOURCE on the checkpoint side, TARGET on the runtime side
+(rule targets, `keep`), the guards joined with `and`. The checks and the compiler see the expansion."""
 
 from __future__ import annotations
 
@@ -69,29 +65,14 @@ def _reason(exc: ValidationError) -> str:
     return exc.errors()[0]["msg"].removeprefix("Value error, ")
 
 
-def _patterns(s) -> tuple[tuple[ir.Pattern, ...], ...]:
-    """A statement's patterns, by side: checkpoint side, runtime side."""
-    if isinstance(s, ir.Rule):
-        return s.sources, s.targets
-    if isinstance(s, ir.Drop):
-        return s.patterns, ()
-    if isinstance(s, ir.Keep):
-        return (), s.patterns
-    if isinstance(s, ir.Dequantize):
-        return (*s.sources, s.target), ()
-    if isinstance(s, ir.Quantized):
-        return s.sources, ()
-    return (), ()
-
-
 def _ref(s, name: str) -> Span | None:
     """Where a statement first writes `@name` (the statement where no span is known)."""
-    return next((part.span for side in _patterns(s) for p in side for part in p.parts
+    return next((part.span for p in s.patterns_of() for part in p.parts
                  if isinstance(part, ir.PrefixRef) and part.name == name and part.span), s.span)
 
 
 def _used(s) -> set[str]:
-    return {part.name for side in _patterns(s) for p in side for part in p.parts if isinstance(part, ir.PrefixRef)}
+    return {part.name for p in s.patterns_of() for part in p.parts if isinstance(part, ir.PrefixRef)}
 
 
 def _matching(parts: tuple) -> tuple | None:

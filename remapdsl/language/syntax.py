@@ -1,6 +1,5 @@
 """Lark's parse failures -> diagnostics in words ("expected `->`", not `ARROW`), with their own codes for
-the common mistakes. Every terminal has a name of the grammar's, so the cases below are keyed on
-names that stay the same when the grammar changes."""
+the common mistakes, keyed on the grammar's terminal names (stable when the grammar changes)."""
 
 from __future__ import annotations
 
@@ -32,7 +31,6 @@ _BRACKETS = {"(": ")", "[": "]", "{": "}"}
 def syntax_diagnostic(exc: UnexpectedInput, text: str, path: str, parser: Lark) -> Diagnostic:
     """The one diagnostic for a parse failure."""
     lines = text.split("\n")
-    shown = _terminal_words(parser)
     if isinstance(exc, UnexpectedToken) and exc.token.type == "$END":
         line = len(lines)
         column = len(lines[-1]) + 1
@@ -41,14 +39,14 @@ def syntax_diagnostic(exc: UnexpectedInput, text: str, path: str, parser: Lark) 
         line, column = exc.line, exc.column
         if isinstance(exc, UnexpectedToken):
             kind = exc.token.type
-            value = str(exc.token)
             if kind == "_NL":
                 found, width = "end of line", 1
-            elif kind == "_CONT":
-                line, column = _cont_position(text, exc.token.end_pos)
+            elif kind == "_CONT":  # the `|` that ends the token
+                bar = char_span(text, exc.token.end_pos - 1, path)
+                line, column = bar.line, bar.column
                 found, width, kind = "`|`", 1, "VBAR"
             else:
-                found, width = f"`{value}`", max(len(value.split("\n")[0]), 1)
+                found, width = f"`{exc.token}`", max(len(exc.token.split("\n")[0]), 1)
         else:
             kind = "CHAR"
             char = text[exc.pos_in_stream]
@@ -73,7 +71,6 @@ def syntax_diagnostic(exc: UnexpectedInput, text: str, path: str, parser: Lark) 
     statement = before.strip()
     first_word = statement.split()[0] if statement else ""
     if kind == "CHAR":
-        char = text[exc.pos_in_stream]
         hint = None
         if char == '"':
             return diag("E001", 'unterminated path: this `"` has no closing `"` on the line')
@@ -129,11 +126,8 @@ def syntax_diagnostic(exc: UnexpectedInput, text: str, path: str, parser: Lark) 
             return diag("E002", "expected `->` between the source and target patterns", None, gap)
         return diag("E002", f"expected `->` between the source and target patterns, found {found}",
                     "a rule reads `SOURCES -> TARGETS`; separate several patterns with `,`")
-    words = _expected_words(expected, shown)
-    message = f"unexpected {found}"
-    if words:
-        message += f"; expected {words}"
-    return diag("E006", message)
+    words = _expected_words(expected, _terminal_words(parser))
+    return diag("E006", f"unexpected {found}" + (f"; expected {words}" if words else ""))
 
 
 _EXAMPLES = {
@@ -165,15 +159,9 @@ def _gap(before: str) -> tuple[int, int] | None:
 
 
 def _terminal_words(parser: Lark) -> dict[str, str]:
-    words = dict(_NAMED)
-    for terminal in parser.terminals:
-        if terminal.name in words:
-            continue
-        if terminal.pattern.type == "str":
-            words[terminal.name] = f"`{terminal.pattern.value}`"
-        else:  # statement keywords: `let(?=[ \t])`
-            words[terminal.name] = f"`{terminal.name.lower()}`"
-    return words
+    words = {t.name: f"`{t.pattern.value}`" if t.pattern.type == "str" else f"`{t.name.lower()}`"
+             for t in parser.terminals}  # a pattern's name: the statement keywords (`let(?![...])`)
+    return words | _NAMED
 
 
 def _expected_words(expected: set[str], shown: dict[str, str]) -> str:
@@ -193,8 +181,7 @@ def _expected_words(expected: set[str], shown: dict[str, str]) -> str:
     if len(names & _PATTERN_PARTS) >= 2 and "WORD" in names:
         groups.append("a key pattern")
         names -= _PATTERN_PARTS | {"WORD"}
-    rest = sorted(shown.get(n, n) for n in names)
-    items = groups + rest
+    items = groups + sorted(shown.get(n, n) for n in names)
     if len(items) > 6:
         items = items[:6] + ["..."]
     if len(items) <= 1:
@@ -231,11 +218,11 @@ def _unclosed(line: str) -> tuple[int, str] | None:
     return stack[0] if stack else None
 
 
-def _cont_position(text: str, end: int) -> tuple[int, int]:
-    """Line and column of the `|` that ends a continuation token ending at `end`."""
-    bar = end - 1
-    line = text.count("\n", 0, bar) + 1
-    return line, bar - (text.rfind("\n", 0, bar) + 1) + 1
+def char_span(text: str, at: int, path: str) -> Span:
+    """The span of the character at index `at` of `text` (or of the end of the text)."""
+    line = text.count("\n", 0, at) + 1
+    column = at - text.rfind("\n", 0, at)
+    return Span(path=path, line=line, column=column, end_line=line, end_column=column + 1)
 
 
 def _statement_above(lines: list[str], line: int) -> str | None:

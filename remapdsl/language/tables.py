@@ -1,10 +1,6 @@
-"""Lark's LALR tables for the grammar as JSON: built when the package is built (hatch_build.py),
-read at the first parse of a process instead of building them (0.08 s of every process's first load).
-
-Tables carry the grammar's SHA-256 and Lark's version; tables of another grammar or another Lark
-are not used (the parser is then built from the grammar). Imports only lark and the standard
-library: the build hook loads this file by its path, before the package is installed.
-"""
+"""Lark's LALR tables for the grammar as JSON, built with the package (hatch_build.py) and read instead
+of building them at a process's first parse; keyed on the grammar's SHA-256 and Lark's version.
+Imports only lark and the standard library: the build hook loads this file by its path."""
 
 from __future__ import annotations
 
@@ -21,8 +17,7 @@ FILE_NAME = "remap.tables.json"
 
 
 def tables_json(grammar: str) -> str:
-    """The grammar's tables (Lark's own serialization) as JSON; the lexer and the callbacks are
-    given when they are read."""
+    """The grammar's tables (Lark's own serialization) as JSON; lexer and callbacks come at reading."""
     data, memo = Lark(grammar, lexer="basic", **OPTIONS).memo_serialize([TerminalDef, Rule])
     data["parser"]["lexer_conf"]["lexer_type"] = None  # a class, not data
     return json.dumps({"key": _key(grammar), "data": data, "memo": memo})
