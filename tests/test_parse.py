@@ -143,6 +143,14 @@ def test_ir_round_trips_through_json():
     assert again == rules
 
 
+
+@pytest.mark.parametrize("text", ["a b", "model.layers.0 ", "a\nb", "a/b", ""])
+def test_key_text_in_the_ir_is_all_key_characters(text):
+    """IR read from JSON (or built by hand) is validated whole: key text is only [A-Za-z0-9_.]."""
+    with pytest.raises(ValueError):
+        ir.Text(text=text)
+    assert ir.Text(text="model.layers_0.").text == "model.layers_0."
+
 @pytest.mark.parametrize("text, code", [
     ("a.b c.d\n", "E002"),
     ("a.{L.b -> c\n", "E003"),

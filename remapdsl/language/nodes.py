@@ -189,7 +189,7 @@ class Text(Node):
     """Literal key text, dots included (`model.layers.`)."""
 
     kind: Literal["text"] = "text"
-    text: str = Field(pattern=KEY_TEXT.pattern)
+    text: str = Field(pattern=f"^{KEY_TEXT.pattern}$")  # pydantic searches: anchored, the whole text
 
 
 class Capture(Node):
