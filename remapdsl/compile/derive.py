@@ -1,10 +1,6 @@
-"""Runtime shapes + rules + config -> the checkpoint tensors they determine: a save without `like`.
-
-Each rule runs backwards on shapes alone: targets matched against the runtime keys, ops undone last
-first, sources named from the captures. What shapes do not determine (a concat without `sizes=`, a
-slice, a pad, a reshape, a cast, a wildcard source) is E520. Dequantized tensors are derived plain.
-The result must compile forward back to every runtime tensor's shape and dtype, or it is refused.
-"""
+"""Runtime shapes + rules + config -> the checkpoint tensors they determine (a save without `like`): each
+rule run backwards on shapes alone; what shapes do not determine is E520, and the result must compile
+forward back to every runtime tensor."""
 
 from __future__ import annotations
 

@@ -1,7 +1,5 @@
 """`remapdsl.prepare`: a checkpoint's headers, its rules compiled and this rank's plans, kept in memory by the
-caller for the next load, save, export or ingest of the same job (an RL loop exporting after every step).
-The one-shot entry points run through a Prepared made for the call.
-"""
+caller for the next load, save, export or ingest (the one-shot entry points make one for the call)."""
 
 from __future__ import annotations
 
@@ -75,9 +73,8 @@ class Prepared:
         return value
 
     def _look(self, ready: Ready) -> tuple[bool, tuple]:
-        """What identifies the inputs now, without parsing them: whether each rule file still holds
-        the text compiled (a RuleSet given is the caller's, unchanging), and each checkpoint file's
-        size, inode and times (an Inventory given is the caller's)."""
+        """What identifies the inputs now, without parsing them: whether each rule file still holds the text
+        compiled, and each checkpoint file's size, inode and times (a RuleSet or Inventory given: unchanging)."""
         same = isinstance(self._rules, RuleSet) or all(_text(path) == text for path, text in ready.rule_texts)
         if isinstance(self._checkpoint, Inventory):
             return same, ()
@@ -86,8 +83,6 @@ class Prepared:
         if self._config is None:
             paths.append(os.path.join(inventory.root, "config.json"))
         return same, tuple(_stat(path) for path in paths)
-
-    # -------------------------------------------------------------------------------- the calls
 
     def load(self, state_dict, *, layout=None, mesh=None, read_replicated_once: bool = False, timeout=None,
              staging_bytes: int | None = None, local=None):
