@@ -228,9 +228,8 @@ class _Deriver:
              ) -> dict[str, Entry] | None:
         """One group's state undone op by op (the last first), then its sources named; None where
         the rule's guard does not hold for them. `widths`: the list axis's length before each op."""
-        for i in range(len(steps) - 1, -1, -1):
-            op, ev = steps[i]
-            state = _undo_op(op, ev, state, widths[i], rule)
+        for (op, ev), width in reversed(list(zip(steps, widths))):
+            state = _undo_op(op, ev, state, width, rule)
         out: dict[str, Entry] = {}
         guarded = rule.guard is not None and captures_read(rule.guard, rule)
         for inner, entries in state.items():

@@ -134,9 +134,8 @@ def bind_quantized(s: ir.Quantized, available: set[str], inventory_tensors, ev: 
 
 
 def check_cuts(tensor, stored: dict[str, StoredQuantized], shape_of, error: Callable[..., None]):
-    """Every block of `runtime tensor` that moves stored quantized values must take whole blocks of
-    its source and put them at block offsets of the runtime tensor (a cut inside a block would pair
-    values with another tensor's scales); returns the runtime tensor's grid per dim, () if none."""
+    """E224 unless each block of `tensor` moving stored quantized values cuts no quantization block (it would
+    pair values with another tensor's scales); returns the runtime tensor's grid per dim, () if none."""
     grid = [1] * len(tensor.shape)
     sources_one_scale = {b.source_key for b in tensor.blocks if b.source_key in stored
                          and get_format(stored[b.source_key].format).one_scale}

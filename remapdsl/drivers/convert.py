@@ -172,15 +172,14 @@ def _share(keys: list[str], size, rank: int, world: int) -> list[str]:
 
 def batches(keys: list, size, budget: int) -> list[list]:
     """`keys` in order, cut into runs of at most `budget` by `size` (a larger one alone)."""
-    out: list[list] = [[]]
-    held = 0
+    out: list[list] = []
     for key in keys:
-        if out[-1] and held + size(key) > budget:
+        if not out or held + size(key) > budget:
             out.append([])
             held = 0
         out[-1].append(key)
         held += size(key)
-    return [b for b in out if b]
+    return out
 
 
 def _size(t) -> int:

@@ -32,9 +32,8 @@ from ..runtime.write import run_write_plan
 def export(prepared, state_dict, *, rules=None, like=None, config: Mapping[str, Any] | None = None, gather=(),
            bucket_bytes: int = 256 << 20, layout=None, mesh=None, allow_lossy: bool = False, regions: bool = False,
            by_round: bool = False, timeout=None, local=None) -> Iterator:
-    """`remapdsl.export` (`prepared` None: the layout of `like`, or the one derived without it, prepared for
-    this call) or `Prepared.export`: (checkpoint key, tensor) pairs, or with `regions` (key, offsets, tensor),
-    or with `by_round` one list of pairs per round."""
+    """`remapdsl.export` (`prepared` None: prepared for this call) or `Prepared.export`: (checkpoint key,
+    tensor) pairs, or with `regions` (key, offsets, tensor), or with `by_round` one list of pairs a round."""
     bounds.seconds(timeout)  # a bad timeout is refused at the call, before the first item is asked for
     return bounds.bounded_iter(_export(prepared, rules, like, config, state_dict, gather, bucket_bytes, layout, mesh,
                                        allow_lossy, regions, by_round, local), timeout)
@@ -89,9 +88,8 @@ def _export(prepared, rules, like, config, state_dict, gather, bucket_bytes: int
 
 
 def _export_plan(chosen, out, boxes, rank: int, logical, coordinates: Callable[[str], tuple]) -> tuple:
-    """This rank's write plan into memory, and for each checkpoint tensor it writes part of: the bytes it
-    holds and its coordinates on the mesh of the runtime tensor that makes it (what the ranks exchange
-    to schedule)."""
+    """This rank's write plan into memory, and for each checkpoint tensor it writes part of, its bytes and
+    coordinates on the mesh of the runtime tensor that makes it (what the ranks exchange to schedule)."""
     plan = make_write_plan(chosen, out, boxes, rank, logical)
     producer = {w.block.source_key: w.runtime_key for w in chosen}
     mine: dict[str, int] = defaultdict(int)

@@ -18,9 +18,8 @@ KEPT = 4  # plans kept of each kind: the last holdings seen (a trainer alternate
 
 
 class Prepared:
-    """Rank 0's headers of a checkpoint and the rules compiled against them, and this rank's plans
-    for each holding seen; from `remapdsl.prepare`, kept by the caller. Every rank calls each
-    method, as for the one-shot functions of the same names."""
+    """Rank 0's headers of a checkpoint, the rules compiled against them and this rank's plans for each
+    holding seen (from `remapdsl.prepare`); every rank calls each method, as for the one-shot functions."""
 
     def __init__(self, rules, checkpoint, config, strict: bool, ready: Ready, watched: bool = True):
         self._rules, self._checkpoint, self._config, self._strict = rules, checkpoint, config, strict

@@ -213,8 +213,7 @@ def derived_checkpoint(rules, config, shapes: list[dict], layout, mesh, folder: 
 
 def write_output(folder: Path, inventory, *, headers=None, index=None, copy_from=None, files=None, overwrite: bool,
                  write, planned: int = 0) -> float:
-    """Every rank writes a checkpoint in place: rank 0 checks the destination, removes dead saves' staging
-    folders and creates the staging files, every rank runs `write(writer)`, rank 0 commits; an error anywhere
+    """Every rank runs `write(writer)` into the staging files rank 0 creates and then commits; an error anywhere
     is raised on every rank and the staging folder removed. `planned`: this rank's bytes (named if the disk
     fills up). Returns this rank's fsync seconds."""
     rank = dist.rank()
