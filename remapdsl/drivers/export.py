@@ -235,8 +235,8 @@ def _tensor_at(out) -> Callable[[str, int], str]:
 
 
 class _Collector:
-    """The writer `run_write_plan` writes into: pieces of tensors this rank assembles go into their
-    buffers, the others into the payload for their owner (the runs, then the bytes)."""
+    """`run_write_plan`'s writer: pieces of tensors this rank assembles go into their buffers, the others
+    into the payload for their owner."""
 
     def __init__(self, out, tensor_at: Callable[[str, int], str], owner: dict[str, int], assembling: dict[str, torch.Tensor],
                  rank: int, world: int):

@@ -38,8 +38,7 @@ class IngestReport(BaseModel):
 
 def ingest(prepared, state_dict, pairs, *, rules=None, like=None, config: Mapping[str, Any] | None = None,
            layout=None, mesh=None, timeout=None, staging_bytes: int | None = None, local=None) -> IngestReport:
-    """`remapdsl.ingest` (`prepared` None: the layout of `like`, or the one derived without it, prepared for
-    this call) or `Prepared.ingest`."""
+    """`remapdsl.ingest` (`prepared` None: `like`'s layout, or the derived one, prepared for this call)."""
     staging = staging_within(staging_bytes)
     with bounds.bounded(timeout), frozen_heap(), Rings(staging) as rings:  # one ring per reader thread, over all pairs
         tensors = named_together(state_dict, local)
@@ -86,7 +85,7 @@ def ingest(prepared, state_dict, pairs, *, rules=None, like=None, config: Mappin
                 continue
             used += 1
             source = tensor.detach().contiguous().cpu()  # each a no-op where it already is
-            # one thread: the bytes are in memory, so reader threads would overlap no I/O, only add a pool a pair
+            # one thread: the bytes are in memory, so reader threads would overlap no I/O
             run_load_plan(load_plan.model_copy(update={"items": tuple(items), "decodes": ()}), memory, holding.local,
                           threads=1, reader=MemoryReader(memory, {key: source}), rings=rings)
         missing = sorted(set(reads) - seen)

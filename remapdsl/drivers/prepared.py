@@ -72,8 +72,8 @@ class Prepared:
         return value
 
     def _look(self, ready: Ready) -> tuple[bool, tuple]:
-        """What identifies the inputs now, without parsing them: whether each rule file still holds the text
-        compiled, and each checkpoint file's size, inode and times (a RuleSet or Inventory given: unchanging)."""
+        """What identifies the inputs now, without parsing them: whether each rule file still holds the
+        text compiled, and each checkpoint file's size, inode and times (a RuleSet, Inventory: unchanging)."""
         same = isinstance(self._rules, RuleSet) or all(_text(path) == text for path, text in ready.rule_texts)
         if isinstance(self._checkpoint, Inventory):
             return same, ()
@@ -102,8 +102,7 @@ class Prepared:
     def export(self, state_dict, *, gather=(), bucket_bytes: int = 256 << 20, layout=None, mesh=None,
                allow_lossy: bool = False, regions: bool = False, by_round: bool = False, timeout=None,
                local=None):
-        """The checkpoint's layout of a sharded runtime state dict, in memory (it is `like`); as
-        `remapdsl.export` (`by_round`: one list of pairs a round, the same number of lists on every rank)."""
+        """The checkpoint's layout of a runtime state dict, in memory (it is `like`); as `remapdsl.export`."""
         from .export import export
 
         return export(self, state_dict, gather=gather, bucket_bytes=bucket_bytes, layout=layout, mesh=mesh,

@@ -48,8 +48,7 @@ class SaveReport(BaseModel):
 def save(prepared, state_dict, folder, *, rules=None, like=None, config=None, layout=None, mesh=None,
          overwrite: bool = False, allow_lossy: bool = False, requantize: bool = False, dropped: str = "error",
          max_shard_size: int | str = "5GB", timeout=None, local=None) -> SaveReport:
-    """`remapdsl.save` (`prepared` None: the layout of `like`, or the one derived without it, prepared for
-    this call) or `Prepared.save`; the arguments are `remapdsl.save`'s."""
+    """`remapdsl.save` (`prepared` None: `like`'s layout, or the derived one, prepared for this call)."""
     with bounds.bounded(timeout), frozen_heap():
         folder, derived = Path(folder).absolute(), None
         tensors = named_together(state_dict, local)
@@ -213,9 +212,9 @@ def derived_checkpoint(rules, config, shapes: list[dict], layout, mesh, folder: 
 
 def write_output(folder: Path, inventory, *, headers=None, index=None, copy_from=None, files=None, overwrite: bool,
                  write, planned: int = 0) -> float:
-    """Every rank runs `write(writer)` into the staging files rank 0 creates and then commits; an error anywhere
-    is raised on every rank and the staging folder removed. `planned`: this rank's bytes (named if the disk
-    fills up). Returns this rank's fsync seconds."""
+    """Every rank runs `write(writer)` into the staging files rank 0 creates and then commits; an error
+    anywhere is raised on every rank and the staging folder removed. `planned`: this rank's bytes (named if
+    the disk fills up). Returns this rank's fsync seconds."""
     rank = dist.rank()
 
     def destination() -> str:
