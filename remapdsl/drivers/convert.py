@@ -164,8 +164,7 @@ def _share(keys: list[str], size, rank: int, world: int) -> list[str]:
     load = [0] * world
     owner: dict[str, int] = {}
     for key in sorted(keys, key=lambda k: (-size(k), k)):
-        r = load.index(min(load))
-        owner[key] = r
+        r = owner[key] = load.index(min(load))
         load[r] += size(key)
     return [k for k in keys if owner[k] == rank]
 

@@ -100,17 +100,17 @@ def prepare_everywhere(rules, checkpoint, config=None, strict: bool = True,
     arguments) runs first, on every rank. `on_disk=False`: an Inventory of files not written yet."""
     from ..runtime import dist  # torch is imported only here
 
+    check = check or (lambda: None)
+
     def first() -> Inventory:
-        if check is not None:
-            check()
+        check()
         return checkpoint if isinstance(checkpoint, Inventory) else open_inventory(checkpoint)
 
     # always one broadcast (an Inventory given too): every rank makes the same collectives
     inventory = dist.from_first(first, "reading the checkpoint's headers")
 
     def prepare() -> tuple[Ready, dict[str, Any]]:  # and what the ranks compare
-        if check is not None:
-            check()
+        check()
         ruleset = rules if isinstance(rules, RuleSet) else load_rules(rules)
         given = read_config(inventory) if config is None else config
         # a rank that did not read the headers reads its own copy, checked against that copy's times
