@@ -4,6 +4,7 @@ at a time with its arguments evaluated: from a binding group to the tensors its 
 from __future__ import annotations
 
 from collections import defaultdict
+from itertools import groupby
 
 from ..language import ir
 from . import symbolic as sym
@@ -131,12 +132,6 @@ def expand_macros(ops, macros: dict, config, lets: dict, line_text, env: dict | 
 
 
 def _ranges(values: list[int]) -> str:
-    """{0,1,2,5} -> `0-2, 5`."""
-    out, start = [], None
-    for i, v in enumerate(values):
-        if start is None:
-            start = v
-        if i + 1 == len(values) or values[i + 1] != v + 1:
-            out.append(f"{start}" if start == v else f"{start}-{v}")
-            start = None
-    return "{" + ", ".join(out) + "}"
+    """{0,1,2,5} -> `0-2, 5` (`values` sorted, without repeats)."""
+    runs = [[v for _, v in run] for _, run in groupby(enumerate(values), lambda iv: iv[1] - iv[0])]
+    return "{" + ", ".join(f"{r[0]}" if len(r) == 1 else f"{r[0]}-{r[-1]}" for r in runs) + "}"

@@ -1,16 +1,12 @@
-"""Key patterns x checkpoint keys -> bindings: which keys each statement takes, with which captures.
-
-A pattern is an anchored regex (`{L}` a canonical decimal integer, `{m:seg}` one segment, `{P:path}`
-dotted text). A binding assigns a statement's captures so that every source of its list axis exists;
-a partial binding (some sources present, others missing) is an error, never skipped.
-"""
+"""Key patterns x checkpoint keys -> bindings: the captures of a statement for which every source of its
+list axis exists; a partial binding (some sources present, others missing) is an error, never skipped."""
 
 from __future__ import annotations
 
 import re
 from collections.abc import Iterable
 from itertools import chain, compress, product, repeat
-from operator import contains, itemgetter, methodcaller
+from operator import itemgetter, methodcaller
 from typing import NamedTuple
 
 from ..language import ir
@@ -18,22 +14,16 @@ from ..language import ir
 _INT = r"(?:0|[1-9][0-9]*)"
 _SEG = r"[^.\n]+"  # keys are matched as lines of one text (see scan)
 _PATH = r"[^.\n]+(?:\.[^.\n]+)*"
-# _PATH where the line ends after it: the same lines, told by single-character repeats alone
-# (no leading or trailing dot, no two dots together), which the regex engine runs much faster
-_PATH_TO_END = r"(?!\.)(?![^\n]*\.\.)[^\n]*[^.\n]"
 _MAX_TAILS = 64  # literal endings a pattern's trailing alternatives may expand to
 
 
 class PatternRegex(NamedTuple):
-    """A source pattern as a regex, with the names of its groups. The regexes are compiled when
-    first used: `{P:path}.weight` is found without one (see scan)."""
+    """A source pattern as a regex, with the names of its groups."""
 
     source: str  # the regex, as text
     captures: tuple[tuple[str, str], ...]  # (name, type) in group order
     alternatives: tuple[tuple[str, ...], ...]  # options of each alternatives part
     tails: tuple[str, ...]  # literal endings, one of which every matching key has; () if none
-    head: str | None  # the capture's type when the pattern is one path or seg capture, then literal text
-    line_source: str  # the regex with one outer group, matching lines of a text, as text
 
     @property
     def regex(self) -> re.Pattern:
@@ -41,7 +31,8 @@ class PatternRegex(NamedTuple):
 
     @property
     def line(self) -> re.Pattern:
-        return re.compile(self.line_source, re.MULTILINE)
+        """The regex with one outer group, matching whole lines of a text."""
+        return re.compile(f"^({self.source})$", re.MULTILINE)
 
 
 def compile_pattern(pattern: ir.Pattern) -> PatternRegex:
@@ -66,15 +57,7 @@ def compile_pattern(pattern: ir.Pattern) -> PatternRegex:
             out.append(_SEG)
         else:
             out.append(_PATH)
-    parts = pattern.parts
-    scanned = out
-    last = parts[-1]
-    if isinstance(last, ir.DoubleStar) or isinstance(last, ir.Capture) and out[-1].endswith(f">{_PATH})"):
-        scanned = out[:-1] + [out[-1].replace(_PATH, _PATH_TO_END)]
-    one_capture = len(parts) == 2 and isinstance(parts[0], ir.Capture) and isinstance(parts[1], ir.Text) \
-        and parts[0].type != "int"
-    return PatternRegex("".join(out), tuple(captures), tuple(alternatives), _tails(pattern),
-                        parts[0].type if one_capture else None, f"^({''.join(scanned)})$")
+    return PatternRegex("".join(out), tuple(captures), tuple(alternatives), _tails(pattern))
 
 
 def _tails(pattern: ir.Pattern) -> tuple[str, ...]:
@@ -122,23 +105,10 @@ class KeyPool:
         return [lines[i] for i in (hits[0] if len(hits) == 1 else sorted(chain.from_iterable(hits)))]
 
 
-def _all_whole(kind: str, joined: str) -> bool:
-    """Each line of a text of non-empty lines is a `path` (no empty segment) or a `seg` (no dot)."""
-    if kind == "seg":
-        return "." not in joined
-    return not (".." in joined or "\n." in joined or ".\n" in joined or joined[0] == "." or joined[-1] == ".")
-
-
 def scan(compiled: PatternRegex, pool: KeyPool, scalar: bool = False) -> tuple[list, list, list | None]:
     """The keys the pattern matches whole, in the pool's order, with their capture values (the value
-    alone with `scalar`: one capture) and their choice of each alternatives part (None without any).
-    One `findall` over the pool's text keeps the scan in the regex engine, not a loop over 10^5 keys."""
-    if compiled.head is not None:  # `{P:path}.weight`: what the text leaves is the capture, if all are
-        found = list(pool.ending(compiled.tails))
-        values = [k[:-len(compiled.tails[0])] for k in found]
-        if "" not in values and (not values or _all_whole(compiled.head, "\n".join(values))):
-            return found, values if scalar else list(zip(values)), None
-    # one outer group for the whole key; findall then yields (key, *groups) tuples from C
+    alone with `scalar`: one capture) and their choice of each alternatives part (None without any)."""
+    # one `findall` over the pool's text; one outer group for the whole key: (key, *groups) tuples
     line = compiled.line
     order = sorted(line.groupindex.items(), key=lambda kv: kv[1])
     captures = [(group - 1, kind == "int") for name, group in order if name[0] == "c"
@@ -237,8 +207,6 @@ def bind(patterns: tuple[ir.Pattern, ...], keys: Iterable[str] | KeyPool) -> Bou
     # the captures of each binding, made in C: {name: value}, or a dict of the names and values
     captures = list(map(dict.fromkeys, repeat(names), values) if scalar else
                     map(dict, map(zip, repeat(names), values)))
-    if not any(map(contains, entries, repeat(None))):  # every source of every binding present
-        return Bound(list(map(Binding._make, zip(captures, entries))), [], unmatched, ambiguous)
     bindings, partial = [], []
     for found, row in zip(captures, entries):
         if None not in row:

@@ -1,10 +1,6 @@
-"""Runtime shapes + rules + config -> the checkpoint tensors they determine: a save without `like`.
-
-Each rule runs backwards on shapes alone: targets matched against the runtime keys, ops undone last
-first, sources named from the captures. What shapes do not determine (a concat without `sizes=`, a
-slice, a pad, a reshape, a cast, a wildcard source) is E520. Dequantized tensors are derived plain.
-The result must compile forward back to every runtime tensor's shape and dtype, or it is refused.
-"""
+"""Runtime shapes + rules + config -> the checkpoint tensors they determine (a save without `like`): each
+rule run backwards on shapes alone; what shapes do not determine is E520, and the result must compile
+forward back to every runtime tensor."""
 
 from __future__ import annotations
 
@@ -232,9 +228,8 @@ class _Deriver:
              ) -> dict[str, Entry] | None:
         """One group's state undone op by op (the last first), then its sources named; None where
         the rule's guard does not hold for them. `widths`: the list axis's length before each op."""
-        for i in range(len(steps) - 1, -1, -1):
-            op, ev = steps[i]
-            state = _undo_op(op, ev, state, widths[i], rule)
+        for (op, ev), width in reversed(list(zip(steps, widths))):
+            state = _undo_op(op, ev, state, width, rule)
         out: dict[str, Entry] = {}
         guarded = rule.guard is not None and captures_read(rule.guard, rule)
         for inner, entries in state.items():

@@ -58,11 +58,9 @@ def _source(b: Block) -> str:
             region.append(str(lo) if lo == hi else f"{lo}:{hi + 1}" + ("" if c > 0 else " reversed"))
         else:
             return f"{b.source_key} from {list(b.base)}, steps {[list(r) for r in b.coeff]}{_steps(b)}"
-    order = []  # for each runtime dim, the source dim it walks (a transpose shows as a permutation)
-    for j in range(len(b.sizes)):
-        walking = [k for k, row in enumerate(b.coeff) if row[j]]
-        if len(walking) == 1:
-            order.append(walking[0])
+    # for each runtime dim, the source dim it walks (a transpose shows as a permutation)
+    walking = [[k for k, row in enumerate(b.coeff) if row[j]] for j in range(len(b.sizes))]
+    order = [w[0] for w in walking if len(w) == 1]
     moved = f" (dims {order})" if order and order != sorted(order) else ""
     return f"{b.source_key} [{', '.join(region)}]{moved}{_steps(b)}"
 

@@ -1,8 +1,5 @@
-"""The compiled form every executor runs: runtime tensors tiled by blocks, and the bindings behind them.
-
-Frozen data that serializes to JSON, with a `digest()` stable across processes. It keeps each checkpoint
-tensor and the rule and captures behind each runtime tensor, so a save can read the blocks backwards.
-"""
+"""The compiled form every executor runs: runtime tensors tiled by blocks, and the bindings behind them
+(so a save can read the blocks backwards); frozen, JSON-serializable, with a process-stable `digest()`."""
 
 from __future__ import annotations
 
@@ -23,8 +20,8 @@ FEW_BLOCKS = 16  # a runtime tensor with more blocks finds those meeting a box b
 
 @dataclass(frozen=True, slots=True)
 class RuntimeTensor(Pickled):
-    """One runtime tensor: its shape and dtype, the blocks that tile it, the rule that made it. A
-    record, not a model: a rule file naming each checkpoint key makes 46,000-92,000 at DeepSeek-V3 scale."""
+    """One runtime tensor: its shape and dtype, the blocks that tile it, the rule that made it (a record,
+    not a model: a model can have tens of thousands)."""
 
     runtime_key: str
     shape: tuple[int, ...]
@@ -56,7 +53,7 @@ class CkptTensor(NamedTuple):
 
 class LogicalTensor(NamedTuple):
     """A tensor a format makes from checkpoint parts (a `dequantize` binding), named by blocks like a
-    checkpoint tensor; `parts` in the format's order (values first). ~45,000 in an FP8 DeepSeek-V3."""
+    checkpoint tensor; `parts` in the format's order (values first)."""
 
     logical_key: str
     format: str
@@ -72,8 +69,7 @@ class LogicalTensor(NamedTuple):
 
 @dataclass(frozen=True, slots=True)
 class StoredQuantized(Pickled):
-    """Parts of a quantized weight that the rules move as they are (a `quantized` binding); a record,
-    one per quantized weight (~45,000 in an FP8 DeepSeek-V3)."""
+    """Parts of a quantized weight that the rules move as they are (a `quantized` binding)."""
 
     values: str  # the checkpoint key of the stored values
     format: str
@@ -85,8 +81,7 @@ class StoredQuantized(Pickled):
 
 @dataclass(frozen=True, slots=True)
 class BoundRule(Pickled):
-    """One binding of one statement: its captures, the checkpoint keys it read, what it made; a
-    record, one per binding (up to one per checkpoint key)."""
+    """One binding of one statement: its captures, the checkpoint keys it read, what it made."""
 
     rule: SpanField | None
     captures: tuple[tuple[str, int | str], ...]
@@ -95,9 +90,8 @@ class BoundRule(Pickled):
 
 
 class Compiled(BaseModel):
-    """Everything an executor needs, with no reference to the rule language. The compiler builds it
-    with `model_construct` (validating its own records again costs up to 0.7 s at DeepSeek-V3 scale);
-    `model_validate_json` validates every field."""
+    """Everything an executor needs, with no reference to the rule language (the compiler builds it
+    unvalidated with `model_construct`; `model_validate_json` validates every field)."""
 
     model_config = ConfigDict(frozen=True, extra="forbid")
 

@@ -1,8 +1,5 @@
-"""`dequantize` statements -> logical sources made from a format's parts (values plus scales), which
-take the parts' place among the checkpoint keys; `quantized` statements -> parts the rules move as
-stored, and the checks that no op or shard cuts their values inside a block. Values without a scale
-are not quantized and pass through; scales without their values are an error.
-"""
+"""`dequantize` statements -> logical sources made from a format's parts (values plus scales), in the
+parts' place; `quantized` statements -> parts moved as stored, checked that no op or shard cuts a block."""
 
 from __future__ import annotations
 
@@ -29,17 +26,12 @@ def format_of(op: ir.FormatCall, ev: Evaluator) -> tuple[QuantFormat, dict[str, 
     evaluated (the static checks have found the format and matched the arguments to its params)."""
     fmt = get_format(op.name)
     given = {arg.name or fmt.params[position].name: arg.value for position, arg in enumerate(op.args)}
+    read = {"ints": ev.integers, "int": ev.integer, "number": ev.number}
     params: dict[str, Any] = {}
-    for p in fmt.params:
-        if p.name not in given:
-            continue
+    for p in (p for p in fmt.params if p.name in given):
         expr = given[p.name]
-        if p.kind == "ints":
-            params[p.name] = ev.integers(expr, p.name)
-        elif p.kind == "int":
-            params[p.name] = ev.integer(expr, p.name)
-        elif p.kind == "number":
-            params[p.name] = ev.number(expr, p.name)
+        if p.kind in read:
+            params[p.name] = read[p.kind](expr, p.name)
         elif p.kind == "dtype":
             params[p.name] = ev.dtype(expr)
         else:  # scale_dtype and other names: checked by the static checks
@@ -78,7 +70,7 @@ def bind_dequantize(s: ir.Dequantize, available: set[str], inventory_tensors, ev
 
 def _memo(compute: Callable[[list[Part]], Any], inventory_tensors) -> Callable[[tuple[str, ...]], Any]:
     """`compute(parts)` of a binding's keys, remembered by the parts' dtypes and shapes (a format decides
-    from them alone, and a model repeats a few); a failure is not, so each error names its own keys."""
+    from them alone); a failure is not remembered, so each error names its own keys."""
     known: dict[tuple, Any] = {}
 
     def of(keys: tuple[str, ...]) -> Any:
@@ -142,9 +134,8 @@ def bind_quantized(s: ir.Quantized, available: set[str], inventory_tensors, ev: 
 
 
 def check_cuts(tensor, stored: dict[str, StoredQuantized], shape_of, error: Callable[..., None]):
-    """Every block of `runtime tensor` that moves stored quantized values must take whole blocks of
-    its source and put them at block offsets of the runtime tensor (a cut inside a block would pair
-    values with another tensor's scales); returns the runtime tensor's grid per dim, () if none."""
+    """E224 unless each block of `tensor` moving stored quantized values cuts no quantization block (it would
+    pair values with another tensor's scales); returns the runtime tensor's grid per dim, () if none."""
     grid = [1] * len(tensor.shape)
     sources_one_scale = {b.source_key for b in tensor.blocks if b.source_key in stored
                          and get_format(stored[b.source_key].format).one_scale}

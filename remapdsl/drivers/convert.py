@@ -1,8 +1,5 @@
-"""`remapdsl convert`: a checkpoint from one layout to another, offline, in batches, on any number of ranks.
-
-Each rank takes a share of the runtime tensors (balanced by bytes), fills them a batch at a time within
-`budget_bytes` and writes their bytes at their offsets, through save's staging folder (`write_output`).
-"""
+"""`remapdsl convert`: a checkpoint from one layout to another, offline, each rank its share of the runtime
+tensors (balanced by bytes) a batch at a time within `budget_bytes`, through save's staging folder."""
 
 from __future__ import annotations
 
@@ -86,19 +83,17 @@ def convert(src, dst, rules, *, reverse: bool = False, like=None, max_shard_byte
             nonlocal done, written
             reader = CheckpointReader(runtime_source or checkpoint)
             scales = CheckpointReader(checkpoint)  # reverse: the stored scales of dequantized tensors
-            # Forward: batches of half the budget (at most BATCH_BYTES: memory the allocator reuses, and
-            # an early start to the writes), each written on a thread while the next one is read.
+            # forward: batches of half the budget (at most BATCH_BYTES, for an early start to the writes),
+            # each written on a thread while the next one is read
             budget = budget_bytes if reverse else max(1, min(budget_bytes // 2, BATCH_BYTES))
             pending = None
-            arenas: list = [None, None]  # two batches' memory, reused: one read while the other is written
             try:
                 with ThreadPoolExecutor(1) as pool:
                     if reverse:  # dropped tensors and stored scales, unchanged: each rank its share of the bytes
                         copy_bytes(copies, scales, writer)
                         written += sum(piece[-1] for piece in copies)
-                    for n, batch in enumerate(batches(mine, lambda k: _size(runtime[k]), budget)):
-                        tensors = compiled.empty_state_dict(batch) if reverse else \
-                            _carve(arenas, n % 2, [runtime[k] for k in batch])
+                    for batch in batches(mine, lambda k: _size(runtime[k]), budget):
+                        tensors = compiled.empty_state_dict(batch)
                         whole = {k: whole_shard(tuple(t.shape)) for k, t in tensors.items()}
                         if reverse:  # runtime tensors read whole from src, written through the save direction
                             for k, t in tensors.items():
@@ -128,25 +123,6 @@ def convert(src, dst, rules, *, reverse: bool = False, like=None, max_shard_byte
                              ranks=world, seconds=time.perf_counter() - start)
 
 
-def _carve(arenas: list, slot: int, tensors) -> dict:
-    """Empty tensors of a batch, laid out in arena `slot` (made or grown to fit; a batch over BATCH_BYTES, one
-    tensor, gets its own memory): reused batch after batch, so no memory is faulted in again per batch."""
-    import torch
-
-    ends, at = [], 0
-    for d in tensors:
-        at += -at % 64  # each tensor 64-byte aligned
-        ends.append(at)
-        at += _size(d)
-    if at > BATCH_BYTES:
-        return {d.runtime_key: torch.empty(d.shape, dtype=getattr(torch, d.dtype)) for d in tensors}
-    arena = arenas[slot]
-    if arena is None or arena.numel() < at:
-        arena = arenas[slot] = torch.empty(max(at, 1 << 20), dtype=torch.uint8)
-    return {d.runtime_key: arena[start:start + _size(d)].view(getattr(torch, d.dtype)).view(d.shape)
-            for d, start in zip(tensors, ends)}
-
-
 def _write_whole(writer, inventory, tensors) -> None:
     """Each tensor of a batch written whole at its offset in the output files."""
     for k, t in tensors.items():
@@ -157,11 +133,9 @@ def _write_whole(writer, inventory, tensors) -> None:
 def read_whole(reader: CheckpointReader, key: str, tensor) -> None:
     """Checkpoint tensor `key` read whole into `tensor` (of its shape and dtype): its bytes at once,
     or, for a DCP-sharded one, each chunk into its box."""
-    inventory = reader.inventory
-    chunks = inventory.chunks.get(key)
+    chunks = reader.inventory.chunks.get(key)
     if chunks is None:
-        info = inventory.tensors[key]
-        reader.read_into(info.file, info.byte_offset, as_byte_view(tensor))
+        reader.read_tensor_into(key, tensor)
         return
     for c in chunks:
         part = tensor.new_empty(c.sizes)
@@ -190,23 +164,21 @@ def _share(keys: list[str], size, rank: int, world: int) -> list[str]:
     load = [0] * world
     owner: dict[str, int] = {}
     for key in sorted(keys, key=lambda k: (-size(k), k)):
-        r = load.index(min(load))
-        owner[key] = r
+        r = owner[key] = load.index(min(load))
         load[r] += size(key)
     return [k for k in keys if owner[k] == rank]
 
 
 def batches(keys: list, size, budget: int) -> list[list]:
     """`keys` in order, cut into runs of at most `budget` by `size` (a larger one alone)."""
-    out: list[list] = [[]]
-    held = 0
+    out: list[list] = []
     for key in keys:
-        if out[-1] and held + size(key) > budget:
+        if not out or held + size(key) > budget:
             out.append([])
             held = 0
         out[-1].append(key)
         held += size(key)
-    return [b for b in out if b]
+    return out
 
 
 def _size(t) -> int:

@@ -1,10 +1,6 @@
 """`remapdsl.export`: a sharded runtime state dict streamed in the checkpoint layout, no files (weight sync).
-
-Every rank runs the save's plan into memory; each checkpoint tensor is assembled on one rank that holds its
-bytes (balanced by bytes), the other writers sending their pieces there in rounds of at most half of
-`bucket_bytes` per owner (one all-to-all a round); with `by_round`, each round's pairs are yielded as one
-list, the same number of lists on every rank. With `regions`, each rank yields its boxes and nothing moves.
-"""
+Each checkpoint tensor is assembled on one rank that writes part of it, the others sending their pieces
+in rounds of at most half of `bucket_bytes` per owner; with `regions`, each rank yields its boxes."""
 
 from __future__ import annotations
 
@@ -36,9 +32,8 @@ from ..runtime.write import run_write_plan
 def export(prepared, state_dict, *, rules=None, like=None, config: Mapping[str, Any] | None = None, gather=(),
            bucket_bytes: int = 256 << 20, layout=None, mesh=None, allow_lossy: bool = False, regions: bool = False,
            by_round: bool = False, timeout=None, local=None) -> Iterator:
-    """`remapdsl.export` (`prepared` None: the layout of `like`, or the one derived without it, prepared for
-    this call) or `Prepared.export`: (checkpoint key, tensor) pairs, or with `regions` (key, offsets, tensor),
-    or with `by_round` one list of pairs per round."""
+    """`remapdsl.export` (`prepared` None: prepared for this call) or `Prepared.export`: (checkpoint key,
+    tensor) pairs, or with `regions` (key, offsets, tensor), or with `by_round` one list of pairs a round."""
     bounds.seconds(timeout)  # a bad timeout is refused at the call, before the first item is asked for
     return bounds.bounded_iter(_export(prepared, rules, like, config, state_dict, gather, bucket_bytes, layout, mesh,
                                        allow_lossy, regions, by_round, local), timeout)
@@ -47,19 +42,16 @@ def export(prepared, state_dict, *, rules=None, like=None, config: Mapping[str, 
 def _export(prepared, rules, like, config, state_dict, gather, bucket_bytes: int, layout, mesh, allow_lossy: bool,
             regions: bool, by_round: bool, local) -> Iterator:
     gather = (gather,) if isinstance(gather, str) else tuple(gather)
-    if regions and gather:
+    if regions and (gather or by_round):
+        name, why = ("gather", "takes no gather") if gather else ("by_round", "has no rounds to group by")
         raise RemapError(Diagnostic(code="E542", message=f"regions=True yields the boxes each rank holds and "
-                                    f"moves nothing, so it takes no gather (got gather={gather!r})",
-                                    hint="drop `gather`, or drop `regions` to assemble whole tensors"))
-    if regions and by_round:
-        raise RemapError(Diagnostic(code="E542", message="regions=True yields the boxes each rank holds and "
-                                    "moves nothing, so it has no rounds to group by (got by_round=True)",
-                                    hint="drop `by_round`, or drop `regions` to assemble whole tensors"))
+                                    f"moves nothing, so it {why} (got {name}={gather or by_round!r})",
+                                    hint=f"drop `{name}`, or drop `regions` to assemble whole tensors"))
     with frozen_heap():  # until the first item: the consumer's own code runs between items
         tensors = named_together(state_dict, local)
         # the layout streamed: `like`'s, or the derived one (headers needed by no file here)
         prepared = prepared or prepared_checkpoint(rules, like, config, tensors, layout, Path("<export>"),
-                                                           mesh=mesh)[0]
+                                                   mesh=mesh)[0]
         ready = prepared.current()
         out, compiled, layout = ready.inventory, ready.compiled, ready.placing(layout)
         rank, world = dist.rank(), dist.world_size()
@@ -96,9 +88,8 @@ def _export(prepared, rules, like, config, state_dict, gather, bucket_bytes: int
 
 
 def _export_plan(chosen, out, boxes, rank: int, logical, coordinates: Callable[[str], tuple]) -> tuple:
-    """This rank's write plan into memory, and for each checkpoint tensor it writes part of: the bytes it
-    holds and its coordinates on the mesh of the runtime tensor that makes it (what the ranks exchange
-    to schedule)."""
+    """This rank's write plan into memory, and for each checkpoint tensor it writes part of, its bytes and
+    coordinates on the mesh of the runtime tensor that makes it (what the ranks exchange to schedule)."""
     plan = make_write_plan(chosen, out, boxes, rank, logical)
     producer = {w.block.source_key: w.runtime_key for w in chosen}
     mine: dict[str, int] = defaultdict(int)
@@ -244,8 +235,8 @@ def _tensor_at(out) -> Callable[[str, int], str]:
 
 
 class _Collector:
-    """The writer `run_write_plan` writes into: pieces of tensors this rank assembles go into their
-    buffers, the others into the payload for their owner (the runs, then the bytes)."""
+    """`run_write_plan`'s writer: pieces of tensors this rank assembles go into their buffers, the others
+    into the payload for their owner."""
 
     def __init__(self, out, tensor_at: Callable[[str, int], str], owner: dict[str, int], assembling: dict[str, torch.Tensor],
                  rank: int, world: int):
@@ -265,13 +256,9 @@ class _Collector:
                 self.outgoing[o].append((key, relative, data))
 
     def _scatter(self, key: str, runs, data) -> None:
-        buffer = self.assembling[key].numpy()
-        source = np.frombuffer(data, dtype=np.uint8)
-        shape = tuple(runs.counts) + (runs.length,)
-        target = np.lib.stride_tricks.as_strided(buffer[runs.first:], shape, tuple(runs.strides) + (1,))
-        np.copyto(target, source.reshape(shape))
+        _copy_runs(self.assembling[key], runs, data)
         with self.lock:
-            self.filled[key] += source.size
+            self.filled[key] += runs.total
 
     def payload(self) -> tuple[torch.Tensor, list[int]]:
         """What this rank sends each rank this round, in one buffer: per rank, the length of the
@@ -307,10 +294,8 @@ class _Collector:
 
 
 def _regions(plan, out, local, bucket_bytes: int, empty: list[str]) -> Iterator[tuple]:
-    """(key, offsets, tensor): each box of a checkpoint tensor this rank writes, in plan order, a
-    bucket of them made at a time; no communication. A checkpoint tensor whose pieces are no boxes
-    (rows strided by a rope order) but which this rank writes whole is yielded whole, once its last
-    piece is made."""
+    """(key, offsets, tensor): each box of a checkpoint tensor this rank writes, a bucket at a time, in plan
+    order; a tensor whose pieces are strided (no boxes) but which this rank writes whole is yielded whole."""
     for key in empty:
         info = out.tensors[key]
         yield key, (0,) * len(info.shape), torch.empty(info.shape, dtype=torch_dtype(info.dtype))
@@ -347,12 +332,9 @@ class _RegionWriter:
         info = self.out.tensors[key]
         runs = runs._replace(first=runs.first - info.byte_offset)
         if key in self.whole:
-            buffer = self.assembling.get(key)
-            if buffer is None:
-                buffer = self.assembling[key] = torch.empty(info.nbytes, dtype=torch.uint8)
-            shape = tuple(runs.counts) + (runs.length,)
-            target = np.lib.stride_tricks.as_strided(buffer.numpy()[runs.first:], shape, tuple(runs.strides) + (1,))
-            np.copyto(target, np.frombuffer(data, dtype=np.uint8).reshape(shape))
+            if key not in self.assembling:
+                self.assembling[key] = torch.empty(info.nbytes, dtype=torch.uint8)
+            _copy_runs(self.assembling[key], runs, data)
             self.filled[key] += runs.total
             if self.filled[key] == info.nbytes:
                 tensor = self.assembling.pop(key).view(torch_dtype(info.dtype)).view(info.shape)
@@ -361,6 +343,13 @@ class _RegionWriter:
         offsets, sizes = _box(runs, info, key)
         values = torch.frombuffer(bytearray(data), dtype=torch.uint8).view(torch_dtype(info.dtype)).view(sizes)
         self.regions.append((key, offsets, values))
+
+
+def _copy_runs(buffer: torch.Tensor, runs, data) -> None:
+    """`data` copied into the bytes of `buffer` that `runs` (from its first byte) cover."""
+    shape = tuple(runs.counts) + (runs.length,)
+    target = np.lib.stride_tricks.as_strided(buffer.numpy()[runs.first:], shape, tuple(runs.strides) + (1,))
+    np.copyto(target, np.frombuffer(data, dtype=np.uint8).reshape(shape))
 
 
 def _box(runs, info, key: str) -> tuple[tuple[int, ...], tuple[int, ...]]:

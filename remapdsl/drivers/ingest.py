@@ -1,8 +1,5 @@
-"""`remapdsl.ingest`: (checkpoint key, tensor) pairs fed into a runtime state dict through the rules.
-
-The load plan is made against the checkpoint layout, each tensor alone in an in-memory file
-(checkpoint/memory.py); each pair, as it arrives, runs the plan's reads of it, so a stream is never held whole.
-"""
+"""`remapdsl.ingest`: (checkpoint key, tensor) pairs fed into a runtime state dict through the rules: each
+pair, as it arrives, runs the load plan's reads of it (an in-memory layout), so no stream is held whole."""
 
 from __future__ import annotations
 
@@ -41,8 +38,7 @@ class IngestReport(BaseModel):
 
 def ingest(prepared, state_dict, pairs, *, rules=None, like=None, config: Mapping[str, Any] | None = None,
            layout=None, mesh=None, timeout=None, staging_bytes: int | None = None, local=None) -> IngestReport:
-    """`remapdsl.ingest` (`prepared` None: the layout of `like`, or the one derived without it, prepared for
-    this call) or `Prepared.ingest`."""
+    """`remapdsl.ingest` (`prepared` None: `like`'s layout, or the derived one, prepared for this call)."""
     staging = staging_within(staging_bytes)
     with bounds.bounded(timeout), frozen_heap(), Rings(staging) as rings:  # one ring per reader thread, over all pairs
         tensors = named_together(state_dict, local)
@@ -89,8 +85,7 @@ def ingest(prepared, state_dict, pairs, *, rules=None, like=None, config: Mappin
                 continue
             used += 1
             source = tensor.detach().contiguous().cpu()  # each a no-op where it already is
-            # one thread: the bytes are in memory, so reader threads overlap no I/O, and a pool a pair costs
-            # more than the copies (bench/weight_sync_bench.py: ingest alone 1.6-2.0 s with them, 0.6-0.9 s without)
+            # one thread: the bytes are in memory, so reader threads would overlap no I/O
             run_load_plan(load_plan.model_copy(update={"items": tuple(items), "decodes": ()}), memory, holding.local,
                           threads=1, reader=MemoryReader(memory, {key: source}), rings=rings)
         missing = sorted(set(reads) - seen)

@@ -1,7 +1,5 @@
-"""`remapdsl.load`: fill a state dict in place from a checkpoint through a rule file, every rank its own bytes.
-
-On every rank together: the shared compile (a Prepared), this rank's holdings, its plan, the reads.
-"""
+"""`remapdsl.load`: fill a state dict in place from a checkpoint through a rule file, every rank its own
+bytes."""
 
 from __future__ import annotations
 

@@ -1,6 +1,5 @@
 """What every entry point does before it touches tensor data: rank 0's headers shared, the model config, and
-the rules compiled identically on every rank, the ranks agreeing on it; a failure on any rank fails every rank.
-"""
+the rules compiled identically on every rank, the ranks agreeing; a failure on any rank fails every rank."""
 
 from __future__ import annotations
 
@@ -27,8 +26,7 @@ MAX_LISTED = 5  # differences listed per aspect when ranks disagree; the rest co
 
 def compile_digest(ruleset: RuleSet, config: Mapping[str, Any], strict: bool, checkpoint=None) -> str:
     """sha256 of what a compile depends on: the rule files' text, the config, strictness, and the checkpoint
-    this process was given (an Inventory: all of it; a path: its name and its files' names and sizes, unopened,
-    so a rank given another checkpoint than rank 0's is caught though it reads rank 0's headers)."""
+    this process was given (a path: its files' names and sizes, so a rank given another one is caught)."""
     digest = hashlib.sha256()
     for value in _digests(_inputs(rule_texts(ruleset), config, strict, checkpoint)).values():
         digest.update(value.encode())
@@ -97,23 +95,22 @@ class Ready(NamedTuple):
 
 def prepare_everywhere(rules, checkpoint, config=None, strict: bool = True,
                        check: Callable[[], None] | None = None, on_disk: bool = True) -> Ready:
-    """Every rank: rank 0's headers of `checkpoint` shared, then the rules compiled. A compile is a pure function
-    of its inputs, so the ranks compare digests of those and of each file's header bytes as this rank reads
-    them: any difference is E410 on every rank. `check` (the caller's checks of its arguments) runs first, on
-    every rank. `on_disk=False`: an Inventory of files not written yet, whose headers no rank reads."""
+    """Every rank: rank 0's headers of `checkpoint` shared, then the rules compiled; the ranks compare digests
+    of the compile's inputs and of each file's header bytes (E410). `check` (the caller's checks of its
+    arguments) runs first, on every rank. `on_disk=False`: an Inventory of files not written yet."""
     from ..runtime import dist  # torch is imported only here
 
+    check = check or (lambda: None)
+
     def first() -> Inventory:
-        if check is not None:
-            check()
+        check()
         return checkpoint if isinstance(checkpoint, Inventory) else open_inventory(checkpoint)
 
     # always one broadcast (an Inventory given too): every rank makes the same collectives
     inventory = dist.from_first(first, "reading the checkpoint's headers")
 
     def prepare() -> tuple[Ready, dict[str, Any]]:  # and what the ranks compare
-        if check is not None:
-            check()
+        check()
         ruleset = rules if isinstance(rules, RuleSet) else load_rules(rules)
         given = read_config(inventory) if config is None else config
         # a rank that did not read the headers reads its own copy, checked against that copy's times
@@ -146,19 +143,14 @@ def explain_difference(aspect: str, details: dict[int, Any]) -> list[str]:
                     if ours.get(name) != theirs.get(name)]
         return [f"{_show(ours)} vs {_show(theirs)}"]
 
-    return _per_rank(details, found, "difference")
-
-
-def _per_rank(details: dict[int, Any], found: Callable[[Any, Any], list[str]], noun: str) -> list[str]:
-    """`found(first's detail, another's)` for each other rank, MAX_LISTED a rank, the rest counted."""
     (base, ours), *others = details.items()
     out: list[str] = []
-    for r, theirs in others:
+    for r, theirs in others:  # MAX_LISTED a rank, the rest counted
         differences = found(ours, theirs)
         more = len(differences) - MAX_LISTED
         out.extend(f"rank {base} vs rank {r}: {s}" for s in differences[:MAX_LISTED])
         if more > 0:
-            out.append(f"rank {base} vs rank {r}: and {more} more {noun}{'s' if more > 1 else ''}")
+            out.append(f"rank {base} vs rank {r}: and {more} more difference{'s' if more > 1 else ''}")
     return out
 
 
@@ -246,11 +238,9 @@ def _mesh_text(mesh) -> str:
 
 
 class HeldTogether:
-    """What the ranks check together about what they hold, riding on one phase's exchange (`joint()`):
-    every runtime tensor held by some rank (else E230, naming the first no rank holds), each placed alike
-    by every rank that holds it (a DTensor's mesh sizes and placements, or its layout plan's) and the same
-    `mesh` argument on every rank (else E410, naming the tensors and the ranks). Afterwards `holders` says
-    which rank holds what where some rank holds only part (pipeline stages); None where each holds all."""
+    """What the ranks check together about what they hold, on one phase's exchange (`joint()`): every
+    runtime tensor held by some rank (E230), placed alike by every rank that holds it, one `mesh` (E410).
+    `holders` then says which rank holds what where some rank holds only part (pipeline stages), else None."""
 
     def __init__(self, compiled, holding_of: Callable[[Any], Any], mesh=None,
                  read_once: Callable[[Any], list[str]] | None = None):
@@ -266,8 +256,7 @@ class HeldTogether:
 
     def part(self, result) -> tuple[str, dict[str, int], int]:
         """The mesh given (a malformed one fails here, in the phase), per placement the tensors this rank
-        holds so, as the bits of their positions among the runtime tensors, and those `read_once` names
-        (a load's `read_replicated_once`: rank 0 reads them for every rank)."""
+        holds so (bits of their positions), and those `read_once` names (`read_replicated_once`)."""
         index = self.index
         shown: dict[int, str] = {}  # tensors of one spec share their Placed: described once
         placed: dict[str, int] = {}

@@ -1,7 +1,5 @@
 """`remapdsl.prepare`: a checkpoint's headers, its rules compiled and this rank's plans, kept in memory by the
-caller for the next load, save, export or ingest of the same job (an RL loop exporting after every step).
-The one-shot entry points run through a Prepared made for the call.
-"""
+caller for the next load, save, export or ingest (the one-shot entry points make one for the call)."""
 
 from __future__ import annotations
 
@@ -20,9 +18,8 @@ KEPT = 4  # plans kept of each kind: the last holdings seen (a trainer alternate
 
 
 class Prepared:
-    """Rank 0's headers of a checkpoint and the rules compiled against them, and this rank's plans
-    for each holding seen; from `remapdsl.prepare`, kept by the caller. Every rank calls each
-    method, as for the one-shot functions of the same names."""
+    """Rank 0's headers of a checkpoint, the rules compiled against them and this rank's plans for each
+    holding seen (from `remapdsl.prepare`); every rank calls each method, as for the one-shot functions."""
 
     def __init__(self, rules, checkpoint, config, strict: bool, ready: Ready, watched: bool = True):
         self._rules, self._checkpoint, self._config, self._strict = rules, checkpoint, config, strict
@@ -75,9 +72,8 @@ class Prepared:
         return value
 
     def _look(self, ready: Ready) -> tuple[bool, tuple]:
-        """What identifies the inputs now, without parsing them: whether each rule file still holds
-        the text compiled (a RuleSet given is the caller's, unchanging), and each checkpoint file's
-        size, inode and times (an Inventory given is the caller's)."""
+        """What identifies the inputs now, without parsing them: whether each rule file still holds the
+        text compiled, and each checkpoint file's size, inode and times (a RuleSet, Inventory: unchanging)."""
         same = isinstance(self._rules, RuleSet) or all(_text(path) == text for path, text in ready.rule_texts)
         if isinstance(self._checkpoint, Inventory):
             return same, ()
@@ -86,8 +82,6 @@ class Prepared:
         if self._config is None:
             paths.append(os.path.join(inventory.root, "config.json"))
         return same, tuple(_stat(path) for path in paths)
-
-    # -------------------------------------------------------------------------------- the calls
 
     def load(self, state_dict, *, layout=None, mesh=None, read_replicated_once: bool = False, timeout=None,
              staging_bytes: int | None = None, local=None):
@@ -108,8 +102,7 @@ class Prepared:
     def export(self, state_dict, *, gather=(), bucket_bytes: int = 256 << 20, layout=None, mesh=None,
                allow_lossy: bool = False, regions: bool = False, by_round: bool = False, timeout=None,
                local=None):
-        """The checkpoint's layout of a sharded runtime state dict, in memory (it is `like`); as
-        `remapdsl.export` (`by_round`: one list of pairs a round, the same number of lists on every rank)."""
+        """The checkpoint's layout of a runtime state dict, in memory (it is `like`); as `remapdsl.export`."""
         from .export import export
 
         return export(self, state_dict, gather=gather, bucket_bytes=bucket_bytes, layout=layout, mesh=mesh,

@@ -1,8 +1,5 @@
-"""`remapdsl.save`: the inverse of a load, written in place by every rank, no gather.
-
-Every rank derives the writers (compile/inverse.py) and writes the boxes it holds that no lower rank holds,
-into files rank 0 creates in a staging folder and renames into place once all is written (checkpoint/writer.py).
-"""
+"""`remapdsl.save`: the inverse of a load, no gather: every rank writes the boxes it holds that no lower rank
+holds, into files rank 0 creates in a staging folder and renames into place once all is written."""
 
 from __future__ import annotations
 
@@ -51,8 +48,7 @@ class SaveReport(BaseModel):
 def save(prepared, state_dict, folder, *, rules=None, like=None, config=None, layout=None, mesh=None,
          overwrite: bool = False, allow_lossy: bool = False, requantize: bool = False, dropped: str = "error",
          max_shard_size: int | str = "5GB", timeout=None, local=None) -> SaveReport:
-    """`remapdsl.save` (`prepared` None: the layout of `like`, or the one derived without it, prepared for
-    this call) or `Prepared.save`; the arguments are `remapdsl.save`'s."""
+    """`remapdsl.save` (`prepared` None: `like`'s layout, or the derived one, prepared for this call)."""
     with bounds.bounded(timeout), frozen_heap():
         folder, derived = Path(folder).absolute(), None
         tensors = named_together(state_dict, local)
@@ -138,10 +134,9 @@ COPY_BYTES = 64 << 20  # the most one copy step holds
 
 def copy_share(compiled, like, out, dropped: str, requantize: bool, rank: int,
                world: int) -> list[tuple[str, int, str, int, int]]:
-    """This rank's part of copying from `like` into the output layout `out` the tensors a save copies
-    unchanged: the stored scales of dequantized tensors (unless requantized) and, with dropped="copy", the
-    dropped tensors. Their bytes (each DCP chunk where it is) in key order, cut into `world` equal ranges,
-    the same on every rank; each piece is (file in `like`, offset, file in the output, offset, bytes)."""
+    """This rank's `world`-th of the bytes a save copies unchanged from `like` into `out`: stored scales of
+    dequantized tensors (unless requantized) and, with dropped="copy", the dropped tensors; each piece is
+    (file in `like`, offset, file in the output, offset, bytes)."""
     keys = set() if requantize else set(copied_parts(compiled))
     if dropped == "copy":
         keys.update(dropped_keys(compiled, like))
@@ -174,10 +169,9 @@ def copy_bytes(pieces, reader, writer) -> None:
 
 def prepared_checkpoint(rules, like, config, tensors, layout, root: Path, max_shard_size: int | str = "5GB",
                         check=None, mesh=None):
-    """Every rank: a Prepared for one call's save (export, ingest) of `like`'s layout, or, without it, of
-    the one rank 0 derives from the rules and its tensors' shapes (also returned: a NewCheckpoint, else None;
-    the config then empty unless given). The same exchanges on every rank, so ranks given and not given
-    `like` fail together. `check`: the caller's checks of its arguments, run first on every rank."""
+    """Every rank: a Prepared for one call's save (export, ingest) of `like`'s layout, or without it of the
+    one derived from every rank's tensors' shapes (also returned: a NewCheckpoint, else None). `check`:
+    the caller's checks of its arguments, run first on every rank."""
     from .prepared import Prepared
 
     given, check = like, check or (lambda: None)
@@ -207,9 +201,8 @@ def same_like(like, derived) -> None:
 
 def derived_checkpoint(rules, config, shapes: list[dict], layout, mesh, folder: Path,
                        max_shard_size: int | str) -> NewCheckpoint:
-    """The files a save without `like` writes: the tensors the rules derive from the runtime tensors'
-    global shapes and dtypes (from `shapes`, every rank's in rank order: whole tensors or DTensors, or
-    local shards under `layout` on `mesh`), sharded as Hugging Face shards."""
+    """The files a save without `like` writes: the tensors the rules derive from the runtime tensors' global
+    shapes (`shapes`: every rank's, in rank order), sharded as Hugging Face shards."""
     check_mesh(mesh)
     runtime = global_shapes(shapes, None if layout is None else layout.resolved(config), mesh)
     max_shard_bytes = parse_size(max_shard_size, f"max_shard_size={max_shard_size!r}")
@@ -219,11 +212,9 @@ def derived_checkpoint(rules, config, shapes: list[dict], layout, mesh, folder: 
 
 def write_output(folder: Path, inventory, *, headers=None, index=None, copy_from=None, files=None, overwrite: bool,
                  write, planned: int = 0) -> float:
-    """Every rank writes a checkpoint in place: rank 0 checks the destination, removes (and logs) dead
-    saves' staging folders there and creates the staging files of `inventory` (with `headers` and `index`
-    for a new layout), every rank runs `write(writer)`, rank 0 commits. An error anywhere is raised on every
-    rank and the staging folder removed. `planned`: this rank's bytes (named when the disk fills up).
-    Returns this rank's fsync seconds."""
+    """Every rank runs `write(writer)` into the staging files rank 0 creates and then commits; an error
+    anywhere is raised on every rank and the staging folder removed. `planned`: this rank's bytes (named if
+    the disk fills up). Returns this rank's fsync seconds."""
     rank = dist.rank()
 
     def destination() -> str:
