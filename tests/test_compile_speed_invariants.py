@@ -1,9 +1,8 @@
 """The compiler's fast paths say what the plain algorithms say.
 
-Binding reads keys through a KeyPool (literal tails found without a scan, a path that ends the key matched
-by single-character repeats, matches collected
-column by column); the tiling check tells grids of one block size in a few passes; dequantize remembers a
-format's shapes. Each is compared here with a direct version: a `fullmatch` of every key and the
+Binding reads keys through a KeyPool (literal tails found without a scan, a path that ends the key
+matched by single-character repeats, matches collected column by column); the tiling check tells grids
+of one block size in a few passes; dequantize remembers a format's shapes. Each is compared here with a direct version: a `fullmatch` of every key and the
 slot-by-slot join the compiler used before, the pairwise overlap test, a fresh format call per
 binding (whose errors name their own keys).
 """
