@@ -5,5 +5,15 @@ from remapdsl.checkpoint.header import FileInfo, Header, TensorInfo, read_header
 from remapdsl.checkpoint.inventory import Inventory, open_inventory, read_config
 from remapdsl.checkpoint.reader import CheckpointReader, as_byte_view
 
-__all__ = ["CheckpointReader", "FileInfo", "Header", "Inventory", "TensorInfo", "as_byte_view",
-           "open_inventory", "read_config", "read_header", "tensor_nbytes"]
+__all__ = [
+    "CheckpointReader",
+    "FileInfo",
+    "Header",
+    "Inventory",
+    "TensorInfo",
+    "as_byte_view",
+    "open_inventory",
+    "read_config",
+    "read_header",
+    "tensor_nbytes",
+]
