@@ -447,15 +447,15 @@ def test_pieces_split_per_chunk_map_every_element_to_its_chunk():
 
     rng = random.Random(7)
     maps = [((1, 0), (0, 1)), ((0, 1), (1, 0)), ((2, 0), (0, 1)), ((-1, 0), (0, 3)), ((4, 1), (0, 0)),
-            ((0, 0), (1, -2))]
-    for _ in range(150):
+            ((0, 0), (1, -2)), ((3, -1), (0, 1)), ((-3, -1), (0, 0)), ((1, 0), (-1, 2))]
+    for _ in range(400):
         shape = (rng.randint(4, 24), rng.randint(4, 24))
         cuts = [sorted({0, shape[k], *rng.sample(range(1, shape[k]), rng.randint(0, 3))}) for k in (0, 1)]
         chunks = tuple(Chunk(f"f{a}{b}", 0, (cuts[0][a], cuts[1][b]),
                              (cuts[0][a + 1] - cuts[0][a], cuts[1][b + 1] - cuts[1][b]))
                        for a in range(len(cuts[0]) - 1) for b in range(len(cuts[1]) - 1))
         coeff = rng.choice(maps)
-        sizes = [rng.randint(1, 4), rng.randint(1, 4)]
+        sizes = [rng.randint(1, 9), rng.randint(1, 9)]
         low = [0, 0]
         for k in (0, 1):  # a base that keeps every element inside the shape
             span_lo = sum(min(0, c * (n - 1)) for c, n in zip(coeff[k], sizes))
@@ -466,7 +466,8 @@ def test_pieces_split_per_chunk_map_every_element_to_its_chunk():
         else:
             piece = Block((3, 5), tuple(sizes), "w", tuple(low), coeff)
             seen = {}
-            for part, chunk in split_by_chunks(piece, chunks):
+            parts = split_by_chunks(piece, chunks)
+            for part, chunk in parts:
                 for x in itertools.product(*(range(o, o + n) for o, n in zip(part.offsets, part.sizes))):
                     inside = tuple(b + sum(c * (xi - o) for c, xi, o in zip(row, x, part.offsets))
                                    for b, row in zip(part.base, part.coeff))
@@ -478,3 +479,36 @@ def test_pieces_split_per_chunk_map_every_element_to_its_chunk():
                              for b, row in zip(piece.base, piece.coeff))
                 assert seen.pop(x) == want
             assert not seen
+            assert len(parts) == _fewest_parts(piece, cuts), (piece, cuts)
+
+
+def _fewest_parts(piece, cuts) -> int:
+    """The parts a piece over the grid `cuts` needs, counted element by element: where its source crosses a
+    grid line along source dim k, its rows along the runtime dim moving k most are grouped, a run of rows
+    inside one cell of k apart from each row that straddles a line, and each group counted the same way."""
+    import itertools
+    from bisect import bisect_right
+
+    def cells(p, k):  # the grid cells along source dim k that the elements of p = (sizes, base, coeff) lie in
+        return {bisect_right(cuts[k], p[1][k] + sum(c * xi for c, xi in zip(p[2][k], x))) - 1
+                for x in itertools.product(*(range(n) for n in p[0]))}
+
+    def count(sizes, base, coeff):
+        crossing = [k for k in range(len(base)) if len(cells((sizes, base, coeff), k)) > 1]
+        if not crossing:
+            return 1
+        k = crossing[0]
+        j = max((m for m, n in enumerate(sizes) if coeff[k][m] and n > 1), key=lambda m: abs(coeff[k][m]))
+        groups = []  # (first row, rows, the one cell of k its rows lie in, or None for a straddling row)
+        for t in range(sizes[j]):
+            one = (tuple(1 if m == j else n for m, n in enumerate(sizes)),
+                   tuple(b + row[j] * t for b, row in zip(base, coeff)), coeff)
+            cell = next(iter(cells(one, k))) if len(cells(one, k)) == 1 else None
+            if cell is not None and groups and groups[-1][2] == cell:
+                groups[-1][1] += 1
+            else:
+                groups.append([t, 1, cell])
+        return sum(count(tuple(rows if m == j else n for m, n in enumerate(sizes)),
+                         tuple(b + row[j] * t for b, row in zip(base, coeff)), coeff) for t, rows, _ in groups)
+
+    return count(piece.sizes, piece.base, piece.coeff)
