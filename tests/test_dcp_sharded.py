@@ -21,6 +21,7 @@ from safetensors.torch import load_file, save_file
 
 import remapdsl
 from remapdsl.checkpoint import open_inventory
+from remapdsl.checkpoint.inventory import Inventory
 from remapdsl.checkpoint.snapshot import open_snapshot, write_snapshot
 from remapdsl.errors import CheckpointError, RemapError
 from remapdsl.runtime.read import run_load_plan
@@ -359,6 +360,43 @@ def test_chunks_outside_the_shape_and_of_other_dtypes_and_ranks(tmp_path):
         (f"tensor `v`: its chunks disagree on the dtype ({one}: bfloat16, {two}: float32)",
          "every rank must save the tensor in one dtype", str(tmp_path / one))]
     assert "`g` [4, 4]" in found["E350"].message and "cover 8 of its 16 elements" in found["E350"].message
+
+
+def test_chunk_errors_show_six_files_then_an_ellipsis_and_a_tensor_starts_at_its_origin_chunk(tmp_path):
+    """Seven files, one row of `w` each, the row at the origin in the file named second: the tensor opens
+    at that file's bytes (and its inventory reads back from JSON as it was). One row of another dtype (E353) or rank (E352), or a row no file holds (E350):
+    each message shows the first six files and then an ellipsis."""
+    names = [f"shard-0000{i}-model-00001-of-00001.safetensors" for i in range(1, 8)]
+    rows = [6, 0, 1, 2, 3, 4, 5]  # the file named first holds the last row
+
+    def write(folder, change=lambda row: torch.full((1, 2), float(row))):
+        folder.mkdir(exist_ok=True)
+        for i, (name, row) in enumerate(zip(names, rows)):
+            w = change(row)
+            _shard(folder / name, {"pad": torch.zeros(3), "w": w}, {"pad": [3 * i], "w": [row] + [0] * (w.dim() - 1)})
+        return folder
+
+    inventory = open_inventory(write(tmp_path / "ok"))
+    assert Inventory.model_validate_json(inventory.model_dump_json()) == inventory  # its chunks as Chunks
+    info = inventory.tensors["w"]
+    header = 8 + int.from_bytes((tmp_path / "ok" / names[1]).read_bytes()[:8], "little")
+    assert (info.file, info.shape, info.byte_offset) == (names[1], (7, 2), header + 3 * 4)  # after `pad`
+
+    def refused(code, change):
+        (d,) = _diagnostics(write(tmp_path / code, change))
+        assert d.code == code
+        return d.message
+
+    dtypes = ", ".join(f"{name}: {'float16' if row == 5 else 'float32'}" for name, row in zip(names[:6], rows))
+    assert refused("E353", lambda row: torch.zeros(1, 2, dtype=torch.float16 if row == 5 else torch.float32)) == \
+        f"tensor `w`: its chunks disagree on the dtype ({dtypes})"
+    shapes = ", ".join(f"{name}: {[1, 2, 1] if row == 5 else [1, 2]}" for name, row in zip(names[:6], rows))
+    assert refused("E352", lambda row: torch.zeros(1, 2, 1) if row == 5 else torch.zeros(1, 2)) == \
+        f"tensor `w`: its chunks have different numbers of dims ({shapes})"
+    rows[0] = 7  # no file holds row 6
+    assert refused("E350", lambda row: torch.zeros(1, 2)) == (
+        f"tensor `w` [8, 2]: its chunks in {', '.join(names[:6])} … cover 14 of its 16 elements: a gap "
+        "(no chunk holds dim-0 index 6)")
 
 
 _ONE = "shard-00001-model-00001-of-00001.safetensors"
