@@ -12,12 +12,17 @@ group (`process_group=`) as an NCCL job loading CPU tensors has them.
 
 from __future__ import annotations
 
+import json
 import shutil
 import warnings
 from pathlib import Path
 
 import pytest
 import torch
+from depth import scaled
+from torch.distributed.checkpoint import DefaultLoadPlanner
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 import remapdsl
 from remapdsl.runtime.bounds import control_group
@@ -73,12 +78,12 @@ def _dtensors(like: dict, mesh) -> dict:
     return out
 
 
-def _dcp_load(state_dict: dict, reader) -> None:
+def _dcp_load(state_dict: dict, reader, planner=None) -> None:
     import torch.distributed.checkpoint as dcp
 
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        dcp.load(state_dict, storage_reader=reader, process_group=control_group())
+        dcp.load(state_dict, storage_reader=reader, planner=planner, process_group=control_group())
 
 
 def _dcp_load_from(state_dict: dict, reader, checkpoint_id: str) -> None:
@@ -284,6 +289,11 @@ def test_validate_checkpoint_id(tmp_path):
     assert RuleStorageReader.validate_checkpoint_id(Path(QWEN3_MOE) / "model.safetensors")
     assert not RuleStorageReader.validate_checkpoint_id(tmp_path)  # no .safetensors in it
     assert not RuleStorageReader.validate_checkpoint_id(tmp_path / "missing")
+    assert not RuleStorageReader.validate_checkpoint_id(tmp_path / "missing.safetensors")
+    (tmp_path / "model.safetensors.index.json").write_text("{}")
+    (tmp_path / "notes.json").write_text("{}")
+    assert RuleStorageReader.validate_checkpoint_id(tmp_path / "model.safetensors.index.json")
+    assert not RuleStorageReader.validate_checkpoint_id(tmp_path / "notes.json")
 
 
 def test_errors_cross_dcp_exchanges_intact():
@@ -339,3 +349,147 @@ def test_another_dtype_is_e601_naming_the_tensor():
     assert [d.code for d in caught.value.diagnostics] == ["E601"]
     assert "`model.norm.weight` is bfloat16 in the state dict, but the rules make it float32" in str(caught.value)
     assert caught.value.failed_ranks == (0,)
+
+
+@pytest.fixture(scope="module")
+def loaded() -> dict:
+    """Every runtime tensor of the tiny Qwen3-MoE through its shipped rules, by `remapdsl.load`."""
+    rules = str(ROOT / "rules" / "qwen3_moe.remap")
+    whole = remapdsl.compile_rules(rules, QWEN3_MOE).empty_state_dict()
+    remapdsl.load(whole, QWEN3_MOE, rules)
+    return whole
+
+
+_CONFIG = json.loads((Path(QWEN3_MOE) / "config.json").read_text())
+
+
+@pytest.fixture(scope="module")
+def stray(tmp_path_factory) -> dict[str, str]:
+    """Copies of the tiny Qwen3-MoE: "stray" with one more file holding a tensor no rule takes, "no config"
+    without its config.json."""
+    from safetensors.torch import save_file
+
+    root = tmp_path_factory.mktemp("copies")
+    shutil.copytree(QWEN3_MOE, root / "stray")
+    save_file({"stray.weight": torch.ones(3)}, str(root / "stray" / "stray.safetensors"))
+    shutil.copytree(QWEN3_MOE, root / "bare", ignore=shutil.ignore_patterns("config.json"))
+    return {"stray": str(root / "stray"), "no config": str(root / "bare")}
+
+
+@pytest.mark.parametrize("case, code", [("staging", "E416"), ("snapshot", "E331"), ("config", "E207"),
+                                        ("stray", "E202"), ("stray, strict", "E202"), ("no config", "E211")])
+def test_the_reader_refuses_what_load_refuses(stray, tmp_path, case, code):
+    """Too few staging bytes, a snapshot (no data, named as dcp.load's), a config that does not fit the
+    checkpoint, a tensor no rule takes (`strict`, the default, or given), a folder without a config."""
+    from remapdsl.dcp import RuleStorageReader
+
+    checkpoint, keywords = QWEN3_MOE, {}
+    if case == "staging":
+        keywords["staging_bytes"] = 1
+    elif case == "snapshot":
+        checkpoint = str(tmp_path / "qwen3.headers.json")
+        remapdsl.write_snapshot(QWEN3_MOE, checkpoint)
+    elif case == "config":
+        keywords["config"] = {**_CONFIG, "moe_intermediate_size": 9}
+    elif case.startswith("stray"):
+        checkpoint = stray["stray"]
+        keywords.update({"strict": True} if case.endswith("strict") else {})
+    else:
+        checkpoint = stray["no config"]
+    with pytest.raises(remapdsl.RemapError) as caught:
+        RuleStorageReader(checkpoint, "qwen3_moe", **keywords)
+    d = caught.value.diagnostics[0]
+    assert d.code == code, d
+    if code == "E331":
+        assert (d.message, d.path) == ("dcp.load needs tensor data, and a snapshot holds headers only", checkpoint)
+
+
+class _Committed(DefaultLoadPlanner):
+    """DCP's default planner, keeping each request the reader commits and the tensor it commits."""
+
+    def __init__(self):
+        super().__init__()
+        self.committed = []
+
+    def commit_tensor(self, read_item, tensor):
+        self.committed.append((read_item.dest_index.fqn, tensor))
+
+
+@settings(max_examples=scaled(40), deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(st.data())
+def test_the_reader_with_any_keywords_fills_any_destination_layout_as_load_does(loaded, stray, data):
+    """Through `dcp.load` in one process, whatever the reader's keywords (rules as a path, a shipped name,
+    `auto`, or a RuleSet read from a file, from text or built in code; the checkpoint as a folder, a Path
+    or its file; `config` read from the folder or given, also where the folder has none; `strict`, off
+    over a tensor no rule takes; `timeout`; `staging_bytes`) and whatever memory layout each destination
+    has: the destinations hold what `remapdsl.load` loads, the memory around them untouched, each is
+    committed to the planner, and the report counts the requests and their bytes. A key the rules do not
+    make is E600 naming the rules and the checkpoint."""
+    import datetime
+    import time
+
+    from remapdsl.dcp import RuleStorageReader, remap_errors
+    from remapdsl.language import RuleSet, rules_from_text
+    from remapdsl.testing.strategies import memory_layouts
+
+    path = ROOT / "rules" / "qwen3_moe.remap"
+    rules = data.draw(st.sampled_from([str(path), path, "qwen3_moe", "auto", "file", "text", "code"]))
+    named = {"text": "the rules of `<text>`", "code": "the rules"}.get(rules, "the rules of `qwen3_moe.remap`")
+    if rules in ("file", "code"):
+        rules = remapdsl.load_rules(path)
+        if named == "the rules":
+            rules = RuleSet(files=(), statements=rules.statements)
+    elif rules == "text":
+        rules = rules_from_text(path.read_text())
+    folder = data.draw(st.sampled_from(["plain", "stray", "no config"]))
+    keywords = data.draw(st.fixed_dictionaries({}, optional={
+        "strict": st.just(False) if folder == "stray" else st.booleans(),
+        "timeout": st.sampled_from([30, 30.0, datetime.timedelta(seconds=30)]),
+        "staging_bytes": st.sampled_from([4 << 10, 1 << 20])}))
+    if folder == "stray":
+        keywords["strict"] = False
+    config = data.draw(st.sampled_from([None, _CONFIG] if folder != "no config" else [_CONFIG]))
+    folder = {"plain": QWEN3_MOE, "stray": stray["stray"], "no config": stray["no config"]}[folder]
+    checkpoint = data.draw(st.sampled_from([folder, Path(folder), Path(folder) / "model.safetensors"]))
+    reader = RuleStorageReader(checkpoint, rules, config=config, **keywords)
+    assert reader.report is None
+    keys = data.draw(st.lists(st.sampled_from(sorted(loaded)), min_size=1, max_size=6, unique=True))
+    held = {key: data.draw(memory_layouts(loaded[key].shape, loaded[key].dtype)) for key in keys}
+    if data.draw(st.booleans()):  # one key the rules do not make
+        unknown = {**{key: h.tensor for key, h in held.items()}, "model.layers.0.mlp.experts.up_proj": torch.zeros(1)}
+        with pytest.raises(remapdsl.RemapError) as caught, remap_errors():
+            _dcp_load(unknown, reader)
+        (d,) = caught.value.diagnostics
+        assert (d.code, d.message, d.path) == ("E600", "the state dict asks for `model.layers.0.mlp.experts.up_proj`, "
+                                               f"but {named} make no such tensor from this checkpoint", str(checkpoint))
+        return
+    planner = _Committed()
+    start = time.perf_counter()
+    _dcp_load({key: h.tensor for key, h in held.items()}, reader, planner)
+    took = time.perf_counter() - start
+    assert reader.is_coordinator is True  # one process: the coordinator
+    for key, h in held.items():
+        assert torch.equal(h.tensor, loaded[key]), (key, h.how)
+        assert h.outside().isnan().all(), (key, h.how)
+    assert {key: t.data_ptr() for key, t in planner.committed} == {key: h.tensor.data_ptr() for key, h in held.items()}
+    assert len(planner.committed) == len(keys)
+    nbytes = sum(loaded[key].nbytes for key in keys)
+    report = reader.report
+    assert (report.requests, report.tensors, report.bytes_read, report.bytes_owned) == (len(keys), len(keys), nbytes, nbytes)
+    assert 0 < report.seconds <= took
+
+
+def test_the_reader_fills_zero_dim_and_zero_size_tensors(tmp_path):
+    """A 0-dim tensor (a scale) and one with no elements come through `dcp.load` as `remapdsl.load` gives them."""
+    from safetensors.torch import save_file
+
+    from remapdsl.dcp import RuleStorageReader
+    from remapdsl.language import rules_from_text
+
+    tensors = {"scale": torch.tensor(0.25), "empty": torch.zeros(0, 3), "w": torch.arange(6.0).view(2, 3)}
+    save_file(tensors, str(tmp_path / "model.safetensors"))
+    got = {key: torch.full_like(t, float("nan")) for key, t in tensors.items()}
+    reader = RuleStorageReader(tmp_path, rules_from_text(IDENTITY), config={})
+    _dcp_load(got, reader)
+    assert all(torch.equal(got[key], t) for key, t in tensors.items())
+    assert (reader.report.requests, reader.report.bytes_read) == (2, 4 + 24)  # DCP asks nothing of `empty`
