@@ -66,8 +66,8 @@ def test_a_cuda_only_default_group_refuses_cpu_collectives_and_loads_still_work(
 
 
 def _one_rank_never_calls(rank: int, rendezvous: str, out: str, backend: str, timeout: float) -> None:
-    """Ranks 0 and 1 load; rank 2 joins the group and never calls remapdsl, staying alive until
-    the others have reported."""
+    """Ranks 0 and 1 load (then, on gloo, call each other entry point); rank 2 joins the group and never
+    calls remapdsl, staying alive until the others have reported."""
     join_group(rank, 3, rendezvous, backend, seconds=600)  # the group's own timeout: far beyond the call's
     if rank == 2:
         deadline = time.monotonic() + 120
@@ -75,35 +75,68 @@ def _one_rank_never_calls(rank: int, rendezvous: str, out: str, backend: str, ti
             time.sleep(0.2)
         os._exit(0)
     state = remapdsl.compile_rules(remapdsl.load_rules(RULES), CHECKPOINT).empty_state_dict()
-    start = time.monotonic()
-    try:
-        remapdsl.load(state, CHECKPOINT, RULES, timeout=timeout)
-        seen = {"type": None}
-    except remapdsl.RemapError as exc:
-        seen = {"type": type(exc).__name__, "codes": [d.code for d in exc.diagnostics], "text": str(exc),
-                "failed_ranks": list(getattr(exc, "failed_ranks", ()))}
-    except CHECK_FAILURES:
-        seen = {"type": "escaped", "text": traceback.format_exc()}
-    seen["seconds"] = time.monotonic() - start
+    calls = {"load": lambda: remapdsl.load(state, CHECKPOINT, RULES, timeout=timeout)}
+    if backend == "gloo":  # every entry point's `timeout=`, one after the other
+        from remapdsl.dcp import RuleStorageReader
+
+        calls.update({
+            "save": lambda: remapdsl.save(state, Path(out, f"saved{rank}"), RULES, like=CHECKPOINT, timeout=timeout),
+            "export": lambda: list(remapdsl.export(state, RULES, like=CHECKPOINT, timeout=timeout)),
+            "RuleStorageReader": lambda: RuleStorageReader(CHECKPOINT, RULES, timeout=timeout)})
+        if _has_torchtitan():
+            from remapdsl.torchtitan import RuleStateDictAdapter
+
+            calls["RuleStateDictAdapter"] = lambda: RuleStateDictAdapter(
+                None, CHECKPOINT, rules=RULES, timeout=timeout).to_hf(state)
+    seen = {}
+    for name, call in calls.items():
+        start = time.monotonic()
+        try:
+            call()
+            seen[name] = {"type": None}
+        except remapdsl.RemapError as exc:
+            seen[name] = {"type": type(exc).__name__, "codes": [d.code for d in exc.diagnostics], "text": str(exc),
+                          "failed_ranks": list(getattr(exc, "failed_ranks", ()))}
+        except CHECK_FAILURES:
+            seen[name] = {"type": "escaped", "text": traceback.format_exc()}
+        seen[name]["seconds"] = time.monotonic() - start
     Path(out, f"late{rank}.json").write_text(json.dumps(seen))
+    deadline = time.monotonic() + 60  # the other caller may still be in its last call: leave after it
+    while time.monotonic() < deadline and not Path(out, f"late{1 - rank}.json").exists():
+        time.sleep(0.2)
     os._exit(1)  # the group is broken: leave as a job's rank does on an uncaught error
+
+
+def _has_torchtitan() -> bool:
+    try:
+        import torchtitan  # noqa: F401
+    except ImportError:
+        return False
+    return True
 
 
 @pytest.mark.distributed
 @pytest.mark.parametrize("backend, timeout", [("gloo", 2.0), ("cuda:gloo", 0.0004)])
 def test_a_rank_that_never_calls_is_named_by_the_others_within_the_timeout(backend, timeout, tmp_path):
-    """Under cuda:gloo the ranks wait first for the control group's making; a bound under a
-    millisecond (which torch would read as none at all) is still a bound."""
+    """Every entry point that takes a `timeout=` (load, save, export, the DCP reader, the torchtitan
+    adapter) is bounded by it. Under cuda:gloo the ranks wait first for the control group's making; a
+    bound under a millisecond (which torch would read as none at all) is still a bound."""
     alive = run_with_bound(_one_rank_never_calls, 3, (str(tmp_path / "rendezvous"), str(tmp_path), backend, timeout),
                            90)
     assert not alive, f"ranks {alive} still running"
     phase = "reading the checkpoint's headers" if backend == "gloo" else "making the group for control exchanges"
+    phases = {"save": "naming the tensors", "export": "naming the tensors"}  # they open no checkpoint first
     for r in (0, 1):
-        seen = json.loads((tmp_path / f"late{r}.json").read_text())
-        assert seen["type"] == "RemapError" and seen["codes"] == ["E415"], seen
-        assert f"rank {r} waited {timeout:g} s while {phase}: rank 2 never arrived" in seen["text"], seen
-        assert seen["failed_ranks"] == [2], seen
-        assert seen["seconds"] < timeout + bounds.ROLL_CALL_SECONDS + 3, seen
+        calls = json.loads((tmp_path / f"late{r}.json").read_text())
+        assert set(calls) == ({"load"} if backend != "gloo" else
+                              {"load", "save", "export", "RuleStorageReader"} | ({"RuleStateDictAdapter"}
+                                                                                 if _has_torchtitan() else set()))
+        for name, seen in calls.items():
+            assert seen["type"] == "RemapError" and seen["codes"] == ["E415"], (name, seen)
+            waited = f"rank {r} waited {timeout:g} s while {phases.get(name, phase)}: rank 2 never arrived"
+            assert waited in seen["text"], (name, seen)
+            assert seen["failed_ranks"] == [2], (name, seen)
+            assert seen["seconds"] < timeout + bounds.ROLL_CALL_SECONDS + 3, (name, seen)
 
 
 @pytest.mark.parametrize("timeout", [0, -1.0, float("nan"), float("inf"), "60", True])
