@@ -406,6 +406,31 @@ def test_the_adapters_config_reaches_its_rules_bound_or_given(checkpoints, bound
     assert info.value.diagnostics[0].code == "E211" and "config.num_attention_heads" in str(info.value)
 
 
+def test_the_adapter_keeps_what_it_is_given_and_logs_how_the_state_dict_met_the_rules(checkpoints, caplog):
+    """Rules given to the adapter win over the class's bound ones; it keeps torchtitan's model config as
+    given, has no match before its first `to_hf`, and logs the counts of that match: tensors the rules make,
+    state-dict keys they do not make (strict=False), tensors they make that this state dict lacks (a
+    pipeline stage's). A class bound to a RuleSet is named for its file."""
+    built = checkpoints("llama3")
+    config = built.case.titan_config(built.case.hf_config)
+    ruleset = remapdsl.load_rules(REPO / "rules" / "torchtitan_llama3.remap")
+    cls = RuleStateDictAdapter.with_rules(ruleset)
+    assert cls.__name__ == f"RuleStateDictAdapter[{ruleset.path}]"
+    adapter = RuleStateDictAdapter.with_rules("llama")(config, built.folder, rules=ruleset, strict=False)
+    assert adapter.model_config is config and adapter.match is None and adapter.rules is ruleset
+    assert adapter.get_hf_storage_reader(built.folder) is adapter.get_hf_storage_reader(built.folder)  # opened once
+    with torch.device("meta"):
+        state = config.build().state_dict()
+    dropped = [k for k in state if k.startswith("layers.1.")]
+    state = {k: v for k, v in state.items() if k not in dropped} | {"extra.buffer": torch.empty(2)}
+    with caplog.at_level("INFO", logger="remapdsl"):
+        asked = adapter.to_hf(state)
+    assert sorted(asked) == sorted(k for k in state if k != "extra.buffer")
+    assert adapter.match.not_in_rules == ("extra.buffer",) and sorted(adapter.match.not_in_state_dict) == sorted(dropped)
+    assert f"torchtitan adapter: {len(asked)} tensors from the rules, 1 state-dict keys not made by them, " \
+           f"{len(dropped)} made but not in this state dict" in [r.getMessage() for r in caplog.records]
+
+
 def _placements(runtime_key: str, shape) -> list:
     """A mix of what torchtitan's parallelisms make: whole experts per rank (EP), rows or columns of
     the projections (TP), norms replicated."""
