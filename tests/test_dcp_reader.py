@@ -346,9 +346,46 @@ def test_another_dtype_is_e601_naming_the_tensor():
     reader = RuleStorageReader(QWEN3_MOE, "qwen3_moe")
     with pytest.raises(remapdsl.RemapError) as caught, remap_errors():
         _dcp_load({"model.norm.weight": torch.zeros(16, dtype=torch.bfloat16)}, reader)
-    assert [d.code for d in caught.value.diagnostics] == ["E601"]
-    assert "`model.norm.weight` is bfloat16 in the state dict, but the rules make it float32" in str(caught.value)
+    (d,) = caught.value.diagnostics
+    assert (d.code, d.message, d.hint) == (
+        "E601", "`model.norm.weight` is bfloat16 in the state dict, but the rules make it float32",
+        "give the state dict the dtype the rules make, or add `| cast(...)` to the rule")
     assert caught.value.failed_ranks == (0,)
+
+
+class _Bytes(DefaultLoadPlanner):
+    """A planner asking for a tensor the rules make as bytes."""
+
+    def create_local_plan(self):
+        from torch.distributed.checkpoint.metadata import MetadataIndex
+        from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, ReadItem
+
+        at = MetadataIndex("model.norm.weight")
+        return LoadPlan([ReadItem(LoadItemType.BYTE_IO, at, torch.Size([0]), at, torch.Size([0]), torch.Size([16]))])
+
+
+class _Misfit(DefaultLoadPlanner):
+    """A planner resolving each request to a view of another shape than the request's."""
+
+    def resolve_tensor(self, read_item):
+        return torch.zeros(3)
+
+
+@pytest.mark.parametrize("planner, code, message, hint", [
+    (_Bytes, "E603", "`model.norm.weight` is asked for as bytes, but the rules make only tensors",
+     "leave non-tensor values out of the state dict given to dcp.load through this reader"),
+    (_Misfit, "E604", "`model.norm.weight` is asked for as the box at [0] of size [16] into a view of [3], but the "
+     "rules make it [16]", "the planner's request does not fit the tensor; DCP's default planner makes requests "
+     "that do")])
+def test_a_planner_asking_what_the_rules_do_not_make_is_refused_whole(planner, code, message, hint):
+    """A custom planner's request as bytes (E603), or resolved to a view that does not fit it (E604)."""
+    from remapdsl.dcp import RuleStorageReader, remap_errors
+
+    reader = RuleStorageReader(QWEN3_MOE, "qwen3_moe")
+    with pytest.raises(remapdsl.RemapError) as caught, remap_errors():
+        _dcp_load({"model.norm.weight": torch.zeros(16)}, reader, planner())
+    (d,) = caught.value.diagnostics
+    assert (d.code, d.message, d.hint) == (code, message, hint)
 
 
 @pytest.fixture(scope="module")

@@ -24,6 +24,7 @@ from remapdsl.checkpoint import open_inventory
 from remapdsl.checkpoint.inventory import Inventory
 from remapdsl.checkpoint.snapshot import open_snapshot, write_snapshot
 from remapdsl.errors import CheckpointError, RemapError
+from remapdsl.language import rules_from_text
 from remapdsl.runtime.read import run_load_plan
 from remapdsl.sharding import Shard, local_shard
 from remapdsl.sharding.plans import make_load_plan
@@ -428,6 +429,51 @@ def test_malformed_sharding_info(tmp_path, info, message, hint):
     _shard(tmp_path / _ONE, {"w": torch.zeros(2, 2)}, info)
     assert [(d.code, d.message, d.hint, d.path) for d in _diagnostics(tmp_path)] == [
         ("E354", f"{_ONE}: {message}", hint, str(tmp_path / _ONE))]
+
+
+def test_every_problem_of_a_folder_is_reported_at_once_and_only_once(tmp_path):
+    """Two files whose sharding info is not JSON, a bad entry for a key another file holds well (E354 only:
+    no gap reported for it), a key held whole by one file at the origin and a chunked one beside it (no
+    problem), and a key in three files of which one is not DCP-sharded (E324 at the last of them)."""
+    z, names = torch.zeros, [f"shard-0000{i}-model-00001-of-00001.safetensors" for i in range(1, 5)]
+    _shard(tmp_path / names[0], {"a": z(2)}, "{not json")
+    _shard(tmp_path / names[1], {"b": z(2)}, "{not json")
+    _shard(tmp_path / names[2], {"e": z(2, 2), "h": z(3), "m": z(1, 2), "p": z(2)},
+           {"e": [0], "h": [0], "m": [0, 0], "p": [0]})
+    _shard(tmp_path / names[3], {"e": z(2, 2), "m": z(1, 2), "p": z(2)}, {"e": [2, 0], "m": [1, 0], "p": [2]})
+    save_file({"p": z(4)}, str(tmp_path / "model.safetensors"))
+    not_json = '`__metadata__["DCP_SHARDING_INFO"]` is not JSON (Expecting property name enclosed in double quotes: ' \
+               "line 1 column 2 (char 1))"
+    assert [(d.code, d.message, d.path) for d in _diagnostics(tmp_path)] == [
+        ("E354", f"{names[0]}: {not_json}", str(tmp_path / names[0])),
+        ("E354", f"{names[1]}: {not_json}", str(tmp_path / names[1])),
+        ("E354", f'{names[2]}: `DCP_SHARDING_INFO` for tensor `e` [2, 2] must be {{"saved_offsets": [2 non-negative '
+                 'ints]}, found {"saved_offsets": [0]}', str(tmp_path / names[2])),
+        ("E324", f"tensor `p` is in 3 files: model.safetensors, {names[2]}, {names[3]}, not all of them DCP-sharded",
+         str(tmp_path / names[3]))]
+
+
+def test_a_zero_dim_tensor_saved_by_two_ranks_overlaps_and_by_one_opens(tmp_path):
+    """A 0-dim tensor is one element: in two files it is E351 naming both, in one it opens; a tensor of no
+    elements in two files opens (it once raised an IndexError) and loads; the inventory of a chunked folder
+    pickles and reads back as it was."""
+    names = [f"shard-0000{i}-model-00001-of-00001.safetensors" for i in (1, 2)]
+    (tmp_path / "two").mkdir()
+    for name, row in zip(names, (0, 1)):
+        _shard(tmp_path / "two" / name, {"s": torch.tensor(2.0), "w": torch.ones(1, 2)}, {"s": [], "w": [row, 0]})
+    (d,) = _diagnostics(tmp_path / "two")
+    assert (d.code, d.message) == ("E351", f"tensor `s`: chunks overlap: [] in {names[0]} and [] in {names[1]}")
+    (tmp_path / "one").mkdir()
+    _shard(tmp_path / "one" / names[0], {"s": torch.tensor(2.0), "w": torch.ones(1, 2)}, {"s": [], "w": [0, 0]})
+    _shard(tmp_path / "one" / names[1], {"w": torch.ones(1, 2), "z": torch.zeros(0, 2)}, {"w": [1, 0], "z": [0, 0]})
+    _shard(tmp_path / "one" / names[0].replace("1-model", "3-model"), {"z": torch.zeros(0, 2)}, {"z": [0, 0]})
+    inventory = open_inventory(tmp_path / "one")
+    assert (inventory.tensors["s"].shape, inventory.tensors["z"].shape, set(inventory.chunks)) == ((), (0, 2), {"w"})
+    again = pickle.loads(pickle.dumps(inventory))
+    assert again == inventory and again.chunks["w"].grid == inventory.chunks["w"].grid
+    state = {"s": torch.zeros(()), "w": torch.zeros(2, 2), "z": torch.zeros(0, 2)}
+    remapdsl.load(state, tmp_path / "one", rules_from_text("remap 1\n{P:path} -> {P}\n"), config={})
+    assert (state["s"].item(), state["w"].sum().item(), state["z"].shape) == (2.0, 4.0, (0, 2))
 
 
 def test_a_key_both_chunked_and_whole_is_in_two_files(tmp_path):

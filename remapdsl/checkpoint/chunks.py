@@ -131,7 +131,9 @@ def assemble_chunked(headers: Mapping[str, Header], path_of) -> Assembled:
         if made is None:
             reported.add(key)
         else:
-            tensors[key], chunks[key] = made
+            tensors[key] = made[0]
+            if made[1]:
+                chunks[key] = made[1]
     for key in sorted({*plain, *pieces} - tensors.keys() - reported):
         names = [n for n, h in headers.items() if key in h.tensors]
         diags.append(_diag("E324", f"tensor `{key}` is in {len(names)} files: {', '.join(names)}, "
@@ -194,6 +196,8 @@ def _chunked(key: str, found: list, path_of, diags: list[Diagnostic]) -> tuple[T
                            "a rank's shard file is missing, or it was written by another save"))
         return None
     nbytes = tensor_nbytes(BY_NAME[first.dtype], shape)
+    if not chunks:  # no elements: a tensor of the first file, nothing to read
+        return TensorInfo(key, first.file, dtype, shape, first.byte_offset, nbytes), ()
     head = chunks[0]
     return TensorInfo(key, head.file, dtype, shape, head.byte_offset, nbytes), tuple(chunks)
 
