@@ -13,6 +13,9 @@ from pathlib import Path
 import pytest
 import torch
 from checkpoints import tiny_checkpoint
+from depth import scaled
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from safetensors.torch import save_file
 
 import remapdsl
@@ -233,3 +236,36 @@ def test_cuda_destinations_through_pinned_staging_equal_cpu_loads():
             run_load_plan(plan, inventory, on_cuda, rings=rings)
         assert all(torch.equal(on_cuda[k].cpu(), on_cpu[k]) for k in on_cpu)
         assert 0 < rings.allocated <= rings.staging.bound(2)
+
+
+@settings(max_examples=scaled(30), deadline=None)
+@given(st.data())
+def test_staged_loads_fill_any_destination_layout_as_direct_reads_do(data):
+    """Through the ring (as for a device tensor), whatever a destination's memory layout (transposed,
+    sliced, strided) and whatever the rule does (as it is, transposed, cast, scaled, cut by a slice): the
+    destination holds what a direct read into a contiguous tensor holds, and the memory around it is
+    untouched."""
+    import tempfile
+
+    from remapdsl.sharding.holdings import whole_shard
+    from remapdsl.sharding.plans import make_load_plan
+    from remapdsl.testing.strategies import memory_layouts
+
+    op = data.draw(st.sampled_from(["", " | transpose(0, 1)", " | cast(bfloat16)", " | scale(2)",
+                                    " | slice(dim=1, start=1, stop=5)"]))
+    rows, cols = data.draw(st.integers(1, 9)), data.draw(st.integers(5, 9))
+    with tempfile.TemporaryDirectory() as folder:
+        tiny_checkpoint(folder, {"w": torch.randn(rows, cols)}, {})
+        inventory = remapdsl.open_checkpoint(folder)
+        compiled = remapdsl.compile_rules(rules_from_text(f"remap 1\nw -> w{op}\n", "t.remap"), inventory, {})
+        (d,) = compiled.runtime_tensors
+        plan = make_load_plan(compiled, inventory, {"w": whole_shard(d.shape)})
+        direct = torch.full(d.shape, float("nan"), dtype=getattr(torch, d.dtype))
+        run_load_plan(plan, inventory, {"w": direct})
+        held = data.draw(memory_layouts(d.shape, getattr(torch, d.dtype)))
+        rings = Rings(Staging(buffer_bytes=data.draw(st.sampled_from([64, 4096])), buffers=2, pin=False,
+                              everything=True))
+        run_load_plan(plan, inventory, {"w": held.tensor}, rings=rings)
+        rings.close()
+    assert torch.equal(held.tensor, direct), held.how
+    assert held.outside().isnan().all(), held.how
