@@ -518,3 +518,47 @@ def test_zero_size_tensors_are_yielded_once_over_the_ranks(two_ranks):
             count[key] += tensor.numel()
         assert count == {k: v.numel() or 1 for k, v in want.items()}, placements
         assert all(torch.equal(full[k], want[k]) for k in want)
+
+
+@settings(max_examples=scaled(30), deadline=None)
+@given(st.data())
+def test_a_checkpoint_tensor_written_in_pieces_along_any_dim_comes_as_boxes_that_tile_it(data):
+    """One process, a checkpoint tensor of 1 to 3 dims cut by `split` along any dim into runtime tensors
+    (each then kept, or transposed, so its bytes are strided in the checkpoint tensor): `regions=True`
+    yields each piece as the box it is, with any bucket, nothing assembled: every element once, with its
+    value; a tensor of no elements comes once, whole."""
+    import tempfile
+
+    from remapdsl.language import rules_from_text
+
+    shape = tuple(data.draw(st.lists(st.integers(1, 5), min_size=1, max_size=3)))
+    dim = data.draw(st.integers(0, len(shape) - 1))
+    cuts = sorted(data.draw(st.sets(st.integers(1, shape[dim] - 1), max_size=3))) if shape[dim] > 1 else []
+    sizes = [b - a for a, b in zip([0, *cuts], [*cuts, shape[dim]])]
+    turn = " | transpose(0, 1)" if len(shape) > 1 and data.draw(st.booleans()) else ""
+    targets = ",".join(f"p{i}" for i in range(len(sizes)))
+    split = f"\n    | split(dim={dim}, sizes={sizes})" if len(sizes) > 1 else ""
+    named = f"{{{targets}}}" if len(sizes) > 1 else targets
+    rules = rules_from_text(f"remap 1\nw -> {named}{split}{turn}\n", "split.remap")
+    w = torch.randn(shape)
+    with tempfile.TemporaryDirectory() as folder:
+        tiny_checkpoint(folder, {"w": w, "z": torch.zeros(2, 0)}, {})
+        rules = rules_from_text(f"{rules.files[0].source}z -> z\n", "split.remap")
+        state = remapdsl.compile_rules(rules, folder, {}).empty_state_dict()
+        remapdsl.load(state, folder, rules, config={})
+        bucket = data.draw(st.sampled_from([4, 16, 64, 1 << 20]))
+        regions = list(remapdsl.export(state, rules, config={}, regions=True, bucket_bytes=bucket))
+    seen = torch.zeros(shape, dtype=torch.int64)
+    got = torch.full(shape, float("nan"))
+    assert [(k, o, tuple(t.shape)) for k, o, t in regions if k == "z"] == [("z", (0, 0), (2, 0))]  # no bytes
+    regions = [region for region in regions if region[0] == "w"]
+    for key, offsets, tensor in regions:
+        assert len(offsets) == len(shape)
+        box = tuple(slice(o, o + n) for o, n in zip(offsets, tensor.shape))
+        seen[box] += 1
+        got[box] = tensor
+    assert seen.eq(1).all() and torch.equal(got, w)
+    starts = [0, *cuts]  # each piece a box of its own, as it was written: nothing assembled
+    assert sorted((o, tuple(t.shape)) for _, o, t in regions) == sorted(
+        (tuple(a if d == dim else 0 for d in range(len(shape))),
+         tuple(n if d == dim else m for d, m in enumerate(shape))) for a, n in zip(starts, sizes))
