@@ -8,6 +8,7 @@ named by every rank that did, within the call's `timeout`, not after the group's
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import time
@@ -26,6 +27,7 @@ from remapdsl.testing.ranks import run_ranks
 ROOT = Path(__file__).resolve().parent.parent
 CHECKPOINT = str(ROOT / "examples" / "tiny-qwen3-moe")
 RULES = str(ROOT / "rules" / "qwen3_moe.remap")
+TORCHTITAN = importlib.util.find_spec("torchtitan") is not None  # a test extra: its adapter is checked where installed
 
 
 def _whole() -> dict[str, torch.Tensor]:
@@ -83,7 +85,7 @@ def _one_rank_never_calls(rank: int, rendezvous: str, out: str, backend: str, ti
             "save": lambda: remapdsl.save(state, Path(out, f"saved{rank}"), RULES, like=CHECKPOINT, timeout=timeout),
             "export": lambda: list(remapdsl.export(state, RULES, like=CHECKPOINT, timeout=timeout)),
             "RuleStorageReader": lambda: RuleStorageReader(CHECKPOINT, RULES, timeout=timeout)})
-        if _has_torchtitan():
+        if TORCHTITAN:
             from remapdsl.torchtitan import RuleStateDictAdapter
 
             calls["RuleStateDictAdapter"] = lambda: RuleStateDictAdapter(
@@ -107,14 +109,6 @@ def _one_rank_never_calls(rank: int, rendezvous: str, out: str, backend: str, ti
     os._exit(1)  # the group is broken: leave as a job's rank does on an uncaught error
 
 
-def _has_torchtitan() -> bool:
-    try:
-        import torchtitan  # noqa: F401
-    except ImportError:
-        return False
-    return True
-
-
 @pytest.mark.distributed
 @pytest.mark.parametrize("backend, timeout", [("gloo", 2.0), ("cuda:gloo", 0.0004)])
 def test_a_rank_that_never_calls_is_named_by_the_others_within_the_timeout(backend, timeout, tmp_path):
@@ -130,7 +124,7 @@ def test_a_rank_that_never_calls_is_named_by_the_others_within_the_timeout(backe
         calls = json.loads((tmp_path / f"late{r}.json").read_text())
         assert set(calls) == ({"load"} if backend != "gloo" else
                               {"load", "save", "export", "RuleStorageReader"} | ({"RuleStateDictAdapter"}
-                                                                                 if _has_torchtitan() else set()))
+                                                                                 if TORCHTITAN else set()))
         for name, seen in calls.items():
             assert seen["type"] == "RemapError" and seen["codes"] == ["E415"], (name, seen)
             waited = f"rank {r} waited {timeout:g} s while {phases.get(name, phase)}: rank 2 never arrived"
