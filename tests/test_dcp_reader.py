@@ -20,9 +20,9 @@ from pathlib import Path
 import pytest
 import torch
 from depth import scaled
-from torch.distributed.checkpoint import DefaultLoadPlanner
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from torch.distributed.checkpoint import DefaultLoadPlanner
 
 import remapdsl
 from remapdsl.runtime.bounds import control_group
@@ -374,9 +374,9 @@ class _Misfit(DefaultLoadPlanner):
 @pytest.mark.parametrize("planner, code, message, hint", [
     (_Bytes, "E603", "`model.norm.weight` is asked for as bytes, but the rules make only tensors",
      "leave non-tensor values out of the state dict given to dcp.load through this reader"),
-    (_Misfit, "E604", "`model.norm.weight` is asked for as the box at [0] of size [16] into a view of [3], but the "
-     "rules make it [16]", "the planner's request does not fit the tensor; DCP's default planner makes requests "
-     "that do")])
+    (_Misfit, "E604", ("`model.norm.weight` is asked for as the box at [0] of size [16] into a view of [3], but the "
+                       "rules make it [16]"),
+     "the planner's request does not fit the tensor; DCP's default planner makes requests that do")])
 def test_a_planner_asking_what_the_rules_do_not_make_is_refused_whole(planner, code, message, hint):
     """A custom planner's request as bytes (E603), or resolved to a view that does not fit it (E604)."""
     from remapdsl.dcp import RuleStorageReader, remap_errors
@@ -497,8 +497,9 @@ def test_the_reader_with_any_keywords_fills_any_destination_layout_as_load_does(
         with pytest.raises(remapdsl.RemapError) as caught, remap_errors():
             _dcp_load(unknown, reader)
         (d,) = caught.value.diagnostics
-        assert (d.code, d.message, d.path) == ("E600", "the state dict asks for `model.layers.0.mlp.experts.up_proj`, "
-                                               f"but {named} make no such tensor from this checkpoint", str(checkpoint))
+        message = f"the state dict asks for `model.layers.0.mlp.experts.up_proj`, but {named} make no such tensor " \
+                  "from this checkpoint"
+        assert (d.code, d.message, d.path) == ("E600", message, str(checkpoint))
         return
     planner = _Committed()
     start = time.perf_counter()

@@ -447,8 +447,8 @@ def test_every_problem_of_a_folder_is_reported_at_once_and_only_once(tmp_path):
     assert [(d.code, d.message, d.path) for d in _diagnostics(tmp_path)] == [
         ("E354", f"{names[0]}: {not_json}", str(tmp_path / names[0])),
         ("E354", f"{names[1]}: {not_json}", str(tmp_path / names[1])),
-        ("E354", f'{names[2]}: `DCP_SHARDING_INFO` for tensor `e` [2, 2] must be {{"saved_offsets": [2 non-negative '
-                 'ints]}, found {"saved_offsets": [0]}', str(tmp_path / names[2])),
+        ("E354", (f'{names[2]}: `DCP_SHARDING_INFO` for tensor `e` [2, 2] must be {{"saved_offsets": [2 non-negative '
+                  'ints]}, found {"saved_offsets": [0]}'), str(tmp_path / names[2])),
         ("E324", f"tensor `p` is in 3 files: model.safetensors, {names[2]}, {names[3]}, not all of them DCP-sharded",
          str(tmp_path / names[3]))]
 
