@@ -562,3 +562,74 @@ def test_a_checkpoint_tensor_written_in_pieces_along_any_dim_comes_as_boxes_that
     assert sorted((o, tuple(t.shape)) for _, o, t in regions) == sorted(
         (tuple(a if d == dim else 0 for d in range(len(shape))),
          tuple(n if d == dim else m for d, m in enumerate(shape))) for a, n in zip(starts, sizes))
+
+
+@settings(max_examples=scaled(60), deadline=None)
+@given(st.data())
+def test_one_process_export_with_any_keywords_yields_each_checkpoint_tensor_once(data):
+    """One process, each keyword drawn or left at its default (`like` or the derived layout, the bucket,
+    `allow_lossy`, `regions`, `by_round`, `timeout`, a zero-size tensor kept or dropped): the pairs, regions
+    or rounds hold each checkpoint tensor once with the value its rule writes back. A cast that lost values
+    on load (float32 read as bfloat16) is E502 unless `allow_lossy` (E520 with no `like` to say what it
+    was cast from); a bucket of no bytes is E544 at the first item, a timeout of none E416 at the call."""
+    import tempfile
+
+    from remapdsl.language import rules_from_text
+
+    w, v = torch.randn(3, 4), torch.randn(5)
+    lossy = data.draw(st.booleans())
+    drop_z = data.draw(st.booleans())
+    text = ("remap 1\nw -> w" + (" | cast(bfloat16)" if lossy else "") + "\nv -> v | scale(2)\n"
+            + ("drop z\n" if drop_z else "z -> z\n"))
+    rules = rules_from_text(text, "k.remap")
+    keywords = data.draw(st.fixed_dictionaries({}, optional={
+        "bucket_bytes": st.sampled_from([1, 16, 1 << 20, 1 << 20, 0, True]), "allow_lossy": st.booleans(),
+        "regions": st.booleans(), "by_round": st.booleans(), "timeout": st.sampled_from([30, 0])}))
+    with tempfile.TemporaryDirectory() as folder:
+        tiny_checkpoint(folder, {"w": w, "v": v, "z": torch.zeros(0, 3)}, {})
+        state = remapdsl.compile_rules(rules, folder, {}).empty_state_dict()
+        remapdsl.load(state, folder, rules, config={})
+        like = data.draw(st.sampled_from([None, folder]))
+        if keywords.get("timeout") == 0:  # refused at the call itself
+            with pytest.raises(remapdsl.RemapError) as caught:
+                remapdsl.export(state, rules, like=like, config={}, **keywords)
+            assert caught.value.diagnostics[0].code == "E416"
+            return
+        out = remapdsl.export(state, rules, like=like, config={}, **keywords)
+        refused = next((code for code, why in [
+            ("E542", keywords.get("regions") and keywords.get("by_round")),
+            ("E520", lossy and like is None),  # no checkpoint says what the cast was made from
+            ("E544", repr(keywords.get("bucket_bytes")) in ("0", "True")),
+            ("E502", lossy and not keywords.get("allow_lossy"))] if why), None)
+        if refused:
+            with pytest.raises(remapdsl.RemapError) as caught:
+                next(iter(out))
+            d = caught.value.diagnostics[0]
+            assert d.code == refused, str(caught.value)
+            if refused == "E544":
+                assert (d.message, d.hint) == (f"bucket_bytes={keywords['bucket_bytes']!r}: the most bytes a rank "
+                                               "assembles at once is a whole number of bytes, 1 or more",
+                                               "e.g. bucket_bytes=256 << 20 (256 MiB)")
+            return
+        got = list(out)
+    if keywords.get("by_round"):
+        got = [pair for batch in got for pair in batch]
+    pairs = [(k, t) for k, _, t in got] if keywords.get("regions") else got
+    want = {"w": w.bfloat16().float() if lossy else w, "v": v} | ({} if drop_z else {"z": torch.zeros(0, 3)})
+    assert sorted(k for k, _ in pairs) == sorted(want)
+    assert all(torch.equal(t, want[k]) for k, t in pairs)
+
+
+@pytest.mark.parametrize("bucket", [1, 0, -1, True, 1.5, "64"])
+def test_a_bucket_of_no_whole_positive_number_of_bytes_is_e544_at_the_first_item(bucket):
+    """`bucket_bytes` is a count of bytes: 1 is the least a rank may assemble at once."""
+    state, config, files = _example()
+    out = remapdsl.export(state, QWEN, config=config, bucket_bytes=bucket)
+    if bucket == 1 and bucket is not True:
+        assert sorted(k for k, _ in out) == sorted(files)
+        return
+    with pytest.raises(remapdsl.RemapError) as caught:
+        next(out)
+    (d,) = caught.value.diagnostics
+    assert (d.code, d.message, d.hint) == ("E544", f"bucket_bytes={bucket!r}: the most bytes a rank assembles at once "
+                                           "is a whole number of bytes, 1 or more", "e.g. bucket_bytes=256 << 20 (256 MiB)")
