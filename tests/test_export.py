@@ -542,7 +542,7 @@ def test_a_checkpoint_tensor_written_in_pieces_along_any_dim_comes_as_boxes_that
     rules = rules_from_text(f"remap 1\nw -> {named}{split}{turn}\n", "split.remap")
     w = torch.randn(shape)
     with tempfile.TemporaryDirectory() as folder:
-        tiny_checkpoint(folder, {"w": w, "z": torch.zeros(2, 0)}, {})
+        tiny_checkpoint(folder, {"w": w, "z": torch.zeros(2, 0, dtype=torch.bfloat16)}, {})
         rules = rules_from_text(f"{rules.files[0].source}z -> z\n", "split.remap")
         state = remapdsl.compile_rules(rules, folder, {}).empty_state_dict()
         remapdsl.load(state, folder, rules, config={})
@@ -550,7 +550,8 @@ def test_a_checkpoint_tensor_written_in_pieces_along_any_dim_comes_as_boxes_that
         regions = list(remapdsl.export(state, rules, config={}, regions=True, bucket_bytes=bucket))
     seen = torch.zeros(shape, dtype=torch.int64)
     got = torch.full(shape, float("nan"))
-    assert [(k, o, tuple(t.shape)) for k, o, t in regions if k == "z"] == [("z", (0, 0), (2, 0))]  # no bytes
+    assert [(k, o, tuple(t.shape), t.dtype) for k, o, t in regions if k == "z"] == [
+        ("z", (0, 0), (2, 0), torch.bfloat16)]  # no bytes, its dtype
     regions = [region for region in regions if region[0] == "w"]
     for key, offsets, tensor in regions:
         assert len(offsets) == len(shape)
