@@ -354,24 +354,32 @@ def test_one_process_exports_the_checkpoint_and_ingests_it_back():
         assert all(torch.equal(again[k], v) for k, v in state.items())
 
 
-@pytest.mark.parametrize("edit, code, words", [
+_RESEND = "send the checkpoint's own tensors (cast them back first)"
+
+
+@pytest.mark.parametrize("edit, code, words, hint", [
     (lambda p: p | {"model.layers.0.mlp.gate.wieght": p["model.layers.0.mlp.gate.weight"]}, "E545",
-     "pair `model.layers.0.mlp.gate.wieght`: the rules read no checkpoint tensor of that name"),
+     "pair `model.layers.0.mlp.gate.wieght`: the rules read no checkpoint tensor of that name",
+     "did you mean `model.layers.0.mlp.gate.weight`?"),
+    (lambda p: p | {"zz.unknown": torch.zeros(1)}, "E545",
+     "pair `zz.unknown`: the rules read no checkpoint tensor of that name", "drop it in the rules, or leave it out"),
     (lambda p: p | {"model.norm.weight": p["model.norm.weight"].half()}, "E546",
-     "pair `model.norm.weight` is [16] float16, but the checkpoint layout has it [16] float32"),
+     "pair `model.norm.weight` is [16] float16, but the checkpoint layout has it [16] float32", _RESEND),
+    (lambda p: p | {"model.norm.weight": [0.0] * 16}, "E546",
+     "pair `model.norm.weight` is a list, not a tensor; the checkpoint layout has it [16] float32", _RESEND),
     (lambda p: {k: v for k, v in p.items() if k != "model.norm.weight"}, "E547",
-     "1 checkpoint tensor(s) this rank needs never came, starting with `model.norm.weight`"),
+     "1 checkpoint tensor(s) this rank needs never came, starting with `model.norm.weight`", None),
     (lambda p: list(p.items()) + [("model.norm.weight", p["model.norm.weight"])], "E548",
-     "pair `model.norm.weight` came twice"),
+     "pair `model.norm.weight` came twice", "send each tensor once"),
 ])
-def test_ingest_names_the_pair_that_does_not_fit(edit, code, words):
+def test_ingest_names_the_pair_that_does_not_fit(edit, code, words, hint):
     state, config, files = _example()
     with pytest.raises(remapdsl.RemapError) as info:
         remapdsl.ingest(state, edit(files), QWEN, config=config)
     d = info.value.diagnostics[0]
     assert (d.code, d.message) == (code, words)
-    if code == "E545":
-        assert d.hint == "did you mean `model.layers.0.mlp.gate.weight`?"
+    if hint is not None:
+        assert d.hint == hint
 
 
 def test_export_refuses_dequantized_rules_and_a_bucket_of_no_bytes(tmp_path):
@@ -608,9 +616,8 @@ def test_one_process_export_with_any_keywords_yields_each_checkpoint_tensor_once
             d = caught.value.diagnostics[0]
             assert d.code == refused, str(caught.value)
             if refused == "E544":
-                assert (d.message, d.hint) == (f"bucket_bytes={keywords['bucket_bytes']!r}: the most bytes a rank "
-                                               "assembles at once is a whole number of bytes, 1 or more",
-                                               "e.g. bucket_bytes=256 << 20 (256 MiB)")
+                assert d.message == (f"bucket_bytes={keywords['bucket_bytes']!r}: the most bytes a rank assembles at "
+                                     "once is a whole number of bytes, 1 or more")
             return
         got = list(out)
     if keywords.get("by_round"):
@@ -632,5 +639,5 @@ def test_a_bucket_of_no_whole_positive_number_of_bytes_is_e544_at_the_first_item
     with pytest.raises(remapdsl.RemapError) as caught:
         next(out)
     (d,) = caught.value.diagnostics
-    assert (d.code, d.message, d.hint) == ("E544", f"bucket_bytes={bucket!r}: the most bytes a rank assembles at once "
-                                           "is a whole number of bytes, 1 or more", "e.g. bucket_bytes=256 << 20 (256 MiB)")
+    message = f"bucket_bytes={bucket!r}: the most bytes a rank assembles at once is a whole number of bytes, 1 or more"
+    assert (d.code, d.message, d.hint) == ("E544", message, "e.g. bucket_bytes=256 << 20 (256 MiB)")

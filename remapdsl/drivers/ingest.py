@@ -9,6 +9,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+import torch
 from pydantic import BaseModel, ConfigDict
 
 from ..checkpoint.memory import MemoryReader, in_memory
@@ -113,9 +114,12 @@ def _check_pair(key, tensor, memory, seen: set[str], dropped: set[str]) -> Diagn
                           hint=did_you_mean(str(key), memory.tensors) or "drop it in the rules, or leave it out")
     if key in seen:
         return Diagnostic(code="E548", message=f"pair `{key}` came twice", hint="send each tensor once")
-    dtype = str(getattr(tensor, "dtype", "")).removeprefix("torch.")
-    if tuple(getattr(tensor, "shape", ())) != tuple(info.shape) or dtype != info.dtype:
-        return Diagnostic(code="E546", message=f"pair `{key}` is {list(getattr(tensor, 'shape', []))} {dtype}, but "
-                          f"the checkpoint layout has it {list(info.shape)} {info.dtype}",
+    layout = f"the checkpoint layout has it {list(info.shape)} {info.dtype}"
+    if not isinstance(tensor, torch.Tensor):
+        return Diagnostic(code="E546", message=f"pair `{key}` is a {type(tensor).__name__}, not a tensor; {layout}",
+                          hint="send the checkpoint's own tensors (cast them back first)")
+    dtype = str(tensor.dtype).removeprefix("torch.")
+    if tuple(tensor.shape) != tuple(info.shape) or dtype != info.dtype:
+        return Diagnostic(code="E546", message=f"pair `{key}` is {list(tensor.shape)} {dtype}, but {layout}",
                           hint="send the checkpoint's own tensors (cast them back first)")
     return None
