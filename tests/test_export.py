@@ -392,12 +392,21 @@ def test_export_refuses_dequantized_rules_and_a_bucket_of_no_bytes(tmp_path):
     fp8 = fp8_release(EXAMPLE, tmp_path / "fp8", (4, 4))
     rules = str(ROOT / "rules" / "qwen3_moe_fp8.remap")
     quantized, _ = _full_state(str(fp8), rules)
-    for call, hint in ((lambda: next(remapdsl.export(quantized, rules, like=fp8)), "`deepseek_v3`, not"),
-                       (lambda: remapdsl.ingest(quantized, {}, rules, like=fp8), "the unquantized layout")):
+    export_hint = ("export with the rule file of the unquantized layout (`deepseek_v3`, not `deepseek_v3_fp8`); "
+                   "the engine quantizes what it loads")
+    export_why = "an export streams the runtime tensors' own values, and re-encoding them in the stored format is " \
+                 "not supported"
+    ingest_why = "an ingest takes the checkpoint tensors' own values, and decoding streamed quantized parts is not " \
+                 "supported"
+    for call, why, hint in (
+            (lambda: next(remapdsl.export(quantized, rules, like=fp8)), export_why, export_hint),
+            (lambda: remapdsl.ingest(quantized, {}, rules, like=fp8), ingest_why,
+             "ingest with the rule file of the unquantized layout")):
         with pytest.raises(remapdsl.RemapError) as info:
             call()
         d = info.value.diagnostics[0]
-        assert d.code == "E543" and "the rules dequantize `" in d.message and hint in d.hint
+        key = d.message.split("`")[1]  # the first tensor the rules dequantize
+        assert (d.code, d.message, d.hint) == ("E543", f"the rules dequantize `{key}`: {why}", hint)
 
 
 # -- regions: the boxes each rank holds, no communication -------------------------------------------
