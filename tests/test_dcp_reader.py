@@ -401,7 +401,7 @@ _CONFIG = json.loads((Path(QWEN3_MOE) / "config.json").read_text())
 
 
 @pytest.fixture(scope="module")
-def stray(tmp_path_factory) -> dict[str, str]:
+def copies(tmp_path_factory) -> dict[str, str]:
     """Copies of the tiny Qwen3-MoE: "stray" with one more file holding a tensor no rule takes, "no config"
     without its config.json."""
     from safetensors.torch import save_file
@@ -415,7 +415,7 @@ def stray(tmp_path_factory) -> dict[str, str]:
 
 @pytest.mark.parametrize("case, code", [("staging", "E416"), ("snapshot", "E331"), ("config", "E207"),
                                         ("stray", "E202"), ("stray, strict", "E202"), ("no config", "E211")])
-def test_the_reader_refuses_what_load_refuses(stray, tmp_path, case, code):
+def test_the_reader_refuses_what_load_refuses(copies, tmp_path, case, code):
     """Too few staging bytes, a snapshot (no data, named as dcp.load's), a config that does not fit the
     checkpoint, a tensor no rule takes (`strict`, the default, or given), a folder without a config."""
     from remapdsl.dcp import RuleStorageReader
@@ -429,10 +429,10 @@ def test_the_reader_refuses_what_load_refuses(stray, tmp_path, case, code):
     elif case == "config":
         keywords["config"] = {**_CONFIG, "moe_intermediate_size": 9}
     elif case.startswith("stray"):
-        checkpoint = stray["stray"]
+        checkpoint = copies["stray"]
         keywords.update({"strict": True} if case.endswith("strict") else {})
     else:
-        checkpoint = stray["no config"]
+        checkpoint = copies["no config"]
     with pytest.raises(remapdsl.RemapError) as caught:
         RuleStorageReader(checkpoint, "qwen3_moe", **keywords)
     d = caught.value.diagnostics[0]
@@ -454,7 +454,7 @@ class _Committed(DefaultLoadPlanner):
 
 @settings(max_examples=scaled(40), deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(st.data())
-def test_the_reader_with_any_keywords_fills_any_destination_layout_as_load_does(loaded, stray, data):
+def test_the_reader_with_any_keywords_fills_any_destination_layout_as_load_does(loaded, copies, data):
     """Through `dcp.load` in one process, whatever the reader's keywords (rules as a path, a shipped name,
     `auto`, or a RuleSet read from a file, from text or built in code; the checkpoint as a folder, a Path
     or its file; `config` read from the folder or given, also where the folder has none; `strict`, off
@@ -480,13 +480,12 @@ def test_the_reader_with_any_keywords_fills_any_destination_layout_as_load_does(
         rules = rules_from_text(path.read_text())
     folder = data.draw(st.sampled_from(["plain", "stray", "no config"]))
     keywords = data.draw(st.fixed_dictionaries({}, optional={
-        "strict": st.just(False) if folder == "stray" else st.booleans(),
-        "timeout": st.sampled_from([30, 30.0, datetime.timedelta(seconds=30)]),
+        "strict": st.booleans(), "timeout": st.sampled_from([30, 30.0, datetime.timedelta(seconds=30)]),
         "staging_bytes": st.sampled_from([4 << 10, 1 << 20])}))
-    if folder == "stray":
+    if folder == "stray":  # strict refuses its stray tensor (test_the_reader_refuses_what_load_refuses)
         keywords["strict"] = False
     config = data.draw(st.sampled_from([None, _CONFIG] if folder != "no config" else [_CONFIG]))
-    folder = {"plain": QWEN3_MOE, "stray": stray["stray"], "no config": stray["no config"]}[folder]
+    folder = {"plain": QWEN3_MOE, **copies}[folder]
     checkpoint = data.draw(st.sampled_from([folder, Path(folder), Path(folder) / "model.safetensors"]))
     reader = RuleStorageReader(checkpoint, rules, config=config, **keywords)
     assert reader.report is None

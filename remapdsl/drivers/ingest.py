@@ -115,11 +115,11 @@ def _check_pair(key, tensor, memory, seen: set[str], dropped: set[str]) -> Diagn
     if key in seen:
         return Diagnostic(code="E548", message=f"pair `{key}` came twice", hint="send each tensor once")
     layout = f"the checkpoint layout has it {list(info.shape)} {info.dtype}"
+    hint = "send the checkpoint's own tensors (cast them back first)"
     if not isinstance(tensor, torch.Tensor):
         return Diagnostic(code="E546", message=f"pair `{key}` is a {type(tensor).__name__}, not a tensor; {layout}",
-                          hint="send the checkpoint's own tensors (cast them back first)")
+                          hint=hint)
     dtype = str(tensor.dtype).removeprefix("torch.")
     if tuple(tensor.shape) != tuple(info.shape) or dtype != info.dtype:
-        return Diagnostic(code="E546", message=f"pair `{key}` is {list(tensor.shape)} {dtype}, but {layout}",
-                          hint="send the checkpoint's own tensors (cast them back first)")
+        return Diagnostic(code="E546", message=f"pair `{key}` is {list(tensor.shape)} {dtype}, but {layout}", hint=hint)
     return None
