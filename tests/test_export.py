@@ -15,6 +15,7 @@ that `gather` does not name are refused on every rank.
 from __future__ import annotations
 
 import importlib.util
+import time
 import weakref
 from pathlib import Path
 from types import SimpleNamespace
@@ -30,6 +31,7 @@ from safetensors.torch import load_file
 
 import remapdsl
 from remapdsl.checkpoint import open_inventory, read_config
+from remapdsl.language import rules_from_text
 from remapdsl.sharding import LayoutPlan, Mesh, layout_for, local_shard
 from remapdsl.sharding.placements import Replicate, Shard
 from remapdsl.testing.ranks import run_ranks
@@ -380,6 +382,123 @@ def test_ingest_names_the_pair_that_does_not_fit(edit, code, words, hint):
     assert (d.code, d.message) == (code, words)
     if hint is not None:
         assert d.hint == hint
+
+
+_STREAM_RULES = "remap 1\nmodel.layers.{L}.w -> layers.{L}.w\ndrop model.rotary.{L}.inv_freq\n"
+
+
+@st.composite
+def faulty_streams(draw) -> tuple[dict, dict, list, list]:
+    """A checkpoint of 1-4 layers and keys the rules `drop`; a stream of its pairs in any order, each tensor the
+    rules read sent once, never, as a float16 copy or a list, or twice, among keys no rule reads; and the
+    problems an ingest must name, in the order the pairs come: a key no rule reads (E545), a second copy
+    (E548) of one taken, another dtype or no tensor (E546), then the tensors that never came (E547)."""
+    layers = draw(st.integers(1, 4))
+    read = {f"model.layers.{i}.w": torch.arange(6.0).reshape(2, 3) + i for i in range(layers)}
+    dropped = {f"model.rotary.{i}.inv_freq": torch.ones(2) for i in range(layers)}
+    stream = list(dropped.items()) + [(f"model.extra.{j}", torch.zeros(1)) for j in range(draw(st.integers(0, 9)))]
+    for key, tensor in read.items():
+        sent = draw(st.sampled_from(["once", "never", "half", "half then once", "list", "twice"]))
+        copies = {"once": [tensor], "never": [], "half": [tensor.half()], "half then once": [tensor.half(), tensor],
+                  "list": [tensor.tolist()], "twice": [tensor, tensor.clone()]}[sent]
+        stream += [(key, c) for c in copies]
+    stream = draw(st.permutations(stream))
+    problems, taken, laid = [], set(), "[2, 3] float32"
+    for key, value in stream:  # the contract, pair by pair
+        if key.startswith("model.extra."):
+            problems.append(("E545", f"pair `{key}`: the rules read no checkpoint tensor of that name"))
+        elif key in dropped:
+            continue
+        elif key in taken:
+            problems.append(("E548", f"pair `{key}` came twice"))
+        elif isinstance(value, list):
+            problems.append(("E546", f"pair `{key}` is a list, not a tensor; the checkpoint layout has it {laid}"))
+        elif value.dtype != torch.float32:
+            problems.append(("E546", f"pair `{key}` is [2, 3] float16, but the checkpoint layout has it {laid}"))
+        else:
+            taken.add(key)
+    never = sorted(set(read) - taken)
+    if never:
+        came = f"{len(never)} checkpoint tensor(s) this rank needs never came, starting with `{never[0]}`"
+        problems.append(("E547", came))
+    return read, dropped, stream, problems
+
+
+@settings(max_examples=scaled(40), deadline=None)
+@given(faulty_streams(), st.booleans(), st.booleans())
+def test_an_ingest_reads_the_whole_stream_and_names_every_bad_pair_at_once(tmp_path_factory, drawn, with_like, as_dict):
+    """Pairs the rules drop (in `like` or not) are skipped and a bad pair stops nothing: the pairs after
+    it are still read, so the problems are exactly the stream's, in its order, the first eight of them;
+    a stream with none fills every tensor."""
+    read, dropped, stream, problems = drawn
+    like = tiny_checkpoint(tmp_path_factory.mktemp("like"), read | dropped) if with_like else None
+    state = {k.removeprefix("model."): torch.full((2, 3), float("nan")) for k in read}
+    pairs = dict(stream) if as_dict and len(dict(stream)) == len(stream) else iter(stream)
+    start = time.perf_counter()
+    if problems:
+        with pytest.raises(remapdsl.RemapError) as info:
+            remapdsl.ingest(state, pairs, rules_from_text(_STREAM_RULES), like=like, config={})
+        assert [(d.code, d.message) for d in info.value.diagnostics] == problems[:8]
+        if problems[-1][0] == "E547" and len(problems) <= 8:
+            assert info.value.diagnostics[-1].hint == "the pairs must hold every tensor the rules read for this " \
+                "rank's part"
+        return
+    report = remapdsl.ingest(state, pairs, rules_from_text(_STREAM_RULES), like=like, config={})
+    assert (report.rank, report.pairs, report.used, report.bytes_read) == (0, len(stream), len(read), 24 * len(read))
+    assert 0 <= report.seconds <= time.perf_counter() - start
+    assert all(torch.equal(state[k.removeprefix("model.")], t) for k, t in read.items())
+
+
+def _rank_0_shards(compiled, layout, mesh) -> dict:
+    return {d.runtime_key: torch.full(local_shard(d.shape, mesh.sizes, layout_for(d.runtime_key, d.shape, layout, mesh),
+                                                  mesh.coordinate(0)).shape, float("nan"), dtype=getattr(torch, d.dtype))
+            for d in compiled.runtime_tensors}
+
+
+def test_one_process_ingests_rank_0_s_shards_as_a_load_fills_them_and_a_prepared_object_plans_each_holding():
+    """With a layout and a mesh, one process holds rank 0's shards (as `plan_rank` plans them); a prepared
+    object that ingested the whole model before plans the shards anew."""
+    from remapdsl.sharding import read_layout
+
+    layout, mesh = read_layout(EXAMPLE.parent / "tp2_layout.json"), Mesh.of({"tp": 2})
+    compiled = remapdsl.compile_rules(remapdsl.load_rules(QWEN), EXAMPLE)
+    want = _rank_0_shards(compiled, layout, mesh)
+    remapdsl.load(want, EXAMPLE, QWEN, layout=layout, mesh=mesh)
+    assert all(not t.isnan().any() for t in want.values())
+    files = load_file(str(EXAMPLE / "model.safetensors"))
+    got = _rank_0_shards(compiled, layout, mesh)
+    report = remapdsl.ingest(got, files, QWEN, like=EXAMPLE, layout=layout, mesh=mesh)
+    assert all(torch.equal(got[k], want[k]) for k in want)
+    prepared = remapdsl.prepare(QWEN, EXAMPLE)
+    whole = compiled.empty_state_dict()
+    assert prepared.ingest(whole, files).bytes_read == sum(t.nbytes for t in files.values())
+    again = _rank_0_shards(compiled, layout, mesh)
+    assert prepared.ingest(again, files, layout=layout, mesh=mesh).bytes_read == report.bytes_read
+    assert all(torch.equal(again[k], want[k]) for k in want)
+
+
+@pytest.mark.parametrize("call", ["save", "export", "export regions", "ingest"])
+def test_one_process_refuses_to_derive_the_layout_from_one_rank_of_a_larger_mesh(call, tmp_path):
+    """Without `like`, the checkpoint's shapes follow from every rank's shards: one process given a mesh of
+    two has only one of them (E414), where a load of rank 0's part is fine."""
+    from remapdsl.sharding import read_layout
+
+    layout, mesh = read_layout(EXAMPLE.parent / "tp2_layout.json"), Mesh.of({"tp": 2})
+    compiled = remapdsl.compile_rules(remapdsl.load_rules(QWEN), EXAMPLE)
+    state = _rank_0_shards(compiled, layout, mesh)
+    remapdsl.load(state, EXAMPLE, QWEN, layout=layout, mesh=mesh)
+    calls = {"save": lambda: remapdsl.save(state, tmp_path / "out", QWEN, layout=layout, mesh=mesh),
+             "export": lambda: list(remapdsl.export(state, QWEN, layout=layout, mesh=mesh)),
+             "export regions": lambda: list(remapdsl.export(state, QWEN, layout=layout, mesh=mesh, regions=True)),
+             "ingest": lambda: remapdsl.ingest(state, load_file(str(EXAMPLE / "model.safetensors")), QWEN,
+                                               layout=layout, mesh=mesh)}
+    with pytest.raises(remapdsl.RemapError) as info:
+        calls[call]()
+    d = info.value.diagnostic
+    assert (d.code, d.message) == ("E414", "the mesh `tp=2` has 2 ranks; this job has 1")
+    assert d.hint == "without `like`, the checkpoint's shapes come from every rank's shards: run every rank of the " \
+        "mesh, or give `like`"
+    assert not (tmp_path / "out").exists()
 
 
 def test_export_refuses_dequantized_rules_and_a_bucket_of_no_bytes(tmp_path):

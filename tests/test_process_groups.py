@@ -84,6 +84,9 @@ def _one_rank_never_calls(rank: int, rendezvous: str, out: str, backend: str, ti
         calls.update({
             "save": lambda: remapdsl.save(state, Path(out, f"saved{rank}"), RULES, like=CHECKPOINT, timeout=timeout),
             "export": lambda: list(remapdsl.export(state, RULES, like=CHECKPOINT, timeout=timeout)),
+            "ingest": lambda: remapdsl.ingest(state, {}, RULES, like=CHECKPOINT, timeout=timeout),
+            "prepare": lambda: remapdsl.prepare(RULES, CHECKPOINT, timeout=timeout),
+            "convert": lambda: remapdsl.convert(CHECKPOINT, Path(out, f"converted{rank}"), RULES, timeout=timeout),
             "RuleStorageReader": lambda: RuleStorageReader(CHECKPOINT, RULES, timeout=timeout)})
         if TORCHTITAN:
             from remapdsl.torchtitan import RuleStateDictAdapter
@@ -112,19 +115,19 @@ def _one_rank_never_calls(rank: int, rendezvous: str, out: str, backend: str, ti
 @pytest.mark.distributed
 @pytest.mark.parametrize("backend, timeout", [("gloo", 2.0), ("cuda:gloo", 0.0004)])
 def test_a_rank_that_never_calls_is_named_by_the_others_within_the_timeout(backend, timeout, tmp_path):
-    """Every entry point that takes a `timeout=` (load, save, export, the DCP reader, the torchtitan
-    adapter) is bounded by it. Under cuda:gloo the ranks wait first for the control group's making; a
+    """Every entry point that takes a `timeout=` (load, save, export, ingest, prepare, convert, the DCP
+    reader, the torchtitan adapter) is bounded by it. Under cuda:gloo the ranks wait first for the control group's making; a
     bound under a millisecond (which torch would read as none at all) is still a bound."""
     alive = run_with_bound(_one_rank_never_calls, 3, (str(tmp_path / "rendezvous"), str(tmp_path), backend, timeout),
                            90)
     assert not alive, f"ranks {alive} still running"
     phase = "reading the checkpoint's headers" if backend == "gloo" else "making the group for control exchanges"
-    phases = {"save": "naming the tensors", "export": "naming the tensors"}  # they open no checkpoint first
+    phases = dict.fromkeys(("save", "export", "ingest"), "naming the tensors")  # they open no checkpoint first
     for r in (0, 1):
         calls = json.loads((tmp_path / f"late{r}.json").read_text())
         assert set(calls) == ({"load"} if backend != "gloo" else
-                              {"load", "save", "export", "RuleStorageReader"} | ({"RuleStateDictAdapter"}
-                                                                                 if TORCHTITAN else set()))
+                              {"load", "save", "export", "ingest", "prepare", "convert", "RuleStorageReader"}
+                              | ({"RuleStateDictAdapter"} if TORCHTITAN else set()))
         for name, seen in calls.items():
             assert seen["type"] == "RemapError" and seen["codes"] == ["E415"], (name, seen)
             waited = f"rank {r} waited {timeout:g} s while {phases.get(name, phase)}: rank 2 never arrived"
@@ -133,10 +136,49 @@ def test_a_rank_that_never_calls_is_named_by_the_others_within_the_timeout(backe
             assert seen["seconds"] < timeout + bounds.ROLL_CALL_SECONDS + 3, (name, seen)
 
 
+def entry_points(out: Path) -> dict:
+    """Every public call that takes `timeout=`, on the bundled example, each taking its keywords."""
+    from remapdsl.dcp import RuleStorageReader
+
+    state = _whole()
+    pairs = {k: v for k, v in remapdsl.export(state, RULES, like=CHECKPOINT)}
+    prepared = remapdsl.prepare(RULES, CHECKPOINT)
+    calls = {
+        "load": lambda **kw: remapdsl.load(state, CHECKPOINT, RULES, **kw),
+        "save": lambda **kw: remapdsl.save(state, out / "saved", RULES, like=CHECKPOINT, **kw),
+        "export": lambda **kw: list(remapdsl.export(state, RULES, like=CHECKPOINT, **kw)),
+        "ingest": lambda **kw: remapdsl.ingest(state, pairs, RULES, like=CHECKPOINT, **kw),
+        "prepare": lambda **kw: remapdsl.prepare(RULES, CHECKPOINT, **kw),
+        "convert": lambda **kw: remapdsl.convert(CHECKPOINT, out / "converted", RULES, **kw),
+        "prepared.load": lambda **kw: prepared.load(state, **kw),
+        "prepared.save": lambda **kw: prepared.save(state, out / "saved", **kw),
+        "prepared.export": lambda **kw: list(prepared.export(state, **kw)),
+        "prepared.ingest": lambda **kw: prepared.ingest(state, pairs, **kw),
+        "RuleStorageReader": lambda **kw: RuleStorageReader(CHECKPOINT, RULES, **kw)}
+    if TORCHTITAN:
+        from remapdsl.torchtitan import RuleStateDictAdapter
+
+        calls["RuleStateDictAdapter"] = lambda **kw: RuleStateDictAdapter(None, CHECKPOINT, rules=RULES, **kw)
+    return calls
+
+
+@pytest.fixture(scope="module")
+def calls(tmp_path_factory) -> tuple[Path, dict]:
+    out = tmp_path_factory.mktemp("out")
+    return out, entry_points(out)
+
+
 @pytest.mark.parametrize("timeout", [0, -1.0, float("nan"), float("inf"), "60", True])
-def test_a_timeout_that_is_no_positive_duration_is_refused(timeout):
-    state = remapdsl.compile_rules(remapdsl.load_rules(RULES), CHECKPOINT).empty_state_dict()
-    with pytest.raises(remapdsl.RemapError) as info:
-        remapdsl.load(state, CHECKPOINT, RULES, timeout=timeout)
-    assert info.value.diagnostic.code == "E416", str(info.value)
-    assert f"timeout={timeout!r} is not a positive, finite number of seconds" in str(info.value)
+def test_every_entry_point_refuses_a_timeout_that_is_no_positive_duration(timeout, calls):
+    """Refused before any work (nothing written), whatever the call."""
+    out, calls = calls
+    for name, call in calls.items():
+        with pytest.raises(remapdsl.RemapError) as info:
+            call(timeout=timeout)
+        d = info.value.diagnostic
+        assert d.code == "E416", (name, str(info.value))
+        assert d.message == f"timeout={timeout!r} is not a positive, finite number of seconds (or a " \
+            "datetime.timedelta)", (name, d.message)
+        assert d.hint == f"the default is {bounds.DEFAULT_TIMEOUT:g} s: how long a rank waits at one exchange for " \
+            "the others", name
+    assert not any(out.iterdir())

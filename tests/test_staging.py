@@ -205,13 +205,25 @@ def test_device_tensors_never_take_the_direct_memory_path():
     assert read._memory(tensor.t(), staged=False).address is None
 
 
+@pytest.fixture(scope="module")
+def staged_calls(tmp_path_factory) -> dict:
+    """The calls that take `staging_bytes=`: those that fill tensors."""
+    from test_process_groups import entry_points
+
+    calls = entry_points(tmp_path_factory.mktemp("out"))
+    return {name: calls[name] for name in ("load", "ingest", "prepared.load", "prepared.ingest", "RuleStorageReader")}
+
+
 @pytest.mark.parametrize("staging_bytes", [0, 1000, 4.5e6, True, "256MB"])
-def test_a_staging_bound_too_small_or_not_a_whole_number_is_refused(staging_bytes):
-    state = remapdsl.compile_rules(remapdsl.load_rules(RULES), TINY).empty_state_dict()
-    with pytest.raises(remapdsl.RemapError) as info:
-        remapdsl.load(state, str(TINY), RULES, staging_bytes=staging_bytes)
-    assert info.value.diagnostic.code == "E416", str(info.value)
-    assert f"staging_bytes={staging_bytes!r} is not a whole number of bytes of at least 4 kB (two staging buffers" in str(info.value)
+def test_every_filling_call_refuses_a_staging_bound_too_small_or_not_a_whole_number(staging_bytes, staged_calls):
+    for name, call in staged_calls.items():
+        with pytest.raises(remapdsl.RemapError) as info:
+            call(staging_bytes=staging_bytes)
+        d = info.value.diagnostic
+        assert d.code == "E416", (name, str(info.value))
+        assert d.message == f"staging_bytes={staging_bytes!r} is not a whole number of bytes of at least 4 kB (two " \
+            "staging buffers of at least 1 kB for each of 2 reader threads)", (name, d.message)
+        assert d.hint == "the default is 16 MiB: the most host memory a call pins to copy bytes to a device", name
 
 
 

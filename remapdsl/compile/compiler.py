@@ -385,6 +385,13 @@ def drops(statements, available: set[str], evaluator: Evaluator) -> tuple[set[st
     return dropped, tuple(unused)
 
 
+def drop_test(rules: RuleSet, config: Mapping[str, Any]) -> Callable[[str], bool]:
+    """Whether the rules' `drop` statements remove a key under `config`: for keys no inventory lists (the
+    pairs of an ingest into a layout derived from the runtime tensors)."""
+    evaluator = Evaluator(config, evaluate_lets(rules.statements, config, rules.line_text), rules.line_text)
+    return lambda key: bool(drops(rules.statements, {key}, evaluator)[0])
+
+
 def target_key(pattern: ir.Pattern, choice: tuple[int, ...], captures: dict, evaluator: Evaluator) -> str:
     """The key a target pattern names for one choice of its alternatives and a binding's captures."""
     out, alt = [], 0

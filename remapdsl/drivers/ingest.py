@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import time
 from collections import defaultdict
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -13,6 +13,7 @@ import torch
 from pydantic import BaseModel, ConfigDict
 
 from ..checkpoint.memory import MemoryReader, in_memory
+from ..compile.compiler import drop_test
 from ..gcpause import frozen_heap
 from ..errors import Diagnostic, RemapError, did_you_mean
 from ..sharding.holdings import check_fillable, hold
@@ -71,12 +72,13 @@ def ingest(prepared, state_dict, pairs, *, rules=None, like=None, config: Mappin
         seen: set[str] = set()
         count = used = 0
         dropped = set(compiled.dropped)
+        drops = drop_test(ready.rules, ready.config)
         if fills:
             run_load_plan(load_plan.model_copy(update={"items": tuple(fills), "decodes": ()}), memory, holding.local,
                           rings=rings)
         for key, tensor in (pairs.items() if isinstance(pairs, Mapping) else pairs):
             count += 1
-            problem = _check_pair(key, tensor, memory, seen, dropped)
+            problem = _check_pair(key, tensor, memory, seen, lambda k: k in dropped or drops(k))
             if problem is not None:
                 problems.append(problem)
                 continue
@@ -104,11 +106,12 @@ def ingest(prepared, state_dict, pairs, *, rules=None, like=None, config: Mappin
         return dist.together(report, phase="finishing the ingest")
 
 
-def _check_pair(key, tensor, memory, seen: set[str], dropped: set[str]) -> Diagnostic | None:
-    """What is wrong with one pair, or None: a key no rule reads, a second copy, another shape or dtype."""
+def _check_pair(key, tensor, memory, seen: set[str], dropped: Callable[[str], bool]) -> Diagnostic | None:
+    """What is wrong with one pair, or None: a key no rule reads (nor drops), a second copy, another shape or
+    dtype."""
     info = memory.tensors.get(key)
     if info is None:
-        if key in dropped:
+        if isinstance(key, str) and dropped(key):
             return None
         return Diagnostic(code="E545", message=f"pair `{key}`: the rules read no checkpoint tensor of that name",
                           hint=did_you_mean(str(key), memory.tensors) or "drop it in the rules, or leave it out")

@@ -85,7 +85,7 @@ class Ready(NamedTuple):
 
     inventory: Inventory  # rank 0's headers, with this rank's own files' modification times
     compiled: Compiled
-    rule_texts: list[tuple[str, str]]  # (path, text) of every rule file compiled, the top-level one first
+    rules: RuleSet  # the rules compiled (their files: `rule_texts`)
     config: Mapping[str, Any]  # the model config the rules compiled with
 
     def placing(self, layout):
@@ -120,7 +120,7 @@ def prepare_everywhere(rules, checkpoint, config=None, strict: bool = True,
         headers = header_digests(own) if dist.world_size() > 1 and on_disk else {}
         compiled = compile_rules(ruleset, inventory, given, strict=strict)
         aspects = _inputs(rule_texts(ruleset), given, strict, checkpoint)
-        return Ready(own, compiled, aspects["rule files"], given), {**aspects, "file headers": headers}
+        return Ready(own, compiled, ruleset, given), {**aspects, "file headers": headers}
 
     agreement = dist.Agreement("compiled rules and checkpoint", lambda r: _digests(r[1]),
                                lambda r, aspect: r[1][aspect], explain_difference)
@@ -221,16 +221,21 @@ def named_together(state_dict, local) -> Mapping[str, Any]:
     return dist.together(lambda: tensors_of(state_dict, local), phase="naming the tensors")
 
 
-def check_mesh(mesh) -> None:
-    """E414 unless a mesh given with a layout has as many ranks as the group. Run inside a phase, on every rank."""
+def check_mesh(mesh, derived: bool = False) -> None:
+    """E414 unless a mesh given with a layout has as many ranks as the group. Run inside a phase, on every rank.
+    `derived`: a layout derived from every rank's shapes, which one process alone cannot give either."""
     from ..runtime import dist
 
-    if mesh is None or not dist.active() or mesh.size == dist.world_size():
+    if mesh is None or mesh.size == dist.world_size() or not (dist.active() or derived):
         return
-    raise RemapError(Diagnostic(
-        code="E414", message=f"the mesh {_mesh_text(mesh)} has {mesh.size} ranks; this job has "
-        f"{dist.world_size()}", hint="the product of the mesh's sizes must be the job's world size "
-        "(`torch.distributed.get_world_size()`): give the job's own mesh"))
+    if derived and not dist.active():
+        hint = "without `like`, the checkpoint's shapes come from every rank's shards: run every rank of the mesh, " \
+            "or give `like`"
+    else:
+        hint = "the product of the mesh's sizes must be the job's world size (`torch.distributed.get_world_size()`): " \
+            "give the job's own mesh"
+    raise RemapError(Diagnostic(code="E414", message=f"the mesh {_mesh_text(mesh)} has {mesh.size} ranks; this job "
+                                f"has {dist.world_size()}", hint=hint))
 
 
 def _mesh_text(mesh) -> str:

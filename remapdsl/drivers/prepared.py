@@ -9,6 +9,7 @@ from typing import Any, TypeVar
 
 from ..checkpoint import Inventory
 from ..language import RuleSet
+from ..language.includes import rule_texts
 from ..language.parser import read_rule_text
 from ..errors import RemapError
 from .prepare import Ready, prepare_everywhere
@@ -40,7 +41,7 @@ class Prepared:
     @property
     def rules_path(self) -> str:
         """The top-level rule file compiled."""
-        return self._ready.rule_texts[0][0] if self._ready.rule_texts else ""
+        return self._ready.rules.files[0].path if self._ready.rules.files else ""
 
     def current(self) -> Ready:
         """The headers and compiled program, prepared again on every rank when any rank sees a rule file or a
@@ -74,7 +75,7 @@ class Prepared:
     def _look(self, ready: Ready) -> tuple[bool, tuple]:
         """What identifies the inputs now, without parsing them: whether each rule file still holds the
         text compiled, and each checkpoint file's size, inode and times (a RuleSet, Inventory: unchanging)."""
-        same = isinstance(self._rules, RuleSet) or all(_text(path) == text for path, text in ready.rule_texts)
+        same = isinstance(self._rules, RuleSet) or all(_text(path) == text for path, text in rule_texts(ready.rules))
         if isinstance(self._checkpoint, Inventory):
             return same, ()
         inventory = ready.inventory

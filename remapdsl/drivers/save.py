@@ -203,7 +203,7 @@ def derived_checkpoint(rules, config, shapes: list[dict], layout, mesh, folder: 
                        max_shard_size: int | str) -> NewCheckpoint:
     """The files a save without `like` writes: the tensors the rules derive from the runtime tensors' global
     shapes (`shapes`: every rank's, in rank order), sharded as Hugging Face shards."""
-    check_mesh(mesh)
+    check_mesh(mesh, derived=layout is not None)
     runtime = global_shapes(shapes, None if layout is None else layout.resolved(config), mesh)
     max_shard_bytes = parse_size(max_shard_size, f"max_shard_size={max_shard_size!r}")
     ruleset = rules if isinstance(rules, RuleSet) else load_rules(rules)
