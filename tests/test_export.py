@@ -15,6 +15,7 @@ that `gather` does not name are refused on every rank.
 from __future__ import annotations
 
 import importlib.util
+import math
 import time
 import weakref
 from pathlib import Path
@@ -577,6 +578,22 @@ def test_a_strided_piece_is_no_region(two_ranks):
     assert info.value.diagnostics[0].code == "E542" and "takes no gather" in info.value.diagnostics[0].message
 
 
+def test_one_process_names_a_strided_piece_of_rank_0_s_shard(tmp_path):
+    """Rank 0's row shard of a tensor in rotary pair order holds strided rows of the checkpoint tensor:
+    E549 whole, in one process as on ranks."""
+    folder = tiny_checkpoint(tmp_path, {"a": torch.randn(8, 3)})
+    rules = remapdsl.language.rules_from_text("remap 1\na -> b\n    | rope_permute(heads=2)\n")
+    plan, mesh = LayoutPlan.from_mapping({"b": [Shard(dim=0)]}), Mesh.of({"tp": 2})
+    state = {"b": torch.zeros(4, 3)}
+    remapdsl.load(state, folder, rules, config={}, layout=plan, mesh=mesh)
+    with pytest.raises(remapdsl.RemapError) as info:
+        list(remapdsl.export(state, rules, like=folder, config={}, layout=plan, mesh=mesh, regions=True))
+    d = info.value.diagnostic
+    assert d.code == "E549"
+    assert d.message == "checkpoint tensor `a`: a piece this rank holds is no box of it (its rows are strided, as a " \
+        "rope order or an interleave leaves them)"
+    assert d.hint == "assemble whole tensors instead (regions=False, with the mesh dims it is split over in `gather`)"
+
 def test_a_tensor_of_strided_pieces_written_whole_is_one_region(tmp_path):
     """Rows in a rotary pair order: each of the pieces one process writes is no box of the checkpoint
     tensor, but together they are all of it, so the tensor comes whole, once, at offsets 0 (E549 is
@@ -589,6 +606,58 @@ def test_a_tensor_of_strided_pieces_written_whole_is_one_region(tmp_path):
     regions = list(remapdsl.export(state, rules, like=folder, config={}, regions=True, bucket_bytes=16))
     assert [(k, o) for k, o, _ in regions if k == "a"] == [("a", (0, 0))]
     assert torch.equal(next(t for k, _, t in regions if k == "a"), a)
+
+
+@settings(max_examples=scaled(40), deadline=None)
+@given(st.data())
+def test_rank_0_s_shards_of_any_layout_come_as_boxes_that_tile_what_it_holds(data):
+    """One process holding rank 0's shards (a mesh of one or two dims, each cutting each runtime tensor
+    along any dim: no element held twice, so rank 0 writes all it holds) of runtime tensors that `split`
+    one checkpoint tensor, then perhaps transpose it or put its rows in rotary order: `regions=True`
+    yields boxes of the checkpoint tensor, each with its values, that cover exactly the elements rank 0
+    holds, each once (found by value: the checkpoint counts 0, 1, 2, ...), or, only for rows in rotary
+    order, names a piece that is no box (E549)."""
+    import tempfile
+
+    from remapdsl.language import rules_from_text
+
+    shape = tuple(data.draw(st.lists(st.integers(1, 6), min_size=1, max_size=3), label="shape"))
+    dim = data.draw(st.integers(0, len(shape) - 1), label="split dim")
+    cuts = sorted(data.draw(st.sets(st.integers(1, shape[dim] - 1), max_size=2))) if shape[dim] > 1 else []
+    sizes = [b - a for a, b in zip([0, *cuts], [*cuts, shape[dim]])]
+    turn = " | transpose(0, 1)" if len(shape) > 1 and data.draw(st.booleans(), label="transpose") else ""
+    if not cuts and not turn and shape[0] % 2 == 0 and data.draw(st.booleans(), label="rotary order"):
+        turn = " | rope_permute(heads=1)"  # rows strided in the checkpoint tensor: a piece may be no box
+    targets = [f"p{i}" for i in range(len(sizes))]
+    split = f"\n    | split(dim={dim}, sizes={sizes})" if len(sizes) > 1 else ""
+    named = f"{{{','.join(targets)}}}" if len(sizes) > 1 else targets[0]
+    rules = rules_from_text(f"remap 1\nw -> {named}{split}{turn}\n", "split.remap")
+    mesh = Mesh.of(dict(zip(("a", "b"), data.draw(st.lists(st.integers(1, 3), min_size=1, max_size=2)))))
+    cut = st.sampled_from([Shard(dim=d) for d in range(len(shape))])
+    plan = LayoutPlan.from_mapping({t: data.draw(st.lists(cut, min_size=len(mesh.sizes), max_size=len(mesh.sizes)),
+                                                 label=t) for t in targets})
+    w = torch.arange(math.prod(shape), dtype=torch.float64).reshape(shape)
+    with tempfile.TemporaryDirectory() as folder:
+        tiny_checkpoint(folder, {"w": w}, {})
+        compiled = remapdsl.compile_rules(rules, folder, {})
+        state = _rank_0_shards(compiled, plan, mesh)
+        remapdsl.load(state, folder, rules, config={}, layout=plan, mesh=mesh)
+        bucket = data.draw(st.sampled_from([8, 32, 1 << 20]), label="bucket")
+        try:
+            regions = list(remapdsl.export(state, rules, like=folder, config={}, layout=plan, mesh=mesh, regions=True,
+                                           bucket_bytes=bucket))
+        except remapdsl.RemapError as exc:  # a strided piece, named (whole in the test below)
+            assert "rope" in turn and exc.diagnostic.code == "E549" and "`w`" in exc.diagnostic.message, str(exc)
+            return
+    held = torch.zeros(math.prod(shape), dtype=torch.int64)
+    for t in state.values():
+        held[t.flatten().long()] = 1
+    seen = torch.zeros(shape, dtype=torch.int64)
+    for key, offsets, tensor in regions:
+        box = tuple(slice(o, o + n) for o, n in zip(offsets, tensor.shape))
+        assert key == "w" and len(offsets) == len(shape) and torch.equal(tensor, w[box]), (offsets, tensor.shape)
+        seen[box] += 1
+    assert torch.equal(seen.flatten(), held), (seen, held.reshape(shape))
 
 
 # -- zero-size checkpoint tensors, on 2 ranks -------------------------------------------------------

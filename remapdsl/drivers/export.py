@@ -366,7 +366,6 @@ def _box(runs, info, key: str) -> tuple[tuple[int, ...], tuple[int, ...]]:
     sizes = [1] * len(shape)
     sizes[j] = inner // elements[j]
     sizes[j + 1:] = shape[j + 1:]
-    box = all(offsets[d] == 0 for d in range(j + 1, len(shape)))  # one run: whole trailing rows
     for count, stride in zip(runs.counts, runs.strides):  # each repeat: outer dims, the innermost first
         d = next((d for d in range(j) if elements[d] * itemsize == stride and sizes[d] == 1), None)
         while count > 1 and d is not None and d >= 0 and sizes[d] == 1:
@@ -377,10 +376,10 @@ def _box(runs, info, key: str) -> tuple[tuple[int, ...], tuple[int, ...]]:
             else:
                 break
         if count > 1:
-            box = False
-            break
-    if not (box and all(o + n <= m for o, n, m in zip(offsets, sizes, shape))
-            and prod(sizes) * itemsize == runs.total):
+            break  # a repeat no dim takes: the sizes fall short of the piece's bytes
+    # a box: every repeat taken by a dim, so the sizes hold all the piece's bytes, and within the tensor (a run
+    # starting inside a row ends past it)
+    if not (all(o + n <= m for o, n, m in zip(offsets, sizes, shape)) and prod(sizes) * itemsize == runs.total):
         raise RemapError(Diagnostic(code="E549", message=f"checkpoint tensor `{key}`: a piece this rank holds is "
                                     "no box of it (its rows are strided, as a rope order or an interleave "
                                     "leaves them)", hint="assemble whole tensors instead (regions=False, with "
