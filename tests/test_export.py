@@ -478,27 +478,37 @@ def test_one_process_ingests_rank_0_s_shards_as_a_load_fills_them_and_a_prepared
     assert all(torch.equal(again[k], want[k]) for k in want)
 
 
-@pytest.mark.parametrize("call", ["save", "export", "export regions", "ingest"])
-def test_one_process_refuses_to_derive_the_layout_from_one_rank_of_a_larger_mesh(call, tmp_path):
-    """Without `like`, the checkpoint's shapes follow from every rank's shards: one process given a mesh of
-    two has only one of them (E414), where a load of rank 0's part is fine."""
+_DERIVED = "without `like`, the checkpoint's shapes come from every rank's shards: run every rank of the mesh, or " \
+    "give `like`"
+_SAVED = "a save writes every rank's bytes, and one process holds only rank 0's: run every rank of the mesh"
+_ASSEMBLED = "whole tensors are assembled from every rank's part, and one process holds only rank 0's: run every " \
+    "rank of the mesh, or export `regions=True` (rank 0's boxes)"
+
+
+@pytest.mark.parametrize("call, like, hint", [
+    *((call, None, _DERIVED) for call in ("save", "export", "export regions", "ingest")),
+    ("save", EXAMPLE, _SAVED),
+    ("export", EXAMPLE, _ASSEMBLED)])
+def test_one_process_refuses_what_needs_every_rank_of_a_larger_mesh(call, like, hint, tmp_path):
+    """One process may hold rank 0's part of a mesh of two (a load, an ingest, `regions=True` fill or yield
+    just that part), but a save writes every rank's bytes, an export assembles every rank's part, and a
+    layout derived without `like` needs every rank's shapes: E414, before a byte is written, never a file
+    with rank 1's part missing."""
     from remapdsl.sharding import read_layout
 
     layout, mesh = read_layout(EXAMPLE.parent / "tp2_layout.json"), Mesh.of({"tp": 2})
     compiled = remapdsl.compile_rules(remapdsl.load_rules(QWEN), EXAMPLE)
     state = _rank_0_shards(compiled, layout, mesh)
     remapdsl.load(state, EXAMPLE, QWEN, layout=layout, mesh=mesh)
-    calls = {"save": lambda: remapdsl.save(state, tmp_path / "out", QWEN, layout=layout, mesh=mesh),
-             "export": lambda: list(remapdsl.export(state, QWEN, layout=layout, mesh=mesh)),
-             "export regions": lambda: list(remapdsl.export(state, QWEN, layout=layout, mesh=mesh, regions=True)),
-             "ingest": lambda: remapdsl.ingest(state, load_file(str(EXAMPLE / "model.safetensors")), QWEN,
-                                               layout=layout, mesh=mesh)}
+    kw = {"like": like, "layout": layout, "mesh": mesh}
+    calls = {"save": lambda: remapdsl.save(state, tmp_path / "out", QWEN, **kw),
+             "export": lambda: list(remapdsl.export(state, QWEN, **kw)),
+             "export regions": lambda: list(remapdsl.export(state, QWEN, regions=True, **kw)),
+             "ingest": lambda: remapdsl.ingest(state, load_file(str(EXAMPLE / "model.safetensors")), QWEN, **kw)}
     with pytest.raises(remapdsl.RemapError) as info:
         calls[call]()
     d = info.value.diagnostic
-    assert (d.code, d.message) == ("E414", "the mesh `tp=2` has 2 ranks; this job has 1")
-    assert d.hint == "without `like`, the checkpoint's shapes come from every rank's shards: run every rank of the " \
-        "mesh, or give `like`"
+    assert (d.code, d.message, d.hint) == ("E414", "the mesh `tp=2` has 2 ranks; this job has 1", hint)
     assert not (tmp_path / "out").exists()
 
 

@@ -58,7 +58,9 @@ def _export(prepared, rules, like, config, state_dict, gather, bucket_bytes: int
 
         def place():
             _check_bucket(bucket_bytes)
-            check_mesh(mesh)
+            check_mesh(mesh, alone=None if regions else "whole tensors are assembled from every rank's part, and one "
+                       "process holds only rank 0's: run every rank of the mesh, or export `regions=True` (rank 0's "
+                       "boxes)")
             check_unquantized(compiled, "an export streams the runtime tensors' own values, and re-encoding them "
                               "in the stored format is not supported", "export with the rule file of the "
                               "unquantized layout (`deepseek_v3`, not `deepseek_v3_fp8`); the engine quantizes what "

@@ -221,19 +221,16 @@ def named_together(state_dict, local) -> Mapping[str, Any]:
     return dist.together(lambda: tensors_of(state_dict, local), phase="naming the tensors")
 
 
-def check_mesh(mesh, derived: bool = False) -> None:
+def check_mesh(mesh, alone: str | None = None) -> None:
     """E414 unless a mesh given with a layout has as many ranks as the group. Run inside a phase, on every rank.
-    `derived`: a layout derived from every rank's shapes, which one process alone cannot give either."""
+    One process may hold rank 0's part of a larger mesh, unless the call needs every rank's (`alone`: why, the
+    hint)."""
     from ..runtime import dist
 
-    if mesh is None or mesh.size == dist.world_size() or not (dist.active() or derived):
+    if mesh is None or mesh.size == dist.world_size() or not (dist.active() or alone):
         return
-    if derived and not dist.active():
-        hint = "without `like`, the checkpoint's shapes come from every rank's shards: run every rank of the mesh, " \
-            "or give `like`"
-    else:
-        hint = "the product of the mesh's sizes must be the job's world size (`torch.distributed.get_world_size()`): " \
-            "give the job's own mesh"
+    hint = alone if not dist.active() else "the product of the mesh's sizes must be the job's world size " \
+        "(`torch.distributed.get_world_size()`): give the job's own mesh"
     raise RemapError(Diagnostic(code="E414", message=f"the mesh {_mesh_text(mesh)} has {mesh.size} ranks; this job "
                                 f"has {dist.world_size()}", hint=hint))
 

@@ -62,7 +62,8 @@ def save(prepared, state_dict, folder, *, rules=None, like=None, config=None, la
 
         def place():
             check_dropped(dropped)
-            check_mesh(mesh)
+            check_mesh(mesh, alone="a save writes every rank's bytes, and one process holds only rank 0's: run every "
+                       "rank of the mesh")
             chosen = prepared.kept("writers", (allow_lossy, requantize, dropped), lambda: writers_paused(
                 compiled, allow_lossy=allow_lossy, requantize=requantize, dropped=dropped))
             out = derived or prepared.kept("output", (dropped, requantize),
@@ -203,7 +204,8 @@ def derived_checkpoint(rules, config, shapes: list[dict], layout, mesh, folder: 
                        max_shard_size: int | str) -> NewCheckpoint:
     """The files a save without `like` writes: the tensors the rules derive from the runtime tensors' global
     shapes (`shapes`: every rank's, in rank order), sharded as Hugging Face shards."""
-    check_mesh(mesh, derived=layout is not None)
+    check_mesh(mesh, alone=None if layout is None else "without `like`, the checkpoint's shapes come from every "
+               "rank's shards: run every rank of the mesh, or give `like`")
     runtime = global_shapes(shapes, None if layout is None else layout.resolved(config), mesh)
     max_shard_bytes = parse_size(max_shard_size, f"max_shard_size={max_shard_size!r}")
     ruleset = rules if isinstance(rules, RuleSet) else load_rules(rules)
