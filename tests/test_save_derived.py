@@ -183,6 +183,55 @@ def test_a_guard_boundary_picks_the_layer_s_rule():
     assert info.value.diagnostics[0].code == "E520" and "dense.2.w" in info.value.diagnostics[0].message
 
 
+_LACKS = "give the rule the size it lacks (docs/saving.md#without-like), or save with `like`"
+_GU = {"gu": ((12, 4), "float32")}
+
+
+@pytest.mark.parametrize("text, runtime, config, expected", [
+    ("e.{a,b,c}.w -> w\n    | stack(dim=0)\n", {"w": ((4, 2), "float32")}, {},
+     ("E520", "runtime tensor `w`: `stack` stacks 3 sources, but the model's dim 0 has 4", (3, 7),
+      "    | stack(dim=0)", _LACKS)),
+    ("a.{g,u} -> gu\n    | concat(dim=0)\n", _GU, {},
+     ("E520", ("runtime tensor `gu`: `concat` joins 2 sources into dim 0 of size 12, and how it divides among them "
+              "is not given: add `sizes=[...]`"), (3, 7), "    | concat(dim=0)", _LACKS)),
+    ("e.{E}.w -> w\n    | concat(E, dim=0)\n", {"w": ((12, 4), "float32")}, {},
+     ("E520", ("runtime tensor `w`: `concat` joins the E sources into dim 0 of size 12, and how it divides among "
+              "them is not given: add `sizes=[...]`"), (3, 7), "    | concat(E, dim=0)", _LACKS)),
+    ("{a,b} -> c\n    | interleave(dim=0, groups=2)\n", {"c": ((8, 2), "float32")}, {},
+     ("E520", ("runtime tensor `c`: `interleave` joins 2 sources into dim 0 of size 8, and how it divides among "
+              "them is not given: add `sizes=[...]`"), (3, 7), "    | interleave(dim=0, groups=2)", _LACKS)),
+    ("a.{g,u} -> gu\n    | concat(dim=0, sizes=[4, 4])\n", _GU, {},
+     ("E520", "runtime tensor `gu`: `concat`'s sizes [4, 4] do not fit the model's dim 0 of size 12 in 2 parts",
+      (3, 7), "    | concat(dim=0, sizes=[4, 4])", _LACKS)),
+    ("a.{g,u} -> gu\n    | concat(dim=0, sizes=[4, 4, 4])\n", _GU, {},
+     ("E520", ("runtime tensor `gu`: `concat`'s sizes [4, 4, 4] do not fit the model's dim 0 of size 12 in 2 "
+              "parts"), (3, 7), "    | concat(dim=0, sizes=[4, 4, 4])", _LACKS)),
+    ("e.{E}.w -> w\n    | concat(E, dim=0, sizes=[2, 2])\n", {"w": ((5, 3), "float32")}, {},
+     ("E520", "runtime tensor `w`: `concat`'s sizes [2, 2] do not fit the model's dim 0 of size 5", (3, 7),
+      "    | concat(E, dim=0, sizes=[2, 2])", _LACKS)),
+    # an argument a config value makes no integer: named as the op's parameter
+    ("let D = config.d\na.{g,u} -> gu\n    | concat(dim=D, sizes=[4, 8])\n", _GU, {"d": 1.5},
+     ("E210", "`dim` must be an integer, got 1.5", (4, 18), "    | concat(dim=D, sizes=[4, 8])", None)),
+    ("let D = config.d\na.{g,u} -> gu\n    | concat(dim=0, sizes=[D, 8])\n", _GU, {"d": 1.5},
+     ("E210", "`sizes` must be a list of integers, got [1.5, 8]", (4, 27), "    | concat(dim=0, sizes=[D, 8])", None)),
+    ("let D = config.d\nt -> t\n    | transpose(D, 1)\n", {"t": ((2, 3), "float32")}, {"d": 0.5},
+     ("E210", "`a` must be an integer, got 0.5", (4, 17), "    | transpose(D, 1)", None)),
+    ("let D = config.d\nt -> t\n    | transpose(0, D)\n", {"t": ((2, 3), "float32")}, {"d": 0.5},
+     ("E210", "`b` must be an integer, got 0.5", (4, 20), "    | transpose(0, D)", None)),
+    ("let D = config.d\nw -> e.{E}.w\n    | unstack(E, dim=D)\n", {"e.0.w": ((2, 3), "float32")}, {"d": 0.5},
+     ("E210", "`dim` must be an integer, got 0.5", (4, 22), "    | unstack(E, dim=D)", None)),
+    ("let D = config.d\ne.{E}.w -> w\n    | stack(E, dim=D)\n", {"w": ((2, 3), "float32")}, {"d": 0.5},
+     ("E210", "`dim` must be an integer, got 0.5", (4, 20), "    | stack(E, dim=D)", None)),
+])
+def test_each_size_a_derived_layout_cannot_know_is_named_whole(text, runtime, config, expected):
+    """Every way the runtime shapes leave a checkpoint size open (a stack of another width, a join with no
+    `sizes=`, sizes that do not fit) and every argument that is no integer: the code, the whole message,
+    the op's line and column, its line and the hint."""
+    with pytest.raises(RemapError) as info:
+        derive_checkpoint(rules_from_text("remap 1\n" + text), runtime, config)
+    d = info.value.diagnostics[0]
+    assert (d.code, d.message, (d.span.line, d.span.column), d.line_text, d.hint) == expected
+
 def test_a_concat_without_sizes_names_the_op_and_the_dim():
     text = "remap 1\na.{L}.{g,u} -> a.{L}.gu\n    | concat(dim=0)\n"
     d = _refused(text, {"a.0.gu": ((12, 4), "float32")})
