@@ -8,6 +8,7 @@ import pytest
 import quant_reference as ref
 import torch
 from checkpoints import tiny_checkpoint
+from depth import scaled
 from formats import Int8Row
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -19,6 +20,7 @@ from remapdsl.compile.quantized import check_formats
 from remapdsl.language import rules_from_text
 from remapdsl.quant import Part, get_format, register_format, unregister_format
 from remapdsl.sharding import LayoutPlan, Mesh, Shard, layout_for, local_shard
+from remapdsl.testing.strategies import memory_layouts
 
 BF16 = torch.bfloat16
 NAN_AND_SUBNORMAL_E4M3 = (0x7F, 0xFF, 0x01, 0x81, 0x07, 0x00, 0x80, 0x7E)
@@ -177,27 +179,61 @@ e.{E}.down.weight -> down_t | stack(E, dim=0) | transpose(1, 2) | cast(float32)
     assert same(got["down_t"], down_t)
 
 
+# format -> (the checkpoint's names of its parts, the dequantize statement, the logical key), block (8, 16)
+STATEMENTS = {
+    "fp8_block": (("x.weight", "x.weight_scale_inv"), ("{P:path}.weight, {P}.weight_scale_inv -> {P}.weight "
+                  "| fp8_block(block=[8, 16], to=bfloat16)"), "x.weight"),
+    "fp8_tensor": (("x.weight", "x.weight_scale"), ("{P:path}.weight, {P}.weight_scale -> {P}.weight "
+                   "| fp8_tensor(to=bfloat16)"), "x.weight"),
+    "fp8_channel": (("x.weight", "x.weight_scale"), ("{P:path}.weight, {P}.weight_scale -> {P}.weight "
+                    "| fp8_channel(to=bfloat16)"), "x.weight"),
+    "mxfp4": (("x_blocks", "x_scales"), "{P:path}_blocks, {P}_scales -> {P} | mxfp4(to=bfloat16)", "x"),
+    "nvfp4": (("x.weight", "x.weight_scale", "x.weight_scale_2"), ("{P:path}.weight, {P}.weight_scale, "
+              "{P}.weight_scale_2 -> {P}.weight | nvfp4(to=bfloat16)"), "x.weight"),
+}
+
+
 @pytest.mark.parametrize("fmt", sorted(PARAMS))
 def test_each_format_through_a_load(tmp_path, fmt):
     g = torch.Generator().manual_seed(7)
     cols = {"mxfp4": 64, "nvfp4": 48}.get(fmt, 40)
     tensors, want = make_parts(fmt, (), 20, cols, (8, 16), g)
-    names, statement, logical = {
-        "fp8_block": (("x.weight", "x.weight_scale_inv"), "{P:path}.weight, {P}.weight_scale_inv -> {P}.weight "
-                      "| fp8_block(block=[8, 16], to=bfloat16)", "x.weight"),
-        "fp8_tensor": (("x.weight", "x.weight_scale"), "{P:path}.weight, {P}.weight_scale -> {P}.weight "
-                       "| fp8_tensor(to=bfloat16)", "x.weight"),
-        "fp8_channel": (("x.weight", "x.weight_scale"), "{P:path}.weight, {P}.weight_scale -> {P}.weight "
-                        "| fp8_channel(to=bfloat16)", "x.weight"),
-        "mxfp4": (("x_blocks", "x_scales"), "{P:path}_blocks, {P}_scales -> {P} | mxfp4(to=bfloat16)", "x"),
-        "nvfp4": (("x.weight", "x.weight_scale", "x.weight_scale_2"), "{P:path}.weight, {P}.weight_scale, "
-                  "{P}.weight_scale_2 -> {P}.weight | nvfp4(to=bfloat16)", "x.weight"),
-    }[fmt]
+    names, statement, logical = STATEMENTS[fmt]
     tiny_checkpoint(tmp_path, dict(zip(names, tensors)), {})
     got, report, _ = load_text(f"remap 1\ndequantize {statement}\n{logical} -> out | transpose(0, 1)\n", tmp_path)
     assert same(got["out"], want.t())
     assert report.bytes_read == sum(t.numel() * t.element_size() for t in tensors)
 
+
+@settings(max_examples=scaled(40), deadline=None)
+@given(st.sampled_from(sorted(PARAMS)), st.data())
+def test_a_dequantized_tensor_fills_any_destination_through_any_ops_and_shard(tmp_path_factory, fmt, data):
+    """Each format's logical tensor, then ops drawn after it (transpose, a cast to float32 of the bfloat16
+    decode, a scale), into rank 0's shard of a drawn cut (or the whole tensor), held in a drawn memory
+    layout: the destination holds the reference decode with torch's ops applied, cut as `torch.chunk`
+    cuts it (DTensor's Shard), bit for bit, and nothing around it changes."""
+    rows = data.draw(st.integers(1, 20), label="rows")
+    cols = {"mxfp4": 32 * data.draw(st.integers(1, 2)), "nvfp4": 2 * data.draw(st.integers(1, 12))}.get(
+        fmt, data.draw(st.integers(1, 24), label="cols"))
+    tensors, want = make_parts(fmt, (), rows, cols, (8, 16), torch.Generator().manual_seed(data.draw(
+        st.integers(0, 2**16), label="seed")))
+    ops = data.draw(st.lists(st.sampled_from(["transpose(0, 1)", "cast(float32)", "scale(3)"]), max_size=3,
+                             unique=True), label="ops")
+    names, statement, logical = STATEMENTS[fmt]
+    rules = rules_from_text(f"remap 1\ndequantize {statement}\n{logical} -> out" + "".join(f" | {o}" for o in ops)
+                            + "\n", "t.remap")
+    for op in ops:
+        want = {"transpose(0, 1)": lambda t: t.t(), "cast(float32)": lambda t: t.float(),
+                "scale(3)": lambda t: t * 3}[op](want)
+    pieces = data.draw(st.integers(1, 3), label="ranks")
+    dim = data.draw(st.integers(0, 1), label="cut dim")
+    want = torch.chunk(want, pieces, dim)[0]
+    held = data.draw(memory_layouts(want.shape, want.dtype), label="destination")
+    folder = tiny_checkpoint(tmp_path_factory.mktemp("q"), dict(zip(names, tensors)), {})
+    shard = {"layout": LayoutPlan.from_mapping({"out": [Shard(dim=dim)]}), "mesh": Mesh.of({"tp": pieces})}
+    remapdsl.load({"out": held.tensor}, folder, rules, config={}, **(shard if pieces > 1 else {}))
+    assert same(held.tensor, want), held.how
+    assert held.outside().isnan().all(), held.how
 
 def test_a_weight_without_a_scale_passes_through(tmp_path):
     g = torch.Generator().manual_seed(1)
