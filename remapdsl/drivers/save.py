@@ -124,8 +124,8 @@ def output_checkpoint(compiled, like, dropped: str, requantize: bool) -> NewChec
            "the rules dequantize tensors whose stored scales are written back from `like`"
            if compiled.logical and not requantize else None)
     if why is not None:
-        raise RemapError(Diagnostic(code="E524", message=f"dropped=\"omit\" would lay out {len(omitted)} "
-                                    f"file(s) anew, starting with `{omitted[0]}`'s, but {why}",
+        raise RemapError(Diagnostic(code="E524", message=f"dropped=\"omit\" would leave out {len(omitted)} "
+                                    f"tensor(s), starting with `{omitted[0]}`, and lay their files out anew, but {why}",
                                     hint="pass dropped=\"copy\" to keep them unchanged (the layout stays `like`'s)"))
     return without(like, omitted)
 
