@@ -783,7 +783,8 @@ def test_a_checkpoint_tensor_written_in_pieces_along_any_dim_comes_as_boxes_that
 @given(st.data())
 def test_one_process_export_with_any_keywords_yields_each_checkpoint_tensor_once(data):
     """One process, each keyword drawn or left at its default (`like` or the derived layout, the bucket,
-    `allow_lossy`, `regions`, `by_round`, `timeout`, a zero-size tensor kept or dropped): the pairs, regions
+    `allow_lossy`, `regions`, `by_round`, `timeout`, a zero-size tensor kept or dropped), the one-shot call
+    or a prepared object's (with `like`): the pairs, regions
     or rounds hold each checkpoint tensor once with the value its rule writes back. A cast that lost values
     on load (float32 read as bfloat16) is E502 unless `allow_lossy` (E520 with no `like` to say what it
     was cast from); a bucket of no bytes is E544 at the first item, a timeout of none E416 at the call."""
@@ -805,12 +806,18 @@ def test_one_process_export_with_any_keywords_yields_each_checkpoint_tensor_once
         state = remapdsl.compile_rules(rules, folder, {}).empty_state_dict()
         remapdsl.load(state, folder, rules, config={})
         like = data.draw(st.sampled_from([None, folder]))
+        if like is not None and data.draw(st.booleans(), label="through remapdsl.prepare"):
+            def export():
+                return remapdsl.prepare(rules, like, config={}).export(state, **keywords)
+        else:
+            def export():
+                return remapdsl.export(state, rules, like=like, config={}, **keywords)
         if keywords.get("timeout") == 0:  # refused at the call itself
             with pytest.raises(remapdsl.RemapError) as caught:
-                remapdsl.export(state, rules, like=like, config={}, **keywords)
+                export()
             assert caught.value.diagnostics[0].code == "E416"
             return
-        out = remapdsl.export(state, rules, like=like, config={}, **keywords)
+        out = export()
         refused = next((code for code, why in [
             ("E542", keywords.get("regions") and keywords.get("by_round")),
             ("E520", lossy and like is None),  # no checkpoint says what the cast was made from

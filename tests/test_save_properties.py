@@ -186,3 +186,65 @@ def test_a_failed_write_stops_every_thread_taking_pieces(tmp_path, threads):
     with pytest.raises(OSError, match="disk full"):
         run_write_plan(plan, Failing(), holding.local, threads=threads)
     assert len(plan.items) == 64 and Failing.calls <= threads
+
+
+@examples(40)
+@given(st.data())
+def test_one_process_save_with_any_keywords_writes_each_tensor_back_or_refuses(data):
+    """One process, each keyword drawn or left at its default (`like` or the derived layout, `overwrite` onto
+    a folder that exists or none, `allow_lossy` over a cast that lost values, `dropped` over a tensor the rules
+    drop, `max_shard_size`), the one-shot call or a prepared object's (with `like`): the files hold each
+    checkpoint tensor with the value its rule writes back (a dropped one copied or left out), or the save is
+    refused with exactly the codes that apply, the destination as it was."""
+    from safetensors.torch import load_file
+
+    w, v, x = torch.randn(3, 4), torch.randn(5), torch.randn(2, 2)
+    lossy, drop_x = data.draw(st.booleans(), label="lossy"), data.draw(st.booleans(), label="drop x")
+    rules = remapdsl.language.rules_from_text(
+        "remap 1\nw -> w" + (" | cast(bfloat16)" if lossy else "") + "\nv -> v | scale(2)\n"
+        + ("drop x\n" if drop_x else "x -> x\n"), "k.remap")
+    keywords = data.draw(st.fixed_dictionaries({}, optional={
+        "overwrite": st.booleans(), "allow_lossy": st.booleans(), "timeout": st.just(30),
+        "dropped": st.sampled_from(["error", "copy", "omit", "keep"]), "max_shard_size": st.sampled_from([16, "1KB"])}))
+    exists = data.draw(st.booleans(), label="the destination exists")
+    with tempfile.TemporaryDirectory() as tmp:
+        folder = Path(tmp) / "src"
+        folder.mkdir()
+        save_file({"w": w, "v": v, "x": x}, str(folder / "model.safetensors"))
+        state = remapdsl.compile_rules(rules, folder, {}).empty_state_dict()
+        remapdsl.load(state, folder, rules, config={})
+        out = Path(tmp) / "out"
+        if exists:
+            out.mkdir()
+            (out / "stray.txt").write_text("kept unless overwritten")
+        like = data.draw(st.sampled_from([None, folder]), label="like")
+        if like is not None and data.draw(st.booleans(), label="through remapdsl.prepare"):
+            def save():
+                return remapdsl.prepare(rules, like, config={}).save(
+                    state, out, **{k: v for k, v in keywords.items() if k != "max_shard_size"})
+        else:
+            def save():
+                return remapdsl.save(state, out, rules, like=like, config={}, **keywords)
+        dropped = keywords.get("dropped", "error")
+        if like is None and lossy:
+            refused = {"E520"}  # no checkpoint says what the cast was made from
+        elif dropped == "keep":
+            refused = {"E523"}
+        else:
+            refused = {code for code, why in [("E502", lossy and not keywords.get("allow_lossy")),
+                                              ("E501", like is not None and drop_x and dropped == "error")] if why}
+            refused = refused or ({"E510"} if exists and not keywords.get("overwrite") else set())
+        if refused:
+            with pytest.raises(RemapError) as caught:
+                save()
+            assert {d.code for d in caught.value.diagnostics} == refused, str(caught.value)
+            assert sorted(p.name for p in out.iterdir()) == ["stray.txt"] if exists else not out.exists()
+            return
+        save()
+        got = {}
+        for file in out.glob("*.safetensors"):
+            got |= load_file(str(file))
+    want = {"w": w.bfloat16().float() if lossy else w, "v": v}
+    if not drop_x or (like is not None and dropped == "copy"):
+        want["x"] = x
+    assert sorted(got) == sorted(want) and all(torch.equal(got[k], want[k]) for k in want)
