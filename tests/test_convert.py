@@ -11,7 +11,10 @@ from pathlib import Path
 import pytest
 import torch
 from checkpoints import tiny_checkpoint
+from depth import scaled
 from gloo import BACKENDS, each_backend
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from safetensors.torch import load_file, save_file
 
 import remapdsl
@@ -138,3 +141,55 @@ def test_a_quantized_checkpoint_converts_there_and_back(tmp_path):
     assert load_file(str(tmp_path / "bf16" / "model.safetensors"))["a"].dtype == torch.bfloat16
     convert(tmp_path / "bf16", tmp_path / "back", rules, reverse=True, like=source)
     assert filecmp.cmp(source / "model.safetensors", tmp_path / "back" / "model.safetensors", shallow=False)
+
+
+@settings(max_examples=scaled(25), deadline=None)
+@given(st.data())
+def test_a_conversion_with_any_keywords_writes_each_tensor_once_with_its_value(tmp_path_factory, data):
+    """Forward, then reverse (with `like`, whose tensor the rules drop copied or left out, or without it),
+    each keyword drawn or left at its default (shard and batch sizes from a tensor at a time to all at
+    once, `overwrite` onto a folder that exists, `progress`): the files hold each tensor once with the
+    value the load gives (forward) or the checkpoint's own (reverse); progress rises to the bytes in all;
+    a tensor `like` has that the rules drop is E501 unless `dropped` says what becomes of it, and a
+    destination that exists without `overwrite` E510, left as it was."""
+    w, v, x = torch.randn(6, 4), torch.randn(5), torch.randn(3)
+    src = tiny_checkpoint(tmp_path_factory.mktemp("src"), {"a.w": w, "b.w": w * 2, "v": v, "x": x})
+    rules = tmp_path_factory.mktemp("rules") / "r.remap"
+    rules.write_text("remap 1\n{a,b}.w -> ab | stack(dim=0)\nv -> v\ndrop x\n")
+    want_forward = {"ab": torch.stack([w, w * 2]), "v": v}
+    out = tmp_path_factory.mktemp("out")
+    for step, (reverse, source, want) in enumerate([(False, src, want_forward), (True, None, None)]):
+        like = data.draw(st.sampled_from([None, src]), label="like") if reverse else None
+        dropped = data.draw(st.sampled_from(["error", "copy", "omit"]), label="dropped") if like else "error"
+        if reverse:
+            source = out / "forward"
+            want = {"a.w": w, "b.w": w * 2, "v": v} | ({"x": x} if dropped == "copy" else {})
+        keywords = data.draw(st.fixed_dictionaries({}, optional={
+            "max_shard_bytes": st.sampled_from([1, 100, 5 * 10**9]), "budget_bytes": st.sampled_from([1, 100, 1 << 30]),
+            "overwrite": st.booleans()}), label=f"keywords {step}")
+        dst = out / ("reverse" if reverse else "forward")
+        exists = data.draw(st.booleans(), label="the destination exists")
+        if exists:
+            dst.mkdir()
+            (dst / "stray.txt").write_text("kept unless overwritten")
+        seen = []
+        call = lambda: remapdsl.convert(source, dst, rules, reverse=reverse, like=like, dropped=dropped,  # noqa: E731
+                                        progress=lambda done, total: seen.append((done, total)), **keywords)
+        refused = {"E501"} if like is not None and dropped == "error" else \
+            {"E510"} if exists and not keywords.get("overwrite") else set()
+        if refused:
+            with pytest.raises(remapdsl.RemapError) as caught:
+                call()
+            assert {d.code for d in caught.value.diagnostics} == refused, str(caught.value)
+            if exists:
+                assert sorted(p.name for p in dst.iterdir()) == ["stray.txt"]
+            if not reverse:
+                return
+            continue
+        report = call()
+        got = {}
+        for file in dst.glob("*.safetensors"):
+            got |= load_file(str(file))
+        assert sorted(got) == sorted(want) and all(torch.equal(got[k], want[k]) for k in want), step
+        assert seen and seen[-1][0] == seen[-1][1] and [d for d, _ in seen] == sorted(d for d, _ in seen)
+        assert report.bytes_written == sum(t.nbytes for t in want.values())  # a copied tensor's too
