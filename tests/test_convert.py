@@ -173,20 +173,19 @@ def test_a_conversion_with_any_keywords_writes_each_tensor_once_with_its_value(t
             dst.mkdir()
             (dst / "stray.txt").write_text("kept unless overwritten")
         seen = []
-        call = lambda: remapdsl.convert(source, dst, rules, reverse=reverse, like=like, dropped=dropped,  # noqa: E731
-                                        progress=lambda done, total: seen.append((done, total)), **keywords)
+        kw = dict(keywords, reverse=reverse, like=like, dropped=dropped, progress=lambda *step, seen=seen: seen.append(step))
         refused = {"E501"} if like is not None and dropped == "error" else \
             {"E510"} if exists and not keywords.get("overwrite") else set()
         if refused:
             with pytest.raises(remapdsl.RemapError) as caught:
-                call()
+                remapdsl.convert(source, dst, rules, **kw)
             assert {d.code for d in caught.value.diagnostics} == refused, str(caught.value)
             if exists:
                 assert sorted(p.name for p in dst.iterdir()) == ["stray.txt"]
             if not reverse:
                 return
             continue
-        report = call()
+        report = remapdsl.convert(source, dst, rules, **kw)
         got = {}
         for file in dst.glob("*.safetensors"):
             got |= load_file(str(file))
