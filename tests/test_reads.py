@@ -9,6 +9,9 @@ from pathlib import Path
 
 import pytest
 import torch
+from depth import scaled
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 import remapdsl
 from remapdsl.checkpoint import reader as files
@@ -204,3 +207,51 @@ def test_a_plan_item_outside_a_strided_tensor_is_e417_too():
     with pytest.raises(remapdsl.RemapError) as info:
         read.run_load_plan(plan, remapdsl.open_checkpoint(TINY), tensors)
     assert info.value.diagnostic.code == "E417" and "a tensor of shape [16]" in str(info.value)
+
+
+@settings(max_examples=scaled(40), deadline=None)
+@given(st.data())
+def test_one_process_load_with_any_keywords_fills_what_it_holds_or_refuses(tmp_path_factory, data):
+    """One process, each keyword drawn or left at its default (`config` given or the folder's, `strict` over a
+    tensor no rule reads, local names, rank 0's shard under a layout, `read_replicated_once` with no one to
+    share with, `staging_bytes`, `timeout`), the one-shot call or a prepared object's: each tensor holds
+    its layer (rank 0's rows of it under the layout), or the load is refused with the code that applies."""
+    from checkpoints import tiny_checkpoint
+
+    from remapdsl.language import rules_from_text
+    from remapdsl.sharding import LayoutPlan, Shard
+
+    layers = {f"layers.{i}.w": torch.arange(12.0).reshape(4, 3) + 100 * i for i in range(3)}
+    stray = data.draw(st.booleans(), label="a tensor no rule reads")
+    folder = tiny_checkpoint(tmp_path_factory.mktemp("ckpt"), layers | ({"stray": torch.ones(2)} if stray else {}),
+                             {"n": 2})
+    rules = rules_from_text("remap 1\nlayers.{L}.w -> blocks.{L}.w\ndrop layers.{L}.w when L >= config.n\n")
+    config = data.draw(st.sampled_from([None, {"n": 2}, {"n": 3}]), label="config")
+    n = (config or {"n": 2})["n"]
+    keywords = data.draw(st.fixed_dictionaries({}, optional={
+        "strict": st.booleans(), "read_replicated_once": st.booleans(), "timeout": st.just(30),
+        "staging_bytes": st.sampled_from([1 << 20, 100]), "local": st.just({"stage.{}": ("blocks.{}", 0)})}),
+        label="keywords")
+    sharded = data.draw(st.booleans(), label="rank 0 of tp=2")
+    if sharded:
+        keywords |= {"layout": LayoutPlan.from_mapping({"blocks.*": [Shard(dim=0)]}), "mesh": Mesh.of({"tp": 2})}
+    want = {f"blocks.{i}.w": layers[f"layers.{i}.w"][:2] if sharded else layers[f"layers.{i}.w"] for i in range(n)}
+    named = {k.replace("blocks.", "stage.") if "local" in keywords else k: v for k, v in want.items()}
+    state = {k: torch.full_like(v, float("nan")) for k, v in named.items()}
+    if data.draw(st.booleans(), label="through remapdsl.prepare"):
+        def load():
+            prepared = remapdsl.prepare(rules, folder, config=config, strict=keywords.get("strict", True))
+            return prepared.load(state, **{k: v for k, v in keywords.items() if k != "strict"})
+    else:
+        def load():
+            return remapdsl.load(state, folder, rules, config=config, **keywords)
+    refused = "E202" if stray and keywords.get("strict", True) else \
+        "E416" if keywords.get("staging_bytes") == 100 else None  # the rules compile first
+    if refused:
+        with pytest.raises(remapdsl.RemapError) as caught:
+            load()
+        assert caught.value.diagnostics[0].code == refused, str(caught.value)
+        return
+    report = load()
+    assert all(torch.equal(state[k], named[k]) for k in named)
+    assert report.bytes_read == sum(t.nbytes for t in want.values())
