@@ -71,14 +71,13 @@ def ingest(prepared, state_dict, pairs, *, rules=None, like=None, config: Mappin
         problems: list[Diagnostic] = []
         seen: set[str] = set()
         count = used = 0
-        dropped = set(compiled.dropped)
-        drops = drop_test(ready.rules, ready.config)
+        dropped = drop_test(ready.rules, ready.config)  # keys `like` does not have too (a derived layout)
         if fills:
             run_load_plan(load_plan.model_copy(update={"items": tuple(fills), "decodes": ()}), memory, holding.local,
                           rings=rings)
         for key, tensor in (pairs.items() if isinstance(pairs, Mapping) else pairs):
             count += 1
-            problem = _check_pair(key, tensor, memory, seen, lambda k: k in dropped or drops(k))
+            problem = _check_pair(key, tensor, memory, seen, dropped)
             if problem is not None:
                 problems.append(problem)
                 continue

@@ -125,7 +125,8 @@ def output_checkpoint(compiled, like, dropped: str, requantize: bool) -> NewChec
            if compiled.logical and not requantize else None)
     if why is not None:
         raise RemapError(Diagnostic(code="E524", message=f"dropped=\"omit\" would leave out {len(omitted)} "
-                                    f"tensor(s), starting with `{omitted[0]}`, and lay their files out anew, but {why}",
+                                    f"tensor(s), starting with `{omitted[0]}`, and lay their files out anew, "
+                                    f"but {why}",
                                     hint="pass dropped=\"copy\" to keep them unchanged (the layout stays `like`'s)"))
     return without(like, omitted)
 
