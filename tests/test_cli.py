@@ -6,6 +6,9 @@ import sys
 from pathlib import Path
 
 import pytest
+from depth import scaled
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from remapdsl.cli import main
 
@@ -176,3 +179,67 @@ def test_plan_and_explain_show_dequantized_tensors(tmp_path, capsys):
     out = capsys.readouterr().out
     assert "a.weight  [256, 64] bfloat16 = fp8_block(block=[128, 128], to=bfloat16) of `a.weight`, " \
            "`a.weight_scale_inv`" in out
+
+
+@pytest.fixture(scope="module")
+def inputs(tmp_path_factory) -> dict[str, dict[str, str]]:
+    """Arguments of every kind a user may pass, fitting or not: rule files, checkpoints, meshes, layouts,
+    sizes and ranks."""
+    root = tmp_path_factory.mktemp("inputs")
+    example = Path(__file__).resolve().parent.parent / "examples"
+    files = {"syntax.remap": "remap 1\na -> \n", "empty.remap": "", "config.json": "{\"a\": ", "data.bin": None,
+             "bad.safetensors": None, "stray.remap": "remap 1\nno.such.key -> x\n", "layout.json": "[1, 2]"}
+    for name, text in files.items():
+        if text is None:
+            (root / name).write_bytes(b"\xff\xfe\x00garbage" * 8)
+        else:
+            (root / name).write_text(text)
+    (root / "empty").mkdir()
+    (root / "truncated").mkdir()
+    (root / "truncated" / "model.safetensors").write_bytes((example / "tiny-qwen3-moe" / "model.safetensors")
+                                                           .read_bytes()[:300])
+    main(["snapshot", "-o", str(root / "snap.json"), str(example / "tiny-qwen3-moe")])
+    rules = [str(Path(__file__).resolve().parent.parent / "rules" / "qwen3_moe.remap"), "qwen3_moe", "no_such_rules",
+             *(str(root / n) for n in ("syntax.remap", "empty.remap", "stray.remap", "data.bin", "empty"))]
+    return {
+        "rules": dict.fromkeys(rules, ""),
+        "checkpoint": dict.fromkeys([str(example / "tiny-qwen3-moe"), str(root / "snap.json"), str(root / "empty"),
+                                     str(root / "truncated"), str(root / "bad.safetensors"), str(root / "no_such"),
+                                     str(root / "config.json"), str(root / "syntax.remap")], ""),
+        "mesh": dict.fromkeys(["tp=2", "tp=1", "tp=0", "tp", "tp=2,tp=2", "dp=2,tp=2", "", "tp=-1"], ""),
+        "layout": dict.fromkeys([str(example / "tp2_layout.json"), str(root / "layout.json"), str(root / "config.json"),
+                                 str(root / "no_such.json"), str(root / "data.bin")], ""),
+        "size": dict.fromkeys(["5GB", "1", "abc", "-1", "0"], ""),
+        "ranks": dict.fromkeys(["0", "1", "5", "a", "0,1", "-1"], ""),
+    }
+
+
+@settings(max_examples=scaled(60), deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(data=st.data())
+def test_no_argument_of_any_command_ends_in_a_bug_report(inputs, tmp_path_factory, data, capsys):
+    """Every command (but `verify`, which starts processes), given arguments drawn from files that fit and
+    files that do not (a folder for a file, bytes that are not UTF-8, a truncated safetensors file, a
+    JSON file cut short...), meshes, layouts, sizes and ranks of every sort: exit 0, 1 (`fmt --check`)
+    or 2 with one located message on stderr, never 3 (a bug) and never a traceback."""
+    pick = {kind: (lambda kind=kind: data.draw(st.sampled_from(sorted(inputs[kind])), label=kind)) for kind in inputs}
+    out = tmp_path_factory.mktemp("out")
+    argv = data.draw(st.sampled_from([
+        lambda: ["check", pick["rules"]()] + (["--checkpoint", pick["checkpoint"]()] if data.draw(st.booleans()) else []),
+        lambda: ["fmt", "--check", pick["rules"]()],
+        lambda: ["ir", "--json", pick["rules"]()],
+        lambda: ["explain", "--checkpoint", pick["checkpoint"](), pick["rules"]()],
+        lambda: ["plan", "--checkpoint", pick["checkpoint"](), "--mesh", pick["mesh"](), "--layout", pick["layout"](),
+                 "--ranks", pick["ranks"](), pick["rules"]()],
+        lambda: ["convert", "--rules", pick["rules"](), "--max-shard-size", pick["size"](), pick["checkpoint"](),
+                 str(out / "converted")],
+        lambda: ["snapshot", "-o", str(out / "s.json"), pick["checkpoint"]()],
+    ]), label="command")()
+    try:
+        code = main(argv)
+    except SystemExit as exc:  # argparse: a usage error
+        code = exc.code
+    err = capsys.readouterr().err
+    assert code in (0, 1, 2), (argv, err)
+    assert "Traceback" not in err and "this is a bug" not in err, (argv, err)
+    if code == 2:
+        assert "error" in err, (argv, err)
