@@ -222,9 +222,12 @@ _GU = {"gu": ((12, 4), "float32")}
      ("E210", "`dim` must be an integer, got 0.5", (4, 22), "    | unstack(E, dim=D)", None)),
     ("let D = config.d\ne.{E}.w -> w\n    | stack(E, dim=D)\n", {"w": ((2, 3), "float32")}, {"d": 0.5},
      ("E210", "`dim` must be an integer, got 0.5", (4, 20), "    | stack(E, dim=D)", None)),
+    ("let D = config.d\nqkv -> {q,k,v}\n    | split(dim=D, sizes=[2, 2, 2])\n",
+     dict.fromkeys("qkv", ((2, 3), "float32")), {"d": 0.5},
+     ("E210", "`dim` must be an integer, got 0.5", (4, 17), "    | split(dim=D, sizes=[2, 2, 2])", None)),
 ], ids=["stack width", "concat without sizes", "concat over a capture without sizes", "interleave without sizes",
         "sizes of another sum", "sizes of another count", "sizes over a capture", "dim", "sizes", "transpose a",
-        "transpose b", "unstack dim", "stack dim"])
+        "transpose b", "unstack dim", "stack dim", "split dim"])
 def test_each_size_a_derived_layout_cannot_know_is_named_whole(text, runtime, config, expected):
     """Every way the runtime shapes leave a checkpoint size open (a stack of another width, a join with no
     `sizes=`, sizes that do not fit) and every argument that is no integer: the code, the whole message,
