@@ -496,7 +496,7 @@ def test_one_process_refuses_what_needs_every_rank_of_a_larger_mesh(call, like, 
     with rank 1's part missing."""
     from remapdsl.sharding import read_layout
 
-    layout, mesh = read_layout(EXAMPLE.parent / "tp2_layout.json"), Mesh.of({"tp": 2})
+    layout, mesh = read_layout(EXAMPLE.parent / "tp2_layout.json"), Mesh.of({"dp": 1, "tp": 2})
     compiled = remapdsl.compile_rules(remapdsl.load_rules(QWEN), EXAMPLE)
     state = _rank_0_shards(compiled, layout, mesh)
     remapdsl.load(state, EXAMPLE, QWEN, layout=layout, mesh=mesh)
@@ -508,7 +508,7 @@ def test_one_process_refuses_what_needs_every_rank_of_a_larger_mesh(call, like, 
     with pytest.raises(remapdsl.RemapError) as info:
         calls[call]()
     d = info.value.diagnostic
-    assert (d.code, d.message, d.hint) == ("E414", "the mesh `tp=2` has 2 ranks; this job has 1", hint)
+    assert (d.code, d.message, d.hint) == ("E414", "the mesh `dp=1, tp=2` has 2 ranks; this job has 1", hint)
     assert not (tmp_path / "out").exists()
 
 
