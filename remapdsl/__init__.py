@@ -25,8 +25,11 @@ from .language.library import resolve_rules_path as _resolve_rules_path
 from .language.parser import parse_file as _parse_file
 from .language.library import ShippedRules, shipped_rules
 from .language.library import choose_rules as _choose_rules
+from .drivers.prepare import check_kind as _check_kind
 from .drivers.prepare import rules_for
 from .drivers.prepared import Prepared
+from .sharding import LayoutPlan as _LayoutPlan
+from .sharding import Mesh as _Mesh
 from .sharding import layout_for, parse_mesh, read_layout
 from .sharding.placements import LayoutError
 from .sizes import parse_size
@@ -89,8 +92,10 @@ def plan_rank(compiled: Compiled, inventory: Inventory, layout, mesh, rank: int,
     from .sharding.holdings import held_by_layout
     from .sharding.plans import make_load_plan
 
-    layout = layout.resolved(checkpoint_config(inventory) if config is None else config)
-    return make_load_plan(compiled, inventory, held_by_layout(compiled, layout, mesh, rank), rank)
+    layout = _check_kind(layout, _LayoutPlan, "layout").resolved(checkpoint_config(inventory) if config is None
+                                                                 else config)
+    held = held_by_layout(compiled, layout, _check_kind(mesh, _Mesh, "mesh"), rank)
+    return make_load_plan(compiled, inventory, held, rank)
 
 
 def prepare(rules, checkpoint, *, config: Mapping[str, Any] | None = None, strict: bool = True, timeout=None):

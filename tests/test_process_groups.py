@@ -182,3 +182,47 @@ def test_every_entry_point_refuses_a_timeout_that_is_no_positive_duration(timeou
         assert d.hint == f"the default is {bounds.DEFAULT_TIMEOUT:g} s: how long a rank waits at one exchange for " \
             "the others", name
     assert not any(out.iterdir())
+
+
+_LAYOUT = "a LayoutPlan (`remapdsl.read_layout(path)`, `LayoutPlan.from_mapping(...)`)"
+_MESH = "a Mesh (`remapdsl.parse_mesh(\"tp=2\")`, `Mesh.of({\"tp\": 2})`)"
+
+
+@pytest.mark.parametrize("argument, value, message", [
+    ("layout", "colwise", f"layout= is a str, not {_LAYOUT}"),
+    ("layout", {"*": "colwise"}, f"layout= is a dict, not {_LAYOUT}"),
+    ("mesh", "tp=2", f"mesh= is a str, not {_MESH}"),
+    ("mesh", {"tp": 2}, f"mesh= is a dict, not {_MESH}"),
+])
+def test_every_call_that_places_tensors_names_a_layout_or_mesh_of_another_kind(argument, value, message, calls):
+    """A layout or mesh as the command line writes it (a string, a mapping) where an object is due: E416
+    naming the argument and how to make one, never an AttributeError from deep inside."""
+    out, calls = calls
+    for name in ("load", "save", "export", "ingest", "prepared.load", "prepared.save", "prepared.export",
+                 "prepared.ingest"):
+        with pytest.raises(remapdsl.RemapError) as info:
+            calls[name](**{argument: value})
+        assert (info.value.diagnostic.code, info.value.diagnostic.message) == ("E416", message), name
+    with pytest.raises(remapdsl.RemapError) as info:
+        compiled = remapdsl.compile_rules(remapdsl.load_rules(RULES), CHECKPOINT)
+        remapdsl.plan_rank(compiled, remapdsl.open_checkpoint(CHECKPOINT), **{
+            "layout": remapdsl.read_layout(Path(CHECKPOINT).parent / "tp2_layout.json"),
+            "mesh": remapdsl.parse_mesh("tp=2"), argument: value}, rank=0)
+    assert (info.value.diagnostic.code, info.value.diagnostic.message) == ("E416", message)
+    assert not any(out.iterdir())
+
+
+@pytest.mark.parametrize("state", [[torch.zeros(1)], None, torch.zeros(2)], ids=["a list", "None", "a tensor"])
+def test_every_call_names_a_state_dict_that_is_no_mapping(state, tmp_path):
+    """A list of tensors, None or one tensor where a state dict is due: E416 naming it, not an AttributeError."""
+    given = {list: "a list", type(None): "None", torch.Tensor: "a Tensor"}[type(state)]
+    for call in (lambda: remapdsl.load(state, CHECKPOINT, RULES),
+                 lambda: remapdsl.save(state, tmp_path / "out", RULES, like=CHECKPOINT),
+                 lambda: list(remapdsl.export(state, RULES, like=CHECKPOINT)),
+                 lambda: remapdsl.ingest(state, {}, RULES, like=CHECKPOINT)):
+        with pytest.raises(remapdsl.RemapError) as info:
+            call()
+        d = info.value.diagnostic
+        assert (d.code, d.message) == ("E416", (f"state_dict= is {given}, not a mapping of names to tensors "
+                                               "(`model.state_dict()`, or the module itself)"))
+    assert not (tmp_path / "out").exists()

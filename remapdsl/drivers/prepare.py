@@ -20,6 +20,7 @@ from ..compile import Compiled, compile_rules
 from ..errors import BindError, Diagnostic, RemapError, shorten
 from ..language.includes import RuleSet, load_rules, rule_texts
 from ..language.library import AUTO, choose_rules
+from ..sharding import LayoutPlan, Mesh
 
 MAX_LISTED = 5  # differences listed per aspect when ranks disagree; the rest counted
 
@@ -90,7 +91,7 @@ class Ready(NamedTuple):
 
     def placing(self, layout):
         """`layout` with the config's values for the config keys its packed placements name (None: None)."""
-        return None if layout is None else layout.resolved(self.config)
+        return None if layout is None else check_kind(layout, LayoutPlan, "layout").resolved(self.config)
 
 
 def prepare_everywhere(rules, checkpoint, config=None, strict: bool = True,
@@ -210,8 +211,8 @@ def tensors_of(state_dict, local=None) -> Mapping[str, Any]:
     global names (`local`: this rank's renumbering, sharding/local_names.py)."""
     from ..sharding.local_names import global_names
 
-    return global_names(state_dict.state_dict(keep_vars=True) if hasattr(state_dict, "state_dict") else state_dict,
-                        local)
+    tensors = state_dict.state_dict(keep_vars=True) if hasattr(state_dict, "state_dict") else state_dict
+    return global_names(check_kind(tensors, Mapping, "state_dict"), local)
 
 
 def named_together(state_dict, local) -> Mapping[str, Any]:
@@ -227,12 +228,26 @@ def check_mesh(mesh, alone: str | None = None) -> None:
     hint)."""
     from ..runtime import dist
 
-    if mesh is None or mesh.size == dist.world_size() or not (dist.active() or alone):
+    if mesh is None or check_kind(mesh, Mesh, "mesh").size == dist.world_size() or not (dist.active() or alone):
         return
     hint = alone if not dist.active() else "the product of the mesh's sizes must be the job's world size " \
         "(`torch.distributed.get_world_size()`): give the job's own mesh"
     raise RemapError(Diagnostic(code="E414", message=f"the mesh {_mesh_text(mesh)} has {mesh.size} ranks; this job "
                                 f"has {dist.world_size()}", hint=hint))
+
+
+_KINDS = {LayoutPlan: "a LayoutPlan (`remapdsl.read_layout(path)`, `LayoutPlan.from_mapping(...)`)",
+          Mesh: "a Mesh (`remapdsl.parse_mesh(\"tp=2\")`, `Mesh.of({\"tp\": 2})`)",
+          Mapping: "a mapping of names to tensors (`model.state_dict()`, or the module itself)"}
+
+
+def check_kind(value, kind: type, argument: str):
+    """`value`, or E416 naming `argument` where it is not a `kind` (a string for a mesh, a list for a state dict)."""
+    if isinstance(value, kind):
+        return value
+    name = type(value).__name__
+    given = "None" if value is None else f"an {name}" if name[0] in "aeiou" else f"a {name}"
+    raise RemapError(Diagnostic(code="E416", message=f"{argument}= is {given}, not {_KINDS[kind]}"))
 
 
 def _mesh_text(mesh) -> str:
