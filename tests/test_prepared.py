@@ -91,6 +91,23 @@ def test_an_edited_rule_file_or_a_rewritten_checkpoint_file_is_prepared_again(tm
         prepared.load(_nan_like(whole))
 
 
+@pytest.mark.parametrize("config", [None, "given"])
+def test_an_edited_config_json_is_prepared_again_only_where_it_was_read(config, tmp_path, monkeypatch):
+    """The folder's config.json is an input of the compile only when the caller gave no `config`: then an
+    edit of it prepares again (with the new values), else it is not looked at."""
+    folder = tmp_path / "ckpt"
+    shutil.copytree(CHECKPOINT, folder)
+    given = remapdsl.checkpoint.read_config(remapdsl.open_checkpoint(folder)) if config else None
+    whole = _whole()
+    compiles = _Counted(monkeypatch, prepare_step, "compile_rules")
+    prepared = remapdsl.prepare(str(RULES), str(folder), config=given)
+    prepared.load(_nan_like(whole))
+    time.sleep(0.01)
+    (folder / "config.json").write_text((folder / "config.json").read_text() + "\n")
+    state = _nan_like(whole)
+    prepared.load(state)
+    assert compiles.calls == (1 if config else 2) and _equal(state, whole)
+
 def test_a_prepared_save_export_and_ingest_match_the_one_shot_calls(tmp_path):
     whole = _whole()
     prepared = remapdsl.prepare(str(RULES), str(CHECKPOINT))
