@@ -232,3 +232,102 @@ def test_a_load_leaves_the_collector_as_it_found_it_and_collects_during_its_read
         assert 0 < gc.get_freeze_count() <= frozen  # none unfrozen nor added (a few died meanwhile)
     finally:
         gc.unfreeze()
+
+
+# -- a prepared object's calls act as the one-shot calls, keyword by keyword ------------------------
+
+_KEYED = "remap 1\nlayers.{L}.w -> blocks.{L}.w | cast(bfloat16)\nv -> v\ndrop x\n"
+
+
+def _outcome(call) -> tuple:
+    """What a call gave, comparable: its values (tensors as lists; a save's files read back) or its errors."""
+    from safetensors.torch import load_file
+
+    def plain(value):
+        if isinstance(value, torch.Tensor):
+            return ("tensor", str(value.dtype), value.tolist())
+        if isinstance(value, (list, tuple)):
+            return tuple(plain(v) for v in value)
+        if isinstance(value, dict):
+            return tuple(sorted((k, plain(v)) for k, v in value.items()))
+        if isinstance(value, Path) and value.is_dir():
+            return plain({f.name: load_file(str(f)) for f in sorted(value.glob("*.safetensors"))})
+        return value
+
+    try:
+        return ("done", plain(call()))
+    except remapdsl.RemapError as exc:
+        return ("refused", tuple((d.code, d.message) for d in exc.diagnostics))
+
+
+@pytest.fixture(scope="module")
+def keyed(tmp_path_factory) -> tuple[Path, object, dict]:
+    """A checkpoint of two numbered layers, a tensor the rules drop, and its rules (a lossy cast)."""
+    from checkpoints import tiny_checkpoint
+
+    g = torch.Generator().manual_seed(0)
+    folder = tiny_checkpoint(tmp_path_factory.mktemp("keyed"), {
+        "layers.0.w": torch.randn(4, 3, generator=g), "layers.1.w": torch.randn(4, 3, generator=g),
+        "v": torch.randn(5, generator=g), "x": torch.randn(3, generator=g)}, {})
+    rules = remapdsl.language.rules_from_text(_KEYED, "keyed.remap")
+    state = remapdsl.compile_rules(rules, folder, {}).empty_state_dict()
+    remapdsl.load(state, folder, rules, config={})
+    return folder, rules, state
+
+
+def _keywords(state: dict) -> dict[str, tuple[dict, dict]]:
+    """Per keyword: the keywords to pass (each changes what the call gives from its defaults') and the state
+    dict to pass them with."""
+    from remapdsl.sharding import LayoutPlan, Mesh, Shard
+
+    local = {k.replace("blocks.", "stage."): v for k, v in state.items()}
+    half = {k: v[:2].clone() if k.startswith("blocks.") else v for k, v in state.items()}
+    layout = LayoutPlan.from_mapping({"blocks.*": [Shard(dim=0)]})
+    return {
+        "timeout": ({"timeout": 0}, state),
+        "local": ({"local": {"stage.{}": ("blocks.{}", 0)}}, local),
+        "layout": ({"layout": layout, "mesh": Mesh.of({"tp": 2})}, half),
+    }
+
+
+@pytest.mark.parametrize("method", ["load", "ingest", "save", "export"])
+def test_each_keyword_of_a_prepared_call_acts_as_on_the_one_shot_call(method, keyed, tmp_path):
+    """Every keyword a prepared object's method takes, given a value that changes what the call gives
+    from its defaults', gives what the one-shot call gives with it: values, files, or the same errors."""
+    from safetensors.torch import load_file
+
+    folder, rules, state = keyed
+    pairs = load_file(str(folder / "model.safetensors"))
+    prepared = remapdsl.prepare(rules, folder, config={}, strict=True)
+    cases = _keywords(state)
+    cases |= {"load": {"staging_bytes": ({"staging_bytes": 100}, state)},
+              "ingest": {"staging_bytes": ({"staging_bytes": 100}, state)},
+              "save": {"dropped": ({"dropped": "omit"}, state), "overwrite": ({"overwrite": True}, state),
+                       "allow_lossy": ({"allow_lossy": True}, state)},
+              "export": {"bucket_bytes": ({"bucket_bytes": 0}, state), "regions": ({"regions": True}, state),
+                         "by_round": ({"by_round": True}, state), "gather": ({"gather": "tp"}, state),
+                         "allow_lossy": ({"allow_lossy": True}, state)}}[method]
+    # what each call needs to write at all (the rules cast lossily and drop `x`), unless the case is that keyword
+    common = {"save": {"allow_lossy": True, "dropped": "copy"}, "export": {"allow_lossy": True}}.get(method, {})
+    runs = iter(range(10**6))
+
+    def call(through, keywords, given, exists=False):
+        target = {k: torch.full_like(v, float("nan")) for k, v in given.items()}
+        out = tmp_path / f"out{next(runs)}"
+        if exists:  # a save's destination there already
+            out.mkdir()
+        args = {"load": (target,), "ingest": (target, pairs), "save": (given, out), "export": (given,)}[method]
+        one_shot = {"load": lambda: remapdsl.load(target, folder, rules, config={}, **keywords),
+                    "ingest": lambda: remapdsl.ingest(target, pairs, rules, like=folder, config={}, **keywords),
+                    "save": lambda: remapdsl.save(given, out, rules, like=folder, config={}, **keywords),
+                    "export": lambda: list(remapdsl.export(given, rules, like=folder, config={}, **keywords))}
+        result = one_shot[method]() if through == "one shot" else getattr(prepared, method)(*args, **keywords)
+        result = list(result) if method == "export" else result
+        return {"load": target, "ingest": target, "save": out, "export": result}[method] if result is not None else None
+
+    for name, (case, given) in cases.items():
+        keywords, base = common | case, {k: v for k, v in common.items() if k not in case}
+        exists = name == "overwrite"
+        want = _outcome(lambda: call("one shot", keywords, given, exists))
+        assert _outcome(lambda: call("prepared", keywords, given, exists)) == want, name
+        assert _outcome(lambda: call("one shot", base, given, exists)) != want, f"{name} changes nothing here"
