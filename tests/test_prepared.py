@@ -239,8 +239,8 @@ def test_a_load_leaves_the_collector_as_it_found_it_and_collects_during_its_read
 _KEYED = "remap 1\nlayers.{L}.w -> blocks.{L}.w | cast(bfloat16)\nv -> v\ndrop x\n"
 
 
-def _outcome(call) -> tuple:
-    """What a call gave, comparable: its values (tensors as lists; a save's files read back) or its errors."""
+def _outcome(call, *args) -> tuple:
+    """What `call(*args)` gave, comparable: its values (tensors as lists; a save's files read back) or its errors."""
     from safetensors.torch import load_file
 
     def plain(value):
@@ -255,7 +255,7 @@ def _outcome(call) -> tuple:
         return value
 
     try:
-        return ("done", plain(call()))
+        return ("done", plain(call(*args)))
     except remapdsl.RemapError as exc:
         return ("refused", tuple((d.code, d.message) for d in exc.diagnostics))
 
@@ -328,6 +328,6 @@ def test_each_keyword_of_a_prepared_call_acts_as_on_the_one_shot_call(method, ke
     for name, (case, given) in cases.items():
         keywords, base = common | case, {k: v for k, v in common.items() if k not in case}
         exists = name == "overwrite"
-        want = _outcome(lambda: call("one shot", keywords, given, exists))
-        assert _outcome(lambda: call("prepared", keywords, given, exists)) == want, name
-        assert _outcome(lambda: call("one shot", base, given, exists)) != want, f"{name} changes nothing here"
+        want = _outcome(call, "one shot", keywords, given, exists)
+        assert _outcome(call, "prepared", keywords, given, exists) == want, name
+        assert _outcome(call, "one shot", base, given, exists) != want, f"{name} changes nothing here"
