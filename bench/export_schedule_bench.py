@@ -32,16 +32,15 @@ from remapdsl.sharding import Mesh
 EXPERT = re.compile(r"\.experts\.(\d+)\.")
 
 
-def writers_of(shapes: dict, inventory: Inventory, ep: int, dp: int) -> list[dict]:
-    """What each rank of an ep x dp_shard mesh writes (key -> (bytes, its mesh coordinates)), as the ranks
-    of an export exchange it; rank = e * dp + d."""
+def writers_of(shapes: dict, ep: int, dp: int) -> list[dict]:
+    """What each rank of an ep x dp_shard mesh writes (key -> its mesh coordinates), as the ranks of an
+    export exchange it; rank = e * dp + d."""
     everyone: list[dict] = [{} for _ in range(ep * dp)]
     for key in shapes:
         m = EXPERT.search(key)
         e = int(m.group(1)) % ep if m else zlib.crc32(key.encode()) % ep  # a replicated tensor: its key's replica
-        share = inventory.tensors[key].nbytes // dp
         for d in range(dp):
-            everyone[e * dp + d][key] = (share, (("ep", e), ("dp_shard", d)))
+            everyone[e * dp + d][key] = (("ep", e), ("dp_shard", d))
     return everyone
 
 
@@ -52,7 +51,7 @@ def main() -> None:
     print(f"load average {os.getloadavg()[0]:.2f}; {len(shapes)} checkpoint tensors")
     for ep, dp in ((128, 8), (256, 32)):
         mesh = Mesh.of({"ep": ep, "dp_shard": dp})
-        everyone = writers_of(shapes, inventory, ep, dp)
+        everyone = writers_of(shapes, ep, dp)
 
         def schedule(everyone=everyone):
             return _schedule(everyone, inventory, 256 << 20, ("dp_shard",), [])

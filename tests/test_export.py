@@ -295,15 +295,15 @@ def test_a_round_s_receive_buffers_are_freed_before_its_tensors_are_yielded(four
 
 @st.composite
 def _schedules(draw) -> tuple[list[dict], dict, int, list[str]]:
-    """What the ranks share before an export (per rank: checkpoint key -> (bytes it holds, its mesh
-    coordinates)), the checkpoint tensors' sizes, a bucket, and the tensors without bytes."""
+    """What the ranks share before an export (per rank: checkpoint key -> its mesh coordinates), the
+    checkpoint tensors' sizes, a bucket, and the tensors without bytes."""
     world = draw(st.integers(1, 4))
     sizes = draw(st.dictionaries(st.sampled_from([f"t{i}" for i in range(12)]), st.integers(0, 600), min_size=1))
     everyone: list[dict] = [{} for _ in range(world)]
     for key, n in sizes.items():
         if n:
             for r in draw(st.sets(st.integers(0, world - 1), min_size=1)):
-                everyone[r][key] = (1, (("dp_shard", r),))
+                everyone[r][key] = (("dp_shard", r),)
     out = SimpleNamespace(tensors={k: SimpleNamespace(nbytes=n) for k, n in sizes.items()})
     return everyone, out, draw(st.integers(1, 1500)), [k for k, n in sizes.items() if not n]
 

@@ -90,14 +90,11 @@ def _export(prepared, rules, like, config, state_dict, gather, bucket_bytes: int
 
 
 def _export_plan(chosen, out, boxes, rank: int, logical, coordinates: Callable[[str], tuple]) -> tuple:
-    """This rank's write plan into memory, and for each checkpoint tensor it writes part of, its bytes and
-    coordinates on the mesh of the runtime tensor that makes it (what the ranks exchange to schedule)."""
+    """This rank's write plan into memory, and for each checkpoint tensor it writes part of, its coordinates on
+    the mesh of the runtime tensor that makes it (what the ranks exchange to schedule)."""
     plan = make_write_plan(chosen, out, boxes, rank, logical)
     producer = {w.block.source_key: w.runtime_key for w in chosen}
-    mine: dict[str, int] = defaultdict(int)
-    for item in plan.items:
-        mine[item.ckpt_key] += item.runs.total
-    return plan, {key: (n, coordinates(producer[key])) for key, n in mine.items()}
+    return plan, {key: coordinates(producer[key]) for key in dict.fromkeys(item.ckpt_key for item in plan.items)}
 
 
 def _coordinates(tensors, layout, mesh, rank: int) -> Callable[[str], tuple]:
@@ -164,7 +161,7 @@ def _check_gather(writers: dict[str, list[int]], everyone: list[dict], gather: t
     """E542 for a `gather` dim no mesh has; E541 for a checkpoint tensor whose writers differ on a mesh dim
     `gather` does not name (each writer's coordinates on the mesh its runtime tensor lives on: a DTensor's
     own, or `mesh` under a layout plan)."""
-    names = {name for keys in everyone for _, coordinates in keys.values() for name, _ in coordinates}
+    names = {name for keys in everyone for coordinates in keys.values() for name, _ in coordinates}
     unknown = [g for g in gather if g not in names]
     if unknown:
         raise RemapError(Diagnostic(code="E542", message=f"gather={gather!r}: the mesh has no dim "
@@ -172,7 +169,7 @@ def _check_gather(writers: dict[str, list[int]], everyone: list[dict], gather: t
                                     + (", ".join(f"`{n}`" for n in sorted(names)) or "none (plain tensors)")))
     for ckpt_key in sorted(k for k, ranks in writers.items() if len(ranks) > 1):
         ranks = writers[ckpt_key]
-        coords = [dict(everyone[r][ckpt_key][1]) for r in ranks]
+        coords = [dict(everyone[r][ckpt_key]) for r in ranks]
         split = sorted({d for c in coords for d, v in c.items() if v != coords[0].get(d)}) \
             if all(coords) else ["(the whole job)"]
         outside = [d for d in split if d not in gather]
