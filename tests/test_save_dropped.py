@@ -274,3 +274,18 @@ def test_omit_with_stored_scales_to_read_back_is_refused(tmp_path):
                                    "stored scales are written back from `like`")
     assert d.hint == 'pass dropped="copy" to keep them unchanged (the layout stays `like`\'s)'
     assert not (tmp_path / "out").exists()
+
+
+def test_a_prepared_save_requantizes_as_the_one_shot_save_does(tmp_path):
+    """`requantize=True` writes new scales (each block's largest value over the format's) where the stored
+    ones are copied by default: a prepared object's save gives the same files as `remapdsl.save`, either way."""
+    source, rules = _fp8(tmp_path / "src"), rules_from_text(FP8, "t.remap")
+    state = _loaded(source, rules)
+    state["a"] = state["a"] * 2  # new values, so new scales where they are worked out again
+    prepared = remapdsl.prepare(rules, source)
+    for requantize in (False, True):
+        one_shot, again = tmp_path / f"one{requantize}", tmp_path / f"prepared{requantize}"
+        remapdsl.save(state, one_shot, rules, like=source, dropped="copy", requantize=requantize, allow_lossy=True)
+        prepared.save(state, again, dropped="copy", requantize=requantize, allow_lossy=True)
+        assert _differing(one_shot, again) == []
+    assert _differing(tmp_path / "oneFalse", tmp_path / "oneTrue") == ["model.safetensors"]

@@ -97,8 +97,8 @@ class Prepared:
         """Write runtime tensors back to the checkpoint's layout (it is `like`); as `remapdsl.save`."""
         from .save import save
 
-        return save(self, state_dict, folder, config=self._config, layout=layout, mesh=mesh, overwrite=overwrite,
-                    allow_lossy=allow_lossy, requantize=requantize, dropped=dropped, timeout=timeout, local=local)
+        return save(self, state_dict, folder, layout=layout, mesh=mesh, overwrite=overwrite, allow_lossy=allow_lossy,
+                    requantize=requantize, dropped=dropped, timeout=timeout, local=local)
 
     def export(self, state_dict, *, gather=(), bucket_bytes: int = 256 << 20, layout=None, mesh=None,
                allow_lossy: bool = False, regions: bool = False, by_round: bool = False, timeout=None,
