@@ -269,9 +269,9 @@ def test_omit_with_stored_scales_to_read_back_is_refused(tmp_path):
     with pytest.raises(RemapError) as info:
         remapdsl.save(_loaded(source, rules), tmp_path / "out", rules, like=source, dropped="omit")
     d = info.value.diagnostics[0]
-    assert (d.code, d.message) == ("E524", 'dropped="omit" would leave out 1 tensor(s), starting with '
+    assert (d.code, d.message) == ("E524", ('dropped="omit" would leave out 1 tensor(s), starting with '
                                    "`b.weight`, and lay their files out anew, but the rules dequantize tensors whose "
-                                   "stored scales are written back from `like`")
+                                   "stored scales are written back from `like`"))
     assert d.hint == 'pass dropped="copy" to keep them unchanged (the layout stays `like`\'s)'
     assert not (tmp_path / "out").exists()
 
