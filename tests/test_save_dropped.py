@@ -283,9 +283,10 @@ def test_a_prepared_save_requantizes_as_the_one_shot_save_does(tmp_path):
     state = _loaded(source, rules)
     state["a"] = state["a"] * 2  # new values, so new scales where they are worked out again
     prepared = remapdsl.prepare(rules, source)
-    for requantize in (False, True):
+    for requantize in (None, False, True):  # None: the default of each
+        given = {} if requantize is None else {"requantize": requantize}
         one_shot, again = tmp_path / f"one{requantize}", tmp_path / f"prepared{requantize}"
-        remapdsl.save(state, one_shot, rules, like=source, dropped="copy", requantize=requantize, allow_lossy=True)
-        prepared.save(state, again, dropped="copy", requantize=requantize, allow_lossy=True)
+        remapdsl.save(state, one_shot, rules, like=source, dropped="copy", allow_lossy=True, **given)
+        prepared.save(state, again, dropped="copy", allow_lossy=True, **given)
         assert _differing(one_shot, again) == []
     assert _differing(tmp_path / "oneFalse", tmp_path / "oneTrue") == ["model.safetensors"]
