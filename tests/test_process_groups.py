@@ -172,16 +172,19 @@ def calls(tmp_path_factory) -> tuple[Path, dict]:
 def test_every_entry_point_refuses_a_timeout_that_is_no_positive_duration(timeout, calls):
     """Refused before any work (nothing written), whatever the call."""
     out, calls = calls
+    each_refuses(calls, {"timeout": timeout}, f"timeout={timeout!r} is not a positive, finite number of seconds "
+                 "(or a datetime.timedelta)", f"the default is {bounds.DEFAULT_TIMEOUT:g} s: how long a rank waits "
+                 "at one exchange for the others")
+    assert not any(out.iterdir())
+
+
+def each_refuses(calls: dict, keywords: dict, message: str, hint: str | None) -> None:
+    """Each of `calls`, given `keywords`, refused with E416, `message` and `hint`."""
     for name, call in calls.items():
         with pytest.raises(remapdsl.RemapError) as info:
-            call(timeout=timeout)
+            call(**keywords)
         d = info.value.diagnostic
-        assert d.code == "E416", (name, str(info.value))
-        assert d.message == f"timeout={timeout!r} is not a positive, finite number of seconds (or a " \
-            "datetime.timedelta)", (name, d.message)
-        assert d.hint == f"the default is {bounds.DEFAULT_TIMEOUT:g} s: how long a rank waits at one exchange for " \
-            "the others", name
-    assert not any(out.iterdir())
+        assert (d.code, d.message, d.hint) == ("E416", message, hint), (name, str(info.value))
 
 
 _LAYOUT = "a LayoutPlan (`remapdsl.read_layout(path)`, `LayoutPlan.from_mapping(...)`)"
@@ -198,11 +201,8 @@ def test_every_call_that_places_tensors_names_a_layout_or_mesh_of_another_kind(a
     """A layout or mesh as the command line writes it (a string, a mapping) where an object is due: E416
     naming the argument and how to make one, never an AttributeError from deep inside."""
     out, calls = calls
-    for name in ("load", "save", "export", "ingest", "prepared.load", "prepared.save", "prepared.export",
-                 "prepared.ingest"):
-        with pytest.raises(remapdsl.RemapError) as info:
-            calls[name](**{argument: value})
-        assert (info.value.diagnostic.code, info.value.diagnostic.message) == ("E416", message), name
+    each_refuses({name: calls[name] for name in ("load", "save", "export", "ingest", "prepared.load", "prepared.save",
+                                                 "prepared.export", "prepared.ingest")}, {argument: value}, message, None)
     with pytest.raises(remapdsl.RemapError) as info:
         compiled = remapdsl.compile_rules(remapdsl.load_rules(RULES), CHECKPOINT)
         remapdsl.plan_rank(compiled, remapdsl.open_checkpoint(CHECKPOINT), **{

@@ -216,14 +216,11 @@ def staged_calls(tmp_path_factory) -> dict:
 
 @pytest.mark.parametrize("staging_bytes", [0, 1000, 4.5e6, True, "256MB"])
 def test_every_filling_call_refuses_a_staging_bound_too_small_or_not_a_whole_number(staging_bytes, staged_calls):
-    for name, call in staged_calls.items():
-        with pytest.raises(remapdsl.RemapError) as info:
-            call(staging_bytes=staging_bytes)
-        d = info.value.diagnostic
-        assert d.code == "E416", (name, str(info.value))
-        assert d.message == f"staging_bytes={staging_bytes!r} is not a whole number of bytes of at least 4 kB (two " \
-            "staging buffers of at least 1 kB for each of 2 reader threads)", (name, d.message)
-        assert d.hint == "the default is 16 MiB: the most host memory a call pins to copy bytes to a device", name
+    from test_process_groups import each_refuses
+
+    each_refuses(staged_calls, {"staging_bytes": staging_bytes}, f"staging_bytes={staging_bytes!r} is not a whole "
+                 "number of bytes of at least 4 kB (two staging buffers of at least 1 kB for each of 2 reader threads)",
+                 "the default is 16 MiB: the most host memory a call pins to copy bytes to a device")
 
 
 
