@@ -109,7 +109,7 @@ def _one_load(targets: dict) -> tuple[dict, dict, dict, object]:
 
     rules = remapdsl.load_rules(RULES)
     lap("rules")
-    inv = shared.from_first(lambda: open_inventory(str(FOLDER)))
+    inv = shared.from_first(lambda: open_inventory(str(FOLDER)), "reading the checkpoint's headers")
     inv = inv.restamped(str(FOLDER)) if shared.rank() else inv
     lap("shared headers")
     config = read_config(inv)
@@ -118,7 +118,8 @@ def _one_load(targets: dict) -> tuple[dict, dict, dict, object]:
     lap("digest")
     compiled = shared.together(lambda: remapdsl.compile_rules(rules, inv, config, strict=True),
                                agree_on=shared.Agreement("compiled rules and checkpoint",
-                                                         lambda _: {"compiled rules and checkpoint": digest}))
+                                                         lambda _: {"compiled rules and checkpoint": digest}),
+                               phase="compiling")
     lap("compile + agreement")
 
     def plan_and_read():
@@ -133,7 +134,7 @@ def _one_load(targets: dict) -> tuple[dict, dict, dict, object]:
         inner.update(hold=(t1 - t0) * 1e3, plan=(t2 - t1) * 1e3, reads=(t3 - t2) * 1e3)
         return plan
 
-    report = shared.together(plan_and_read)
+    report = shared.together(plan_and_read, phase="planning and reading")
     lap("plan + reads")
     return phases, cpu, inner, report
 

@@ -92,7 +92,7 @@ def _stages(rank: int, world: int, whole_path: str, out: str) -> dict:
         for value in state.values():  # ingest what every rank exported into zeroed stages
             (value.to_local() if hasattr(value, "to_local") else value).zero_()
         everyone = {}
-        for part in gather_all(exported):
+        for part in gather_all(exported, "sharing the exported pairs"):
             everyone.update(part)
         remapdsl.ingest(given, everyone, "qwen3_moe", like=CHECKPOINT, **shards, **renamed)
         local = {k: (v.to_local() if hasattr(v, "to_local") else v) for k, v in state.items()}

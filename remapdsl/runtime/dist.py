@@ -36,7 +36,7 @@ def world_size() -> int:
     return dist.get_world_size() if active() else 1
 
 
-def share_inventory(checkpoint, phase: str = "reading the checkpoint's headers") -> Inventory:
+def share_inventory(checkpoint, phase: str) -> Inventory:
     """Rank 0 reads the headers once; every rank gets the Inventory (or rank 0's error), restamped."""
     if isinstance(checkpoint, Inventory):
         return checkpoint
@@ -44,7 +44,7 @@ def share_inventory(checkpoint, phase: str = "reading the checkpoint's headers")
     return inventory.restamped(checkpoint) if rank() != 0 else inventory  # this rank's own copy
 
 
-def from_first(fn: Callable[[], T], phase: str = "sharing rank 0's result", source: int = 0) -> T:
+def from_first(fn: Callable[[], T], phase: str, source: int = 0) -> T:
     """Rank `source`'s `fn()`, on every rank (one broadcast); an error there is raised on every rank, naming it."""
     if not active():
         return fn()
@@ -79,7 +79,7 @@ class Joint(NamedTuple):
     check: Callable[[list[Any]], None]
 
 
-def together(fn: Callable[[], T], agree_on: Agreement | None = None, phase: str = "a phase",
+def together(fn: Callable[[], T], agree_on: Agreement | None = None, *, phase: str,
              joint: Joint | None = None) -> T:
     """Run one phase on every rank; if any rank fails, all raise the same error naming the ranks. With
     `agree_on`, differing digests are E410 on every rank; with `joint`, its check runs (in a job only)."""
@@ -190,14 +190,14 @@ def broadcast_from_first(tensors: list) -> None:
             tensor.copy_(buffer)
 
 
-def gather_all(value: T, phase: str = "exchanging") -> list[T]:
+def gather_all(value: T, phase: str) -> list[T]:
     """Every rank's `value` (picklable), in rank order (one all-gather of its size, one of its bytes)."""
     if not active():
         return [value]
     return [pickle.loads(b) for b in _all_gather_bytes(_dumps(value), phase)]
 
 
-def exchange(send: torch.Tensor, sizes: list[int], phase: str = "exchanging") -> list[torch.Tensor]:
+def exchange(send: torch.Tensor, sizes: list[int], phase: str) -> list[torch.Tensor]:
     """All to all over the control group: the first `sizes[0]` bytes of `send` (flat CPU uint8) go to
     rank 0, the next `sizes[1]` to rank 1, ...; returns what each rank sent this one, in rank order."""
     group = control_group()
