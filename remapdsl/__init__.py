@@ -203,6 +203,7 @@ def convert(src, dst, rules, *, reverse: bool = False, like=None, max_shard_byte
         reverse: `src` is in the runtime layout; write `like`'s layout, or the one `save` derives without it.
         max_shard_bytes: forward, or reverse without `like`: start a new output file past this size.
         budget_bytes: runtime tensors held at once by a rank (a larger tensor is held alone).
+            Both are numbers of bytes, or sizes as `save`'s `max_shard_size` takes them ("5GB").
         overwrite: replace an existing `dst` (only once the new one is complete).
         progress: called with (bytes done, bytes in all) on this rank after each batch.
         dropped: reverse only: what becomes of the tensors of `like` the rules drop, as for `save`.

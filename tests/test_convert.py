@@ -192,3 +192,19 @@ def test_a_conversion_with_any_keywords_writes_each_tensor_once_with_its_value(t
         assert sorted(got) == sorted(want) and all(torch.equal(got[k], want[k]) for k in want), step
         assert seen and seen[-1][0] == seen[-1][1] and [d for d, _ in seen] == sorted(d for d, _ in seen)
         assert report.bytes_written == sum(t.nbytes for t in want.values())  # a copied tensor's too
+
+
+@pytest.mark.parametrize("keyword, value, says", [
+    ("budget_bytes", 0, "`budget_bytes=0` must be positive"), ("budget_bytes", -1, "`budget_bytes=-1` must be positive"),
+    ("budget_bytes", "lots", "`budget_bytes='lots'` is not a size"),
+    ("max_shard_bytes", 0, "`max_shard_bytes=0` must be positive"),
+    ("max_shard_bytes", [5], "`max_shard_bytes=[5]` is not a size")])
+def test_a_size_that_is_none_is_e522_before_anything_is_written(keyword, value, says, tmp_path):
+    """A batch or shard size of no bytes, or one that is no size, is named (E522); one written as save's
+    `max_shard_size` takes it ("5GB") is taken."""
+    with pytest.raises(remapdsl.RemapError) as info:
+        convert(EXAMPLE, tmp_path / "out", RULES, **{keyword: value})
+    assert (info.value.diagnostic.code, info.value.diagnostic.message) == ("E522", says)
+    assert not (tmp_path / "out").exists()
+    report = convert(EXAMPLE, tmp_path / "sized", RULES, **{keyword: "5GB"})
+    assert report.files == 1

@@ -24,6 +24,7 @@ from ..runtime.read import run_load_plan
 from .save import (check_dropped, copy_bytes, copy_share, output_checkpoint, prepared_checkpoint,
                    write_output, writers_paused)
 from ..runtime.write import run_write_plan
+from ..sizes import parse_size
 
 BATCH_BYTES = 64 << 20  # the most a forward batch holds, whatever the budget
 
@@ -48,6 +49,8 @@ def convert(src, dst, rules, *, reverse: bool = False, like=None, max_shard_byte
     with bounds.bounded(timeout), frozen_heap():
         dst = Path(dst).absolute()
         start = time.perf_counter()
+        max_shard_bytes = parse_size(max_shard_bytes, f"max_shard_bytes={max_shard_bytes!r}")
+        budget_bytes = parse_size(budget_bytes, f"budget_bytes={budget_bytes!r}")
         # the layout the rules read: `src`'s (forward), `like`'s, or the one derived from the runtime
         # checkpoint's shapes and config.json (reverse without `like`, as a save without it derives it)
         runtime_source = dist.share_inventory(src, "reading the runtime checkpoint's headers") if reverse else None
