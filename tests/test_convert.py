@@ -208,3 +208,11 @@ def test_a_size_that_is_none_is_e522_before_anything_is_written(keyword, value, 
     assert not (tmp_path / "out").exists()
     report = convert(EXAMPLE, tmp_path / "sized", RULES, **{keyword: "5GB"})
     assert report.files == 1
+
+
+def test_a_progress_that_is_no_function_is_e416_before_anything_is_written(tmp_path):
+    with pytest.raises(remapdsl.RemapError) as info:
+        convert(EXAMPLE, tmp_path / "out", RULES, progress=5)
+    assert (info.value.diagnostic.code, info.value.diagnostic.message) == (
+        "E416", "progress=5 is no function of (bytes done, bytes in all)")
+    assert not (tmp_path / "out").exists()

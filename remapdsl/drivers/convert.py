@@ -51,6 +51,9 @@ def convert(src, dst, rules, *, reverse: bool = False, like=None, max_shard_byte
         start = time.perf_counter()
         max_shard_bytes = parse_size(max_shard_bytes, f"max_shard_bytes={max_shard_bytes!r}")
         budget_bytes = parse_size(budget_bytes, f"budget_bytes={budget_bytes!r}")
+        if progress is not None and not callable(progress):
+            raise RemapError(Diagnostic(code="E416", message=f"progress={progress!r} is no function of (bytes done, "
+                                        "bytes in all)"))
         # the layout the rules read: `src`'s (forward), `like`'s, or the one derived from the runtime
         # checkpoint's shapes and config.json (reverse without `like`, as a save without it derives it)
         runtime_source = dist.share_inventory(src, "reading the runtime checkpoint's headers") if reverse else None
