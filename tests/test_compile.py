@@ -222,6 +222,24 @@ def test_model_mismatches_are_reported_before_reading(tmp_path):
         ("E231", "model tensor `z` is produced by no rule", None)]
 
 
+@pytest.mark.parametrize("call", ["load", "ingest", "save", "export"])
+def test_a_tensor_missing_from_one_process_is_e230_naming_a_misspelling_no_rule_makes(call, tmp_path):
+    """One process must hold every runtime tensor: a state dict without `norm.w` is E230 on every call, its
+    hint the close name no rule makes (`norm.wt`), never a close one a rule already fills (`norm.b`)."""
+    folder = tiny_checkpoint(tmp_path / "ckpt", {"norm.w": randn(4), "norm.b": randn(4)}, {})
+    rules = rules_from_text("norm.w -> norm.w\nnorm.b -> norm.b\n", "t.remap")
+    for state, hint in (({"norm.b": torch.empty(4)}, None),
+                        ({"norm.b": torch.empty(4), "norm.wt": torch.empty(4)}, "did you mean `norm.wt`?")):
+        with pytest.raises(BindError) as info:
+            {"load": lambda: remapdsl.load(state, folder, rules, config={}),
+             "ingest": lambda: remapdsl.ingest(state, {}, rules, like=folder, config={}),
+             "save": lambda: remapdsl.save(state, tmp_path / "out", rules, like=folder, config={}),
+             "export": lambda: list(remapdsl.export(state, rules, like=folder, config={}))}[call]()
+        e230 = [d for d in info.value.diagnostics if d.code == "E230"]
+        assert [(d.message, d.hint) for d in e230] == [("the rules produce `norm.w`, but the model has no such "
+                                                         "tensor", hint)]
+    assert not (tmp_path / "out").exists()
+
 def test_compiled_is_frozen_serializable_and_stable(tmp_path):
     folder = tiny_checkpoint(tmp_path, {f"e.{i}.w": randn(2, 2) for i in range(3)}, {})
     a = compile_text("e.{E}.w -> w | stack(E, dim=1)\n", folder)

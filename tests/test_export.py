@@ -385,7 +385,7 @@ def test_ingest_names_the_pair_that_does_not_fit(edit, code, words, hint):
         assert d.hint == hint
 
 
-_STREAM_RULES = "remap 1\nmodel.layers.{L}.w -> layers.{L}.w\ndrop model.rotary.{L}.inv_freq\n"
+_STREAM_RULES = "remap 1\nmodel.layers.{L}.w -> layers.{L}.w\ndrop model.rotary.{L}.inv_freq when L < config.n\n"
 
 
 @st.composite
@@ -428,9 +428,9 @@ def faulty_streams(draw) -> tuple[dict, dict, list, list]:
 @settings(max_examples=scaled(40), deadline=None)
 @given(faulty_streams(), st.booleans(), st.booleans())
 def test_an_ingest_reads_the_whole_stream_and_names_every_bad_pair_at_once(tmp_path_factory, drawn, with_like, as_dict):
-    """Pairs the rules drop (in `like` or not) are skipped and a bad pair stops nothing: the pairs after
-    it are still read, so the problems are exactly the stream's, in its order, the first eight of them;
-    a stream with none fills every tensor."""
+    """Pairs the rules drop (in `like` or not; the drop guarded by the config) are skipped and a bad pair
+    stops nothing: the pairs after it are still read, so the problems are exactly the stream's, in its
+    order, the first eight of them; a stream with none fills every tensor."""
     read, dropped, stream, problems = drawn
     like = tiny_checkpoint(tmp_path_factory.mktemp("like"), read | dropped) if with_like else None
     state = {k.removeprefix("model."): torch.full((2, 3), float("nan")) for k in read}
@@ -438,13 +438,13 @@ def test_an_ingest_reads_the_whole_stream_and_names_every_bad_pair_at_once(tmp_p
     start = time.perf_counter()
     if problems:
         with pytest.raises(remapdsl.RemapError) as info:
-            remapdsl.ingest(state, pairs, rules_from_text(_STREAM_RULES), like=like, config={})
+            remapdsl.ingest(state, pairs, rules_from_text(_STREAM_RULES), like=like, config={"n": 4})
         assert [(d.code, d.message) for d in info.value.diagnostics] == problems[:8]
         if problems[-1][0] == "E547" and len(problems) <= 8:
             assert info.value.diagnostics[-1].hint == "the pairs must hold every tensor the rules read for this " \
                 "rank's part"
         return
-    report = remapdsl.ingest(state, pairs, rules_from_text(_STREAM_RULES), like=like, config={})
+    report = remapdsl.ingest(state, pairs, rules_from_text(_STREAM_RULES), like=like, config={"n": 4})
     assert (report.rank, report.pairs, report.used, report.bytes_read) == (0, len(stream), len(read), 24 * len(read))
     assert 0 <= report.seconds <= time.perf_counter() - start
     assert all(torch.equal(state[k.removeprefix("model.")], t) for k, t in read.items())

@@ -190,8 +190,8 @@ def check_state_dict(compiled: Compiled, tensors: Mapping[str, Any], local_shard
             continue
         if tensor is None and not whole:
             continue
-        if tensor is None:
-            close = suggest(d.runtime_key, list(tensors))
+        if tensor is None:  # a close name no rule makes is the likely misnaming
+            close = suggest(d.runtime_key, [k for k in tensors if k not in produced])
             problems.append(Diagnostic(code="E230", span=d.rule, message=f"the rules produce "
                             f"`{d.runtime_key}`, but the model has no such tensor",
                             hint=f"did you mean `{close}`?" if close else None))
