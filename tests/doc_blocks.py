@@ -23,3 +23,14 @@ def run_block(code: str, folder: Path, name: str) -> subprocess.CompletedProcess
         del env["MUTANT_UNDER_TEST"]
     return subprocess.run([sys.executable, str(script)], cwd=folder, env=env, capture_output=True, text=True,
                           timeout=300, check=False)
+
+
+# torch 2.13's gloo teardown now and then aborts a spawned rank as its process exits, after all its work
+# (reproduced without remapdsl: a DeviceMesh, one DTensor collective, then exit; 1 to 3 runs in 10)
+TORCH_EXIT_ABORT = "terminate called without an active exception"
+
+
+def ran(run: subprocess.CompletedProcess, printed: str) -> bool:
+    """A block ran: exit 0, or that abort at exit once everything it prints was printed."""
+    return run.returncode == 0 or (TORCH_EXIT_ABORT in run.stderr and "terminated with signal SIGABRT" in run.stderr
+                                   and run.stdout == printed)
