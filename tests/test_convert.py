@@ -214,5 +214,5 @@ def test_a_progress_that_is_no_function_is_e416_before_anything_is_written(tmp_p
     with pytest.raises(remapdsl.RemapError) as info:
         convert(EXAMPLE, tmp_path / "out", RULES, progress=5)
     assert (info.value.diagnostic.code, info.value.diagnostic.message) == (
-        "E416", "progress=5 is no function of (bytes done, bytes in all)")
+        "E416", "progress= is an int, not a function of (bytes done, bytes in all)")
     assert not (tmp_path / "out").exists()

@@ -19,7 +19,7 @@ from ..indexmap import nbytes
 from ..sharding.holdings import whole_shard
 from ..sharding.plans import make_load_plan, make_write_plan
 from ..runtime import bounds, dist
-from .prepare import prepare_everywhere
+from .prepare import check_kind, prepare_everywhere
 from ..runtime.read import run_load_plan
 from .save import (check_dropped, copy_bytes, copy_share, output_checkpoint, prepared_checkpoint,
                    write_output, writers_paused)
@@ -51,9 +51,8 @@ def convert(src, dst, rules, *, reverse: bool = False, like=None, max_shard_byte
         start = time.perf_counter()
         max_shard_bytes = parse_size(max_shard_bytes, f"max_shard_bytes={max_shard_bytes!r}")
         budget_bytes = parse_size(budget_bytes, f"budget_bytes={budget_bytes!r}")
-        if progress is not None and not callable(progress):
-            raise RemapError(Diagnostic(code="E416", message=f"progress={progress!r} is no function of (bytes done, "
-                                        "bytes in all)"))
+        if progress is not None:
+            check_kind(progress, Callable, "progress")
         # the layout the rules read: `src`'s (forward), `like`'s, or the one derived from the runtime
         # checkpoint's shapes and config.json (reverse without `like`, as a save without it derives it)
         runtime_source = dist.share_inventory(src, "reading the runtime checkpoint's headers") if reverse else None

@@ -238,7 +238,8 @@ def check_mesh(mesh, alone: str | None = None) -> None:
 
 _KINDS = {LayoutPlan: "a LayoutPlan (`remapdsl.read_layout(path)`, `LayoutPlan.from_mapping(...)`)",
           Mesh: "a Mesh (`remapdsl.parse_mesh(\"tp=2\")`, `Mesh.of({\"tp\": 2})`)",
-          Mapping: "a mapping of names to tensors (`model.state_dict()`, or the module itself)"}
+          Mapping: "a mapping of names to tensors (`model.state_dict()`, or the module itself)",
+          Callable: "a function of (bytes done, bytes in all)"}
 
 
 def check_kind(value, kind: type, argument: str):
