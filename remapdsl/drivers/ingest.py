@@ -71,7 +71,9 @@ def ingest(prepared, state_dict, pairs, *, rules=None, like=None, config: Mappin
         problems: list[Diagnostic] = []
         seen: set[str] = set()
         count = used = 0
-        dropped = drop_test(ready.rules, ready.config)  # keys `like` does not have too (a derived layout)
+        # pairs the rules drop are skipped unchecked: `like`'s are listed, others (a derived layout) tested
+        drops, drop = frozenset(compiled.dropped), drop_test(ready.rules, ready.config)
+        dropped = lambda key: key in drops if key in memory.tensors else drop(key)
         if fills:
             run_load_plan(load_plan.model_copy(update={"items": tuple(fills), "decodes": ()}), memory, holding.local,
                           rings=rings)
@@ -108,10 +110,10 @@ def ingest(prepared, state_dict, pairs, *, rules=None, like=None, config: Mappin
 def _check_pair(key, tensor, memory, seen: set[str], dropped: Callable[[str], bool]) -> Diagnostic | None:
     """What is wrong with one pair, or None: a key no rule reads (nor drops), a second copy, another shape or
     dtype."""
+    if isinstance(key, str) and dropped(key):
+        return None
     info = memory.tensors.get(key)
     if info is None:
-        if isinstance(key, str) and dropped(key):
-            return None
         return Diagnostic(code="E545", message=f"pair `{key}`: the rules read no checkpoint tensor of that name",
                           hint=did_you_mean(str(key), memory.tensors) or "drop it in the rules, or leave it out")
     if key in seen:
