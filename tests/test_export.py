@@ -169,6 +169,7 @@ def two_ranks(folders) -> tuple[list[dict], dict]:
     calls = [("meshes", "_export_on_ranks", (models, [m for m in MESHES if m[0] == 2])),
              ("tp", "_tp_on_ranks", tuple(map(str, folders["mixtral"]))),
              ("refused", "_refused_on_ranks", tuple(map(str, folders["qwen3_moe"]))),
+             ("unnamed", "_unnamed_mesh_on_ranks", tuple(map(str, folders["qwen3_moe"]))),
              ("rows", "_regions_on_ranks", (str(EXAMPLE), QWEN, {"*": [Shard(dim=0)]})),
              ("columns", "_regions_on_ranks", (str(EXAMPLE), QWEN, {"*norm*": "replicate", "*": [Shard(dim=1)]})),
              ("strided", "_regions_on_ranks", (str(folders["llama"][0]), titan, {"*": [Shard(dim=0)]})),
@@ -198,6 +199,25 @@ def _refused_on_ranks(rank: int, world: int, folder: str, rules: str) -> dict:
     return out
 
 
+def _unnamed_mesh_on_ranks(rank: int, world: int, folder: str, rules: str) -> dict:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard as TorchShard
+    from torch.distributed.tensor import distribute_tensor
+
+    state, config = _full_state(folder, rules)
+    unnamed = init_device_mesh("cpu", (world,))  # a mesh made without dim names: its dims are dim0, dim1, ...
+    plain = {k: distribute_tensor(t, unnamed, [TorchShard(0)], src_data_rank=None) for k, t in state.items()}
+    out = {}
+    try:
+        list(remapdsl.export(plain, rules, config=config))
+    except remapdsl.RemapError as exc:
+        out["refused"] = (exc.diagnostics[0].code, exc.diagnostics[0].message, exc.diagnostics[0].hint)
+    files = {k: v for f in Path(folder).glob("*.safetensors") for k, v in load_file(str(f)).items()}
+    out["gathered"] = {k: torch.equal(t, files[k]) for k, t in remapdsl.export(plain, rules, config=config,
+                                                                               gather=("dim0",))}
+    return out
+
+
 @pytest.mark.distributed
 def test_a_split_the_gather_does_not_name_is_refused_on_every_rank(two_ranks):
     results = [r["refused"] for r in two_ranks[0]]
@@ -207,6 +227,18 @@ def test_a_split_the_gather_does_not_name_is_refused_on_every_rank(two_ranks):
     assert "gather=('dp_shard',)" in hint
     code, message, hint = results[0]["('tp',)"]
     assert code == "E542" and "`tp`" in message and "`dp_shard`" in hint
+
+
+@pytest.mark.distributed
+def test_the_dims_of_a_mesh_made_without_names_are_dim0_and_on(two_ranks):
+    """DTensors on a DeviceMesh without dim names: E541 names its dim `dim0`, and gather=("dim0",) assembles
+    every checkpoint tensor with the file's values, once over the ranks."""
+    results, folders = two_ranks
+    code, message, hint = results[0]["unnamed"]["refused"]
+    assert (code, hint) == ("E541", "assemble it over them: gather=('dim0',)") and "dim(s) `dim0`" in message
+    got = [r["unnamed"]["gathered"] for r in results]
+    keys = sorted(k for f in Path(folders["qwen3_moe"][0]).glob("*.safetensors") for k in load_file(str(f)))
+    assert sorted([*got[0], *got[1]]) == keys and all(v for g in got for v in g.values())
 
 
 # -- memory: half a bucket assembled a round ---------------------------------------------------------
