@@ -12,6 +12,7 @@ transformers checkpoints, 2 gloo ranks with DTensors.
 from __future__ import annotations
 
 import json
+import time
 from pathlib import Path
 
 import pytest
@@ -86,7 +87,10 @@ def test_every_shipped_file_derives_its_checkpoint_and_round_trips(checkpoints, 
     want = {k: (t.dtype, t.shape) for k, t in inventory.tensors.items() if k not in compiled.dropped}
     assert derive_checkpoint(remapdsl.load_rules(rules), _shapes(state), config) == want
 
+    start = time.perf_counter()
     report = remapdsl.save(state, tmp_path / "out", rules, config=config, max_shard_size="20kB")
+    assert report.folder == str(tmp_path / "out")
+    assert 0 <= report.sync_seconds <= report.seconds <= time.perf_counter() - start
     again = {k: torch.full_like(v, float("nan")) for k, v in state.items()}
     remapdsl.load(again, tmp_path / "out", rules)
     assert all(torch.equal(again[k], state[k]) and again[k].dtype == state[k].dtype for k in state), name
@@ -97,7 +101,8 @@ def test_every_shipped_file_derives_its_checkpoint_and_round_trips(checkpoints, 
     assert set(index["weight_map"]) == set(want) and sorted(set(index["weight_map"].values())) == files
     with safe_open(str(tmp_path / "out" / files[0]), "pt") as f:
         assert f.metadata() == {"format": "pt"}
-    assert json.loads((tmp_path / "out" / "config.json").read_text()) == config
+    # config.json the same bytes from every save of it: keys sorted, indented by 2
+    assert (tmp_path / "out" / "config.json").read_text() == json.dumps(config, indent=2, sort_keys=True) + "\n"
     # transformers reads the files into a model equal to the one the checkpoint came from (the split,
     # fused and torchtitan layouts too: they save the Hugging Face layout)
     from transformers import AutoModelForCausalLM
