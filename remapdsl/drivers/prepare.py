@@ -135,7 +135,7 @@ def explain_difference(aspect: str, details: dict[int, Any]) -> list[str]:
         if aspect == "rule files":
             return _rules_difference(ours, theirs)
         if aspect == "config":
-            return _mapping_difference(ours, theirs, "config key")
+            return _mapping_difference(ours, theirs, "config key", _show)
         if aspect == "checkpoint":
             return _checkpoint_difference(ours, theirs)
         if aspect == "file headers":
@@ -155,8 +155,8 @@ def explain_difference(aspect: str, details: dict[int, Any]) -> list[str]:
     return out
 
 
-def _show(value, limit: int = 60) -> str:
-    return f"`{shorten(json.dumps(value, default=str) if not isinstance(value, str) else value, limit)}`"
+def _show(value) -> str:
+    return f"`{shorten(json.dumps(value, default=str) if not isinstance(value, str) else value, 60)}`"
 
 
 def _digest_text(digest: str | None) -> str:
@@ -186,9 +186,10 @@ def _rules_difference(ours: list, theirs: list) -> list[str]:
     return out
 
 
-def _mapping_difference(ours: Mapping, theirs: Mapping, what: str) -> list[str]:
+def _mapping_difference(ours: Mapping, theirs: Mapping, what: str, show: Callable[[Any], str]) -> list[str]:
+    """`what `key`: ours vs theirs` for each key whose value differs, or that one side lacks."""
     def value(side: Mapping, key) -> str:
-        return _show(side[key]) if key in side else "missing"
+        return show(side[key]) if key in side else "missing"
 
     return [f"{what} {_show(str(key))}: {value(ours, key)} vs {value(theirs, key)}"
             for key in sorted(set(ours) | set(theirs), key=str)
@@ -200,10 +201,8 @@ def _checkpoint_difference(ours, theirs) -> list[str]:
     if not (isinstance(ours, list) and isinstance(theirs, list)):
         return [f"checkpoint {_show(ours)} vs {_show(theirs)}"]
     out = [f"checkpoint folder {_show(ours[0])} vs {_show(theirs[0])}"] if ours[0] != theirs[0] else []
-    sizes, other_sizes = dict(map(tuple, ours[1])), dict(map(tuple, theirs[1]))
-    size = lambda n: "missing" if n is None else f"{n} B"
-    return out + [f"file {_show(name)}: {size(sizes.get(name))} vs {size(other_sizes.get(name))}"
-                  for name in sorted(set(sizes) | set(other_sizes)) if sizes.get(name) != other_sizes.get(name)]
+    return out + _mapping_difference(dict(map(tuple, ours[1])), dict(map(tuple, theirs[1])), "file",
+                                     lambda n: f"{n} B")
 
 
 def tensors_of(state_dict, local=None) -> Mapping[str, Any]:
