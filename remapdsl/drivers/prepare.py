@@ -146,13 +146,16 @@ def explain_difference(aspect: str, details: dict[int, Any]) -> list[str]:
 
     (base, ours), *others = details.items()
     out: list[str] = []
-    for r, theirs in others:  # MAX_LISTED a rank, the rest counted
-        differences = found(ours, theirs)
-        more = len(differences) - MAX_LISTED
-        out.extend(f"rank {base} vs rank {r}: {s}" for s in differences[:MAX_LISTED])
-        if more > 0:
-            out.append(f"rank {base} vs rank {r}: and {more} more difference{'s' if more > 1 else ''}")
+    for r, theirs in others:
+        pair = f"rank {base} vs rank {r}: "
+        out += _capped([pair + s for s in found(ours, theirs)], pair, "difference")
     return out
+
+
+def _capped(lines: list[str], prefix: str, noun: str) -> list[str]:
+    """The first MAX_LISTED lines, the rest counted (`{prefix}and 3 more {noun}s`)."""
+    more = len(lines) - MAX_LISTED
+    return lines[:MAX_LISTED] + ([f"{prefix}and {more} more {noun}{'s' if more > 1 else ''}"] if more > 0 else [])
 
 
 def _show(value) -> str:
@@ -349,9 +352,7 @@ def _mesh_lines(parts) -> list[str]:
     """Each rank whose `mesh` argument differs from rank 0's, as `rank 0 vs rank r: mesh A vs B`."""
     first = parts[0][0]
     lines = [f"  rank 0 vs rank {r}: mesh {first} vs {part[0]}" for r, part in enumerate(parts) if part[0] != first]
-    more = len(lines) - MAX_LISTED
-    return ["mesh: ranks given different meshes", *lines[:MAX_LISTED],
-            *([f"  and {more} more rank{'s' if more > 1 else ''}"] if more > 0 else [])] if lines else []
+    return ["mesh: ranks given different meshes", *_capped(lines, "  ", "rank")] if lines else []
 
 
 def _placement(placement) -> str:
