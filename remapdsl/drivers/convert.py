@@ -86,41 +86,37 @@ def convert(src, dst, rules, *, reverse: bool = False, like=None, max_shard_byte
 
         def work(writer) -> None:
             nonlocal done, written
-            reader = CheckpointReader(runtime_source or checkpoint)
-            scales = CheckpointReader(checkpoint)  # reverse: the stored scales of dequantized tensors
             # forward: batches of half the budget (at most BATCH_BYTES, for an early start to the writes),
             # each written on a thread while the next one is read
             budget = budget_bytes if reverse else max(1, min(budget_bytes // 2, BATCH_BYTES))
             pending = None
-            try:
-                with ThreadPoolExecutor(1) as pool:
-                    if reverse:  # dropped tensors and stored scales, unchanged: each rank its share of the bytes
-                        copy_bytes(copies, scales, writer)
-                        written += sum(piece[-1] for piece in copies)
-                    for batch in batches(mine, lambda k: _size(runtime[k]), budget):
-                        tensors = compiled.empty_state_dict(batch)
-                        whole = {k: whole_shard(tuple(t.shape)) for k, t in tensors.items()}
-                        if reverse:  # runtime tensors read whole from src, written through the save direction
-                            for k, t in tensors.items():
-                                read_whole(reader, k, t)
-                            plan = make_write_plan(chosen, out_inventory, whole, rank, logical)
-                            run_write_plan(plan, writer, tensors, reader=scales)
-                            written += plan.bytes_written
-                        else:  # runtime tensors made by the rules, written whole at their offsets
-                            run_load_plan(make_load_plan(compiled, checkpoint, whole, rank), checkpoint, tensors)
-                            if pending is not None:
-                                pending.result()  # the previous batch is written (and freed) first
-                            pending = pool.submit(_write_whole, writer, out_inventory, tensors)
-                            written += sum(out_inventory.tensors[k].nbytes for k in tensors)
-                        done += sum(t.nbytes for t in tensors.values())
-                        tensors = t = None  # freed once written: at most two half-budget batches at a time
-                        if progress is not None:
-                            progress(done, total)
-                    if pending is not None:
-                        pending.result()
-            finally:
-                reader.close()
-                scales.close()
+            # reverse: `scales` reads the stored scales of dequantized tensors
+            with (CheckpointReader(runtime_source or checkpoint) as reader, CheckpointReader(checkpoint) as scales,
+                  ThreadPoolExecutor(1) as pool):
+                if reverse:  # dropped tensors and stored scales, unchanged: each rank its share of the bytes
+                    copy_bytes(copies, scales, writer)
+                    written += sum(piece[-1] for piece in copies)
+                for batch in batches(mine, lambda k: _size(runtime[k]), budget):
+                    tensors = compiled.empty_state_dict(batch)
+                    whole = {k: whole_shard(tuple(t.shape)) for k, t in tensors.items()}
+                    if reverse:  # runtime tensors read whole from src, written through the save direction
+                        for k, t in tensors.items():
+                            read_whole(reader, k, t)
+                        plan = make_write_plan(chosen, out_inventory, whole, rank, logical)
+                        run_write_plan(plan, writer, tensors, reader=scales)
+                        written += plan.bytes_written
+                    else:  # runtime tensors made by the rules, written whole at their offsets
+                        run_load_plan(make_load_plan(compiled, checkpoint, whole, rank), checkpoint, tensors)
+                        if pending is not None:
+                            pending.result()  # the previous batch is written (and freed) first
+                        pending = pool.submit(_write_whole, writer, out_inventory, tensors)
+                        written += sum(out_inventory.tensors[k].nbytes for k in tensors)
+                    done += sum(t.nbytes for t in tensors.values())
+                    tensors = t = None  # freed once written: at most two half-budget batches at a time
+                    if progress is not None:
+                        progress(done, total)
+                if pending is not None:
+                    pending.result()
 
         write_output(dst, out_inventory, headers=headers, index=index, copy_from=copy_from, overwrite=overwrite,
                      write=work, planned=0 if reverse else sum(out_inventory.tensors[k].nbytes for k in mine))
@@ -164,7 +160,7 @@ def _check_runtime_source(compiled, source, src) -> None:
         raise RemapError(tuple(problems))
 
 
-def _share(keys: list[str], size, rank: int, world: int) -> list[str]:
+def _share(sizesdef _share(keys: list[str], size, rank: int, world: int) -> list[str]:
     """This rank's keys: the largest first to the least loaded rank (every rank computes the same)."""
     load = [0] * world
     owner: dict[str, int] = {}
