@@ -80,8 +80,9 @@ def convert(src, dst, rules, *, reverse: bool = False, like=None, max_shard_byte
         else:
             new = new_checkpoint(str(dst), {k: (d.dtype, d.shape) for k, d in runtime.items()}, max_shard_bytes)
             out_inventory, headers, index, copy_from = new.inventory, new.headers, new.index, checkpoint.root
-        mine = _share(sorted(runtime), lambda k: _size(runtime[k]), rank, world)
-        total, done, written = sum(_size(runtime[k]) for k in mine), 0, 0
+        sizes = {k: nbytes(d.dtype, d.shape) for k, d in runtime.items()}
+        mine = _share(sizes, rank, world)
+        total, done, written = sum(sizes[k] for k in mine), 0, 0
         logical = compiled.logical_by_key()
 
         def work(writer) -> None:
@@ -96,7 +97,7 @@ def convert(src, dst, rules, *, reverse: bool = False, like=None, max_shard_byte
                 if reverse:  # dropped tensors and stored scales, unchanged: each rank its share of the bytes
                     copy_bytes(copies, scales, writer)
                     written += sum(piece[-1] for piece in copies)
-                for batch in batches(mine, lambda k: _size(runtime[k]), budget):
+                for batch in batches(mine, sizes.__getitem__, budget):
                     tensors = compiled.empty_state_dict(batch)
                     whole = {k: whole_shard(tuple(t.shape)) for k, t in tensors.items()}
                     if reverse:  # runtime tensors read whole from src, written through the save direction
@@ -160,14 +161,14 @@ def _check_runtime_source(compiled, source, src) -> None:
         raise RemapError(tuple(problems))
 
 
-def _share(sizesdef _share(keys: list[str], size, rank: int, world: int) -> list[str]:
-    """This rank's keys: the largest first to the least loaded rank (every rank computes the same)."""
+def _share(sizes: dict[str, int], rank: int, world: int) -> list[str]:
+    """This rank's keys, sorted: the largest first to the least loaded rank (every rank computes the same)."""
     load = [0] * world
     owner: dict[str, int] = {}
-    for key in sorted(keys, key=lambda k: (-size(k), k)):
+    for key in sorted(sizes, key=lambda k: (-sizes[k], k)):
         r = owner[key] = load.index(min(load))
-        load[r] += size(key)
-    return [k for k in keys if owner[k] == rank]
+        load[r] += sizes[key]
+    return sorted(k for k in sizes if owner[k] == rank)
 
 
 def batches(keys: list, size, budget: int) -> list[list]:
@@ -180,7 +181,3 @@ def batches(keys: list, size, budget: int) -> list[list]:
         out[-1].append(key)
         held += size(key)
     return out
-
-
-def _size(t) -> int:
-    return nbytes(t.dtype, t.shape)
