@@ -111,7 +111,7 @@ def convert(src, dst, rules, *, reverse: bool = False, like=None, max_shard_byte
                         if pending is not None:
                             pending.result()  # the previous batch is written (and freed) first
                         pending = pool.submit(_write_whole, writer, out_inventory, tensors)
-                        written += sum(out_inventory.tensors[k].nbytes for k in tensors)
+                        written += sum(sizes[k] for k in batch)
                     done += sum(t.nbytes for t in tensors.values())
                     tensors = t = None  # freed once written: at most two half-budget batches at a time
                     if progress is not None:
@@ -120,7 +120,7 @@ def convert(src, dst, rules, *, reverse: bool = False, like=None, max_shard_byte
                     pending.result()
 
         write_output(dst, out_inventory, headers=headers, index=index, copy_from=copy_from, overwrite=overwrite,
-                     write=work, planned=0 if reverse else sum(out_inventory.tensors[k].nbytes for k in mine))
+                     write=work, planned=0 if reverse else total)
         return ConvertReport(folder=str(dst), tensors=len(mine), bytes_written=written, files=len(out_inventory.files),
                              ranks=world, seconds=time.perf_counter() - start)
 
