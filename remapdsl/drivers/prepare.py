@@ -173,10 +173,10 @@ def _rules_difference(ours: list, theirs: list) -> list[str]:
     """The first line that differs in each rule file, by position (the top-level file first)."""
     out = []
     for (path, text), (other_path, other_text) in zip(ours, theirs):
-        if path != other_path and text != other_text:
-            out.append(f"rule file {_show(path)} vs {_show(other_path)}")
         if text == other_text:
             continue
+        if path != other_path:
+            out.append(f"rule file {_show(path)} vs {_show(other_path)}")
         a, b = text.splitlines(), other_text.splitlines()
         line = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
         left = _show(a[line].strip()) if line < len(a) else "no such line"
