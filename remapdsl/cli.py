@@ -331,9 +331,8 @@ def _ranks(text: str | None, size: int) -> list[int]:
             raise remapdsl.RemapError(remapdsl.Diagnostic(
                 code="E409", message=f"`--ranks {text}`: `{word}` is not a rank of a mesh of {size}",
                 hint=f"give `all`, or ranks 0 to {size - 1} (`first`, `last`) separated by commas"))
-        if rank not in ranks:
-            ranks.append(rank)
-    return ranks
+        ranks.append(rank)
+    return list(dict.fromkeys(ranks))
 
 
 def _per_tensor(plan) -> dict[str, tuple[int, int, int]]:
