@@ -331,9 +331,8 @@ def _ranks(text: str | None, size: int) -> list[int]:
             raise remapdsl.RemapError(remapdsl.Diagnostic(
                 code="E409", message=f"`--ranks {text}`: `{word}` is not a rank of a mesh of {size}",
                 hint=f"give `all`, or ranks 0 to {size - 1} (`first`, `last`) separated by commas"))
-        if rank not in ranks:
-            ranks.append(rank)
-    return ranks
+        ranks.append(rank)
+    return list(dict.fromkeys(ranks))
 
 
 def _per_tensor(plan) -> dict[str, tuple[int, int, int]]:
@@ -369,14 +368,13 @@ def _convert(args: argparse.Namespace) -> int:
         tty = sys.stderr.isatty() and rank == 0
 
         def progress(done: int, total: int) -> None:
-            if tty:
-                print(f"\rconverting: {done / 1e9:.2f} of {total / 1e9:.2f} GB", end="", file=sys.stderr, flush=True)
+            print(f"\rconverting: {done / 1e9:.2f} of {total / 1e9:.2f} GB", end="", file=sys.stderr, flush=True)
 
         rules = _rules_arg(args.rules, args.like if args.reverse else args.src)
         report = remapdsl.convert(args.src, args.dst, rules, reverse=args.reverse, like=args.like,
                                   max_shard_bytes=_size(args.max_shard_size, "--max-shard-size"),
-                                  budget_bytes=_size(args.memory, "--memory"), overwrite=args.overwrite, progress=progress,
-                                  dropped=args.dropped)
+                                  budget_bytes=_size(args.memory, "--memory"), overwrite=args.overwrite,
+                                  progress=progress if tty else None, dropped=args.dropped)
         if tty:
             print(file=sys.stderr)
         if rank == 0:

@@ -44,5 +44,4 @@ DTYPES: tuple[DType, ...] = (
 
 BY_NAME: dict[str, DType] = {d.name: d for d in DTYPES}
 BY_SAFETENSORS: dict[str, DType] = {d.safetensors: d for d in DTYPES}
-DTYPE_NAMES: tuple[str, ...] = tuple(BY_NAME)
 RULE_DTYPE_NAMES: tuple[str, ...] = tuple(d.name for d in DTYPES if d.in_torch)  # `cast(...)`, `to=`

@@ -80,50 +80,47 @@ def convert(src, dst, rules, *, reverse: bool = False, like=None, max_shard_byte
         else:
             new = new_checkpoint(str(dst), {k: (d.dtype, d.shape) for k, d in runtime.items()}, max_shard_bytes)
             out_inventory, headers, index, copy_from = new.inventory, new.headers, new.index, checkpoint.root
-        mine = _share(sorted(runtime), lambda k: _size(runtime[k]), rank, world)
-        total, done, written = sum(_size(runtime[k]) for k in mine), 0, 0
+        sizes = {k: nbytes(d.dtype, d.shape) for k, d in runtime.items()}
+        mine = _share(sizes, rank, world)
+        total, done, written = sum(sizes[k] for k in mine), 0, 0
         logical = compiled.logical_by_key()
 
         def work(writer) -> None:
             nonlocal done, written
-            reader = CheckpointReader(runtime_source or checkpoint)
-            scales = CheckpointReader(checkpoint)  # reverse: the stored scales of dequantized tensors
             # forward: batches of half the budget (at most BATCH_BYTES, for an early start to the writes),
             # each written on a thread while the next one is read
             budget = budget_bytes if reverse else max(1, min(budget_bytes // 2, BATCH_BYTES))
             pending = None
-            try:
-                with ThreadPoolExecutor(1) as pool:
-                    if reverse:  # dropped tensors and stored scales, unchanged: each rank its share of the bytes
-                        copy_bytes(copies, scales, writer)
-                        written += sum(piece[-1] for piece in copies)
-                    for batch in batches(mine, lambda k: _size(runtime[k]), budget):
-                        tensors = compiled.empty_state_dict(batch)
-                        whole = {k: whole_shard(tuple(t.shape)) for k, t in tensors.items()}
-                        if reverse:  # runtime tensors read whole from src, written through the save direction
-                            for k, t in tensors.items():
-                                read_whole(reader, k, t)
-                            plan = make_write_plan(chosen, out_inventory, whole, rank, logical)
-                            run_write_plan(plan, writer, tensors, reader=scales)
-                            written += plan.bytes_written
-                        else:  # runtime tensors made by the rules, written whole at their offsets
-                            run_load_plan(make_load_plan(compiled, checkpoint, whole, rank), checkpoint, tensors)
-                            if pending is not None:
-                                pending.result()  # the previous batch is written (and freed) first
-                            pending = pool.submit(_write_whole, writer, out_inventory, tensors)
-                            written += sum(out_inventory.tensors[k].nbytes for k in tensors)
-                        done += sum(t.nbytes for t in tensors.values())
-                        tensors = t = None  # freed once written: at most two half-budget batches at a time
-                        if progress is not None:
-                            progress(done, total)
-                    if pending is not None:
-                        pending.result()
-            finally:
-                reader.close()
-                scales.close()
+            # reverse: `scales` reads the stored scales of dequantized tensors
+            with (CheckpointReader(runtime_source or checkpoint) as reader, CheckpointReader(checkpoint) as scales,
+                  ThreadPoolExecutor(1) as pool):
+                if reverse:  # dropped tensors and stored scales, unchanged: each rank its share of the bytes
+                    copy_bytes(copies, scales, writer)
+                    written += sum(piece[-1] for piece in copies)
+                for batch in batches(mine, sizes.__getitem__, budget):
+                    tensors = compiled.empty_state_dict(batch)
+                    whole = {k: whole_shard(tuple(t.shape)) for k, t in tensors.items()}
+                    if reverse:  # runtime tensors read whole from src, written through the save direction
+                        for k, t in tensors.items():
+                            read_whole(reader, k, t)
+                        plan = make_write_plan(chosen, out_inventory, whole, rank, logical)
+                        run_write_plan(plan, writer, tensors, reader=scales)
+                        written += plan.bytes_written
+                    else:  # runtime tensors made by the rules, written whole at their offsets
+                        run_load_plan(make_load_plan(compiled, checkpoint, whole, rank), checkpoint, tensors)
+                        if pending is not None:
+                            pending.result()  # the previous batch is written (and freed) first
+                        pending = pool.submit(_write_whole, writer, out_inventory, tensors)
+                        written += sum(sizes[k] for k in batch)
+                    done += sum(t.nbytes for t in tensors.values())
+                    tensors = t = None  # freed once written: at most two half-budget batches at a time
+                    if progress is not None:
+                        progress(done, total)
+                if pending is not None:
+                    pending.result()
 
         write_output(dst, out_inventory, headers=headers, index=index, copy_from=copy_from, overwrite=overwrite,
-                     write=work, planned=0 if reverse else sum(out_inventory.tensors[k].nbytes for k in mine))
+                     write=work, planned=0 if reverse else total)
         return ConvertReport(folder=str(dst), tensors=len(mine), bytes_written=written, files=len(out_inventory.files),
                              ranks=world, seconds=time.perf_counter() - start)
 
@@ -164,14 +161,14 @@ def _check_runtime_source(compiled, source, src) -> None:
         raise RemapError(tuple(problems))
 
 
-def _share(keys: list[str], size, rank: int, world: int) -> list[str]:
-    """This rank's keys: the largest first to the least loaded rank (every rank computes the same)."""
+def _share(sizes: dict[str, int], rank: int, world: int) -> list[str]:
+    """This rank's keys, sorted: the largest first to the least loaded rank (every rank computes the same)."""
     load = [0] * world
     owner: dict[str, int] = {}
-    for key in sorted(keys, key=lambda k: (-size(k), k)):
+    for key in sorted(sizes, key=lambda k: (-sizes[k], k)):
         r = owner[key] = load.index(min(load))
-        load[r] += size(key)
-    return [k for k in keys if owner[k] == rank]
+        load[r] += sizes[key]
+    return sorted(k for k in sizes if owner[k] == rank)
 
 
 def batches(keys: list, size, budget: int) -> list[list]:
@@ -184,7 +181,3 @@ def batches(keys: list, size, budget: int) -> list[list]:
         out[-1].append(key)
         held += size(key)
     return out
-
-
-def _size(t) -> int:
-    return nbytes(t.dtype, t.shape)

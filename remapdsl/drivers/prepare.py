@@ -135,7 +135,7 @@ def explain_difference(aspect: str, details: dict[int, Any]) -> list[str]:
         if aspect == "rule files":
             return _rules_difference(ours, theirs)
         if aspect == "config":
-            return _mapping_difference(ours, theirs, "config key")
+            return _mapping_difference(ours, theirs, "config key", _show)
         if aspect == "checkpoint":
             return _checkpoint_difference(ours, theirs)
         if aspect == "file headers":
@@ -146,17 +146,20 @@ def explain_difference(aspect: str, details: dict[int, Any]) -> list[str]:
 
     (base, ours), *others = details.items()
     out: list[str] = []
-    for r, theirs in others:  # MAX_LISTED a rank, the rest counted
-        differences = found(ours, theirs)
-        more = len(differences) - MAX_LISTED
-        out.extend(f"rank {base} vs rank {r}: {s}" for s in differences[:MAX_LISTED])
-        if more > 0:
-            out.append(f"rank {base} vs rank {r}: and {more} more difference{'s' if more > 1 else ''}")
+    for r, theirs in others:
+        pair = f"rank {base} vs rank {r}: "
+        out += _capped([pair + s for s in found(ours, theirs)], pair, "difference")
     return out
 
 
-def _show(value, limit: int = 60) -> str:
-    return f"`{shorten(json.dumps(value, default=str) if not isinstance(value, str) else value, limit)}`"
+def _capped(lines: list[str], prefix: str, noun: str) -> list[str]:
+    """The first MAX_LISTED lines, the rest counted (`{prefix}and 3 more {noun}s`)."""
+    more = len(lines) - MAX_LISTED
+    return lines[:MAX_LISTED] + ([f"{prefix}and {more} more {noun}{'s' if more > 1 else ''}"] if more > 0 else [])
+
+
+def _show(value) -> str:
+    return f"`{shorten(json.dumps(value, default=str) if not isinstance(value, str) else value, 60)}`"
 
 
 def _digest_text(digest: str | None) -> str:
@@ -170,10 +173,10 @@ def _rules_difference(ours: list, theirs: list) -> list[str]:
     """The first line that differs in each rule file, by position (the top-level file first)."""
     out = []
     for (path, text), (other_path, other_text) in zip(ours, theirs):
-        if path != other_path and text != other_text:
-            out.append(f"rule file {_show(path)} vs {_show(other_path)}")
         if text == other_text:
             continue
+        if path != other_path:
+            out.append(f"rule file {_show(path)} vs {_show(other_path)}")
         a, b = text.splitlines(), other_text.splitlines()
         line = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
         left = _show(a[line].strip()) if line < len(a) else "no such line"
@@ -186,9 +189,10 @@ def _rules_difference(ours: list, theirs: list) -> list[str]:
     return out
 
 
-def _mapping_difference(ours: Mapping, theirs: Mapping, what: str) -> list[str]:
+def _mapping_difference(ours: Mapping, theirs: Mapping, what: str, show: Callable[[Any], str]) -> list[str]:
+    """`what `key`: ours vs theirs` for each key whose value differs, or that one side lacks."""
     def value(side: Mapping, key) -> str:
-        return _show(side[key]) if key in side else "missing"
+        return show(side[key]) if key in side else "missing"
 
     return [f"{what} {_show(str(key))}: {value(ours, key)} vs {value(theirs, key)}"
             for key in sorted(set(ours) | set(theirs), key=str)
@@ -200,10 +204,8 @@ def _checkpoint_difference(ours, theirs) -> list[str]:
     if not (isinstance(ours, list) and isinstance(theirs, list)):
         return [f"checkpoint {_show(ours)} vs {_show(theirs)}"]
     out = [f"checkpoint folder {_show(ours[0])} vs {_show(theirs[0])}"] if ours[0] != theirs[0] else []
-    sizes, other_sizes = dict(map(tuple, ours[1])), dict(map(tuple, theirs[1]))
-    size = lambda n: "missing" if n is None else f"{n} B"
-    return out + [f"file {_show(name)}: {size(sizes.get(name))} vs {size(other_sizes.get(name))}"
-                  for name in sorted(set(sizes) | set(other_sizes)) if sizes.get(name) != other_sizes.get(name)]
+    return out + _mapping_difference(dict(map(tuple, ours[1])), dict(map(tuple, theirs[1])), "file",
+                                     lambda n: f"{n} B")
 
 
 def tensors_of(state_dict, local=None) -> Mapping[str, Any]:
@@ -350,9 +352,7 @@ def _mesh_lines(parts) -> list[str]:
     """Each rank whose `mesh` argument differs from rank 0's, as `rank 0 vs rank r: mesh A vs B`."""
     first = parts[0][0]
     lines = [f"  rank 0 vs rank {r}: mesh {first} vs {part[0]}" for r, part in enumerate(parts) if part[0] != first]
-    more = len(lines) - MAX_LISTED
-    return ["mesh: ranks given different meshes", *lines[:MAX_LISTED],
-            *([f"  and {more} more rank{'s' if more > 1 else ''}"] if more > 0 else [])] if lines else []
+    return ["mesh: ranks given different meshes", *_capped(lines, "  ", "rank")] if lines else []
 
 
 def _placement(placement) -> str:
