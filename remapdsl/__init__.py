@@ -26,10 +26,9 @@ from .language.parser import parse_file as _parse_file
 from .language.library import ShippedRules, shipped_rules
 from .language.library import choose_rules as _choose_rules
 from .drivers.prepare import check_kind as _check_kind
+from .drivers.prepare import check_kinds as _check_kinds
 from .drivers.prepare import rules_for
 from .drivers.prepared import Prepared
-from .sharding import LayoutPlan as _LayoutPlan
-from .sharding import Mesh as _Mesh
 from .sharding import layout_for, parse_mesh, read_layout
 from .sharding.placements import LayoutError
 from .sizes import parse_size
@@ -92,9 +91,9 @@ def plan_rank(compiled: Compiled, inventory: Inventory, layout, mesh, rank: int,
     from .sharding.holdings import held_by_layout
     from .sharding.plans import make_load_plan
 
-    layout = _check_kind(layout, _LayoutPlan, "layout").resolved(checkpoint_config(inventory) if config is None
+    layout = _check_kind(layout, "layout").resolved(checkpoint_config(inventory) if config is None
                                                                  else config)
-    held = held_by_layout(compiled, layout, _check_kind(mesh, _Mesh, "mesh"), rank)
+    held = held_by_layout(compiled, layout, _check_kind(mesh, "mesh"), rank)
     return make_load_plan(compiled, inventory, held, rank)
 
 
@@ -104,12 +103,13 @@ def prepare(rules, checkpoint, *, config: Mapping[str, Any] | None = None, stric
     the checkpoint (their `like`) and the config (docs/reuse.md). No checkpoint is E418."""
     from .drivers.prepared import prepare as _prepare
 
-    require_data(checkpoint, "a prepared load")
     if checkpoint is None:
         raise RemapError(Diagnostic(code="E418", message="prepare needs the checkpoint the calls load from, or "
                                     "save, export and ingest in the layout of (their `like`)",
                                     hint="a save without `like` derives its layout from the tensors: call "
                                     "`remapdsl.save` itself, or prepare with the folder it wrote"))
+    _check_kinds(rules=rules, checkpoint=checkpoint, config=config, strict=strict)
+    require_data(checkpoint, "a prepared load")
     return _prepare(rules_for(rules, checkpoint, config), checkpoint, config=config, strict=strict, timeout=timeout)
 
 
@@ -127,6 +127,7 @@ def load(state_dict, checkpoint, rules, *, config: Mapping[str, Any] | None = No
     """
     from .drivers.prepared import prepare as _prepare
 
+    _check_kinds(checkpoint=checkpoint, rules=rules, config=config, strict=strict)
     require_data(checkpoint, "a load")
     prepared = _prepare(rules_for(rules, checkpoint, config), checkpoint, config=config, strict=strict,
                         timeout=timeout, watched=False)
@@ -152,6 +153,8 @@ def save(state_dict, folder, rules, *, like=None, config: Mapping[str, Any] | No
     """
     from .drivers.save import save as _save
 
+    _check_kinds(folder=folder, rules=rules, like=like, config=config, overwrite=overwrite, allow_lossy=allow_lossy,
+                 requantize=requantize)
     require_data(like, "a save (`like`)")
     return _save(None, state_dict, folder, rules=rules_for(rules, like, config), like=like, config=config,
                  layout=layout, mesh=mesh, overwrite=overwrite, allow_lossy=allow_lossy, requantize=requantize,
@@ -174,6 +177,8 @@ def export(state_dict, rules, *, like=None, config: Mapping[str, Any] | None = N
     """
     from .drivers.export import export as _export
 
+    _check_kinds(rules=rules, like=like, config=config, gather=gather, allow_lossy=allow_lossy, regions=regions,
+                 by_round=by_round)
     require_data(like, "an export (`like`)")
     return _export(None, state_dict, rules=rules_for(rules, like, config), like=like, config=config, gather=gather,
                    bucket_bytes=bucket_bytes, layout=layout, mesh=mesh, allow_lossy=allow_lossy, regions=regions,
@@ -188,6 +193,7 @@ def ingest(state_dict, pairs, rules, *, like=None, config: Mapping[str, Any] | N
     `like`: the checkpoint whose layout the pairs are in; None: derived, as a save without `like` does."""
     from .drivers.ingest import ingest as _ingest
 
+    _check_kinds(rules=rules, like=like, config=config)
     require_data(like, "an ingest (`like`)")
     return _ingest(None, state_dict, pairs, rules=rules_for(rules, like, config), like=like, config=config,
                    layout=layout, mesh=mesh, timeout=timeout, staging_bytes=staging_bytes, local=local)
@@ -210,6 +216,7 @@ def convert(src, dst, rules, *, reverse: bool = False, like=None, max_shard_byte
     """
     from .drivers.convert import convert as _convert
 
+    _check_kinds(src=src, dst=dst, rules=rules, like=like, reverse=reverse, overwrite=overwrite)
     require_data(src, "a conversion")
     require_data(like, "a conversion (`like`)")
     return _convert(src, dst, rules_for(rules, like if reverse else src), reverse=reverse, like=like,

@@ -212,6 +212,69 @@ def test_every_call_that_places_tensors_names_a_layout_or_mesh_of_another_kind(a
     assert not any(out.iterdir())
 
 
+_FLAGS = {"strict": ("load", "prepare"), "read_replicated_once": ("load", "prepared.load"),
+          "overwrite": ("save", "convert", "prepared.save"), "requantize": ("save", "prepared.save"),
+          "allow_lossy": ("save", "export", "prepared.save", "prepared.export"),
+          "regions": ("export", "prepared.export"), "by_round": ("export", "prepared.export"), "reverse": ("convert",)}
+
+
+@pytest.mark.parametrize("flag", sorted(_FLAGS))
+def test_every_flag_is_true_or_false_never_a_truthy_word(flag, calls):
+    """`strict="no"` would be taken as true: a flag of another kind is E416, before any work."""
+    out, calls = calls
+    each_refuses({name: calls[name] for name in _FLAGS[flag]}, {flag: "no"}, f"{flag}= is a str, not True or False",
+                 None)
+    assert not any(out.iterdir())
+
+
+_PATH, _FOLDER = "a checkpoint folder's path", "a folder's path"
+_RULES = "a rule file's path, a shipped name (`\"qwen3_moe\"`) or a RuleSet"
+
+
+@pytest.mark.parametrize("argument, value, given, wanted", [
+    ("checkpoint", 5, "an int", _PATH), ("src", None, "None", _PATH), ("like", 5, "an int", _PATH + ", or None"),
+    ("folder", None, "None", _FOLDER), ("dst", 5, "an int", _FOLDER), ("rules", None, "None", _RULES),
+    ("config", "x", "a str", "a mapping of config keys to values, or None"),
+    ("config", [("a", 1)], "a list", "a mapping of config keys to values, or None"),
+    ("pairs", 5, "an int", "a mapping or an iterable of (checkpoint key, tensor) pairs"),
+    ("gather", 5, "an int", "a tuple of mesh dim names")])
+def test_every_call_names_a_path_rules_config_or_pairs_of_another_kind(argument, value, given, wanted, tmp_path):
+    """E416 naming the argument, before any work, never a TypeError from `os.fspath` or `dict()` inside."""
+    state, prepared = _whole(), remapdsl.prepare(RULES, CHECKPOINT)
+    a = {"checkpoint": CHECKPOINT, "src": CHECKPOINT, "like": CHECKPOINT, "folder": tmp_path / "saved",
+         "dst": tmp_path / "converted", "rules": RULES, "config": None, "pairs": {}, "gather": ()} | {argument: value}
+    calls = {
+        "load": lambda: remapdsl.load(state, a["checkpoint"], a["rules"], config=a["config"]),
+        "prepare": lambda: remapdsl.prepare(a["rules"], a["checkpoint"], config=a["config"]),
+        "save": lambda: remapdsl.save(state, a["folder"], a["rules"], like=a["like"], config=a["config"]),
+        "export": lambda: list(remapdsl.export(state, a["rules"], like=a["like"], config=a["config"],
+                                               gather=a["gather"])),
+        "ingest": lambda: remapdsl.ingest(state, a["pairs"], a["rules"], like=a["like"], config=a["config"]),
+        "convert": lambda: remapdsl.convert(a["src"], a["dst"], a["rules"], like=a["like"]),
+        "prepared.save": lambda: prepared.save(state, a["folder"]),
+        "prepared.export": lambda: list(prepared.export(state, gather=a["gather"])),
+        "prepared.ingest": lambda: prepared.ingest(state, a["pairs"])}
+    takes = {"checkpoint": ("load", "prepare"), "src": ("convert",), "dst": ("convert",),
+             "like": ("save", "export", "ingest", "convert"), "folder": ("save", "prepared.save"),
+             "rules": ("load", "prepare", "save", "export", "ingest", "convert"),
+             "config": ("load", "prepare", "save", "export", "ingest"), "pairs": ("ingest", "prepared.ingest"),
+             "gather": ("export", "prepared.export")}
+    each_refuses({name: (lambda call=calls[name], **kw: call()) for name in takes[argument]}, {},
+                 f"{argument}= is {given}, not {wanted}", None)
+    assert not any(tmp_path.iterdir())
+
+
+def test_an_ingest_names_an_item_of_the_pairs_that_is_no_pair():
+    """Each item that is no (key, tensor) pair is E546 naming its place, and the pairs after it are still read."""
+    state = _whole()
+    pairs = [5, *remapdsl.export(state, RULES, like=CHECKPOINT), ("a", "b", "c")]
+    with pytest.raises(remapdsl.RemapError) as info:
+        remapdsl.ingest(_whole(), pairs, RULES, like=CHECKPOINT)
+    assert [(d.code, d.message) for d in info.value.diagnostics] == [
+        ("E546", "item 1 of the pairs is 5, not a (checkpoint key, tensor) pair"),
+        ("E546", f"item {len(pairs)} of the pairs is ('a', 'b', 'c'), not a (checkpoint key, tensor) pair")]
+
+
 @pytest.mark.parametrize("state", [[torch.zeros(1)], None, torch.zeros(2)], ids=["a list", "None", "a tensor"])
 def test_every_call_names_a_state_dict_that_is_no_mapping(state, tmp_path):
     """A list of tensors, None or one tensor where a state dict is due: E416 naming it, not an AttributeError."""

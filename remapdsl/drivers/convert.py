@@ -52,7 +52,7 @@ def convert(src, dst, rules, *, reverse: bool = False, like=None, max_shard_byte
         max_shard_bytes = parse_size(max_shard_bytes, f"max_shard_bytes={max_shard_bytes!r}")
         budget_bytes = parse_size(budget_bytes, f"budget_bytes={budget_bytes!r}")
         if progress is not None:
-            check_kind(progress, Callable, "progress")
+            check_kind(progress, "progress")
         # the layout the rules read: `src`'s (forward), `like`'s, or the one derived from the runtime
         # checkpoint's shapes and config.json (reverse without `like`, as a save without it derives it)
         runtime_source = dist.share_inventory(src, "reading the runtime checkpoint's headers") if reverse else None

@@ -20,7 +20,7 @@ from ..sharding.holdings import check_fillable, hold
 from ..sharding.plans import make_load_plan
 from ..runtime import bounds, dist
 from .export import check_unquantized
-from .prepare import HeldTogether, check_mesh, named_together
+from .prepare import HeldTogether, check_kind, check_mesh, named_together
 from ..runtime.read import run_load_plan
 from .save import prepared_checkpoint
 from ..runtime.staging import Rings, staging_within
@@ -41,6 +41,7 @@ class IngestReport(BaseModel):
 def ingest(prepared, state_dict, pairs, *, rules=None, like=None, config: Mapping[str, Any] | None = None,
            layout=None, mesh=None, timeout=None, staging_bytes: int | None = None, local=None) -> IngestReport:
     """`remapdsl.ingest` (`prepared` None: `like`'s layout, or the derived one, prepared for this call)."""
+    check_kind(pairs, "pairs")
     staging = staging_within(staging_bytes)
     with bounds.bounded(timeout), frozen_heap(), Rings(staging) as rings:  # one ring per reader thread, over all pairs
         tensors = named_together(state_dict, local)
@@ -77,8 +78,13 @@ def ingest(prepared, state_dict, pairs, *, rules=None, like=None, config: Mappin
         if fills:
             run_load_plan(load_plan.model_copy(update={"items": tuple(fills), "decodes": ()}), memory, holding.local,
                           rings=rings)
-        for key, tensor in (pairs.items() if isinstance(pairs, Mapping) else pairs):
+        for pair in (pairs.items() if isinstance(pairs, Mapping) else pairs):
             count += 1
+            if not (isinstance(pair, (tuple, list)) and len(pair) == 2):
+                problems.append(Diagnostic(code="E546", message=f"item {count} of the pairs is {pair!r:.60}, not a "
+                                           "(checkpoint key, tensor) pair", hint="give a dict, or an iterable of pairs"))
+                continue
+            key, tensor = pair
             problem = _check_pair(key, tensor, memory, seen, dropped)
             if problem is not None:
                 problems.append(problem)

@@ -11,7 +11,7 @@ from ..sharding.holdings import check_fillable, hold
 from ..sharding.plans import make_load_plan
 from ..gcpause import frozen_heap
 from ..runtime import bounds, dist
-from .prepare import HeldTogether, check_mesh, tensors_of
+from .prepare import HeldTogether, check_kind, check_mesh, tensors_of
 from ..runtime.read import run_load_plan
 from ..runtime.staging import Rings, staging_within
 
@@ -34,6 +34,7 @@ class LoadReport(BaseModel):
 def load(prepared, state_dict, *, layout=None, mesh=None, read_replicated_once: bool = False, timeout=None,
          staging_bytes: int | None = None, local=None) -> LoadReport:
     """Fill existing tensors in place from a prepared checkpoint; the arguments are `remapdsl.load`'s."""
+    check_kind(read_replicated_once, "read_replicated_once")
     staging = staging_within(staging_bytes)
     with bounds.bounded(timeout), frozen_heap():
         ready = prepared.current()

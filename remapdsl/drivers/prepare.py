@@ -10,7 +10,7 @@ import json
 import logging
 import operator
 import os
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from pathlib import Path
 from typing import Any, NamedTuple
 
@@ -91,7 +91,7 @@ class Ready(NamedTuple):
 
     def placing(self, layout):
         """`layout` with the config's values for the config keys its packed placements name (None: None)."""
-        return None if layout is None else check_kind(layout, LayoutPlan, "layout").resolved(self.config)
+        return None if layout is None else check_kind(layout, "layout").resolved(self.config)
 
 
 def prepare_everywhere(rules, checkpoint, config=None, strict: bool = True,
@@ -214,7 +214,7 @@ def tensors_of(state_dict, local=None) -> Mapping[str, Any]:
     from ..sharding.local_names import global_names
 
     tensors = state_dict.state_dict(keep_vars=True) if hasattr(state_dict, "state_dict") else state_dict
-    return global_names(check_kind(tensors, Mapping, "state_dict"), local)
+    return global_names(check_kind(tensors, "state_dict"), local)
 
 
 def named_together(state_dict, local) -> Mapping[str, Any]:
@@ -230,7 +230,7 @@ def check_mesh(mesh, alone: str | None = None) -> None:
     hint)."""
     from ..runtime import dist
 
-    if mesh is None or check_kind(mesh, Mesh, "mesh").size == dist.world_size() or not (dist.active() or alone):
+    if mesh is None or check_kind(mesh, "mesh").size == dist.world_size() or not (dist.active() or alone):
         return
     hint = alone if not dist.active() else "the product of the mesh's sizes must be the job's world size " \
         "(`torch.distributed.get_world_size()`): give the job's own mesh"
@@ -238,19 +238,37 @@ def check_mesh(mesh, alone: str | None = None) -> None:
                                 f"has {dist.world_size()}", hint=hint))
 
 
-_KINDS = {LayoutPlan: "a LayoutPlan (`remapdsl.read_layout(path)`, `LayoutPlan.from_mapping(...)`)",
-          Mesh: "a Mesh (`remapdsl.parse_mesh(\"tp=2\")`, `Mesh.of({\"tp\": 2})`)",
-          Mapping: "a mapping of names to tensors (`model.state_dict()`, or the module itself)",
-          Callable: "a function of (bytes done, bytes in all)"}
+_CHECKPOINT = ((str, os.PathLike, Inventory), "a checkpoint folder's path")
+_FOLDER = ((str, os.PathLike), "a folder's path")
+_KINDS = {"layout": (LayoutPlan, "a LayoutPlan (`remapdsl.read_layout(path)`, `LayoutPlan.from_mapping(...)`)"),
+          "mesh": (Mesh, "a Mesh (`remapdsl.parse_mesh(\"tp=2\")`, `Mesh.of({\"tp\": 2})`)"),
+          "state_dict": (Mapping, "a mapping of names to tensors (`model.state_dict()`, or the module itself)"),
+          "progress": (Callable, "a function of (bytes done, bytes in all)"),
+          "checkpoint": _CHECKPOINT, "src": _CHECKPOINT, "folder": _FOLDER, "dst": _FOLDER,
+          "like": ((*_CHECKPOINT[0], type(None)), "a checkpoint folder's path, or None"),
+          "rules": ((str, os.PathLike, RuleSet), "a rule file's path, a shipped name (`\"qwen3_moe\"`) or a RuleSet"),
+          "config": ((Mapping, type(None)), "a mapping of config keys to values, or None"),
+          "gather": ((str, tuple, list), "a tuple of mesh dim names"),
+          "pairs": (Iterable, "a mapping or an iterable of (checkpoint key, tensor) pairs"),
+          **dict.fromkeys(("strict", "read_replicated_once", "overwrite", "allow_lossy", "requantize", "regions",
+                           "by_round", "reverse"), (bool, "True or False"))}
 
 
-def check_kind(value, kind: type, argument: str):
-    """`value`, or E416 naming `argument` where it is not a `kind` (a string for a mesh, a list for a state dict)."""
+def check_kind(value, argument: str):
+    """`value`, or E416 naming `argument` where it is of another kind (a string for a mesh, a list for a state
+    dict, "no" for a flag)."""
+    kind, wanted = _KINDS[argument]
     if isinstance(value, kind):
         return value
     name = type(value).__name__
     given = "None" if value is None else f"an {name}" if name[0] in "aeiou" else f"a {name}"
-    raise RemapError(Diagnostic(code="E416", message=f"{argument}= is {given}, not {_KINDS[kind]}"))
+    raise RemapError(Diagnostic(code="E416", message=f"{argument}= is {given}, not {wanted}"))
+
+
+def check_kinds(**arguments) -> None:
+    """E416 for the first of the named arguments that is of another kind than check_kind's for its name."""
+    for argument, value in arguments.items():
+        check_kind(value, argument)
 
 
 def _mesh_text(mesh) -> str:
