@@ -109,8 +109,7 @@ def snapshot_text(snapshot: Mapping[str, Any]) -> str:
     def dump(value) -> str:
         return json.dumps(value, sort_keys=True, ensure_ascii=False, allow_nan=False)
 
-    lines = ["{"]
-    top = [f' "{k}": {dump(snapshot[k])}' for k in sorted(snapshot) if k != "files"]
+    top = {k: dump(value) for k, value in snapshot.items() if k != "files"}
     files = []
     for name in sorted(snapshot["files"]):
         entry = snapshot["files"][name]
@@ -119,10 +118,8 @@ def snapshot_text(snapshot: Mapping[str, Any]) -> str:
         body = "{\n" + ",\n".join(rows) + "\n   }" if rows else "{}"
         files.append(f'  {dump(name)}: {{\n   "data_offset": {entry["data_offset"]},\n   "header": {body},\n'
                      f'   "nbytes": {entry["nbytes"]}\n  }}')
-    top.append(' "files": {\n' + ",\n".join(files) + "\n }" if files else ' "files": {}')
-    lines.append(",\n".join(sorted(top, key=lambda line: line.split('"')[1])))
-    lines.append("}")
-    return "\n".join(lines) + "\n"
+    top["files"] = "{\n" + ",\n".join(files) + "\n }" if files else "{}"
+    return "{\n" + ",\n".join(f' "{k}": {top[k]}' for k in sorted(top)) + "\n}\n"
 
 
 def write_snapshot(checkpoint: str | os.PathLike | Inventory, path: str | os.PathLike,
