@@ -183,7 +183,6 @@ def parse_snapshot(obj: dict, path: str) -> SnapshotInventory:
         diags.append(_diag(path, "files", f"must be a non-empty object of file name to header, found {_kind(files)}"))
         files = {}
     tensors: dict = {}
-    infos: dict = {}
     headers: dict = {}
     for name, entry in files.items():
         where = f"files[{json.dumps(name)}]"
@@ -200,7 +199,6 @@ def parse_snapshot(obj: dict, path: str) -> SnapshotInventory:
             diags.extend(d.model_copy(update={"message": f"snapshot {where}.header: {d.message.removeprefix(prefix)}"})
                          for d in exc.diagnostics)
             continue
-        infos[name] = header.info
         headers[name] = header
     chunks: dict = {}
     if not diags and has_sharding_info(headers):  # a DCP-sharded folder: its keys are in several files
@@ -217,6 +215,7 @@ def parse_snapshot(obj: dict, path: str) -> SnapshotInventory:
                 tensors[ckpt_key] = t
     if diags:
         raise CheckpointError(diags)
+    infos = {name: header.info for name, header in headers.items()}
     return SnapshotInventory(root=path, tensors=tensors, files=infos, ignored_files=tuple(ignored),
                              index_file=index_file, config=config, chunks=chunks)
 
