@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import json
 import os
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -247,18 +247,18 @@ def _read_index(root: str, index_file: str) -> dict[str, str]:
              for ckpt_key, name in weight_map.items() if not isinstance(name, str)]
     diags.extend(_diag("E322", f"{index_file}: file name `{name}` (for tensor `{ckpt_key}`) {why}", path,
                        "index file names must be relative names inside the checkpoint folder")
-                 for name, ckpt_key in _first_key_per_file(weight_map) if (why := _unsafe_name(name)))
+                 for name, ckpt_key in _first_key_per_file(weight_map).items() if (why := _unsafe_name(name)))
     if diags:
         raise CheckpointError(diags)
     return weight_map
 
 
-def _first_key_per_file(weight_map: Mapping[str, object]) -> Iterable[tuple[object, str]]:
-    seen: dict[object, str] = {}
+def _first_key_per_file(weight_map: Mapping[str, object]) -> dict[str, str]:
+    seen: dict[str, str] = {}
     for ckpt_key, name in weight_map.items():
         if isinstance(name, str):  # others are reported as not file names (E321)
             seen.setdefault(name, ckpt_key)
-    return list(seen.items())
+    return seen
 
 
 def _unsafe_name(name: str) -> str | None:
@@ -281,7 +281,7 @@ def _assemble(root: str, files: list[str], index_file: str | None, weight_map: d
     """Read every file's header and cross-check keys between files and against the index."""
     diags: list[Diagnostic] = []
     headers: dict[str, Header] = {}
-    users = dict(_first_key_per_file(weight_map)) if weight_map is not None else {}
+    users = _first_key_per_file(weight_map) if weight_map is not None else {}
     for name in files:
         path = os.path.join(root, *name.split("/"))
         if name in users and not os.path.lexists(path):
