@@ -292,11 +292,13 @@ def _assemble(root: str, files: list[str], index_file: str | None, weight_map: d
             headers[name] = read_header(path, file=name)
         except CheckpointError as exc:
             diags.extend(exc.diagnostics)
+    files = {name: header.info for name, header in headers.items()}
     if not diags and weight_map is None and has_sharding_info(headers):  # DCP's writer: tensors of chunks
         made = assemble_chunked(headers, lambda name: os.path.join(root, *name.split("/")))
         if made.diagnostics:
             raise CheckpointError(made.diagnostics)
-        return _inventory(root, headers, ignored, None, made.tensors, made.chunks)
+        return Inventory(root=root, tensors=made.tensors, files=files, ignored_files=ignored,
+                         chunks=made.chunks)
     where: dict[str, list[str]] = {}
     for name, header in headers.items():
         for ckpt_key in header.tensors:
@@ -321,16 +323,8 @@ def _assemble(root: str, files: list[str], index_file: str | None, weight_map: d
                                    "hold it", os.path.join(root, index_file), hint))
     if diags:
         raise CheckpointError(diags)
-    return _inventory(root, headers, ignored, index_file)
-
-
-def _inventory(root: str, headers: dict[str, Header], ignored: tuple[str, ...], index_file: str | None,
-               tensors: dict[str, TensorInfo] | None = None, chunks: dict | None = None) -> Inventory:
-    """The inventory of checked headers (or of `tensors` and their `chunks`, checked by chunks.py)."""
-    if tensors is None:
-        tensors = {k: t for header in headers.values() for k, t in header.tensors.items()}
-    return Inventory(root=root, tensors=tensors, files={name: header.info for name, header in headers.items()},
-                     ignored_files=ignored, index_file=index_file, chunks=chunks or {})
+    tensors = {k: t for header in headers.values() for k, t in header.tensors.items()}
+    return Inventory(root=root, tensors=tensors, files=files, ignored_files=ignored, index_file=index_file)
 
 
 def read_config(inventory: Inventory) -> dict[str, Any]:
