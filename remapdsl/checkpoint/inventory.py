@@ -178,8 +178,7 @@ def open_inventory(path: str | os.PathLike[str]) -> Inventory:
     elif path.endswith(INDEX_SUFFIX) and os.path.isfile(path):
         root, index_file = os.path.dirname(path), os.path.basename(path)
     elif path.endswith(SUFFIX) and os.path.isfile(path):
-        root = os.path.dirname(path)
-        return _assemble(root, [os.path.basename(path)], None, None, ())
+        return _assemble(os.path.dirname(path), [os.path.basename(path)])
     elif not os.path.exists(path):
         raise CheckpointError(_diag("E301", "no such file or folder", path))
     else:
@@ -190,7 +189,7 @@ def open_inventory(path: str | os.PathLike[str]) -> Inventory:
         if not present:
             raise CheckpointError(_diag("E320", f"no `{DEFAULT_INDEX}` and no `*{SUFFIX}` file in the folder", root,
                                         "point at the folder that holds the model's safetensors files"))
-        return _assemble(root, present, None, None, ())
+        return _assemble(root, present)
     weight_map = _read_index(root, index_file)
     named = set(weight_map.values())
     return _assemble(root, sorted(named), index_file, weight_map, tuple(n for n in present if n not in named))
@@ -276,8 +275,8 @@ def _unsafe_name(name: str) -> str | None:
     return None
 
 
-def _assemble(root: str, files: list[str], index_file: str | None, weight_map: dict[str, str] | None,
-              ignored: tuple[str, ...]) -> Inventory:
+def _assemble(root: str, files: list[str], index_file: str | None = None,
+              weight_map: dict[str, str] | None = None, ignored: tuple[str, ...] = ()) -> Inventory:
     """Read every file's header and cross-check keys between files and against the index."""
     diags: list[Diagnostic] = []
     headers: dict[str, Header] = {}
