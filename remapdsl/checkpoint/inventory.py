@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import json
 import os
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -178,8 +178,7 @@ def open_inventory(path: str | os.PathLike[str]) -> Inventory:
     elif path.endswith(INDEX_SUFFIX) and os.path.isfile(path):
         root, index_file = os.path.dirname(path), os.path.basename(path)
     elif path.endswith(SUFFIX) and os.path.isfile(path):
-        root = os.path.dirname(path)
-        return _assemble(root, [os.path.basename(path)], None, None, ())
+        return _assemble(os.path.dirname(path), [os.path.basename(path)])
     elif not os.path.exists(path):
         raise CheckpointError(_diag("E301", "no such file or folder", path))
     else:
@@ -190,7 +189,7 @@ def open_inventory(path: str | os.PathLike[str]) -> Inventory:
         if not present:
             raise CheckpointError(_diag("E320", f"no `{DEFAULT_INDEX}` and no `*{SUFFIX}` file in the folder", root,
                                         "point at the folder that holds the model's safetensors files"))
-        return _assemble(root, present, None, None, ())
+        return _assemble(root, present)
     weight_map = _read_index(root, index_file)
     named = set(weight_map.values())
     return _assemble(root, sorted(named), index_file, weight_map, tuple(n for n in present if n not in named))
@@ -247,18 +246,18 @@ def _read_index(root: str, index_file: str) -> dict[str, str]:
              for ckpt_key, name in weight_map.items() if not isinstance(name, str)]
     diags.extend(_diag("E322", f"{index_file}: file name `{name}` (for tensor `{ckpt_key}`) {why}", path,
                        "index file names must be relative names inside the checkpoint folder")
-                 for name, ckpt_key in _first_key_per_file(weight_map) if (why := _unsafe_name(name)))
+                 for name, ckpt_key in _first_key_per_file(weight_map).items() if (why := _unsafe_name(name)))
     if diags:
         raise CheckpointError(diags)
     return weight_map
 
 
-def _first_key_per_file(weight_map: Mapping[str, object]) -> Iterable[tuple[object, str]]:
-    seen: dict[object, str] = {}
+def _first_key_per_file(weight_map: Mapping[str, object]) -> dict[str, str]:
+    seen: dict[str, str] = {}
     for ckpt_key, name in weight_map.items():
         if isinstance(name, str):  # others are reported as not file names (E321)
             seen.setdefault(name, ckpt_key)
-    return list(seen.items())
+    return seen
 
 
 def _unsafe_name(name: str) -> str | None:
@@ -276,12 +275,12 @@ def _unsafe_name(name: str) -> str | None:
     return None
 
 
-def _assemble(root: str, files: list[str], index_file: str | None, weight_map: dict[str, str] | None,
-              ignored: tuple[str, ...]) -> Inventory:
+def _assemble(root: str, files: list[str], index_file: str | None = None,
+              weight_map: dict[str, str] | None = None, ignored: tuple[str, ...] = ()) -> Inventory:
     """Read every file's header and cross-check keys between files and against the index."""
     diags: list[Diagnostic] = []
     headers: dict[str, Header] = {}
-    users = dict(_first_key_per_file(weight_map)) if weight_map is not None else {}
+    users = _first_key_per_file(weight_map) if weight_map is not None else {}
     for name in files:
         path = os.path.join(root, *name.split("/"))
         if name in users and not os.path.lexists(path):
@@ -292,11 +291,13 @@ def _assemble(root: str, files: list[str], index_file: str | None, weight_map: d
             headers[name] = read_header(path, file=name)
         except CheckpointError as exc:
             diags.extend(exc.diagnostics)
+    files = {name: header.info for name, header in headers.items()}
     if not diags and weight_map is None and has_sharding_info(headers):  # DCP's writer: tensors of chunks
         made = assemble_chunked(headers, lambda name: os.path.join(root, *name.split("/")))
         if made.diagnostics:
             raise CheckpointError(made.diagnostics)
-        return _inventory(root, headers, ignored, None, made.tensors, made.chunks)
+        return Inventory(root=root, tensors=made.tensors, files=files, ignored_files=ignored,
+                         chunks=made.chunks)
     where: dict[str, list[str]] = {}
     for name, header in headers.items():
         for ckpt_key in header.tensors:
@@ -321,16 +322,8 @@ def _assemble(root: str, files: list[str], index_file: str | None, weight_map: d
                                    "hold it", os.path.join(root, index_file), hint))
     if diags:
         raise CheckpointError(diags)
-    return _inventory(root, headers, ignored, index_file)
-
-
-def _inventory(root: str, headers: dict[str, Header], ignored: tuple[str, ...], index_file: str | None,
-               tensors: dict[str, TensorInfo] | None = None, chunks: dict | None = None) -> Inventory:
-    """The inventory of checked headers (or of `tensors` and their `chunks`, checked by chunks.py)."""
-    if tensors is None:
-        tensors = {k: t for header in headers.values() for k, t in header.tensors.items()}
-    return Inventory(root=root, tensors=tensors, files={name: header.info for name, header in headers.items()},
-                     ignored_files=ignored, index_file=index_file, chunks=chunks or {})
+    tensors = {k: t for header in headers.values() for k, t in header.tensors.items()}
+    return Inventory(root=root, tensors=tensors, files=files, ignored_files=ignored, index_file=index_file)
 
 
 def read_config(inventory: Inventory) -> dict[str, Any]:

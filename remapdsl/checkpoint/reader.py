@@ -88,10 +88,7 @@ class CheckpointReader:
 
     def read_into(self, file: str, byte_offset: int, buffer: object) -> int:
         """Fill buffer with the bytes of `file` from `byte_offset` on (its data section); returns how many."""
-        view = as_byte_view(buffer)
-        self._check_range(file, byte_offset, byte_offset + view.nbytes)
-        self._read_fully(file, [view], byte_offset, view.nbytes)
-        return view.nbytes
+        return self.scatter_into(file, byte_offset, [as_byte_view(buffer)])
 
     def _check_range(self, file: str, start: int, end: int) -> None:
         """Bytes [start, end) must lie in the data section of a file of the checkpoint."""

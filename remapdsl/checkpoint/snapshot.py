@@ -109,8 +109,7 @@ def snapshot_text(snapshot: Mapping[str, Any]) -> str:
     def dump(value) -> str:
         return json.dumps(value, sort_keys=True, ensure_ascii=False, allow_nan=False)
 
-    lines = ["{"]
-    top = [f' "{k}": {dump(snapshot[k])}' for k in sorted(snapshot) if k != "files"]
+    top = {k: dump(value) for k, value in snapshot.items() if k != "files"}
     files = []
     for name in sorted(snapshot["files"]):
         entry = snapshot["files"][name]
@@ -119,10 +118,8 @@ def snapshot_text(snapshot: Mapping[str, Any]) -> str:
         body = "{\n" + ",\n".join(rows) + "\n   }" if rows else "{}"
         files.append(f'  {dump(name)}: {{\n   "data_offset": {entry["data_offset"]},\n   "header": {body},\n'
                      f'   "nbytes": {entry["nbytes"]}\n  }}')
-    top.append(' "files": {\n' + ",\n".join(files) + "\n }" if files else ' "files": {}')
-    lines.append(",\n".join(sorted(top, key=lambda line: line.split('"')[1])))
-    lines.append("}")
-    return "\n".join(lines) + "\n"
+    top["files"] = "{\n" + ",\n".join(files) + "\n }" if files else "{}"
+    return "{\n" + ",\n".join(f' "{k}": {top[k]}' for k in sorted(top)) + "\n}\n"
 
 
 def write_snapshot(checkpoint: str | os.PathLike | Inventory, path: str | os.PathLike,
@@ -186,7 +183,6 @@ def parse_snapshot(obj: dict, path: str) -> SnapshotInventory:
         diags.append(_diag(path, "files", f"must be a non-empty object of file name to header, found {_kind(files)}"))
         files = {}
     tensors: dict = {}
-    infos: dict = {}
     headers: dict = {}
     for name, entry in files.items():
         where = f"files[{json.dumps(name)}]"
@@ -203,7 +199,6 @@ def parse_snapshot(obj: dict, path: str) -> SnapshotInventory:
             diags.extend(d.model_copy(update={"message": f"snapshot {where}.header: {d.message.removeprefix(prefix)}"})
                          for d in exc.diagnostics)
             continue
-        infos[name] = header.info
         headers[name] = header
     chunks: dict = {}
     if not diags and has_sharding_info(headers):  # a DCP-sharded folder: its keys are in several files
@@ -220,6 +215,7 @@ def parse_snapshot(obj: dict, path: str) -> SnapshotInventory:
                 tensors[ckpt_key] = t
     if diags:
         raise CheckpointError(diags)
+    infos = {name: header.info for name, header in headers.items()}
     return SnapshotInventory(root=path, tensors=tensors, files=infos, ignored_files=tuple(ignored),
                              index_file=index_file, config=config, chunks=chunks)
 

@@ -25,10 +25,9 @@ def remap_errors() -> Iterator[None]:
     try:
         yield
     except CheckpointException as exc:
-        found = {rank: failure[0] for rank, failure in sorted(exc.failures.items())
-                 if isinstance(failure[0], RemapError)}
-        if not found:
+        error = next((failure[0] for _, failure in sorted(exc.failures.items())
+                      if isinstance(failure[0], RemapError)), None)
+        if error is None:
             raise
-        error = next(iter(found.values()))
         error.failed_ranks = tuple(sorted(exc.failures))
         raise error from exc

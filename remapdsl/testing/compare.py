@@ -10,10 +10,10 @@ from pathlib import Path
 MAX_LISTED = 10  # keys or tensors named per kind of difference; the rest counted
 
 
-def _listed(keys, limit: int = MAX_LISTED) -> str:
+def _listed(keys) -> str:
     keys = sorted(keys)
-    shown = ", ".join(f"`{k}`" for k in keys[:limit])
-    return shown + (f" and {len(keys) - limit} more" if len(keys) > limit else "")
+    shown = ", ".join(f"`{k}`" for k in keys[:MAX_LISTED])
+    return shown + (f" and {len(keys) - MAX_LISTED} more" if len(keys) > MAX_LISTED else "")
 
 
 def fail_on(found: list[str], headline: str) -> None:

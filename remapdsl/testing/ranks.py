@@ -109,7 +109,8 @@ def assert_sharded_equals_whole(rules, checkpoint, layout: LayoutPlan | Mapping 
     "bytes_owned": ...}`. `layout`: a `LayoutPlan`, a tp_plan-style mapping, a layout file, or None (every
     tensor cut on every mesh dim); `mesh`: a `Mesh`, `{"tp": 2}` or `"dp=2,tp=2"`; `timeout`: seconds."""
     mesh, layout = _prepared(rules, checkpoint, layout, mesh, config, "a sharded load")
-    return sharded_load_and_save(rules, checkpoint, layout, mesh, None, config=config, timeout=timeout)
+    return run_ranks(_sharded_rank, mesh.size, rules, os.fspath(checkpoint), layout, mesh, config, None,
+                     timeout=timeout)
 
 
 def assert_sharded_round_trip(rules, checkpoint, layout: LayoutPlan | Mapping | str | None = None,
@@ -119,28 +120,24 @@ def assert_sharded_round_trip(rules, checkpoint, layout: LayoutPlan | Mapping | 
     back (each writing the bytes it owns) give the checkpoint back byte for byte, with the same index; per
     rank, its result gains `bytes_written` and `save_seconds`."""
     mesh, layout = _prepared(rules, checkpoint, layout, mesh, config, "a sharded round trip")
-    with tempfile.TemporaryDirectory(prefix="remapdsl-sharded-round-trip-") as tmp:
-        out = os.path.join(tmp, "copy")
-        ranks = sharded_load_and_save(rules, checkpoint, layout, mesh, out, config=config, timeout=timeout)
-        found = sharded_save_problems(ranks, checkpoint, out)
+    ranks, found = sharded_load_and_save(rules, checkpoint, layout, mesh, config=config, timeout=timeout)
     fail_on(found, f"the sharded save of the sharded load differs from {os.fspath(checkpoint)}")
     return ranks
 
 
-def sharded_load_and_save(rules, checkpoint, layout: LayoutPlan, mesh: Mesh, save_to: str | None, *,
-                          config: Mapping[str, Any] | None = None, timeout: float = 120.0) -> list[dict]:
-    """The ranks of `mesh` load their shards, checked as `assert_sharded_equals_whole` does, then save
-    them to `save_to`; a save's error is kept in each rank's result (`save_error`), apart from the load."""
-    return run_ranks(_sharded_rank, mesh.size, rules, os.fspath(checkpoint), layout, mesh, config, save_to,
-                     timeout=timeout)
-
-
-def sharded_save_problems(ranks: list[dict], checkpoint, save_to) -> list[str]:
-    """What is wrong with what `sharded_load_and_save` wrote: the save's error, or how it differs."""
-    failed = [r["save_error"] for r in ranks if "save_error" in r]
-    if failed:
-        return [f"the sharded save failed: {failed[0]}"]
-    return round_trip_differences(remapdsl.open_checkpoint(checkpoint), Path(save_to))
+def sharded_load_and_save(rules, checkpoint, layout: LayoutPlan, mesh: Mesh, *,
+                          config: Mapping[str, Any] | None = None,
+                          timeout: float = 120.0) -> tuple[list[dict], list[str]]:
+    """The ranks of `mesh` load their shards, checked as `assert_sharded_equals_whole` does (a failure
+    raises), then save them to a temporary folder: each rank's result, and the save's error or differences."""
+    with tempfile.TemporaryDirectory(prefix="remapdsl-sharded-round-trip-") as tmp:
+        out = os.path.join(tmp, "copy")
+        ranks = run_ranks(_sharded_rank, mesh.size, rules, os.fspath(checkpoint), layout, mesh, config, out,
+                          timeout=timeout)
+        failed = [r["save_error"] for r in ranks if "save_error" in r]
+        if failed:
+            return ranks, [f"the sharded save failed: {failed[0]}"]
+        return ranks, round_trip_differences(remapdsl.open_checkpoint(checkpoint), Path(out))
 
 
 def _prepared(rules, checkpoint, layout, mesh, config, what: str) -> tuple[Mesh, LayoutPlan]:
