@@ -102,6 +102,10 @@ class StagingRing:
             self._made += 1
             self.allocated += buffer.numel()
             return buffer
+        return self._oldest()
+
+    def _oldest(self) -> torch.Tensor:
+        """The buffer whose copy began first, once that copy ended."""
         buffer, event = self._busy.popleft()
         if event is not None:
             event.synchronize()
@@ -110,10 +114,7 @@ class StagingRing:
     def close(self) -> None:
         """Wait for every copy still in flight; the buffers are kept for the next upload."""
         while self._busy:
-            buffer, event = self._busy.popleft()
-            if event is not None:
-                event.synchronize()
-            self._free.append(buffer)
+            self._free.append(self._oldest())
 
 
 class Rings:
