@@ -52,11 +52,10 @@ def _template(pattern, value) -> tuple[re.Pattern, Any]:
     number_at = [p for p in parts if p in ("*", "{}")].index("{}")
 
     def make(match: re.Match) -> str:
-        groups, stars, out = match.groups(), iter(g for i, g in enumerate(match.groups()) if i != number_at), []
-        for piece in pieces:
-            out.append(str(int(groups[number_at]) + offset) if piece == "{}" else next(stars) if piece == "*"
-                       else piece)
-        return "".join(out)
+        groups = match.groups()
+        stars = iter(g for i, g in enumerate(groups) if i != number_at)
+        return "".join(str(int(groups[number_at]) + offset) if piece == "{}" else next(stars) if piece == "*"
+                       else piece for piece in pieces)
 
     return regex, make
 
