@@ -9,6 +9,7 @@ import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from contextvars import ContextVar
+from itertools import groupby
 from typing import Any, TypeVar
 
 import torch.distributed as dist
@@ -27,13 +28,8 @@ _GROUPS_MADE = 0  # control groups this process has made (their meeting's name i
 
 def ranks_text(ranks: list[int]) -> str:
     """`rank 3`, `ranks 0-2, 5`: a list of ranks, runs collapsed."""
-    runs: list[list[int]] = []
-    for r in ranks:
-        if runs and runs[-1][1] == r - 1:
-            runs[-1][1] = r
-        else:
-            runs.append([r, r])
-    text = ", ".join(str(a) if a == b else f"{a}-{b}" for a, b in runs)
+    runs = [[r for _, r in run] for _, run in groupby(enumerate(ranks), lambda ir: ir[1] - ir[0])]
+    text = ", ".join(str(run[0]) if len(run) == 1 else f"{run[0]}-{run[-1]}" for run in runs)
     return f"rank {text}" if len(ranks) == 1 else f"ranks {text}"
 
 

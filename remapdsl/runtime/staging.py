@@ -29,20 +29,18 @@ class Staging(NamedTuple):
 STAGING = Staging()  # a call's default bound: 16 MiB, four 2 MiB buffers for each of two threads
 
 
-def staging_within(staging_bytes: int | None, threads: int = 2) -> Staging:
-    """The staging of a call's `staging_bytes=` (None: STAGING) on `threads` threads: 2 MiB buffers filling
-    a thread's share, else two of half of it. E416 under two 1 kB buffers a thread."""
+def staging_within(staging_bytes: int | None) -> Staging:
+    """The staging of a call's `staging_bytes=` (None: STAGING) on its two reader threads: 2 MiB buffers
+    filling a thread's share, else two of half of it. E416 under two 1 kB buffers a thread."""
     if staging_bytes is None:
         return STAGING
-    threads = max(1, threads)
-    least = 2 * threads << 10
-    if isinstance(staging_bytes, bool) or not isinstance(staging_bytes, int) or staging_bytes < least:
+    if isinstance(staging_bytes, bool) or not isinstance(staging_bytes, int) or staging_bytes < 4 << 10:
         raise RemapError(Diagnostic(code="E416", message=f"staging_bytes={staging_bytes!r} is not a whole number of "
-                                    f"bytes of at least {least >> 10} kB (two staging buffers of at least 1 kB for "
-                                    f"each of {threads} reader threads)",
+                                    "bytes of at least 4 kB (two staging buffers of at least 1 kB for each of 2 "
+                                    "reader threads)",
                                     hint=f"the default is {STAGING.bound(2) >> 20} MiB: the most host memory a call "
                                          "pins to copy bytes to a device"))
-    share = staging_bytes // threads
+    share = staging_bytes // 2
     if share >= 2 * STAGING.buffer_bytes:
         return STAGING._replace(buffers=share // STAGING.buffer_bytes)
     return STAGING._replace(buffer_bytes=share // 2, buffers=2)
@@ -104,6 +102,10 @@ class StagingRing:
             self._made += 1
             self.allocated += buffer.numel()
             return buffer
+        return self._oldest()
+
+    def _oldest(self) -> torch.Tensor:
+        """The buffer whose copy began first, once that copy ended."""
         buffer, event = self._busy.popleft()
         if event is not None:
             event.synchronize()
@@ -112,10 +114,7 @@ class StagingRing:
     def close(self) -> None:
         """Wait for every copy still in flight; the buffers are kept for the next upload."""
         while self._busy:
-            buffer, event = self._busy.popleft()
-            if event is not None:
-                event.synchronize()
-            self._free.append(buffer)
+            self._free.append(self._oldest())
 
 
 class Rings:

@@ -33,7 +33,7 @@ def run_write_plan(plan: WritePlan, writer, tensors: Mapping[str, torch.Tensor],
                 return
             staging = torch.empty(item.runs.total, dtype=torch.uint8)
             values = apply_steps(view.detach().cpu() if view.device.type != "cpu" else view, item.steps)
-            staging.view(torch_dtype(item.dtype)).as_strided(item.sizes, item.strides).copy_(values)
+            staging.view(dtype).as_strided(item.sizes, item.strides).copy_(values)
             writer.write_runs(item.file, item.runs, memoryview(staging.numpy()))
 
         units = iter(work)  # shared by the threads

@@ -183,18 +183,17 @@ def check_state_dict(compiled: Compiled, tensors: Mapping[str, Any], local_shard
     produced = {d.runtime_key for d in compiled.runtime_tensors}
     for d in compiled.runtime_tensors:
         tensor = tensors.get(d.runtime_key)
-        if tensor is not None and not (hasattr(tensor, "dtype") and hasattr(tensor, "shape")):
+        if tensor is None:
+            if whole:  # a close name no rule makes is the likely misnaming
+                close = suggest(d.runtime_key, [k for k in tensors if k not in produced])
+                problems.append(Diagnostic(code="E230", span=d.rule, message=f"the rules produce "
+                                f"`{d.runtime_key}`, but the model has no such tensor",
+                                hint=f"did you mean `{close}`?" if close else None))
+            continue
+        if not (hasattr(tensor, "dtype") and hasattr(tensor, "shape")):
             problems.append(Diagnostic(code="E232", span=d.rule, message=f"`{d.runtime_key}` is a "
                             f"{type(tensor).__name__} in the model, not a tensor",
                             hint="the state dict maps each runtime key to a torch tensor or a DTensor"))
-            continue
-        if tensor is None and not whole:
-            continue
-        if tensor is None:  # a close name no rule makes is the likely misnaming
-            close = suggest(d.runtime_key, [k for k in tensors if k not in produced])
-            problems.append(Diagnostic(code="E230", span=d.rule, message=f"the rules produce "
-                            f"`{d.runtime_key}`, but the model has no such tensor",
-                            hint=f"did you mean `{close}`?" if close else None))
             continue
         shape = d.shape if local_shards else tuple(tensor.shape)
         dtype = str(tensor.dtype).removeprefix("torch.")

@@ -15,7 +15,10 @@ def global_names(tensors: Mapping[str, Any], local: Mapping[str, Any] | None) ->
     """`tensors` under their global names; E419 for a malformed `local` or two names becoming one."""
     if not local:
         return tensors
-    renames = [_template(pattern, value) for pattern, value in _items(local)]
+    if not isinstance(local, Mapping):
+        raise _error(f"local={local!r} is not a mapping of local name templates to offsets",
+                     'for example local={"decoder.layers.{}": stage * layers_per_stage}')
+    renames = [_template(pattern, value) for pattern, value in local.items()]
     out: dict[str, Any] = {}
     came_from: dict[str, str] = {}
     for name, tensor in tensors.items():
@@ -27,13 +30,6 @@ def global_names(tensors: Mapping[str, Any], local: Mapping[str, Any] | None) ->
                          "give each local template the offset of this rank's own part (stage, chunk or experts)")
         out[key], came_from[key] = tensor, name
     return out
-
-
-def _items(local) -> list[tuple[Any, Any]]:
-    if not isinstance(local, Mapping):
-        raise _error(f"local={local!r} is not a mapping of local name templates to offsets",
-                     'for example local={"decoder.layers.{}": stage * layers_per_stage}')
-    return list(local.items())
 
 
 def _template(pattern, value) -> tuple[re.Pattern, Any]:
@@ -56,11 +52,10 @@ def _template(pattern, value) -> tuple[re.Pattern, Any]:
     number_at = [p for p in parts if p in ("*", "{}")].index("{}")
 
     def make(match: re.Match) -> str:
-        groups, stars, out = match.groups(), iter(g for i, g in enumerate(match.groups()) if i != number_at), []
-        for piece in pieces:
-            out.append(str(int(groups[number_at]) + offset) if piece == "{}" else next(stars) if piece == "*"
-                       else piece)
-        return "".join(out)
+        groups = match.groups()
+        stars = iter(g for i, g in enumerate(groups) if i != number_at)
+        return "".join(str(int(groups[number_at]) + offset) if piece == "{}" else next(stars) if piece == "*"
+                       else piece for piece in pieces)
 
     return regex, make
 
