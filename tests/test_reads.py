@@ -198,10 +198,14 @@ def test_a_plan_item_outside_its_tensor_is_e417_naming_it_and_writes_nothing(cas
     assert torch.equal(tensors["model.norm.weight"], torch.full((16,), 3.0))
 
 
-def test_a_plan_item_outside_a_strided_tensor_is_e417_too():
+@pytest.mark.parametrize("change", [lambda i: i._replace(local_offsets=(8,)),
+                                    lambda i: i._replace(local_offsets=(0, 0), sizes=(*i.sizes, 1),
+                                                         strides=(*i.strides, 1))],
+                         ids=["offset past the end", "a dim more than the tensor's"])
+def test_a_plan_item_outside_a_strided_tensor_is_e417_too(change):
     """A destination that is no contiguous CPU tensor (a transposed view) is filled through torch
     views: a region the view cannot hold whole is refused, not cut short."""
-    plan, _ = _one_item_plan(lambda i: i._replace(local_offsets=(8,)))
+    plan, _ = _one_item_plan(change)
     tensors = _tensors()
     tensors["model.norm.weight"] = torch.zeros(2, 16).t()[:, 0]  # 16 elements, stride 2
     with pytest.raises(remapdsl.RemapError) as info:
