@@ -11,7 +11,7 @@ from lark import Token, Transformer
 from . import ir
 from ..errors import Span, did_you_mean, suggest
 from ..params import Param
-from .context import CONTEXT, error, identifier, new, span_of
+from .context import error, identifier, new, span_of
 from .expr_builder import atom, flat_expression, too_deep
 from .pattern_builder import Brace, RawPattern, capture_types, patterns as build_patterns, prefix_name
 
@@ -217,12 +217,8 @@ class Builder(Transformer):
 
     def brace_expr(self, children: list) -> tuple[str, Any]:
         (expr,) = children
-        if isinstance(expr, Token) and expr.type == "WORD" and not expr.isdigit() \
-                and ir.identifier_problem(str(expr)) and "." not in expr:
-            span = span_of(expr)
-            error("E017", f"`{expr}` is not a valid capture name: {ir.identifier_problem(str(expr))}",
-                  span)
-            CONTEXT.get().reported.add((span.line, span.column))
+        if isinstance(expr, Token) and expr.type == "WORD" and not expr.isdigit() and "." not in expr \
+                and identifier(expr, "capture name") is None:
             return ("bad", None)
         return ("expr", atom(expr))
 
