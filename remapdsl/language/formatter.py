@@ -132,10 +132,9 @@ def format_expr(expr: ir.Node, slot: int = 0) -> str:
 
 
 def _expr(expr: ir.Node) -> tuple[str, int]:
-    if isinstance(expr, ir.Int):
-        return str(expr.value), (UNARY if expr.value < 0 else ATOM)
-    if isinstance(expr, ir.Float):
-        return repr(expr.value), (UNARY if expr.value < 0 or str(expr.value).startswith("-") else ATOM)
+    if isinstance(expr, (ir.Int, ir.Float)):  # a negative literal (-0.0 too) binds as a unary minus
+        text = repr(expr.value)
+        return text, (UNARY if text.startswith("-") else ATOM)
     if isinstance(expr, ir.Bool):
         return ("true" if expr.value else "false"), ATOM
     if isinstance(expr, ir.Name):
@@ -144,8 +143,8 @@ def _expr(expr: ir.Node) -> tuple[str, int]:
         return "config." + ".".join(expr.path), ATOM
     if isinstance(expr, ir.List):
         return "[" + ", ".join(format_expr(i) for i in expr.items) + "]", ATOM
-    if isinstance(expr, ir.Neg):
-        return "-" + format_expr(expr.operand, UNARY + 1 if _is_negative(expr.operand) else UNARY), UNARY
+    if isinstance(expr, ir.Neg):  # its operand is no literal (ir.Neg); a nested minus in parentheses: `-(-x)`
+        return "-" + format_expr(expr.operand, UNARY + 1 if isinstance(expr.operand, ir.Neg) else UNARY), UNARY
     if isinstance(expr, ir.Not):
         return "not " + format_expr(expr.operand, NOT), NOT
     if isinstance(expr, (ir.BinOp, ir.BoolOp)):
@@ -157,8 +156,3 @@ def _expr(expr: ir.Node) -> tuple[str, int]:
     if isinstance(expr, ir.Coalesce):
         return f"{format_expr(expr.left, SUM)} ?? {format_expr(expr.right, COALESCE)}", COALESCE
     raise TypeError(f"not an expression: {expr!r}")
-
-
-def _is_negative(expr: ir.Node) -> bool:
-    """A nested minus (`- -x`, `- -3`) needs parentheses so it is not read as one literal."""
-    return isinstance(expr, ir.Neg) or (isinstance(expr, (ir.Int, ir.Float)) and expr.value < 0)
