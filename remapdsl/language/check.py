@@ -58,15 +58,8 @@ class _Checker:
             self.macro(s)
         elif isinstance(s, ir.Rule):
             self.rule(s)
-        elif isinstance(s, ir.Dequantize):
-            self.dequantize(s)
-        elif isinstance(s, ir.Quantized):
-            captures = self.captures(s.sources)
-            if s.guard is not None:
-                self.expr(s.guard, captures)
-            if any(_list_length(p) != 1 for p in s.sources):
-                self.error("E111", "a `quantized` statement takes no `{a,b}` alternatives", s.span)
-            self.op(s.format, {})
+        elif isinstance(s, (ir.Dequantize, ir.Quantized)):
+            self.quantized(s)
         elif isinstance(s, ir.CastAll):
             self.typed(s.dtype, "dtype", {}, "cast")
             self.only_one("`cast` statement", "E149", s.span)
@@ -140,18 +133,20 @@ class _Checker:
         if not self.unknown_op and not (s.otherwise and (len(s.sources) != 1 or len(s.targets) != 1)):
             self.list_axis(s, ops)
 
-    def dequantize(self, s: ir.Dequantize) -> None:
+    def quantized(self, s: ir.Dequantize | ir.Quantized) -> None:
+        """A `dequantize` (its logical key names every capture) or a `quantized` statement."""
         captures = self.captures(s.sources)
-        targets = self.targets((s.target,), captures, {})
+        logical = (s.target,) if isinstance(s, ir.Dequantize) else ()
+        targets = self.targets(logical, captures, {})
         if s.guard is not None:
             self.expr(s.guard, captures)
-        for name, (_, span) in captures.items():
+        for name, (_, span) in captures.items() if logical else ():
             if name not in targets:
                 self.error("E102", f"capture `{name}` appears only in the sources of a `dequantize`; "
                            "each logical tensor comes from one set of physical tensors", span,
                            f"use `{{{name}}}` in the logical key")
-        if _list_length(s.target) != 1 or any(_list_length(p) != 1 for p in s.sources):
-            self.error("E111", "a `dequantize` statement takes no `{a,b}` alternatives", s.span)
+        if any(_list_length(p) != 1 for p in s.sources + logical):
+            self.error("E111", f"a `{s.kind}` statement takes no `{{a,b}}` alternatives", s.span)
         self.op(s.format, {})
 
     # -- captures and targets --
