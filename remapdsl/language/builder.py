@@ -10,8 +10,7 @@ from lark import Token, Transformer
 
 from . import ir
 from ..errors import Span, did_you_mean, suggest
-from ..params import Param
-from .context import CONTEXT, error, identifier, new, span_of
+from .context import error, identifier, new, span_of
 from .expr_builder import atom, flat_expression, too_deep
 from .pattern_builder import Brace, RawPattern, capture_types, patterns as build_patterns, prefix_name
 
@@ -217,12 +216,8 @@ class Builder(Transformer):
 
     def brace_expr(self, children: list) -> tuple[str, Any]:
         (expr,) = children
-        if isinstance(expr, Token) and expr.type == "WORD" and not expr.isdigit() \
-                and ir.identifier_problem(str(expr)) and "." not in expr:
-            span = span_of(expr)
-            error("E017", f"`{expr}` is not a valid capture name: {ir.identifier_problem(str(expr))}",
-                  span)
-            CONTEXT.get().reported.add((span.line, span.column))
+        if isinstance(expr, Token) and expr.type == "WORD" and not expr.isdigit() and "." not in expr \
+                and identifier(expr, "capture name") is None:
             return ("bad", None)
         return ("expr", atom(expr))
 
@@ -303,7 +298,6 @@ def _last(last_pattern, guard, ops):
 def _bind_args(cls: type[ir.Op], name: Token, args: list[_Arg], span: Span) -> dict:
     """Map written arguments onto the op's declared parameters, reporting arity errors."""
     params = cls.params
-    names = [p.name for p in params]
     usage = cls.example
     fields: dict[str, Any] = {}
     suggested: set[str] = set()
@@ -322,31 +316,24 @@ def _bind_args(cls: type[ir.Op], name: Token, args: list[_Arg], span: Span) -> d
             param = params[position]
         else:
             seen_keyword = True
-            matches = [p for p in params if p.name == str(arg.name)]
-            if not matches:
-                close = suggest(str(arg.name), names)
+            param = next((p for p in params if p.name == str(arg.name)), None)
+            if param is None:
+                close = suggest(str(arg.name), [p.name for p in params])
                 if close:
                     suggested.add(close)
                 error("E021", f"`{name}` has no argument `{arg.name}`", span_of(arg.name),
                       f"did you mean `{close}`?" if close else f"for example `{usage}`")
                 continue
-            param = matches[0]
         if param.name in fields:
             error("E022", f"argument `{param.name}` of `{name}` is given twice", arg.span)
             continue
-        value = _arg_value(param, arg)
-        if value is not None:
-            fields[param.name] = value
+        if param.kind != "capture":
+            fields[param.name] = arg.value
+        elif isinstance(arg.value, ir.Name):
+            fields[param.name] = arg.value.id
+        else:
+            error("E024", f"argument `{param.name}` takes a capture name such as `E`", arg.span)
     for param in params:
         if param.required and param.name not in fields and param.name not in suggested:
             error("E020", f"`{name}` needs argument `{param.name}`", span, f"for example `{usage}`")
     return fields
-
-
-def _arg_value(param: Param, arg: _Arg) -> Any:
-    if param.kind != "capture":
-        return arg.value
-    if isinstance(arg.value, ir.Name):
-        return arg.value.id
-    error("E024", f"argument `{param.name}` takes a capture name such as `E`", arg.span)
-    return None

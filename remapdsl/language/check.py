@@ -58,17 +58,10 @@ class _Checker:
             self.macro(s)
         elif isinstance(s, ir.Rule):
             self.rule(s)
-        elif isinstance(s, ir.Dequantize):
-            self.dequantize(s)
-        elif isinstance(s, ir.Quantized):
-            captures = self.captures(s.sources)
-            if s.guard is not None:
-                self.expr(s.guard, captures)
-            if any(_list_length(p) != 1 for p in s.sources):
-                self.error("E111", "a `quantized` statement takes no `{a,b}` alternatives", s.span)
-            self.op(s.format, {}, {})
+        elif isinstance(s, (ir.Dequantize, ir.Quantized)):
+            self.quantized(s)
         elif isinstance(s, ir.CastAll):
-            self.typed(s.dtype, "dtype", {}, "cast", {})
+            self.typed(s.dtype, "dtype", {}, "cast")
             self.only_one("`cast` statement", "E149", s.span)
         elif isinstance(s, (ir.Drop, ir.Keep)):
             captures = self.captures(s.patterns)
@@ -94,9 +87,9 @@ class _Checker:
             self.error("E133", f"macro `{s.name}` is already defined"
                        + _at(self.macros[s.name].span, s.span), s.span)
             return
-        params = {p: "int" for p in s.params}
+        params = {p: ("int", None) for p in s.params}
         for op in s.ops:
-            self.op(op, params, {})
+            self.op(op, params)
         self.macros[s.name] = s
 
     def rule(self, s: ir.Rule) -> None:
@@ -140,19 +133,21 @@ class _Checker:
         if not self.unknown_op and not (s.otherwise and (len(s.sources) != 1 or len(s.targets) != 1)):
             self.list_axis(s, ops)
 
-    def dequantize(self, s: ir.Dequantize) -> None:
+    def quantized(self, s: ir.Dequantize | ir.Quantized) -> None:
+        """A `dequantize` (its logical key names every capture) or a `quantized` statement."""
         captures = self.captures(s.sources)
-        targets = self.targets((s.target,), captures, {})
+        logical = (s.target,) if isinstance(s, ir.Dequantize) else ()
+        targets = self.targets(logical, captures, {})
         if s.guard is not None:
             self.expr(s.guard, captures)
-        for name, (_, span) in captures.items():
+        for name, (_, span) in captures.items() if logical else ():
             if name not in targets:
                 self.error("E102", f"capture `{name}` appears only in the sources of a `dequantize`; "
                            "each logical tensor comes from one set of physical tensors", span,
                            f"use `{{{name}}}` in the logical key")
-        if _list_length(s.target) != 1 or any(_list_length(p) != 1 for p in s.sources):
-            self.error("E111", "a `dequantize` statement takes no `{a,b}` alternatives", s.span)
-        self.op(s.format, {}, {})
+        if any(_list_length(p) != 1 for p in s.sources + logical):
+            self.error("E111", f"a `{s.kind}` statement takes no `{{a,b}}` alternatives", s.span)
+        self.op(s.format, {})
 
     # -- captures and targets --
 
@@ -261,7 +256,7 @@ class _Checker:
         """Ops with macro calls replaced by their bodies (macros may only use earlier macros)."""
         for op in ops:
             if not isinstance(op, ir.MacroCall):
-                self.op(op, params, {})
+                self.op(op, params)
                 yield op
                 continue
             macro = self.macros.get(op.name)
@@ -290,11 +285,11 @@ class _Checker:
             if name in given:
                 self.error("E135", f"argument `{name}` is given twice", arg.span)
             given.add(name)
-            self.typed(arg.value, "int", params, arg.name or name, {})
+            self.typed(arg.value, "int", params, arg.name or name)
         for missing in [p for p in macro.params if p not in given]:
             self.error("E135", f"macro `{macro.name}` needs argument `{missing}`", call.span)
 
-    def format_call(self, call: ir.FormatCall, params, captures) -> None:
+    def format_call(self, call: ir.FormatCall, params) -> None:
         """A format of that name, its arguments known, each once, the required ones given, each of its kind."""
         if self.formats is None:
             return
@@ -321,7 +316,7 @@ class _Checker:
             given.setdefault(name, arg.value)
             kind = declared[names.index(name)].kind
             if kind != "capture":
-                self.typed(arg.value, kind, params, name, captures)
+                self.typed(arg.value, kind, params, name)
         for missing in [p.name for p in declared if p.required and p.name not in given and p.name != "to"]:
             self.error("E128", f"format `{call.name}` needs argument `{missing}`", call.span)
         for param in declared:
@@ -329,23 +324,23 @@ class _Checker:
                 for problem in size_problems(param, given[param.name]):
                     self.error(*problem)
 
-    def op(self, op: ir.Op, params, captures) -> None:
+    def op(self, op: ir.Op, params) -> None:
         """One op's arguments: a macro call's, a format's, or a built-in op's declared ones."""
         if isinstance(op, ir.MacroCall):
             list(self.expand((op,), params))
             return
         if isinstance(op, ir.FormatCall):
-            self.format_call(op, params, captures)
+            self.format_call(op, params)
             return
         for param in op.params:
             value = getattr(op, param.name)
             if value is None or param.kind == "capture":
                 continue
-            self.typed(value, param.kind, params, param.name, captures)
+            self.typed(value, param.kind, params, param.name)
         for problem in op_problems(op):
             self.error(*problem)
 
-    def typed(self, value: ir.Node, kind: str, params, name: str, captures) -> None:
+    def typed(self, value: ir.Node, kind: str, params, name: str) -> None:
         """Check one argument against the kind its parameter declares."""
         if kind in ("dtype", "scale_dtype"):
             choices, what, example = {"dtype": (DTYPE_NAMES, "dtype", "bfloat16"),
@@ -364,27 +359,25 @@ class _Checker:
                 self.error("E121", message, value.span,
                            hint or f"{what}s: {', '.join(choices)} (docs/language.md)")
             return
-        found = self.expr(value, captures, extra=params)
+        found = self.expr(value, params)
         ok, wanted = _ARG_KINDS[kind]
         if found not in ok:
             self.error("E120", f"`{name}` takes {wanted}, not {_A[found]}", value.span)
         elif kind == "ints" and isinstance(value, ir.List):
             for item in value.items:
-                if self.expr(item, captures, extra=params) not in ("int", "unknown"):
+                if self.expr(item, params) not in ("int", "unknown"):
                     self.error("E120", f"`{name}` takes a list of integers", item.span)
 
-    def expr(self, expr: ir.Node, captures, allow_dtype: bool = False, extra=None) -> str:
-        """Resolve the names of an expression and infer its type (or 'unknown' for config reads)."""
-        extra = extra or {}
+    def expr(self, expr: ir.Node, names, allow_dtype: bool = False) -> str:
+        """Resolve the names of an expression and infer its type (or 'unknown' for config reads); `names`:
+        what it may read besides the lets (a rule's captures, a macro's parameters), name -> (type, span)."""
         if isinstance(expr, (ir.Int, ir.Float, ir.Bool)):
             return expr.kind  # "int", "float", "bool"
         if isinstance(expr, ir.Config):
             return "unknown"
         if isinstance(expr, ir.Name):
-            if expr.id in extra:
-                return extra[expr.id]
-            if expr.id in captures:
-                return "int" if captures[expr.id][0] == "int" else "unknown"
+            if expr.id in names:
+                return "int" if names[expr.id][0] == "int" else "unknown"
             if expr.id in self.lets:
                 return self.lets[expr.id][0]
             if allow_dtype and expr.id in DTYPE_NAMES:
@@ -400,24 +393,24 @@ class _Checker:
                            "captures", expr.span, "op arguments are integers: numbers, `let`s, "
                            "`config.KEY`")
                 return "unknown"
-            choices = list(self.lets) + list(captures) + list(extra)
+            choices = list(self.lets) + list(names)
             hint = did_you_mean(expr.id, choices + (list(DTYPE_NAMES) if allow_dtype else []))
             self.error("E130", f"unknown name `{expr.id}`", expr.span,
                        hint or "names are `let`s defined above, this rule's captures, or `config.KEY`")
             return "unknown"
         if isinstance(expr, ir.List):
             for item in expr.items:
-                self.expr(item, captures, allow_dtype, extra)
+                self.expr(item, names, allow_dtype)
             return "list"
         if isinstance(expr, ir.Neg):
-            return self.expr(expr.operand, captures, False, extra)
+            return self.expr(expr.operand, names)
         if isinstance(expr, (ir.Not, ir.Compare, ir.BoolOp)):
             for child in expr.children():
-                self.expr(child, captures, False, extra)
+                self.expr(child, names)
             return "bool"
         if isinstance(expr, ir.BinOp):
-            left = self.expr(expr.left, captures, False, extra)
-            right = self.expr(expr.right, captures, False, extra)
+            left = self.expr(expr.left, names)
+            right = self.expr(expr.right, names)
             for side, kind in ((expr.left, left), (expr.right, right)):
                 if kind in ("bool", "list", "dtype"):
                     self.error("E126", f"`{expr.op}` needs numbers, not {_A[kind]}", side.span)
@@ -428,8 +421,8 @@ class _Checker:
                 return "float" if expr.op != "//" else "int"
             return "unknown" if "unknown" in (left, right) else "int"
         if isinstance(expr, ir.Coalesce):
-            left = self.expr(expr.left, captures, allow_dtype, extra)
-            right = self.expr(expr.right, captures, allow_dtype, extra)
+            left = self.expr(expr.left, names, allow_dtype)
+            right = self.expr(expr.right, names, allow_dtype)
             return right if left == "unknown" else left
         raise TypeError(f"not an expression: {expr!r}")
 

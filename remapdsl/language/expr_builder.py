@@ -13,14 +13,10 @@ from . import ir
 from ..dtypes import RULE_DTYPE_NAMES
 from ..errors import Span, suggest
 from .context import CONTEXT, error, new as _new, span_of
+from .nodes import BINARY_LEVELS, COMPARE
 
 MAX_DEPTH = 64  # expression nesting; deeper is refused rather than recursed into
 _DECIMAL = re.compile(r"[0-9]+\.[0-9]+")
-
-# Binding strength of the binary operators, loosest first (docs/language.md).
-_BINARY = {"or": 1, "and": 2, "==": 4, "!=": 4, "<": 4, "<=": 4, ">": 4, ">=": 4, "??": 5,
-           "+": 6, "-": 6, "*": 7, "//": 7, "%": 7}
-_COMPARE_LEVEL = 4
 
 
 def flat_expression(items: tuple) -> ir.Node:
@@ -131,8 +127,8 @@ class _Precedence:
         """Operands joined by the operators binding at least as tightly as `level`."""
         left = self.prefixed(depth)  # raises _TooDeep past MAX_DEPTH
         compared = False  # whether `left` is a comparison made in this run (not parenthesized)
-        while (op := self.peek_operator()) is not None and _BINARY[op] >= level:
-            strength = _BINARY[op]
+        while (op := self.peek_operator()) is not None and BINARY_LEVELS[op] >= level:
+            strength = BINARY_LEVELS[op]
             token = self.items[self.at]
             self.at += 1
             if op == "??":  # right-associative
@@ -141,7 +137,7 @@ class _Precedence:
                 continue
             right = self.binary(strength + 1, depth + 1)
             span = span_of(left, right)
-            if strength == _COMPARE_LEVEL:
+            if strength == COMPARE:
                 if compared:
                     error("E039", "comparisons do not chain", span_of(token),
                           "join two comparisons with `and`")
@@ -161,7 +157,7 @@ class _Precedence:
         if isinstance(item, Token) and item.type in ("MINUS", "NOT"):
             self.at += 1
             if item.type == "NOT":  # its operand is a whole comparison, as in Python
-                operand = self.binary(_COMPARE_LEVEL, depth + 1)
+                operand = self.binary(COMPARE, depth + 1)
                 return _new(ir.Not, operand=operand, span=span_of(item, operand))
             operand = self.prefixed(depth + 1)
             span = span_of(item, operand)

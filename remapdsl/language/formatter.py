@@ -4,13 +4,10 @@
 from __future__ import annotations
 
 from . import ir
+from .nodes import ATOM, BINARY_LEVELS, COALESCE, COMPARE, NOT, SUM, UNARY
 
 WIDTH = 100
 INDENT = "    "
-
-# Binding strength, loosest first; an operand weaker than its slot needs parentheses.
-_OR, _AND, _NOT, _COMPARE, _COALESCE, _SUM, _PRODUCT, _UNARY, _ATOM = range(1, 10)
-_BINARY_LEVEL = {"or": _OR, "and": _AND, "+": _SUM, "-": _SUM, "*": _PRODUCT, "//": _PRODUCT, "%": _PRODUCT}
 
 
 def format_rules(rules: ir.RuleFile) -> str:
@@ -135,33 +132,27 @@ def format_expr(expr: ir.Node, slot: int = 0) -> str:
 
 
 def _expr(expr: ir.Node) -> tuple[str, int]:
-    if isinstance(expr, ir.Int):
-        return str(expr.value), (_UNARY if expr.value < 0 else _ATOM)
-    if isinstance(expr, ir.Float):
-        return repr(expr.value), (_UNARY if expr.value < 0 or str(expr.value).startswith("-") else _ATOM)
+    if isinstance(expr, (ir.Int, ir.Float)):  # a negative literal (-0.0 too) binds as a unary minus
+        text = repr(expr.value)
+        return text, (UNARY if text.startswith("-") else ATOM)
     if isinstance(expr, ir.Bool):
-        return ("true" if expr.value else "false"), _ATOM
+        return ("true" if expr.value else "false"), ATOM
     if isinstance(expr, ir.Name):
-        return expr.id, _ATOM
+        return expr.id, ATOM
     if isinstance(expr, ir.Config):
-        return "config." + ".".join(expr.path), _ATOM
+        return "config." + ".".join(expr.path), ATOM
     if isinstance(expr, ir.List):
-        return "[" + ", ".join(format_expr(i) for i in expr.items) + "]", _ATOM
-    if isinstance(expr, ir.Neg):
-        return "-" + format_expr(expr.operand, _UNARY + 1 if _is_negative(expr.operand) else _UNARY), _UNARY
+        return "[" + ", ".join(format_expr(i) for i in expr.items) + "]", ATOM
+    if isinstance(expr, ir.Neg):  # its operand is no literal (ir.Neg); a nested minus in parentheses: `-(-x)`
+        return "-" + format_expr(expr.operand, UNARY + 1 if isinstance(expr.operand, ir.Neg) else UNARY), UNARY
     if isinstance(expr, ir.Not):
-        return "not " + format_expr(expr.operand, _NOT), _NOT
+        return "not " + format_expr(expr.operand, NOT), NOT
     if isinstance(expr, (ir.BinOp, ir.BoolOp)):
-        level = _BINARY_LEVEL[expr.op]
+        level = BINARY_LEVELS[expr.op]
         return f"{format_expr(expr.left, level)} {expr.op} {format_expr(expr.right, level + 1)}", level
     if isinstance(expr, ir.Compare):
-        return (f"{format_expr(expr.left, _COALESCE)} {expr.op} "
-                f"{format_expr(expr.right, _COALESCE)}"), _COMPARE
+        return (f"{format_expr(expr.left, COALESCE)} {expr.op} "
+                f"{format_expr(expr.right, COALESCE)}"), COMPARE
     if isinstance(expr, ir.Coalesce):
-        return f"{format_expr(expr.left, _SUM)} ?? {format_expr(expr.right, _COALESCE)}", _COALESCE
+        return f"{format_expr(expr.left, SUM)} ?? {format_expr(expr.right, COALESCE)}", COALESCE
     raise TypeError(f"not an expression: {expr!r}")
-
-
-def _is_negative(expr: ir.Node) -> bool:
-    """A nested minus (`- -x`, `- -3`) needs parentheses so it is not read as one literal."""
-    return isinstance(expr, ir.Neg) or (isinstance(expr, (ir.Int, ir.Float)) and expr.value < 0)

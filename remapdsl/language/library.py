@@ -137,11 +137,11 @@ def choose_rules(config: Mapping[str, Any]) -> tuple[ShippedRules, str]:
     matched, how = (by_type, f"model_type `{model_type}`") if by_type else (
         by_arch, f"architectures {', '.join(architectures)}")
     fits = [e for e in matched if e.quantization == method]
+    quantization = f", quantization `{method}`" if method else ""
     described = (f"model_type `{model_type}`" + (f", architectures {', '.join(architectures)}" if architectures
-                                                 else "") + (f", quantization `{method}`" if method else ""))
+                                                 else "") + quantization)
     if len(fits) == 1:
-        reason = how + (f", quantization `{method}`" if method else "")
-        return fits[0], reason
+        return fits[0], how + quantization
     candidates = "; ".join(f"{e.name} ({', '.join(e.model_types) or '-'}"
                            + (f", {e.quantization}" if e.quantization else "") + ")" for e in library)
     if fits:
@@ -179,10 +179,10 @@ def _describe(path: Path) -> ShippedRules:
         else:
             prose.append(text.rstrip())
 
-    def listed(key: str) -> tuple[str, ...]:
-        return tuple(v.strip() for v in fields.get(key, "").split(",") if v.strip())
+    def listed(key: str, separator: str = ",") -> tuple[str, ...]:
+        return tuple(v.strip() for v in fields.get(key, "").split(separator) if v.strip())
 
     return ShippedRules(name=path.stem, path=display_path(path), converts="\n".join(prose).strip("\n"),
                         model_types=listed("model_type"), architectures=listed("architectures"),
                         quantization=fields.get("quantization"), auto=fields.get("auto", "yes") != "no",
-                        verified=tuple(v.strip() for v in fields.get("verified", "").split("; ") if v.strip()))
+                        verified=listed("verified", "; "))

@@ -94,6 +94,11 @@ NO_TRIVIA = Trivia()
 
 # ---- expressions ---------------------------------------------------------------------------
 
+# Binding strength, loosest first (docs/language.md): the parser groups by it, the formatter parenthesizes.
+OR, AND, NOT, COMPARE, COALESCE, SUM, PRODUCT, UNARY, ATOM = range(1, 10)
+BINARY_LEVELS = {"or": OR, "and": AND, "==": COMPARE, "!=": COMPARE, "<": COMPARE, "<=": COMPARE, ">": COMPARE,
+                 ">=": COMPARE, "??": COALESCE, "+": SUM, "-": SUM, "*": PRODUCT, "//": PRODUCT, "%": PRODUCT}
+
 
 class Int(Node):
     kind: Literal["int"] = "int"

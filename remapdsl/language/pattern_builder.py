@@ -52,10 +52,9 @@ def _brace_token(token: Token) -> Brace:
         return Brace("typed", (_Word(name, name_span), _Word(kind, kind_span)),
                      token.start_pos, token.end_pos, span)
     inner_span = Span(span.path, span.line, span.column + 1, span.line, span.end_column - 1)
-    if not ir.identifier_problem(inner):  # `{L}`, else a keyword (`{when}`)
-        return Brace("expr", new(ir.Name, id=inner, span=inner_span), token.start_pos, token.end_pos, span)
-    error("E017", f"`{inner}` is not a valid capture name: {ir.identifier_problem(inner)}", inner_span)
-    return Brace("bad", None, token.start_pos, token.end_pos, span)
+    if identifier(_Word(inner, inner_span), "capture name") is None:  # a keyword (`{when}`)
+        return Brace("bad", None, token.start_pos, token.end_pos, span)
+    return Brace("expr", new(ir.Name, id=inner, span=inner_span), token.start_pos, token.end_pos, span)
 
 
 def prefix_name(token: Token) -> str | None:
