@@ -91,6 +91,15 @@ def test_consumed_capture_inside_a_macro_counts():
                        ).diagnostic.code == "E102"
 
 
+def test_a_macro_that_calls_another_checks_as_the_ops_it_expands_to():
+    """The inner macro's ops count: its concat combines the rule's two sources (a concat of one source is
+    E110), its stack consumes the capture."""
+    nested = "macro c() = concat(dim=0)\nmacro d() = c()\n"
+    rules_from_text(nested + "a.{x,y} -> b | d()\n")
+    assert check_error(nested + "a.x -> b | d()\n").diagnostic.code == "E110"
+    rules_from_text("macro s() = stack(E, dim=0)\nmacro t() = s()\na.{E}.w -> b | t()\n")
+
+
 def test_let_types_flow_into_op_arguments():
     rules_from_text("let DT = bfloat16\nlet G = 2\na.{q,k} -> b | interleave(dim=0, groups=G) | cast(DT)\n")
     error = check_error("let G = 2.5\na.{q,k} -> b | interleave(dim=0, groups=G)\n")

@@ -12,7 +12,7 @@ from ..dtypes import RULE_DTYPE_NAMES as DTYPE_NAMES
 from ..errors import Diagnostic, RuleCheckError, Span, did_you_mean, suggest
 from ..params import Param
 from .formatter import format_expr
-from .limits import limit_problems
+from .limits import MAX_OPS, limit_problems
 from .literals import op_problems, size_problems
 
 SCALE_DTYPES = ("float32", "e8m0")
@@ -39,6 +39,7 @@ class _Checker:
         self.formats = formats
         self.lets: dict[str, tuple[str, Span | None]] = {}  # defined so far: name -> (type, span)
         self.macros: dict[str, ir.Macro] = {}  # defined so far
+        self.bodies: dict[str, tuple[ir.Op, ...]] = {}  # a macro's ops, the macros it calls flattened
         self.diagnostics: list[Diagnostic] = []
         self.firsts: dict[str, Span | None] = {}  # statements a program holds once: the first of each
         self.all_lets: dict[str, Span | None] = {}  # every let of the program, for "defined below"
@@ -91,6 +92,11 @@ class _Checker:
         for op in s.ops:
             self.op(op, params)
         self.macros[s.name] = s
+        # its ops with the macros it calls flattened (each checked where it was defined), unless past the
+        # limit on ops (E136, limits.py)
+        flat = [o for op in s.ops
+                for o in (self.bodies.get(op.name, (op,)) if isinstance(op, ir.MacroCall) else (op,))]
+        self.bodies[s.name] = tuple(flat) if len(flat) <= MAX_OPS else s.ops
 
     def rule(self, s: ir.Rule) -> None:
         if s.otherwise:
@@ -267,7 +273,7 @@ class _Checker:
                            did_you_mean(op.name, choices) or f"ops: {', '.join(sorted(ir.OPS_BY_NAME))}")
                 continue
             self.macro_args(op, macro, params)
-            yield from macro.ops
+            yield from self.bodies[op.name]
 
     def macro_args(self, call: ir.MacroCall, macro: ir.Macro, params) -> None:
         given: set[str] = set()
