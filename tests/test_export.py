@@ -340,6 +340,58 @@ def _schedules(draw) -> tuple[list[dict], dict, int, list[str]]:
     return everyone, out, draw(st.integers(1, 1500)), [k for k, n in sizes.items() if not n]
 
 
+@st.composite
+def _splits(draw) -> tuple[list[dict], tuple]:
+    """Up to 12 ranks, each writing pieces of some of three checkpoint tensors, each piece at the rank's
+    coordinates on a mesh of drawn dims (or at none: a plain tensor), and a `gather` of drawn dims, perhaps one
+    no mesh has."""
+    world, dims = draw(st.integers(1, 12)), draw(st.lists(st.sampled_from(["dp", "ep", "tp"]), unique=True))
+    everyone: list[dict] = [{} for _ in range(world)]
+    for key in ("a", "b", "c"):
+        for r in draw(st.sets(st.integers(0, world - 1))):
+            everyone[r][key] = () if not dims or draw(st.integers(0, 5)) == 0 else \
+                tuple((d, draw(st.integers(0, 2))) for d in dims)
+    return everyone, tuple(draw(st.lists(st.sampled_from([*dims, "pp"]), unique=True)))
+
+
+@settings(max_examples=scaled(100), deadline=None)
+@given(_splits())
+def test_a_tensor_split_over_dims_gather_does_not_name_is_refused_at_any_scale(drawn):
+    """E542 for a gather dim no mesh has (the hint lists the meshes' dims, or none); else E541 for the first
+    tensor (by key) whose writers' coordinates differ on a dim gather leaves out, or that some writer holds as
+    a plain tensor (the whole job), naming six of its writers and counting the rest; else a schedule."""
+    from remapdsl.drivers.export import _schedule
+
+    everyone, gather = drawn
+    out = SimpleNamespace(tensors={k: SimpleNamespace(nbytes=1) for k in "abc"})
+    names = sorted({d for keys in everyone for coordinates in keys.values() for d, _ in coordinates})
+    want = None
+    if any(g not in names for g in gather):
+        unknown = next(g for g in gather if g not in names)
+        want = ("E542", f"gather={gather!r}: the mesh has no dim `{unknown}`", "the state dict's meshes have dims "
+                + (", ".join(f"`{n}`" for n in names) or "none (plain tensors)"))
+    for key in "abc":
+        writers = [r for r, keys in enumerate(everyone) if key in keys]
+        if want or len(writers) < 2:
+            continue
+        held = [dict(everyone[r][key]) for r in writers]
+        split = ["(the whole job)"] if not all(held) else \
+            sorted(d for d in held[0] if len({h[d] for h in held}) > 1)
+        left = [d for d in split if d not in gather]
+        if left:
+            shown = ", ".join(map(str, writers[:6])) + (f" and {len(writers) - 6} more" if len(writers) > 6 else "")
+            want = ("E541", f"checkpoint tensor `{key}` is split over the mesh dim(s) "
+                    + ", ".join(f"`{d}`" for d in left) + f" (ranks {shown} hold its pieces), which `gather` does "
+                    "not name", f"assemble it over them: gather={tuple(dict.fromkeys((*gather, *left)))!r}")
+    if want is None:
+        assert set(_schedule(everyone, out, 4, gather, []).owner) == {k for keys in everyone for k in keys}
+        return
+    with pytest.raises(remapdsl.RemapError) as info:
+        _schedule(everyone, out, 4, gather, [])
+    d = info.value.diagnostic
+    assert (d.code, d.message, d.hint) == want
+
+
 @settings(max_examples=scaled(100), deadline=None)
 @given(_schedules())
 def test_the_schedule_puts_at_most_half_a_bucket_in_each_round_of_each_owner(drawn):
