@@ -346,11 +346,11 @@ def _splits(draw) -> tuple[list[dict], tuple]:
     coordinates on a mesh of drawn dims (or at none: a plain tensor), and a `gather` of drawn dims, perhaps one
     no mesh has."""
     world, dims = draw(st.integers(1, 12)), draw(st.lists(st.sampled_from(["dp", "ep", "tp"]), unique=True))
+    at = [tuple((d, draw(st.integers(0, 1))) for d in dims) for _ in range(world)]  # each rank's coordinates
     everyone: list[dict] = [{} for _ in range(world)]
     for key in ("a", "b", "c"):
         for r in draw(st.sets(st.integers(0, world - 1))):
-            everyone[r][key] = () if not dims or draw(st.integers(0, 5)) == 0 else \
-                tuple((d, draw(st.integers(0, 2))) for d in dims)
+            everyone[r][key] = () if draw(st.integers(0, 5)) == 0 else at[r]
     return everyone, tuple(draw(st.lists(st.sampled_from([*dims, "pp"]), unique=True)))
 
 
