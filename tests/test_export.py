@@ -330,7 +330,7 @@ def _schedules(draw) -> tuple[list[dict], dict, int, list[str]]:
     """What the ranks share before an export (per rank: checkpoint key -> its mesh coordinates), the
     checkpoint tensors' sizes, a bucket, and the tensors without bytes."""
     world = draw(st.integers(1, 4))
-    sizes = draw(st.dictionaries(st.sampled_from([f"t{i}" for i in range(12)]), st.integers(0, 600), min_size=1))
+    sizes = draw(st.dictionaries(st.sampled_from([f"t{i:02}" for i in range(12)]), st.integers(0, 600)))
     everyone: list[dict] = [{} for _ in range(world)]
     for key, n in sizes.items():
         if n:
@@ -396,9 +396,11 @@ def test_a_tensor_split_over_dims_gather_does_not_name_is_refused_at_any_scale(d
 @given(_schedules())
 def test_the_schedule_puts_at_most_half_a_bucket_in_each_round_of_each_owner(drawn):
     """Drawn writers, sizes and buckets: each tensor's owner is one of its writers (rank 0 for one of no
-    bytes), each owner's round holds at most half a bucket unless one tensor (and ones of no bytes) fills it alone, rounds are
-    numbered from 0 without a gap; where every rank holds every tensor, the owners' loads differ by at
-    most the largest tensor."""
+    bytes), each owner's round holds at most half a bucket unless one tensor (and ones of no bytes) fills it
+    alone, rounds are numbered from 0 without a gap (none without tensors); where every rank holds every
+    tensor, the owners' loads differ by at most the largest tensor. Exactly: in key order each tensor goes to
+    its least loaded writer, and an owner's next round starts only where its next tensor would not fit beside
+    the round before."""
     from remapdsl.drivers.export import _schedule
 
     everyone, out, bucket, empty = drawn
@@ -415,7 +417,19 @@ def test_the_schedule_puts_at_most_half_a_bucket_in_each_round_of_each_owner(dra
     assert sorted({at for _, at in per_round}) == list(range(schedule.rounds))
     if all(keys.keys() == everyone[0].keys() for keys in everyone):  # every rank writes every tensor
         loads = [sum(out.tensors[k].nbytes for k, o in schedule.owner.items() if o == r) for r in range(len(everyone))]
-        assert max(loads) - min(loads) <= max(t.nbytes for t in out.tensors.values()), loads
+        assert max(loads) - min(loads) <= max((t.nbytes for t in out.tensors.values()), default=0), loads
+    load = [0] * len(everyone)  # in key order, each tensor goes to its least loaded writer (the lowest rank of ties)
+    for key in sorted(k for k in out.tensors if any(k in keys for keys in everyone)):
+        writers = [r for r, keys in enumerate(everyone) if key in keys]
+        assert (load[schedule.owner[key]], schedule.owner[key]) == min((load[r], r) for r in writers), key
+        load[schedule.owner[key]] += out.tensors[key].nbytes
+    for owner in set(schedule.owner.values()):  # an owner's rounds: its tensors in key order, each round full
+        mine = sorted(k for k, o in schedule.owner.items() if o == owner)
+        assert [schedule.round_of[k] for k in mine] == sorted(schedule.round_of[k] for k in mine)
+        for at in range(1, 1 + max(schedule.round_of[k] for k in mine)):
+            before = sum(out.tensors[k].nbytes for k in mine if schedule.round_of[k] == at - 1)
+            first = next(k for k in mine if schedule.round_of[k] == at)
+            assert before and before + out.tensors[first].nbytes > max(1, bucket // 2), (owner, at)
 
 
 # -- one process: the pairs themselves, and what an export or ingest refuses ----------------------
