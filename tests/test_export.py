@@ -675,6 +675,30 @@ def test_regions_tile_every_checkpoint_tensor_once_without_moving_a_byte(two_ran
     assert all(torch.equal(full[k], want[k]) for k in want)
 
 
+@pytest.mark.parametrize("keywords, name, why, got", [
+    ({"gather": "dp_shard"}, "gather", "takes no gather", "('dp_shard',)"),
+    ({"gather": ["dp", "tp"]}, "gather", "takes no gather", "('dp', 'tp')"),
+    ({"by_round": True}, "by_round", "has no rounds to group by", "True")])
+def test_regions_refuse_a_gather_or_rounds_naming_which(keywords, name, why, got):
+    """A gather (one name or several) or by_round beside regions=True: E542 saying which, whole."""
+    with pytest.raises(remapdsl.RemapError) as info:
+        next(remapdsl.export({}, QWEN, regions=True, **keywords))
+    d = info.value.diagnostic
+    assert (d.code, d.message, d.hint) == ("E542", "regions=True yields the boxes each rank holds and moves nothing, "
+                                           f"so it {why} (got {name}={got})",
+                                           f"drop `{name}`, or drop `regions` to assemble whole tensors")
+
+
+def test_a_gather_given_as_one_name_is_that_name():
+    """gather="tp" is gather=("tp",), not its letters: with plain tensors no mesh has it (E542)."""
+    state, config, _ = _example()
+    with pytest.raises(remapdsl.RemapError) as info:
+        next(remapdsl.export(state, QWEN, config=config, gather="tp"))
+    d = info.value.diagnostic
+    assert (d.code, d.message, d.hint) == ("E542", "gather=('tp',): the mesh has no dim `tp`",
+                                           "the state dict's meshes have dims none (plain tensors)")
+
+
 @pytest.mark.distributed
 def test_a_strided_piece_is_no_region(two_ranks):
     """torchtitan's Llama 3 stores q and k in rotary pair order: a row shard's rows of the
