@@ -345,12 +345,13 @@ def _splits(draw) -> tuple[list[dict], tuple]:
     """Up to 12 ranks, each writing pieces of some of three checkpoint tensors, each piece at the rank's
     coordinates on a mesh of drawn dims (or at none: a plain tensor), and a `gather` of drawn dims, perhaps one
     no mesh has."""
-    world, dims = draw(st.integers(1, 12)), draw(st.lists(st.sampled_from(["dp", "ep", "tp"]), unique=True))
+    world = draw(st.integers(1, 12))
+    dims = draw(st.lists(st.sampled_from(["dp", "ep", "tp"]), min_size=1, unique=True))
     at = [tuple((d, draw(st.integers(0, 1))) for d in dims) for _ in range(world)]  # each rank's coordinates
     everyone: list[dict] = [{} for _ in range(world)]
     for key in ("a", "b", "c"):
         for r in draw(st.sets(st.integers(0, world - 1))):
-            everyone[r][key] = () if draw(st.integers(0, 5)) == 0 else at[r]
+            everyone[r][key] = at[r] if draw(st.sampled_from(["mesh"] * 5 + ["plain"])) == "mesh" else ()
     return everyone, tuple(draw(st.lists(st.sampled_from([*dims, "pp"]), unique=True)))
 
 
