@@ -118,7 +118,12 @@ def test_an_unknown_choice_is_refused(tmp_path):
     source, rules = _minimal(tmp_path / "src"), rules_from_text(MINIMAL, "t.remap")
     with pytest.raises(RemapError) as info:
         remapdsl.save(_loaded(source, rules), tmp_path / "out", rules, like=source, dropped="skip")
-    assert info.value.diagnostics[0].code == "E523" and "'omit'" in str(info.value)
+    d = info.value.diagnostic
+    assert (d.code, d.message, d.hint) == ("E523", "dropped='skip': what a save does with the checkpoint tensors the "
+                                           "rules drop is one of 'error', 'copy', 'omit'",
+                                           '"copy" copies them unchanged from `like`, "omit" leaves them out, '
+                                           '"error" (the default) refuses the save')
+    assert not (tmp_path / "out").exists()
 
 
 # -- an index checkpoint ---------------------------------------------------------------------------
