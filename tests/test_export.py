@@ -690,11 +690,13 @@ def test_regions_refuse_a_gather_or_rounds_naming_which(keywords, name, why, got
                                            f"drop `{name}`, or drop `regions` to assemble whole tensors")
 
 
-def test_a_gather_given_as_one_name_is_that_name():
-    """gather="tp" is gather=("tp",), not its letters: with plain tensors no mesh has it (E542)."""
+@pytest.mark.parametrize("gather", ["tp", {"tp"}, iter(["tp"])], ids=["a name", "a set", "an iterator"])
+def test_a_gather_given_as_one_name_or_any_iterable_is_those_names(gather):
+    """gather="tp" is gather=("tp",), not its letters, as a set or an iterator of names is: with plain tensors
+    no mesh has it (E542)."""
     state, config, _ = _example()
     with pytest.raises(remapdsl.RemapError) as info:
-        next(remapdsl.export(state, QWEN, config=config, gather="tp"))
+        next(remapdsl.export(state, QWEN, config=config, gather=gather))
     d = info.value.diagnostic
     assert (d.code, d.message, d.hint) == ("E542", "gather=('tp',): the mesh has no dim `tp`",
                                            "the state dict's meshes have dims none (plain tensors)")

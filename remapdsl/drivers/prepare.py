@@ -248,7 +248,7 @@ _KINDS = {"layout": (LayoutPlan, "a LayoutPlan (`remapdsl.read_layout(path)`, `L
           "like": ((*_CHECKPOINT[0], type(None)), "a checkpoint folder's path, or None"),
           "rules": ((str, os.PathLike, RuleSet), "a rule file's path, a shipped name (`\"qwen3_moe\"`) or a RuleSet"),
           "config": ((Mapping, type(None)), "a mapping of config keys to values, or None"),
-          "gather": ((str, tuple, list), "a tuple of mesh dim names"),
+          "gather": (Iterable, "a tuple of mesh dim names"),
           "pairs": (Iterable, "a mapping or an iterable of (checkpoint key, tensor) pairs"),
           **dict.fromkeys(("strict", "read_replicated_once", "overwrite", "allow_lossy", "requantize", "regions",
                            "by_round", "reverse"), (bool, "True or False"))}
