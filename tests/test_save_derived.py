@@ -164,11 +164,12 @@ def test_stack_ranges_come_from_the_stacked_dim_and_start():
     assert _derive(text, checkpoint) == checkpoint
 
 
-def test_unstack_split_transpose_permute_and_chunk_undo():
+def test_unstack_split_transpose_permute_repeat_and_chunk_undo():
     text = ("remap 1\nw -> e.{E}.w | unstack(E, dim=0)\nqkv -> {q,k,v} | split(dim=1, sizes=[4, 2, 2])\n"
-            "t -> t | transpose(0, 1)\ngu -> {g,u} | chunk(dim=0, n=2)\np -> p | permute([2, 0, -2])\n")
+            "t -> t | transpose(0, 1)\ngu -> {g,u} | chunk(dim=0, n=2)\np -> p | permute([2, 0, -2])\n"
+            "r -> r | repeat(dim=-1, times=3)\n")
     checkpoint = {"w": ("float32", (5, 3, 2)), "qkv": ("int8", (3, 8)), "t": ("float16", (2, 7)),
-                  "gu": ("float32", (6, 4)), "p": ("float32", (2, 3, 5))}
+                  "gu": ("float32", (6, 4)), "p": ("float32", (2, 3, 5)), "r": ("bfloat16", (2, 4))}
     assert _derive(text, checkpoint) == checkpoint
 
 
@@ -233,9 +234,13 @@ _GU = {"gu": ((12, 4), "float32")}
      ("E210", "`dim` must be an integer, got 0.5", (4, 17), "    | split(dim=D, sizes=[2, 2, 2])", None)),
     ("let D = config.d\np -> p\n    | permute([D, 0, 1])\n", {"p": ((2, 3, 4), "float32")}, {"d": 0.5},
      ("E210", "`dims` must be a list of integers, got [0.5, 0, 1]", (4, 15), "    | permute([D, 0, 1])", None)),
+    ("let D = config.d\nr -> r\n    | repeat(dim=0, times=D)\n", {"r": ((2, 3), "float32")}, {"d": 0.5},
+     ("E210", "`times` must be an integer, got 0.5", (4, 27), "    | repeat(dim=0, times=D)", None)),
+    ("let D = config.d\nr -> r\n    | repeat(dim=D, times=2)\n", {"r": ((2, 3), "float32")}, {"d": 0.5},
+     ("E210", "`dim` must be an integer, got 0.5", (4, 18), "    | repeat(dim=D, times=2)", None)),
 ], ids=["stack width", "concat without sizes", "concat over a capture without sizes", "interleave without sizes",
         "sizes of another sum", "sizes of another count", "sizes over a capture", "dim", "sizes", "transpose a",
-        "transpose b", "unstack dim", "stack dim", "split dim", "permute dims"])
+        "transpose b", "unstack dim", "stack dim", "split dim", "permute dims", "repeat times", "repeat dim"])
 def test_each_size_a_derived_layout_cannot_know_is_named_whole(text, runtime, config, expected):
     """Every way the runtime shapes leave a checkpoint size open (a stack of another width, a join with no
     `sizes=`, sizes that do not fit) and every argument that is no integer: the code, the whole message,
