@@ -164,12 +164,14 @@ def test_stack_ranges_come_from_the_stacked_dim_and_start():
     assert _derive(text, checkpoint) == checkpoint
 
 
-def test_unstack_split_transpose_permute_repeat_and_chunk_undo():
+def test_unstack_split_transpose_permute_repeat_pad_and_chunk_undo():
     text = ("remap 1\nw -> e.{E}.w | unstack(E, dim=0)\nqkv -> {q,k,v} | split(dim=1, sizes=[4, 2, 2])\n"
             "t -> t | transpose(0, 1)\ngu -> {g,u} | chunk(dim=0, n=2)\np -> p | permute([2, 0, -2])\n"
-            "r -> r | repeat(dim=-1, times=3)\n")
+            "r -> r | repeat(dim=-1, times=3)\none -> one | repeat(dim=0, times=1)\n"
+            "x -> x | pad(dim=-2, to=8, size=5)\n")
     checkpoint = {"w": ("float32", (5, 3, 2)), "qkv": ("int8", (3, 8)), "t": ("float16", (2, 7)),
-                  "gu": ("float32", (6, 4)), "p": ("float32", (2, 3, 5)), "r": ("bfloat16", (2, 4))}
+                  "gu": ("float32", (6, 4)), "p": ("float32", (2, 3, 5)), "r": ("bfloat16", (2, 4)),
+                  "one": ("float32", (3,)), "x": ("float32", (5, 2))}
     assert _derive(text, checkpoint) == checkpoint
 
 
@@ -238,9 +240,17 @@ _GU = {"gu": ((12, 4), "float32")}
      ("E210", "`times` must be an integer, got 0.5", (4, 27), "    | repeat(dim=0, times=D)", None)),
     ("let D = config.d\nr -> r\n    | repeat(dim=D, times=2)\n", {"r": ((2, 3), "float32")}, {"d": 0.5},
      ("E210", "`dim` must be an integer, got 0.5", (4, 18), "    | repeat(dim=D, times=2)", None)),
+    ("x -> x\n    | pad(dim=0, to=8, size=5)\n", {"x": ((7, 2), "float32")}, {},
+     ("E520", "runtime tensor `x`: `pad` pads dim 0 to 8, but the model's has 7", (3, 7),
+      "    | pad(dim=0, to=8, size=5)", _LACKS)),
+    *((f"let D = config.d\nx -> x\n    | pad({args})\n", {"x": ((8, 2), "float32")}, {"d": 0.5},
+       ("E210", f"`{name}` must be an integer, got 0.5", (4, column), f"    | pad({args})", None))
+      for name, args, column in [("dim", "dim=D, to=8, size=5", 15), ("to", "dim=0, to=D, size=5", 21),
+                                 ("size", "dim=0, to=8, size=D", 29)]),
 ], ids=["stack width", "concat without sizes", "concat over a capture without sizes", "interleave without sizes",
         "sizes of another sum", "sizes of another count", "sizes over a capture", "dim", "sizes", "transpose a",
-        "transpose b", "unstack dim", "stack dim", "split dim", "permute dims", "repeat times", "repeat dim"])
+        "transpose b", "unstack dim", "stack dim", "split dim", "permute dims", "repeat times", "repeat dim", "pad to another size",
+        "pad dim", "pad to", "pad size"])
 def test_each_size_a_derived_layout_cannot_know_is_named_whole(text, runtime, config, expected):
     """Every way the runtime shapes leave a checkpoint size open (a stack of another width, a join with no
     `sizes=`, sizes that do not fit) and every argument that is no integer: the code, the whole message,
