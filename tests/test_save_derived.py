@@ -267,11 +267,14 @@ def test_a_concat_without_sizes_names_the_op_and_the_dim():
     assert "a.0.gu" in d.message
 
 
-@pytest.mark.parametrize("op, why", [("slice(dim=0, start=1)", "slice"), ("pad(dim=0, to=8)", "pad"),
-                                     ("reshape([2, 6])", "reshape"), ("cast(bfloat16)", "cast")])
+@pytest.mark.parametrize("op, why", [
+    ("slice(dim=0, start=1)", "`slice`: a slice leaves out rows whose number it does not state"),
+    ("pad(dim=0, to=8)", "`pad`: a pad's input size is not given by the padded size: add `size=`"),
+    ("reshape([2, 6])", "`reshape`: a reshape's input shape is not given by its output"),
+    ("cast(bfloat16)", "`cast`: the dtype before a cast is not given by the dtype after it")])
 def test_ops_whose_input_size_the_output_does_not_give_are_refused(op, why):
     d = _refused(f"remap 1\na -> b | {op}\n", {"b": ((2, 6), "bfloat16")})
-    assert d.message.startswith(f"runtime tensor `b`: `{why}`") and (d.span.line, d.span.column) == (2, 10)
+    assert d.message == f"runtime tensor `b`: {why}" and (d.span.line, d.span.column) == (2, 10)
 
 
 def test_a_wildcard_source_and_cast_all_are_refused():
