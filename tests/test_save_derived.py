@@ -183,6 +183,19 @@ def test_a_target_index_shifted_by_a_let_is_solved_back():
     assert _derive(text, checkpoint, {"n": 3}) == checkpoint
 
 
+def test_a_constant_substitution_in_a_target_reads_back_as_its_text():
+    assert _derive("remap 1\nlet N = config.n\nx -> y.{N + 1}.w\n", {"x": ("float32", (2,))}, {"n": 3}) == \
+        {"x": ("float32", (2,))}
+
+
+def test_a_target_substitution_of_two_captures_is_refused_whole():
+    """`{L * 8 + E}` does not give L and E back: E520 naming both, at the substitution."""
+    d = _refused("remap 1\na.{L}.{E}.w -> b.{L * 8 + E}\n", {"b.9": ((2,), "float32")})
+    assert (d.message, (d.span.line, d.span.column), d.line_text, d.hint) == (
+        "the target's `{...}` at <text>:2:18 reads E, L: its value does not give back the captures", (2, 18),
+        "a.{L}.{E}.w -> b.{L * 8 + E}", _LACKS)
+
+
 def test_a_guard_boundary_picks_the_layer_s_rule():
     text = ("remap 1\nl.{L}.w -> dense.{L}.w when L < 2\nl.{L}.w -> moe.{L}.w when L >= 2\n")
     checkpoint = {f"l.{L}.w": ("float32", (L + 1,)) for L in range(4)}
