@@ -91,8 +91,8 @@ def plan_rank(compiled: Compiled, inventory: Inventory, layout, mesh, rank: int,
     from .sharding.holdings import held_by_layout
     from .sharding.plans import make_load_plan
 
-    layout = _check_kind(layout, "layout").resolved(checkpoint_config(inventory) if config is None
-                                                                 else config)
+    config = checkpoint_config(inventory) if config is None else config
+    layout = _check_kind(layout, "layout").resolved(config)
     held = held_by_layout(compiled, layout, _check_kind(mesh, "mesh"), rank)
     return make_load_plan(compiled, inventory, held, rank)
 
