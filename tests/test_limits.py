@@ -36,6 +36,18 @@ def test_exponential_macros_are_refused_at_the_first_macro_past_the_limit_and_fa
     assert "`m8` expands to 512 ops" in error.diagnostic.message
 
 
+def test_a_macro_past_the_limit_through_many_calls_of_a_large_one_is_refused_unexpanded():
+    """50,000 calls of a 200-op macro (10 million ops, a 1 MB file): E136 once, at the macro, without the
+    body being expanded call by call (20 s before)."""
+    body = " | ".join(["transpose(0, 1)"] * 200)
+    text = f"macro a() = {body}\nmacro b() = " + " | ".join(["a()"] * 50_000) + "\nx -> y | b()\n"
+    started = time.perf_counter()
+    error = check_error(text)
+    assert time.perf_counter() - started < 10
+    assert codes(error) == [("E136", 2, 1)]
+    assert "`b` expands to 10,000,000 ops" in error.diagnostic.message
+
+
 def test_a_rule_past_the_limit_through_macros_that_are_each_within_it():
     half = " | ".join(["transpose(0, 1)"] * (MAX_OPS // 2))
     error = check_error(f"macro half() = {half}\na.w -> b.w | half() | half() | transpose(0, 1)\n")

@@ -102,7 +102,8 @@ class _Pass:
             self.too_big.add(s.name)
         # the macros its body calls, as defined above it (a macro defined later is not the one called)
         self.callees[s.name] = {name: self.macros[name] for name in calls if name in self.macros}
-        self.expand(s.ops, {p: _NOT_CONSTANT for p in s.params}, None, self.callees[s.name])
+        if s.name not in self.too_big:  # as for a pipe: past the limit, its ops are not expanded (2^40 of them)
+            self.expand(s.ops, {p: _NOT_CONSTANT for p in s.params}, None, self.callees[s.name])
         self.macros[s.name], self.sizes[s.name] = s, size  # after: a macro cannot call itself
 
     def pipe(self, ops, span: Span | None, what: str) -> None:
