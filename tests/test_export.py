@@ -685,9 +685,9 @@ def test_regions_refuse_a_gather_or_rounds_naming_which(keywords, name, why, got
     with pytest.raises(remapdsl.RemapError) as info:
         next(remapdsl.export({}, QWEN, regions=True, **keywords))
     d = info.value.diagnostic
-    assert (d.code, d.message, d.hint) == ("E542", "regions=True yields the boxes each rank holds and moves nothing, "
-                                           f"so it {why} (got {name}={got})",
-                                           f"drop `{name}`, or drop `regions` to assemble whole tensors")
+    message = f"regions=True yields the boxes each rank holds and moves nothing, so it {why} (got {name}={got})"
+    hint = f"drop `{name}`, or drop `regions` to assemble whole tensors"
+    assert (d.code, d.message, d.hint) == ("E542", message, hint)
 
 
 @pytest.mark.parametrize("gather", ["tp", {"tp"}, iter(["tp"])], ids=["a name", "a set", "an iterator"])

@@ -119,10 +119,10 @@ def test_an_unknown_choice_is_refused(tmp_path):
     with pytest.raises(RemapError) as info:
         remapdsl.save(_loaded(source, rules), tmp_path / "out", rules, like=source, dropped="skip")
     d = info.value.diagnostic
-    assert (d.code, d.message, d.hint) == ("E523", "dropped='skip': what a save does with the checkpoint tensors the "
-                                           "rules drop is one of 'error', 'copy', 'omit'",
-                                           '"copy" copies them unchanged from `like`, "omit" leaves them out, '
-                                           '"error" (the default) refuses the save')
+    assert (d.code, d.message) == ("E523", ("dropped='skip': what a save does with the checkpoint tensors the "
+                                           "rules drop is one of 'error', 'copy', 'omit'"))
+    assert d.hint == ('"copy" copies them unchanged from `like`, "omit" leaves them out, "error" (the default) '
+                      'refuses the save')
     assert not (tmp_path / "out").exists()
 
 
