@@ -153,8 +153,7 @@ def save(state_dict, folder, rules, *, like=None, config: Mapping[str, Any] | No
     """
     from .drivers.save import save as _save
 
-    _check_kinds(folder=folder, rules=rules, like=like, config=config, overwrite=overwrite, allow_lossy=allow_lossy,
-                 requantize=requantize)
+    _check_kinds(rules=rules, like=like, config=config)  # the folder and flags: the driver's, as for Prepared.save
     require_data(like, "a save (`like`)")
     return _save(None, state_dict, folder, rules=rules_for(rules, like, config), like=like, config=config,
                  layout=layout, mesh=mesh, overwrite=overwrite, allow_lossy=allow_lossy, requantize=requantize,
@@ -177,8 +176,7 @@ def export(state_dict, rules, *, like=None, config: Mapping[str, Any] | None = N
     """
     from .drivers.export import export as _export
 
-    _check_kinds(rules=rules, like=like, config=config, gather=gather, allow_lossy=allow_lossy, regions=regions,
-                 by_round=by_round)
+    _check_kinds(rules=rules, like=like, config=config)  # gather and the flags: the driver's
     require_data(like, "an export (`like`)")
     return _export(None, state_dict, rules=rules_for(rules, like, config), like=like, config=config, gather=gather,
                    bucket_bytes=bucket_bytes, layout=layout, mesh=mesh, allow_lossy=allow_lossy, regions=regions,

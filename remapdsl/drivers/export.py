@@ -24,7 +24,7 @@ from ..sharding.plans import make_write_plan
 from ..runtime import bounds, dist
 from ..runtime.pieces import torch_dtype
 from .convert import batches
-from .prepare import HeldTogether, check_mesh, named_together
+from .prepare import HeldTogether, check_kinds, check_mesh, named_together
 from .save import prepared_checkpoint, writers_paused
 from ..runtime.write import run_write_plan
 
@@ -34,7 +34,8 @@ def export(prepared, state_dict, *, rules=None, like=None, config: Mapping[str, 
            by_round: bool = False, timeout=None, local=None) -> Iterator:
     """`remapdsl.export` (`prepared` None: prepared for this call) or `Prepared.export`: (checkpoint key,
     tensor) pairs, or with `regions` (key, offsets, tensor), or with `by_round` one list of pairs a round."""
-    bounds.seconds(timeout)  # a bad timeout is refused at the call, before the first item is asked for
+    bounds.seconds(timeout)  # a bad timeout or flag is refused at the call, before the first item is asked for
+    check_kinds(gather=gather, allow_lossy=allow_lossy, regions=regions, by_round=by_round)
     return bounds.bounded_iter(_export(prepared, rules, like, config, state_dict, gather, bucket_bytes, layout, mesh,
                                        allow_lossy, regions, by_round, local), timeout)
 

@@ -12,7 +12,7 @@ from ..language import RuleSet
 from ..language.includes import rule_texts
 from ..language.parser import read_rule_text
 from ..errors import RemapError
-from .prepare import Ready, check_kinds, prepare_everywhere
+from .prepare import Ready, prepare_everywhere
 
 T = TypeVar("T")
 KEPT = 4  # plans kept of each kind: the last holdings seen (a trainer alternates few)
@@ -97,7 +97,6 @@ class Prepared:
         """Write runtime tensors back to the checkpoint's layout (it is `like`); as `remapdsl.save`."""
         from .save import save
 
-        check_kinds(folder=folder, overwrite=overwrite, allow_lossy=allow_lossy, requantize=requantize)
         return save(self, state_dict, folder, layout=layout, mesh=mesh, overwrite=overwrite, allow_lossy=allow_lossy,
                     requantize=requantize, dropped=dropped, timeout=timeout, local=local)
 
@@ -107,7 +106,6 @@ class Prepared:
         """The checkpoint's layout of a runtime state dict, in memory (it is `like`); as `remapdsl.export`."""
         from .export import export
 
-        check_kinds(gather=gather, allow_lossy=allow_lossy, regions=regions, by_round=by_round)
         return export(self, state_dict, gather=gather, bucket_bytes=bucket_bytes, layout=layout, mesh=mesh,
                       allow_lossy=allow_lossy, regions=regions, by_round=by_round, timeout=timeout,
                       local=local)

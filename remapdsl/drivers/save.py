@@ -25,7 +25,7 @@ from ..sharding.layouts import global_shapes
 from ..sharding.plans import make_write_plan
 from ..sizes import parse_size
 from ..runtime import bounds, dist
-from .prepare import HeldTogether, check_mesh, named_together, prepare_everywhere
+from .prepare import HeldTogether, check_kinds, check_mesh, named_together, prepare_everywhere
 from ..runtime.write import run_write_plan
 
 _log = logging.getLogger("remapdsl")
@@ -49,6 +49,7 @@ def save(prepared, state_dict, folder, *, rules=None, like=None, config=None, la
          overwrite: bool = False, allow_lossy: bool = False, requantize: bool = False, dropped: str = "error",
          max_shard_size: int | str = "5GB", timeout=None, local=None) -> SaveReport:
     """`remapdsl.save` (`prepared` None: `like`'s layout, or the derived one, prepared for this call)."""
+    check_kinds(folder=folder, overwrite=overwrite, allow_lossy=allow_lossy, requantize=requantize)
     with bounds.bounded(timeout), frozen_heap():
         folder, derived = Path(folder).absolute(), None
         tensors = named_together(state_dict, local)
