@@ -8,6 +8,7 @@ import difflib
 import re
 import unicodedata
 from collections.abc import Iterable, Sequence
+from itertools import groupby
 from typing import Annotated, NamedTuple
 
 from pydantic import BaseModel, ConfigDict, GetPydanticSchema, PlainSerializer, field_validator
@@ -137,6 +138,12 @@ def bound_text(text: str) -> str:
     if len(text) > MAX_QUOTED + 2:
         text = _QUOTED.sub(lambda m: f"`{shorten(m.group(1), MAX_QUOTED)}`", text)
     return shorten(text, MAX_TEXT)
+
+
+def runs_text(values: Iterable[int]) -> str:
+    """Sorted integers without repeats as `0-2, 5`: each run of consecutive ones collapsed."""
+    runs = [[v for _, v in run] for _, run in groupby(enumerate(values), lambda iv: iv[1] - iv[0])]
+    return ", ".join(str(r[0]) if len(r) == 1 else f"{r[0]}-{r[-1]}" for r in runs)
 
 
 def suggest(word: str, choices: Iterable[str]) -> str | None:

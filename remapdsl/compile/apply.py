@@ -4,8 +4,8 @@ at a time with its arguments evaluated: from a binding group to the tensors its 
 from __future__ import annotations
 
 from collections import defaultdict
-from itertools import groupby
 
+from ..errors import runs_text
 from ..language import ir
 from . import symbolic as sym
 from .evaluate import Evaluator
@@ -132,6 +132,5 @@ def expand_macros(ops, macros: dict, config, lets: dict, line_text, env: dict | 
 
 
 def _ranges(values: list[int]) -> str:
-    """{0,1,2,5} -> `0-2, 5` (`values` sorted, without repeats)."""
-    runs = [[v for _, v in run] for _, run in groupby(enumerate(values), lambda iv: iv[1] - iv[0])]
-    return "{" + ", ".join(f"{r[0]}" if len(r) == 1 else f"{r[0]}-{r[-1]}" for r in runs) + "}"
+    """{0,1,2,5} -> `{0-2, 5}` (`values` sorted, without repeats)."""
+    return "{" + runs_text(values) + "}"

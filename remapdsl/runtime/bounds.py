@@ -9,12 +9,11 @@ import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from contextvars import ContextVar
-from itertools import groupby
 from typing import Any, TypeVar
 
 import torch.distributed as dist
 
-from ..errors import Diagnostic, RemapError
+from ..errors import Diagnostic, RemapError, runs_text
 
 T = TypeVar("T")
 
@@ -28,9 +27,7 @@ _GROUPS_MADE = 0  # control groups this process has made (their meeting's name i
 
 def ranks_text(ranks: list[int]) -> str:
     """`rank 3`, `ranks 0-2, 5`: a list of ranks, runs collapsed."""
-    runs = [[r for _, r in run] for _, run in groupby(enumerate(ranks), lambda ir: ir[1] - ir[0])]
-    text = ", ".join(str(run[0]) if len(run) == 1 else f"{run[0]}-{run[-1]}" for run in runs)
-    return f"rank {text}" if len(ranks) == 1 else f"ranks {text}"
+    return f"rank {ranks[0]}" if len(ranks) == 1 else f"ranks {runs_text(ranks)}"
 
 
 def seconds(timeout) -> float:
