@@ -2,8 +2,9 @@
 
 Before any tensor byte moves, each failure (a rule file that does not parse, a checkpoint that
 cannot be opened, rules that do not fit) and each disagreement (other rules, another checkpoint,
-config or layout) must surface on every rank as the same RemapError, naming the rank it came from
-and, for a disagreement (E410), what differs; and the group must stay usable for the next call.
+config, layout or mesh; the last two in each of load, save, export and ingest) must surface on every
+rank as the same RemapError, naming the rank it came from and, for a disagreement (E410), what
+differs; and the group must stay usable for the next call.
 Each rank returns what it raised per case; the parent compares the ranks.
 """
 
@@ -17,6 +18,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
+from safetensors.torch import load_file
 from gloo import CHECK_FAILURES, record_cases, run_with_bound
 
 import remapdsl
@@ -62,6 +64,19 @@ def _cases(rank: int, tmp: Path) -> dict:
     rowwise = LayoutPlan.from_mapping({**TP, "*.self_attn.q_proj": "rowwise"}, mesh_dim="tp")
     plan = rowwise if rank == 1 else colwise
     config = json.loads((Path(CHECKPOINT) / "config.json").read_text())
+    # rank 1's mesh has a dim of size 1 more: the same shards, another mesh
+    other = Mesh.of({"dp": 1, "tp": WORLD}) if rank == 1 else mesh
+    pairs = list(load_file(str(Path(CHECKPOINT) / "model.safetensors")).items())
+    drivers = {  # each driver on this rank's shards, laid out by `layout` on `on`
+        "load": lambda layout, on: remapdsl.load(_local(_state(), layout, on, rank), CHECKPOINT, RULES,
+                                                 layout=layout, mesh=on),
+        "save": lambda layout, on: remapdsl.save(_local(_state(), layout, on, rank), tmp.parent / "saved", RULES,
+                                                 like=CHECKPOINT, layout=layout, mesh=on),
+        "export": lambda layout, on: list(remapdsl.export(_local(_state(), layout, on, rank), RULES, like=CHECKPOINT,
+                                                          layout=layout, mesh=on, regions=True)),
+        "ingest": lambda layout, on: remapdsl.ingest(_local(_state(), layout, on, rank), pairs, RULES, like=CHECKPOINT,
+                                                     layout=layout, mesh=on),
+    }
     return {
         "rules_do_not_parse": lambda: remapdsl.load(_state(), CHECKPOINT,
                                                     _broken_rules(tmp) if rank == 2 else RULES),
@@ -75,10 +90,8 @@ def _cases(rank: int, tmp: Path) -> dict:
             **config, **({"tie_word_embeddings": "yes"} if rank == 2 else {})}),
         "rules_differ_by_a_line": lambda: remapdsl.load(_state(), CHECKPOINT,
                                                         _edited_rules(tmp) if rank == 1 else RULES),
-        "layouts_differ_on_load": lambda: remapdsl.load(_local(_state(), plan, mesh, rank), CHECKPOINT, RULES,
-                                                        layout=plan, mesh=mesh),
-        "layouts_differ_on_save": lambda: remapdsl.save(_local(_state(), plan, mesh, rank), tmp.parent / "saved", RULES,
-                                                        like=CHECKPOINT, layout=plan, mesh=mesh),
+        **{f"layouts_differ_on_{name}": lambda call=call: call(plan, mesh) for name, call in drivers.items()},
+        **{f"meshes_differ_on_{name}": lambda call=call: call(colwise, other) for name, call in drivers.items()},
         "save_without_like_on_one_rank": lambda: remapdsl.save(_state(), tmp.parent / "saved2", RULES,
                                                                like=None if rank == 1 else CHECKPOINT),
         "the_group_still_works": lambda: remapdsl.load(_state(), CHECKPOINT, RULES),
@@ -120,6 +133,9 @@ def test_failures_on_one_rank_raise_one_error_on_every_rank(tmp_path):
             assert first["codes"] == ["E410"] and "tensor layouts" in text, text
             assert "tensor `model.layers.0.self_attn.q_proj.weight`: `mesh [3] Shard(0)` vs " \
                    "`mesh [3] Shard(1)`" in text, text
+        elif name.startswith("meshes_differ"):
+            assert first["codes"] == ["E410"] and "mesh: ranks given different meshes" in text, text
+            assert "rank 0 vs rank 1: mesh `tp=3` vs `dp=1, tp=3`" in text, text
         elif name == "save_without_like_on_one_rank":
             assert first["codes"] == ["E520"] and "(on rank 1)" in text, text
     assert not (tmp_path / "saved").exists() and not (tmp_path / "saved2").exists()  # no failed save left one
