@@ -18,8 +18,8 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
-from safetensors.torch import load_file
 from gloo import CHECK_FAILURES, record_cases, run_with_bound
+from safetensors.torch import load_file
 
 import remapdsl
 from remapdsl.sharding import LayoutPlan, Mesh, layout_for, local_shard
