@@ -94,6 +94,8 @@ def _cases(rank: int, tmp: Path) -> dict:
         **{f"meshes_differ_on_{name}": lambda call=call: call(colwise, other) for name, call in drivers.items()},
         "save_without_like_on_one_rank": lambda: remapdsl.save(_state(), tmp.parent / "saved2", RULES,
                                                                like=None if rank == 1 else CHECKPOINT),
+        "save_without_like_on_rank_0": lambda: remapdsl.save(_state(), tmp.parent / "saved3", RULES, config=config,
+                                                             like=None if rank == 0 else CHECKPOINT),
         "the_group_still_works": lambda: remapdsl.load(_state(), CHECKPOINT, RULES),
     }
 
@@ -136,9 +138,12 @@ def test_failures_on_one_rank_raise_one_error_on_every_rank(tmp_path):
         elif name.startswith("meshes_differ"):
             assert first["codes"] == ["E410"] and "mesh: ranks given different meshes" in text, text
             assert "rank 0 vs rank 1: mesh `tp=3` vs `dp=1, tp=3`" in text, text
-        elif name == "save_without_like_on_one_rank":
-            assert first["codes"] == ["E520"] and "(on rank 1)" in text, text
-    assert not (tmp_path / "saved").exists() and not (tmp_path / "saved2").exists()  # no failed save left one
+        elif name.startswith("save_without_like"):
+            which = "this rank was given no `like` and rank 0 was (on rank 1)" if name.endswith("one_rank") else \
+                "this rank was given `like` and rank 0 was not (on ranks 1-2)"
+            assert first["codes"] == ["E520"] and f"a save writes one layout on every rank, but {which}" in text, text
+            assert "give every rank the same `like`, or none to derive the layout" in text, text
+    assert not any((tmp_path / f"saved{n}").exists() for n in ("", 2, 3))  # no failed save left one
 
 
 LOST_TIMEOUT = 60  # the group's timeout in the lost-rank test: the bound on any wait
