@@ -142,7 +142,7 @@ def test_failures_on_one_rank_raise_one_error_on_every_rank(tmp_path):
             which = "this rank was given no `like` and rank 0 was (on rank 1)" if name.endswith("one_rank") else \
                 "this rank was given `like` and rank 0 was not (on ranks 1-2)"
             assert first["codes"] == ["E520"] and f"a save writes one layout on every rank, but {which}" in text, text
-            assert "give every rank the same `like`, or none to derive the layout" in text, text
+            assert text.endswith("\n  hint: give every rank the same `like`, or none to derive the layout"), text
     assert not any((tmp_path / f"saved{n}").exists() for n in ("", 2, 3))  # no failed save left one
 
 
