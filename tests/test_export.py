@@ -15,6 +15,7 @@ that `gather` does not name are refused on every rank.
 from __future__ import annotations
 
 import importlib.util
+import itertools
 import math
 import time
 import weakref
@@ -744,46 +745,78 @@ def test_a_tensor_of_strided_pieces_written_whole_is_one_region(tmp_path):
     assert torch.equal(next(t for k, _, t in regions if k == "a"), a)
 
 
+def _is_box(indices: torch.Tensor, shape: tuple[int, ...]) -> bool:
+    """Whether the row-major flat `indices` (each once) are exactly the elements of one box of `shape`."""
+    if not indices.numel():
+        return True
+    at = torch.stack(torch.unravel_index(indices.long(), shape))  # one row per dim
+    low, high = at.min(dim=1).values, at.max(dim=1).values
+    return math.prod((high - low + 1).tolist()) == indices.numel()
+
+
 @settings(max_examples=scaled(40), deadline=None)
 @given(st.data())
 def test_rank_0_s_shards_of_any_layout_come_as_boxes_that_tile_what_it_holds(data):
     """One process holding rank 0's shards (a mesh of one or two dims, each cutting each runtime tensor
     along any dim: no element held twice, so rank 0 writes all it holds) of runtime tensors that `split`
-    one checkpoint tensor, then perhaps transpose it or put its rows in rotary order: `regions=True`
-    yields boxes of the checkpoint tensor, each with its values, that cover exactly the elements rank 0
-    holds, each once (found by value: the checkpoint counts 0, 1, 2, ...), or, only for rows in rotary
-    order, names a piece that is no box (E549)."""
-    import tempfile
-
-    from remapdsl.language import rules_from_text
-
+    one checkpoint tensor, or merge its first two dims (`reshape`), then perhaps transpose it or put its
+    rows in rotary order: boxes of the checkpoint tensor that tile what rank 0 holds, or E549 (`_rank_0_regions`)."""
     shape = tuple(data.draw(st.lists(st.integers(1, 6), min_size=1, max_size=3), label="shape"))
-    dim = data.draw(st.integers(0, len(shape) - 1), label="split dim")
-    cuts = sorted(data.draw(st.sets(st.integers(1, shape[dim] - 1), max_size=2))) if shape[dim] > 1 else []
+    merge = len(shape) == 3 and data.draw(st.booleans(), label="merge dims 0 and 1")
+    dim = 0 if merge else data.draw(st.integers(0, len(shape) - 1), label="split dim")
+    cuts = [] if merge or shape[dim] == 1 else sorted(data.draw(st.sets(st.integers(1, shape[dim] - 1), max_size=2)))
     sizes = [b - a for a, b in zip([0, *cuts], [*cuts, shape[dim]])]
-    turn = " | transpose(0, 1)" if len(shape) > 1 and data.draw(st.booleans(), label="transpose") else ""
-    if not cuts and not turn and shape[0] % 2 == 0 and data.draw(st.booleans(), label="rotary order"):
+    ndim = len(shape) - merge  # the runtime tensors'
+    turn = " | transpose(0, 1)" if ndim > 1 and data.draw(st.booleans(), label="transpose") else ""
+    if not cuts and not turn and not merge and shape[0] % 2 == 0 and data.draw(st.booleans(), label="rotary order"):
         turn = " | rope_permute(heads=1)"  # rows strided in the checkpoint tensor: a piece may be no box
     targets = [f"p{i}" for i in range(len(sizes))]
     split = f"\n    | split(dim={dim}, sizes={sizes})" if len(sizes) > 1 else ""
+    split += f" | reshape([{shape[0] * shape[1]}, {shape[2]}])" if merge else ""
     named = f"{{{','.join(targets)}}}" if len(sizes) > 1 else targets[0]
     rules = rules_from_text(f"remap 1\nw -> {named}{split}{turn}\n", "split.remap")
     mesh = Mesh.of(dict(zip(("a", "b"), data.draw(st.lists(st.integers(1, 3), min_size=1, max_size=2)))))
-    cut = st.sampled_from([Shard(dim=d) for d in range(len(shape))])
+    cut = st.sampled_from([Shard(dim=d) for d in range(ndim)])
     plan = LayoutPlan.from_mapping({t: data.draw(st.lists(cut, min_size=len(mesh.sizes), max_size=len(mesh.sizes)),
                                                  label=t) for t in targets})
+    _rank_0_regions(rules, shape, plan, mesh, data.draw(st.sampled_from([8, 32, 1 << 20]), label="bucket"),
+                    rotary="rope" in turn)
+
+
+@pytest.mark.parametrize("merge, mesh, cuts", [
+    (False, {"a": 2, "b": 2}, [1, 2]), (False, {"a": 2, "b": 2}, [2, 1]),
+    (True, {"a": 2, "b": 2}, [0, 1]), (True, {"a": 2, "b": 2}, [1, 0]), (True, {"a": 3}, [0])])
+@pytest.mark.parametrize("shape", list(itertools.product(range(1, 4), repeat=3)))
+def test_rank_0_s_shards_of_a_tensor_cut_on_two_dims_or_merging_two_come_as_boxes_or_e549_where_they_are_none(
+        shape, merge, mesh, cuts):
+    """Every (a, b, c) to 3, whole or merged by `reshape([a * b, c])`, and rank 0's shards of it on those
+    meshes: a shard cut on dims 1 and 2 repeats its rows at two strides; one of the merged tensor may run
+    past a row of dim 0 without filling the next, as no split or transpose leaves them."""
+    reshape = f" | reshape([{shape[0] * shape[1]}, {shape[2]}])" if merge else ""
+    rules = rules_from_text(f"remap 1\nw -> p0{reshape}\n", "cut.remap")
+    _rank_0_regions(rules, shape, LayoutPlan.from_mapping({"p0": [Shard(dim=d) for d in cuts]}), Mesh.of(mesh), 32)
+
+
+def _rank_0_regions(rules, shape: tuple[int, ...], plan, mesh, bucket: int, rotary: bool = False) -> None:
+    """One process holding rank 0's shards of the runtime tensors `rules` make of one checkpoint tensor `w`
+    of `shape` (counting 0, 1, 2, ...): `regions=True` yields boxes of `w`, each with its values, covering
+    exactly the elements rank 0 holds, each once; or E549 naming `w`, only where some shard's elements are no
+    box of it (or, `rotary`, lie in rotary order)."""
+    import tempfile
+
     w = torch.arange(math.prod(shape), dtype=torch.float64).reshape(shape)
     with tempfile.TemporaryDirectory() as folder:
         tiny_checkpoint(folder, {"w": w}, {})
         compiled = remapdsl.compile_rules(rules, folder, {})
         state = _rank_0_shards(compiled, plan, mesh)
         remapdsl.load(state, folder, rules, config={}, layout=plan, mesh=mesh)
-        bucket = data.draw(st.sampled_from([8, 32, 1 << 20]), label="bucket")
+        boxes = all(_is_box(t.flatten(), shape) for t in state.values())
         try:
             regions = list(remapdsl.export(state, rules, like=folder, config={}, layout=plan, mesh=mesh, regions=True,
                                            bucket_bytes=bucket))
         except remapdsl.RemapError as exc:  # a strided piece, named (whole in the test below)
-            assert "rope" in turn and exc.diagnostic.code == "E549" and "`w`" in exc.diagnostic.message, str(exc)
+            assert (rotary or not boxes) and exc.diagnostic.code == "E549", str(exc)
+            assert "`w`" in exc.diagnostic.message, str(exc)
             return
     held = torch.zeros(math.prod(shape), dtype=torch.int64)
     for t in state.values():
