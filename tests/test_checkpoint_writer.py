@@ -507,6 +507,29 @@ def test_a_full_device_while_creating_the_files_is_e511_naming_the_file_and_its_
     assert match and (d.code, d.path, d.hint) == ("E511", str(tmp_path), E511_HINT), d
 
 
+def test_a_full_device_at_the_first_tensor_write_names_all_the_bytes_this_rank_still_writes(tmp_path, monkeypatch):
+    """The first write past the headers finds the device full: E511 says how many bytes this rank still
+    had to write, the save's plan in all (its tensors' bytes and the dropped tensor it copies)."""
+    from remapdsl.checkpoint import writer
+
+    real = writer._write_all
+
+    def full_past_the_headers(fd, data, offset):
+        if offset:
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        real(fd, data, offset)
+
+    like = _indexed_like(tmp_path / "like")
+    state = _indexed_state(like)
+    monkeypatch.setattr(writer, "_write_all", full_past_the_headers)
+    planned = sum(t.nbytes for t in remapdsl.open_checkpoint(like).tensors.values())
+    with pytest.raises(CheckpointError) as caught:
+        remapdsl.save(state, tmp_path / "out", rules_from_text(INDEXED_RULES, "t.remap"), like=like, dropped="copy")
+    d = caught.value.diagnostic
+    assert d.code == "E511" and f"ENOSPC (No space left on device); {planned} B still to write on this rank; " \
+        in d.message, d
+
+
 def test_output_files_are_made_readable_by_all_writable_by_their_owner(tmp_path):
     """Mode 0o644 (less the umask): as a file any tool writes, not executable."""
     like = _indexed_like(tmp_path / "like")
