@@ -178,24 +178,63 @@ def _one_item_plan(change):
     return plan.model_copy(update={"items": (change(item),), "decodes": ()}), item
 
 
-@pytest.mark.parametrize("case", ["offset past the end", "runs longer than the region", "offset before the start"])
+E417_HINT = ("the plan does not fit the tensors it runs on: a defect of remapdsl; please report it with the rule file, "
+             "the checkpoint's headers and the layout")
+
+
+@pytest.mark.parametrize("case", ["offset past the end", "runs longer than the region", "offset before the start",
+                                  "a fill past the end"])
 def test_a_plan_item_outside_its_tensor_is_e417_naming_it_and_writes_nothing(case):
+    """A read (or a pad's fill, which names no checkpoint tensor) whose region is not in its tensor: E417,
+    whole, and the tensor unchanged."""
     from remapdsl.indexmap import Runs
 
-    change = {
-        "offset past the end": lambda i: i._replace(local_offsets=(8,)),
-        "runs longer than the region": lambda i: i._replace(runs=Runs(i.runs.first, i.runs.length + 4)),
-        "offset before the start": lambda i: i._replace(local_offsets=(-4,)),
+    change, offsets, held = {
+        "offset past the end": (lambda i: i._replace(local_offsets=(8,)), 8, "(64 bytes) as 64 bytes at byte 0"),
+        "runs longer than the region": (lambda i: i._replace(runs=Runs(i.runs.first, i.runs.length + 4)), 0,
+                                        "(64 bytes) as 68 bytes at byte 0"),
+        "offset before the start": (lambda i: i._replace(local_offsets=(-4,)), -4, "(64 bytes) as 64 bytes at byte 0"),
+        "a fill past the end": (lambda i: i._replace(ckpt_key=None, local_offsets=(8,)), 8, None),
     }[case]
-    plan, item = _one_item_plan(change)
+    plan, _ = _one_item_plan(change)
     tensors = _tensors()
     tensors["model.norm.weight"] = torch.full((16,), 3.0)
     with pytest.raises(remapdsl.RemapError) as info:
         read.run_load_plan(plan, remapdsl.open_checkpoint(TINY), tensors)
     (d,) = info.value.diagnostics
-    assert d.code == "E417" and "a plan item for `model.norm.weight` from `model.norm.weight`" in d.message, d
-    assert "nothing of it was read or written" in d.message
+    source, held = (" from `model.norm.weight`", f" {held}") if held else ("", "")
+    message = (f"a plan item for `model.norm.weight`{source}, offsets [{offsets}] sizes [16], does not lie in a "
+               f"tensor of shape [16]{held}: nothing of it was read or written")
+    assert (d.code, d.message, d.hint) == ("E417", message, E417_HINT), d
     assert torch.equal(tensors["model.norm.weight"], torch.full((16,), 3.0))
+
+
+def test_a_decode_item_outside_its_tensor_is_e417_naming_its_logical_source(tmp_path):
+    """A dequantized tensor's piece (a decode item) whose region is not in its tensor: E417 names the
+    logical source it decodes, and nothing is written."""
+    from checkpoints import tiny_checkpoint
+
+    from remapdsl.language import rules_from_text
+    from remapdsl.sharding.holdings import whole_shard
+    from remapdsl.sharding.plans import make_load_plan
+
+    tiny_checkpoint(tmp_path, {"a.weight": torch.ones(128, 128).to(torch.float8_e4m3fn),
+                               "a.weight_scale_inv": torch.ones(1, 1)}, {})
+    rules = rules_from_text("remap 1\ndequantize {P:path}.weight, {P}.weight_scale_inv -> {P}.weight"
+                            " | fp8_block(block=[128, 128], to=bfloat16)\na.weight -> w\n", "q.remap")
+    compiled = remapdsl.compile_rules(rules, tmp_path, {})
+    plan = make_load_plan(compiled, remapdsl.open_checkpoint(tmp_path),
+                          {d.runtime_key: whole_shard(d.shape) for d in compiled.runtime_tensors})
+    (item,) = plan.decodes
+    plan = plan.model_copy(update={"decodes": (item._replace(local_offsets=(8, 0)),)})
+    tensors = {"w": torch.full((128, 128), 3.0, dtype=torch.bfloat16)}
+    with pytest.raises(remapdsl.RemapError) as info:
+        read.run_load_plan(plan, remapdsl.open_checkpoint(tmp_path), tensors)
+    (d,) = info.value.diagnostics
+    assert (d.code, d.message, d.hint) == ("E417", "a plan item for `w` from `a.weight`, offsets [8, 0] sizes "
+                                           "[128, 128], does not lie in a tensor of shape [128, 128]: nothing of it "
+                                           "was read or written", E417_HINT), d
+    assert tensors["w"].eq(3).all()
 
 
 @pytest.mark.parametrize("change", [lambda i: i._replace(local_offsets=(8,)),

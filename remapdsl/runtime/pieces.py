@@ -26,7 +26,7 @@ def region(tensor: torch.Tensor, item) -> torch.Tensor:
 
 def outside(item, what: str) -> RemapError:
     """E417: a plan item whose region does not lie in its runtime tensor (a defect of remapdsl)."""
-    ckpt = getattr(item, "ckpt_key", None) or getattr(item, "logical_key", None)
+    ckpt = getattr(item, "ckpt_key", None) or getattr(item, "logical", None)  # a read or write item; a decode
     source = f" from `{ckpt}`" if ckpt else ""
     return RemapError(Diagnostic(
         code="E417", message=f"a plan item for `{item.runtime_key}`{source}, offsets {list(item.local_offsets)} "
