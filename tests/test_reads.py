@@ -231,9 +231,9 @@ def test_a_decode_item_outside_its_tensor_is_e417_naming_its_logical_source(tmp_
     with pytest.raises(remapdsl.RemapError) as info:
         read.run_load_plan(plan, remapdsl.open_checkpoint(tmp_path), tensors)
     (d,) = info.value.diagnostics
-    assert (d.code, d.message, d.hint) == ("E417", "a plan item for `w` from `a.weight`, offsets [8, 0] sizes "
-                                           "[128, 128], does not lie in a tensor of shape [128, 128]: nothing of it "
-                                           "was read or written", E417_HINT), d
+    message = ("a plan item for `w` from `a.weight`, offsets [8, 0] sizes [128, 128], does not lie in a tensor of "
+               "shape [128, 128]: nothing of it was read or written")
+    assert (d.code, d.message, d.hint) == ("E417", message, E417_HINT), d
     assert tensors["w"].eq(3).all()
 
 
