@@ -37,19 +37,34 @@ def test_virtual_pipeline_chunks_under_a_prefix_are_renamed_and_offset():
     assert global_names(tensors, None) is tensors and global_names(tensors, {}) is tensors
 
 
-@pytest.mark.parametrize("local, says", [
-    ({"decoder.layers": 1}, "exactly one `{}`"),
-    ({"decoder.layers.{}.{}": 1}, "exactly one `{}`"),
-    ({"decoder.layers.{}": -1}, "an integer of 0 or more"),
-    ({"decoder.layers.{}": True}, "an integer of 0 or more"),
-    ({"decoder.layers.{}": "8"}, "an integer of 0 or more"),
-    ({"a.*.b{}": ("b{}", 1)}, "different numbers of `*`"),
-    (["decoder.layers.{}"], "not a mapping"),
+_ONE_NUMBER = 'for example "decoder.layers.{}" or "decoder.layers.*.mlp.experts.linear_fc1.weight{}"'
+_OFFSET = "the offset is what this rank's first local number is globally"
+
+
+@pytest.mark.parametrize("local, message, hint", [
+    ({"decoder.layers": 1}, "local template 'decoder.layers' must be a name with exactly one `{}` (the number)",
+     _ONE_NUMBER),
+    ({"decoder.layers.{}.{}": 1},
+     "local template 'decoder.layers.{}.{}' must be a name with exactly one `{}` (the number)", _ONE_NUMBER),
+    ({"decoder.**.layers.{}": 1},
+     "local template 'decoder.**.layers.{}' must be a name with exactly one `{}` (the number)", _ONE_NUMBER),
+    ({"a.{}": ("b.{}.{}", 0)}, "local template 'b.{}.{}' must be a name with exactly one `{}` (the number)",
+     _ONE_NUMBER),
+    ({"decoder.layers.{}": -1}, "local['decoder.layers.{}'] = -1: the offset must be an integer of 0 or more", _OFFSET),
+    ({"decoder.layers.{}": True}, "local['decoder.layers.{}'] = True: the offset must be an integer of 0 or more",
+     _OFFSET),
+    ({"decoder.layers.{}": "8"}, "local['decoder.layers.{}'] = '8': the offset must be an integer of 0 or more",
+     _OFFSET),
+    ({"a.*.b{}": ("b{}", 1)}, "local template 'a.*.b{}' and its global 'b{}' have different numbers of `*`",
+     "each `*` of the local name is kept in the same place of the global one"),
+    (["decoder.layers.{}"], "local=['decoder.layers.{}'] is not a mapping of local name templates to offsets",
+     'for example local={"decoder.layers.{}": stage * layers_per_stage}'),
 ])
-def test_a_malformed_renaming_is_e419(local, says):
+def test_a_malformed_renaming_is_e419_saying_what_a_template_must_be(local, message, hint):
     with pytest.raises(RemapError) as info:
         global_names({"decoder.layers.0.w": 1}, local)
-    assert info.value.diagnostic.code == "E419" and says in info.value.diagnostic.message
+    d = info.value.diagnostic
+    assert (d.code, d.message, d.hint) == ("E419", message, hint), d
 
 
 def test_two_local_names_made_one_is_e419_naming_both():
