@@ -5,12 +5,17 @@ what torch gives. Real checkpoints and headers-only inventories."""
 
 from __future__ import annotations
 
+import json
+import math
 from pathlib import Path
 
 import pytest
 import torch
 from checkpoints import loaded_through as _load
 from checkpoints import tiny_checkpoint
+from depth import scaled
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 import remapdsl
 from remapdsl.language import rules_from_text
@@ -344,3 +349,84 @@ def test_a_reshape_to_a_size_of_zero_from_the_config_is_e207(shapes):
     """Nothing to infer -1 from: the op's error, not a division by zero."""
     assert _op_error(shapes, "w -> s | reshape([config.z, -1])", {"z": 0}) == (
         "E207", "`reshape`: cannot reshape [4, 2] into [0, -1]", 10, 33, "while binding `w`")
+
+
+def _stated(text: str, shape: tuple[int, ...]) -> set[tuple[int, ...]]:
+    """The elements of checkpoint tensor `w` (of `shape`) that one of `explain`'s block lines says its
+    block reads: a region (`n`, `a:b`, `a:b reversed`, or on a flat view `a:b:s` per dim) or a map from a
+    base by steps, over the flat view where it says `flattened`."""
+    import itertools
+    import re
+
+    source = text.split(" <- ", 1)[1].split(" | ")[0]
+    sizes = tuple(1 if ":" not in n else int(n.split(":")[1]) - int(n.split(":")[0])
+                  for n in text.split("]", 1)[0].strip(" [").split(", "))  # the runtime box
+    mapped = re.fullmatch(r"w (?:flattened, )?from (.+), steps (.+)", source)
+    if mapped:  # a base and a step per runtime dim (a row of them per checkpoint dim, or one on the flat view)
+        base, steps = (json.loads(part) for part in mapped.groups())
+        flat = isinstance(base, int)
+        base, steps = ([base], [steps]) if flat else (base, steps)
+        found = {tuple(b + sum(c * i for c, i in zip(row, x)) for b, row in zip(base, steps))
+                 for x in itertools.product(*map(range, sizes))}
+        return {tuple(int(v) for v in torch.unravel_index(torch.tensor(f[0]), shape)) for f in found} if flat \
+            else found
+    region = re.fullmatch(r"w \[(.+)\]( flattened| \(dims .+\))?", source).group(1).split(", ")
+
+    def axis(entry: str) -> range:
+        numbers = [int(n) for n in entry.removesuffix(" reversed").split(":")]
+        return range(numbers[0], numbers[0] + 1) if len(numbers) == 1 else range(*numbers)
+
+    return set(itertools.product(*map(axis, region)))
+
+
+def _read(block, shape: tuple[int, ...]) -> set[tuple[int, ...]]:
+    """The elements of `w` a block reads, from its map (over the view it indexes, where it has one)."""
+    import itertools
+
+    view = block.view or shape
+    out = set()
+    for x in itertools.product(*map(range, block.sizes)):
+        at = [b + sum(c * i for c, i in zip(row, x)) for b, row in zip(block.base, block.coeff)]
+        flat = sum(a * math.prod(view[k + 1:]) for k, a in enumerate(at))
+        out.add(tuple(int(v) for v in torch.unravel_index(torch.tensor(flat), shape)))
+    return out
+
+
+@settings(max_examples=scaled(100), deadline=None)
+@given(st.data())
+def test_each_line_of_explain_names_exactly_the_elements_its_block_reads(data):
+    """A checkpoint tensor of 1 to 3 dims through up to three drawn ops (transpose, slice, a reshape
+    merging, flattening or splitting dims, rotary order): every block line `explain` prints names a region
+    or map of `w` holding exactly the elements its block reads (`_read`, from the block's own map)."""
+    shape = tuple(data.draw(st.lists(st.integers(1, 4), min_size=1, max_size=3), label="shape"))
+    now, ops = list(shape), []
+    for _ in range(data.draw(st.integers(1, 3), label="ops")):
+        choices = ["flat", "slice"] + (["transpose", "merge"] if len(now) > 1 else []) + \
+            (["split"] if now[0] % 2 == 0 and now[0] > 2 else []) + (["rope"] if now[0] % 2 == 0 else [])
+        op = data.draw(st.sampled_from(choices), label="op")
+        if op == "transpose":
+            ops.append("transpose(0, 1)")
+            now[0], now[1] = now[1], now[0]
+        elif op == "slice":
+            d = data.draw(st.integers(0, len(now) - 1), label="slice dim")
+            start = data.draw(st.integers(0, now[d] - 1), label="start")
+            stop = data.draw(st.integers(start + 1, now[d]), label="stop")
+            ops.append(f"slice(dim={d}, start={start}, stop={stop})")
+            now[d] = stop - start
+        elif op == "rope":
+            ops.append("rope_permute(heads=1)")
+        else:
+            now = [math.prod(now)] if op == "flat" else [now[0] * now[1], *now[2:]] if op == "merge" else \
+                [2, now[0] // 2, *now[1:]]
+            ops.append(f"reshape({now})")
+    inventory = remapdsl.Inventory.from_shapes({"w": ("float32", shape)})
+    try:
+        compiled = remapdsl.compile_rules(rules_from_text("remap 1\nw -> s | " + " | ".join(ops) + "\n", "t.remap"),
+                                          inventory, {})
+    except remapdsl.RemapError as exc:  # a reshape of a cut tensor no map can express: refused, named
+        assert exc.diagnostic.code.startswith("E2"), str(exc)
+        return
+    (s,) = compiled.runtime_tensors
+    lines = remapdsl.explain(compiled, max_blocks=len(s.blocks)).splitlines()[1:1 + len(s.blocks)]
+    for line, block in zip(lines, s.blocks, strict=True):
+        assert _stated(line, shape) == _read(block, shape), (ops, line, block)

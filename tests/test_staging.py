@@ -114,7 +114,7 @@ def test_pieces_that_do_not_fill_the_destination_or_overflow_a_buffer_are_refuse
         StagingRing(Staging(buffer_bytes=0))
 
 
-@pytest.mark.parametrize("most", [1, 5, 12, 13, 1000])
+@pytest.mark.parametrize("most", [1, 5, 12, 13, 30, 40, 1000])
 def test_run_pieces_cover_a_run_set_in_order_whatever_the_buffer(tmp_path, most):
     from remapdsl.checkpoint import CheckpointReader
     from remapdsl.indexmap import Runs
