@@ -19,7 +19,6 @@ FILE_NAME = "remap.tables.json"
 def tables_json(grammar: str) -> str:
     """The grammar's tables (Lark's own serialization) as JSON; lexer and callbacks come at reading."""
     data, memo = Lark(grammar, lexer="basic", **OPTIONS).memo_serialize([TerminalDef, Rule])
-    data["parser"]["lexer_conf"]["lexer_type"] = None  # a class, not data
     return json.dumps({"key": _key(grammar), "data": data, "memo": memo})
 
 
