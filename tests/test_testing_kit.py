@@ -302,7 +302,8 @@ def test_the_plugin_is_registered_through_its_entry_point(request):
     text = (ROOT / "pyproject.toml").read_text()
     assert '[project.entry-points.pytest11]\nremapdsl = "remapdsl.testing.plugin"' in text
     assert request.config.pluginmanager.has_plugin("remapdsl")
-    assert any("remapdsl_distributed" in line for line in request.config.getini("markers"))
+    assert "remapdsl_distributed: a test that runs real gloo processes (remapdsl.testing)" in \
+        request.config.getini("markers")
     profile = settings.get_profile("remapdsl-ci")
     assert profile.derandomize and profile.deadline is None
 
