@@ -389,10 +389,11 @@ def test_e613_lists_up_to_five_tensors_no_rule_makes_then_counts_the_rest(checkp
 
 
 @pytest.mark.parametrize("bound", [True, False])
-def test_the_adapters_config_reaches_its_rules_bound_or_given(checkpoints, bound):
+def test_the_adapters_config_reaches_its_rules_bound_or_given(checkpoints, bound, tmp_path):
     """`config=` (bound by `with_rules`, or given to the adapter) is the config the rules compile with, in
-    place of config.json: one without the head count the rules read is E211 naming it. The bound class
-    is named for its rule file, in this module, as torchtitan's logs print it."""
+    place of config.json, on the way to the checkpoint and back: one without the head count the rules read
+    is E211 naming it, in `to_hf` and in `save_hf`. The bound class is named for its rule file, in this
+    module, as torchtitan's logs print it."""
     built = checkpoints("llama3")
     config = built.case.titan_config(built.case.hf_config)
     with torch.device("meta"):
@@ -401,9 +402,26 @@ def test_the_adapters_config_reaches_its_rules_bound_or_given(checkpoints, bound
     cls = RuleStateDictAdapter.with_rules("torchtitan_llama3", config=headless if bound else None)
     assert (cls.__name__, cls.__module__) == ("RuleStateDictAdapter[torchtitan_llama3]", "remapdsl.torchtitan")
     adapter = cls(config, str(built.folder)) if bound else cls(config, str(built.folder), config=headless)
-    with pytest.raises(RemapError) as info:
-        adapter.to_hf(state)
-    assert info.value.diagnostics[0].code == "E211" and "config.num_attention_heads" in str(info.value)
+    for call in (lambda: adapter.to_hf(state), lambda: adapter.save_hf(state, tmp_path / "saved")):
+        with pytest.raises(RemapError) as info:
+            call()
+        assert info.value.diagnostics[0].code == "E211" and "config.num_attention_heads" in str(info.value)
+    assert not (tmp_path / "saved").exists()
+
+
+def test_the_adapters_config_is_the_one_it_saves_with(checkpoints, tmp_path):
+    """An adapter given a config other than config.json (twice the heads: another valid rotary order of
+    q_proj's rows) saves with it too: a state loaded with that config is written back as the original files."""
+    built = checkpoints("llama3")
+    rules = REPO / built.case.hf.rules
+    heads = dict(built.case.hf_config, num_attention_heads=2 * built.case.hf_config["num_attention_heads"])
+    state = remapdsl.compile_rules(remapdsl.load_rules(rules), built.folder, heads).empty_state_dict()
+    remapdsl.load(state, built.folder, rules, config=heads)
+    adapter = RuleStateDictAdapter.with_rules(rules)(built.case.titan_config(built.case.hf_config), str(built.folder),
+                                                     config=heads)
+    adapter.save_hf(state, tmp_path / "out")
+    written = sorted(p.name for p in (tmp_path / "out").iterdir())
+    assert [n for n in written if not filecmp.cmp(tmp_path / "out" / n, built.folder / n, shallow=False)] == []
 
 
 def test_the_adapter_keeps_what_it_is_given_and_logs_how_the_state_dict_met_the_rules(checkpoints, caplog):
