@@ -214,20 +214,23 @@ def test_torchtitans_mtp_case_saves_back_with_copy(tmp_path):
 
 
 def _save_on_ranks(rank: int, world: int, source: str, out: str) -> tuple[int, int]:
-    rules = rules_from_text(MINIMAL.replace("drop b.weight", "drop {b,c}.weight"), "t.remap")
+    rules = rules_from_text(MINIMAL.replace("drop b.weight", "drop {b,c,d}.weight"), "t.remap")
     report = remapdsl.save(_loaded(source, rules), out, rules, like=source, dropped="copy")
     return report.bytes_copied, report.bytes_written
 
 
 @pytest.mark.distributed
 def test_two_ranks_share_the_copies_by_bytes(tmp_path):
+    """Three dropped tensors copied by two ranks: half the bytes each, the line between them inside the
+    first, so the second rank's share spans the rest of it and both others."""
     gen = torch.Generator().manual_seed(3)
     source = tiny_checkpoint(tmp_path / "src", {"a.weight": torch.randn(4, 3, generator=gen),
                                                 "b.weight": torch.randn(1000, generator=gen),
-                                                "c.weight": torch.randn(10, generator=gen)}, metadata={"format": "pt"})
+                                                "c.weight": torch.randn(10, generator=gen),
+                                                "d.weight": torch.randn(500, generator=gen)}, metadata={"format": "pt"})
     results = run_ranks(_save_on_ranks, 2, str(source), str(tmp_path / "out"), timeout=60, backend="cuda:gloo")
     copied = [r[0] for r in results]
-    assert copied == [2020, 2020]  # 4000 + 40 bytes of dropped tensors, half each: b.weight split
+    assert copied == [3020, 3020]  # 4000 + 40 + 2000 bytes of dropped tensors, half each: b.weight split
     assert _differing(source, tmp_path / "out") == []
 
 
