@@ -430,3 +430,46 @@ def test_each_line_of_explain_names_exactly_the_elements_its_block_reads(data):
     lines = remapdsl.explain(compiled, max_blocks=len(s.blocks)).splitlines()[1:1 + len(s.blocks)]
     for line, block in zip(lines, s.blocks, strict=True):
         assert _stated(line, shape) == _read(block, shape), (ops, line, block)
+
+
+EXPLAINED = """remap 1
+dequantize {P:path}.weight, {P}.weight_scale_inv -> {P}.weight | fp8_block(block=[128, 128], to=bfloat16)
+{a,b}.weight -> q{a,b}
+w -> s | transpose(0, 1) | scale(0.5) | cast(bfloat16)
+{x,y} -> z | concat(dim=0) | add(1)
+drop d
+"""
+
+
+@pytest.mark.parametrize("key, max_blocks, text", [
+    (None, 1, """qa  [128, 256] bfloat16  (e.remap:3)
+    [0:128, 0:256] <- a.weight [0:128, 0:256]
+qb  [128, 128] bfloat16  (e.remap:3)
+    [0:128, 0:128] <- b.weight [0:128, 0:128]
+s  [525, 500] bfloat16  (e.remap:4)
+    [0:525, 0:500] <- w [0:500, 0:525] (dims [1, 0]) | scale(0.5) | cast(bfloat16)
+z  [3, 3] float32  (e.remap:5)
+    [0:2, 0:3] <- x [0:2, 0:3] | add(1)
+    ... and 1 more block
+a.weight  [128, 256] bfloat16 = fp8_block(block=[128, 128], to=bfloat16) of `a.weight`, `a.weight_scale_inv`
+... and 1 more dequantized tensor
+4 runtime tensors from 7 checkpoint tensors (1.1 MB); 1 dropped"""),
+    ("s", 8, """s  [525, 500] bfloat16  (e.remap:4)
+    [0:525, 0:500] <- w [0:500, 0:525] (dims [1, 0]) | scale(0.5) | cast(bfloat16)
+1 runtime tensor from 1 checkpoint tensor (1.1 MB)"""),
+    ("z", 8, """z  [3, 3] float32  (e.remap:5)
+    [0:2, 0:3] <- x [0:2, 0:3] | add(1)
+    [2, 0:3] <- y [0, 0:3] | add(1)
+1 runtime tensor from 2 checkpoint tensors (0.0 MB)"""),
+])
+def test_explain_prints_each_tensor_its_blocks_its_dequantized_sources_and_what_it_reads(key, max_blocks, text):
+    """The whole text: each runtime tensor with its rule's place, its blocks up to `max_blocks` (then how
+    many more), a block's source region, dim order and value steps, the dequantized tensors it uses (then
+    how many more), and the tensors and bytes read (w alone: 1,050,000 bytes, 1.1 MB), the dropped only
+    for the whole checkpoint."""
+    inventory = remapdsl.Inventory.from_shapes({
+        "a.weight": ("float8_e4m3fn", (128, 256)), "a.weight_scale_inv": ("float32", (1, 2)),
+        "b.weight": ("float8_e4m3fn", (128, 128)), "b.weight_scale_inv": ("float32", (1, 1)),
+        "w": ("float32", (500, 525)), "x": ("float32", (2, 3)), "y": ("float32", (1, 3)), "d": ("float32", (5,))})
+    compiled = remapdsl.compile_rules(rules_from_text(EXPLAINED, "e.remap"), inventory, {})
+    assert remapdsl.explain(compiled, key, max_blocks=max_blocks) == text

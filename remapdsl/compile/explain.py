@@ -27,7 +27,7 @@ def explain(compiled: Compiled, key: str | None = None, max_blocks: int = 8) -> 
             box = ", ".join(str(o) if s == 1 else f"{o}:{o + s}" for o, s in zip(b.offsets, b.sizes))
             lines.append(f"    [{box}] <- {_viewed(b, source.shape) if viewed else _source(b)}")
         if len(d.blocks) > max_blocks:
-            lines.append(f"    ... and {len(d.blocks) - max_blocks} more blocks")
+            lines.append(f"    ... and {_count(len(d.blocks) - max_blocks, 'more block')}")
     stored = {p for d in shown for k in d.ckpt_keys for p in (logical[k].parts if k in logical else (k,))}
     read = sum(nbytes(sources[k].dtype, sources[k].shape) for k in stored)
     used = [logical[k] for k in sorted({k for d in shown for k in d.ckpt_keys}) if k in logical]
@@ -36,11 +36,15 @@ def explain(compiled: Compiled, key: str | None = None, max_blocks: int = 8) -> 
         lines.append(f"{source.logical_key}  {list(source.shape)} {source.dtype} = {source.format}({params}) of "
                      + ", ".join(f"`{p}`" for p in source.parts))
     if len(used) > max_blocks:
-        lines.append(f"... and {len(used) - max_blocks} more dequantized tensors")
-    lines.append(f"{len(shown)} runtime tensor{'s' if len(shown) != 1 else ''} from {len(stored)} checkpoint "
-                 f"tensors ({read / 1e6:.1f} MB)"
+        lines.append(f"... and {_count(len(used) - max_blocks, 'more dequantized tensor')}")
+    lines.append(f"{_count(len(shown), 'runtime tensor')} from {_count(len(stored), 'checkpoint tensor')} "
+                 f"({read / 1e6:.1f} MB)"
                  + (f"; {len(compiled.dropped)} dropped" if compiled.dropped and key is None else ""))
     return "\n".join(lines)
+
+
+def _count(n: int, thing: str) -> str:
+    return f"{n} {thing}{'' if n == 1 else 's'}"
 
 
 def _source(b: Block) -> str:
