@@ -358,19 +358,31 @@ def test_no_config_writes_no_config_json_and_ignores_the_destination_s(tmp_path)
 # -- on ranks: DTensors, no gather ------------------------------------------------------------------
 
 
-def _save_dtensors(rank: int, world: int, rules: str, source: str, out: str) -> int:
+def _save_dtensors(rank: int, world: int, rules: str, source: str, out: str) -> list[int]:
+    """The state saved as DTensors into `out`, and as plain local shards under a layout into `out`-plain,
+    each row-sharded where the rows divide: the bytes this rank wrote, each time."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import Shard, distribute_tensor
 
+    from remapdsl.sharding import LayoutPlan, Mesh
+    from remapdsl.sharding import Shard as RowShard
+
     state, config, _ = _runtime(rules, Path(source))
+    split = {k for k, v in state.items() if v.dim() and v.shape[0] % world == 0}
     mesh = init_device_mesh("cpu", (world,))
-    sharded = {k: distribute_tensor(v, mesh, [Shard(0)] if v.dim() and v.shape[0] % world == 0 else [],
-                                    src_data_rank=None) for k, v in state.items()}
-    return remapdsl.save(sharded, out, rules, config=config, max_shard_size="20kB").bytes_written
+    sharded = {k: distribute_tensor(v, mesh, [Shard(0)] if k in split else [], src_data_rank=None)
+               for k, v in state.items()}
+    local = {k: v.chunk(world)[rank].clone() if k in split else v for k, v in state.items()}
+    layout = LayoutPlan.from_mapping({k: [RowShard(dim=0)] for k in split}, mesh_dim="dp")
+    return [remapdsl.save(sharded, out, rules, config=config, max_shard_size="20kB").bytes_written,
+            remapdsl.save(local, f"{out}-plain", rules, config=config, layout=layout, mesh=Mesh.of({"dp": world}),
+                          max_shard_size="20kB").bytes_written]
 
 
 @pytest.mark.distributed
-def test_two_ranks_save_dtensors_without_like_to_the_one_process_files(checkpoints, tmp_path):
+def test_two_ranks_save_dtensors_or_local_shards_without_like_to_the_one_process_files(checkpoints, tmp_path):
+    """Without `like`, the layout derived from every rank's shards (DTensors, or plain local shards under
+    a layout plan, whose global shapes the plan gives) is the one process's: the same files, byte for byte."""
     rules = str(ROOT / "rules" / "qwen3_moe.remap")
     source = checkpoints("qwen3_moe")
     state, config, _ = _runtime(rules, source)
@@ -378,10 +390,12 @@ def test_two_ranks_save_dtensors_without_like_to_the_one_process_files(checkpoin
     written = run_ranks(_save_dtensors, 2, rules, str(source), str(tmp_path / "two"), timeout=90,
                         backend="cuda:gloo")
     one = sorted(p.name for p in (tmp_path / "one").iterdir())
-    assert one == sorted(p.name for p in (tmp_path / "two").iterdir())
-    assert all((tmp_path / "one" / n).read_bytes() == (tmp_path / "two" / n).read_bytes() for n in one)
     total = sum(p.stat().st_size for p in (tmp_path / "one").glob("*.safetensors"))
-    assert 0 < min(written) and max(written) < total  # each rank wrote its part, none the whole
+    for kind, folder in enumerate(("two", "two-plain")):
+        assert one == sorted(p.name for p in (tmp_path / folder).iterdir()), folder
+        assert all((tmp_path / "one" / n).read_bytes() == (tmp_path / folder / n).read_bytes() for n in one), folder
+        mine = [w[kind] for w in written]
+        assert 0 < min(mine) and max(mine) < total, folder  # each rank wrote its part, none the whole
 
 
 @pytest.mark.parametrize("page", ["saving.md", pytest.param("export.md", marks=pytest.mark.distributed)])
