@@ -417,21 +417,27 @@ def test_rules_naming_a_format_load_before_it_is_registered_and_compile_checks_i
     assert [t.runtime_key for t in compile_rules(rules, inventory).runtime_tensors] == ["w"]
 
 
-def test_a_format_parameter_of_fixed_sizes_is_checked_like_block(int8_row):
-    """`Param(sizes=...)` fixes the length of a literal list (E125) and each size's least value (E122)."""
+@pytest.mark.parametrize("sizes, takes", [(("rows", "cols"), "two sizes, [rows, cols]"),
+                                          (tuple("abcde"), "5 sizes, [a, b, c, d, e]")])
+def test_a_format_parameter_of_fixed_sizes_is_checked_like_block(int8_row, sizes, takes):
+    """`Param(sizes=...)` fixes the length of a literal list (E125, the count in words up to four) and each
+    size's least value (E122)."""
     from remapdsl.params import Param
 
     class Tiled(Int8Row):
         name = "int8_tiled"
-        params = (Param("tile", "ints", sizes=("rows", "cols")), *Int8Row.params)
+        params = (Param("tile", "ints", sizes=sizes), *Int8Row.params)
 
     register_format(Tiled())
     try:
         with pytest.raises(remapdsl.RemapError) as info:
             check_formats(rules_from_text(
                 "quantized a, s | int8_tiled(tile=[4])\nquantized b, t | int8_tiled(tile=[4, 0])\n"))
+        want = [("E125", f"`tile` takes {takes}; got 1")]
+        if len(sizes) != 2:  # [4, 0] is of another length too
+            want.append(("E125", f"`tile` takes {takes}; got 2"))
         assert [(d.code, d.message) for d in info.value.diagnostics] == [
-            ("E125", "`tile` takes two sizes, [rows, cols]; got 1"), ("E122", "tile sizes must be at least 1, not 0")]
+            *want, ("E122", "tile sizes must be at least 1, not 0")]
     finally:
         unregister_format("int8_tiled")
 
