@@ -12,6 +12,7 @@ group (`process_group=`) as an NCCL job loading CPU tensors has them.
 
 from __future__ import annotations
 
+import difflib
 import json
 import shutil
 import warnings
@@ -491,14 +492,17 @@ def test_the_reader_with_any_keywords_fills_any_destination_layout_as_load_does(
     assert reader.report is None
     keys = data.draw(st.lists(st.sampled_from(sorted(loaded)), min_size=1, max_size=6, unique=True))
     held = {key: data.draw(memory_layouts(loaded[key].shape, loaded[key].dtype)) for key in keys}
-    if data.draw(st.booleans()):  # one key the rules do not make
-        unknown = {**{key: h.tensor for key, h in held.items()}, "model.layers.0.mlp.experts.up_proj": torch.zeros(1)}
+    stray = data.draw(st.sampled_from([None, "model.layers.0.mlp.experts.up_proj", "optimizer.step"]))
+    if stray is not None:  # one key the rules do not make: named, with the close key it may be a typo of
         with pytest.raises(remapdsl.RemapError) as caught, remap_errors():
-            _dcp_load(unknown, reader)
+            _dcp_load({**{key: h.tensor for key, h in held.items()}, stray: torch.zeros(1)}, reader)
         (d,) = caught.value.diagnostics
-        message = f"the state dict asks for `model.layers.0.mlp.experts.up_proj`, but {named} make no such tensor " \
-                  "from this checkpoint"
-        assert (d.code, d.message, d.path) == ("E600", message, str(checkpoint))
+        message = f"the state dict asks for `{stray}`, but {named} make no such tensor from this checkpoint"
+        close = difflib.get_close_matches(stray, list(loaded), n=1, cutoff=0.6)
+        hint = f"did you mean `{close[0]}`?" if close else \
+            "add a rule that makes it, or leave it out of the state dict given to dcp.load"
+        assert (d.code, d.message, d.path, d.hint) == ("E600", message, str(checkpoint), hint)
+        assert bool(close) == (stray != "optimizer.step")  # both hints are drawn
         return
     planner = _Committed()
     start = time.perf_counter()

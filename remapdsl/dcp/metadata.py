@@ -8,7 +8,7 @@ from torch.distributed.checkpoint.metadata import (ChunkStorageMetadata, Metadat
                                                   TensorStorageMetadata)
 
 from ..compile.model import Compiled
-from ..errors import suggest
+from ..errors import did_you_mean
 from .errors import fail
 
 
@@ -28,10 +28,9 @@ class RuntimeTensors(dict):
         """Nothing if the rules make `runtime_key`, else E600 with the closest runtime key."""
         if dict.__contains__(self, runtime_key):
             return
-        close = suggest(str(runtime_key), self.keys())
         raise fail("E600", f"the state dict asks for `{runtime_key}`, but {self.rules} make no such tensor "
-                   "from this checkpoint", path=self.checkpoint, hint=f"did you mean `{close}`?" if close else
-                   "add a rule that makes it, or leave it out of the state dict given to dcp.load")
+                   "from this checkpoint", path=self.checkpoint, hint=did_you_mean(str(runtime_key), self.keys())
+                   or "add a rule that makes it, or leave it out of the state dict given to dcp.load")
 
 
 def runtime_metadata(compiled: Compiled, checkpoint: str, rules: str) -> Metadata:
