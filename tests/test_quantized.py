@@ -648,3 +648,21 @@ def test_fp4_loads_save_back_byte_for_byte(tmp_path, fmt):
     got, _, _ = load_text(text, source)
     remapdsl.save(got, tmp_path / "out", rules_from_text(text, "t.remap"), like=source)
     assert filecmp.cmp(source / "model.safetensors", tmp_path / "out" / "model.safetensors", shallow=False)
+
+
+@pytest.mark.parametrize("sizes", [[64, 192], [128, 128], [200, 56]])
+def test_a_dequantized_tensor_split_inside_a_block_saves_back_to_the_same_bytes(tmp_path, sizes):
+    """fp8 blocks of 128 x 128 split by rows at `sizes` (at row 64 or 200: inside a block) into two runtime
+    tensors: each piece is encoded back at its own place in its block, so the unchanged model saves to the
+    files it was loaded from, byte for byte, with the stored scales."""
+    g = torch.Generator().manual_seed(sum(sizes[:1]))
+    values = (torch.randn(256, 128, generator=g) * 8).to(torch.float8_e4m3fn)
+    scales = torch.tensor([[0.5], [2.0]])  # powers of two: bfloat16 holds each value times its scale exactly
+    like = tiny_checkpoint(tmp_path / "like", {"a.weight": values, "a.weight_scale_inv": scales}, {})
+    rules = rules_from_text(
+        "remap 1\ndequantize {P:path}.weight, {P}.weight_scale_inv -> {P}.weight | fp8_block(block=[128, 128], "
+        f"to=bfloat16)\na.weight -> {{p,q}} | split(dim=0, sizes={sizes})\n", "split.remap")
+    state = remapdsl.compile_rules(rules, like).empty_state_dict()
+    remapdsl.load(state, like, rules)
+    remapdsl.save(state, tmp_path / "out", rules, like=like)
+    assert (tmp_path / "out" / "model.safetensors").read_bytes() == (like / "model.safetensors").read_bytes()
