@@ -15,7 +15,7 @@ def parse_size(value: int | str, what: str) -> int:
         number = value
     else:
         text = str(value).strip().upper()
-        digits = text.rstrip("BKMGTI") or "0"
+        digits = text.rstrip("BKMGTI")  # a unit alone ("GB") is no size
         unit = text[len(digits):]
         try:
             number = float(digits) * UNITS[unit]

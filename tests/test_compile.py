@@ -240,6 +240,18 @@ def test_a_tensor_missing_from_one_process_is_e230_naming_a_misspelling_no_rule_
                                                          "tensor", hint)]
     assert not (tmp_path / "out").exists()
 
+def test_a_runtime_key_the_rules_do_not_make_is_a_key_error_naming_it(tmp_path):
+    """`runtime_tensor` (and `empty_state_dict(keys)` through it) finds each key the rules make, and for one
+    they do not, before, between or after them in order, raises KeyError with that key."""
+    folder = tiny_checkpoint(tmp_path, {"b": randn(2), "d": randn(3)}, {})
+    compiled = compile_text("{b,d} -> {b,d}\n", folder)
+    assert [compiled.runtime_tensor(k).shape for k in ("b", "d")] == [(2,), (3,)]
+    for key in ("a", "c", "e"):
+        with pytest.raises(KeyError) as info:
+            compiled.empty_state_dict([key])
+        assert info.value.args == (key,)
+
+
 def test_compiled_is_frozen_serializable_and_stable(tmp_path):
     folder = tiny_checkpoint(tmp_path, {f"e.{i}.w": randn(2, 2) for i in range(3)}, {})
     a = compile_text("e.{E}.w -> w | stack(E, dim=1)\n", folder)

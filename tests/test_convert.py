@@ -194,17 +194,26 @@ def test_a_conversion_with_any_keywords_writes_each_tensor_once_with_its_value(t
         assert report.bytes_written == sum(t.nbytes for t in want.values())  # a copied tensor's too
 
 
-@pytest.mark.parametrize("keyword, value, says", [
-    ("budget_bytes", 0, "`budget_bytes=0` must be positive"), ("budget_bytes", -1, "`budget_bytes=-1` must be positive"),
-    ("budget_bytes", "lots", "`budget_bytes='lots'` is not a size"),
-    ("max_shard_bytes", 0, "`max_shard_bytes=0` must be positive"),
-    ("max_shard_bytes", [5], "`max_shard_bytes=[5]` is not a size")])
-def test_a_size_that_is_none_is_e522_before_anything_is_written(keyword, value, says, tmp_path):
-    """A batch or shard size of no bytes, or one that is no size, is named (E522); one written as save's
-    `max_shard_size` takes it ("5GB") is taken."""
+_SIZES = "for example 500MB, 5GB or 2GiB"
+
+
+@pytest.mark.parametrize("keyword, value, says, hint", [
+    ("budget_bytes", 0, "`budget_bytes=0` must be positive", None),
+    ("budget_bytes", -1, "`budget_bytes=-1` must be positive", None),
+    ("budget_bytes", "0.5B", "`budget_bytes='0.5B'` must be positive", None),
+    ("budget_bytes", "lots", "`budget_bytes='lots'` is not a size", _SIZES),
+    ("budget_bytes", "GB", "`budget_bytes='GB'` is not a size", _SIZES),
+    ("budget_bytes", True, "`budget_bytes=True` is not a size", _SIZES),
+    ("max_shard_bytes", 0, "`max_shard_bytes=0` must be positive", None),
+    ("max_shard_bytes", "5 XB", "`max_shard_bytes='5 XB'` is not a size", _SIZES),
+    ("max_shard_bytes", [5], "`max_shard_bytes=[5]` is not a size", _SIZES)])
+def test_a_size_that_is_none_is_e522_before_anything_is_written(keyword, value, says, hint, tmp_path):
+    """A batch or shard size of no bytes, or one that is no size (a flag, a unit alone), is named (E522);
+    one written as save's `max_shard_size` takes it ("5GB") is taken."""
     with pytest.raises(remapdsl.RemapError) as info:
         convert(EXAMPLE, tmp_path / "out", RULES, **{keyword: value})
-    assert (info.value.diagnostic.code, info.value.diagnostic.message) == ("E522", says)
+    d = info.value.diagnostic
+    assert (d.code, d.message, d.hint) == ("E522", says, hint)
     assert not (tmp_path / "out").exists()
     report = convert(EXAMPLE, tmp_path / "sized", RULES, **{keyword: "5GB"})
     assert report.files == 1
