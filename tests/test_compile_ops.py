@@ -5,6 +5,7 @@ what torch gives. Real checkpoints and headers-only inventories."""
 
 from __future__ import annotations
 
+import itertools
 import json
 import math
 from pathlib import Path
@@ -351,11 +352,20 @@ def test_a_reshape_to_a_size_of_zero_from_the_config_is_e207(shapes):
         "E207", "`reshape`: cannot reshape [4, 2] into [0, -1]", 10, 33, "while binding `w`")
 
 
+def _mapped(base, rows, sizes) -> set[tuple[int, ...]]:
+    """Every `base + rows . x` for x in the box of `sizes`: one coordinate per row."""
+    return {tuple(b + sum(c * i for c, i in zip(row, x)) for b, row in zip(base, rows))
+            for x in itertools.product(*map(range, sizes))}
+
+
+def _unravel(flat: int, shape: tuple[int, ...]) -> tuple[int, ...]:
+    return tuple(int(v) for v in torch.unravel_index(torch.tensor(flat), shape))
+
+
 def _stated(text: str, shape: tuple[int, ...]) -> set[tuple[int, ...]]:
     """The elements of checkpoint tensor `w` (of `shape`) that one of `explain`'s block lines says its
     block reads: a region (`n`, `a:b`, `a:b reversed`, or on a flat view `a:b:s` per dim) or a map from a
     base by steps, over the flat view where it says `flattened`."""
-    import itertools
     import re
 
     source = text.split(" <- ", 1)[1].split(" | ")[0]
@@ -364,12 +374,9 @@ def _stated(text: str, shape: tuple[int, ...]) -> set[tuple[int, ...]]:
     mapped = re.fullmatch(r"w (?:flattened, )?from (.+), steps (.+)", source)
     if mapped:  # a base and a step per runtime dim (a row of them per checkpoint dim, or one on the flat view)
         base, steps = (json.loads(part) for part in mapped.groups())
-        flat = isinstance(base, int)
-        base, steps = ([base], [steps]) if flat else (base, steps)
-        found = {tuple(b + sum(c * i for c, i in zip(row, x)) for b, row in zip(base, steps))
-                 for x in itertools.product(*map(range, sizes))}
-        return {tuple(int(v) for v in torch.unravel_index(torch.tensor(f[0]), shape)) for f in found} if flat \
-            else found
+        if isinstance(base, int):
+            return {_unravel(f, shape) for (f,) in _mapped([base], [steps], sizes)}
+        return _mapped(base, steps, sizes)
     region = re.fullmatch(r"w \[(.+)\]( flattened| \(dims .+\))?", source).group(1).split(", ")
 
     def axis(entry: str) -> range:
@@ -381,15 +388,9 @@ def _stated(text: str, shape: tuple[int, ...]) -> set[tuple[int, ...]]:
 
 def _read(block, shape: tuple[int, ...]) -> set[tuple[int, ...]]:
     """The elements of `w` a block reads, from its map (over the view it indexes, where it has one)."""
-    import itertools
-
     view = block.view or shape
-    out = set()
-    for x in itertools.product(*map(range, block.sizes)):
-        at = [b + sum(c * i for c, i in zip(row, x)) for b, row in zip(block.base, block.coeff)]
-        flat = sum(a * math.prod(view[k + 1:]) for k, a in enumerate(at))
-        out.add(tuple(int(v) for v in torch.unravel_index(torch.tensor(flat), shape)))
-    return out
+    return {_unravel(sum(a * math.prod(view[k + 1:]) for k, a in enumerate(at)), shape)
+            for at in _mapped(block.base, block.coeff, block.sizes)}
 
 
 @settings(max_examples=scaled(100), deadline=None)
@@ -419,13 +420,27 @@ def test_each_line_of_explain_names_exactly_the_elements_its_block_reads(data):
             now = [math.prod(now)] if op == "flat" else [now[0] * now[1], *now[2:]] if op == "merge" else \
                 [2, now[0] // 2, *now[1:]]
             ops.append(f"reshape({now})")
-    inventory = remapdsl.Inventory.from_shapes({"w": ("float32", shape)})
     try:
-        compiled = remapdsl.compile_rules(rules_from_text("remap 1\nw -> s | " + " | ".join(ops) + "\n", "t.remap"),
-                                          inventory, {})
+        _explained_as_read(shape, ops)
     except remapdsl.RemapError as exc:  # a reshape of a cut tensor no map can express: refused, named
         assert exc.diagnostic.code.startswith("E2"), str(exc)
-        return
+
+
+@pytest.mark.parametrize("shape, ops", [
+    ((2, 4), ["reshape([4, 2])", "slice(dim=1, start=0, stop=1)"]),  # a box of w with a step: [0:2, 0:3:2]
+    ((2, 3), ["reshape([3, 2])", "slice(dim=1, start=0, stop=1)"]),  # no box: a map of w's flat view
+    ((4, 3), ["reshape([2, 2, 3])", "transpose(0, 1)"]),  # w's dim 0 walked by two runtime dims
+])
+def test_explain_names_what_strided_and_split_maps_read(shape, ops):
+    """The maps the drawn ops above reach only now and then, each time."""
+    _explained_as_read(shape, ops)
+
+
+def _explained_as_read(shape: tuple[int, ...], ops: list[str]) -> None:
+    """`w` of `shape` through `ops` into `s`: every block line `explain` prints names what its block reads."""
+    inventory = remapdsl.Inventory.from_shapes({"w": ("float32", shape)})
+    compiled = remapdsl.compile_rules(rules_from_text("remap 1\nw -> s | " + " | ".join(ops) + "\n", "t.remap"),
+                                      inventory, {})
     (s,) = compiled.runtime_tensors
     lines = remapdsl.explain(compiled, max_blocks=len(s.blocks)).splitlines()[1:1 + len(s.blocks)]
     for line, block in zip(lines, s.blocks, strict=True):

@@ -655,7 +655,7 @@ def test_a_dequantized_tensor_split_inside_a_block_saves_back_to_the_same_bytes(
     """fp8 blocks of 128 x 128 split by rows at `sizes` (at row 64 or 200: inside a block) into two runtime
     tensors: each piece is encoded back at its own place in its block, so the unchanged model saves to the
     files it was loaded from, byte for byte, with the stored scales."""
-    g = torch.Generator().manual_seed(sum(sizes[:1]))
+    g = torch.Generator().manual_seed(sizes[0])
     values = (torch.randn(256, 128, generator=g) * 8).to(torch.float8_e4m3fn)
     scales = torch.tensor([[0.5], [2.0]])  # powers of two: bfloat16 holds each value times its scale exactly
     like = tiny_checkpoint(tmp_path / "like", {"a.weight": values, "a.weight_scale_inv": scales}, {})
